@@ -1,0 +1,2 @@
+"""kvfleet operator: reconciles ``InferenceService`` custom resources (group
+``kvfleet.io``) into runtime pods, and scales and tunes them from live metrics."""

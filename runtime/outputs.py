@@ -1,0 +1,66 @@
+"""What the engine returns: one ``RequestOutput`` per user request (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability (natural log, after temperature/penalties as sampled) of one token."""
+
+    logprob: float
+    rank: int | None = None
+    """1-based rank of the token in the distribution."""
+    decoded_token: str | None = None
+
+
+# One dict per output token: token id -> Logprob (the sampled token plus the top ones).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` output sequences of a request. ``text``/``token_ids`` are cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    """``stop``, ``length``, ``abort``, or None while generating."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended it (None for EOS or length)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in ``time.monotonic()`` seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one user request after an engine step (cumulative, not a delta)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    metrics: RequestMetrics | None = None
+    priority: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,126 @@
+"""A request as the scheduler and KV cache manager see it (one output sequence).
+
+A user request with ``n > 1`` is fanned out by the engine into ``n`` requests that
+share the prompt (and, with prefix caching, its KV blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from kvfleet.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    """Rejected: can never fit (prompt longer than max_model_len or than the whole cache)."""
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI finish_reason: ``stop``, ``length``, ``abort``, or None while unfinished."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    Attributes:
+        request_id: unique id (a fanned-out child of a ``n > 1`` request is ``"{parent}-{i}"``).
+        prompt_token_ids: the prompt, token ids.
+        output_token_ids: tokens generated so far (appended by the scheduler).
+        num_computed_tokens: tokens whose K/V are in the cache (prompt + output prefix).
+        priority: lower runs first under the ``priority`` policy (vLLM semantics).
+        tenant: fairness group under the ``fair`` policy (OpenAI ``user`` field or API key).
+        arrival_time: ``time.monotonic()`` seconds when the request arrived.
+        num_preemptions: how many times it was preempted (recompute).
+        block_hashes: prefix-cache hashes of its full blocks, extended by the KV cache manager.
+        stop_reason: the stop string or stop token id that finished it, if any.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.tenant = tenant
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []
+        self.stop_reason: int | str | None = None
+        # Prefix-cache accounting: counted once per successful schedule from WAITING.
+        self.num_cached_tokens = -1
+
+    # -- derived ------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output, without copying both lists."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

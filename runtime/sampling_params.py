@@ -1,0 +1,113 @@
+"""Sampling parameters of one request (the fields and semantics of vLLM's
+``SamplingParams``, which follow the OpenAI API plus vLLM's extras)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the output tokens of one request.
+
+    Penalties follow OpenAI's definition for ``presence_penalty`` and
+    ``frequency_penalty`` (subtracted from the logits of tokens already generated:
+    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``) and the
+    CTRL paper (Keskar et al., 2019) as implemented in vLLM/transformers for
+    ``repetition_penalty`` (over prompt and output tokens: positive logits are divided
+    by it, negative ones multiplied).
+
+    Raises:
+        ValueError: on construction, when a field is out of range; the message starts
+            with the field's name.
+    """
+
+    n: int = 1
+    """Number of independent samples (output sequences) for the prompt."""
+    max_tokens: int | None = 16
+    """Maximum number of tokens to generate; ``None`` means up to ``max_model_len``."""
+    min_tokens: int = 0
+    """EOS and stop token ids are ignored until this many tokens are generated."""
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability is >= top_p; in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below ``min_p`` times the top token's; in [0, 1]."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    """Seed of this request's own ``torch.Generator``: same seed, same text, in any batch."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings, matched on the detokenized text; not included in the output unless
+    ``include_stop_str_in_output``."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Number of top log-probabilities to return per output token (0: only the sampled token's)."""
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                bad(name, "must be a finite number")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0 or value > 20):
+                bad(name, "must be an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A validated copy with some fields changed."""
+        return replace(self, **changes)

@@ -1,0 +1,55 @@
+"""Statistics the engine hands to stat loggers (the Prometheus exporter) after each step.
+
+Counters are *deltas* since the previous step, so a logger only has to ``inc()`` them;
+gauges are the state after the step. Times are seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    """Fraction (0-1) of KV blocks referenced by requests (cached-but-free blocks excluded)."""
+    num_preemptions: int = 0
+    """Delta: preemptions during this step."""
+    prefix_cache_queries: int = 0
+    """Delta, tokens: prompt tokens looked up in the prefix cache (once per scheduled request)."""
+    prefix_cache_hits: int = 0
+    """Delta, tokens: of those, tokens found cached."""
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    """``stop``, ``length`` or ``abort``."""
+    e2e_latency: float
+    """Arrival to finish, seconds."""
+    queue_time: float
+    """Arrival to first scheduled, seconds (0 if never scheduled)."""
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    num_prompt_tokens: int = 0
+    """Delta: prompt tokens computed this step (prefill, excluding prefix-cache hits)."""
+    num_generation_tokens: int = 0
+    """Delta: output tokens produced this step."""
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    """TTFT of each request whose first token came this step (arrival to first token), seconds."""
+    inter_token_latencies: list[float] = field(default_factory=list)
+    """ITL of each request that got a further token this step, seconds."""
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLoggerBase:
+    """Interface of a stat logger: the engine calls ``record`` once per step."""
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        raise NotImplementedError
