@@ -1,0 +1,299 @@
+"""Torch implementations of the paged-KV-cache operations.
+
+These are both the production CPU path of the engine and the oracle the Triton kernels
+are tested against. They are vectorised (no Python loop over tokens): decode sequences
+(one query token each) are attended together in one batched computation over their
+gathered blocks; prefill sequences (chunks of several query tokens, possibly after a
+cached prefix) are attended one sequence at a time, each as one batched matmul.
+
+Cache layout (the same as vLLM's FlashAttention backend, see ``kvfleet.kernels``)::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
+    slot = block_id * block_size + offset_in_block
+
+Sources: W. Kwon et al., "Efficient Memory Management for Large Language Model Serving
+with PagedAttention", SOSP 2023 (block tables, slot mapping); vLLM's
+``reshape_and_cache_flash`` and ``flash_attn_varlen_func(block_table=...)`` for the
+layout and the varlen calling convention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["reshape_and_cache_torch", "paged_attention_torch", "check_paged_attention_args"]
+
+# A decode batch whose longest sequence is this many times longer than the mean is split
+# into length buckets, so padding does not dominate the work.
+_DECODE_BUCKET_WASTE = 1.5
+
+
+def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.dim() != 4:
+        raise ValueError(
+            "key_cache must be [num_blocks, block_size, num_kv_heads, head_size], "
+            f"got shape {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"value_cache shape {tuple(value_cache.shape)} != key_cache shape {tuple(key_cache.shape)}"
+        )
+
+
+def reshape_and_cache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write this step's keys and values into the paged caches, in place.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_size]``, any float dtype (cast to the
+            cache dtype on write).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``,
+            contiguous, same shape and device as each other.
+        slot_mapping: ``[num_tokens]`` integer tensor; token ``t`` goes to block
+            ``slot_mapping[t] // block_size`` at offset ``slot_mapping[t] % block_size``.
+            A negative slot (``-1``) means "skip this token" (padding): the cache is left
+            untouched for it.
+
+    Returns: None (the caches are modified in place).
+
+    Raises:
+        ValueError: on mismatched shapes or a non-contiguous cache.
+
+    Slots are assumed unique among the non-negative entries (each token owns its slot);
+    a slot ``>= num_blocks * block_size`` raises IndexError from torch.
+    """
+    _check_cache_pair(key_cache, value_cache)
+    num_tokens = slot_mapping.shape[0]
+    _, _, num_kv_heads, head_size = key_cache.shape
+    if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
+        raise ValueError(
+            f"key/value must be [num_tokens={num_tokens}, num_kv_heads={num_kv_heads}, "
+            f"head_size={head_size}], got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    if num_tokens == 0:
+        return
+    kc = key_cache.view(-1, num_kv_heads, head_size)
+    vc = value_cache.view(-1, num_kv_heads, head_size)
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.long)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots = slots[keep]
+        key = key[keep]
+        value = value[keep]
+    kc.index_copy_(0, slots, key.to(kc.dtype))
+    vc.index_copy_(0, slots, value.to(vc.dtype))
+
+
+def check_paged_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> tuple[int, int, int, int, int]:
+    """Validate shapes; return ``(num_seqs, num_heads, num_kv_heads, head_size, block_size)``.
+
+    Raises ValueError with the offending shape.
+    """
+    _check_cache_pair(key_cache, value_cache)
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}")
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    num_heads = query.shape[1]
+    if query.shape[2] != head_size:
+        raise ValueError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"query_start_loc must be [num_seqs+1={num_seqs + 1}], got {tuple(query_start_loc.shape)}"
+        )
+    return num_seqs, num_heads, num_kv_heads, head_size, block_size
+
+
+def _decode_group(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_idx: torch.Tensor,
+    tok_idx: torch.Tensor,
+    max_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attend ``len(seq_idx)`` decode sequences (one query token each) together.
+
+    Their blocks are gathered into a padded ``[B, L, kvh, d]`` tensor; positions past each
+    sequence's length are masked. GQA by viewing the query heads as ``[kvh, group]``.
+    """
+    _, block_size, kvh, d = key_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // kvh
+    nb = (max_len + block_size - 1) // block_size
+    bt = block_tables.index_select(0, seq_idx)[:, :nb].long()  # [B, nb]
+    B = bt.shape[0]
+    L = nb * block_size
+    k = key_cache[bt].view(B, L, kvh, d)
+    v = value_cache[bt].view(B, L, kvh, d)
+    compute_dtype = torch.float32
+    q = query.index_select(0, tok_idx).view(B, kvh, group, d).to(compute_dtype)
+    k = k.to(compute_dtype)
+    v = v.to(compute_dtype)
+    # scores[b, h, g, l] = q[b, h, g, :] . k[b, l, h, :]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, kvh, group, L]
+    lens = seq_lens.index_select(0, seq_idx).to(torch.long)
+    pad = torch.arange(L, device=query.device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, L]
+    scores.masked_fill_(pad.view(B, 1, 1, L), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.permute(0, 2, 1, 3))  # [B, kvh, group, d]
+    out.index_copy_(0, tok_idx, o.reshape(B, num_heads, d).to(out.dtype))
+
+
+def _prefill_one(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of ``q`` ([q_len, H, d], the last q_len positions of the sequence)
+    over the sequence's first ``seq_len`` cached tokens. Returns [q_len, H, d] fp32."""
+    _, block_size, kvh, d = key_cache.shape
+    q_len, num_heads, _ = q.shape
+    group = num_heads // kvh
+    nb = (seq_len + block_size - 1) // block_size
+    bt = blocks[:nb].long()
+    k = key_cache[bt].view(nb * block_size, kvh, d)[:seq_len].to(torch.float32)
+    v = value_cache[bt].view(nb * block_size, kvh, d)[:seq_len].to(torch.float32)
+    # [kvh, group*q_len, d]: row r = g*q_len + i is query token i, head h*group+g.
+    qh = q.to(torch.float32).view(q_len, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * q_len, d)
+    kh = k.permute(1, 0, 2)  # [kvh, L, d]
+    vh = v.permute(1, 0, 2)
+    # Query token i sits at position seq_len - q_len + i and sees keys [0, pos].
+    pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    allowed = torch.arange(seq_len, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [q_len, L]
+    allowed = allowed.repeat(group, 1)  # [group*q_len, L]
+    o = F.scaled_dot_product_attention(
+        qh.unsqueeze(0), kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=allowed, scale=scale
+    )[0]  # [kvh, group*q_len, d]
+    return o.view(kvh, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, num_heads, d)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed varlen batch of query tokens over a paged KV cache.
+
+    Args:
+        query: ``[num_tokens, num_heads, head_size]``; the query tokens of sequence ``s``
+            are rows ``query_start_loc[s]:query_start_loc[s+1]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``; must
+            already hold this step's keys/values (call ``reshape_and_cache`` first).
+        block_tables: ``[num_seqs, max_blocks]`` integer (int32), physical block ids of
+            each sequence in logical order; entries past a sequence's last block are
+            ignored.
+        seq_lens: ``[num_seqs]`` integer, context length of each sequence in tokens
+            INCLUDING this step's new query tokens.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query-token offsets
+            (``query_start_loc[0] == 0``, ``query_start_loc[-1] == num_tokens``).
+        scale: softmax scale; default ``1/sqrt(head_size)``.
+        max_query_len, max_seq_len: optional hints (unused here; the Triton path uses them
+            to size its grid without a device-to-host copy).
+        out: optional ``[num_tokens, num_heads, head_size]`` tensor to write into.
+
+    Semantics: query token ``i`` of sequence ``s`` (``q_len_s`` tokens) sits at position
+    ``seq_lens[s] - q_len_s + i`` and attends to keys at positions ``[0, pos]`` (causal,
+    bottom-right aligned). Grouped-query attention: query head ``h`` uses kv head
+    ``h // (num_heads // num_kv_heads)``. Sequences with ``q_len_s == 0`` contribute no
+    rows. Scores, softmax and the weighted sum are computed in fp32.
+
+    Returns: ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (``out`` if given).
+
+    Raises: ValueError on inconsistent shapes (see ``check_paged_attention_args``).
+    """
+    num_seqs, num_heads, num_kv_heads, head_size, block_size = check_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+    )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_size)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    if query.shape[0] == 0 or num_seqs == 0:
+        return out
+
+    dev = query.device
+    qsl = query_start_loc.to(device=dev, dtype=torch.long)
+    q_lens = qsl[1:] - qsl[:-1]
+    lens = seq_lens.to(device=dev, dtype=torch.long)
+    q_lens_l = q_lens.tolist()
+    lens_l = lens.tolist()
+    starts_l = qsl.tolist()
+
+    decode = [s for s in range(num_seqs) if q_lens_l[s] == 1]
+    prefill = [s for s in range(num_seqs) if q_lens_l[s] > 1]
+
+    if decode:
+        # Bucket by length (longest first) so one long sequence does not pad all the
+        # short ones: a bucket grows while its padded size stays within
+        # _DECODE_BUCKET_WASTE x its real size (plus a block of slack per sequence).
+        decode.sort(key=lambda s: lens_l[s], reverse=True)
+        if lens_l[decode[-1]] < 1:
+            raise ValueError("a decode sequence (1 query token) must have seq_len >= 1")
+        i = 0
+        while i < len(decode):
+            longest = lens_l[decode[i]]
+            total = 0
+            j = i
+            while j < len(decode):
+                n = j - i + 1
+                if n > 1 and longest * n > _DECODE_BUCKET_WASTE * (total + lens_l[decode[j]]) + block_size * n:
+                    break
+                total += lens_l[decode[j]]
+                j += 1
+            idx = decode[i:j]
+            seq_idx = torch.tensor(idx, dtype=torch.long, device=dev)
+            tok_idx = torch.tensor([starts_l[s] for s in idx], dtype=torch.long, device=dev)
+            _decode_group(
+                query, key_cache, value_cache, block_tables, lens, seq_idx, tok_idx, longest, scale, out
+            )
+            i = j
+
+    for s in prefill:
+        a, b = starts_l[s], starts_l[s + 1]
+        if lens_l[s] < b - a:
+            raise ValueError(f"seq_lens[{s}]={lens_l[s]} is shorter than its {b - a} query tokens")
+        out[a:b] = _prefill_one(query[a:b], key_cache, value_cache, block_tables[s], lens_l[s], scale).to(
+            out.dtype
+        )
+    return out
