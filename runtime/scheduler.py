@@ -1,10 +1,30 @@
-"""Continuous-batching scheduler (interface; implementation in progress)."""
+"""Continuous-batching scheduler: one ``schedule()`` call per engine step.
+
+Each step serves the running requests first (one decode token each, or the next chunk
+of a long prefill), then admits waiting requests while the token budget
+(``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and free KV blocks
+allow. Prefill and decode tokens share one packed forward pass; a prompt longer than the
+remaining budget is prefilled in chunks (chunked prefill). When a running request cannot
+get a block, the scheduler preempts by recompute (Kwon et al., 2023, "Efficient Memory
+Management for Large Language Model Serving with PagedAttention", section 4.5): the
+victim -- lowest priority, then latest arrival -- loses its blocks and goes back to the
+head of the waiting queue; its tokens so far are recomputed when it resumes.
+
+The shape follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm. The
+scheduler never touches tensors: it speaks in requests, token counts and block ids.
+"""
 
 from __future__ import annotations
 
+import heapq
+import itertools
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.kv_cache_manager import KVCacheManager, cdiv
 from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.stats import SchedulerStats
 
 
 @dataclass
@@ -18,14 +38,15 @@ class ScheduledRequest:
 
     request: Request
     start_pos: int
-    """Tokens already in the KV cache (``request.num_computed_tokens`` before this step)."""
+    """Tokens already in the KV cache before this step (prefix-cache hits included)."""
     token_ids: list[int]
     """The new tokens to compute this step."""
-    block_ids: list[int]
-    """The request's whole block table (physical block ids, logical order)."""
-    sample: bool
-    """True when this step reaches the request's last known token (the end of the prompt
-    for a prefill, always for a decode): the runner samples one token."""
+    block_ids: list[int] = field(default_factory=list)
+    """The request's whole block table after this step's allocation (physical block ids,
+    logical order); block ``i`` holds positions ``[i*block_size, (i+1)*block_size)``."""
+    sample: bool = False
+    """True when this step reaches the request's last known token (end of the prompt for
+    a prefill, always for a decode): the runner samples one token."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -33,8 +54,12 @@ class ScheduledRequest:
 
     @property
     def seq_len(self) -> int:
-        """Context length after this step (``start_pos + num_new_tokens``)."""
+        """Context length after this step (``start_pos + num_new_tokens``), tokens."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass
@@ -46,8 +71,380 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests finished since the previous schedule() (the runner drops their state)."""
     num_prefill_tokens: int = 0
+    """Tokens of requests still in their prompt (chunked or not), this step."""
     num_decode_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+# -- waiting queues, one per scheduling policy ------------------------------------------
+class _FCFSQueue:
+    """First come, first served; preempted requests go back to the head."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, r: Request) -> None:
+        self._q.append(r)
+
+    def prepend(self, r: Request) -> None:
+        self._q.appendleft(r)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, r: Request) -> None:
+        self._q.remove(r)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):
+        return iter(self._q)
+
+
+class _PriorityQueue:
+    """Lowest ``priority`` first, then earliest arrival (vLLM's semantics)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, r: Request) -> None:
+        heapq.heappush(self._heap, (r.priority, r.arrival_time, next(self._counter), r))
+
+    prepend = add  # a preempted request's (priority, arrival) already puts it in front
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, r: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not r]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self):
+        return (e[3] for e in sorted(self._heap))
+
+
+class _FairQueue:
+    """Round-robin between tenants with waiting work; FCFS within a tenant.
+
+    A tenant with many queued requests gets one admission per turn, so another tenant's
+    single request waits for at most one admission per other active tenant.
+    """
+
+    def __init__(self) -> None:
+        self._tenants: OrderedDict[str, deque[Request]] = OrderedDict()
+        self._len = 0
+
+    @staticmethod
+    def _key(r: Request) -> str:
+        return r.tenant or ""
+
+    def add(self, r: Request) -> None:
+        self._tenants.setdefault(self._key(r), deque()).append(r)
+        self._len += 1
+
+    def prepend(self, r: Request) -> None:
+        key = self._key(r)
+        if key not in self._tenants:
+            self._tenants[key] = deque()
+        self._tenants[key].appendleft(r)
+        self._tenants.move_to_end(key, last=False)
+        self._len += 1
+
+    def peek(self) -> Request:
+        return next(iter(self._tenants.values()))[0]
+
+    def pop(self) -> Request:
+        key, q = next(iter(self._tenants.items()))
+        r = q.popleft()
+        self._len -= 1
+        if q:
+            self._tenants.move_to_end(key)  # this tenant's turn is over
+        else:
+            del self._tenants[key]
+        return r
+
+    def remove(self, r: Request) -> None:
+        key = self._key(r)
+        q = self._tenants[key]
+        q.remove(r)
+        self._len -= 1
+        if not q:
+            del self._tenants[key]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self):
+        for q in self._tenants.values():
+            yield from q
+
+
+_QUEUES = {"fcfs": _FCFSQueue, "priority": _PriorityQueue, "fair": _FairQueue}
+
+
+class Scheduler:
+    """Decides, each step, which requests run, how many tokens each, and which blocks.
+
+    Args:
+        config: ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+            ``enable_prefix_caching``, ``enable_chunked_prefill``, ``scheduling_policy``.
+        num_blocks: physical KV blocks.
+        max_model_len: longest prompt + output, tokens.
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = config.scheduling_policy
+        self.chunked_prefill = config.enable_chunked_prefill
+        if not self.chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when chunked prefill is disabled"
+            )
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.waiting = _QUEUES[self.policy]()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self._stats = SchedulerStats()
+
+    # -- requests in and out ------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: its id is already live, or it can never fit: the prompt is longer
+                than ``max_model_len`` or needs more blocks than the whole cache holds.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n > self.max_model_len:
+            raise ValueError(f"prompt is {n} tokens, longer than max_model_len ({self.max_model_len})")
+        if cdiv(n, self.block_size) > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"prompt is {n} tokens, more than the whole KV cache holds "
+                f"({self.kv_cache_manager.num_blocks} blocks of {self.block_size})"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """Finish live requests (abort, or a stop string found by the detokenizer): free
+        their blocks at once. Unknown or already finished ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    # -- the step -------------------------------------------------------------------
+    def _victim(self) -> Request:
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.prepend(request)
+        self._stats.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and tokens, allocating their blocks (see the module doc)."""
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        def unschedule(victim: Request) -> None:
+            nonlocal budget
+            sr = scheduled.pop(victim.request_id, None)
+            if sr is not None:
+                budget += sr.num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
+        # 1. Running requests: a decode token each, or the next chunk of their prefill.
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self._victim()
+                unschedule(victim)
+                if victim is request:
+                    break
+            else:
+                start = request.num_computed_tokens
+                scheduled[request.request_id] = ScheduledRequest(
+                    request, start, request.token_ids_slice(start, start + num_new)
+                )
+                budget -= num_new
+
+        # 2. Waiting requests, in policy order, while budget, sequence cap and blocks allow.
+        # No admission in a step that had to preempt for memory: memory is short.
+        admit = not preempted
+        while admit and len(self.waiting) and budget > 0:
+            request = self.waiting.peek()
+            if len(self.running) >= self.max_num_seqs:
+                if not self._preempt_for_priority(request, unschedule):
+                    break
+                continue
+            hit_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                if self._preempt_for_priority(request, unschedule):
+                    continue
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                # Prefix-cache counters: once per request, at its first successful schedule.
+                request.num_cached_tokens = num_cached
+                self._stats.prefix_cache_queries += request.num_prompt_tokens
+                self._stats.prefix_cache_hits += min(num_cached, request.num_prompt_tokens)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(
+                request, num_cached, request.token_ids_slice(num_cached, num_cached + num_new)
+            )
+            budget -= num_new
+
+        # 3. Finalise: block tables, and advance num_computed_tokens for the step.
+        out = SchedulerOutput(
+            scheduled=list(scheduled.values()),
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted,
+            finished_request_ids=self._finished_ids,
+        )
+        self._finished_ids = set()
+        for sr in out.scheduled:
+            request = sr.request
+            sr.block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            request.num_computed_tokens = sr.seq_len
+            sr.sample = sr.seq_len == request.num_tokens
+            if sr.start_pos < request.num_prompt_tokens:
+                out.num_prefill_tokens += sr.num_new_tokens
+            else:
+                out.num_decode_tokens += sr.num_new_tokens
+        return out
+
+    def _preempt_for_priority(self, request: Request, unschedule) -> bool:
+        """Under the ``priority`` policy, make room for a waiting request by preempting a
+        running one of strictly lower priority (larger number). Returns True if it did."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self._victim()
+        if victim.priority <= request.priority:
+            return False
+        unschedule(victim)
+        return True
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Append each sampled token and finish requests that are done.
+
+        A request finishes (its blocks freed at once) on its EOS token (unless
+        ``ignore_eos``) or one of its ``stop_token_ids`` -- both only after ``min_tokens``
+        -- or when it reaches ``max_tokens`` or ``max_model_len``.
+
+        Returns:
+            The requests that got a token this step, finished or not, in scheduled order.
+        """
+        changed = []
+        for sr in scheduler_output.scheduled:
+            request = sr.request
+            token = sampled_token_ids.get(request.request_id)
+            if token is None or request.is_finished:
+                continue
+            request.output_token_ids.append(token)
+            changed.append(request)
+            status = self._check_stop(request, token)
+            if status is not None:
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                self._free(request, status)
+        return changed
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- stats and admin ------------------------------------------------------------
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, and the counters' deltas since the previous call."""
+        stats = self._stats
+        stats.num_running_reqs = len(self.running)
+        stats.num_waiting_reqs = len(self.waiting)
+        stats.kv_cache_usage = self.kv_cache_manager.usage
+        self._stats = SchedulerStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached block (``POST /reset_prefix_cache``). Returns True."""
+        self.kv_cache_manager.reset_prefix_cache()
+        return True

@@ -1,0 +1,209 @@
+"""The KV block pool: fixed-size blocks, a free-block queue, reference counts and the
+prefix-cache map. It speaks only in block ids and never touches tensors.
+
+Layout follows vLLM v1 (``vllm/v1/core/block_pool.py``): free blocks sit in one doubly
+linked queue whose head is evicted first. Blocks freed *without* a prefix-cache hash go
+to the head (reused first: they hold nothing worth keeping); blocks freed *with* a hash
+go to the tail, so unreferenced cached blocks are evicted least-recently-used first.
+A cached block that gets a hit while free is taken out of the middle of the queue in O(1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+
+BlockHash = bytes
+"""A 16-byte BLAKE2b digest of (parent block's hash, the block's token ids, extra keys)."""
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    """Prefix-cache hash of one full block (the hash chain of vLLM's automatic prefix caching).
+
+    Args:
+        parent: the hash of the previous block of the same sequence, None for the first block.
+        token_ids: the block's ``block_size`` token ids.
+        extra_keys: anything else that changes the block's K/V (a cache salt, a LoRA id...).
+
+    Returns:
+        16 bytes. A cryptographic hash, so two different prefixes colliding (and one
+        request reading another's K/V) is not a practical concern, unlike Python's ``hash``.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"\0" * 16)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+class KVCacheBlock:
+    """Metadata of one physical KV block (the tensors live in the model runner)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        cached = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={cached})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) pop-left, append, append-left and remove."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)  # sentinels
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        nxt = prev.next_free
+        assert nxt is not None and block.prev_free is None and block.next_free is None, "block already free"
+        block.prev_free, block.next_free = prev, nxt
+        prev.next_free = nxt.prev_free = block
+        self.num_free_blocks += 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the tail (evicted last)."""
+        self._insert_after(self._tail.prev_free, block)  # type: ignore[arg-type]
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the head (reused first)."""
+        self._insert_after(self._head, block)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"{block} is not in the free queue")
+        prev.next_free, nxt.prev_free = nxt, prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is None or block is self._tail:
+            raise ValueError("no free block")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All ``num_blocks`` blocks: allocation, reference counting, the prefix-cache map.
+
+    Invariants (checked by tests/test_block_pool_properties.py):
+    a block is in the free queue iff its ``ref_cnt`` is 0; ``ref_cnt`` is never negative;
+    ``cached_blocks[h].block_hash == h`` for every cached hash ``h``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+
+    # -- queries ------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (including unreferenced cached blocks, which are evictable)."""
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction (0-1) of blocks referenced by at least one request."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    # -- allocation ---------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` blocks from the head of the free queue, evicting their cached
+        contents, with ``ref_cnt`` 1.
+
+        Raises:
+            ValueError: fewer than ``num_blocks`` blocks are free.
+        """
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to each block (prefix-cache hits), taking free ones out of the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the free queue in the
+        given order (the first is evicted first among cached ones).
+
+        Raises:
+            ValueError: a block's reference count would go negative (a double free).
+        """
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of {block}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under ``block_hash``. Returns False (and leaves the block
+        uncached) when another block already holds that hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached_blocks:
+            return False
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the hash of every unreferenced cached block. Returns how many were dropped.
+        Blocks still referenced by running requests keep theirs."""
+        dropped = 0
+        for block_hash, block in list(self.cached_blocks.items()):
+            if block.ref_cnt == 0:
+                del self.cached_blocks[block_hash]
+                block.block_hash = None
+                # Unhashed free blocks belong at the head of the queue.
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
+                dropped += 1
+        return dropped

@@ -1,0 +1,377 @@
+"""Scheduler, KV cache manager and block pool, without a model.
+
+A fake runner stands in for the forward pass: it "writes" each scheduled token id into
+the slot the block table gives, and then checks that every position a request attends
+to holds that request's token -- which is what correct paging, sharing and prefix caching
+mean. Hypothesis drives random workloads (arrivals, shared prefixes, aborts, memory
+pressure) and the block-accounting invariants are checked after every step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.scheduler import Scheduler
+
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, **kw) -> Scheduler:
+    defaults = dict(block_size=block_size, max_num_seqs=8, max_num_batched_tokens=32)
+    defaults.update(kw)
+    return Scheduler(EngineConfig(**defaults), num_blocks=num_blocks, max_model_len=max_model_len)
+
+
+def make_request(rid, prompt, max_tokens=8, **kw) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **{k: v for k, v in kw.items() if k in ("ignore_eos", "min_tokens", "stop_token_ids", "prompt_logprobs")})
+    return Request(rid, prompt, params, eos_token_id=EOS, **{k: v for k, v in kw.items() if k in ("priority", "tenant", "arrival_time")})
+
+
+def next_token(request: Request) -> int:
+    """Deterministic stand-in for the sampler; EOS now and then."""
+    h = hash((request.request_id, request.num_output_tokens)) % 97
+    return EOS if h == 0 else 1 + h
+
+
+class FakeRunner:
+    """Plays the model runner's part in the paging contract."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.bs = scheduler.block_size
+        self.slots: dict[int, int] = {}  # slot -> token id "stored" there
+        self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
+        self.outputs = []
+
+    def step(self):
+        out = self.s.schedule()
+        for sr in out.scheduled:
+            for j, tok in enumerate(sr.token_ids):
+                pos = sr.start_pos + j
+                self.slots[sr.block_ids[pos // self.bs] * self.bs + pos % self.bs] = tok
+        for sr in out.scheduled:  # attention reads after every write of the step
+            tokens = sr.request.all_token_ids
+            assert len(sr.block_ids) * self.bs >= sr.seq_len
+            for pos in range(sr.seq_len):
+                assert self.slots.get(sr.block_ids[pos // self.bs] * self.bs + pos % self.bs) == tokens[pos], (
+                    f"{sr.request_id} position {pos} reads another token"
+                )
+        sampled = {sr.request_id: next_token(sr.request) for sr in out.scheduled if sr.sample}
+        self.s.update_from_output(out, sampled)
+        self.outputs.append(out)
+        self.check_invariants()
+        return out
+
+    def check_invariants(self):
+        kv = self.s.kv_cache_manager
+        pool = kv.block_pool
+        owners = Counter()
+        for rid, blocks in kv.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(ids) == len(set(ids)), f"{rid} holds a block twice"
+            owners.update(ids)
+        free_ids = {b.block_id for b in pool.free_queue}
+        assert len(free_ids) == pool.num_free_blocks
+        for block in pool.blocks:
+            assert block.ref_cnt >= 0
+            assert block.ref_cnt == owners[block.block_id], f"{block} owners={owners[block.block_id]}"
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids)
+        # Every request's hashes describe its tokens; every cached hash's block holds them.
+        for request in self.s.requests.values():
+            for i, h in enumerate(request.block_hashes):
+                self.hash_tokens[h] = tuple(request.token_ids_slice(i * self.bs, (i + 1) * self.bs))
+        for h, block in pool.cached_blocks.items():
+            assert block.block_hash == h
+            if h in self.hash_tokens:
+                stored = tuple(self.slots.get(block.block_id * self.bs + k) for k in range(self.bs))
+                assert stored == self.hash_tokens[h], "a cached hash maps to a block with other contents"
+
+    def run_until_done(self, max_steps=10_000):
+        for _ in range(max_steps):
+            if not self.s.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests never finished")
+
+
+def assert_all_free(s: Scheduler):
+    pool = s.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not s.kv_cache_manager.req_to_blocks
+
+
+# -- continuous batching basics -----------------------------------------------------------
+def test_prefill_and_decode_share_a_step_and_finished_place_is_taken():
+    s = make_scheduler(max_num_seqs=2)
+    r = FakeRunner(s)
+    s.add_request(make_request("a", [5] * 10, max_tokens=2, ignore_eos=True))
+    r.step()  # a prefills
+    s.add_request(make_request("b", [6] * 7, max_tokens=3, ignore_eos=True))
+    s.add_request(make_request("c", [7] * 3, max_tokens=1, ignore_eos=True))
+    out = r.step()  # a decodes, b prefills in the same pass; c waits (max_num_seqs=2)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 7)]
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 7
+    assert "a" not in s.requests  # max_tokens=2 reached: finished, blocks freed at once
+    out = r.step()
+    assert [x.request_id for x in out.scheduled] == ["b", "c"]  # c takes a's place next step
+    assert "a" in out.finished_request_ids
+    r.run_until_done()
+    assert_all_free(s)
+
+
+def test_chunked_prefill_splits_a_long_prompt_over_steps():
+    s = make_scheduler(max_num_batched_tokens=8, max_model_len=64)
+    r = FakeRunner(s)
+    s.add_request(make_request("long", list(range(1, 21)), max_tokens=2, ignore_eos=True))
+    chunks = []
+    while "long" in s.requests:
+        out = r.step()
+        chunks.append((out.scheduled[0].num_new_tokens, out.scheduled[0].sample))
+    assert chunks == [(8, False), (8, False), (4, True), (1, True)]
+    assert_all_free(s)
+
+
+def test_preemption_by_recompute_latest_arrival_first_and_resumes():
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    r = FakeRunner(s)
+    s.add_request(make_request("early", [3] * 8, max_tokens=10, ignore_eos=True, arrival_time=1.0))
+    s.add_request(make_request("late", [4] * 8, max_tokens=10, ignore_eos=True, arrival_time=2.0))
+    preempted = []
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        preempted += r.step().preempted_request_ids
+    assert preempted and set(preempted) == {"late"}
+    assert s.requests == {}
+    assert_all_free(s)
+
+
+def test_priority_victim_is_the_lowest_priority():
+    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, scheduling_policy="priority")
+    r = FakeRunner(s)
+    s.add_request(make_request("low", [3] * 8, max_tokens=10, ignore_eos=True, priority=5, arrival_time=1.0))
+    s.add_request(make_request("high", [4] * 8, max_tokens=10, ignore_eos=True, priority=0, arrival_time=2.0))
+    preempted = []
+    while s.has_unfinished_requests():
+        preempted += r.step().preempted_request_ids
+    assert preempted and set(preempted) == {"low"}
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add_request(make_request("x", [1] * 33))
+    with pytest.raises(ValueError, match="whole KV cache"):
+        s.add_request(make_request("y", [1] * 17))
+    s.add_request(make_request("ok", [1] * 16, max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(make_request("ok", [1] * 4))
+
+
+def test_abort_frees_blocks_waiting_or_running():
+    s = make_scheduler(max_num_seqs=1)
+    r = FakeRunner(s)
+    s.add_request(make_request("run", [1] * 9, max_tokens=50, ignore_eos=True))
+    s.add_request(make_request("wait", [2] * 9, max_tokens=50, ignore_eos=True))
+    r.step()
+    assert s.num_running == 1 and s.num_waiting == 1
+    s.finish_requests(["run", "wait", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert_all_free(s)
+    assert s.schedule().is_empty
+
+
+def test_stop_conditions_eos_stop_ids_min_tokens_length():
+    s = make_scheduler()
+    s.add_request(make_request("eos", [1, 2], max_tokens=10))
+    s.add_request(make_request("minimum", [1, 2], max_tokens=10, min_tokens=2))
+    s.add_request(make_request("stopid", [1, 2], max_tokens=10, stop_token_ids=[42]))
+    s.add_request(make_request("ignore", [1, 2], max_tokens=2, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, {"eos": EOS, "minimum": EOS, "stopid": 42, "ignore": EOS})
+    reqs = {r.request_id: r for r in (x.request for x in out.scheduled)}
+    assert reqs["eos"].status == RequestStatus.FINISHED_STOPPED
+    assert reqs["minimum"].status == RequestStatus.RUNNING  # EOS ignored before min_tokens
+    assert reqs["stopid"].status == RequestStatus.FINISHED_STOPPED and reqs["stopid"].stop_reason == 42
+    assert reqs["ignore"].status == RequestStatus.RUNNING
+    out = s.schedule()
+    s.update_from_output(out, {"minimum": 9, "ignore": EOS})
+    assert reqs["minimum"].status == RequestStatus.RUNNING
+    assert reqs["ignore"].status == RequestStatus.FINISHED_LENGTH
+
+
+# -- prefix caching -------------------------------------------------------------------------
+def test_second_request_with_shared_prefix_prefills_fewer_tokens():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    r = FakeRunner(s)
+    system = list(range(100, 120))  # 20 tokens = 5 full blocks
+    s.add_request(make_request("first", system + [1, 2, 3], max_tokens=1))
+    first = r.step().scheduled[0]
+    r.run_until_done()
+    s.add_request(make_request("second", system + [7, 8], max_tokens=1))
+    second = r.step().scheduled[0]
+    assert first.num_new_tokens == 23 and first.start_pos == 0
+    assert second.start_pos == 20 and second.num_new_tokens == 2
+    stats = s.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (23 + 22, 20)
+    assert s.make_stats().prefix_cache_queries == 0  # deltas
+    r.run_until_done()
+    assert_all_free(s)
+
+
+def test_fully_cached_prompt_recomputes_its_last_token():
+    s = make_scheduler(block_size=4)
+    r = FakeRunner(s)
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    s.add_request(make_request("a", prompt, max_tokens=1))
+    r.run_until_done()
+    s.add_request(make_request("b", prompt, max_tokens=1))
+    sr = r.step().scheduled[0]
+    assert (sr.start_pos, sr.num_new_tokens, sr.sample) == (12, 4, True)  # last block recomputed
+    s.add_request(make_request("c", prompt + [99], max_tokens=1))
+    sr = r.step().scheduled[0]
+    assert (sr.start_pos, sr.num_new_tokens) == (16, 1)
+
+
+def test_prompt_logprobs_requests_skip_the_cache():
+    s = make_scheduler(block_size=4)
+    r = FakeRunner(s)
+    s.add_request(make_request("a", list(range(1, 13)), max_tokens=1))
+    r.run_until_done()
+    s.add_request(make_request("b", list(range(1, 13)), max_tokens=1, prompt_logprobs=1))
+    assert r.step().scheduled[0].start_pos == 0
+
+
+def test_lru_eviction_and_unhashed_blocks_reused_first():
+    s = make_scheduler(num_blocks=8, block_size=4)
+    r = FakeRunner(s)
+    s.add_request(make_request("old", [1] * 8 + [2], max_tokens=1))
+    r.run_until_done()
+    s.add_request(make_request("new", [3] * 8 + [4], max_tokens=1))
+    r.run_until_done()
+    pool = s.kv_cache_manager.block_pool
+    assert len(pool.cached_blocks) == 4
+    # 8 blocks: 4 cached + 4 unhashed free. Taking 4 uses the unhashed ones, evicting nothing.
+    s.add_request(make_request("x", [9] * 15, max_tokens=1))
+    r.step()
+    assert len(pool.cached_blocks) == 4 + 3
+    r.run_until_done()
+    # Now a request that needs every block evicts least recently used first: "old"'s.
+    s.add_request(make_request("y", [8] * 4 + [7], max_tokens=1))
+    r.step()
+    assert s.kv_cache_manager.get_computed_blocks(make_request("probe", [3] * 8 + [4]))[1] == 8
+    assert s.kv_cache_manager.get_computed_blocks(make_request("probe2", [1] * 8 + [2]))[1] < 8
+
+
+def test_reset_prefix_cache_drops_only_unreferenced_blocks():
+    s = make_scheduler(block_size=4)
+    r = FakeRunner(s)
+    s.add_request(make_request("done", [1] * 8 + [2], max_tokens=1))
+    r.run_until_done()
+    s.add_request(make_request("live", [5] * 8 + [6], max_tokens=50, ignore_eos=True))
+    r.step()
+    assert s.reset_prefix_cache()
+    pool = s.kv_cache_manager.block_pool
+    assert all(b.ref_cnt > 0 for b in pool.cached_blocks.values())
+    assert len(pool.cached_blocks) == 2
+    r.check_invariants()
+
+
+def test_identical_prompts_under_memory_pressure_share_then_preempt():
+    s = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=64)
+    r = FakeRunner(s)
+    prompt = list(range(1, 18))  # 17 tokens: 4 full blocks + 1
+    s.add_request(make_request("a", prompt, max_tokens=12, ignore_eos=True, arrival_time=1.0))
+    s.add_request(make_request("b", prompt, max_tokens=12, ignore_eos=True, arrival_time=2.0))
+    first = r.step()
+    assert [x.start_pos for x in first.scheduled] == [0, 16]  # b hits a's blocks in the same step
+    preempted = []
+    while s.has_unfinished_requests():
+        preempted += r.step().preempted_request_ids
+    assert "b" in preempted
+    assert_all_free(s)
+
+
+# -- policies -------------------------------------------------------------------------------
+def test_fair_policy_round_robins_tenants():
+    s = make_scheduler(num_blocks=512, max_num_seqs=2, max_num_batched_tokens=64, scheduling_policy="fair")
+    r = FakeRunner(s)
+    for i in range(200):
+        s.add_request(make_request(f"A{i}", [1, 2, 3], max_tokens=4, ignore_eos=True, tenant="A"))
+    r.step()
+    s.add_request(make_request("B0", [4, 5, 6], max_tokens=4, ignore_eos=True, tenant="B"))
+    finished_order = []
+    while "B0" not in finished_order:
+        out = r.step()
+        finished_order += sorted(out.finished_request_ids)
+    a_finished = [x for x in finished_order if x.startswith("A")]
+    assert len(a_finished) < 20
+
+
+def test_priority_request_scheduled_in_the_next_step_behind_50():
+    s = make_scheduler(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy="priority")
+    r = FakeRunner(s)
+    for i in range(50):
+        s.add_request(make_request(f"p10-{i}", [1, 2, 3], max_tokens=100, ignore_eos=True, priority=10))
+    r.step()
+    r.step()
+    assert s.num_running == 8
+    s.add_request(make_request("urgent", [9, 9], max_tokens=4, ignore_eos=True, priority=0))
+    out = r.step()
+    assert "urgent" in [x.request_id for x in out.scheduled]
+    assert out.preempted_request_ids  # a priority-10 request made room
+
+
+# -- properties ---------------------------------------------------------------------------
+PREFIXES = [[], list(range(1, 9)), list(range(50, 63)), [7] * 5]
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 14), st.integers(1, 12), st.integers(0, 3)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(op, min_size=1, max_size=60),
+    num_blocks=st.integers(8, 40),
+    block_size=st.sampled_from([2, 4, 8]),
+    budget=st.sampled_from([8, 16, 64]),
+    caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "priority", "fair"]),
+)
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, caching, policy):
+    s = make_scheduler(
+        num_blocks=num_blocks, block_size=block_size, max_model_len=num_blocks * block_size,
+        max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=caching, scheduling_policy=policy,
+    )
+    r = FakeRunner(s)
+    added = []
+    for o in ops:
+        if o[0] == "add":
+            _, prefix, suffix_len, max_tokens, prio = o
+            prompt = PREFIXES[prefix] + [200 + (len(added) * 7 + k) % 13 for k in range(suffix_len)]
+            rid = f"r{len(added)}"
+            try:
+                s.add_request(make_request(rid, prompt, max_tokens=max_tokens, priority=prio, tenant=f"t{prio % 2}"))
+            except ValueError:
+                assert len(prompt) > s.max_model_len or -(-len(prompt) // block_size) > num_blocks
+                continue
+            added.append(rid)
+        elif o[0] == "step":
+            r.step()
+        elif added:
+            s.finish_requests([added[o[1] % len(added)]], RequestStatus.FINISHED_ABORTED)
+            r.check_invariants()
+    r.run_until_done()
+    assert_all_free(s)
+    for rid in added:
+        assert rid not in s.requests
