@@ -1,0 +1,278 @@
+"""Prometheus metrics of the runtime (``GET /metrics``), shaped like vLLM v1's.
+
+Names, meanings, histogram buckets and suffixes follow vLLM's ``PrometheusStatLogger``
+(vllm/v1/metrics/loggers.py) so that dashboards, HPA/KEDA triggers and Gateway API
+Inference Extension setups written for vLLM read them unchanged; the prefix is
+``kvfleet:`` (and, with ``metrics_compat="vllm"``, additionally ``vllm:``). Every series is
+labelled ``model_name`` (the served model name). Exposition suffixes come from
+prometheus-client: counters end in ``_total``, histograms in ``_bucket``/``_sum``/``_count``.
+
+============================================  =========  =====================================
+series (after the prefix)                     type       meaning
+============================================  =========  =====================================
+``num_requests_running``                      gauge      requests in the running batch
+``num_requests_waiting``                      gauge      requests waiting (incl. preempted)
+``kv_cache_usage_perc``                       gauge      fraction (0-1) of KV blocks referenced
+                                                         by requests (cached free blocks excluded)
+``num_preemptions_total``                     counter    preemptions (recompute)
+``prompt_tokens_total``                       counter    prefill tokens computed
+``generation_tokens_total``                   counter    output tokens generated
+``request_success_total{finished_reason}``    counter    finished requests by stop|length|abort
+``prefix_cache_queries_total``                counter    prompt tokens looked up in the prefix cache
+``prefix_cache_hits_total``                   counter    of those, tokens found cached
+``time_to_first_token_seconds``               histogram  arrival to first output token, s
+``inter_token_latency_seconds``               histogram  time between consecutive output tokens, s
+``e2e_request_latency_seconds``               histogram  arrival to finish, s
+``request_queue_time_seconds``                histogram  arrival to first scheduled, s
+``request_prompt_tokens``                     histogram  prompt length of finished requests, tokens
+``request_generation_tokens``                 histogram  output length of finished requests, tokens
+``cache_config_info``                         gauge = 1  labels: block_size, num_blocks
+                                                         (vllm: also num_gpu_blocks),
+                                                         gpu_memory_utilization
+============================================  =========  =====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvfleet.runtime.stats import IterationStats, SchedulerStats, StatLoggerBase
+
+# Buckets copied from vLLM v1 (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+"""Seconds; ``time_to_first_token_seconds``."""
+ITL_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+"""Seconds; ``inter_token_latency_seconds``."""
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+"""Seconds; ``e2e_request_latency_seconds`` and ``request_queue_time_seconds``."""
+
+FINISH_REASONS = ("stop", "length", "abort")
+KVFLEET_PREFIX = "kvfleet:"
+VLLM_PREFIX = "vllm:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+"""Content type of :func:`exposition` (``text/plain; version=0.0.4``)."""
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` inclusive (vLLM's token-count buckets).
+
+    >>> build_1_2_5_buckets(100)
+    [1, 2, 5, 10, 20, 50, 100]
+    """
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class _Fanout:
+    """The same update applied to one labelled child per prefix."""
+
+    def __init__(self, children: Sequence):
+        self.children = list(children)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def inc(self, amount: float = 1) -> None:
+        if amount:
+            for c in self.children:
+                c.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """Stat logger that exports the engine's per-step statistics to Prometheus.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        registry: where the metrics live (one per app; default: a new ``CollectorRegistry``).
+        prefixes: metric name prefixes; every series is exported once per prefix
+            (``("kvfleet:", "vllm:")`` for vLLM-compatible names).
+        max_model_len: top of the token-count histogram buckets; when None, those two
+            histograms are created by :meth:`log_engine_initialized`.
+
+    The engine calls :meth:`record` once per step (counters are deltas, gauges states; see
+    :mod:`kvfleet.runtime.stats`). Thread-safe (prometheus-client metrics are).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        registry: CollectorRegistry | None = None,
+        prefixes: Iterable[str] = (KVFLEET_PREFIX,),
+        max_model_len: int | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.prefixes = tuple(prefixes)
+        if not self.prefixes:
+            raise ValueError("prefixes must not be empty")
+        labels = ["model_name"]
+
+        def fan(cls, name: str, doc: str, **kw) -> _Fanout:
+            return _Fanout(
+                [cls(p + name, doc, labelnames=labels, registry=self.registry, **kw).labels(model_name) for p in self.prefixes]
+            )
+
+        self.gauge_running = fan(Gauge, "num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = fan(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_kv_cache_usage = fan(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.counter_preemptions = fan(Counter, "num_preemptions", "Cumulative number of preemption from the engine.")
+        self.counter_prompt_tokens = fan(Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = fan(Counter, "generation_tokens", "Number of generation tokens processed.")
+        self.counter_prefix_cache_queries = fan(
+            Counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.counter_prefix_cache_hits = fan(
+            Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self._request_success = [
+            Counter(
+                p + "request_success",
+                "Count of successfully processed requests.",
+                labelnames=labels + ["finished_reason"],
+                registry=self.registry,
+            )
+            for p in self.prefixes
+        ]
+        self.counter_request_success = {reason: self._success_child(reason) for reason in FINISH_REASONS}
+        self.histogram_ttft = fan(
+            Histogram, "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            buckets=TTFT_BUCKETS,
+        )  # fmt: skip
+        self.histogram_itl = fan(
+            Histogram, "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            buckets=ITL_BUCKETS,
+        )  # fmt: skip
+        self.histogram_e2e = fan(
+            Histogram, "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            buckets=REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.histogram_queue_time = fan(
+            Histogram, "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            buckets=REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self._fan = fan
+        self.histogram_prompt_tokens: _Fanout | None = None
+        self.histogram_generation_tokens: _Fanout | None = None
+        self.max_model_len: int | None = None
+        self.cache_config_info: dict | None = None
+        if max_model_len is not None:
+            self._make_token_histograms(max_model_len)
+
+    def _success_child(self, reason: str) -> _Fanout:
+        return _Fanout([c.labels(self.model_name, reason) for c in self._request_success])
+
+    def _make_token_histograms(self, max_model_len: int) -> None:
+        if self.histogram_prompt_tokens is not None:
+            return
+        self.max_model_len = int(max_model_len)
+        buckets = build_1_2_5_buckets(self.max_model_len)
+        self.histogram_prompt_tokens = self._fan(
+            Histogram, "request_prompt_tokens", "Number of prefill tokens processed.", buckets=buckets
+        )
+        self.histogram_generation_tokens = self._fan(
+            Histogram, "request_generation_tokens", "Number of generation tokens processed.", buckets=buckets
+        )
+
+    def log_engine_initialized(self, max_model_len: int, cache_config_info: dict | None = None) -> None:
+        """Create what depends on the loaded engine: the token-count histograms (buckets up
+        to ``max_model_len``) and the ``cache_config_info`` gauge (value 1, one label per key
+        of ``cache_config_info``, e.g. block_size, num_blocks, gpu_memory_utilization; under
+        the ``vllm:`` prefix ``num_blocks`` is also given as vLLM's ``num_gpu_blocks``).
+        Call once, before the engine's first step."""
+        self._make_token_histograms(max_model_len)
+        if cache_config_info is None or self.cache_config_info is not None:
+            return
+        self.cache_config_info = dict(cache_config_info)
+        for p in self.prefixes:
+            info = {k: str(v) for k, v in self.cache_config_info.items()}
+            if p == VLLM_PREFIX and "num_blocks" in info:
+                info.setdefault("num_gpu_blocks", info["num_blocks"])
+            info = {"model_name": self.model_name, **info}
+            gauge = Gauge(
+                p + "cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labelnames=list(info),
+                registry=self.registry,
+            )
+            gauge.labels(**info).set(1)
+
+    def set_scheduler_state(self, num_running: int, num_waiting: int, kv_cache_usage: float | None = None) -> None:
+        """Set the state gauges directly (the server refreshes them at scrape time)."""
+        self.gauge_running.set(num_running)
+        self.gauge_waiting.set(num_waiting)
+        if kv_cache_usage is not None:
+            self.gauge_kv_cache_usage.set(kv_cache_usage)
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
+        """Apply one engine step's statistics (either argument may be None)."""
+        if scheduler_stats is not None:
+            self.set_scheduler_state(
+                scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs, scheduler_stats.kv_cache_usage
+            )
+            self.counter_preemptions.inc(scheduler_stats.num_preemptions)
+            self.counter_prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries)
+            self.counter_prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
+        if iteration_stats is None:
+            return
+        self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens:
+            self.histogram_ttft.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            self.histogram_itl.observe(itl)
+        for fin in iteration_stats.finished_requests:
+            child = self.counter_request_success.get(fin.finish_reason)
+            if child is None:
+                child = self.counter_request_success[fin.finish_reason] = self._success_child(fin.finish_reason)
+            child.inc()
+            self.histogram_e2e.observe(fin.e2e_latency)
+            self.histogram_queue_time.observe(fin.queue_time)
+            if self.histogram_prompt_tokens is not None and self.histogram_generation_tokens is not None:
+                self.histogram_prompt_tokens.observe(fin.num_prompt_tokens)
+                self.histogram_generation_tokens.observe(fin.num_generation_tokens)
+
+
+class _WithoutCreated:
+    """A collector view of a registry without the ``*_created`` samples (vLLM disables them)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            samples = [s for s in family.samples if not s.name.endswith("_created")]
+            if samples or not family.samples:
+                family.samples = samples
+                yield family
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """Prometheus text format (0.0.4) of ``registry``, without ``_created`` series.
+
+    Returns: UTF-8 bytes, content type :data:`CONTENT_TYPE`.
+    """
+    return generate_latest(_WithoutCreated(registry))  # type: ignore[arg-type]

@@ -1,0 +1,437 @@
+"""Request and response bodies of the OpenAI-compatible HTTP API (pydantic v2 models).
+
+The shapes follow OpenAI's public API reference for ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/models`` (https://platform.openai.com/docs/api-reference)
+plus vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``priority``), so that the official ``openai`` client and clients written for vLLM work
+unchanged.
+
+Request models validate *types* strictly (``"max_tokens": "5"`` or ``"n": 1.5`` is an
+error, not a coercion) and ignore unknown fields, as vLLM does. Value ranges
+(``temperature >= 0``, ``0 < top_p <= 1``, ...) are checked by
+:class:`kvfleet.runtime.sampling_params.SamplingParams`, built by ``to_sampling_params``;
+features the engine does not have (``echo``, ``suffix``, ``best_of != n``, ``logit_bias``,
+tools, image inputs) raise :class:`UnsupportedFeature` from ``check_supported``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvfleet.runtime.sampling_params import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A request the server rejects with HTTP 400.
+
+    Attributes:
+        param: the offending request field (OpenAI's ``error.param``), or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class UnsupportedFeature(ProtocolError):
+    """A well-formed request asking for a feature kvfleet does not implement (HTTP 400)."""
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class _Request(BaseModel):
+    # strict: no str->int or float->int coercion; unknown fields are ignored (vLLM does the same).
+    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    """Served model name; None: the (only) served model."""
+    n: int = 1
+    temperature: float | None = None
+    """None: 1.0 (OpenAI's default)."""
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """End-user id; becomes the request's tenant under the ``fair`` scheduling policy."""
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    """Lower runs first under the ``priority`` scheduling policy (vLLM semantics)."""
+    request_id: str | None = None
+
+    def _common_checks(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
+        if self.logit_bias:
+            raise UnsupportedFeature("logit_bias is not supported", "logit_bias")
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = [stop]
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=list(stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+        )
+        return kw
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _build_sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
+    """SamplingParams(**kwargs), its ValueError turned into a ProtocolError naming the field."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0]
+        raise ProtocolError(message, param if param.isidentifier() else None) from None
+
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body."""
+
+    prompt: PromptType
+    max_tokens: int | None = 16
+    """OpenAI's default is 16; None: up to ``max_model_len``."""
+    logprobs: int | None = None
+    """Top log-probabilities per output token (0-20; 0: the sampled token's only)."""
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        """Raises UnsupportedFeature/ProtocolError for what the server cannot do."""
+        self._common_checks()
+        if self.echo:
+            raise UnsupportedFeature("echo is not supported", "echo")
+        if self.suffix:
+            raise UnsupportedFeature("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedFeature("best_of is not supported (it must be unset or equal to n)", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: each a string or a list of token ids.
+
+        Raises:
+            ProtocolError: empty list or empty prompt.
+        """
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif not p:
+            raise ProtocolError("prompt must not be empty", "prompt")
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = list(p)  # type: ignore[arg-type]
+        for x in prompts:
+            if len(x) == 0:
+                raise ProtocolError("prompt must not be empty", "prompt")
+        return prompts
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine sampling parameters; ``max_tokens`` is the resolved output budget.
+
+        Raises:
+            ProtocolError: a value out of range (``param`` names the field).
+        """
+        kw = self._sampling_kwargs()
+        kw.update(max_tokens=max_tokens, logprobs=self.logprobs)
+        return _build_sampling_params(kw)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextContentPart | dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        """The content as one string (text parts joined by newlines).
+
+        Raises:
+            UnsupportedFeature: a non-text content part (images, audio).
+        """
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if isinstance(part, TextContentPart):
+                texts.append(part.text)
+            else:
+                raise UnsupportedFeature(
+                    f"content part of type {part.get('type')!r} is not supported (text only)", "messages"
+                )
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of ``max_completion_tokens``; None: up to ``max_model_len``."""
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Raises UnsupportedFeature/ProtocolError for what the server cannot do."""
+        self._common_checks()
+        if not self.messages:
+            raise ProtocolError("messages must not be empty", "messages")
+        if self.tools:
+            raise UnsupportedFeature("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise UnsupportedFeature("response_format other than text is not supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError(
+                "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` if set, else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for ``tokenizer.apply_chat_template``."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Engine sampling parameters; ``max_tokens`` is the resolved output budget.
+
+        Raises:
+            ProtocolError: a value out of range (``param`` names the field).
+        """
+        kw = self._sampling_kwargs()
+        logprobs = None
+        if self.logprobs:
+            logprobs = self.top_logprobs or 0
+        kw.update(max_tokens=max_tokens, logprobs=logprobs)
+        try:
+            return _build_sampling_params(kw)
+        except ProtocolError as exc:
+            if exc.param == "logprobs":
+                exc.param = "top_logprobs"
+            raise
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per output token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "kvfleet"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

@@ -1,0 +1,260 @@
+"""Options of ``kvfleet serve``, from the command line, the environment and a config file.
+
+Every option has three spellings, and the first one present wins:
+
+1. command line: ``--max-num-seqs 64`` (booleans: ``--enable-prefix-caching`` /
+   ``--no-enable-prefix-caching``);
+2. environment: ``KVFLEET_MAX_NUM_SEQS=64`` (booleans: ``true``/``false``/``1``/``0``/
+   ``yes``/``no``; an empty value counts as unset);
+3. config file (``--config PATH`` or ``KVFLEET_CONFIG``): a YAML or JSON mapping whose keys
+   are the option names in snake_case or kebab-case (``max_num_seqs: 64`` or
+   ``max-num-seqs: 64``), as the operator writes them into a ConfigMap.
+
+Engine options map 1:1 onto the fields of :class:`kvfleet.runtime.config.EngineConfig`;
+server options (host, port, API key, queue limit, metrics naming, log level) onto
+:class:`ServerSettings`. ``kv_cache_memory`` also accepts sizes with a unit
+(``2GiB``, ``512MiB``, ``1.5G``, ``800M``; binary and decimal units).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvfleet.runtime.config import EngineConfig
+
+ENV_PREFIX = "KVFLEET_"
+
+
+class ServerSettings(BaseModel):
+    """Options of the HTTP server itself (everything that is not an engine option)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port; 0 picks a free one (printed in the log)."""
+    api_key: str | None = None
+    """When set, every ``/v1/*`` route and ``/reset_prefix_cache`` need
+    ``Authorization: Bearer <api_key>``; ``/health``, ``/ready``, ``/metrics`` stay open."""
+    max_queue_len: int | None = Field(None, ge=1)
+    """Reject new requests with HTTP 429 while this many are waiting; None: unbounded."""
+    metrics_compat: Literal["none", "vllm"] = "none"
+    """``vllm``: also export every ``kvfleet:`` series under vLLM's ``vllm:`` name."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+
+_HELP = {
+    "model": "checkpoint directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer path or hub id (default: the model's)",
+    "served_model_name": "model name clients send and /v1/models lists (default: --model, or the default model's name)",
+    "dtype": "weights and KV cache dtype",
+    "device": "auto, cpu, cuda or cuda:N",
+    "seed": "engine seed (requests without their own seed)",
+    "block_size": "tokens per KV cache block",
+    "num_blocks": "number of KV blocks (default: derived from the memory budget)",
+    "gpu_memory_utilization": "fraction (0-1] of GPU memory the engine may use",
+    "kv_cache_memory": "KV cache budget, bytes or with a unit (2GiB, 512MiB); CPU default 2GiB",
+    "max_model_len": "longest prompt + output, tokens (default: the model's context length)",
+    "max_num_seqs": "most sequences in one engine step",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "scheduling_policy": "order of admission: fcfs, priority (request field), fair (per tenant = user field)",
+    "enable_chunked_prefill": "split long prompts over several steps",
+    "host": "address to listen on",
+    "port": "TCP port to listen on",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* routes",
+    "max_queue_len": "answer HTTP 429 while this many requests are waiting (default: unbounded)",
+    "metrics_compat": "'vllm': also export the metrics under vLLM's names (vllm:...)",
+    "log_level": "log level of the server",
+}
+
+
+def option_names() -> list[str]:
+    """Every option name (snake_case): engine options first, then server options."""
+    return list(EngineConfig.model_fields) + list(ServerSettings.model_fields)
+
+
+def env_var(name: str) -> str:
+    """Environment variable of an option: ``block_size`` -> ``KVFLEET_BLOCK_SIZE``."""
+    return ENV_PREFIX + name.upper()
+
+
+def _is_bool(name: str) -> bool:
+    f = EngineConfig.model_fields.get(name) or ServerSettings.model_fields[name]
+    return f.annotation is bool
+
+
+def _choices(name: str) -> list[str] | None:
+    f = EngineConfig.model_fields.get(name) or ServerSettings.model_fields[name]
+    if typing.get_origin(f.annotation) is Literal:
+        return [str(x) for x in typing.get_args(f.annotation)]
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvfleet serve`` argument parser.
+
+    Every option defaults to "not given" (argparse.SUPPRESS) so that the environment and the
+    config file can fill what the command line leaves out.
+    """
+    parser = argparse.ArgumentParser(
+        prog="kvfleet serve",
+        description=(
+            "Run the OpenAI-compatible inference server. Every option can also be set with an "
+            f"environment variable ({ENV_PREFIX}<OPTION_IN_UPPER_SNAKE_CASE>) or a key of the "
+            "--config file (snake_case or kebab-case); command line beats environment beats file."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="PATH", help=f"YAML or JSON file of options (env {ENV_PREFIX}CONFIG)")
+    for name in option_names():
+        flag = "--" + name.replace("_", "-")
+        help_ = f"{_HELP.get(name, name)} (env {env_var(name)})"
+        if _is_bool(name):
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            choices = _choices(name)
+            metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
+            parser.add_argument(flag, dest=name, metavar=metavar, choices=choices, help=help_)
+    return parser
+
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: Any) -> Any:
+    """``"2GiB"`` -> 2147483648, ``"800M"`` -> 800000000, ``"1024"`` -> 1024; other values unchanged.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (K, M, G, T, KB, ...)
+    powers of 1000. A string that is not a size is returned as is (validation rejects it later).
+    """
+    if not isinstance(value, str):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        return value
+    number, unit, binary = m.groups()
+    power = "kmgt".find(unit.lower()) + 1 if unit else 0
+    base = 1024 if binary else 1000
+    return int(float(number) * base**power)
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Options from a YAML/JSON file, keys normalised to snake_case.
+
+    Raises:
+        ValueError: unreadable file, not a mapping, or an unknown key (the message lists the
+            valid ones).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {str(p)!r}: {exc}") from None
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(p)!r} must hold a mapping of options, got {type(data).__name__}")
+    known = set(option_names())
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(
+                f"config file {str(p)!r}: unknown option {key!r}; valid options: {', '.join(sorted(known))}"
+            )
+        out[name] = value
+    return out
+
+
+@dataclass
+class ServeArgs:
+    """The resolved options of one ``kvfleet serve``."""
+
+    engine: EngineConfig
+    server: ServerSettings
+    sources: dict[str, str] = field(default_factory=dict)
+    """option name -> where its value came from: ``cli``, ``env``, ``file`` (absent: default)."""
+
+
+class ServeArgsError(ValueError):
+    """Invalid options; the message names each option, its value's source and the problem."""
+
+
+def resolve(
+    cli: Mapping[str, Any], environ: Mapping[str, str], file_values: Mapping[str, Any]
+) -> ServeArgs:
+    """Merge the three sources (CLI > env > file) and validate.
+
+    Raises:
+        ServeArgsError: a value of the wrong type or out of range.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in option_names():
+        if name in cli:
+            values[name], sources[name] = cli[name], "cli"
+        elif environ.get(env_var(name), "").strip() != "":
+            values[name], sources[name] = environ[env_var(name)].strip(), "env"
+        elif name in file_values:
+            values[name], sources[name] = file_values[name], "file"
+    if "kv_cache_memory" in values:
+        values["kv_cache_memory"] = parse_size(values["kv_cache_memory"])
+    # Strings from the command line / env are coerced by pydantic's lax mode ("16" -> 16,
+    # "false" -> False, "0.5" -> 0.5); an explicit "none" / "null" unsets an optional field.
+    for name, value in list(values.items()):
+        if isinstance(value, str) and value.lower() in ("none", "null"):
+            values[name] = None
+    engine_values = {k: v for k, v in values.items() if k in EngineConfig.model_fields}
+    server_values = {k: v for k, v in values.items() if k in ServerSettings.model_fields}
+    problems: list[str] = []
+    engine = server = None
+    for model, vals in ((EngineConfig, engine_values), (ServerSettings, server_values)):
+        try:
+            built = model.model_validate(vals)
+        except ValidationError as exc:
+            for err in exc.errors():
+                name = str(err["loc"][0]) if err["loc"] else "?"
+                where = {"cli": f"--{name.replace('_', '-')}", "env": env_var(name), "file": f"config key {name}"}
+                problems.append(f"{where.get(sources.get(name, ''), name)}={vals.get(name)!r}: {err['msg']}")
+            continue
+        if model is EngineConfig:
+            engine = built
+        else:
+            server = built
+    if problems:
+        raise ServeArgsError("invalid options:\n  " + "\n  ".join(problems))
+    return ServeArgs(engine=engine, server=server, sources=sources)  # type: ignore[arg-type]
+
+
+def parse_serve_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServeArgs:
+    """Parse ``kvfleet serve`` options (see the module docstring for the precedence).
+
+    Raises:
+        SystemExit: on ``--help`` (status 0) or a usage error (status 2, message on stderr),
+            including invalid values from the environment or the config file.
+    """
+    environ = os.environ if environ is None else environ
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    config_path = ns.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG") or None
+    try:
+        file_values = load_config_file(config_path) if config_path else {}
+        return resolve(ns, environ, file_values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
