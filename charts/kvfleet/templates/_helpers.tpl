@@ -1,0 +1,143 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "kvfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: release name + chart name, unless the release name already contains it. */}}
+{{- define "kvfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object of the chart. */}}
+{{- define "kvfleet.labels" -}}
+helm.sh/chart: {{ include "kvfleet.chart" . }}
+{{ include "kvfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvfleet
+{{- end }}
+
+{{/* Labels that select the operator pods (immutable once installed: keep them few). */}}
+{{- define "kvfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "kvfleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvfleet.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the operator watches every namespace (no watchNamespaces given). */}}
+{{- define "kvfleet.clusterWide" -}}
+{{- if not .Values.operator.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{/* Namespaces the runtime pods live in, for the PodMonitor/ServiceMonitor; empty = any. */}}
+{{- define "kvfleet.monitoredNamespaces" -}}
+{{- $ns := .Values.monitoring.namespaces | default .Values.operator.watchNamespaces }}
+{{- toJson ($ns | default list) }}
+{{- end }}
+
+{{/*
+Whether the PodMonitor/ServiceMonitor is rendered: monitoring.enabled true, or "auto" and the
+cluster serves monitoring.coreos.com/v1 with that kind (`helm template` needs
+`--api-versions monitoring.coreos.com/v1/PodMonitor` to see it).
+*/}}
+{{- define "kvfleet.monitoringEnabled" -}}
+{{- $m := .Values.monitoring }}
+{{- if eq (toString $m.enabled) "true" }}true
+{{- else if and (eq (toString $m.enabled) "auto") (.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $m.kind)) }}true
+{{- end }}
+{{- end }}
+
+{{/*
+The RBAC rules the operator needs in a namespace it watches (or cluster-wide). Every rule
+names the code that needs it; nothing here grants access to other kinds.
+*/}}
+{{- define "kvfleet.operatorRules" -}}
+# The InferenceService itself: kopf lists and watches it, and patches its metadata
+# (kopf's progress and last-handled-configuration annotations).
+- apiGroups: ["kvfleet.io"]
+  resources: ["inferenceservices"]
+  verbs: ["get", "list", "watch", "patch"]
+# Status (conditions, replicas, url, metrics) through the status subresource.
+- apiGroups: ["kvfleet.io"]
+  resources: ["inferenceservices/status"]
+  verbs: ["get", "patch", "update"]
+# Replicas under `autoscaling.mode: operator` are written through the scale subresource,
+# never into the user's spec by a patch of the main resource.
+- apiGroups: ["kvfleet.io"]
+  resources: ["inferenceservices/scale"]
+  verbs: ["get", "patch", "update"]
+# Children, written by server-side apply (an apply that creates needs "create" too) and
+# deleted when the spec no longer asks for them (a PDB or an HPA switched off).
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Runtime pods: readiness, IPs to scrape /metrics from, restart reasons (OOMKilled) for tuning.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Checking that spec.runtime.apiKeySecretRef names an existing Secret (read, never listed).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
+# Events: kopf's handler progress and errors, scaling and tuning decisions.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/* kopf peering: the operator replicas' heartbeats in the peering object's status. */}}
+{{- define "kvfleet.peeringRule" -}}
+- apiGroups: ["kopf.dev"]
+  resources: [{{ . | quote }}]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+
+{{/*
+Labels the operator puts on every runtime pod and Service it creates (see
+kvfleet.operator's builders); the PodMonitor/ServiceMonitor select on them.
+*/}}
+{{- define "kvfleet.runtimeSelectorLabels" -}}
+app.kubernetes.io/component: runtime
+app.kubernetes.io/managed-by: kvfleet-operator
+{{- end }}

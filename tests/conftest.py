@@ -1,0 +1,38 @@
+
+
+# --- real helm and kubectl binaries (tests/test_chart*.py, tests/test_gitops*.py) ----------
+# Installed by `bash .ci/install-helm-kubectl.sh .tools/bin` (part of `.ci/setup --test`).
+# Outside CI a missing binary skips the tests that need it, saying how to install it;
+# in CI (CI=true) it fails them, so that a broken install step cannot pass as green.
+import os as _k8s_os
+import shutil as _k8s_shutil
+from pathlib import Path as _K8sPath
+
+import pytest as _k8s_pytest
+
+
+def _k8s_tool(name: str) -> str:
+    root = _K8sPath(__file__).resolve().parent.parent
+    for folder in (_k8s_os.environ.get("KVFLEET_TOOLS_BIN"), root / ".tools" / "bin"):
+        if folder and (_K8sPath(folder) / name).is_file() and _k8s_os.access(_K8sPath(folder) / name, _k8s_os.X_OK):
+            return str(_K8sPath(folder) / name)
+    found = _k8s_shutil.which(name)
+    if found:
+        return found
+    message = (f"the real `{name}` binary is not installed: run `bash .ci/install-helm-kubectl.sh .tools/bin` "
+               f"(or `bash .ci/setup --test`)")
+    if _k8s_os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        _k8s_pytest.fail(message + " -- required in CI", pytrace=False)
+    _k8s_pytest.skip(message)
+
+
+@_k8s_pytest.fixture(scope="session")
+def helm_bin() -> str:
+    """Path of the real `helm` (v4) binary."""
+    return _k8s_tool("helm")
+
+
+@_k8s_pytest.fixture(scope="session")
+def kubectl_bin() -> str:
+    """Path of the real `kubectl` binary (with its built-in kustomize)."""
+    return _k8s_tool("kubectl")
