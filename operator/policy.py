@@ -211,7 +211,7 @@ class AutoscalingConfig:
     max_replicas: int = 1
     target_queue_depth: float = 4.0
     """Waiting requests per replica the fleet is sized for (> 0)."""
-    target_kv_cache_usage: float = 0.9
+    target_kv_cache_usage: float = 0.8
     """Mean KV cache usage (0-1] above which replicas are added."""
     scale_up_window: float = 0.0
     """Scale-up stabilization window, seconds (HPA default 0)."""
@@ -242,9 +242,10 @@ class AutoscalingConfig:
 
 
 def _window(a: Mapping[str, Any], direction: str, default: float) -> float:
-    """A stabilization window from either spelling the CRD may use: a flat
-    ``scaleUpStabilizationWindowSeconds`` or HPA-style ``behavior.scaleUp.stabilizationWindowSeconds``."""
+    """A stabilization window, seconds: ``scaleUp.stabilizationWindowSeconds`` (the CRD), or
+    a flat ``scaleUpStabilizationWindowSeconds`` / HPA-style ``behavior.scaleUp...``."""
     for value in (
+        (a.get(direction) or {}).get("stabilizationWindowSeconds"),  # the CRD's spelling
         a.get(f"{direction}StabilizationWindowSeconds"),
         (a.get("behavior") or {}).get(direction, {}).get("stabilizationWindowSeconds"),
         (a.get("stabilizationWindowSeconds") or {}).get(direction[len("scale"):].lower())
@@ -516,12 +517,12 @@ class TuningConfig:
     """``spec.tuning`` with its defaults."""
 
     enabled: bool = False
-    min_gpu_memory_utilization: float = 0.80
+    min_gpu_memory_utilization: float = 0.5
     max_gpu_memory_utilization: float = 0.95
-    step: float = 0.02
+    step: float = 0.05
     """One raise or lower of gpuMemoryUtilization (fraction of GPU memory)."""
-    block_sizes: tuple[int, ...] = BLOCK_SIZES
-    """Block sizes the tuner may choose from, tokens."""
+    block_sizes: tuple[int, ...] = (16, 32)
+    """Block sizes the tuner may choose from, tokens (the CRD's default)."""
     min_interval: float = 600.0
     """Minimum seconds between two changes (each one rolls the pods)."""
     oom_cooldown: float = 3600.0
@@ -551,7 +552,7 @@ class TuningConfig:
         if not (0 < lo <= hi <= 1) or step <= 0:
             raise ValueError(f"need 0 < min <= max <= 1 and step > 0 for gpuMemoryUtilization, got {lo}, {hi}, {step}")
         sizes = t.get("blockSizes", (t.get("blockSize") or {}).get("allowed") if isinstance(t.get("blockSize"), Mapping) else None)
-        sizes = tuple(sorted({int(s) for s in (sizes or BLOCK_SIZES)}))
+        sizes = tuple(sorted({int(s) for s in (sizes or cls.block_sizes)}))
         if not sizes or min(sizes) < 1:
             raise ValueError(f"blockSizes must be positive integers, got {sizes}")
 
