@@ -1,0 +1,683 @@
+"""Pure builders: an InferenceService dict in, Kubernetes objects (dicts) out.
+
+No API calls, no clocks, no randomness: the same input gives the same output, so the
+children and the status are tested exhaustively without a cluster (``tests/golden/``).
+
+Children of an InferenceService ``NAME`` in namespace ``NS`` (all carry an
+ownerReference to it, with ``controller: true``, and the labels of :func:`labels`):
+
+- ConfigMap ``NAME-config``: ``config.yaml``, the runtime's engine config file
+  (keys are :class:`kvfleet.runtime.config.EngineConfig` field names), read by
+  ``kvfleet serve --config /etc/kvfleet/config.yaml``;
+- Deployment ``NAME``: the runtime pods (pod template annotated with the config hash, so
+  a config change rolls the pods);
+- Service ``NAME``: port 8000 named ``http``;
+- PodDisruptionBudget ``NAME``: only when ``spec.disruption`` sets one field.
+
+The status helpers (:func:`conditions_from`, :func:`desired_status`) follow kstatus
+(https://github.com/kubernetes-sigs/cli-utils/blob/master/pkg/kstatus/README.md) and the
+API conventions for conditions (``lastTransitionTime`` changes only when ``status`` does).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from kvfleet.operator import crd
+
+FIELD_MANAGER = "kvfleet-operator"
+"""The one server-side-apply field manager of every write the operator makes."""
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ISVC = "kvfleet.io/inferenceservice"
+APP_NAME = "kvfleet"
+COMPONENT = "inference-server"
+
+ANNOTATION_CONFIG_HASH = "kvfleet.io/config-hash"
+"""Pod-template annotation: hash of the ConfigMap data; a change rolls the pods."""
+
+PORT = 8000
+CONFIG_DIR = "/etc/kvfleet"
+CONFIG_FILE = "config.yaml"
+MODELS_DIR = "/models"
+CACHE_DIR = "/cache"
+RUNTIME_UID = 1000
+
+DEFAULT_STARTUP_SECONDS = 600
+"""Startup probe budget when the model size is unknown, seconds."""
+STARTUP_BASE_SECONDS = 120
+STARTUP_SECONDS_PER_GIB = 20
+"""Startup budget from the model size: base + per GiB of weights (reading, placing on GPU,
+compiling kernels), seconds."""
+
+# spec.engine (camelCase) -> runtime EngineConfig field (snake_case)
+ENGINE_KEYS = {
+    "blockSize": "block_size",
+    "gpuMemoryUtilization": "gpu_memory_utilization",
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "maxModelLen": "max_model_len",
+    "enablePrefixCaching": "enable_prefix_caching",
+    "schedulingPolicy": "scheduling_policy",
+    "dtype": "dtype",
+    "tensorParallelSize": "tensor_parallel_size",
+}
+
+TUNABLE_ENGINE_KEYS = ("blockSize", "gpuMemoryUtilization")
+"""``status.engine`` keys the tuner (spec.tuning) may set; they override spec.engine."""
+
+
+class InvalidSpec(ValueError):
+    """A spec the schema accepts but that cannot be built (reason: a CamelCase word)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# ---------------------------------------------------------------------------------
+# spec helpers
+
+
+def effective_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` with every optional section present and the CRD's defaults applied.
+
+    Unlike the API server (which defaults only present objects), absent sections
+    (engine, runtime, autoscaling, ...) are created first, so callers never test for them.
+    """
+    spec = copy.deepcopy(dict(isvc.get("spec") or {}))
+    for section in ("model", "runtime", "engine", "autoscaling", "tuning", "rollout", "disruption"):
+        spec.setdefault(section, {})
+    spec["model"].setdefault("download", {})
+    spec["runtime"].setdefault("resources", {})
+    spec["autoscaling"].setdefault("scaleUp", {})
+    spec["autoscaling"].setdefault("scaleDown", {})
+    spec["autoscaling"].setdefault("metrics", {})
+    spec["tuning"].setdefault("gpuMemoryUtilization", {})
+    return crd.apply_defaults(spec, crd.SPEC)
+
+
+def effective_engine(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.engine`` (defaulted) overlaid with the tuner's ``status.engine`` values for
+    :data:`TUNABLE_ENGINE_KEYS` when ``spec.tuning.enabled`` (camelCase keys)."""
+    spec = effective_spec(isvc)
+    engine = dict(spec["engine"])
+    if spec["tuning"].get("enabled"):
+        tuned = (isvc.get("status") or {}).get("engine") or {}
+        for key in TUNABLE_ENGINE_KEYS:
+            if tuned.get(key) is not None:
+                engine[key] = tuned[key]
+    return engine
+
+
+def names(isvc: Mapping[str, Any]) -> dict[str, str]:
+    """Names of the children: ``{"deployment", "service", "configmap", "pdb", "hpa"}``."""
+    name = isvc["metadata"]["name"]
+    return {"deployment": name, "service": name, "configmap": f"{name}-config",
+            "pdb": name, "hpa": name}
+
+
+def selector_labels(isvc: Mapping[str, Any]) -> dict[str, str]:
+    """The Deployment's (immutable) pod selector and the Service's selector."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: isvc["metadata"]["name"], LABEL_COMPONENT: COMPONENT}
+
+
+def selector_string(isvc: Mapping[str, Any]) -> str:
+    """The pod selector as a string (``status.selector``, read by the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(isvc).items()))
+
+
+def labels(isvc: Mapping[str, Any]) -> dict[str, str]:
+    """Labels of every child and of the pods."""
+    return {**selector_labels(isvc), LABEL_MANAGED_BY: FIELD_MANAGER,
+            LABEL_ISVC: isvc["metadata"]["name"]}
+
+
+def owner_reference(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The controller ownerReference to the InferenceService (needs ``metadata.uid``).
+
+    Raises:
+        InvalidSpec: the object has no uid (it was never stored by an API server).
+    """
+    meta = isvc["metadata"]
+    if not meta.get("uid"):
+        raise InvalidSpec("MissingUID", "the InferenceService has no metadata.uid")
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": meta["name"],
+            "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def service_url(isvc: Mapping[str, Any]) -> str:
+    """``http://<svc>.<ns>.svc.cluster.local:8000/v1``: the OpenAI base URL in the cluster."""
+    ns = isvc["metadata"].get("namespace") or "default"
+    return f"http://{names(isvc)['service']}.{ns}.svc.cluster.local:{PORT}/v1"
+
+
+def parse_model_uri(uri: str) -> dict[str, str | None]:
+    """Split a model URI.
+
+    Returns ``{"scheme": "hf"|"pvc"|"file", "repo", "revision", "claim", "path"}`` (unused keys None).
+
+    Raises:
+        InvalidSpec: unknown scheme or malformed URI (reason ``InvalidModelURI``).
+    """
+    out: dict[str, str | None] = {"scheme": None, "repo": None, "revision": None, "claim": None, "path": None}
+    if uri.startswith("hf://"):
+        rest = uri[len("hf://"):]
+        repo, _, revision = rest.partition("@")
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            raise InvalidSpec("InvalidModelURI", f"hf:// URI must be hf://ORG/NAME[@REVISION], got {uri!r}")
+        out.update(scheme="hf", repo=repo, revision=revision or None)
+    elif uri.startswith("pvc://"):
+        claim, _, path = uri[len("pvc://"):].partition("/")
+        if not claim:
+            raise InvalidSpec("InvalidModelURI", f"pvc:// URI must be pvc://CLAIM[/PATH], got {uri!r}")
+        out.update(scheme="pvc", claim=claim, path=path.strip("/") or None)
+    elif uri.startswith("file:///"):
+        out.update(scheme="file", path="/" + uri[len("file:///"):].lstrip("/"))
+    else:
+        raise InvalidSpec("InvalidModelURI", f"model.uri scheme must be hf://, pvc:// or file:///, got {uri!r}")
+    return out
+
+
+def model_size_bytes(spec: Mapping[str, Any]) -> int | None:
+    """``spec.model.size`` in bytes (a Kubernetes quantity), or None when unset."""
+    size = spec.get("model", {}).get("size")
+    if size is None:
+        return None
+    from kubernetes.utils import parse_quantity
+
+    try:
+        return int(parse_quantity(size))
+    except ValueError as e:
+        raise InvalidSpec("InvalidModelSize", f"model.size {size!r}: {e}") from None
+
+
+def startup_seconds(spec: Mapping[str, Any]) -> int:
+    """Startup probe budget, seconds: ``runtime.startupTimeoutSeconds``, else
+    :data:`STARTUP_BASE_SECONDS` + :data:`STARTUP_SECONDS_PER_GIB` per GiB of
+    ``model.size``, else :data:`DEFAULT_STARTUP_SECONDS`."""
+    override = spec.get("runtime", {}).get("startupTimeoutSeconds")
+    if override:
+        return int(override)
+    size = model_size_bytes(spec)
+    if size is None:
+        return DEFAULT_STARTUP_SECONDS
+    return STARTUP_BASE_SECONDS + int(math.ceil(size / 2**30 * STARTUP_SECONDS_PER_GIB))
+
+
+def gpu_count(spec: Mapping[str, Any]) -> int:
+    """``runtime.resources.gpus``, else ``engine.tensorParallelSize`` when above 1, else 0.
+
+    Raises:
+        InvalidSpec: fewer GPUs than the tensor-parallel size (reason ``NotEnoughGPUs``).
+    """
+    tp = int(spec.get("engine", {}).get("tensorParallelSize") or 1)
+    gpus = spec.get("runtime", {}).get("resources", {}).get("gpus")
+    if gpus is None:
+        return tp if tp > 1 else 0
+    if tp > 1 and int(gpus) < tp:
+        raise InvalidSpec("NotEnoughGPUs",
+                          f"runtime.resources.gpus={gpus} is below engine.tensorParallelSize={tp}")
+    return int(gpus)
+
+
+def shm_size(spec: Mapping[str, Any]) -> str:
+    """Size limit of the ``/dev/shm`` memory volume: ``runtime.shmSize``, else ``1Gi``, or
+    ``4Gi`` per GPU with tensor parallelism (NCCL's shared-memory transport)."""
+    override = spec.get("runtime", {}).get("shmSize")
+    if override is not None:
+        return str(override)
+    tp = int(spec.get("engine", {}).get("tensorParallelSize") or 1)
+    return "1Gi" if tp <= 1 else f"{4 * tp}Gi"
+
+
+# ---------------------------------------------------------------------------------
+# the engine config (ConfigMap)
+
+
+def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """The runtime's config-file content: EngineConfig field names -> values.
+
+    Only keys the user set (or the CRD defaults) are written; the runtime's own defaults
+    cover the rest. ``tensor_parallel_size`` is written only when above 1 and when the
+    runtime knows the key.
+
+    Args:
+        known_keys: the runtime's accepted keys (default: ``EngineConfig.model_fields``);
+            extraArgs keys outside it raise.
+
+    Raises:
+        InvalidSpec: an ``engine.extraArgs`` key the runtime does not know
+            (reason ``UnknownEngineArg``), or an extraArgs key that shadows a typed field.
+    """
+    spec = effective_spec(isvc)
+    engine = effective_engine(isvc)
+    known = set(_engine_config_fields() if known_keys is None else known_keys)
+    model = parse_model_uri(spec["model"]["uri"])
+    config: dict[str, Any] = {"model": model_path_in_pod(model)}
+    served = spec["model"].get("servedModelName") or (model["repo"] if model["scheme"] == "hf"
+                                                      else isvc["metadata"]["name"])
+    config["served_model_name"] = served
+    for camel, snake in ENGINE_KEYS.items():
+        if engine.get(camel) is None:
+            continue
+        if snake == "tensor_parallel_size" and (int(engine[camel]) <= 1 or snake not in known):
+            continue  # GPUs and /dev/shm still follow it; the runtime may not take the key yet
+        config[snake] = engine[camel]
+    for key, value in sorted((engine.get("extraArgs") or {}).items()):
+        if key in config:
+            raise InvalidSpec("ConflictingEngineArg",
+                              f"engine.extraArgs.{key} duplicates a typed engine field; set that field instead")
+        if key not in known:
+            raise InvalidSpec("UnknownEngineArg", f"engine.extraArgs.{key} is not a runtime config key "
+                                                  f"(known: {', '.join(sorted(known))})")
+        config[key] = value
+    for key in list(config):
+        if key not in known:
+            raise InvalidSpec("UnknownEngineArg", f"the runtime does not accept {key!r}")
+    return config
+
+
+def _engine_config_fields() -> list[str]:
+    from kvfleet.runtime.config import EngineConfig  # pydantic only, no torch
+
+    return list(EngineConfig.model_fields)
+
+
+def model_path_in_pod(model: Mapping[str, Any]) -> str:
+    """Where the runtime finds the weights inside the pod."""
+    if model["scheme"] == "hf":
+        return f"{MODELS_DIR}/model"
+    if model["scheme"] == "pvc":
+        return f"{MODELS_DIR}/{model['path']}" if model["path"] else MODELS_DIR
+    return str(model["path"])
+
+
+def config_text(config: Mapping[str, Any]) -> str:
+    """The config file as YAML (keys sorted, so the hash is stable)."""
+    return yaml.safe_dump(dict(config), sort_keys=True, default_flow_style=False)
+
+
+def content_hash(data: Any) -> str:
+    """First 16 hex digits of the SHA-256 of the canonical JSON of ``data``."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _meta(isvc: Mapping[str, Any], name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": isvc["metadata"].get("namespace") or "default",
+            "labels": labels(isvc), "ownerReferences": [owner_reference(isvc)]}
+
+
+def build_configmap(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The ConfigMap holding ``config.yaml``."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(isvc, names(isvc)["configmap"]),
+            "data": {CONFIG_FILE: config_text(engine_config(isvc))}}
+
+
+# ---------------------------------------------------------------------------------
+# Deployment
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
+    dl = spec["model"]["download"]
+    env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}, {"name": "HOME", "value": "/tmp"}]
+    token = spec["model"].get("hfTokenSecretRef")
+    if token:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": token["name"], "key": token.get("key") or "token"}}})
+    args = ["-m", "kvfleet.operator.fetch", "--repo", str(model["repo"]), "--dest", f"{MODELS_DIR}/model",
+            "--timeout", str(dl["timeoutSeconds"]), "--retries", str(dl["retries"])]
+    if model["revision"]:
+        args += ["--revision", str(model["revision"])]
+    return {
+        "name": "fetch-model",
+        "image": spec["runtime"]["image"],
+        "imagePullPolicy": spec["runtime"]["imagePullPolicy"],
+        "command": ["python"],
+        "args": args,
+        "env": env,
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR},
+                         {"name": "cache", "mountPath": CACHE_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int | None = None) -> dict[str, Any]:
+    """The Deployment of runtime pods.
+
+    Args:
+        config_hash: :func:`content_hash` of the ConfigMap data (pod-template annotation).
+        replicas: override of ``spec.replicas`` (the autoscaler's decision), pods.
+
+    Raises:
+        InvalidSpec: see :func:`gpu_count`, :func:`parse_model_uri`.
+    """
+    spec = effective_spec(isvc)
+    model = parse_model_uri(spec["model"]["uri"])
+    rt = spec["runtime"]
+    res = rt["resources"]
+    gpus = gpu_count(spec)
+    startup = startup_seconds(spec)
+    probe_period = 10
+
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if res.get("cpu") is not None:
+        requests["cpu"] = str(res["cpu"])
+    if res.get("memory") is not None:
+        requests["memory"] = limits["memory"] = str(res["memory"])
+    if gpus:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "KVFLEET_CACHE_DIR", "value": f"{CACHE_DIR}/kvfleet"},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+    ]
+    key_ref = rt.get("apiKeySecretRef")
+    if key_ref:
+        env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
+            "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}})
+    env += copy.deepcopy(rt.get("env") or [])
+
+    mounts = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": names(isvc)["configmap"]}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size(spec)}},
+    ]
+    init_containers: list[dict[str, Any]] = []
+    if model["scheme"] == "hf":
+        claim = spec["model"]["download"].get("claimName")
+        if claim:
+            volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": claim}})
+        else:
+            size = model_size_bytes(spec)
+            empty: dict[str, Any] = {}
+            if size is not None:  # room for the weights plus 10 % (tokenizer, config, temp files)
+                empty["sizeLimit"] = f"{int(math.ceil(size * 1.1 / 2**20))}Mi"
+            volumes.append({"name": "models", "emptyDir": empty})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+        init_containers.append(_download_container(spec, model))
+    elif model["scheme"] == "pvc":
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": model["claim"], "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+
+    container: dict[str, Any] = {
+        "name": "runtime",
+        "image": rt["image"],
+        "imagePullPolicy": rt["imagePullPolicy"],
+        "command": ["kvfleet"],
+        "args": ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(PORT)],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": env,
+        "startupProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": probe_period,
+                         "timeoutSeconds": 5, "failureThreshold": max(1, math.ceil(startup / probe_period))},
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5,
+                           "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                          "timeoutSeconds": 5, "failureThreshold": 6},
+        "securityContext": _container_security(),
+        "volumeMounts": mounts,
+    }
+    if resources:
+        container["resources"] = resources
+
+    pod_annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(PORT),
+        "prometheus.io/path": "/metrics",
+        **dict(rt.get("podAnnotations") or {}),
+        ANNOTATION_CONFIG_HASH: config_hash,
+    }
+    pod_spec: dict[str, Any] = {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
+                            "fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    for key in ("nodeSelector", "tolerations", "affinity", "serviceAccountName", "imagePullSecrets"):
+        if rt.get(key):
+            pod_spec[key] = copy.deepcopy(rt[key])
+
+    strategy = spec["rollout"]["strategy"]
+    surge, unavailable = (1, 0) if strategy == "Availability" else (0, 1)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(isvc, names(isvc)["deployment"]),
+        "spec": {
+            "replicas": int(spec["replicas"] if replicas is None else replicas),
+            "selector": {"matchLabels": selector_labels(isvc)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}},
+            "revisionHistoryLimit": 5,
+            # Model loading is not lack of progress: leave the startup probe its full budget.
+            "progressDeadlineSeconds": startup + 600,
+            "template": {"metadata": {"labels": labels(isvc), "annotations": pod_annotations},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def build_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The ClusterIP Service in front of the runtime pods (port 8000, ``http``)."""
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(isvc, names(isvc)["service"]),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(isvc),
+                     "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP",
+                                "appProtocol": "http"}]}}
+
+
+def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The PodDisruptionBudget, or None when ``spec.disruption`` sets neither field."""
+    dis = effective_spec(isvc)["disruption"]
+    body: dict[str, Any] = {"selector": {"matchLabels": selector_labels(isvc)}}
+    if dis.get("minAvailable") is not None:
+        body["minAvailable"] = dis["minAvailable"]
+    elif dis.get("maxUnavailable") is not None:
+        body["maxUnavailable"] = dis["maxUnavailable"]
+    else:
+        return None
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(isvc, names(isvc)["pdb"]), "spec": body}
+
+
+def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None) -> list[dict[str, Any]]:
+    """Every child the InferenceService should have, in apply order
+    (ConfigMap, Service, Deployment, then PodDisruptionBudget when asked).
+
+    Args:
+        isvc: the InferenceService as a dict (``metadata.name``, ``metadata.uid`` required).
+        replicas: override of ``spec.replicas`` for the Deployment, pods.
+
+    Raises:
+        InvalidSpec: the spec cannot be built (reason and message for a Degraded condition).
+    """
+    cm = build_configmap(isvc)
+    children = [cm, build_service(isvc),
+                build_deployment(isvc, config_hash=content_hash(cm["data"]), replicas=replicas)]
+    pdb = build_pdb(isvc)
+    if pdb is not None:
+        children.append(pdb)
+    return children
+
+
+def required_secrets(isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(secret name, key)`` pairs the pods need (API key, HF token); the reconcile checks
+    they exist, since the schema cannot."""
+    spec = effective_spec(isvc)
+    out = []
+    ref = spec["runtime"].get("apiKeySecretRef")
+    if ref:
+        out.append((ref["name"], ref.get("key") or "api-key"))
+    ref = spec["model"].get("hfTokenSecretRef")
+    if ref and spec["model"]["uri"].startswith("hf://"):
+        out.append((ref["name"], ref.get("key") or "token"))
+    return out
+
+
+# ---------------------------------------------------------------------------------
+# status
+
+
+def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,
+                  message: str, now: str, observed_generation: int | None = None) -> list[dict[str, Any]]:
+    """Return ``conditions`` with one condition set (a new list; the input is not modified).
+
+    ``lastTransitionTime`` is ``now`` (an RFC 3339 string) only when the condition is new or
+    its ``status`` changed; otherwise the previous time is kept (API conventions).
+    """
+    out = [dict(c) for c in (conditions or [])]
+    new = {"type": type, "status": status, "reason": reason, "message": message}
+    if observed_generation is not None:
+        new["observedGeneration"] = observed_generation
+    for i, old in enumerate(out):
+        if old.get("type") == type:
+            new["lastTransitionTime"] = (old.get("lastTransitionTime") or now) if old.get("status") == status else now
+            out[i] = new
+            return out
+    new["lastTransitionTime"] = now
+    out.append(new)
+    return out
+
+
+def deployment_progress(deployment: Mapping[str, Any] | None, desired: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Summarise a live Deployment for the conditions.
+
+    Returns ``{"exists", "replicas", "ready", "updated", "available", "current", "rolled_out",
+    "stalled", "stall_message"}``: ``current`` is True when the Deployment controller observed the
+    latest Deployment generation and (when ``desired`` is given) the live pod template carries the
+    desired config hash; ``rolled_out`` when, in addition, every wanted replica is updated and
+    available and no old pods remain (the ``kubectl rollout status`` rule); ``stalled`` when the
+    Progressing condition says ``ProgressDeadlineExceeded``.
+    """
+    if not deployment:
+        return {"exists": False, "replicas": 0, "ready": 0, "updated": 0, "available": 0,
+                "current": False, "rolled_out": False, "stalled": False, "stall_message": ""}
+    spec = deployment.get("spec") or {}
+    st = deployment.get("status") or {}
+    want = int(spec.get("replicas", 1))
+    gen = (deployment.get("metadata") or {}).get("generation")
+    observed = st.get("observedGeneration")
+    current = gen is None or (observed is not None and observed >= gen)
+    if desired is not None:
+        def _hash(d: Mapping[str, Any] | None) -> Any:
+            return (((d or {}).get("spec") or {}).get("template") or {}).get("metadata", {}).get(
+                "annotations", {}).get(ANNOTATION_CONFIG_HASH)
+        current = current and _hash(deployment) == _hash(desired) and want == int(
+            (desired.get("spec") or {}).get("replicas", want))
+    replicas = int(st.get("replicas") or 0)
+    updated = int(st.get("updatedReplicas") or 0)
+    available = int(st.get("availableReplicas") or 0)
+    stall = next((c for c in st.get("conditions") or [] if c.get("type") == "Progressing"
+                  and c.get("reason") == "ProgressDeadlineExceeded"), None)
+    return {
+        "exists": True, "replicas": replicas, "ready": int(st.get("readyReplicas") or 0),
+        "updated": updated, "available": available, "current": current,
+        "rolled_out": current and updated >= want and available >= want and replicas <= updated,
+        "stalled": stall is not None, "stall_message": (stall or {}).get("message", ""),
+    }
+
+
+def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | None,
+                   desired_deployment: Mapping[str, Any] | None, now: str,
+                   error: InvalidSpec | None = None) -> dict[str, Any]:
+    """The status the operator owns, computed from the live Deployment.
+
+    Args:
+        isvc: the InferenceService (its ``status.conditions`` keep their transition times).
+        deployment: the live Deployment (None when absent).
+        desired_deployment: what the operator applied (for the config hash check).
+        now: the current time, RFC 3339 (``2026-01-01T00:00:00Z``); used only for transitions.
+        error: the reason the spec could not be applied, if any (-> Degraded=True, Ready=False).
+
+    Returns:
+        ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
+        "url", "conditions"}``. Conditions (kstatus): ``Ready`` True only when the current
+        generation is fully rolled out; ``Progressing`` True while a rollout is under way;
+        ``Degraded`` True on an invalid spec or a stalled rollout.
+    """
+    meta = isvc.get("metadata") or {}
+    gen = meta.get("generation")
+    old = (isvc.get("status") or {}).get("conditions") or []
+    prog = deployment_progress(deployment, desired_deployment)
+    want = int(((desired_deployment or deployment or {}).get("spec") or {}).get("replicas", 0))
+
+    if error is not None:
+        ready = ("False", error.reason, error.message)
+        progressing = ("False", error.reason, "the spec cannot be applied")
+        degraded = ("True", error.reason, error.message)
+    elif not prog["exists"]:
+        ready = ("False", "DeploymentMissing", "the Deployment does not exist yet")
+        progressing = ("True", "Creating", "creating the runtime Deployment")
+        degraded = ("False", "AsExpected", "")
+    elif prog["stalled"]:
+        ready = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
+        progressing = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
+        degraded = ("True", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
+    elif prog["rolled_out"]:
+        ready = ("True", "RolledOut", f"{prog['available']}/{want} replicas available")
+        progressing = ("False", "RolledOut", "the current generation is rolled out")
+        degraded = ("False", "AsExpected", "")
+    else:
+        msg = (f"{prog['updated']}/{want} replicas updated, {prog['available']} available"
+               if prog["current"] else "waiting for the Deployment controller to observe the new spec")
+        ready = ("False", "RollingOut", msg)
+        progressing = ("True", "RollingOut", msg)
+        degraded = ("False", "AsExpected", "")
+
+    conds: list[dict[str, Any]] = [dict(c) for c in old]
+    for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
+                                             ("Degraded", degraded)):
+        conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
+                              now=now, observed_generation=gen)
+    status: dict[str, Any] = {
+        "replicas": prog["replicas"],
+        "readyReplicas": prog["ready"],
+        "updatedReplicas": prog["updated"],
+        "selector": selector_string(isvc),
+        "url": service_url(isvc),
+        "conditions": conds,
+    }
+    if gen is not None:
+        status["observedGeneration"] = gen
+    return status
+
+
+def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns ``current`` status into ``desired`` for the keys the operator
+    owns (empty dict when nothing changed: the reconcile then writes nothing)."""
+    current = current or {}
+    return {k: copy.deepcopy(v) for k, v in desired.items() if current.get(k) != v}
