@@ -1,0 +1,979 @@
+"""The OpenAI-compatible HTTP server (``kvfleet serve``): FastAPI on uvicorn.
+
+Routes
+------
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+    OpenAI's API (see :mod:`kvfleet.runtime.protocol`), JSON or Server-Sent Events
+    (``stream: true``: ``text/event-stream``, one ``data: {json}\\n\\n`` per chunk, ending
+    with ``data: [DONE]\\n\\n``).
+``POST /reset_prefix_cache``
+    Drop every unreferenced cached KV block (vLLM's admin route).
+``GET /health``
+    200 while the engine loop is alive (also while the model loads); 503 once it died or
+    the model failed to load: a liveness probe.
+``GET /ready``
+    200 when requests can be served, 503 while the model loads or after the engine died:
+    a readiness probe.
+``GET /metrics``
+    Prometheus text exposition (:mod:`kvfleet.runtime.metrics`), one registry per app.
+
+With an API key, ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bearer <key>``
+(401 otherwise); ``/health``, ``/ready`` and ``/metrics`` stay open.
+
+Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
+400 for any malformed or invalid request (bad JSON, non-UTF-8 body, wrong types, values out
+of range, prompt + max_tokens beyond max_model_len, unsupported features), 401 bad API key,
+404 unknown model or route, 429 queue full (``max_queue_len``), 503 model loading or engine
+dead, 500 only for server faults.
+
+A client that disconnects (streaming or not) has its engine request(s) aborted at once:
+the engine frees their KV blocks and counts them as ``finished_reason="abort"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfleet.runtime import protocol as P
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
+from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet.runtime.serve_args import ServerSettings
+
+logger = logging.getLogger("kvfleet.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+"""Served name of the embedded default model (matches the model loader's display name)."""
+LOGPROB_FLOOR = -9999.0
+"""-inf / NaN log-probabilities are reported as this (JSON has no infinities)."""
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with HTTP ``status``."""
+
+    _TYPES = {
+        400: "invalid_request_error",
+        401: "invalid_request_error",
+        404: "invalid_request_error",
+        405: "invalid_request_error",
+        429: "rate_limit_error",
+        500: "internal_server_error",
+        503: "service_unavailable",
+    }
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = P.ErrorResponse(
+            error=P.ErrorInfo(
+                message=message,
+                type=type or self._TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+                param=param,
+                code=code,
+            )
+        )
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+def _bad_request(exc: P.ProtocolError) -> APIError:
+    return APIError(400, str(exc), param=exc.param, code=exc.code or "invalid_value")
+
+
+def _validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """A pydantic/FastAPI validation error as a 400 naming the first offending field."""
+    errors = exc.errors()
+    parts, params = [], []
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body",)]
+        # union members show up as extra loc items like "str" or "list[int]"; keep field names.
+        loc = [x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "float", "bool")]
+        name = ".".join(loc)
+        if name not in params:
+            params.append(name)
+            parts.append(f"{name}: {err.get('msg')}" if name else str(err.get("msg")))
+    return APIError(400, "; ".join(parts) or "invalid request", param=params[0] if params else None, code="invalid_type")
+
+
+# ----------------------------------------------------------------------------- state
+
+
+@dataclass
+class ServerState:
+    """Everything one app instance holds (``app.state.kvfleet``)."""
+
+    config: EngineConfig
+    settings: ServerSettings
+    model_name: str
+    stat_logger: PrometheusStatLogger
+    engine: Any = None
+    """The AsyncLLMEngine once loaded and started; None while loading."""
+    load_error: BaseException | None = None
+    pending: int = 0
+    """Engine sequences submitted by this server that have not produced output yet."""
+    on_fatal: Callable[[], None] | None = None
+    """Called when the model fails to load (``main`` makes uvicorn exit)."""
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def loading(self) -> bool:
+        return self.engine is None and self.load_error is None
+
+    def engine_dead(self) -> bool:
+        if self.load_error is not None:
+            return True
+        e = self.engine
+        return e is not None and (bool(getattr(e, "errored", False)) or not getattr(e, "is_running", True))
+
+    def require_engine(self):
+        if self.engine_dead():
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        if self.engine is None:
+            raise APIError(503, "the model is loading; retry later", code="model_loading", headers={"Retry-After": "5"})
+        return self.engine
+
+
+def served_name(config: EngineConfig) -> str:
+    """The name clients put in ``model``: ``served_model_name``, else the model's display
+    name (the default model's name, a GGUF file's stem, a checkpoint folder's name, a hub id)."""
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(config.model).expanduser()
+    if path.suffix == ".gguf":
+        return path.stem
+    if path.is_dir():
+        return path.resolve().name
+    return config.model
+
+
+def _default_engine_factory(config: EngineConfig, stat_loggers: list) -> Any:
+    from kvfleet.runtime.async_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(config, stat_loggers=stat_loggers)
+
+
+# ----------------------------------------------------------------------------- per-request plumbing
+
+
+class _Submission:
+    """The engine requests of one HTTP request: tracks which finished, aborts the rest, and
+    watches the client connection (a disconnect aborts at once)."""
+
+    def __init__(self, state: ServerState, http_request: Request):
+        self.state = state
+        self.engine = state.engine
+        self.http_request = http_request
+        self.request_ids: list[str] = []
+        self.finished: set[str] = set()
+        self._watcher: asyncio.Task | None = None
+        self.disconnected = False
+
+    def watch_disconnect(self) -> None:
+        async def watch() -> None:
+            try:
+                while True:
+                    message = await self.http_request.receive()
+                    if message["type"] == "http.disconnect":
+                        break
+            except Exception:  # noqa: BLE001 - the transport is gone either way
+                pass
+            self.disconnected = True
+            logger.info("client disconnected: aborting %s", ", ".join(self.unfinished()) or "nothing")
+            await self.abort_unfinished()
+
+        self._watcher = asyncio.create_task(watch())
+
+    def unfinished(self) -> list[str]:
+        return [r for r in self.request_ids if r not in self.finished]
+
+    async def abort_unfinished(self) -> None:
+        """Abort every unfinished engine request; safe inside a cancelled scope."""
+        ids = self.unfinished()
+        self.finished.update(ids)
+        if not ids:
+            return
+        with anyio.CancelScope(shield=True):
+            for rid in ids:
+                try:
+                    await self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort of %s failed", rid)
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        await self.abort_unfinished()
+
+    def stream(self, prompt_ids: list[int], params, request_id: str, *, priority: int, tenant: str | None):
+        """The engine's cumulative outputs of one prompt; marks the request finished and keeps
+        the server's pending count (queue back-pressure) up to date."""
+        self.request_ids.append(request_id)
+        return self._stream(prompt_ids, params, request_id, priority=priority, tenant=tenant)
+
+    async def _stream(self, prompt_ids, params, request_id, *, priority, tenant) -> AsyncIterator[RequestOutput]:
+        state = self.state
+        n = params.n
+        state.pending += n
+        counted = True
+        try:
+            async with aclosing(
+                self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant)
+            ) as outputs:
+                async for out in outputs:
+                    if counted:
+                        state.pending -= n
+                        counted = False
+                    if out.finished:
+                        self.finished.add(request_id)
+                    yield out
+            self.finished.add(request_id)
+        finally:
+            if counted:
+                state.pending -= n
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as ``(stream index, output)``, in arrival order."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _finite(x: float | None) -> float:
+    if x is None or math.isnan(x):
+        return LOGPROB_FLOOR
+    return max(float(x), LOGPROB_FLOOR)
+
+
+class _Detok:
+    """Token strings for logprobs: the engine's ``decoded_token`` or the tokenizer's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+def _completion_logprobs(
+    c: CompletionOutput, start: int, end: int, k: int, detok: _Detok, offset: int
+) -> tuple[P.CompletionLogProbs, int]:
+    """Legacy logprobs of output tokens ``[start, end)``; returns them and the next text offset."""
+    out = P.CompletionLogProbs()
+    for j in range(start, end):
+        tid = c.token_ids[j]
+        entries = (c.logprobs[j] if c.logprobs is not None and j < len(c.logprobs) else None) or {}
+        sampled = entries.get(tid)
+        token = detok(tid, sampled)
+        out.tokens.append(token)
+        out.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
+        top = {}
+        for tok_id, lp in sorted(entries.items(), key=lambda kv: kv[1].rank or 0):
+            if lp.rank is None or lp.rank <= k:
+                top.setdefault(detok(tok_id, lp), _finite(lp.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out, offset
+
+
+def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int, detok: _Detok) -> P.ChatChoiceLogprobs:
+    content = []
+    for j in range(start, end):
+        tid = c.token_ids[j]
+        entries = (c.logprobs[j] if c.logprobs is not None and j < len(c.logprobs) else None) or {}
+        sampled = entries.get(tid)
+        token = detok(tid, sampled)
+        top = []
+        ranked = sorted(((lp.rank, tok_id, lp) for tok_id, lp in entries.items() if lp.rank is not None), key=lambda t: t[0])
+        for rank, tok_id, lp in ranked:
+            if rank <= k:
+                s = detok(tok_id, lp)
+                top.append(P.TopLogprob(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode("utf-8"))))
+        content.append(
+            P.ChatTokenLogprob(
+                token=token,
+                logprob=_finite(sampled.logprob if sampled is not None else None),
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=top[:k],
+            )
+        )
+    return P.ChatChoiceLogprobs(content=content)
+
+
+def _sse(payload: dict | str) -> str:
+    if isinstance(payload, str):
+        return f"data: {payload}\n\n"
+    return "data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def create_app(
+    engine_config: EngineConfig | None = None,
+    settings: ServerSettings | None = None,
+    *,
+    engine_factory: Callable[[EngineConfig, list], Any] | None = None,
+) -> FastAPI:
+    """Build the FastAPI app; the engine is created on startup.
+
+    Args:
+        engine_config: engine options (default: ``EngineConfig()``).
+        settings: server options (API key, queue limit, metrics naming; host/port are
+            ``main``'s business).
+        engine_factory: ``(config, stat_loggers) -> engine`` with AsyncLLMEngine's
+            interface; default constructs :class:`kvfleet.runtime.async_engine.AsyncLLMEngine`.
+            It runs in a worker thread (model loading blocks), so ``/ready`` answers 503
+            meanwhile; then ``await engine.start()``.
+
+    Returns: the app; its :class:`ServerState` is ``app.state.kvfleet``.
+    """
+    config = engine_config or EngineConfig()
+    settings = settings or ServerSettings()
+    factory = engine_factory or _default_engine_factory
+    name = served_name(config)
+    prefixes = (KVFLEET_PREFIX, VLLM_PREFIX) if settings.metrics_compat == "vllm" else (KVFLEET_PREFIX,)
+    from prometheus_client import CollectorRegistry
+
+    stat_logger = PrometheusStatLogger(name, registry=CollectorRegistry(), prefixes=prefixes)
+    state = ServerState(config=config, settings=settings, model_name=name, stat_logger=stat_logger)
+
+    async def load() -> None:
+        try:
+            t0 = time.monotonic()
+            engine = await asyncio.to_thread(factory, config, [stat_logger])
+            info = None
+            core = getattr(engine, "engine", None)
+            if core is not None and hasattr(core, "cache_config_info"):
+                info = core.cache_config_info()
+            stat_logger.log_engine_initialized(engine.max_model_len, info)
+            await engine.start()
+            state.engine = engine
+            logger.info("model %s ready in %.1f s (max_model_len %s)", name, time.monotonic() - t0, engine.max_model_len)
+        except Exception as exc:  # noqa: BLE001 - reported by /health and the exit status
+            state.load_error = exc
+            logger.exception("the engine failed to start")
+            if state.on_fatal is not None:
+                state.on_fatal()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            if not task.done():
+                task.cancel()
+            if state.engine is not None:
+                try:
+                    await state.engine.shutdown()
+                except Exception:  # noqa: BLE001
+                    logger.exception("engine shutdown failed")
+
+    app = FastAPI(title="kvfleet", version="0.1.0", lifespan=lifespan)
+    app.state.kvfleet = state
+
+    # -- error handlers: always OpenAI's shape, never 422 ------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception):
+        logger.exception("internal error")
+        return APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error").response()
+
+    # -- auth --------------------------------------------------------------------------
+    async def check_api_key(request: Request) -> None:
+        key = settings.api_key
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    auth = [Depends(check_api_key)]
+
+    # -- probes and metrics ------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if state.engine_dead():
+            return JSONResponse({"status": "dead", "error": repr(state.load_error or getattr(state.engine, "dead_error", None))}, status_code=503)
+        return {"status": "loading" if state.loading else "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.engine_dead():
+            return JSONResponse({"status": "dead"}, status_code=503)
+        if state.loading:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        _refresh_gauges(state)
+        return Response(exposition(stat_logger.registry), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache():
+        engine = state.require_engine()
+        fn = getattr(engine, "reset_prefix_cache", None)
+        if fn is not None:
+            result = fn()
+            if asyncio.iscoroutine(result):
+                result = await result
+        else:
+            result = engine.engine.scheduler.reset_prefix_cache()
+        return {"reset": bool(result) if result is not None else True}
+
+    # -- OpenAI routes -----------------------------------------------------------------
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        engine = state.engine
+        card = P.ModelCard(
+            id=name,
+            created=int(state.started_at),
+            root=config.model or DEFAULT_MODEL_NAME,
+            max_model_len=getattr(engine, "max_model_len", None),
+        )
+        return P.ModelList(data=[card]).model_dump()
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        body = await _parse_body(request, P.CompletionRequest)
+        return await _serve_completion(state, request, body)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        body = await _parse_body(request, P.ChatCompletionRequest)
+        return await _serve_chat(state, request, body)
+
+    return app
+
+
+def _refresh_gauges(state: ServerState) -> None:
+    """Set the state gauges from the engine's live counts (so that an idle engine, which
+    records no steps, still reports its current queue and KV usage)."""
+    engine = state.engine
+    if engine is None or state.engine_dead():
+        return
+    try:
+        usage = None
+        core = getattr(engine, "engine", None)
+        scheduler = getattr(core, "scheduler", None)
+        kv = getattr(scheduler, "kv_cache_manager", None)
+        if kv is not None:
+            usage = float(kv.usage)
+        state.stat_logger.set_scheduler_state(int(engine.num_running), int(engine.num_waiting), usage)
+    except Exception:  # noqa: BLE001 - metrics must never fail the scrape
+        logger.debug("gauge refresh failed", exc_info=True)
+
+
+async def _parse_body(request: Request, model: type[P._Request]):
+    raw = await request.body()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid UTF-8: {exc}", code="invalid_encoding") from None
+    try:
+        json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _check_model(state: ServerState, requested: str | None) -> None:
+    if requested is not None and requested != state.model_name:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist. Served model: `{state.model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_queue(state: ServerState, engine, n_new: int) -> None:
+    limit = state.settings.max_queue_len
+    if limit is None:
+        return
+    waiting = max(int(getattr(engine, "num_waiting", 0)), state.pending)
+    if waiting >= limit:
+        raise APIError(
+            429,
+            f"the server is overloaded: {waiting} requests are waiting (max_queue_len {limit}); retry later",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        )
+
+
+def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str, prompt_param: str) -> int:
+    if requested is not None and (isinstance(requested, bool) or requested < 1):
+        raise APIError(400, f"{param} must be an integer >= 1, got {requested}", param=param, code="invalid_value")
+    if requested is None:
+        if prompt_len >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+                f"{prompt_len} tokens, leaving no room for output. Please reduce the length of the prompt.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion "
+            f"({param})). Please reduce the length of the prompt or {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def _check_token_ids(ids: list[int], vocab_size: int) -> None:
+    for t in ids:
+        if t < 0 or t >= vocab_size:
+            raise APIError(400, f"prompt token id {t} is out of range [0, {vocab_size})", param="prompt", code="invalid_value")
+
+
+def _usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> P.UsageInfo:
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for c in outputs)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def _first(merged: AsyncIterator) -> tuple[Any, bool]:
+    """The first item of ``merged``, turning the engine's input errors into 400s."""
+    try:
+        return await merged.__anext__(), True
+    except StopAsyncIteration:
+        return None, False
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+
+
+def _engine_failure(state: ServerState, exc: BaseException) -> APIError:
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_value")
+    logger.error("generation failed: %r", exc, exc_info=exc)
+    if state.engine_dead():
+        return APIError(503, f"the engine died: {exc}", code="engine_dead")
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+async def _serve_completion(state: ServerState, request: Request, body: P.CompletionRequest):
+    _check_model(state, body.model)
+    try:
+        body.check_supported()
+        prompts = body.prompts()
+    except P.ProtocolError as exc:
+        raise _bad_request(exc) from None
+    engine = state.require_engine()
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
+    prompt_ids: list[list[int]] = []
+    for p in prompts:
+        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        if not isinstance(p, str):
+            _check_token_ids(ids, int(getattr(getattr(engine, "engine", None), "vocab_size", 0) or len(tokenizer)))
+        if not ids:
+            raise APIError(400, "prompt must not be empty (it tokenizes to no tokens)", param="prompt", code="invalid_value")
+        prompt_ids.append(ids)
+    params = []
+    for ids in prompt_ids:
+        max_tokens = _resolve_max_tokens(body.max_tokens, len(ids), max_model_len, "max_tokens", "prompt")
+        try:
+            params.append(body.to_sampling_params(max_tokens))
+        except P.ProtocolError as exc:
+            raise _bad_request(exc) from None
+    _check_queue(state, engine, body.n * len(prompts))
+
+    request_id = P.random_id("cmpl") if not body.request_id else body.request_id
+    created = P.now()
+    n = body.n
+    k = body.logprobs if body.logprobs is not None else -1
+    detok = _Detok(tokenizer)
+    sub = _Submission(state, request)
+    streams = [
+        sub.stream(ids, sp, f"{request_id}-{i}", priority=body.priority, tenant=body.user)
+        for i, (ids, sp) in enumerate(zip(prompt_ids, params))
+    ]
+    merged = _merge(streams)
+    sub.watch_disconnect()
+    try:
+        first, has_first = await _first(merged)
+    except BaseException:
+        await sub.close()
+        await merged.aclose()
+        raise
+
+    if not body.stream:
+        try:
+            final: dict[int, RequestOutput] = {}
+            item = first
+            while has_first:
+                i, out = item
+                final[i] = out
+                try:
+                    item = await merged.__anext__()
+                except StopAsyncIteration:
+                    break
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _engine_failure(state, exc) from None
+        finally:
+            await sub.close()
+            await merged.aclose()
+        choices, outputs = [], []
+        for i in range(len(prompts)):
+            out = final.get(i)
+            for c in sorted(out.outputs if out else [], key=lambda c: c.index):
+                lp = None
+                if body.logprobs is not None:
+                    lp, _ = _completion_logprobs(c, 0, len(c.token_ids), k, detok, 0)
+                choices.append(
+                    P.CompletionResponseChoice(
+                        index=i * n + c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                    )
+                )
+                outputs.append(c)
+        resp = P.CompletionResponse(
+            id=request_id,
+            created=created,
+            model=state.model_name,
+            choices=choices,
+            usage=_usage([len(x) for x in prompt_ids], outputs),
+        )
+        return JSONResponse(resp.model_dump())
+
+    include_usage = body.include_usage
+
+    def chunk(choices: list[dict], usage: P.UsageInfo | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            "system_fingerprint": None,
+        }
+        if include_usage:
+            payload["usage"] = usage.model_dump() if usage is not None else None
+        return _sse(payload)
+
+    async def generate() -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        done: set[int] = set()
+        last: dict[int, RequestOutput] = {}
+        try:
+            item = first
+            while item is not None:
+                i, out = item
+                last[i] = out
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    if idx in done:
+                        continue
+                    t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
+                    delta = c.text[t0:]
+                    lp = None
+                    if body.logprobs is not None and len(c.token_ids) > k0:
+                        lp, offsets[idx] = _completion_logprobs(c, k0, len(c.token_ids), k, detok, offsets.get(idx, 0))
+                    if delta or lp is not None:
+                        yield chunk([{"index": idx, "text": delta, "logprobs": lp.model_dump() if lp else None,
+                                      "finish_reason": None, "stop_reason": None}])  # fmt: skip
+                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                        yield chunk([{"index": idx, "text": "", "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])  # fmt: skip
+                try:
+                    item = await merged.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if include_usage:
+                outs = [c for out in last.values() for c in out.outputs]
+                yield chunk([], _usage([len(x) for x in prompt_ids], outs))
+            yield _sse("[DONE]")
+        except Exception as exc:  # noqa: BLE001
+            err = _engine_failure(state, exc)
+            yield _sse(err.body.model_dump())
+            yield _sse("[DONE]")
+        finally:
+            await sub.close()
+            with anyio.CancelScope(shield=True):
+                await merged.aclose()
+
+    return StreamingResponse(generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompletionRequest):
+    _check_model(state, body.model)
+    try:
+        body.check_supported()
+        messages = body.template_messages()
+    except P.ProtocolError as exc:
+        raise _bad_request(exc) from None
+    engine = state.require_engine()
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template")
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **(body.chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja TemplateError, ValueError, TypeError from the template
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages", code="invalid_value") from None
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = _resolve_max_tokens(
+        body.requested_max_tokens(),
+        len(prompt_ids),
+        engine.max_model_len,
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+        "messages",
+    )
+    try:
+        params = body.to_sampling_params(max_tokens)
+    except P.ProtocolError as exc:
+        raise _bad_request(exc) from None
+    _check_queue(state, engine, body.n)
+
+    request_id = P.random_id("chatcmpl") if not body.request_id else body.request_id
+    created = P.now()
+    k = (body.top_logprobs or 0) if body.logprobs else -1
+    detok = _Detok(tokenizer)
+    sub = _Submission(state, request)
+    merged = _merge([sub.stream(prompt_ids, params, request_id, priority=body.priority, tenant=body.user)])
+    sub.watch_disconnect()
+    try:
+        first, has_first = await _first(merged)
+    except BaseException:
+        await sub.close()
+        await merged.aclose()
+        raise
+
+    if not body.stream:
+        final = first[1] if has_first else None
+        try:
+            while has_first:
+                try:
+                    final = (await merged.__anext__())[1]
+                except StopAsyncIteration:
+                    break
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _engine_failure(state, exc) from None
+        finally:
+            await sub.close()
+            await merged.aclose()
+        outputs = sorted(final.outputs, key=lambda c: c.index) if final else []
+        choices = [
+            P.ChatCompletionResponseChoice(
+                index=c.index,
+                message=P.ChatResponseMessage(content=c.text),
+                logprobs=_chat_logprobs(c, 0, len(c.token_ids), k, detok) if body.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in outputs
+        ]
+        resp = P.ChatCompletionResponse(
+            id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage([len(prompt_ids)], outputs)
+        )
+        return JSONResponse(resp.model_dump())
+
+    include_usage = body.include_usage
+
+    def chunk(choices: list[dict], usage: P.UsageInfo | None = None) -> str:
+        payload: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": state.model_name,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if include_usage:
+            payload["usage"] = usage.model_dump() if usage is not None else None
+        return _sse(payload)
+
+    async def generate() -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        last: RequestOutput | None = None
+        try:
+            for idx in range(body.n):
+                yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])  # fmt: skip
+            item = first
+            while item is not None:
+                _, out = item
+                last = out
+                for c in out.outputs:
+                    idx = c.index
+                    if idx in done:
+                        continue
+                    t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
+                    delta = c.text[t0:]
+                    lp = None
+                    if body.logprobs and len(c.token_ids) > k0:
+                        lp = _chat_logprobs(c, k0, len(c.token_ids), k, detok)
+                    if delta or lp is not None:
+                        yield chunk([{"index": idx, "delta": {"content": delta},
+                                      "logprobs": lp.model_dump() if lp else None, "finish_reason": None}])  # fmt: skip
+                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                        yield chunk([{"index": idx, "delta": {}, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])  # fmt: skip
+                try:
+                    item = await merged.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if include_usage:
+                yield chunk([], _usage([len(prompt_ids)], list(last.outputs) if last else []))
+            yield _sse("[DONE]")
+        except Exception as exc:  # noqa: BLE001
+            err = _engine_failure(state, exc)
+            yield _sse(err.body.model_dump())
+            yield _sse("[DONE]")
+        finally:
+            await sub.close()
+            with anyio.CancelScope(shield=True):
+                await merged.aclose()
+
+    return StreamingResponse(generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvfleet serve``: parse options (see :mod:`kvfleet.runtime.serve_args`), load the
+    model in the background and serve until SIGINT/SIGTERM.
+
+    Returns: 0 after a clean shutdown, 1 when the engine failed to start.
+    """
+    import uvicorn
+
+    from kvfleet.runtime.serve_args import parse_serve_args
+
+    args = parse_serve_args(argv)
+    level = args.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvfleet").setLevel(level)
+    app = create_app(args.engine, args.server)
+    state: ServerState = app.state.kvfleet
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.server.host,
+            port=args.server.port,
+            log_level=args.server.log_level,
+            timeout_graceful_shutdown=5,
+            lifespan="on",
+        )
+    )
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    logger.info("serving %s on http://%s:%d", state.model_name, args.server.host, args.server.port)
+    server.run()
+    return 1 if state.load_error is not None else 0
