@@ -1,0 +1,107 @@
+"""The Prometheus stat logger: vLLM's names, buckets and suffixes under kvfleet: (and vllm:)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfleet.runtime.metrics import (
+    ITL_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    PrometheusStatLogger,
+    build_1_2_5_buckets,
+    exposition,
+)
+from kvfleet.runtime.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+
+def families(logger: PrometheusStatLogger) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(exposition(logger.registry).decode())}
+
+
+def value(fams, name, suffix="", **labels):
+    fam = fams[name]
+    for s in fam.samples:
+        if s.name == name + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((name, suffix, labels))
+
+
+def bucket_bounds(fams, name):
+    return [float(s.labels["le"]) for s in fams[name].samples if s.name == name + "_bucket" and s.labels["le"] != "+Inf"]
+
+
+def test_buckets_are_vllms():
+    # vllm/v1/metrics/loggers.py
+    assert len(TTFT_BUCKETS) == 22 and TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0
+    assert len(ITL_BUCKETS) == 19 and ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80.0
+    assert len(REQUEST_LATENCY_BUCKETS) == 21 and REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+
+
+def test_record_updates_every_series():
+    lg = PrometheusStatLogger("m", max_model_len=2048)
+    lg.log_engine_initialized(2048, {"block_size": "16", "num_blocks": "128", "gpu_memory_utilization": "0.9"})
+    lg.record(
+        SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25, num_preemptions=1,
+                       prefix_cache_queries=40, prefix_cache_hits=16),
+        IterationStats(num_prompt_tokens=40, num_generation_tokens=3, time_to_first_tokens=[0.05, 0.3],
+                       inter_token_latencies=[0.02],
+                       finished_requests=[FinishedRequestStats("stop", 1.2, 0.1, 20, 7),
+                                          FinishedRequestStats("abort", 0.4, 0.0, 20, 1)]),
+    )  # fmt: skip
+    lg.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=10), IterationStats(num_generation_tokens=1))
+    f = families(lg)
+    assert value(f, "kvfleet:num_requests_running", model_name="m") == 1
+    assert value(f, "kvfleet:num_requests_waiting") == 0
+    assert value(f, "kvfleet:kv_cache_usage_perc") == 0.5
+    assert value(f, "kvfleet:num_preemptions", "_total") == 1
+    assert value(f, "kvfleet:prompt_tokens", "_total") == 40
+    assert value(f, "kvfleet:generation_tokens", "_total") == 4
+    assert value(f, "kvfleet:prefix_cache_queries", "_total") == 50
+    assert value(f, "kvfleet:prefix_cache_hits", "_total") == 16
+    assert value(f, "kvfleet:request_success", "_total", finished_reason="stop") == 1
+    assert value(f, "kvfleet:request_success", "_total", finished_reason="abort") == 1
+    assert value(f, "kvfleet:request_success", "_total", finished_reason="length") == 0
+    assert value(f, "kvfleet:time_to_first_token_seconds", "_count") == 2
+    assert value(f, "kvfleet:time_to_first_token_seconds", "_bucket", le="0.06") == 1
+    assert value(f, "kvfleet:inter_token_latency_seconds", "_sum") == pytest.approx(0.02)
+    assert value(f, "kvfleet:e2e_request_latency_seconds", "_sum") == pytest.approx(1.6)
+    assert value(f, "kvfleet:request_queue_time_seconds", "_count") == 2
+    assert value(f, "kvfleet:request_prompt_tokens", "_sum") == 40
+    assert value(f, "kvfleet:request_generation_tokens", "_bucket", le="5.0") == 1
+    assert bucket_bounds(f, "kvfleet:time_to_first_token_seconds") == list(TTFT_BUCKETS)
+    assert bucket_bounds(f, "kvfleet:inter_token_latency_seconds") == list(ITL_BUCKETS)
+    assert bucket_bounds(f, "kvfleet:e2e_request_latency_seconds") == list(REQUEST_LATENCY_BUCKETS)
+    assert bucket_bounds(f, "kvfleet:request_prompt_tokens") == build_1_2_5_buckets(2048)
+    assert value(f, "kvfleet:cache_config_info", num_blocks="128", block_size="16", gpu_memory_utilization="0.9") == 1
+    assert not [n for n in f if not n.startswith("kvfleet:")]
+
+
+def test_vllm_compat_exports_the_same_series_under_vllm_names():
+    lg = PrometheusStatLogger("m", prefixes=("kvfleet:", "vllm:"), max_model_len=512)
+    lg.log_engine_initialized(512, {"block_size": "16", "num_blocks": "8", "gpu_memory_utilization": "0.9"})
+    lg.record(SchedulerStats(num_waiting_reqs=7, kv_cache_usage=0.75), IterationStats(
+        finished_requests=[FinishedRequestStats("length", 2.0, 0.5, 3, 4)]))
+    f = families(lg)
+    kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
+    vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
+    assert kv == vl and len(kv) == 16
+    assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
+    assert value(f, "vllm:kv_cache_usage_perc") == 0.75
+    assert value(f, "vllm:request_success", "_total", finished_reason="length") == 1
+    assert value(f, "vllm:cache_config_info", num_gpu_blocks="8") == 1
+
+
+def test_registries_are_independent_and_valid_before_any_step():
+    a = PrometheusStatLogger("a", registry=CollectorRegistry())
+    b = PrometheusStatLogger("b", registry=CollectorRegistry())
+    a.record(SchedulerStats(num_running_reqs=5), None)
+    fa, fb = families(a), families(b)
+    assert value(fa, "kvfleet:num_requests_running") == 5
+    assert value(fb, "kvfleet:num_requests_running") == 0
+    # token histograms wait for max_model_len; nothing else is missing
+    assert "kvfleet:request_prompt_tokens" not in fb and "kvfleet:time_to_first_token_seconds" in fb
