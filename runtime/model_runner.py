@@ -1,0 +1,251 @@
+"""Model runner: one forward pass of a transformers model over a packed, unpadded batch.
+
+The scheduler decides which requests run and which tokens/blocks they use; the runner
+turns that :class:`~kvfleet.runtime.scheduler.SchedulerOutput` into tensors
+
+- ``input_ids[T]`` and ``positions[T]``: the new tokens of every scheduled request, one
+  request after another (``T`` = ``total_num_scheduled_tokens``);
+- ``slot_mapping[T]``: where each new token's K/V goes (``block_id * block_size + offset``);
+- ``block_tables[B, max_blocks]``, ``seq_lens[B]``, ``query_start_loc[B + 1]``;
+
+runs the model once (the paged attention of :mod:`kvfleet.runtime.attention` reads and
+writes the per-layer KV caches it owns), and returns the logits of the last token of each
+request that samples this step, ``[S, vocab_size]`` float32. The LM head runs only on
+those ``S`` hidden states (``logits_to_keep`` with an index tensor), never on all ``T``.
+
+KV cache: per layer one key and one value tensor of shape
+``[num_blocks, block_size, num_kv_heads, head_size]`` in the model dtype (the layout of
+:mod:`kvfleet.kernels`). ``num_blocks`` comes from the memory budget, see
+:meth:`ModelRunner.determine_num_blocks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+
+from kvfleet.runtime.attention import METADATA_KWARG, AttentionMetadata, register
+from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvfleet.runtime.model_loader import LoadedModel
+from kvfleet.runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the model (switched to paged attention) and the KV caches.
+
+    Args:
+        config: the engine configuration (``block_size``, memory budget fields,
+            ``max_num_batched_tokens``, ``max_num_seqs``).
+        loaded: the loaded model and tokenizer. Its model's attention implementation is
+            switched to ``kvfleet_paged``: from then on the model only runs inside an
+            engine (several engines may share it; each has its own KV caches).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        text_config = self.model.config.get_text_config()
+        self.hf_config = text_config
+        self.num_layers = text_config.num_hidden_layers
+        self.num_heads = text_config.num_attention_heads
+        self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
+        self.vocab_size = text_config.vocab_size
+        self.model_max_len = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        name = register()
+        self.model.set_attn_implementation(name)
+        if self.model.config._attn_implementation != name:
+            raise RuntimeError(
+                f"{type(self.model).__name__} does not support transformers' attention-function "
+                "registry; kvfleet needs a model that does (Llama, Qwen2, Mistral, ...)"
+            )
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self._pin = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ KV cache sizing
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one KV block over all layers: ``2 * layers * block_size * kv_heads * head_size * elem``."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+
+    def determine_num_blocks(self) -> int:
+        """Number of KV blocks the memory budget allows.
+
+        - ``config.num_blocks`` when set;
+        - CPU: ``kv_cache_memory`` (default ``DEFAULT_KV_CACHE_MEMORY``) / bytes per block;
+        - CUDA: ``kv_cache_memory`` when set, else
+          ``gpu_memory_utilization * total - peak_torch_memory - non_torch_memory`` where the
+          peak comes from a dummy forward pass of ``max_num_batched_tokens`` tokens (weights
+          + activations), and non-torch memory is what other users of the device hold
+          (vLLM's profiling rule).
+
+        Raises:
+            ValueError: the budget leaves no room for a single block.
+        """
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.device.type != "cuda" or self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            source = "kv_cache_memory"
+        else:
+            budget = self._profile_cuda_budget()
+            source = "gpu_memory_utilization"
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"{source}: the KV cache budget ({budget / 2**20:.1f} MiB) is smaller than one block "
+                f"({self.bytes_per_block / 2**20:.2f} MiB)"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(self) -> float:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.max_num_batched_tokens
+        if self.model_max_len:
+            num_tokens = min(num_tokens, self.model_max_len)
+        nb = math.ceil(num_tokens / self.block_size)
+        shape = (nb, self.block_size, self.num_kv_heads, self.head_size)
+        caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        num_sample = min(self.config.max_num_seqs, num_tokens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=self.device).unsqueeze(0),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            kv_caches=caches,
+        )
+        ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device).unsqueeze(0)
+        keep = torch.arange(num_tokens - num_sample, num_tokens, device=self.device)
+        out = self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{METADATA_KWARG: meta})
+        logits = out.logits.float()
+        torch.softmax(logits, dim=-1)  # the sampler's fp32 working set
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        dummy_cache = sum(k.numel() * k.element_size() * 2 for k, _ in caches)
+        del caches, meta, out, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        budget = total * self.config.gpu_memory_utilization - (peak - dummy_cache) - non_torch
+        logger.info(
+            "CUDA memory: total %.1f GiB, peak weights+activations %.2f GiB, non-torch %.2f GiB -> KV budget %.2f GiB",
+            total / 2**30, (peak - dummy_cache) / 2**30, non_torch / 2**30, budget / 2**30,
+        )
+        return max(budget, 0.0)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate (zeroed) key and value caches of ``num_blocks`` blocks for every layer."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.num_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
+        )
+
+    # ------------------------------------------------------------------ one step
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Build the step's tensors (numpy on the host, then one copy each to the device).
+
+        Returns:
+            ``(input_ids [1, T] int64, positions [1, T] int64, AttentionMetadata,
+            logits_indices [S] int64)`` where ``logits_indices`` are the batch rows of the
+            last token of every request with ``sample=True``, in scheduling order.
+        """
+        bs = self.block_size
+        num_reqs = len(scheduled)
+        num_new = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        start = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_reqs)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        total = int(qsl[-1])
+        seq_lens = start + num_new
+        nblocks = (seq_lens + bs - 1) // bs
+        block_tables = np.zeros((num_reqs, int(nblocks.max())), dtype=np.int64)
+        for i, s in enumerate(scheduled):
+            n = int(nblocks[i])
+            block_tables[i, :n] = s.block_ids[:n]
+        input_ids = np.fromiter(
+            (t for s in scheduled for t in s.token_ids), dtype=np.int64, count=total
+        )
+        req_idx = np.repeat(np.arange(num_reqs), num_new)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(start - qsl[:-1], num_new)
+        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
+        sample = np.fromiter((s.sample for s in scheduled), dtype=bool, count=num_reqs)
+        logits_indices = qsl[1:][sample] - 1
+
+        dev = self.device
+
+        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.from_numpy(a).to(dtype)
+            if dev.type == "cpu":
+                return t
+            return (t.pin_memory() if self._pin else t).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slot_mapping, torch.int64),
+            block_tables=to_dev(block_tables, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            query_start_loc=to_dev(qsl, torch.int32),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            kv_caches=self.kv_caches,
+        )
+        return (
+            to_dev(input_ids, torch.int64).unsqueeze(0),
+            to_dev(positions, torch.int64).unsqueeze(0),
+            meta,
+            to_dev(logits_indices, torch.int64),
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+        """Run one forward pass over the scheduled tokens.
+
+        Returns:
+            ``(sampling, logits)``: the scheduled requests with ``sample=True`` in order, and
+            their next-token logits ``[len(sampling), vocab_size]`` float32 (on the model's
+            device). Both empty when nothing samples this step (a prefill chunk).
+
+        Raises:
+            RuntimeError: the KV cache was not initialised.
+        """
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        scheduled = scheduler_output.scheduled
+        sampling = [s for s in scheduled if s.sample]
+        if not scheduled:
+            return sampling, torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            logits_to_keep=logits_indices,
+            use_cache=False,
+            **{METADATA_KWARG: meta},
+        )
+        logits = out.logits[0]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return sampling, logits

@@ -1,0 +1,236 @@
+"""Batched sampling: logits processing, greedy/random sampling, logprobs.
+
+Pipeline for a batch of ``S`` rows (one per request that samples this step), on
+``logits [S, vocab_size]`` float32:
+
+1. Penalties (only rows that use them):
+   - ``repetition_penalty`` over prompt + output tokens, as in CTRL (Keskar et al., 2019)
+     and vLLM/transformers: a seen token's logit is divided by the penalty when positive,
+     multiplied when negative;
+   - ``frequency_penalty`` / ``presence_penalty`` over output tokens, as in the OpenAI API
+     reference: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+2. ``min_tokens``: while a request has fewer output tokens, its EOS (unless
+   ``ignore_eos``) and ``stop_token_ids`` get ``-inf`` (vLLM's MinTokensLogitsProcessor).
+3. Greedy rows (``temperature == 0``): ``argmax``.
+4. Other rows: divide by ``temperature``; ``top_k``; ``top_p`` (the smallest set of tokens
+   whose probability sums to at least ``top_p``, Holtzman et al., 2019); ``min_p``
+   (drop tokens with probability below ``min_p`` times the top one's, Nguyen et al.,
+   2024); then sample by an exponential race: ``argmax(p_i / E_i)`` with
+   ``E_i ~ Exponential(1)``, which picks token ``i`` with probability ``p_i`` (equivalent to
+   the Gumbel-max trick; vLLM samples the same way).
+
+Seeds: a request with ``seed`` draws its ``E`` from a generator re-seeded at every step
+from ``(seed, number of output tokens so far)``, so its draws depend only on its seed and
+its own step count: the same text alone, in any batch, and after preemption (the
+recomputed prefix gives the same logits, the step count continues where it was).
+Unseeded requests share the engine's generator, drawn in one batched call.
+
+Logprobs (``logprobs=k``): ``log_softmax`` of the logits after penalties, ``min_tokens``
+masking and temperature, before top-k/top-p/min-p truncation (vLLM's "processed logits"
+without the truncation, so every token has a finite value; for greedy rows no temperature
+is applied). Returned: the sampled token's logprob and 1-based rank, and the ``k`` best
+tokens with their logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.runtime.request import Request
+
+_MASK63 = (1 << 63) - 1
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Seed of a request's generator at output step ``step`` (a splitmix64-style mix of the
+    request seed and the step; any Python int seed works)."""
+    z = ((seed & 0xFFFFFFFFFFFFFFFF) + (step + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
+
+
+@dataclass
+class SampleLogprobs:
+    """Logprobs of one sampled token.
+
+    Attributes:
+        logprob: natural-log probability of the sampled token.
+        rank: its 1-based rank in the distribution.
+        top_ids: the ``k`` most likely token ids (best first).
+        top_logprobs: their logprobs.
+    """
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids[i]`` is the token sampled for row ``i``; ``logprobs[i]`` is None unless
+    that request asked for logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row.
+
+    Args:
+        device: device of the logits.
+        seed: seed of the generator shared by unseeded requests.
+    """
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._seeded_generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample the next token of each request.
+
+        Args:
+            logits: ``[S, vocab_size]`` float32, row ``i`` for ``requests[i]``; modified in place.
+            requests: the ``S`` requests (their ``sampling_params``, ``prompt_token_ids``,
+                ``output_token_ids`` and ``eos_token_id`` are read).
+
+        Returns: a :class:`SamplerOutput` with ``S`` tokens.
+        """
+        num_rows = len(requests)
+        if num_rows == 0:
+            return SamplerOutput([], [])
+        dev = logits.device
+        params = [r.sampling_params for r in requests]
+        vocab = logits.shape[1]
+
+        # 1. Penalties.
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            self._apply_repetition_penalty(logits, requests, rep_rows, vocab)
+        fp_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        if fp_rows:
+            self._apply_frequency_presence(logits, requests, fp_rows, vocab)
+
+        # 2. min_tokens.
+        for i, r in enumerate(requests):
+            p = params[i]
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                banned = [t for t in p.stop_token_ids if t < vocab]
+                if not p.ignore_eos and r.eos_token_id is not None and r.eos_token_id < vocab:
+                    banned.append(r.eos_token_id)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+        greedy = [p.temperature == 0.0 for p in params]
+        all_greedy = all(greedy)
+        want_logprobs = any(p.logprobs is not None for p in params)
+
+        if all_greedy:
+            tokens = logits.argmax(dim=-1)
+            lp_logits = logits
+        else:
+            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev)
+            logits.div_(temps.unsqueeze(1))
+            lp_logits = logits.clone() if want_logprobs else logits
+            self._truncate(logits, params)
+            probs = torch.softmax(logits, dim=-1)
+            q = torch.empty_like(probs)
+            unseeded = [i for i, p in enumerate(params) if p.seed is None and not greedy[i]]
+            if unseeded:
+                draws = torch.empty((len(unseeded), vocab), device=dev).exponential_(generator=self.generator)
+                if len(unseeded) == num_rows:
+                    q = draws
+                else:
+                    q[unseeded] = draws
+            g = self._seeded_generator
+            for i, p in enumerate(params):
+                if p.seed is not None and not greedy[i]:
+                    g.manual_seed(step_seed(p.seed, requests[i].num_output_tokens))
+                    q[i].exponential_(generator=g)
+            tokens = probs.div_(q).argmax(dim=-1)
+            if any(greedy):
+                gmask = torch.tensor(greedy, device=dev)
+                tokens = torch.where(gmask, lp_logits.argmax(dim=-1), tokens)
+
+        token_list = tokens.tolist()
+        logprobs: list[SampleLogprobs | None] = [None] * num_rows
+        if want_logprobs:
+            rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+            idx = torch.tensor(rows, device=dev)
+            lps = torch.log_softmax(lp_logits.index_select(0, idx), dim=-1)
+            chosen = tokens.index_select(0, idx)
+            chosen_lp = lps.gather(1, chosen.unsqueeze(1))  # [R, 1]
+            ranks = (lps > chosen_lp).sum(dim=1) + 1
+            k = max(params[i].logprobs for i in rows)
+            top_lp, top_ids = lps.topk(k, dim=-1) if k > 0 else (lps[:, :0], lps[:, :0].long())
+            chosen_l, ranks_l = chosen_lp.squeeze(1).tolist(), ranks.tolist()
+            top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+            for j, i in enumerate(rows):
+                ki = params[i].logprobs
+                logprobs[i] = SampleLogprobs(chosen_l[j], ranks_l[j], top_ids_l[j][:ki], top_lp_l[j][:ki])
+        return SamplerOutput(token_list, logprobs)
+
+    # ------------------------------------------------------------------ processors
+    @staticmethod
+    def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], rows: list[int], vocab: int) -> None:
+        dev = logits.device
+        seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=dev)
+        row_idx, tok_idx = [], []
+        for j, i in enumerate(rows):
+            r = requests[i]
+            toks = set(r.prompt_token_ids)
+            toks.update(r.output_token_ids)
+            row_idx.extend([j] * len(toks))
+            tok_idx.extend(toks)
+        seen[torch.tensor(row_idx, dtype=torch.long, device=dev), torch.tensor(tok_idx, dtype=torch.long, device=dev).clamp_(max=vocab - 1)] = True
+        idx = torch.tensor(rows, device=dev)
+        sub = logits.index_select(0, idx)
+        penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows], device=dev).unsqueeze(1)
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[idx] = torch.where(seen, penalized, sub)
+
+    @staticmethod
+    def _apply_frequency_presence(logits: torch.Tensor, requests: list[Request], rows: list[int], vocab: int) -> None:
+        dev = logits.device
+        counts = torch.zeros((len(rows), vocab), dtype=logits.dtype, device=dev)
+        for j, i in enumerate(rows):
+            out = requests[i].output_token_ids
+            if out:
+                counts[j].index_add_(0, torch.tensor(out, dtype=torch.long, device=dev), torch.ones(len(out), dtype=logits.dtype, device=dev))
+        freq = torch.tensor([requests[i].sampling_params.frequency_penalty for i in rows], device=dev).unsqueeze(1)
+        pres = torch.tensor([requests[i].sampling_params.presence_penalty for i in rows], device=dev).unsqueeze(1)
+        idx = torch.tensor(rows, device=dev)
+        logits[idx] = logits.index_select(0, idx) - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, params) -> None:
+        """top-k, top-p and min-p, in place (filtered logits become -inf)."""
+        dev = logits.device
+        vocab = logits.shape[1]
+        use_k = any(p.top_k > 0 for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        if use_k or use_p:
+            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+            remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+            if use_k:
+                ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+                remove |= torch.arange(vocab, device=dev).unsqueeze(0) >= ks.unsqueeze(1)
+            if use_p:
+                ps = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+                sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+                # Exclusive cumulative sum: a token is kept while the mass before it is < top_p,
+                # so the kept set is the smallest one whose mass reaches top_p (and never empty).
+                mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+                remove |= mass_before >= ps
+            logits.scatter_(1, sorted_idx, sorted_logits.masked_fill(remove, float("-inf")))
+        if any(p.min_p > 0.0 for p in params):
+            mins = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            probs = torch.softmax(logits, dim=-1)
+            top = probs.max(dim=-1, keepdim=True).values
+            logits.masked_fill_(probs < mins * top, float("-inf"))
