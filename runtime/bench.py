@@ -1,0 +1,51 @@
+"""``kvfleet bench``: serving benchmarks measured the way the field does (vLLM's
+``benchmark_serving.py`` / ``vllm bench serve`` methodology).
+
+- ``kvfleet bench serve``: a streaming load generator for any OpenAI-compatible endpoint
+  (:mod:`kvfleet.runtime.bench_serve`); report maths in :mod:`kvfleet.runtime.bench_metrics`,
+  workloads in :mod:`kvfleet.runtime.bench_datasets`.
+- ``kvfleet bench compare``: one workload through kvfleet's engine, transformers
+  ``generate()`` with static padded batches and transformers' continuous batching
+  (``generate_batch``), per concurrency level; plus the KV-memory report and the compute
+  roofline (:mod:`kvfleet.runtime.bench_compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvfleet.runtime import bench_compare, bench_serve
+
+    parser = argparse.ArgumentParser(prog="kvfleet bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server", description=bench_serve.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_serve.add_arguments(serve)
+    compare = sub.add_parser("compare", help="kvfleet vs transformers static and continuous batching, on this machine",
+                             description=bench_compare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_compare.add_arguments(compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvfleet bench``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.command == "serve":
+            from kvfleet.runtime import bench_serve
+
+            return bench_serve.main(args)
+        from kvfleet.runtime import bench_compare
+
+        return bench_compare.main(args)
+    except ValueError as exc:
+        print(f"kvfleet bench {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
