@@ -10,6 +10,7 @@ rendered only when asked or when the cluster serves them.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -324,18 +325,51 @@ def test_monitoring_scrapes_the_runtime_metrics_port(helm_bin, kind, endpoints):
     (m,) = _monitors(objs)
     assert m["metadata"]["labels"]["release"] == "kps"
     assert m["spec"]["namespaceSelector"] == {"any": True}
-    assert m["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/component": "runtime",
-                                                     "app.kubernetes.io/managed-by": "kvfleet-operator"}
     (ep,) = m["spec"][endpoints]
     assert ep["port"] == "http" and ep["path"] == "/metrics"
     (relabel,) = ep["relabelings"]
     assert relabel["targetLabel"] == "inferenceservice"
     src = "pod" if kind == "PodMonitor" else "service"
-    assert relabel["sourceLabels"] == [f"__meta_kubernetes_{src}_label_app_kubernetes_io_instance"]
+    assert relabel["sourceLabels"] == [f"__meta_kubernetes_{src}_label_kvfleet_io_inferenceservice"]
     # Restricted to the watched namespaces when the operator is namespaced.
     (m,) = _monitors(render(helm_bin, "--set", "monitoring.enabled=true", "--set", f"monitoring.kind={kind}",
                             "--set", "operator.watchNamespaces={llm,llm-dev}"))
     assert m["spec"]["namespaceSelector"] == {"matchNames": ["llm", "llm-dev"]}
+
+
+def _prometheus_label(label: str) -> str:
+    """How Kubernetes service discovery names a label: non-alphanumerics become `_`."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+
+@pytest.mark.parametrize("kind", ["PodMonitor", "ServiceMonitor"])
+def test_monitoring_selects_the_pods_and_services_the_operator_builds(helm_bin, kind):
+    """The selector and the relabelling read labels that kvfleet.operator.builders really sets."""
+    from kvfleet.operator import builders
+
+    isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
+    isvc["metadata"].update(uid="0b8e5a2c-7f0e-4c71-9d51-3c1f6f0f1a11", generation=1)
+    children = {c["kind"]: c for c in builders.desired_children(isvc)}
+    target = (children["Deployment"]["spec"]["template"]["metadata"]["labels"] if kind == "PodMonitor"
+              else children["Service"]["metadata"]["labels"])
+    (m,) = _monitors(render(helm_bin, "--set", "monitoring.enabled=true", "--set", f"monitoring.kind={kind}"))
+    selector = m["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= target.items(), (selector, target)
+    # ... and selects nothing of the chart's own (the operator pods).
+    operator_labels = one(render(helm_bin), "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= operator_labels.items()
+    endpoints = m["spec"]["podMetricsEndpoints" if kind == "PodMonitor" else "endpoints"]
+    (relabel,) = endpoints[0]["relabelings"]
+    (source,) = relabel["sourceLabels"]
+    src = "pod" if kind == "PodMonitor" else "service"
+    by_prom_name = {f"__meta_kubernetes_{src}_label_{_prometheus_label(k)}": v for k, v in target.items()}
+    assert by_prom_name.get(source) == isvc["metadata"]["name"], (source, sorted(by_prom_name))
+    # The scraped port is the runtime's named port.
+    if kind == "PodMonitor":
+        (container,) = [c for c in children["Deployment"]["spec"]["template"]["spec"]["containers"]
+                        if any(p.get("name") == "http" for p in c.get("ports", []))]
+    else:
+        assert any(p["name"] == "http" for p in children["Service"]["spec"]["ports"])
 
 
 def test_prometheus_adapter_rule_configmap(helm_bin):

@@ -134,10 +134,12 @@ names the code that needs it; nothing here grants access to other kinds.
 {{- end }}
 
 {{/*
-Labels the operator puts on every runtime pod and Service it creates (see
-kvfleet.operator's builders); the PodMonitor/ServiceMonitor select on them.
+Labels the operator puts on every runtime pod and Service it creates
+(kvfleet.operator.builders.labels); the PodMonitor/ServiceMonitor select on them.
+tests/test_chart.py checks them against the builders' output.
 */}}
 {{- define "kvfleet.runtimeSelectorLabels" -}}
-app.kubernetes.io/component: runtime
+app.kubernetes.io/name: kvfleet
+app.kubernetes.io/component: inference-server
 app.kubernetes.io/managed-by: kvfleet-operator
 {{- end }}
