@@ -36,3 +36,21 @@ def helm_bin() -> str:
 def kubectl_bin() -> str:
     """Path of the real `kubectl` binary (with its built-in kustomize)."""
     return _k8s_tool("kubectl")
+
+
+# --- engine: one loaded default model per session (tests/test_engine_*.py) --------------
+# Set before transformers / torch are imported: no hub access in tests, and OpenMP
+# threads that sleep rather than spin (the 2 shared cores are busy with other tests).
+_k8s_os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_k8s_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+@_k8s_pytest.fixture(scope="session")
+def smollm2():
+    """The default model (SmolLM2-135M-Instruct, fp32, CPU) as a
+    ``kvfleet.runtime.model_loader.LoadedModel``, shared by every engine of the session
+    (``LLMEngine(config, loaded=smollm2)``). Its attention is switched to the engine's paged
+    attention: load another copy (``load_model()``) to run plain transformers on it."""
+    from kvfleet.runtime.model_loader import load_model
+
+    return load_model(None, dtype="float32", device="cpu")

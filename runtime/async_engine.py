@@ -1,0 +1,286 @@
+"""``AsyncLLMEngine``: the engine core in a background thread, one async stream per request.
+
+``LLMEngine.step()`` is synchronous and CPU/GPU-bound, so it runs in a dedicated thread
+(the *engine thread*); the event loop only validates/tokenizes requests and relays
+outputs. All engine state is touched by the engine thread alone: adds, aborts and
+prefix-cache resets are commands it executes between steps (at most one step's wait).
+
+Typical use (what the OpenAI server does)::
+
+    engine = await asyncio.to_thread(AsyncLLMEngine, config, stat_loggers)  # loads the model
+    await engine.start()
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+        print(out.outputs[0].text)          # cumulative text so far
+    await engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads its OpenMP runtime: idle OpenMP threads sleep instead of spinning.
+# With spinning (the default) a CPU shared with other processes makes every parallel
+# region wait for a descheduled spinner: decode steps measured 10-20x slower here.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+
+import torch
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.model_loader import LoadedModel
+from kvfleet.runtime.outputs import RequestOutput
+from kvfleet.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died (``dead_error`` holds the cause) or was shut down."""
+
+
+class _Stream:
+    """Outputs of one request, handed from the engine thread to the event loop."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.event = asyncio.Event()
+        self.finished = False
+
+    def put(self, item) -> None:  # event-loop thread only
+        self.items.append(item)
+        self.event.set()
+
+
+class AsyncLLMEngine:
+    """Async front of :class:`~kvfleet.runtime.engine.LLMEngine`.
+
+    Args:
+        config: engine configuration (default ``EngineConfig()``).
+        stat_loggers: passed to the engine (``record()`` is called from the engine thread).
+        loaded: optional already loaded model (see ``LLMEngine``).
+
+    The constructor loads the model and allocates the KV cache: it BLOCKS for seconds
+    (call it through ``asyncio.to_thread`` from async code). Nothing runs until
+    ``await start()``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        stat_loggers: list | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+    ) -> None:
+        self.engine = LLMEngine(config, stat_loggers, loaded=loaded)
+        self.config = self.engine.config
+        self._streams: dict[str, _Stream] = {}
+        self._commands: collections.deque = collections.deque()
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine loop died of an exception (see ``dead_error``)."""
+        return self.dead_error is not None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    def cache_config_info(self) -> dict[str, str]:
+        return self.engine.cache_config_info()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread after the current step; pending streams end with
+        :class:`EngineDeadError`."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 60)
+        self._fail_streams(EngineDeadError("the engine was shut down"))
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative outputs until it finishes.
+
+        Consecutive outputs produced while the consumer was busy are coalesced (each
+        output is cumulative, so only the latest matters).
+
+        Raises:
+            ValueError: invalid input (naming the parameter) or a ``request_id`` in use,
+                before anything is yielded.
+            EngineDeadError: the engine is not running or died.
+
+        Closing the iterator early (client gone) aborts the request.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prepared = self.engine.prepare_request(
+            request_id, prompt, sampling_params, priority=priority, tenant=tenant
+        )
+        stream = _Stream()
+        self._streams[request_id] = stream
+        try:
+            await self._call(self.engine.add_prepared, prepared)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        try:
+            while True:
+                if not stream.items:
+                    stream.event.clear()
+                    await stream.event.wait()
+                item = stream.items.pop()
+                stream.items.clear()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.finished and self.is_running:
+                self._submit(self.engine.abort_request, [request_id], None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request: its blocks are freed before this returns (counted as
+        ``finish_reason="abort"``); its stream ends with a final aborted output. Unknown or
+        finished ids are ignored."""
+        if not self.is_running:
+            return
+        await self._call(self.engine.abort_request, [request_id])
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop unreferenced prefix-cache blocks (in the engine thread)."""
+        self._check_alive()
+        return await self._call(self.engine.reset_prefix_cache)
+
+    # ------------------------------------------------------------------ engine thread
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}") from self.dead_error
+        if self._thread is None:
+            raise EngineDeadError("the engine is not started (await start())")
+        if not self.is_running:
+            raise EngineDeadError("the engine is shut down")
+
+    def _submit(self, fn, args, future: Future | None) -> None:
+        self._commands.append((fn, args, future))
+        self._wakeup.set()
+
+    async def _call(self, fn, *args):
+        """Run ``fn(*args)`` in the engine thread between steps; return its result."""
+        self._check_alive()
+        future: Future = Future()
+        self._submit(fn, list(args), future)
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            try:
+                while not self._stopping:
+                    self._run_commands()
+                    if self.engine.has_unfinished_requests():
+                        outputs = self.engine.step()
+                        if outputs:
+                            self._dispatch(outputs)
+                    else:
+                        self._wakeup.wait(1.0)
+                        self._wakeup.clear()
+            except BaseException as exc:  # the loop is dead: tell everyone
+                logger.exception("the engine loop died")
+                self.dead_error = exc
+                self._fail_pending_commands(exc)
+                if self._loop is not None and not self._loop.is_closed():
+                    self._loop.call_soon_threadsafe(
+                        self._fail_streams, EngineDeadError(f"the engine loop died: {exc!r}")
+                    )
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, args, future = self._commands.popleft()
+            try:
+                result = fn(*args)
+            except Exception as exc:
+                if future is not None:
+                    future.set_exception(exc)
+                continue
+            if fn == self.engine.abort_request and result:
+                self._dispatch(result)
+            if future is not None:
+                future.set_result(result)
+
+    def _fail_pending_commands(self, exc: BaseException) -> None:
+        while self._commands:
+            _, _, future = self._commands.popleft()
+            if future is not None and not future.done():
+                future.set_exception(EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:  # event-loop thread
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                stream.finished = True
+            stream.put(out)
+
+    def _fail_streams(self, exc: BaseException) -> None:  # event-loop thread
+        for stream in list(self._streams.values()):
+            if not stream.finished:
+                stream.finished = True
+                stream.put(exc)
