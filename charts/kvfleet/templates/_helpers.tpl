@@ -82,27 +82,31 @@ names the code that needs it; nothing here grants access to other kinds.
 */}}
 {{- define "kvfleet.operatorRules" -}}
 # The InferenceService itself: kopf lists and watches it, and patches its metadata
-# (kopf's progress and last-handled-configuration annotations).
+# (kopf's diff-base annotation kvfleet.io/last-handled-configuration).
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices"]
   verbs: ["get", "list", "watch", "patch"]
-# Status (conditions, replicas, url, metrics) through the status subresource.
+# Status (conditions, replicas, url, metrics; kopf's progress in status.kopf): merge patches
+# of the status subresource.
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["get", "patch"]
 # Replicas under `autoscaling.mode: operator` are written through the scale subresource,
 # never into the user's spec by a patch of the main resource.
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices/scale"]
   verbs: ["get", "patch", "update"]
-# Children, written by server-side apply (an apply that creates needs "create" too) and
-# deleted when the spec no longer asks for them (a PDB or an HPA switched off).
+# Children, watched (a child edited or deleted by hand is put back) and written by
+# server-side apply (an apply that creates needs "create" too). They go away with the
+# InferenceService through ownerReferences (garbage collection), not by the operator.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Optional children are also deleted when the spec no longer asks for them (a PDB or an HPA
+# switched off).
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -117,11 +121,9 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
-# Events: kopf's handler progress and errors, scaling and tuning decisions.
+# Events (core v1, which kopf posts): invalid specs, applied children, scaling and tuning
+# decisions.
 - apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create"]
-- apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
 {{- end }}
