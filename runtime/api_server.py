@@ -188,6 +188,10 @@ def _default_engine_factory(config: EngineConfig, stat_loggers: list) -> Any:
 # ----------------------------------------------------------------------------- per-request plumbing
 
 
+_BACKGROUND: set[asyncio.Task] = set()
+"""Strong references to fire-and-forget tasks (asyncio keeps only weak ones)."""
+
+
 class _Submission:
     """The engine requests of one HTTP request: tracks which finished, aborts the rest, and
     watches the client connection (a disconnect aborts at once)."""
@@ -220,22 +224,32 @@ class _Submission:
         return [r for r in self.request_ids if r not in self.finished]
 
     async def abort_unfinished(self) -> None:
-        """Abort every unfinished engine request; safe inside a cancelled scope."""
+        """Abort every unfinished engine request.
+
+        The aborts run in their own task, so that cancelling the caller (Starlette cancels a
+        streaming response whose client left) can neither interrupt them nor cancel the
+        engine-side call half-way."""
         ids = self.unfinished()
         self.finished.update(ids)
         if not ids:
             return
+        task = asyncio.ensure_future(self._abort(ids))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
         with anyio.CancelScope(shield=True):
-            for rid in ids:
-                try:
-                    await self.engine.abort(rid)
-                except Exception:  # noqa: BLE001
-                    logger.exception("abort of %s failed", rid)
+            await asyncio.shield(task)
+
+    async def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                await self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed", rid)
 
     async def close(self) -> None:
-        if self._watcher is not None:
+        if self._watcher is not None and not self.disconnected:
             self._watcher.cancel()
-            self._watcher = None
+        self._watcher = None
         await self.abort_unfinished()
 
     def stream(self, prompt_ids: list[int], params, request_id: str, *, priority: int, tenant: str | None):
@@ -628,14 +642,17 @@ def _usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> P.UsageIn
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _first(merged: AsyncIterator) -> tuple[Any, bool]:
-    """The first item of ``merged``, turning the engine's input errors into 400s."""
+async def _first(state: ServerState, merged: AsyncIterator) -> tuple[Any, bool]:
+    """The first item of ``merged``; the engine's input errors (ValueError) become 400s, a
+    dead engine 503, anything else 500."""
     try:
         return await merged.__anext__(), True
     except StopAsyncIteration:
         return None, False
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise _engine_failure(state, exc) from None
 
 
 def _engine_failure(state: ServerState, exc: BaseException) -> APIError:
@@ -687,7 +704,7 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
     merged = _merge(streams)
     sub.watch_disconnect()
     try:
-        first, has_first = await _first(merged)
+        first, has_first = await _first(state, merged)
     except BaseException:
         await sub.close()
         await merged.aclose()
@@ -839,7 +856,7 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
     merged = _merge([sub.stream(prompt_ids, params, request_id, priority=body.priority, tenant=body.user)])
     sub.watch_disconnect()
     try:
-        first, has_first = await _first(merged)
+        first, has_first = await _first(state, merged)
     except BaseException:
         await sub.close()
         await merged.aclose()
