@@ -322,6 +322,11 @@ def _finish(system: str, c: int, results: list[RequestResult], duration: float, 
     return run
 
 
+def _warmup_prompt(workload: Workload) -> list[int]:
+    """16 tokens that prefix no request of the workload (so no prefix cache is primed)."""
+    return list(reversed(workload.prompts[-1]))[:16]
+
+
 def run_hf_static(model, workload: Workload, concurrency: int, pad_token_id: int, progress=None) -> RunResult:
     """transformers ``generate()`` on left-padded batches of ``concurrency`` prompts."""
     import torch
@@ -384,7 +389,7 @@ def run_hf_continuous(model, workload: Workload, concurrency: int, pad_token_id:
     with model.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True,
                                                    timeout=60, workload_hints=hints) as manager:
         # warm-up request, not timed
-        manager.add_request(workload.prompts[0][:16], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
+        manager.add_request(_warmup_prompt(workload), request_id="warmup", max_new_tokens=2, eos_token_id=-1)
         while True:
             r = manager.get_result(timeout=60)
             if r is None:
@@ -440,7 +445,7 @@ def run_kvfleet(engine_factory, workload: Workload, concurrency: int, progress=N
 
     engine = engine_factory(concurrency)
     # warm-up request, not timed
-    engine.add_request("warmup", workload.prompts[0][:16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.add_request("warmup", _warmup_prompt(workload), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     results: list[RequestResult] = [None] * len(workload)  # type: ignore[list-item]
@@ -585,17 +590,27 @@ def add_arguments(p) -> None:
 
 
 def _kvfleet_engine_factory(model_path: str, args):
-    """Build kvfleet's engine for one concurrency level (``max_num_seqs`` >= the level)."""
+    """Build kvfleet's engine for one concurrency level (``max_num_seqs`` >= the level).
+
+    The model is loaded once, on first use, and shared by the engines of all levels
+    (each engine allocates its own KV cache; the previous one is dropped first)."""
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.model_loader import load_model
+
+    state: dict = {}
 
     def factory(concurrency: int):
+        state.pop("engine", None)
+        if "loaded" not in state:
+            state["loaded"] = load_model(model_path, dtype="float32", device="cpu")
         cfg = dict(model=model_path, dtype="float32", device="cpu", block_size=args.block_size, max_num_seqs=max(concurrency, 1))
         if args.max_num_batched_tokens:
             cfg["max_num_batched_tokens"] = args.max_num_batched_tokens
         if args.kv_cache_memory:
             cfg["kv_cache_memory"] = args.kv_cache_memory
-        return LLMEngine(EngineConfig(**cfg))
+        state["engine"] = LLMEngine(EngineConfig(**cfg), loaded=state["loaded"])
+        return state["engine"]
 
     return factory
 
