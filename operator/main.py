@@ -1,0 +1,78 @@
+"""``kvfleet operator``: run the kopf operator that reconciles InferenceServices.
+
+Options::
+
+    kvfleet operator [--namespace NS]... | [--all-namespaces]
+                     [--kubeconfig FILE] [--health-port PORT]
+                     [--peering NAME | --standalone] [--priority N] [--verbose]
+
+- ``--namespace`` (repeatable; kopf globs like ``team-*`` work) or ``--all-namespaces``
+  (the default when no namespace is given).
+- ``--kubeconfig``: otherwise in-cluster credentials, else ``$KUBECONFIG`` / ``~/.kube/config``.
+- ``--health-port``: serve kopf's liveness endpoint on ``http://0.0.0.0:PORT/healthz``
+  (200 while the operator runs; point the Deployment's livenessProbe at it).
+- Peering (kopf's leader election; needs ``crds/kopf-peering.yaml``): replicas with the same
+  ``--peering NAME`` see each other; the one with the highest ``--priority`` acts, the others
+  pause until its keep-alive expires. Without ``--priority`` every replica draws a random one,
+  so exactly one of them is active. Without ``--peering`` the operator looks for a peering
+  object named ``kvfleet-operator`` and runs alone when there is none; ``--standalone``
+  skips peering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+
+DEFAULT_PEERING = "kvfleet-operator"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvfleet operator", description="Run the kvfleet Kubernetes operator (kopf).")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs allowed)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (default)")
+    p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    p.add_argument("--health-port", type=int, default=None, help="liveness endpoint port (/healthz)")
+    peer = p.add_mutually_exclusive_group()
+    peer.add_argument("--peering", default=None, metavar="NAME", help="peering object name (mandatory peering)")
+    peer.add_argument("--standalone", action="store_true", help="no peering: act alone")
+    p.add_argument("--priority", type=int, default=None, help="peering priority (default: random)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvfleet operator``; returns when the operator stops (0)."""
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import kopf
+
+    from kvfleet.operator import handlers  # noqa: F401  (registers the handlers)
+
+    priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
+    kwargs: dict = {
+        "clusterwide": not args.namespace,
+        "namespaces": args.namespace,
+        "standalone": bool(args.standalone),
+        "priority": priority,
+    }
+    if args.peering:
+        kwargs["peering_name"] = args.peering
+    if args.health_port:
+        kwargs["liveness_endpoint"] = f"http://0.0.0.0:{args.health_port}/healthz"
+
+    kopf.run(**kwargs)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
