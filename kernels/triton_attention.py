@@ -1,0 +1,329 @@
+"""Triton kernels: causal attention of a packed varlen batch over the paged KV cache.
+
+One kernel serves prefill, chunked prefill after a cached prefix, and decode; long
+contexts are split across programs and reduced (split-K, "Flash-Decoding").
+
+Work decomposition (FlashAttention-2 over a paged cache, in the style of vLLM's
+unified Triton attention kernel):
+
+* A program owns ``BLOCK_Q`` consecutive query tokens of one sequence times the
+  ``GROUP = num_heads // num_kv_heads`` query heads that share one kv head, packed
+  into ``BLOCK_M = BLOCK_Q * GROUP`` (padded to a power of two) rows, so each K/V tile
+  is loaded once for the whole GQA group.
+* Grid axis 0 enumerates query blocks of the packed batch: sequence ``s`` owns indices
+  ``[qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1)``; a program finds its sequence
+  by binary search over ``query_start_loc`` (no host-side work, no device-to-host copy
+  to size the grid), and programs past a sequence's last query block exit at once.
+  Axis 1 is the kv head, axis 2 the KV split.
+* The KV loop walks ``BLOCK_N``-token tiles of the context, gathering each token's
+  physical block id from the block table (any ``block_size`` works, tiles may span
+  blocks), with the online softmax of FlashAttention-2 in fp32 (exp2 domain).
+* With ``num_splits > 1`` split ``i`` covers tiles ``[i*tiles_per_split,
+  (i+1)*tiles_per_split)`` and stores its unnormalised accumulator, running max and
+  running sum; ``_reduce_splits_kernel`` merges them (Flash-Decoding, Dao et al. 2023).
+  With one split the kernel normalises and writes the output directly.
+
+Sources: Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning" (2023); Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
+inference" (2023); Kwon et al., PagedAttention (SOSP 2023); vLLM's
+``triton_unified_attention.py`` for the query-block/sequence mapping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvfleet.kernels.reference import check_paged_attention_args
+
+__all__ = ["paged_attention_triton", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+_M_INIT = -1.0e30  # running max before any key: finite, so exp2(m_old - m_new) never sees inf - inf
+
+
+@triton.jit
+def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest s in [0, num_seqs) with qsl[s] // BLOCK_Q + s <= pid (binary search)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    scale_log2e,
+    num_seqs,
+    num_heads,
+    num_splits,
+    tiles_per_split,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # tokens cached before this step's chunk
+
+    r = tl.arange(0, BLOCK_M)
+    q_tok = q_block * BLOCK_Q + r // GROUP  # index of the query token within its sequence
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (q_tok < q_len)
+    q_pos = context_len + q_tok  # absolute position: attends to keys [0, q_pos]
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    tok = (q_start + q_tok).to(tl.int64)
+
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
+
+    # Keys this query block can see: [0, kv_end).
+    kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        j = tile * BLOCK_N + n  # key positions of this tile
+        j_ok = j < kv_end
+        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        off = (j % BLOCK_SIZE).to(tl.int64)
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_kt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Partials: acc [T, H, S, HEAD_PAD], (m, l) [T, H, S, 2]; every split writes, even
+        # an empty one (m = _M_INIT, l = 0), so the reduce never reads garbage.
+        ph = (tok * num_heads + head) * num_splits + split
+        tl.store(part_acc_ptr + ph[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + ph * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ph * 2 + 1, l_i, mask=row_ok)
+    else:
+        o = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = sp < num_splits
+    base = (tok * num_heads + head) * num_splits
+    m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l, axis=0)
+    d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a small pretend machine, so tests still exercise splitting
+
+
+def choose_num_splits(num_q_programs: int, max_seq_len: int, block_n: int, device: torch.device,
+                      min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+    """How many KV splits: enough programs to cover ~2 waves of the GPU's SMs, but at
+    least ``min_tokens_per_split`` keys per split (the reduce and the partials cost
+    memory traffic) and at most ``max_splits``."""
+    if num_q_programs <= 0 or max_seq_len <= 0:
+        return 1
+    want = -(-2 * _num_sms(device) // num_q_programs)
+    cap = max(1, max_seq_len // max(min_tokens_per_split, block_n))
+    return int(max(1, min(want, cap, max_splits)))
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`kvfleet.kernels.reference.paged_attention_torch`: same
+    arguments, semantics and return value (``[num_tokens, num_heads, head_size]`` in
+    ``query.dtype``, fp32 accumulation).
+
+    Extra keyword arguments (tuning; defaults are chosen per call):
+
+    * ``num_splits``: KV splits per query block (Flash-Decoding); default from
+      :func:`choose_num_splits` (only > 1 when the batch has few query blocks).
+    * ``block_n``: keys per tile (power of two >= 16).
+
+    Hints: ``max_seq_len`` (default ``seq_lens.max()``, one device-to-host copy) sizes
+    the splits; ``max_query_len`` (default: ``1`` when ``num_tokens == num_seqs`` else
+    ``num_tokens``; no copy) picks the query tile. Wrong hints cost speed, not
+    correctness, except that ``max_seq_len`` must be >= every ``seq_lens`` entry when
+    ``num_splits > 1`` (it sizes the split ranges).
+
+    ``seq_lens`` and ``query_start_loc`` must be int32 or int64 on the query's device,
+    ``block_tables`` int32/int64. The caches need unit stride on ``head_size``.
+    Raises ValueError on inconsistent shapes.
+    """
+    num_seqs, num_heads, num_kv_heads, head_size, block_size = check_paged_attention_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+    )
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_size)
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    num_tokens = query.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    for name, t in (("query", query), ("out", out), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride on head_size")
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    seq_lens = seq_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
+
+    group = num_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    if max_query_len is None:
+        max_query_len = 1 if num_tokens <= num_seqs else num_tokens
+    # Query tile: 16 rows for decode-like batches (tl.dot's minimum), 64 for prefill.
+    rows = 16 if max_query_len * group <= 16 else 64
+    block_m = max(rows, triton.next_power_of_2(group))
+    block_q = block_m // group
+    if block_n is None:
+        block_n = 64 if head_pad <= 64 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+
+    num_q_programs = num_tokens // block_q + num_seqs  # upper bound on query blocks
+    if num_splits is None or num_splits > 1:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len, block_n, query.device)
+    num_splits = max(1, int(num_splits))
+    tiles_per_split = 1 << 30  # one split: all tiles
+    if num_splits > 1:
+        tiles_per_split = -(-(-(-max_seq_len // block_n)) // num_splits)
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32, device=query.device)
+        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_ml = out  # unused (SPLIT=False)
+
+    precision = "ieee" if query.dtype == torch.float32 or key_cache.dtype == torch.float32 else "tf32"
+    num_warps = 4 if block_m <= 16 else (8 if head_pad >= 128 else 4)
+    grid = (num_q_programs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, out, part_acc, part_ml,
+        block_tables, seq_lens, query_start_loc,
+        scale * _LOG2E, num_seqs, num_heads, num_splits, tiles_per_split,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, GROUP=group,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
+        PRECISION=precision,
+        num_warps=num_warps, num_stages=2,
+    )
+    if num_splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_ml, num_heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        )
+    return out
