@@ -70,6 +70,11 @@ ARG PYTHON_VERSION
 LABEL org.opencontainers.image.title="kvfleet-runtime" \
       org.opencontainers.image.description="kvfleet serve: continuous-batching, paged-KV-cache LLM server (OpenAI API, Prometheus metrics)" \
       org.opencontainers.image.licenses="Apache-2.0"
+# Triton compiles a small launcher module with the system C compiler the first time a kernel
+# runs, so gcc and the C library headers stay in the image; CA certificates for hub downloads.
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
 # The uid the operator runs runtime pods as (kvfleet.operator.builders.RUNTIME_UID).
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && (groupdel ubuntu 2>/dev/null || true) \
@@ -128,15 +133,13 @@ COPY operator/ operator/
 COPY kernels/ kernels/
 # The operator's dependencies at the version ranges pyproject.toml declares, then kvfleet
 # itself without its (torch, transformers, ...) dependencies.
-RUN python - > /tmp/operator-requirements.txt <<'EOF'
-import os, re, tomllib
-wanted = set(os.environ["OPERATOR_DEPS"].split())
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-names = {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower(): d for d in deps}
-missing = wanted - set(names)
-assert not missing, f"OPERATOR_DEPS not in pyproject dependencies: {missing}"
-print("\n".join(names[n] for n in sorted(wanted)))
-EOF
+RUN python -c 'import os, re, tomllib; \
+    wanted = set(os.environ["OPERATOR_DEPS"].split()); \
+    deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; \
+    names = {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower(): d for d in deps}; \
+    missing = wanted - set(names); \
+    assert not missing, f"OPERATOR_DEPS not in pyproject dependencies: {missing}"; \
+    print("\n".join(names[n] for n in sorted(wanted)))' > /tmp/operator-requirements.txt
 RUN pip install -r /tmp/operator-requirements.txt \
  && pip install --no-deps /src \
  && rm -rf /src /tmp/operator-requirements.txt \
