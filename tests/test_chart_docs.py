@@ -5,7 +5,9 @@ autoscaling/v2 object on the metric the adapter rule and the operator use, and t
 
 from __future__ import annotations
 
+import copy
 import re
+import textwrap
 import subprocess
 from pathlib import Path
 
@@ -81,3 +83,26 @@ def test_label_used_to_list_children_is_set_by_the_operator():
     (label,) = re.findall(r"-l ([\w./-]+)=smollm2", text())
     isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
     assert builders.labels(isvc)[label] == "smollm2"
+
+
+def _served_model_name(isvc: dict) -> str:
+    from kvfleet.operator import builders
+
+    isvc = copy.deepcopy(isvc)
+    isvc["metadata"].setdefault("namespace", "default")
+    isvc["metadata"].update(uid="0b8e5a2c-7f0e-4c71-9d51-3c1f6f0f1a11", generation=1)
+    return builders.engine_config(isvc)["served_model_name"]
+
+
+def test_curl_examples_use_the_served_model_name(helm_bin):
+    # docs/deploy.md: the minimal example, as applied.
+    isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
+    (model,) = re.findall(r'"model": "([^"]+)"', text())
+    assert model == _served_model_name(isvc)
+    # NOTES.txt: the manifest it prints, and its curl.
+    notes = subprocess.run([helm_bin, "install", "kvfleet", str(CHART), "--dry-run=client"], capture_output=True,
+                           text=True, timeout=120, check=True).stdout.split("NOTES:", 1)[1]
+    block = notes.split("-f -\n", 1)[1].split("YAML\n", 1)[0]
+    isvc = yaml.safe_load(textwrap.dedent(block))
+    (model,) = re.findall(r'"model": "([^"]+)"', notes)
+    assert model == _served_model_name(isvc)
