@@ -18,10 +18,11 @@ tools, image inputs) raise :class:`UnsupportedFeature` from ``check_supported``.
 from __future__ import annotations
 
 import time
+import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -62,9 +63,28 @@ class ErrorResponse(BaseModel):
 # ----------------------------------------------------------------------------- requests
 
 
+MAX_N = 128
+"""Most output sequences per prompt (OpenAI's limit for ``n``)."""
+
+
 class _Request(BaseModel):
     # strict: no str->int or float->int coercion; unknown fields are ignored (vLLM does the same).
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``"field": null`` for a non-nullable field with a default means the default
+        (clients such as LangChain send explicit nulls); nullable fields keep their null."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+
+            def non_nullable_default(k: str) -> bool:
+                f = fields.get(k)
+                return f is not None and not f.is_required() and type(None) not in typing.get_args(f.annotation)
+
+            data = {k: v for k, v in data.items() if not (v is None and non_nullable_default(k))}
+        return data
 
 
 class StreamOptions(_Request):
@@ -104,6 +124,8 @@ class _SamplingFields(_Request):
     request_id: str | None = None
 
     def _common_checks(self) -> None:
+        if self.n > MAX_N:
+            raise ProtocolError(f"n must be <= {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
         if self.logit_bias:

@@ -296,6 +296,8 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "hi", "top_p": 1.5}', 400, "top_p"),
     (b'{"prompt": "hi", "n": 0}', 400, "n"),
     (b'{"prompt": "hi", "n": 1.5}', 400, "n"),
+    (b'{"prompt": "hi", "n": 129}', 400, "n"),
+    (b'{"prompt": null}', 400, "prompt"),
     (b'{"prompt": "hi", "max_tokens": 300}', 400, "max_tokens"),  # 2 + 300 > 256
     (b'{"prompt": "hi", "echo": true}', 400, "echo"),
     (b'{"prompt": "hi", "suffix": "x"}', 400, "suffix"),
@@ -357,6 +359,44 @@ def test_queue_full_gives_429(tmp_path):
         assert err["code"] == "queue_full"
         engines[0].forced_waiting = 1
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_burst_beyond_the_queue_limit_gets_429_before_any_output():
+    """Requests submitted but without output yet count as waiting, so a burst that arrives
+    within one engine step is bounded too."""
+    app, engines = make_client(settings=ServerSettings(max_queue_len=2))
+    with TestClient(app) as c:
+        wait_ready(c)
+        engines[0].step_delay = 0.3  # first output only after 0.3 s
+        results: list[int] = []
+
+        def post():
+            results.append(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code)
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        for t in threads:
+            t.start()
+        import time
+
+        deadline = time.monotonic() + 5
+        while app.state.kvfleet.pending < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        err = assert_error(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}), 429)
+        assert "2 requests are waiting" in err["message"]
+        for t in threads:
+            t.join(10)
+        assert results == [200, 200]
+        assert app.state.kvfleet.pending == 0
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_explicit_nulls_mean_defaults(client):
+    r = client.post("/v1/completions", json={"prompt": "hi", "n": None, "temperature": None, "ignore_eos": None,
+                                             "min_tokens": None, "stop": None, "max_tokens": 3})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY[:3]
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": None})  # null: up to max_model_len
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256 - 2
 
 
 # ----------------------------------------------------------------------------- responses

@@ -178,7 +178,8 @@ def test_stream_equals_non_stream_with_multi_token_stop(server):
     words = text.split()
     assert len(words) >= 6, text
     stop = " ".join(words[3:5])
-    assert len(stop) >= 6
+    stop_tokens = client.completions.create(model=MODEL, prompt=stop, max_tokens=1).usage.prompt_tokens
+    assert stop_tokens >= 2, f"{stop!r} should span several tokens"
     expected = text[: text.index(stop)]
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
     assert plain.choices[0].text == expected
@@ -315,6 +316,20 @@ def test_killed_client_aborts_its_request(server):
     assert r.usage.completion_tokens == 4
 
 
+def test_valid_extreme_parameters_are_served(server):
+    client = server.client()
+    r = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=2.0, top_p=0.01, seed=2**70, presence_penalty=2,
+        frequency_penalty=-2, logprobs=20,
+        extra_body={"top_k": 10**9, "min_p": 1.0, "repetition_penalty": 100.0, "stop_token_ids": [10**9],
+                    "min_tokens": 4, "priority": -5, "user": "tenant-x"},
+    )  # fmt: skip
+    assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
+    assert all(len(top) <= 21 for top in r.choices[0].logprobs.top_logprobs)
+    assert httpx.get(server.base + "/health").status_code == 200
+    server.metrics()
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -367,3 +382,16 @@ def test_reset_prefix_cache_and_final_metrics(server):
     assert metric(m, "kvfleet:time_to_first_token_seconds", "kvfleet:time_to_first_token_seconds_count") > 0
     assert metric(m, "kvfleet:request_success", "kvfleet:request_success_total", finished_reason="stop") > 0
     assert metric(m, "kvfleet:request_success", "kvfleet:request_success_total", finished_reason="length") > 0
+
+
+def test_failed_model_load_exits_1_with_options_from_config_and_env(tmp_path):
+    cfg = tmp_path / "kvfleet.yaml"
+    cfg.write_text("model: /nonexistent/model.gguf\nblock-size: 32\nhost: 127.0.0.1\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVFLEET_CONFIG": str(cfg), "KVFLEET_PORT": "0"}
+    done = subprocess.run([sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--log-level", "warning"],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "/nonexistent/model.gguf" in done.stderr
+    bad = subprocess.run([sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--block-size", "huge"],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "--block-size='huge'" in bad.stderr
