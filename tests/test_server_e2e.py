@@ -395,3 +395,42 @@ def test_failed_model_load_exits_1_with_options_from_config_and_env(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--block-size", "huge"],
                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "--block-size='huge'" in bad.stderr
+
+
+def test_engine_loop_death_turns_health_and_requests_to_503(smollm2):
+    """The real AsyncLLMEngine in-process: when its loop dies, /health and /ready say 503 (a
+    liveness probe restarts the pod) and requests get a 503 error body, not a hang."""
+    from fastapi.testclient import TestClient
+
+    from kvfleet.runtime.api_server import create_app
+    from kvfleet.runtime.async_engine import AsyncLLMEngine
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.serve_args import ServerSettings
+
+    engines = []
+
+    def factory(config, stat_loggers):
+        engines.append(AsyncLLMEngine(config, stat_loggers, loaded=smollm2))
+        return engines[0]
+
+    app = create_app(EngineConfig(kv_cache_memory=32 * 1024**2), ServerSettings(), engine_factory=factory)
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 120
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ok = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+        def broken_step():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+        engines[0].engine.step = broken_step
+        r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_dead"
+        assert c.get("/health").status_code == 503
+        assert c.get("/ready").status_code == 503
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert list(text_string_to_metric_families(c.get("/metrics").text))
