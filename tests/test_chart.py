@@ -233,13 +233,13 @@ def _rules(role: dict) -> dict[tuple[str, str], set[str]]:
 EXPECTED_RULES = {
     ("kvfleet.io", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("kvfleet.io", "inferenceservices/status"): {"get", "patch"},
-    ("kvfleet.io", "inferenceservices/scale"): {"get", "patch", "update"},
+    ("kvfleet.io", "inferenceservices/scale"): {"patch"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods"): {"get", "list"},
     ("", "secrets"): {"get"},
     ("", "events"): {"create"},
 }

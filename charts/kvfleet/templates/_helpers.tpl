@@ -82,7 +82,8 @@ names the code that needs it; nothing here grants access to other kinds.
 */}}
 {{- define "kvfleet.operatorRules" -}}
 # The InferenceService itself: kopf lists and watches it, and patches its metadata
-# (kopf's diff-base annotation kvfleet.io/last-handled-configuration).
+# (kopf's diff-base annotation kvfleet.io/last-handled-configuration, and kopf's finalizer
+# while a per-resource daemon runs).
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices"]
   verbs: ["get", "list", "watch", "patch"]
@@ -91,11 +92,11 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices/status"]
   verbs: ["get", "patch"]
-# Replicas under `autoscaling.mode: operator` are written through the scale subresource,
-# never into the user's spec by a patch of the main resource.
+# Replicas under `autoscaling.mode: operator` are written through the scale subresource
+# (a merge patch of the Scale), never into the user's spec by a patch of the main resource.
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices/scale"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["patch"]
 # Children, watched (a child edited or deleted by hand is put back) and written by
 # server-side apply (an apply that creates needs "create" too). They go away with the
 # InferenceService through ownerReferences (garbage collection), not by the operator.
@@ -114,9 +115,10 @@ names the code that needs it; nothing here grants access to other kinds.
   resources: ["horizontalpodautoscalers"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Runtime pods: readiness, IPs to scrape /metrics from, restart reasons (OOMKilled) for tuning.
+# HPAs above are also listed to find one that targets an InferenceService in mode operator.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list"]
 # Checking that spec.runtime.apiKeySecretRef names an existing Secret (read, never listed).
 - apiGroups: [""]
   resources: ["secrets"]
