@@ -318,6 +318,16 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
             t.cancel()
 
 
+class GenerationError(RuntimeError):
+    """The engine finished a request with an internal error (``RequestOutput.extra["error"]``)."""
+
+
+def _raise_for_error(out: RequestOutput) -> None:
+    error = (out.extra or {}).get("error")
+    if error:
+        raise GenerationError(f"request {out.request_id} failed in the engine: {error}")
+
+
 def _finite(x: float | None) -> float:
     if x is None or math.isnan(x):
         return LOGPROB_FLOOR
@@ -716,6 +726,7 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
             item = first
             while has_first:
                 i, out = item
+                _raise_for_error(out)
                 final[i] = out
                 try:
                     item = await merged.__anext__()
@@ -775,6 +786,7 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
             item = first
             while item is not None:
                 i, out = item
+                _raise_for_error(out)
                 last[i] = out
                 for c in out.outputs:
                     idx = i * n + c.index
@@ -813,6 +825,14 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
     return StreamingResponse(generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+     "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message", "conversation"}
+)  # fmt: skip
+"""apply_chat_template arguments the server sets itself (a request may pass others, e.g.
+``enable_thinking``, through ``chat_template_kwargs``)."""
+
+
 async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompletionRequest):
     _check_model(state, body.model)
     try:
@@ -824,16 +844,22 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template")
+    extra_kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(set(extra_kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(
             messages,
             tokenize=False,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            **(body.chat_template_kwargs or {}),
+            **extra_kwargs,
         )
     except Exception as exc:  # noqa: BLE001 - jinja TemplateError, ValueError, TypeError from the template
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages", code="invalid_value") from None
+    if not isinstance(text, str):
+        raise APIError(400, "chat_template_kwargs must not change the template's output type", param="chat_template_kwargs")
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     max_tokens = _resolve_max_tokens(
         body.requested_max_tokens(),
@@ -866,6 +892,7 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
         final = first[1] if has_first else None
         try:
             while has_first:
+                _raise_for_error(final)
                 try:
                     final = (await merged.__anext__())[1]
                 except StopAsyncIteration:
@@ -920,6 +947,7 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
             item = first
             while item is not None:
                 _, out = item
+                _raise_for_error(out)
                 last = out
                 for c in out.outputs:
                     idx = c.index

@@ -141,6 +141,12 @@ class ScriptedEngine:
                         if len(o.token_ids) >= params.max_tokens:
                             o.text, o.finish_reason = full, "length"
                 step += 1
+                if "FAIL" in self.tokenizer.decode(prompt) and step == 2:  # post-processing error
+                    for o in outs:
+                        o.finish_reason = "abort"
+                    yield RequestOutput(request_id, None, list(prompt), outs, finished=True,
+                                        extra={"error": "ValueError: detokenizer exploded"})
+                    return
                 finished = all(o.finished for o in outs)
                 self._record([FinishedRequestStats(o.finish_reason, 0.1, 0.0, len(prompt), len(o.token_ids))
                               for o in outs] if finished else ())
@@ -335,6 +341,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs"),
 ]
 
 
@@ -397,6 +405,17 @@ def test_explicit_nulls_mean_defaults(client):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY[:3]
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": None})  # null: up to max_model_len
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256 - 2
+
+
+def test_engine_request_error_is_500_not_a_silent_abort(client):
+    err = assert_error(client.post("/v1/completions", json={"prompt": "FAIL", "max_tokens": 8}), 500)
+    assert "detokenizer exploded" in err["message"]
+    events = sse_events(client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "FAIL"}], "max_tokens": 8, "stream": True}))  # fmt: skip
+    assert events[-1] == "[DONE]"
+    assert "detokenizer exploded" in events[-2]["error"]["message"]
+    assert client.get("/health").status_code == 200  # one failed request is not a dead engine
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
 # ----------------------------------------------------------------------------- responses
