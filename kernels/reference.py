@@ -216,7 +216,7 @@ def _prefill_one(
         )[0]  # [H, q_len, d]
         return o.transpose(0, 1)
     # Older torch: fold the query heads of one kv head into the query-length dimension.
-    qh = q.view(q_len, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * q_len, d)
+    qh = q.reshape(q_len, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * q_len, d)
     if mask is None:
         mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril()
     o = F.scaled_dot_product_attention(
@@ -273,7 +273,7 @@ def paged_attention_torch(
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     if out is None:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     if query.shape[0] == 0 or num_seqs == 0:

@@ -32,6 +32,7 @@ inference" (2023); Kwon et al., PagedAttention (SOSP 2023); vLLM's
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -96,6 +97,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,6 +126,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     ).to(k_cache_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     # Keys this query block can see: [0, kv_end).
     kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
@@ -149,6 +153,9 @@ def _paged_attention_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + d[None, :],
                     mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -202,6 +209,10 @@ def _reduce_splits_kernel(
     acc = tl.load(part_acc_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + tok * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_SIZE)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _num_sms(device: torch.device) -> int:
@@ -263,7 +274,7 @@ def paged_attention_triton(
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     if out is None:
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     elif out.shape != query.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     num_tokens = query.shape[0]
@@ -305,7 +316,12 @@ def paged_attention_triton(
     else:
         part_acc = part_ml = out  # unused (SPLIT=False)
 
-    precision = "ieee" if query.dtype == torch.float32 or key_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if key_cache.dtype == torch.float32 else "tf32"
+    # The interpreter's tl.dot mishandles bf16 operands (numpy has no bfloat16): compute
+    # the dots in fp32 there. Compiled kernels always use the cache dtype's tensor cores.
+    upcast = key_cache.dtype == torch.bfloat16 and _interpreting()
+    if upcast:
+        precision = "ieee"
     num_warps = 4 if block_m <= 16 else (8 if head_pad >= 128 else 4)
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
@@ -318,7 +334,7 @@ def paged_attention_triton(
         block_tables.stride(0),
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, GROUP=group,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PRECISION=precision,
+        PRECISION=precision, UPCAST=upcast,
         num_warps=num_warps, num_stages=2,
     )
     if num_splits > 1:

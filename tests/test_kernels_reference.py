@@ -1,0 +1,168 @@
+"""The torch reference kernels (the CPU production path and the oracle of the Triton
+kernels) against a naive dense causal attention, plus their contract: slot -1, shuffled
+blocks, GQA, errors, backend dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet.kernels import (
+    BACKEND_ENV,
+    paged_attention,
+    paged_attention_torch,
+    reshape_and_cache,
+    reshape_and_cache_torch,
+    select_backend,
+)
+from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, naive_attention
+
+# (num_heads, num_kv_heads): GQA ratios 1, 3, 8
+GQA = [(2, 2), (3, 1), (8, 1)]
+
+
+def seq_mix(bs: int) -> list[tuple[int, int]]:
+    """(seq_len, q_len) pairs: decode at lengths 1, a block, a block plus one and a ragged
+    one; a whole-prompt prefill; a chunk after a cached prefix; a single-token prompt."""
+    return [(1, 1), (bs, 1), (bs + 1, 1), (3 * bs + 5, 1), (bs + 1, bs + 1), (2 * bs + 3, bs - 1), (1, 1),
+            (bs, bs)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reference_matches_naive(block_size, heads, head_size, dtype):
+    h, kvh = heads
+    b = make_paged_batch(seq_mix(block_size), num_heads=h, num_kv_heads=kvh, head_size=head_size,
+                         block_size=block_size, dtype=dtype, seed=block_size + h + head_size)
+    out = paged_attention_torch(*b.attn_args)
+    assert out.dtype == dtype and out.shape == b.query.shape
+    ref = naive_attention(b)
+    atol, rtol = TOLERANCES[dtype]
+    # The reference computes in fp32 from the dtype's inputs; only the final rounding and
+    # fp32 summation order differ from fp64.
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+def test_reference_decode_chunking_and_long_ragged():
+    # Many decode sequences of very different lengths: several chunks, padding per chunk.
+    lens = [1, 2, 15, 16, 17, 33, 100, 257, 600, 31, 64, 65, 5, 700]
+    b = make_paged_batch([(L, 1) for L in lens], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    import kvfleet.kernels.reference as ref_mod
+
+    old = ref_mod._DECODE_CHUNK_BYTES
+    try:
+        ref_mod._DECODE_CHUNK_BYTES = 64 * 1024  # force multi-sequence and single-sequence chunks
+        out = paged_attention_torch(*b.attn_args)
+    finally:
+        ref_mod._DECODE_CHUNK_BYTES = old
+    torch.testing.assert_close(out.double(), naive_attention(b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(paged_attention_torch(*b.attn_args), out, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_shuffled_blocks_same_output():
+    seqs = seq_mix(16)
+    a = make_paged_batch(seqs, num_heads=6, num_kv_heads=2, shuffle=False, seed=3)
+    b = make_paged_batch(seqs, num_heads=6, num_kv_heads=2, shuffle=True, seed=3)
+    assert not torch.equal(a.block_tables, b.block_tables)
+    torch.testing.assert_close(paged_attention_torch(*a.attn_args), paged_attention_torch(*b.attn_args),
+                               atol=1e-6, rtol=1e-6)
+
+
+def test_reference_noncontiguous_query_and_out():
+    # The engine passes query[0].transpose(0, 1) from a [1, H, T, d] tensor.
+    b = make_paged_batch(seq_mix(8), num_heads=6, num_kv_heads=3, block_size=8)
+    q_t = b.query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q_t.is_contiguous()
+    out = torch.full_like(b.query, float("nan"))
+    res = paged_attention_torch(q_t, *b.attn_args[1:], out=out)
+    assert res is out
+    torch.testing.assert_close(out.double(), naive_attention(b), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_zero_query_tokens_sequence():
+    # A sequence with no query tokens this step contributes no rows.
+    b = make_paged_batch([(5, 1), (20, 0), (9, 3)], block_size=8)
+    torch.testing.assert_close(paged_attention_torch(*b.attn_args).double(), naive_attention(b),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reshape_and_cache_writes_slots_and_skips_minus_one(dtype):
+    b = make_paged_batch([(5, 5), (20, 3), (9, 1)], block_size=8, dtype=dtype)
+    kc = torch.zeros_like(b.key_cache)
+    vc = torch.zeros_like(b.value_cache)
+    slots = b.slot_mapping.clone()
+    slots[2] = -1
+    slots[5] = -1
+    reshape_and_cache_torch(b.new_keys, b.new_values, kc, vc, slots)
+    flat_k = kc.view(-1, *kc.shape[2:])
+    flat_v = vc.view(-1, *vc.shape[2:])
+    keep = slots >= 0
+    assert torch.equal(flat_k[slots[keep]], b.new_keys[keep])
+    assert torch.equal(flat_v[slots[keep]], b.new_values[keep])
+    # Everything else, including the slots of the skipped tokens, is untouched (still 0).
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[slots[keep]] = True
+    assert flat_k[~written].abs().sum() == 0 and flat_v[~written].abs().sum() == 0
+    assert flat_k[b.slot_mapping[2]].abs().sum() == 0
+
+
+def test_reshape_and_cache_casts_and_validates():
+    kc = torch.zeros(4, 8, 2, 16, dtype=torch.float16)
+    vc = torch.zeros_like(kc)
+    k = torch.randn(3, 2, 16)
+    reshape_and_cache_torch(k, k, kc, vc, torch.tensor([0, 9, 31]))
+    assert torch.equal(kc.view(-1, 2, 16)[torch.tensor([0, 9, 31])], k.half())
+    with pytest.raises(ValueError, match="num_tokens"):
+        reshape_and_cache_torch(k[:2], k[:2], kc, vc, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="value_cache shape"):
+        reshape_and_cache_torch(k, k, kc, vc[:2], torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="contiguous"):
+        nc = torch.zeros(4, 2, 8, 16, dtype=torch.float16).transpose(1, 2)
+        reshape_and_cache_torch(k, k, nc, nc, torch.tensor([0, 1, 2]))
+
+
+def test_paged_attention_validates_shapes():
+    b = make_paged_batch([(5, 1), (9, 3)], num_heads=4, num_kv_heads=2, block_size=8)
+    q, kc, vc, bt, sl, qsl, scale = b.attn_args
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention_torch(q[:, :3], kc, vc, bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="head_size"):
+        paged_attention_torch(q[..., :32], kc, vc, bt, sl, qsl, scale)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_attention_torch(q, kc, vc, bt, sl[:1], qsl, scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention_torch(q, kc, vc, bt, sl, qsl[:2], scale)
+    with pytest.raises(ValueError, match="shorter"):
+        paged_attention_torch(q, kc, vc, bt, torch.tensor([5, 2], dtype=torch.int32), qsl, scale)
+
+
+def test_default_scale_is_inverse_sqrt_head_size():
+    b = make_paged_batch([(7, 3)], head_size=64)
+    q, kc, vc, bt, sl, qsl, _ = b.attn_args
+    torch.testing.assert_close(paged_attention_torch(q, kc, vc, bt, sl, qsl), paged_attention_torch(*b.attn_args))
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert select_backend(torch.device("cpu")) == "torch"
+    assert select_backend(torch.device("cuda", 0)) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert select_backend(torch.device("cuda", 0)) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "TRITON")
+    assert select_backend(torch.device("cpu")) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        select_backend(torch.device("cpu"))
+
+
+def test_public_entry_points_use_torch_on_cpu(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "auto")
+    b = make_paged_batch(seq_mix(8), num_heads=4, num_kv_heads=2, block_size=8)
+    kc = torch.zeros_like(b.key_cache)
+    vc = torch.zeros_like(b.value_cache)
+    reshape_and_cache(b.new_keys, b.new_values, kc, vc, b.slot_mapping)
+    assert torch.equal(kc.view(-1, 2, 64)[b.slot_mapping], b.new_keys)
+    torch.testing.assert_close(paged_attention(*b.attn_args), paged_attention_torch(*b.attn_args))

@@ -1,0 +1,193 @@
+"""The Triton kernels against the torch reference, under the Triton interpreter
+(``TRITON_INTERPRET=1``) on CPU, or compiled when the tests run on a CUDA machine.
+
+The interpreter flag must be set before ``triton.jit`` decorates the kernels, so the
+``tri`` fixture sets it and (re)imports the kernel modules; the rest of the test session
+is unaffected (the flag is restored afterwards; the engine never imports these modules
+on CPU). Tolerances per dtype: ``kvfleet.kernels.testing.TOLERANCES``.
+
+Kept small (2-8 heads, sequences up to ~100 tokens) so that the whole module takes well
+under a minute of interpreter time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
+from kvfleet.kernels.testing import TOLERANCES, make_paged_batch
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+GQA = [(2, 2), (3, 1), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
+
+
+@pytest.fixture(scope="module")
+def tri():
+    """The Triton implementations, interpreted on CPU."""
+    old = os.environ.get("TRITON_INTERPRET")
+    if not ON_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = []
+        for name in ("kvfleet.kernels.triton_cache", "kvfleet.kernels.triton_attention"):
+            mod = sys.modules.get(name)
+            mods.append(importlib.reload(mod) if mod is not None else importlib.import_module(name))
+        yield mods[0].reshape_and_cache_triton, mods[1].paged_attention_triton, mods[1]
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def seq_mix(bs: int) -> list[tuple[int, int]]:
+    """(seq_len, q_len): decode at 1, a block, a block plus one, ragged; a whole prompt of a
+    block plus one; a chunk after a cached prefix; a prompt of exactly one block."""
+    return [(1, 1), (bs, 1), (bs + 1, 1), (2 * bs + 5, 1), (bs + 1, bs + 1), (2 * bs + 3, bs - 1), (bs, bs)]
+
+
+def assert_close(out, ref, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    assert out.dtype == ref.dtype == dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_paged_attention_grid(tri, block_size, heads, head_size, dtype):
+    _, attn, _ = tri
+    h, kvh = heads
+    b = make_paged_batch(seq_mix(block_size), num_heads=h, num_kv_heads=kvh, head_size=head_size,
+                         block_size=block_size, dtype=dtype, device=DEVICE, seed=block_size * 7 + h)
+    ref = paged_attention_torch(*b.attn_args)
+    out = attn(*b.attn_args, num_splits=1)
+    assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [(3, 1), (8, 2)])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_k_decode_matches(tri, heads, dtype, num_splits):
+    # Flash-decoding: the context split across programs and reduced. Lengths chosen so
+    # some splits of the short sequences are empty (m = -inf-like, l = 0 partials).
+    _, attn, _ = tri
+    h, kvh = heads
+    b = make_paged_batch([(1, 1), (16, 1), (17, 1), (100, 1), (70, 3)], num_heads=h, num_kv_heads=kvh,
+                         head_size=64, block_size=16, dtype=dtype, device=DEVICE, seed=num_splits)
+    ref = paged_attention_torch(*b.attn_args)
+    out = attn(*b.attn_args, num_splits=num_splits, block_n=16, max_seq_len=b.max_seq_len)
+    assert_close(out, ref, dtype)
+
+
+def test_default_launch_config(tri):
+    # No tuning arguments: the wrapper picks query tile, tile size and splits itself.
+    _, attn, mod = tri
+    b = make_paged_batch([(40, 1), (90, 1)], num_heads=6, num_kv_heads=2, block_size=16, device=DEVICE)
+    n = mod.choose_num_splits(2 * 2, 90, 64, torch.device(DEVICE))
+    assert n >= 1
+    assert_close(attn(*b.attn_args), paged_attention_torch(*b.attn_args), torch.float32)
+    # Prefill-sized batch (64-row query tiles).
+    b = make_paged_batch([(70, 70), (50, 20)], num_heads=4, num_kv_heads=1, block_size=8, device=DEVICE)
+    assert_close(attn(*b.attn_args), paged_attention_torch(*b.attn_args), torch.float32)
+
+
+def test_bfloat16_and_head_size_96(tri):
+    _, attn, _ = tri
+    b = make_paged_batch(seq_mix(16), num_heads=6, num_kv_heads=2, head_size=96, block_size=16,
+                         dtype=torch.bfloat16, device=DEVICE)
+    assert_close(attn(*b.attn_args, num_splits=1), paged_attention_torch(*b.attn_args), torch.bfloat16)
+    b = make_paged_batch([(33, 1), (20, 1)], num_heads=4, num_kv_heads=4, head_size=96, block_size=8,
+                         dtype=torch.float32, device=DEVICE)
+    assert_close(attn(*b.attn_args, num_splits=2, block_n=16), paged_attention_torch(*b.attn_args), torch.float32)
+
+
+def test_shuffled_blocks_same_output(tri):
+    _, attn, _ = tri
+    seqs = seq_mix(8)
+    a = make_paged_batch(seqs, num_heads=3, num_kv_heads=1, block_size=8, shuffle=False, seed=11, device=DEVICE)
+    b = make_paged_batch(seqs, num_heads=3, num_kv_heads=1, block_size=8, shuffle=True, seed=11, device=DEVICE)
+    assert not torch.equal(a.block_tables, b.block_tables)
+    oa = attn(*a.attn_args, num_splits=1)
+    ob = attn(*b.attn_args, num_splits=1)
+    # Same tiles in the same order: the physical placement changes only addresses.
+    assert torch.equal(oa, ob)
+    oa2 = attn(*a.attn_args, num_splits=3, block_n=16, max_seq_len=a.max_seq_len)
+    ob2 = attn(*b.attn_args, num_splits=3, block_n=16, max_seq_len=b.max_seq_len)
+    assert torch.equal(oa2, ob2)
+
+
+def test_zero_query_sequence_and_out_argument(tri):
+    _, attn, _ = tri
+    b = make_paged_batch([(5, 1), (20, 0), (9, 3), (12, 0)], num_heads=4, num_kv_heads=2, block_size=8,
+                         device=DEVICE)
+    # Non-contiguous query (as the engine passes it) and an explicit out buffer.
+    q = b.query.transpose(0, 1).contiguous().transpose(0, 1)
+    out = torch.full_like(b.query, float("nan"))
+    res = attn(q, *b.attn_args[1:], out=out, num_splits=1)
+    assert res is out
+    assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(8, 2, 64), (16, 3, 128), (32, 1, 96)])
+def test_reshape_and_cache_matches_and_skips(tri, shape, dtype):
+    store, _, _ = tri
+    block_size, kvh, d = shape
+    b = make_paged_batch([(block_size + 1, block_size + 1), (3, 2), (1, 1)], num_heads=kvh, num_kv_heads=kvh,
+                         head_size=d, block_size=block_size, dtype=dtype, device=DEVICE)
+    slots = b.slot_mapping.clone()
+    slots[1] = -1
+    slots[-2] = -1
+    kc, vc = b.key_cache.clone(), b.value_cache.clone()
+    kc_ref, vc_ref = b.key_cache.clone(), b.value_cache.clone()
+    # Perturb the new K/V so that writing them changes the cache.
+    k_new = b.new_keys + 1
+    v_new = b.new_values - 1
+    store(k_new, v_new, kc, vc, slots)
+    reshape_and_cache_torch(k_new, v_new, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    # Slots of the skipped tokens still hold their old contents.
+    flat = kc.view(-1, kvh, d)
+    for t in (1, len(slots) - 2):
+        assert torch.equal(flat[b.slot_mapping[t]], b.key_cache.view(-1, kvh, d)[b.slot_mapping[t]])
+    assert not torch.equal(kc, b.key_cache)
+
+
+def test_reshape_and_cache_strided_input_and_cast(tri):
+    store, _, _ = tri
+    kc = torch.zeros(4, 8, 2, 16, dtype=torch.float16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    kv = torch.randn(2, 3, 2, 16, device=DEVICE)  # fp32 input, a strided view per K and V
+    slots = torch.tensor([0, 9, 31], dtype=torch.int32, device=DEVICE)
+    store(kv[0], kv[1], kc, vc, slots)
+    assert torch.equal(kc.view(-1, 2, 16)[slots.long()], kv[0].half())
+    assert torch.equal(vc.view(-1, 2, 16)[slots.long()], kv[1].half())
+    assert kc.view(-1, 2, 16).abs().sum(dim=(1, 2)).count_nonzero() == 3
+
+
+def test_dispatch_env_forces_triton(tri, monkeypatch):
+    from kvfleet.kernels import BACKEND_ENV, paged_attention
+
+    b = make_paged_batch([(9, 1), (5, 5)], num_heads=2, num_kv_heads=1, block_size=8, device=DEVICE)
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    calls = []
+    _, _, mod = tri
+    real = mod.paged_attention_triton
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "paged_attention_triton", spy)
+    out = paged_attention(*b.attn_args)
+    assert calls == [1]
+    assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)
