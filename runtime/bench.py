@@ -42,9 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         from kvfleet.runtime import bench_compare
 
         return bench_compare.main(args)
-    except ValueError as exc:
+    except ValueError as exc:  # bad options or data, found after parsing
         print(f"kvfleet bench {args.command}: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, OSError) as exc:  # server unreachable, warm-up request refused, file errors
+        print(f"kvfleet bench {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

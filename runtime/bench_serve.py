@@ -219,6 +219,7 @@ async def run_benchmark(
 def plot_serve(results: list[RequestResult], duration: float, path: str, title: str = "kvfleet bench serve") -> None:
     """Latency CDFs (TTFT, TPOT, ITL, e2e; milliseconds) and output tokens/s over time, to ``path``."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -236,6 +237,7 @@ def plot_serve(results: list[RequestResult], duration: float, path: str, title: 
             xs = np.sort(values)
             axes[0].plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
     axes[0].set_xscale("log")
+    axes[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].set_xlabel("latency (ms, log scale)")
     axes[0].set_ylabel("fraction of requests / chunks")
     axes[0].set_title("latency CDFs")
@@ -299,9 +301,12 @@ def _first_model(base_url: str, api_key: str | None) -> str:
     root = base_url.rstrip("/")
     url = root + ("/models" if root.endswith("/v1") else "/v1/models")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    resp = httpx.get(url, headers=headers, timeout=30)
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise RuntimeError(f"could not list the server's models at {url} (give --model): {exc}") from exc
 
 
 def main(args) -> int:
