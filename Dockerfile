@@ -142,11 +142,12 @@ RUN python -c 'import os, re, tomllib; \
     print("\n".join(names[n] for n in sorted(wanted)))' > /tmp/operator-requirements.txt
 RUN pip install -r /tmp/operator-requirements.txt \
  && pip install --no-deps /src \
- && rm -rf /src /tmp/operator-requirements.txt \
- && kvfleet operator --help >/dev/null
-# The chart's default non-root uid (values.yaml podSecurityContext.runAsUser).
-RUN useradd --uid 65532 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvfleet
-USER 65532:65532
+ && rm -rf /src /tmp/operator-requirements.txt
 WORKDIR /
+# The chart's default non-root uid (values.yaml podSecurityContext.runAsUser); the image fails
+# to build if `kvfleet operator` cannot start without torch & co.
+RUN useradd --uid 65532 --user-group --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvfleet \
+ && kvfleet operator --help >/dev/null
+USER 65532:65532
 EXPOSE 8080
 ENTRYPOINT ["kvfleet", "operator"]
