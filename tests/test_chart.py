@@ -507,3 +507,14 @@ def test_operator_args_parse_with_the_operators_own_parser(helm_bin, name):
         assert args.standalone and args.peering is None
     assert args.verbose == (name == "ha-and-scheduling")  # the set with operator.logLevel=debug
     assert values["operator"]["peering"]["name"] == main.DEFAULT_PEERING
+
+
+def test_chart_app_version_is_the_package_version_and_the_default_runtime_tag():
+    import tomllib
+
+    from kvfleet.operator import crd
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    assert crd.DEFAULT_IMAGE.rsplit(":", 1)[1] == chart["appVersion"]
