@@ -89,7 +89,6 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
 
 
 class _SamplingFields(_Request):
