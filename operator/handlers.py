@@ -69,7 +69,8 @@ def make_kube() -> reconcile.Kube:
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+        # explicit: the library reads $KUBECONFIG once, when it is first imported
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
     return reconcile.Kube(kubernetes.client.ApiClient())
 
 

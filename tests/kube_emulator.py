@@ -339,6 +339,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         response = await super()._handle(self._substitute(request, data=patch))
         if response.status < 300:
             self._log_write(request, "PATCH")
+            await self._collect_garbage()  # a released finalizer may have deleted an owner
         if request.subresource == "scale":
             return aiohttp.web.json_response(self._scale_of(self._live(*key) or new))
         return response

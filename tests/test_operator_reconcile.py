@@ -1,0 +1,200 @@
+"""reconcile.reconcile() against the Kubernetes emulator over real HTTP (no kopf):
+what it writes, when it writes nothing, and how it handles drift and bad specs."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import kubernetes
+import pytest
+import yaml
+
+from kvfleet.operator import builders, crd, reconcile
+from kube_emulator import ISVC, EmulatorThread
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "default"
+OPERATOR_UA = "OpenAPI-Generator"
+
+
+@pytest.fixture()
+def kube_env(tmp_path):
+    with EmulatorThread() as emu:
+        cfg = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(config_file=str(emu.write_kubeconfig(tmp_path / "kubeconfig")),
+                                           client_configuration=cfg)
+        api = kubernetes.client.ApiClient(cfg)
+        try:
+            yield emu, reconcile.Kube(api)
+        finally:
+            api.close()
+
+
+def example(name: str = "minimal", **spec) -> dict:
+    obj = yaml.safe_load((ROOT / f"examples/inferenceservice-{name}.yaml").read_text())
+    obj["spec"].update(spec)
+    return obj
+
+
+def operator_writes(emu: EmulatorThread, since: int = 0) -> list:
+    return [w for w in emu.writes()[since:] if w.user_agent.startswith(OPERATOR_UA)]
+
+
+def test_first_reconcile_creates_children_second_writes_nothing(kube_env):
+    emu, kube = kube_env
+    isvc = emu.create(ISVC, example())
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.applied == ["ConfigMap/smollm2-config", "Service/smollm2", "Deployment/smollm2"]
+    assert out.status_patch and out.error is None
+    live = {k: emu.get(r, NS, n) for k, r, n in [("cm", "v1/configmaps", "smollm2-config"),
+                                                  ("svc", "v1/services", "smollm2"),
+                                                  ("deploy", "apps/v1/deployments", "smollm2")]}
+    for obj in live.values():
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+    expected = {c["kind"]: c for c in builders.desired_children(emu.get(ISVC, NS, "smollm2"))}
+    assert reconcile.is_subset(expected["Deployment"]["spec"], live["deploy"]["spec"])
+    assert live["cm"]["data"] == expected["ConfigMap"]["data"]
+
+    mark = len(emu.writes())
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert not out.wrote and operator_writes(emu, mark) == []
+    # with server-added fields on the live objects (as a real API server defaults them)
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"spec": {"progressDeadlineSeconds": 999,
+                                                             "template": {"spec": {"dnsPolicy": "ClusterFirst"}}}})
+    emu.patch("v1/services", NS, "smollm2", {"spec": {"clusterIP": "10.0.0.7"}})
+    mark = len(emu.writes())
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.applied == ["Deployment/smollm2"]  # progressDeadlineSeconds is ours: put back
+    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["progressDeadlineSeconds"] == 1200
+    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirst"
+    mark = len(emu.writes())
+    assert not reconcile.reconcile(kube, NS, "smollm2").wrote and operator_writes(emu, mark) == []
+
+
+def test_writes_are_server_side_apply_with_one_field_manager(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"engine": {"blockSize": 32}}})
+    reconcile.reconcile(kube, NS, "smollm2")
+    child_writes = [w for w in operator_writes(emu) if "/inferenceservices/" not in w.path]
+    assert child_writes and all(w.field_manager == "kvfleet-operator" for w in child_writes)
+    applies = [r for r in emu.emulator._requests if r.headers.get("Content-Type") == "application/apply-patch+yaml"]
+    assert applies and all(r.params.get("force") == "true" for r in applies)
+
+
+def test_block_size_change_rolls_config_and_hash(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    before = emu.get("apps/v1/deployments", NS, "smollm2")
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"engine": {"blockSize": 32}}})
+    assert emu.get(ISVC, NS, "smollm2")["metadata"]["generation"] == 2
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert set(out.applied) == {"ConfigMap/smollm2-config", "Deployment/smollm2"}
+    cm = emu.get("v1/configmaps", NS, "smollm2-config")
+    assert yaml.safe_load(cm["data"]["config.yaml"])["block_size"] == 32
+    after = emu.get("apps/v1/deployments", NS, "smollm2")
+    h = lambda d: d["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    assert h(after) != h(before) and h(after) == builders.content_hash(cm["data"])
+
+
+def test_removed_fields_disappear_and_optional_children_are_pruned(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example(runtime={"nodeSelector": {"pool": "gpu"}, "podAnnotations": {"team": "a"}},
+                             disruption={"maxUnavailable": 1}))
+    reconcile.reconcile(kube, NS, "smollm2")
+    deploy = emu.get("apps/v1/deployments", NS, "smollm2")
+    assert deploy["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    assert emu.get("policy/v1/poddisruptionbudgets", NS, "smollm2") is not None
+    # a foreign field on the Deployment (another manager) must survive
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"metadata": {"annotations": {"other.io/note": "keep"}}})
+
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"runtime": None, "disruption": None}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert "Deployment/smollm2" in out.applied and out.deleted == ["PodDisruptionBudget/smollm2"]
+    deploy = emu.get("apps/v1/deployments", NS, "smollm2")
+    assert "nodeSelector" not in deploy["spec"]["template"]["spec"]
+    assert "team" not in deploy["spec"]["template"]["metadata"]["annotations"]
+    assert deploy["metadata"]["annotations"]["other.io/note"] == "keep"
+    assert emu.get("policy/v1/poddisruptionbudgets", NS, "smollm2") is None
+    assert not reconcile.reconcile(kube, NS, "smollm2").wrote
+
+
+def test_hand_edits_and_deletions_are_put_back(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    good_cm = emu.get("v1/configmaps", NS, "smollm2-config")["data"]
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"spec": {"replicas": 7}})
+    emu.patch("v1/configmaps", NS, "smollm2-config", {"data": {"config.yaml": "block_size: 8\n"}})
+    emu.delete("v1/services", NS, "smollm2")
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert set(out.applied) == {"ConfigMap/smollm2-config", "Service/smollm2", "Deployment/smollm2"}
+    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["replicas"] == 1
+    assert emu.get("v1/configmaps", NS, "smollm2-config")["data"] == good_cm
+    assert emu.get("v1/services", NS, "smollm2")["spec"]["ports"][0]["name"] == "http"
+
+
+def test_missing_secret_is_degraded_and_keeps_children(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    deploy_before = emu.get("apps/v1/deployments", NS, "smollm2")
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"runtime": {"apiKeySecretRef": {"name": "nope"}}}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.error is not None and out.error.reason == "SecretNotFound" and out.applied == []
+    status = emu.get(ISVC, NS, "smollm2")["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "SecretNotFound"
+    assert degraded["observedGeneration"] == 2 and status["observedGeneration"] == 2
+    assert emu.get("apps/v1/deployments", NS, "smollm2") == deploy_before  # pods keep serving
+    mark = len(emu.writes())
+    assert not reconcile.reconcile(kube, NS, "smollm2").wrote and operator_writes(emu, mark) == []
+
+    emu.create("v1/secrets", {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "nope", "namespace": NS},
+                              "data": {"other": "eA=="}})
+    assert reconcile.reconcile(kube, NS, "smollm2").error.reason == "SecretKeyNotFound"
+    emu.patch("v1/secrets", NS, "nope", {"data": {"api-key": "c2VjcmV0"}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.error is None and "Deployment/smollm2" in out.applied
+    status = emu.get(ISVC, NS, "smollm2")["status"]
+    assert next(c for c in status["conditions"] if c["type"] == "Degraded")["status"] == "False"
+
+
+def test_ready_when_deployment_available_for_current_generation(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example(replicas=2))
+    reconcile.reconcile(kube, NS, "smollm2")
+    deploy = emu.get("apps/v1/deployments", NS, "smollm2")
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"status": {
+        "observedGeneration": deploy["metadata"]["generation"], "replicas": 2, "updatedReplicas": 2,
+        "readyReplicas": 2, "availableReplicas": 2}}, subresource="status")
+    reconcile.reconcile(kube, NS, "smollm2")
+    isvc = emu.get(ISVC, NS, "smollm2")
+    ready = next(c for c in isvc["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and ready["observedGeneration"] == isvc["metadata"]["generation"]
+    assert isvc["status"]["readyReplicas"] == 2
+    scale = emu.get(ISVC, NS, "smollm2", "scale")
+    assert scale["status"] == {"replicas": 2, "selector": builders.selector_string(isvc)}
+
+
+def test_gone_or_deleting_resource_is_not_touched(kube_env):
+    emu, kube = kube_env
+    assert reconcile.reconcile(kube, NS, "ghost").found is False
+    obj = example()
+    obj["metadata"]["finalizers"] = ["test/hold"]
+    emu.create(ISVC, obj)
+    emu.delete(ISVC, NS, "smollm2")  # held by the finalizer: deletionTimestamp set
+    mark = len(emu.writes())
+    assert reconcile.reconcile(kube, NS, "smollm2").found is False
+    assert operator_writes(emu, mark) == []
+
+
+def test_emulator_garbage_collects_children(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    emu.delete(ISVC, NS, "smollm2")
+    assert emu.list("apps/v1/deployments", NS) == [] and emu.list("v1/configmaps", NS) == []
