@@ -75,9 +75,13 @@ def metric(m, family, sample=None, **labels) -> float:
 def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVFLEET_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
+    # options from all three sources, as in a pod: the operator's ConfigMap file, env, flags
+    config = log.parent / "kvfleet.yaml"
+    config.write_text("max-model-len: 2048\nkv_cache_memory: 256MiB\nmetrics_compat: vllm\nport: 1\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVFLEET_API_KEY": API_KEY, "KVFLEET_CONFIG": str(config),
+           "KVFLEET_PORT": "2", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"]  # fmt: skip
+           "--log-level", "warning"]  # fmt: skip
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
     srv = Server(port, proc, log)
@@ -120,6 +124,10 @@ def test_probes_and_metrics_before_first_request(server):
         assert "kvfleet:" + name in fams, name
     info = fams["kvfleet:cache_config_info"].samples[0].labels
     assert info["model_name"] == MODEL and int(info["num_blocks"]) > 0 and info["block_size"] == "16"
+    # --metrics-compat vllm (from the config file): the same series under vLLM's names
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "cache_config_info"):
+        assert [s.value for s in fams["vllm:" + name].samples] == [s.value for s in fams["kvfleet:" + name].samples]
+    assert fams["vllm:cache_config_info"].samples[0].labels["num_gpu_blocks"] == info["num_blocks"]
     # /health, /ready, /metrics are open; /v1 is not
     assert httpx.get(server.base + "/v1/models").status_code == 401
 
@@ -127,6 +135,7 @@ def test_probes_and_metrics_before_first_request(server):
 def test_models_and_auth_with_openai_client(server):
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == 2048  # from the config file
     bad = openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as exc:
         bad.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4)
