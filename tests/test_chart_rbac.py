@@ -60,7 +60,9 @@ def start_operator(kubeconfig: Path, log: Path, *args: str) -> tuple[subprocess.
     exe = Path(sys.executable).with_name("kvfleet")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvfleet.runtime.cli"]
     proc = subprocess.Popen([*cmd, "operator", "--kubeconfig", str(kubeconfig), "--health-port", str(port), *args],
-                            stdout=log.open("a"), stderr=subprocess.STDOUT, env=dict(os.environ))
+                            stdout=log.open("a"), stderr=subprocess.STDOUT,
+                            # the autoscaler loop every second, so that its requests happen in the test
+                            env={**os.environ, "KVFLEET_AUTOSCALER_INTERVAL": "1"})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"operator exited:\n{log.read_text()[-4000:]}"
@@ -116,7 +118,8 @@ def render(helm_bin: str, *args: str) -> list[dict]:
 
 
 def life_cycle(emu: EmulatorThread) -> None:
-    """Create (with a Secret and a PDB), change (drop the PDB: the operator deletes it), delete."""
+    """Create (with a Secret and a PDB), change (drop the PDB: the operator deletes it; turn on
+    autoscaling by the operator, then by an HPA), delete."""
     emu.create("v1/secrets", {"apiVersion": "v1", "kind": "Secret",
                               "metadata": {"name": "rbac-key", "namespace": NS},
                               "data": {"api-key": base64.b64encode(b"secret").decode()}})
@@ -130,7 +133,11 @@ def life_cycle(emu: EmulatorThread) -> None:
     emu.wait_for(lambda: (emu.get(ISVC, NS, "rbac") or {}).get("status", {}).get("conditions"), message="status")
     emu.patch(ISVC, NS, "rbac", {"spec": {"disruption": None}})
     emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "rbac") is None, message="PDB deleted")
-    time.sleep(2.0)
+    # Autoscaling by the operator (reads pods and HPAs), then by an HPA the operator creates.
+    emu.patch(ISVC, NS, "rbac", {"spec": {"autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 2}}})
+    time.sleep(3.0)
+    emu.patch(ISVC, NS, "rbac", {"spec": {"autoscaling": {"mode": "hpa"}}})
+    time.sleep(3.0)
     emu.delete(ISVC, NS, "rbac")
     time.sleep(2.0)
 
