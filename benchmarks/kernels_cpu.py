@@ -18,50 +18,22 @@ import argparse
 import statistics
 import time
 
+
 import torch
 
 from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
+from kvfleet.kernels.testing import make_paged_batch
 
 NUM_LAYERS = 30
 
 
-def make_batch(decode_lens, prefill, *, heads=9, kv_heads=3, head_size=64, block_size=16,
-               dtype=torch.float32, seed=0):
-    """Build a random paged cache and a packed batch.
-
-    ``decode_lens``: context length of each decode sequence (1 query token each).
-    ``prefill``: list of ``(cached_prefix_len, chunk_len)`` prefill sequences.
-    Physical blocks are shuffled, as in a long-running engine.
-    """
-    g = torch.Generator().manual_seed(seed)
+def make_batch(decode_lens, prefill, *, block_size=16, dtype=torch.float32, seed=0):
+    """SmolLM2-135M-shaped batch: decode sequences of the given context lengths (one query
+    token each) and prefill chunks given as ``(cached_prefix_len, chunk_len)``; shuffled
+    physical blocks, as in a long-running engine."""
     seqs = [(L, 1) for L in decode_lens] + [(p + c, c) for p, c in prefill]
-    blocks_per_seq = [(L + block_size - 1) // block_size for L, _ in seqs]
-    num_blocks = sum(blocks_per_seq) + 1
-    max_blocks = max(blocks_per_seq)
-    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=g).to(dtype)
-    value_cache = torch.randn(num_blocks, block_size, kv_heads, head_size, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks, generator=g)
-    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    used = 0
-    for s, nb in enumerate(blocks_per_seq):
-        block_tables[s, :nb] = perm[used:used + nb]
-        used += nb
-    q_lens = torch.tensor([q for _, q in seqs])
-    query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.cumsum(q_lens, 0)
-    num_tokens = int(query_start_loc[-1])
-    query = torch.randn(num_tokens, heads, head_size, generator=g).to(dtype)
-    seq_lens = torch.tensor([L for L, _ in seqs], dtype=torch.int32)
-    # slot mapping of the new tokens (the last q_len positions of each sequence)
-    slots = []
-    for s, (L, ql) in enumerate(seqs):
-        for pos in range(L - ql, L):
-            slots.append(int(block_tables[s, pos // block_size]) * block_size + pos % block_size)
-    slot_mapping = torch.tensor(slots, dtype=torch.long)
-    key = torch.randn(num_tokens, kv_heads, head_size, generator=g).to(dtype)
-    return dict(query=query, key=key, value=key.clone(), key_cache=key_cache, value_cache=value_cache,
-                block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
-                slot_mapping=slot_mapping)
+    return make_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_size=64, block_size=block_size,
+                            dtype=dtype, seed=seed, garbage=1.0)
 
 
 def time_call(fn, repeat):
@@ -104,13 +76,10 @@ def main(argv=None):
     print(f"{'case':45s} {'tokens':>6s} {'attn ms':>9s} {'x30 ms':>8s} {'cache ms':>9s}")
     for name, dec, pre in CASES:
         b = make_batch(dec, pre, block_size=args.block_size, dtype=dtype)
-        scale = 0.125
-        t_attn = time_call(lambda: paged_attention_torch(
-            b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens"],
-            b["query_start_loc"], scale), args.repeat)
+        t_attn = time_call(lambda: paged_attention_torch(*b.attn_args), args.repeat)
         t_cache = time_call(lambda: reshape_and_cache_torch(
-            b["key"], b["value"], b["key_cache"], b["value_cache"], b["slot_mapping"]), args.repeat)
-        n = b["query"].shape[0]
+            b.new_keys, b.new_values, b.key_cache, b.value_cache, b.slot_mapping), args.repeat)
+        n = b.query.shape[0]
         print(f"{name:45s} {n:6d} {t_attn * 1e3:9.3f} {t_attn * 1e3 * NUM_LAYERS:8.1f} {t_cache * 1e3:9.3f}")
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from kvfleet.kernels.reference import check_paged_attention_args
 
-__all__ = ["paged_attention_triton", "choose_num_splits"]
+__all__ = ["paged_attention_triton", "choose_num_splits", "launch_config", "LaunchConfig"]
 
 _LOG2E = 1.4426950408889634
 _M_INIT = -1.0e30  # running max before any key: finite, so exp2(m_old - m_new) never sees inf - inf
@@ -133,7 +134,8 @@ def _paged_attention_kernel(
     kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    # The last split takes every remaining tile, so a low max_seq_len hint costs balance only.
+    tile_hi = tl.where(split == num_splits - 1, num_tiles, tl.minimum(tile_lo + tiles_per_split, num_tiles))
 
     m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -233,6 +235,50 @@ def choose_num_splits(num_q_programs: int, max_seq_len: int, block_n: int, devic
     return int(max(1, min(want, cap, max_splits)))
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and grid of one :func:`paged_attention_triton` call."""
+
+    head_pad: int  # head_size rounded up to a power of two (>= 16)
+    block_m: int  # rows per program: block_q query tokens x GROUP query heads, padded
+    block_q: int  # query tokens per program
+    block_n: int  # keys per KV tile
+    num_splits: int  # KV splits (Flash-Decoding) per query block
+    num_q_programs: int  # grid axis 0 (upper bound on query blocks of the packed batch)
+    num_warps: int
+
+
+def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, *,
+                  max_query_len: int | None, max_seq_len: int | None, device: torch.device,
+                  num_splits: int | None = None, block_n: int | None = None) -> LaunchConfig:
+    """Choose tiles and splits (pure function of the shapes; also used by the GPU check to
+    print what ran). ``max_seq_len`` is needed only when ``num_splits`` is None or > 1.
+
+    Decode-like batches (``max_query_len * group <= 16``): 16-row query tiles (tl.dot's
+    minimum) and 64-key tiles, 4 warps; the context is split when the batch has too few
+    query blocks to fill the GPU. Prefill: 64-row query tiles, 64-key tiles (32 for head
+    sizes above 128), 8 warps for head size 128 and above. Untuned defaults: see
+    docs/performance.md.
+    """
+    group = num_heads // num_kv_heads
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    if max_query_len is None:
+        max_query_len = 1 if num_tokens <= num_seqs else num_tokens
+    decode_like = max_query_len * group <= 16
+    block_m = max(16 if decode_like else 64, triton.next_power_of_2(group))
+    block_q = block_m // group
+    if block_n is None:
+        block_n = 64 if head_pad <= 128 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    num_q_programs = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len or 0, block_n, device)
+    num_splits = max(1, int(num_splits))
+    num_warps = 4 if decode_like or head_pad < 128 else 8
+    return LaunchConfig(head_pad, block_m, block_q, block_n, num_splits, num_q_programs, num_warps)
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -261,8 +307,7 @@ def paged_attention_triton(
     Hints: ``max_seq_len`` (default ``seq_lens.max()``, one device-to-host copy) sizes
     the splits; ``max_query_len`` (default: ``1`` when ``num_tokens == num_seqs`` else
     ``num_tokens``; no copy) picks the query tile. Wrong hints cost speed, not
-    correctness, except that ``max_seq_len`` must be >= every ``seq_lens`` entry when
-    ``num_splits > 1`` (it sizes the split ranges).
+    correctness (a low ``max_seq_len`` makes the last split take the remaining keys).
 
     ``seq_lens`` and ``query_start_loc`` must be int32 or int64 on the query's device,
     ``block_tables`` int32/int64. The caches need unit stride on ``head_size``.
@@ -288,26 +333,13 @@ def paged_attention_triton(
     seq_lens = seq_lens.contiguous()
     query_start_loc = query_start_loc.contiguous()
 
-    group = num_heads // num_kv_heads
-    head_pad = max(16, triton.next_power_of_2(head_size))
-    if max_query_len is None:
-        max_query_len = 1 if num_tokens <= num_seqs else num_tokens
-    # Query tile: 16 rows for decode-like batches (tl.dot's minimum), 64 for prefill.
-    rows = 16 if max_query_len * group <= 16 else 64
-    block_m = max(rows, triton.next_power_of_2(group))
-    block_q = block_m // group
-    if block_n is None:
-        block_n = 64 if head_pad <= 64 else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-
-    num_q_programs = num_tokens // block_q + num_seqs  # upper bound on query blocks
     if num_splits is None or num_splits > 1:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-    if num_splits is None:
-        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len, block_n, query.device)
-    num_splits = max(1, int(num_splits))
+    cfg = launch_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_query_len=max_query_len,
+                        max_seq_len=max_seq_len, device=query.device, num_splits=num_splits, block_n=block_n)
+    head_pad, block_m, block_q, block_n = cfg.head_pad, cfg.block_m, cfg.block_q, cfg.block_n
+    num_splits, num_q_programs, num_warps = cfg.num_splits, cfg.num_q_programs, cfg.num_warps
     tiles_per_split = 1 << 30  # one split: all tiles
     if num_splits > 1:
         tiles_per_split = -(-(-(-max_seq_len // block_n)) // num_splits)
@@ -322,7 +354,6 @@ def paged_attention_triton(
     upcast = key_cache.dtype == torch.bfloat16 and _interpreting()
     if upcast:
         precision = "ieee"
-    num_warps = 4 if block_m <= 16 else (8 if head_pad >= 128 else 4)
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
@@ -332,7 +363,7 @@ def paged_attention_triton(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, GROUP=group,
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
         PRECISION=precision, UPCAST=upcast,
         num_warps=num_warps, num_stages=2,

@@ -88,6 +88,31 @@ def test_split_k_decode_matches(tri, heads, dtype, num_splits):
     assert_close(out, ref, dtype)
 
 
+def test_low_max_seq_len_hint_still_exact(tri):
+    # The last split takes every remaining tile: a wrong hint costs balance, not keys.
+    _, attn, _ = tri
+    b = make_paged_batch([(100, 1), (37, 2)], num_heads=2, num_kv_heads=1, block_size=8, device=DEVICE)
+    out = attn(*b.attn_args, num_splits=3, block_n=16, max_seq_len=20)
+    assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)
+
+
+def test_launch_config_choices(tri):
+    _, _, mod = tri
+    dev = torch.device("cuda") if ON_CUDA else torch.device("cpu")
+    # Decode, GQA 4: 16-row tiles hold 4 query tokens; one long sequence gets split.
+    cfg = mod.launch_config(1, 1, 4, 1, 128, max_query_len=1, max_seq_len=32768, device=dev)
+    assert (cfg.block_m, cfg.block_q, cfg.head_pad) == (16, 4, 128)
+    assert cfg.num_splits > 1 and cfg.num_q_programs == 1
+    # Prefill: 64-row tiles, no split when there are many query blocks.
+    cfg = mod.launch_config(4096, 1, 32, 8, 128, max_query_len=4096, max_seq_len=4096, device=dev)
+    assert (cfg.block_m, cfg.block_q, cfg.num_splits) == (64, 16, 1)
+    # Head size 96 pads to 128; GQA 32 (more heads than 16 rows) widens the tile.
+    cfg = mod.launch_config(2, 2, 32, 1, 96, max_query_len=1, max_seq_len=10, device=dev)
+    assert (cfg.head_pad, cfg.block_m, cfg.block_q) == (128, 32, 1)
+    with pytest.raises(ValueError, match="block_n"):
+        mod.launch_config(2, 2, 4, 1, 64, max_query_len=1, max_seq_len=10, device=dev, block_n=24)
+
+
 def test_default_launch_config(tri):
     # No tuning arguments: the wrapper picks query tile, tile size and splits itself.
     _, attn, mod = tri

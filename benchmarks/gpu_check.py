@@ -1,0 +1,394 @@
+"""One-command check of kvfleet's GPU path: kernel correctness, kernel speed, engine output.
+
+Run on any machine with one CUDA GPU (target: under 5 minutes)::
+
+    python benchmarks/gpu_check.py                 # everything
+    python benchmarks/gpu_check.py --quick         # smaller timing grid
+    python benchmarks/gpu_check.py --skip-engine   # kernels only
+
+Sections (each in its own try/except; a failing section is reported and the next one
+runs; sections are skipped when the overall ``--budget-s`` is used up):
+
+1. correctness: the Triton kernels against the torch reference *on the GPU* over the
+   test grid (block sizes 8/16/32; head sizes 64/96/128; GQA ratios 1/3/8; fp32, fp16,
+   bf16; ragged decode + prefill + chunked-prefill batches; forced split-K; shuffled
+   blocks; reshape_and_cache with slot -1).
+2. decode timing: batch 1/32/256 at context 512/4096/32768 (Llama-3-8B attention shape:
+   32 query heads, 8 kv heads, head_size 128, bf16, block_size 16); prints time per call
+   and achieved bandwidth (bytes of K+V read / time) as a fraction of the GPU's peak
+   memory bandwidth (from a table of known GPUs, else a measured device-to-device copy).
+3. prefill timing: causal prefill and chunked prefill in TFLOP/s (4 * head_size FLOPs per
+   visible query-key pair per head).
+4. engine: ``kvfleet.runtime.LLM`` with the default model (SmolLM2-135M-Instruct) on CUDA
+   and on CPU, fp32, greedy; the token ids must be identical.
+
+Exit status: 0 when every section that ran passed, 1 when any failed, 2 when there is
+no CUDA device (nothing is checked then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Peak DRAM bandwidth (bytes/s) and dense bf16 tensor-core peak (FLOP/s) by device-name
+# substring, first match wins (vendor datasheets).
+GPU_PEAKS: list[tuple[str, float, float | None]] = [
+    ("H200", 4.8e12, 989e12),
+    ("GH200", 4.0e12, 989e12),
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12),  # H100 SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H800", 3.35e12, 989e12),
+    ("B200", 8.0e12, 2250e12),
+    ("A100-SXM4-80GB", 2.039e12, 312e12),
+    ("A100 80GB PCIe", 1.935e12, 312e12),
+    ("A100", 1.555e12, 312e12),  # 40 GB parts
+    ("A800", 2.039e12, 312e12),
+    ("L40S", 0.864e12, 362e12),
+    ("L40", 0.864e12, 181e12),
+    ("L4", 0.3e12, 121e12),
+    ("A10G", 0.6e12, 70e12),
+    ("A10", 0.6e12, 125e12),
+    ("RTX 4090", 1.008e12, 165e12),
+    ("RTX 3090", 0.936e12, 71e12),
+    ("V100", 0.9e12, None),
+    ("T4", 0.32e12, None),
+]
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.t0 = time.monotonic()
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.monotonic() - self.t0)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
+def log(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def lookup_peaks(name: str) -> tuple[float | None, float | None]:
+    for key, bw, flops in GPU_PEAKS:
+        if key.lower() in name.lower():
+            return bw, flops
+    return None, None
+
+
+def measured_copy_bandwidth(torch, device) -> float:
+    """Device-to-device copy bandwidth, bytes/s (read + write), 1 GiB buffers."""
+    n = 1 << 28  # 256 Mi fp32 = 1 GiB
+    a = torch.empty(n, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t = cuda_time(torch, lambda: b.copy_(a), iters=10)
+    del a, b
+    return 2 * n * 4 / t
+
+
+def cuda_time(torch, fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s = torch.cuda.Event(enable_timing=True)
+        e = torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def section_correctness(torch, device, budget: Budget, quick: bool) -> bool:
+    from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
+    from kvfleet.kernels.testing import TOLERANCES, make_paged_batch
+    from kvfleet.kernels.triton_attention import paged_attention_triton
+    from kvfleet.kernels.triton_cache import reshape_and_cache_triton
+
+    def seq_mix(bs):
+        return [(1, 1), (bs, 1), (bs + 1, 1), (2 * bs + 5, 1), (bs + 1, bs + 1), (2 * bs + 3, bs - 1), (bs, bs),
+                (700, 1), (300, 120), (130, 0)]
+
+    failures, checks = [], 0
+
+    def check(label, out, ref, dtype):
+        nonlocal checks
+        checks += 1
+        atol, rtol = TOLERANCES[dtype]
+        ok = bool(torch.isfinite(out).all()) and torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol)
+        if not ok:
+            err = (out.float() - ref.float()).abs().max().item()
+            failures.append(f"{label}: max abs err {err:.3e} (atol {atol}, rtol {rtol})")
+
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    for bs in (8, 16, 32):
+        for head_size in (64, 96, 128):
+            for h, kvh in ((4, 4), (6, 2), (16, 2)):
+                for dtype in dtypes:
+                    if budget.left() < 60:
+                        failures.append("correctness grid cut short by the time budget")
+                        break
+                    b = make_paged_batch(seq_mix(bs), num_heads=h, num_kv_heads=kvh, head_size=head_size,
+                                         block_size=bs, dtype=dtype, device=device, seed=bs + head_size + h)
+                    ref = paged_attention_torch(*b.attn_args)
+                    for splits in (None, 1, 4):
+                        out = paged_attention_triton(*b.attn_args, num_splits=splits, max_seq_len=b.max_seq_len)
+                        check(f"attn bs={bs} d={head_size} h={h}/{kvh} {dtype} splits={splits}", out, ref, dtype)
+    # shuffled blocks: identical output
+    a = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype=torch.bfloat16, device=device, shuffle=False, seed=5)
+    b = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                         dtype=torch.bfloat16, device=device, shuffle=True, seed=5)
+    checks += 1
+    if not torch.equal(paged_attention_triton(*a.attn_args), paged_attention_triton(*b.attn_args)):
+        failures.append("shuffled physical blocks changed the output")
+    # reshape_and_cache, slot -1 untouched
+    for dtype in dtypes:
+        for bs, kvh, d in ((8, 2, 64), (16, 8, 128), (32, 1, 96)):
+            b = make_paged_batch([(bs + 1, bs + 1), (40, 7), (3, 1)], num_heads=kvh, num_kv_heads=kvh, head_size=d,
+                                 block_size=bs, dtype=dtype, device=device)
+            slots = b.slot_mapping.clone()
+            slots[::3] = -1
+            kc, vc = b.key_cache.clone(), b.value_cache.clone()
+            kr, vr = b.key_cache.clone(), b.value_cache.clone()
+            reshape_and_cache_triton(b.new_keys + 1, b.new_values - 1, kc, vc, slots)
+            reshape_and_cache_torch(b.new_keys + 1, b.new_values - 1, kr, vr, slots)
+            checks += 1
+            if not (torch.equal(kc, kr) and torch.equal(vc, vr)):
+                failures.append(f"reshape_and_cache bs={bs} kvh={kvh} d={d} {dtype} differs from the reference")
+    torch.cuda.synchronize()
+    for f in failures:
+        log(f"  FAIL {f}")
+    log(f"  {checks - len(failures)}/{checks} correctness checks passed")
+    return not failures
+
+
+def _decode_case(torch, device, B, ctx, *, heads=32, kv_heads=8, head_size=128, block_size=16,
+                 dtype=None, key_cache=None, value_cache=None):
+    nb = ctx // block_size
+    num_blocks = key_cache.shape[0]
+    perm = torch.randperm(num_blocks, device=device)[: B * nb]
+    block_tables = perm.view(B, nb).to(torch.int32)
+    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    query = torch.randn(B, heads, head_size, dtype=dtype, device=device)
+    return query, block_tables, seq_lens, qsl
+
+
+def section_decode(torch, device, budget: Budget, quick: bool, peak_bw: float) -> bool:
+    from kvfleet.kernels.triton_attention import paged_attention_triton
+
+    heads, kv_heads, head_size, block_size, dtype = 32, 8, 128, 16, torch.bfloat16
+    elem = 2
+    batches = (1, 32, 256)
+    contexts = (512, 4096, 32768) if not quick else (512, 4096)
+    free, _ = torch.cuda.mem_get_info(device)
+    per_token = kv_heads * head_size * elem  # bytes per token per K (or V)
+    limit_tokens = int(0.6 * free / (2 * per_token))
+    need = max(B * c for B in batches for c in contexts)
+    num_tokens = min(need, limit_tokens)
+    num_blocks = num_tokens // block_size
+    log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, bf16, block_size {block_size}; "
+        f"cache {num_blocks} blocks ({2 * num_blocks * block_size * per_token / 2**30:.1f} GiB)")
+    key_cache = torch.empty(num_blocks, block_size, kv_heads, head_size, dtype=dtype, device=device).normal_()
+    value_cache = torch.empty_like(key_cache).normal_()
+    log(f"  {'batch':>5s} {'context':>7s} {'splits':>6s} {'us/call':>9s} {'GB/s':>8s} {'of peak':>8s}")
+    ok = True
+    for B in batches:
+        for ctx in contexts:
+            if budget.left() < 30:
+                log("  (time budget: remaining decode cases skipped)")
+                return ok
+            if B * ctx > num_tokens:
+                log(f"  {B:5d} {ctx:7d}  skipped: needs {2 * B * ctx * per_token / 2**30:.1f} GiB of cache")
+                continue
+            try:
+                q, bt, sl, qsl = _decode_case(torch, device, B, ctx, heads=heads, kv_heads=kv_heads,
+                                              head_size=head_size, block_size=block_size, dtype=dtype,
+                                              key_cache=key_cache, value_cache=value_cache)
+                out = torch.empty_like(q)
+                from kvfleet.kernels.triton_attention import launch_config
+
+                splits = launch_config(B, B, heads, kv_heads, head_size, max_query_len=1, max_seq_len=ctx,
+                                       device=q.device).num_splits
+                t = cuda_time(torch, lambda: paged_attention_triton(
+                    q, key_cache, value_cache, bt, sl, qsl, None, max_query_len=1, max_seq_len=ctx, out=out),
+                    iters=20 if B * ctx < 2**22 else 8)
+                bytes_moved = 2 * B * ctx * per_token + 2 * q.numel() * elem + bt.numel() * 4
+                bw = bytes_moved / t
+                log(f"  {B:5d} {ctx:7d} {splits:6d} {t * 1e6:9.1f} {bw / 1e9:8.1f} {bw / peak_bw:8.1%}")
+            except Exception as e:  # noqa: BLE001 - report and continue
+                ok = False
+                log(f"  {B:5d} {ctx:7d}  FAILED: {type(e).__name__}: {e}")
+    del key_cache, value_cache
+    torch.cuda.empty_cache()
+    return ok
+
+
+def section_prefill(torch, device, budget: Budget, quick: bool, peak_flops: float | None) -> bool:
+    from kvfleet.kernels.testing import make_paged_batch
+    from kvfleet.kernels.triton_attention import paged_attention_triton
+
+    cases = [
+        ("1 x 4096 prompt", [(4096, 4096)]),
+        ("8 x 1024 prompts", [(1024, 1024)] * 8),
+        ("chunk 2048 after 6144 cached", [(8192, 2048)]),
+        ("4 x 512 chunks after 3584 cached + 64 decodes ctx 2048", [(4096, 512)] * 4 + [(2048, 1)] * 64),
+    ]
+    if quick:
+        cases = cases[:2]
+    heads, kv_heads, head_size = 32, 8, 128
+    log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, bf16, block_size 16")
+    ok = True
+    for name, seqs in cases:
+        if budget.left() < 30:
+            log("  (time budget: remaining prefill cases skipped)")
+            break
+        try:
+            b = make_paged_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
+                                 dtype=torch.bfloat16, device=device, garbage=1.0)
+            out = torch.empty_like(b.query)
+            mq = max(q for _, q in seqs)
+            t = cuda_time(torch, lambda: paged_attention_triton(
+                *b.attn_args, max_query_len=mq, max_seq_len=b.max_seq_len, out=out), iters=10)
+            pairs = sum(sum(L - q + i + 1 for i in range(q)) for L, q in seqs)  # visible (query, key) pairs
+            flops = 4 * head_size * heads * pairs
+            frac = f"{flops / t / peak_flops:8.1%}" if peak_flops else "     n/a"
+            log(f"  {name:55s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s {frac} of bf16 peak")
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            log(f"  {name}: FAILED: {type(e).__name__}: {e}")
+    return ok
+
+
+def section_engine(torch, budget: Budget, max_tokens: int) -> bool:
+    from kvfleet.runtime import LLM, SamplingParams
+
+    prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers:",
+        "The quick brown fox",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def run(device):
+        t0 = time.monotonic()
+        llm = LLM(device=device, dtype="float32", kv_cache_memory=512 * 2**20)
+        t1 = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        t2 = time.monotonic()
+        ids = [o.outputs[0].token_ids for o in outs]
+        texts = [o.outputs[0].text for o in outs]
+        ntok = sum(len(x) for x in ids)
+        log(f"  {device}: load {t1 - t0:.1f} s, generate {t2 - t1:.2f} s ({ntok} tokens)")
+        del llm
+        return ids, texts
+
+    gpu_ids, gpu_texts = run("cuda")
+    if budget.left() < 20:
+        log("  (time budget: CPU comparison run skipped)")
+        return False
+    cpu_ids, _ = run("cpu")
+    ok = True
+    for p, g, c, text in zip(prompts, gpu_ids, cpu_ids, gpu_texts):
+        if g == c:
+            log(f"  same greedy tokens ({len(g)}): {p!r} -> {text[:60]!r}")
+        else:
+            first = next((i for i, (x, y) in enumerate(zip(g, c)) if x != y), min(len(g), len(c)))
+            ok = False
+            log(f"  DIFFERENT from token {first}: {p!r}\n    cuda {g}\n    cpu  {c}")
+    return ok
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-s", type=float, default=280.0, help="overall time budget, seconds (default 280)")
+    ap.add_argument("--quick", action="store_true", help="smaller timing grids")
+    ap.add_argument("--skip-engine", action="store_true", help="kernels only")
+    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine"], action="append",
+                    help="run only these sections (repeatable)")
+    ap.add_argument("--engine-max-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    budget = Budget(args.budget_s)
+
+    import torch
+
+    log(f"kvfleet gpu_check: torch {torch.__version__}, python {sys.version.split()[0]}")
+    if not torch.cuda.is_available():
+        log("No CUDA device available (torch.cuda.is_available() is False): nothing checked. "
+            "Run this on a machine with an NVIDIA GPU and a CUDA build of torch.")
+        return 2
+    import triton
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
+    name = torch.cuda.get_device_name(device)
+    log(f"GPU: {name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+        f"{props.total_memory / 2**30:.0f} GiB), triton {triton.__version__}, CUDA {torch.version.cuda}")
+    peak_bw, peak_flops = lookup_peaks(name)
+    if peak_bw is None:
+        try:
+            peak_bw = measured_copy_bandwidth(torch, device)
+            log(f"peak bandwidth: not in the table; measured copy bandwidth {peak_bw / 1e12:.2f} TB/s used instead")
+        except Exception as e:  # noqa: BLE001
+            peak_bw = float("nan")
+            log(f"peak bandwidth unknown ({e})")
+    else:
+        log(f"peak bandwidth {peak_bw / 1e12:.2f} TB/s, bf16 dense peak "
+            f"{'%.0f TFLOP/s' % (peak_flops / 1e12) if peak_flops else 'unknown'} (datasheet)")
+
+    sections = [
+        ("correctness", lambda: section_correctness(torch, device, budget, args.quick), 60),
+        ("decode", lambda: section_decode(torch, device, budget, args.quick, peak_bw), 30),
+        ("prefill", lambda: section_prefill(torch, device, budget, args.quick, peak_flops), 20),
+        ("engine", lambda: section_engine(torch, budget, args.engine_max_tokens), 60),
+    ]
+    results = {}
+    for sec, fn, min_left in sections:
+        if args.only and sec not in args.only:
+            continue
+        if sec == "engine" and args.skip_engine:
+            continue
+        if budget.left() < min_left:
+            log(f"\n== {sec}: SKIPPED ({budget.left():.0f} s of budget left, needs ~{min_left} s)")
+            results[sec] = None
+            continue
+        log(f"\n== {sec} (t={budget.elapsed():.0f} s)")
+        t0 = time.monotonic()
+        try:
+            results[sec] = bool(fn())
+        except Exception as e:  # noqa: BLE001
+            results[sec] = False
+            log(f"  FAILED: {type(e).__name__}: {e}")
+            traceback.print_exc(limit=6)
+        log(f"  -> {'PASS' if results[sec] else 'FAIL'} in {time.monotonic() - t0:.1f} s")
+    log(f"\nSummary on {name} ({budget.elapsed():.0f} s): "
+        + ", ".join(f"{k}={'skipped' if v is None else ('PASS' if v else 'FAIL')}" for k, v in results.items()))
+    return 0 if all(v is not False for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
