@@ -28,7 +28,7 @@ import collections
 import logging
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import torch
 
@@ -252,13 +252,11 @@ class AsyncLLMEngine:
             try:
                 result = fn(*args)
             except Exception as exc:
-                if future is not None:
-                    future.set_exception(exc)
+                _resolve(future, exc=exc)
                 continue
             if fn == self.engine.abort_request and result:
                 self._dispatch(result)
-            if future is not None:
-                future.set_result(result)
+            _resolve(future, result)
 
     def _fail_pending_commands(self, exc: BaseException) -> None:
         while self._commands:
@@ -284,3 +282,17 @@ class AsyncLLMEngine:
             if not stream.finished:
                 stream.finished = True
                 stream.put(exc)
+
+
+def _resolve(future: Future | None, result=None, exc: BaseException | None = None) -> None:
+    """Hand a command's result to its caller, unless the caller stopped waiting: a
+    cancelled await (a client that went away) must never kill the engine loop."""
+    if future is None:
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # cancelled by the caller
