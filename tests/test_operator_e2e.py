@@ -202,6 +202,20 @@ def test_ready_only_for_the_current_generation(cluster):
     assert ready["observedGeneration"] == 2
 
 
+def test_field_removed_from_spec_disappears_from_children(cluster):
+    emu, _ = cluster
+    emu.create(ISVC, manifest("e2e-remove", runtime={"nodeSelector": {"pool": "gpu"}},
+                              disruption={"maxUnavailable": 1}))
+    emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "e2e-remove") and
+                 emu.get(DEPLOY, NS, "e2e-remove"), 30, message="the PDB and the Deployment")
+    assert emu.get(DEPLOY, NS, "e2e-remove")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    emu.patch(ISVC, NS, "e2e-remove", {"spec": {"runtime": None, "disruption": None}})
+    emu.wait_for(lambda: "nodeSelector" not in emu.get(DEPLOY, NS, "e2e-remove")["spec"]["template"]["spec"],
+                 20, message="nodeSelector removed from the pod template")
+    emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "e2e-remove") is None, 20,
+                 message="the PDB deleted")
+
+
 def test_hand_edits_and_deletions_are_put_back(cluster):
     emu, _ = cluster
     emu.create(ISVC, manifest("e2e-drift"))
