@@ -254,8 +254,8 @@ def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
     """Choose tiles and splits (pure function of the shapes; also used by the GPU check to
     print what ran). ``max_seq_len`` is needed only when ``num_splits`` is None or > 1.
 
-    Decode-like batches (``max_query_len * group <= 16``): 16-row query tiles (tl.dot's
-    minimum) and 64-key tiles, 4 warps; the context is split when the batch has too few
+    Decode-like batches (``max_query_len * group <= max(16, group)``): 16-row query tiles
+    (tl.dot's minimum; more when the GQA group is larger) and 64-key tiles, 4 warps; the context is split when the batch has too few
     query blocks to fill the GPU. Prefill: 64-row query tiles, 64-key tiles (32 for head
     sizes above 128), 8 warps for head size 128 and above. Untuned defaults: see
     docs/performance.md.
@@ -264,8 +264,9 @@ def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
     head_pad = max(16, triton.next_power_of_2(head_size))
     if max_query_len is None:
         max_query_len = 1 if num_tokens <= num_seqs else num_tokens
-    decode_like = max_query_len * group <= 16
-    block_m = max(16 if decode_like else 64, triton.next_power_of_2(group))
+    min_rows = max(16, triton.next_power_of_2(group))  # one query token's GROUP heads, >= tl.dot's 16
+    decode_like = max_query_len * group <= min_rows
+    block_m = min_rows if decode_like else max(64, min_rows)
     block_q = block_m // group
     if block_n is None:
         block_n = 64 if head_pad <= 128 else 32

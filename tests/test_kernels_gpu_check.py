@@ -1,0 +1,53 @@
+"""benchmarks/gpu_check.py on a machine without a GPU: it parses its options, reports
+clearly that there is nothing to check, and its GPU lookup table answers."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_help_lists_options():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for opt in ("--budget-s", "--quick", "--skip-engine", "--only"):
+        assert opt in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: run the script itself")
+def test_without_cuda_exits_2_and_says_why():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--quick"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "No CUDA device" in r.stdout
+
+
+def test_peak_table():
+    mod = load()
+    assert mod.lookup_peaks("NVIDIA H200") == (4.8e12, 989e12)
+    assert mod.lookup_peaks("NVIDIA H100 80GB HBM3")[0] == 3.35e12
+    assert mod.lookup_peaks("NVIDIA H100 PCIe")[0] == 2.0e12
+    assert mod.lookup_peaks("NVIDIA A100-SXM4-80GB")[0] == 2.039e12
+    assert mod.lookup_peaks("NVIDIA A100-SXM4-40GB")[0] == 1.555e12
+    assert mod.lookup_peaks("NVIDIA L4")[0] == 0.3e12
+    assert mod.lookup_peaks("Some Future GPU") == (None, None)
+
+
+def test_budget_counts_down():
+    mod = load()
+    b = mod.Budget(100.0)
+    assert 99.0 < b.left() <= 100.0
+    assert b.elapsed() >= 0.0
