@@ -243,3 +243,27 @@ def test_defaults_follow_api_server_rules():
     obj = crd.apply_defaults(_with("spec.autoscaling", {"mode": "operator", "maxReplicas": 3}))
     assert obj["spec"]["autoscaling"]["minReplicas"] == 1
     assert obj["spec"]["autoscaling"]["targetQueueDepth"] == 4
+
+
+def _all_rules(schema: dict[str, Any]) -> list[str]:
+    rules = [r["rule"] for r in schema.get("x-kubernetes-validations", [])]
+    for sub in schema.get("properties", {}).values():
+        rules += _all_rules(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            rules += _all_rules(schema[key])
+    return rules
+
+
+def test_every_cel_rule_compiles_and_has_a_message():
+    rules = _all_rules(crd.OPENAPI_SCHEMA)
+    assert len(rules) == 7  # uri scheme, blockSize, gpuMemoryUtilization, 2 autoscaling, tuning, disruption
+    for rule in rules:
+        _ENV.compile(rule)  # raises on a syntax error
+
+    def messages(schema):
+        out = [("message" in r) for r in schema.get("x-kubernetes-validations", [])]
+        for sub in schema.get("properties", {}).values():
+            out += messages(sub)
+        return out
+    assert all(messages(crd.OPENAPI_SCHEMA))
