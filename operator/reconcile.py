@@ -27,6 +27,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import urllib3
+
 from kvfleet.operator import builders, crd
 from kvfleet.operator.builders import FIELD_MANAGER, InvalidSpec
 
@@ -101,7 +103,7 @@ class Kube:
             return self.api.response_deserialize(response, {"2XX": "object"}).data
         except ApiException as e:
             raise ApiError(e.status or 0, str(e.reason or e.body)) from None
-        except OSError as e:  # urllib3 connection errors are OSErrors underneath
+        except (OSError, urllib3.exceptions.HTTPError) as e:  # connection refused, timeouts, retries
             raise ApiError(0, repr(e)) from None
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

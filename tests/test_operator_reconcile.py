@@ -198,3 +198,13 @@ def test_emulator_garbage_collects_children(kube_env):
     reconcile.reconcile(kube, NS, "smollm2")
     emu.delete(ISVC, NS, "smollm2")
     assert emu.list("apps/v1/deployments", NS) == [] and emu.list("v1/configmaps", NS) == []
+
+
+def test_unreachable_api_is_an_api_error():
+    cfg = kubernetes.client.Configuration()
+    cfg.host = "http://127.0.0.1:9"  # discard port: connection refused
+    cfg.retries = 0
+    with kubernetes.client.ApiClient(cfg) as api:
+        with pytest.raises(reconcile.ApiError) as e:
+            reconcile.Kube(api).get("ConfigMap", NS, "x")
+    assert e.value.status == 0
