@@ -362,6 +362,7 @@ class LLMEngine:
         return [o for o in outputs if o.finished]
 
     # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration.
 
