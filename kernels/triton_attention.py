@@ -41,17 +41,19 @@ import triton.language as tl
 
 from kvfleet.kernels.reference import check_paged_attention_args
 
-__all__ = ["paged_attention_triton", "choose_num_splits", "launch_config", "LaunchConfig"]
+__all__ = ["paged_attention_triton", "choose_num_splits", "launch_config", "LaunchConfig", "kernel_constexprs"]
 
 _LOG2E = 1.4426950408889634
-_M_INIT = -1.0e30  # running max before any key: finite, so exp2(m_old - m_new) never sees inf - inf
+# Running max before any key: finite (-1e30, written inline in the kernel because compiled
+# Triton only reads constexpr globals), so exp2(m_old - m_new) never computes inf - inf.
 
 
 @triton.jit
 def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest s in [0, num_seqs) with qsl[s] // BLOCK_Q + s <= pid (binary search)."""
-    lo = 0
-    hi = num_seqs
+    # Typed loop-carried scalars: num_seqs may arrive as a specialised constant (e.g. 1).
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
@@ -119,7 +121,12 @@ def _paged_attention_kernel(
     row_ok = (r < BLOCK_Q * GROUP) & (q_tok < q_len)
     q_pos = context_len + q_tok  # absolute position: attends to keys [0, q_pos]
     d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD_SIZE
+    # Masks along head_size only when it is padded: a row-only mask keeps the loads
+    # vectorised (16-byte accesses) instead of one predicated load per element.
+    if HEAD_PAD == HEAD_SIZE:
+        d_ok = tl.full([HEAD_PAD], 1, dtype=tl.int1)
+    else:
+        d_ok = d < HEAD_SIZE
     tok = (q_start + q_tok).to(tl.int64)
 
     q = tl.load(
@@ -137,7 +144,7 @@ def _paged_attention_kernel(
     # The last split takes every remaining tile, so a low max_seq_len hint costs balance only.
     tile_hi = tl.where(split == num_splits - 1, num_tiles, tl.minimum(tile_lo + tiles_per_split, num_tiles))
 
-    m_i = tl.full([BLOCK_M], _M_INIT, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
@@ -170,7 +177,7 @@ def _paged_attention_kernel(
 
     if SPLIT:
         # Partials: acc [T, H, S, HEAD_PAD], (m, l) [T, H, S, 2]; every split writes, even
-        # an empty one (m = _M_INIT, l = 0), so the reduce never reads garbage.
+        # an empty one (m = -1e30, l = 0), so the reduce never reads garbage.
         ph = (tok * num_heads + head) * num_splits + split
         tl.store(part_acc_ptr + ph[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + ph * 2, m_i, mask=row_ok)
@@ -224,13 +231,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_q_programs: int, max_seq_len: int, block_n: int, device: torch.device,
-                      min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+                      min_tokens_per_split: int = 256, max_splits: int = 64, num_sms: int | None = None) -> int:
     """How many KV splits: enough programs to cover ~2 waves of the GPU's SMs, but at
     least ``min_tokens_per_split`` keys per split (the reduce and the partials cost
     memory traffic) and at most ``max_splits``."""
     if num_q_programs <= 0 or max_seq_len <= 0:
         return 1
-    want = -(-2 * _num_sms(device) // num_q_programs)
+    want = -(-2 * (num_sms or _num_sms(device)) // num_q_programs)
     cap = max(1, max_seq_len // max(min_tokens_per_split, block_n))
     return int(max(1, min(want, cap, max_splits)))
 
@@ -246,13 +253,16 @@ class LaunchConfig:
     num_splits: int  # KV splits (Flash-Decoding) per query block
     num_q_programs: int  # grid axis 0 (upper bound on query blocks of the packed batch)
     num_warps: int
+    num_stages: int = 2  # software pipelining depth of the KV loop (cp.async double buffering)
 
 
 def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, *,
                   max_query_len: int | None, max_seq_len: int | None, device: torch.device,
-                  num_splits: int | None = None, block_n: int | None = None) -> LaunchConfig:
+                  num_splits: int | None = None, block_n: int | None = None,
+                  num_sms: int | None = None) -> LaunchConfig:
     """Choose tiles and splits (pure function of the shapes; also used by the GPU check to
-    print what ran). ``max_seq_len`` is needed only when ``num_splits`` is None or > 1.
+    print what ran). ``max_seq_len`` is needed only when ``num_splits`` is None or > 1;
+    ``num_sms`` (default: the device's multiprocessor count) sizes the splits.
 
     Decode-like batches (``max_query_len * group <= max(16, group)``): 16-row query tiles
     (tl.dot's minimum; more when the GQA group is larger) and 64-key tiles, 4 warps; the context is split when the batch has too few
@@ -274,10 +284,29 @@ def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     num_q_programs = num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len or 0, block_n, device)
+        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len or 0, block_n, device,
+                                       num_sms=num_sms)
     num_splits = max(1, int(num_splits))
     num_warps = 4 if decode_like or head_pad < 128 else 8
     return LaunchConfig(head_pad, block_m, block_q, block_n, num_splits, num_q_programs, num_warps)
+
+
+def kernel_constexprs(cfg: LaunchConfig, *, head_size: int, block_size: int, group: int,
+                      cache_dtype: torch.dtype, interpreting: bool = False) -> dict:
+    """The compile-time arguments of ``_paged_attention_kernel`` for one launch.
+
+    fp32 caches use IEEE fp32 dots (no TF32: the result must match the fp32 reference);
+    fp16/bf16 use the tensor cores with fp32 accumulation. Under the interpreter bf16
+    dots run in fp32, because the interpreter's tl.dot mishandles bf16 operands (numpy
+    has no bfloat16); compiled kernels never upcast.
+    """
+    upcast = cache_dtype == torch.bfloat16 and interpreting
+    precision = "ieee" if cache_dtype == torch.float32 or upcast else "tf32"
+    return dict(
+        HEAD_SIZE=head_size, HEAD_PAD=cfg.head_pad, BLOCK_SIZE=block_size, GROUP=group,
+        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.num_splits > 1,
+        PRECISION=precision, UPCAST=upcast,
+    )
 
 
 def paged_attention_triton(
@@ -349,12 +378,8 @@ def paged_attention_triton(
     else:
         part_acc = part_ml = out  # unused (SPLIT=False)
 
-    precision = "ieee" if key_cache.dtype == torch.float32 else "tf32"
-    # The interpreter's tl.dot mishandles bf16 operands (numpy has no bfloat16): compute
-    # the dots in fp32 there. Compiled kernels always use the cache dtype's tensor cores.
-    upcast = key_cache.dtype == torch.bfloat16 and _interpreting()
-    if upcast:
-        precision = "ieee"
+    meta = kernel_constexprs(cfg, head_size=head_size, block_size=block_size, group=num_heads // num_kv_heads,
+                             cache_dtype=key_cache.dtype, interpreting=_interpreting())
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
@@ -364,10 +389,7 @@ def paged_attention_triton(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        PRECISION=precision, UPCAST=upcast,
-        num_warps=num_warps, num_stages=2,
+        **meta, num_warps=num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
