@@ -90,12 +90,13 @@ class IncrementalDetokenizer:
         return False
 
     def _check_stop(self, new_text_start: int) -> bool:
-        # Only matches that end in the new text can be new: start the search far enough back.
-        search_from = max(0, new_text_start - self.max_stop_len + 1)
+        # Only matches that end in the new text are new: start each search just far
+        # enough back (matches wholly inside older text were already ruled out, or fell
+        # before min_tokens).
         best = -1
         best_stop = None
         for stop in self.stops:
-            idx = self.text.find(stop, search_from)
+            idx = self.text.find(stop, max(0, new_text_start - len(stop) + 1))
             if idx != -1 and (best == -1 or idx < best):
                 best, best_stop = idx, stop
         if best_stop is None:
