@@ -3,7 +3,8 @@
 Registered by importing this module (:mod:`kvfleet.operator.handlers` does). Thin: read the
 cluster, call the pure functions of :mod:`kvfleet.operator.policy`, write the result.
 
-One kopf daemon per InferenceService (:func:`autoscale`) loops every
+One kopf daemon per InferenceService that is autoscaled (``mode: operator``) or tuned
+(:func:`autoscale`, filter :func:`wants_daemon`) loops every
 ``spec.autoscaling.metrics.intervalSeconds`` (default 15 s; the environment variable
 ``KVFLEET_AUTOSCALER_INTERVAL``, in seconds, fractions allowed, overrides it, e.g. in tests):
 
@@ -21,8 +22,8 @@ One kopf daemon per InferenceService (:func:`autoscale`) loops every
     reason ``ConflictingAutoscaler``, and a Warning Event.
 ``spec.autoscaling.mode: hpa``
     the HPA from :func:`policy.build_hpa` becomes a child (registered in
-    :data:`kvfleet.operator.reconcile.EXTRA_CHILDREN`; pruned when the mode changes);
-    ``ScalingActive=True``, reason ``HorizontalPodAutoscaler``.
+    :data:`kvfleet.operator.reconcile.EXTRA_CHILDREN`; pruned when the mode changes). No
+    daemon: the HPA scales, and reports in its own status.
 ``spec.tuning.enabled``
     :func:`policy.tune` over the same metrics and the pods' container statuses (OOM
     restarts); the applied values and the tuner's bookkeeping go to ``status.engine``; the
@@ -31,7 +32,9 @@ One kopf daemon per InferenceService (:func:`autoscale`) loops every
     follow. Each change is an Event (``GpuMemoryRaised``, ``GpuMemoryLowered``,
     ``BlockSizeChanged``).
 
-With ``mode: none`` and tuning off the daemon only sleeps: it writes nothing.
+Other InferenceServices get no daemon, hence no finalizer and no writes. When one stops
+being autoscaled, its daemon sets ``ScalingActive=False`` (reason ``OperatorAutoscalerOff``)
+and exits; kopf removes the finalizer it added for the daemon.
 
 The recommendation history lives in the daemon (like the HPA controller's, in memory). After
 an operator restart it is seeded with the current replica count, so the scale-down window
@@ -151,6 +154,31 @@ def _condition_patch(isvc: Mapping[str, Any], status: str, reason: str, message:
     return {"conditions": conds}
 
 
+def _retire_patch(isvc: Mapping[str, Any], mode: str) -> dict[str, Any]:
+    """``ScalingActive=False`` when the operator's autoscaler is off and the condition is
+    there from before ({} otherwise: nothing to write)."""
+    if not any(c.get("type") == CONDITION for c in (isvc.get("status") or {}).get("conditions") or []):
+        return {}
+    message = f"autoscaling.mode is {mode}: the operator's autoscaler does not scale this InferenceService"
+    if mode == "hpa":
+        message += f" (HorizontalPodAutoscaler {builders.names(isvc)['hpa']} does)"
+    return _condition_patch(isvc, "False", "OperatorAutoscalerOff", message)
+
+
+async def _retire(kube: reconcile.Kube, isvc: Mapping[str, Any], mode: str) -> None:
+    patch = _retire_patch(isvc, mode)
+    if patch:
+        meta = isvc["metadata"]
+        await asyncio.to_thread(kube.patch_status, crd.KIND, meta["namespace"], meta["name"], patch)
+
+
+def wants_daemon(spec: Mapping[str, Any], **_: Any) -> bool:
+    """The daemon's filter: only InferenceServices the operator scales (mode ``operator``)
+    or tunes get one, and with it kopf's finalizer (kopf holds deletion until a daemon has
+    stopped). Others (mode ``none``, mode ``hpa`` where the HPA scales) have neither."""
+    return (spec.get("autoscaling") or {}).get("mode") == "operator" or bool((spec.get("tuning") or {}).get("enabled"))
+
+
 async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonState,
                logger: logging.Logger, now: float | None = None) -> float:
     """One iteration for one InferenceService; returns the seconds to sleep."""
@@ -164,16 +192,13 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
     tuning_on = bool(tuning.get("enabled"))
     status_patch: dict[str, Any] = {}
 
-    if mode == "none" and not tuning_on:
-        if any(c.get("type") == CONDITION for c in (isvc.get("status") or {}).get("conditions") or []):
-            status_patch.update(_condition_patch(isvc, "False", "AutoscalingDisabled", "autoscaling.mode is none"))
+    if mode != "operator" and not tuning_on:  # the daemon is about to stop (see wants_daemon)
+        await _retire(kube, isvc, mode)
         state.history, state.previous, state.last_reason = None, None, None
-        if status_patch:
-            await asyncio.to_thread(kube.patch_status, crd.KIND, namespace, name, status_patch)
         return interval
 
     try:
-        config = policy.AutoscalingConfig.from_spec(auto) if mode != "none" else None
+        config = policy.AutoscalingConfig.from_spec(auto) if mode == "operator" else None
         tconfig = policy.TuningConfig.from_spec(tuning) if tuning_on else None
         source = make_source(auto, namespace, client=state.http)
     except ValueError as e:  # the schema's CEL rules should have caught it
@@ -233,10 +258,8 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
                         f"cache usage (target {config.target_kv_cache_usage:g}) between {config.min_replicas} "
                         f"and {config.max_replicas} replicas")
             status_patch.update(_condition_patch(isvc, *cond))
-    elif mode == "hpa":
-        status_patch.update(_condition_patch(isvc, "True", "HorizontalPodAutoscaler",
-                                             f"scaled by HorizontalPodAutoscaler {builders.names(isvc)['hpa']} "
-                                             f"on {policy.HPA_METRIC}"))
+    else:
+        status_patch.update(_retire_patch(isvc, mode))
 
     rollout = False
     if tconfig is not None:
@@ -256,9 +279,11 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
     return interval
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, id="autoscaler", cancellation_timeout=10.0)
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, id="autoscaler", when=wants_daemon,
+             cancellation_backoff=5.0, cancellation_timeout=10.0)
 async def autoscale(namespace: str, name: str, memo: Any, logger: logging.Logger, stopped: Any, **_: Any) -> None:
-    """Scale and tune one InferenceService until it is deleted or the operator stops."""
+    """Scale and tune one InferenceService until it is deleted, no longer autoscaled or
+    tuned (then ``ScalingActive`` turns False), or the operator stops or pauses (peering)."""
     kube = getattr(memo, "kube", None)
     if kube is None:
         from kvfleet.operator.handlers import make_kube
@@ -271,7 +296,14 @@ async def autoscale(namespace: str, name: str, memo: Any, logger: logging.Logger
                 delay = await step(kube, namespace, name, state, logger)
             except (reconcile.ApiError, httpx.HTTPError, OSError) as e:
                 logger.warning("autoscaler of %s/%s: %s", namespace, name, e)
-                delay = DEFAULT_INTERVAL if not os.environ.get(INTERVAL_ENV) else float(os.environ[INTERVAL_ENV])
+                delay = float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL)
             await stopped.wait(delay)
+        if stopped.reason and stopped.reason & kopf.DaemonStoppingReason.FILTERS_MISMATCH:
+            isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
+            if isvc is not None:
+                spec = builders.effective_spec(isvc)
+                await _retire(kube, isvc, spec["autoscaling"].get("mode", "none"))
+    except (reconcile.ApiError, OSError) as e:
+        logger.warning("autoscaler of %s/%s stopping: %s", namespace, name, e)
     finally:
         await state.http.aclose()

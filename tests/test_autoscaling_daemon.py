@@ -208,20 +208,34 @@ def test_a_foreign_hpa_stops_the_operator_autoscaler(cluster):
     assert condition(kube)["status"] == "True"
 
 
-def test_mode_hpa_creates_the_hpa_and_mode_none_writes_nothing(cluster):
+def test_only_autoscaled_or_tuned_services_get_a_daemon():
+    assert autoscaler.wants_daemon({"autoscaling": {"mode": "operator"}})
+    assert autoscaler.wants_daemon({"autoscaling": {"mode": "none"}, "tuning": {"enabled": True}})
+    assert not autoscaler.wants_daemon({"autoscaling": {"mode": "hpa"}})
+    assert not autoscaler.wants_daemon({"model": {"uri": "file:///m"}})
+
+
+def test_switching_to_hpa_then_none_retires_the_condition_then_writes_nothing(cluster):
     kube, client, events, runtimes = cluster
-    create_isvc(kube, client, autoscaling={**OPERATOR, "mode": "hpa"})
+    create_isvc(kube, client, autoscaling=OPERATOR)
+    add_pod(kube, runtimes, "p0", Runtime(waiting=0))
+    run(client, autoscaler.DaemonState())
+    assert condition(kube)["status"] == "True"
+    # mode hpa: the HPA child appears, the operator's autoscaler says it is off.
+    kube.patch(ISVC, NS, NAME, {"spec": {"autoscaling": {"mode": "hpa"}}})
+    reconcile.reconcile(client, NS, NAME)
     hpa = kube.get("autoscaling/v2/horizontalpodautoscalers", NS, NAME)
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceService"
     run(client, autoscaler.DaemonState())
-    assert condition(kube)["reason"] == "HorizontalPodAutoscaler"
-    # Back to none: the reconcile prunes the HPA; the daemon clears its condition once, then is silent.
+    cond = condition(kube)
+    assert (cond["status"], cond["reason"]) == ("False", "OperatorAutoscalerOff") and NAME in cond["message"]
+    # mode none: the reconcile prunes the HPA; after one update of the condition, silence.
     kube.patch(ISVC, NS, NAME, {"spec": {"autoscaling": {"mode": "none"}}})
     reconcile.reconcile(client, NS, NAME)
     assert kube.get("autoscaling/v2/horizontalpodautoscalers", NS, NAME) is None
     state = autoscaler.DaemonState()
     run(client, state)
-    assert condition(kube)["status"] == "False"
+    assert "mode is none" in condition(kube)["message"]
     before = kube.writes()
     for i in range(3):
         run(client, state, now=T0 + i)
