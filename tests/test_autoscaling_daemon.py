@@ -263,3 +263,24 @@ def test_oom_restart_lowers_memory_utilisation_through_status_and_the_configmap(
     # The same termination seen again: no second lowering.
     run(client, autoscaler.DaemonState(), now=T0 + 30)
     assert kube.get(ISVC, NS, NAME)["status"]["engine"]["gpuMemoryUtilization"] == 0.85
+
+
+def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster):
+    kube, client, events, runtimes = cluster
+    create_isvc(kube, client, tuning={"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0},
+                engine={"blockSize": 16, "maxNumSeqs": 4})
+    rt = Runtime(waiting=0)
+    rt.logger.log_engine_initialized(8192)
+    from kvfleet.runtime.stats import FinishedRequestStats, IterationStats
+
+    rt.logger.record(None, IterationStats(finished_requests=[
+        FinishedRequestStats("length", 10.0, 0.1, 1500, 500) for _ in range(150)]))
+    add_pod(kube, runtimes, "p0", rt)
+    run(client, autoscaler.DaemonState(), now=T0)
+    obj = kube.get(ISVC, NS, NAME)
+    assert obj["status"]["engine"]["blockSize"] == 64  # mean 2000 tokens / 16 = 125 -> 64
+    assert obj["spec"]["engine"]["blockSize"] == 16
+    cm = yaml.safe_load(kube.get("v1/configmaps", NS, f"{NAME}-config")["data"]["config.yaml"])
+    assert cm["block_size"] == 64
+    (ev,) = events
+    assert ev[1] == "BlockSizeChanged" and "2000 tokens" in ev[2]
