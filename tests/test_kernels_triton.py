@@ -38,6 +38,13 @@ def tri():
         for name in ("kvfleet.kernels.triton_cache", "kvfleet.kernels.triton_attention"):
             mod = sys.modules.get(name)
             mods.append(importlib.reload(mod) if mod is not None else importlib.import_module(name))
+        if not ON_CUDA:
+            import triton.language.standard as std
+
+            if type(std.cdiv).__name__ != "InterpretedFunction":
+                pytest.fail("triton was imported in this process before TRITON_INTERPRET=1 was set, so its "
+                            "library functions are compiled-mode only: run tests/test_kernels_triton.py in its "
+                            "own pytest process, or export TRITON_INTERPRET=1", pytrace=False)
         yield mods[0].reshape_and_cache_triton, mods[1].paged_attention_triton, mods[1]
     finally:
         if old is None:
