@@ -131,7 +131,7 @@ class DaemonState:
     previous: policy.MetricsAggregate | None = None
     last_reason: str | None = None
     http: httpx.AsyncClient | None = None
-    scale_ups: list[tuple[float, int, int]] = field(default_factory=list)
+    changes: list[tuple[float, int, int]] = field(default_factory=list)
     """``(time, from, to)`` of this daemon's scale changes (for logs and tests)."""
 
 
@@ -242,7 +242,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
             state.history = decision.history
             if decision.changed:
                 await asyncio.to_thread(_scale, kube, namespace, name, decision.replicas)
-                state.scale_ups.append((now, decision.current, decision.replicas))
+                state.changes.append((now, decision.current, decision.replicas))
                 logger.info("%s/%s: %s", namespace, name, decision.message)
                 _event(isvc, "Normal", decision.reason, decision.message, decision.inputs)
                 status_patch["lastScaleTime"] = policy.rfc3339(now)

@@ -109,11 +109,13 @@ class MetricsAggregate:
 
     @property
     def mean_prompt_tokens(self) -> float | None:
+        """Mean prompt length of finished requests, tokens (None: none finished)."""
         count = sum(p.request_prompt_tokens_count for p in self.pods)
         return sum(p.request_prompt_tokens_sum for p in self.pods) / count if count else None
 
     @property
     def mean_generation_tokens(self) -> float | None:
+        """Mean output length of finished requests, tokens (None: none finished)."""
         count = sum(p.request_generation_tokens_count for p in self.pods)
         return sum(p.request_generation_tokens_sum for p in self.pods) / count if count else None
 
