@@ -26,7 +26,7 @@ import pytest
 from kube_emulator import ISVC, EmulatorThread
 from kubelet import TestKubelet
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NS = "llm"
 NAME = "smollm2"
