@@ -5,6 +5,8 @@ Run on any machine with one CUDA GPU (target: under 5 minutes)::
     python benchmarks/gpu_check.py                 # everything
     python benchmarks/gpu_check.py --quick         # smaller timing grid
     python benchmarks/gpu_check.py --skip-engine   # kernels only
+    python benchmarks/gpu_check.py --smoke         # no GPU: run the kernel sections on CPU under
+                                                   # the Triton interpreter, tiny shapes (checks the script)
 
 Sections (each in its own try/except; a failing section is reported and the next one
 runs; sections are skipped when the overall ``--budget-s`` is used up):
@@ -98,9 +100,17 @@ def measured_copy_bandwidth(torch, device) -> float:
 
 
 def cuda_time(torch, fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds per call, CUDA events."""
+    """Median seconds per call: CUDA events on a GPU, wall clock otherwise (--smoke)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
@@ -115,10 +125,53 @@ def cuda_time(torch, fn, iters: int = 20, warmup: int = 3) -> float:
     return times[len(times) // 2]
 
 
+def sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Sizes:
+    """Shapes of the checks: the real ones on a GPU, tiny ones for --smoke (CPU, interpreter)."""
+
+    def __init__(self, smoke: bool, quick: bool):
+        self.smoke = smoke
+        if smoke:
+            self.grid_block_sizes = (8,)
+            self.grid_head_sizes = (64,)
+            self.grid_heads = ((2, 2), (3, 1))
+            self.long_seqs = [(40, 1), (30, 12)]
+            self.split_options = (1, 3)
+            self.decode_shape = dict(heads=4, kv_heads=2, head_size=64, block_size=16)
+            self.decode_batches = (1, 2)
+            self.decode_contexts = (16, 48)
+            self.prefill_shape = dict(heads=4, kv_heads=2, head_size=64)
+            self.prefill_cases = [("1 x 24 prompt", [(24, 24)]), ("chunk 8 after 16 cached + 2 decodes", [(24, 8), (9, 1), (5, 1)])]
+            self.cache_shapes = ((8, 2, 64),)
+            self.iters = 2
+        else:
+            self.grid_block_sizes = (8, 16, 32)
+            self.grid_head_sizes = (64, 96, 128)
+            self.grid_heads = ((4, 4), (6, 2), (16, 2))
+            self.long_seqs = [(700, 1), (300, 120), (130, 0)]
+            self.split_options = (None, 1, 4)
+            self.decode_shape = dict(heads=32, kv_heads=8, head_size=128, block_size=16)
+            self.decode_batches = (1, 32, 256)
+            self.decode_contexts = (512, 4096) if quick else (512, 4096, 32768)
+            self.prefill_shape = dict(heads=32, kv_heads=8, head_size=128)
+            self.prefill_cases = [
+                ("1 x 4096 prompt", [(4096, 4096)]),
+                ("8 x 1024 prompts", [(1024, 1024)] * 8),
+                ("chunk 2048 after 6144 cached", [(8192, 2048)]),
+                ("4 x 512 chunks after 3584 cached + 64 decodes ctx 2048", [(4096, 512)] * 4 + [(2048, 1)] * 64),
+            ][: 2 if quick else 4]
+            self.cache_shapes = ((8, 2, 64), (16, 8, 128), (32, 1, 96))
+            self.iters = None  # per case
+
+
 # --------------------------------------------------------------------------- sections
 
 
-def section_correctness(torch, device, budget: Budget, quick: bool) -> bool:
+def section_correctness(torch, device, budget: Budget, sz: Sizes) -> bool:
     from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
     from kvfleet.kernels.testing import TOLERANCES, make_paged_batch
     from kvfleet.kernels.triton_attention import paged_attention_triton
@@ -126,7 +179,7 @@ def section_correctness(torch, device, budget: Budget, quick: bool) -> bool:
 
     def seq_mix(bs):
         return [(1, 1), (bs, 1), (bs + 1, 1), (2 * bs + 5, 1), (bs + 1, bs + 1), (2 * bs + 3, bs - 1), (bs, bs),
-                (700, 1), (300, 120), (130, 0)]
+                *sz.long_seqs]
 
     failures, checks = [], 0
 
@@ -139,31 +192,32 @@ def section_correctness(torch, device, budget: Budget, quick: bool) -> bool:
             err = (out.float() - ref.float()).abs().max().item()
             failures.append(f"{label}: max abs err {err:.3e} (atol {atol}, rtol {rtol})")
 
-    dtypes = [torch.float32, torch.float16, torch.bfloat16]
-    for bs in (8, 16, 32):
-        for head_size in (64, 96, 128):
-            for h, kvh in ((4, 4), (6, 2), (16, 2)):
+    dtypes = [torch.float32, torch.float16] if sz.smoke else [torch.float32, torch.float16, torch.bfloat16]
+    for bs in sz.grid_block_sizes:
+        for head_size in sz.grid_head_sizes:
+            for h, kvh in sz.grid_heads:
                 for dtype in dtypes:
-                    if budget.left() < 60:
+                    if budget.left() < (5 if sz.smoke else 60):
                         failures.append("correctness grid cut short by the time budget")
                         break
                     b = make_paged_batch(seq_mix(bs), num_heads=h, num_kv_heads=kvh, head_size=head_size,
                                          block_size=bs, dtype=dtype, device=device, seed=bs + head_size + h)
                     ref = paged_attention_torch(*b.attn_args)
-                    for splits in (None, 1, 4):
+                    for splits in sz.split_options:
                         out = paged_attention_triton(*b.attn_args, num_splits=splits, max_seq_len=b.max_seq_len)
                         check(f"attn bs={bs} d={head_size} h={h}/{kvh} {dtype} splits={splits}", out, ref, dtype)
     # shuffled blocks: identical output
+    shuffle_dtype = torch.float16 if sz.smoke else torch.bfloat16
     a = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype=torch.bfloat16, device=device, shuffle=False, seed=5)
+                         dtype=shuffle_dtype, device=device, shuffle=False, seed=5)
     b = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype=torch.bfloat16, device=device, shuffle=True, seed=5)
+                         dtype=shuffle_dtype, device=device, shuffle=True, seed=5)
     checks += 1
     if not torch.equal(paged_attention_triton(*a.attn_args), paged_attention_triton(*b.attn_args)):
         failures.append("shuffled physical blocks changed the output")
     # reshape_and_cache, slot -1 untouched
     for dtype in dtypes:
-        for bs, kvh, d in ((8, 2, 64), (16, 8, 128), (32, 1, 96)):
+        for bs, kvh, d in sz.cache_shapes:
             b = make_paged_batch([(bs + 1, bs + 1), (40, 7), (3, 1)], num_heads=kvh, num_kv_heads=kvh, head_size=d,
                                  block_size=bs, dtype=dtype, device=device)
             slots = b.slot_mapping.clone()
@@ -175,64 +229,54 @@ def section_correctness(torch, device, budget: Budget, quick: bool) -> bool:
             checks += 1
             if not (torch.equal(kc, kr) and torch.equal(vc, vr)):
                 failures.append(f"reshape_and_cache bs={bs} kvh={kvh} d={d} {dtype} differs from the reference")
-    torch.cuda.synchronize()
+    sync(torch, device)
     for f in failures:
         log(f"  FAIL {f}")
     log(f"  {checks - len(failures)}/{checks} correctness checks passed")
     return not failures
 
 
-def _decode_case(torch, device, B, ctx, *, heads=32, kv_heads=8, head_size=128, block_size=16,
-                 dtype=None, key_cache=None, value_cache=None):
-    nb = ctx // block_size
-    num_blocks = key_cache.shape[0]
-    perm = torch.randperm(num_blocks, device=device)[: B * nb]
-    block_tables = perm.view(B, nb).to(torch.int32)
-    seq_lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
-    query = torch.randn(B, heads, head_size, dtype=dtype, device=device)
-    return query, block_tables, seq_lens, qsl
+def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float) -> bool:
+    from kvfleet.kernels.triton_attention import launch_config, paged_attention_triton
 
-
-def section_decode(torch, device, budget: Budget, quick: bool, peak_bw: float) -> bool:
-    from kvfleet.kernels.triton_attention import paged_attention_triton
-
-    heads, kv_heads, head_size, block_size, dtype = 32, 8, 128, 16, torch.bfloat16
+    shp = sz.decode_shape
+    heads, kv_heads, head_size, block_size = shp["heads"], shp["kv_heads"], shp["head_size"], shp["block_size"]
+    dtype = torch.float16 if sz.smoke else torch.bfloat16
     elem = 2
-    batches = (1, 32, 256)
-    contexts = (512, 4096, 32768) if not quick else (512, 4096)
-    free, _ = torch.cuda.mem_get_info(device)
+    batches, contexts = sz.decode_batches, sz.decode_contexts
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 2**30
     per_token = kv_heads * head_size * elem  # bytes per token per K (or V)
     limit_tokens = int(0.6 * free / (2 * per_token))
     need = max(B * c for B in batches for c in contexts)
     num_tokens = min(need, limit_tokens)
     num_blocks = num_tokens // block_size
-    log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, bf16, block_size {block_size}; "
-        f"cache {num_blocks} blocks ({2 * num_blocks * block_size * per_token / 2**30:.1f} GiB)")
+    log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, {str(dtype)[6:]}, "
+        f"block_size {block_size}; cache {num_blocks} blocks ({2 * num_blocks * block_size * per_token / 2**30:.2f} GiB)")
     key_cache = torch.empty(num_blocks, block_size, kv_heads, head_size, dtype=dtype, device=device).normal_()
     value_cache = torch.empty_like(key_cache).normal_()
     log(f"  {'batch':>5s} {'context':>7s} {'splits':>6s} {'us/call':>9s} {'GB/s':>8s} {'of peak':>8s}")
     ok = True
     for B in batches:
         for ctx in contexts:
-            if budget.left() < 30:
+            if budget.left() < (5 if sz.smoke else 30):
                 log("  (time budget: remaining decode cases skipped)")
                 return ok
             if B * ctx > num_tokens:
                 log(f"  {B:5d} {ctx:7d}  skipped: needs {2 * B * ctx * per_token / 2**30:.1f} GiB of cache")
                 continue
             try:
-                q, bt, sl, qsl = _decode_case(torch, device, B, ctx, heads=heads, kv_heads=kv_heads,
-                                              head_size=head_size, block_size=block_size, dtype=dtype,
-                                              key_cache=key_cache, value_cache=value_cache)
+                nb = ctx // block_size
+                perm = torch.randperm(num_blocks, device=device)[: B * nb]
+                bt = perm.view(B, nb).to(torch.int32)
+                sl = torch.full((B,), ctx, dtype=torch.int32, device=device)
+                qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+                q = torch.randn(B, heads, head_size, dtype=dtype, device=device)
                 out = torch.empty_like(q)
-                from kvfleet.kernels.triton_attention import launch_config
-
                 splits = launch_config(B, B, heads, kv_heads, head_size, max_query_len=1, max_seq_len=ctx,
                                        device=q.device).num_splits
                 t = cuda_time(torch, lambda: paged_attention_triton(
                     q, key_cache, value_cache, bt, sl, qsl, None, max_query_len=1, max_seq_len=ctx, out=out),
-                    iters=20 if B * ctx < 2**22 else 8)
+                    iters=sz.iters or (20 if B * ctx < 2**22 else 8))
                 bytes_moved = 2 * B * ctx * per_token + 2 * q.numel() * elem + bt.numel() * 4
                 bw = bytes_moved / t
                 log(f"  {B:5d} {ctx:7d} {splits:6d} {t * 1e6:9.1f} {bw / 1e9:8.1f} {bw / peak_bw:8.1%}")
@@ -240,36 +284,31 @@ def section_decode(torch, device, budget: Budget, quick: bool, peak_bw: float) -
                 ok = False
                 log(f"  {B:5d} {ctx:7d}  FAILED: {type(e).__name__}: {e}")
     del key_cache, value_cache
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return ok
 
 
-def section_prefill(torch, device, budget: Budget, quick: bool, peak_flops: float | None) -> bool:
+def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float | None) -> bool:
     from kvfleet.kernels.testing import make_paged_batch
     from kvfleet.kernels.triton_attention import paged_attention_triton
 
-    cases = [
-        ("1 x 4096 prompt", [(4096, 4096)]),
-        ("8 x 1024 prompts", [(1024, 1024)] * 8),
-        ("chunk 2048 after 6144 cached", [(8192, 2048)]),
-        ("4 x 512 chunks after 3584 cached + 64 decodes ctx 2048", [(4096, 512)] * 4 + [(2048, 1)] * 64),
-    ]
-    if quick:
-        cases = cases[:2]
-    heads, kv_heads, head_size = 32, 8, 128
-    log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, bf16, block_size 16")
+    cases = sz.prefill_cases
+    heads, kv_heads, head_size = sz.prefill_shape["heads"], sz.prefill_shape["kv_heads"], sz.prefill_shape["head_size"]
+    dtype = torch.float16 if sz.smoke else torch.bfloat16
+    log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, {str(dtype)[6:]}, block_size 16")
     ok = True
     for name, seqs in cases:
-        if budget.left() < 30:
+        if budget.left() < (5 if sz.smoke else 30):
             log("  (time budget: remaining prefill cases skipped)")
             break
         try:
             b = make_paged_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
-                                 dtype=torch.bfloat16, device=device, garbage=1.0)
+                                 dtype=dtype, device=device, garbage=1.0)
             out = torch.empty_like(b.query)
             mq = max(q for _, q in seqs)
             t = cuda_time(torch, lambda: paged_attention_triton(
-                *b.attn_args, max_query_len=mq, max_seq_len=b.max_seq_len, out=out), iters=10)
+                *b.attn_args, max_query_len=mq, max_seq_len=b.max_seq_len, out=out), iters=sz.iters or 10)
             pairs = sum(sum(L - q + i + 1 for i in range(q)) for L, q in seqs)  # visible (query, key) pairs
             flops = 4 * head_size * heads * pairs
             frac = f"{flops / t / peak_flops:8.1%}" if peak_flops else "     n/a"
@@ -331,46 +370,61 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine"], action="append",
                     help="run only these sections (repeatable)")
     ap.add_argument("--engine-max-tokens", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true",
+                    help="exercise the kernel sections on CPU under the Triton interpreter with tiny shapes "
+                         "(checks this script itself, not the GPU; the engine section is skipped)")
     args = ap.parse_args(argv)
     budget = Budget(args.budget_s)
+    if args.smoke:
+        # Must precede the first triton import (the kernels are imported lazily below).
+        os.environ["TRITON_INTERPRET"] = "1"
 
     import torch
 
     log(f"kvfleet gpu_check: torch {torch.__version__}, python {sys.version.split()[0]}")
-    if not torch.cuda.is_available():
+    if args.smoke:
+        import triton
+
+        device = torch.device("cpu")
+        name = "CPU (smoke test under TRITON_INTERPRET=1: timings are meaningless)"
+        peak_bw, peak_flops = 1e11, None
+        log(f"GPU: none; {name}, triton {triton.__version__}")
+    elif not torch.cuda.is_available():
         log("No CUDA device available (torch.cuda.is_available() is False): nothing checked. "
             "Run this on a machine with an NVIDIA GPU and a CUDA build of torch.")
         return 2
-    import triton
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    props = torch.cuda.get_device_properties(device)
-    name = torch.cuda.get_device_name(device)
-    log(f"GPU: {name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
-        f"{props.total_memory / 2**30:.0f} GiB), triton {triton.__version__}, CUDA {torch.version.cuda}")
-    peak_bw, peak_flops = lookup_peaks(name)
-    if peak_bw is None:
-        try:
-            peak_bw = measured_copy_bandwidth(torch, device)
-            log(f"peak bandwidth: not in the table; measured copy bandwidth {peak_bw / 1e12:.2f} TB/s used instead")
-        except Exception as e:  # noqa: BLE001
-            peak_bw = float("nan")
-            log(f"peak bandwidth unknown ({e})")
     else:
-        log(f"peak bandwidth {peak_bw / 1e12:.2f} TB/s, bf16 dense peak "
-            f"{'%.0f TFLOP/s' % (peak_flops / 1e12) if peak_flops else 'unknown'} (datasheet)")
+        import triton
+
+        device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(device)
+        name = torch.cuda.get_device_name(device)
+        log(f"GPU: {name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
+            f"{props.total_memory / 2**30:.0f} GiB), triton {triton.__version__}, CUDA {torch.version.cuda}")
+        peak_bw, peak_flops = lookup_peaks(name)
+        if peak_bw is None:
+            try:
+                peak_bw = measured_copy_bandwidth(torch, device)
+                log(f"peak bandwidth: not in the table; measured copy bandwidth {peak_bw / 1e12:.2f} TB/s used")
+            except Exception as e:  # noqa: BLE001
+                peak_bw = float("nan")
+                log(f"peak bandwidth unknown ({e})")
+        else:
+            log(f"peak bandwidth {peak_bw / 1e12:.2f} TB/s, bf16 dense peak "
+                f"{'%.0f TFLOP/s' % (peak_flops / 1e12) if peak_flops else 'unknown'} (datasheet)")
+    sz = Sizes(args.smoke, args.quick)
 
     sections = [
-        ("correctness", lambda: section_correctness(torch, device, budget, args.quick), 60),
-        ("decode", lambda: section_decode(torch, device, budget, args.quick, peak_bw), 30),
-        ("prefill", lambda: section_prefill(torch, device, budget, args.quick, peak_flops), 20),
+        ("correctness", lambda: section_correctness(torch, device, budget, sz), 5 if args.smoke else 60),
+        ("decode", lambda: section_decode(torch, device, budget, sz, peak_bw), 5 if args.smoke else 30),
+        ("prefill", lambda: section_prefill(torch, device, budget, sz, peak_flops), 5 if args.smoke else 20),
         ("engine", lambda: section_engine(torch, budget, args.engine_max_tokens), 60),
     ]
     results = {}
     for sec, fn, min_left in sections:
         if args.only and sec not in args.only:
             continue
-        if sec == "engine" and args.skip_engine:
+        if sec == "engine" and (args.skip_engine or args.smoke):
             continue
         if budget.left() < min_left:
             log(f"\n== {sec}: SKIPPED ({budget.left():.0f} s of budget left, needs ~{min_left} s)")

@@ -51,3 +51,16 @@ def test_budget_counts_down():
     b = mod.Budget(100.0)
     assert 99.0 < b.left() <= 100.0
     assert b.elapsed() >= 0.0
+
+
+def test_smoke_mode_runs_every_kernel_section_on_cpu():
+    # --smoke runs the correctness, decode and prefill sections with tiny shapes on CPU
+    # under the Triton interpreter: the script's own code paths, not GPU speed.
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--budget-s", "150"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    out = r.stdout
+    assert "correctness checks passed" in out and "FAIL" not in out.replace("PASS", "")
+    assert "correctness=PASS, decode=PASS, prefill=PASS" in out
+    assert "engine" not in out.split("Summary")[1]
