@@ -292,6 +292,10 @@ def paged_attention_torch(
     ``h // (num_heads // num_kv_heads)``. Sequences with ``q_len_s == 0`` contribute no
     rows. Scores, softmax and the weighted sum are computed in fp32.
 
+    Cache slots that no sequence has written must hold finite values (allocate caches
+    with ``torch.zeros``, as the engine does): the decode path reads whole blocks and
+    masks the tail, and ``0 * NaN`` is NaN. The Triton kernel never reads those slots.
+
     Returns: ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (``out`` if given).
 
     Raises: ValueError on inconsistent shapes (see ``check_paged_attention_args``).
