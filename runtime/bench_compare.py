@@ -22,8 +22,9 @@ tokens over the wall time of the whole run, tokens/s.
 Beside it:
 
 - the **compute roofline**: the workload's FLOPs (linear layers + attention + LM head,
-  :func:`workload_flops`) over the FLOP/s this machine reaches on the model's own matmul
-  shapes (:func:`measure_matmul_flops`), as output tokens/s, and kvfleet's share of it;
+  :func:`workload_flops`) at the best FLOP/s this machine reaches on the model's own
+  matmuls (:func:`measure_matmul_flops`, ``--prefill-tokens`` rows), as output tokens/s,
+  and kvfleet's share of it;
 - the **KV-memory report** (:func:`kv_memory_report`): on a mixed-length workload, the
   share of allocated KV slots that hold real tokens with paged allocation (``block_size``)
   versus reserving ``max_model_len`` per request (or the padded batch's length, as static
@@ -40,7 +41,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
-import numpy as np
+# As kvfleet's engine does (docs/engine.md, "CPU threads"): idle OpenMP threads sleep
+# instead of spinning, which on a shared CPU keeps decode steps from slowing 10-20x. Set
+# before torch loads, so that all three systems run under the same policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
 
 from kvfleet.runtime.bench_metrics import RequestResult, compute_metrics
 
@@ -213,26 +219,36 @@ def measure_matmul_flops(weights, tokens: int, min_seconds: float = 0.5, repeats
 
 @dataclass
 class Roofline:
-    """Compute roofline of a workload on this machine."""
+    """Compute roofline of a workload on this machine: the time its FLOPs take at the best
+    matmul FLOP/s measured here, and the output token throughput that allows. No engine
+    can beat it; decode at small batches is memory-bound and stays well below it."""
 
     prefill_gflop: float
     decode_gflop: float
-    prefill_gflops_per_s: float
-    """Measured matmul GFLOP/s at the prefill batch shape."""
-    decode_gflops_per_s: float
-    """Measured matmul GFLOP/s at the decode batch shape (C rows)."""
+    peak_gflops_per_s: float
+    """Best measured matmul GFLOP/s (the model's own weights, ``--prefill-tokens`` rows)."""
     seconds: float
-    """prefill FLOPs / prefill FLOP/s + decode FLOPs / decode FLOP/s."""
+    """(prefill + decode FLOPs) / peak FLOP/s."""
     output_tokens: int
     output_tokens_per_s: float
-    """The best output token throughput compute allows, tokens/s."""
+    """Output tokens / ``seconds``: the best output token throughput compute allows, tokens/s."""
+    decode_shape_gflops_per_s: float | None = None
+    """Measured matmul GFLOP/s with as many rows as the concurrency level (a decode step's
+    shape), for reference."""
+
+    @property
+    def gflop(self) -> float:
+        return self.prefill_gflop + self.decode_gflop
 
 
-def roofline(workload: Workload, shape: ModelShape, prefill_flops_per_s: float, decode_flops_per_s: float) -> Roofline:
+def roofline(workload: Workload, shape: ModelShape, peak_flops_per_s: float, decode_shape_flops_per_s: float | None = None) -> Roofline:
+    """The :class:`Roofline` of ``workload`` (FLOPs from :func:`workload_flops`) at
+    ``peak_flops_per_s`` FLOP/s."""
     pre, dec = workload_flops(workload.prompt_lens, workload.output_lens, shape)
-    seconds = pre / prefill_flops_per_s + dec / decode_flops_per_s
+    seconds = (pre + dec) / peak_flops_per_s
     out = sum(workload.output_lens)
-    return Roofline(pre / 1e9, dec / 1e9, prefill_flops_per_s / 1e9, decode_flops_per_s / 1e9, seconds, out, out / seconds)
+    return Roofline(pre / 1e9, dec / 1e9, peak_flops_per_s / 1e9, seconds, out, out / seconds,
+                    None if decode_shape_flops_per_s is None else decode_shape_flops_per_s / 1e9)
 
 
 # --------------------------------------------------------------------------- KV memory
@@ -523,7 +539,7 @@ def format_level_table(runs: list[RunResult], roof: Roofline | None = None) -> s
         lines.append(f"| {SYSTEM_LABELS.get(r.system, r.system)}{note} | {tps:.1f} | {p99:.2f} | {r.report['mean_ttft_ms'] / 1e3:.2f} | {r.duration:.1f} | {speed} | {lat} |")
     if roof is not None:
         share = f"kvfleet at {ref.output_throughput / roof.output_tokens_per_s:.0%} of it" if ref else ""
-        lines.append(f"| compute roofline ({roof.prefill_gflop + roof.decode_gflop:.0f} GFLOP at {roof.prefill_gflops_per_s:.0f}/{roof.decode_gflops_per_s:.0f} GFLOP/s prefill/decode) | {roof.output_tokens_per_s:.1f} | | | {roof.seconds:.1f} | {share} | |")
+        lines.append(f"| compute roofline: {roof.gflop:.0f} GFLOP at {roof.peak_gflops_per_s:.0f} GFLOP/s | {roof.output_tokens_per_s:.1f} | | | {roof.seconds:.1f} | {share} | |")
     return "\n".join(lines)
 
 
@@ -646,15 +662,17 @@ def main(args) -> int:
     full = make_workload(n_max, in_range, out_range, shape.vocab_size, special, args.seed)
 
     print("measuring matmul FLOP/s on the model's shapes ...")
-    prefill_fps = measure_matmul_flops(model_linear_weights(hf_model, include_lm_head=False), args.prefill_tokens)
-    decode_fps = {c: measure_matmul_flops(model_linear_weights(hf_model), c) for c in levels}
+    peak_fps = measure_matmul_flops(model_linear_weights(hf_model, include_lm_head=False), args.prefill_tokens, min_seconds=0.3, repeats=5)
+    decode_fps = {c: measure_matmul_flops(model_linear_weights(hf_model), c, min_seconds=0.3, repeats=3) for c in levels}
+    print(f"matmul: {peak_fps / 1e9:.1f} GFLOP/s at {args.prefill_tokens} rows; "
+          + ", ".join(f"{v / 1e9:.1f} at {c}" for c, v in decode_fps.items()))
 
     factory = _kvfleet_engine_factory(model_path, args) if "kvfleet" in systems else None
     by_level: dict[int, list[RunResult]] = {}
     roofs: dict[int, Roofline] = {}
     for c in levels:
         wl = full.take(args.num_prompts or c)
-        roofs[c] = roofline(wl, shape, prefill_fps, decode_fps[c])
+        roofs[c] = roofline(wl, shape, peak_fps, decode_fps[c])
         runs = []
         for s in systems:
             bar = tqdm(total=len(wl), desc=f"C={c} {s}", unit="req", disable=args.disable_tqdm)
@@ -689,7 +707,7 @@ def main(args) -> int:
             "torch_threads": torch.get_num_threads(),
             "model": model_name,
             "args": {k: v for k, v in vars(args).items()},
-            "matmul_gflops_per_s": {"prefill": prefill_fps / 1e9, **{f"decode_{c}": v / 1e9 for c, v in decode_fps.items()}},
+            "matmul_gflops_per_s": {f"rows_{args.prefill_tokens}": peak_fps / 1e9, **{f"rows_{c}": v / 1e9 for c, v in decode_fps.items()}},
             "levels": {
                 str(c): {
                     "roofline": asdict(roofs[c]),

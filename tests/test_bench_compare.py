@@ -49,7 +49,8 @@ def test_workload_flops_by_hand():
     assert dec == 3 * (lin + head) + att * (4 + 5 + 6)
     # one output token: no decode work
     assert workload_flops([5], [1], s)[1] == 0
-    r = roofline(Workload([[1, 2, 3]], [4]), s, prefill_flops_per_s=pre, decode_flops_per_s=dec / 2)
+    r = roofline(Workload([[1, 2, 3]], [4]), s, peak_flops_per_s=(pre + dec) / 3)
+    assert r.gflop == pytest.approx((pre + dec) / 1e9)
     assert r.seconds == pytest.approx(3.0)
     assert r.output_tokens_per_s == pytest.approx(4 / 3)
 
