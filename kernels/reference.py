@@ -161,53 +161,75 @@ def _gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return buf[:numel]
 
 
-def _decode_chunk(
+def _decode_batch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    seq_idx: torch.Tensor,
-    tok_idx: torch.Tensor,
     lens: torch.Tensor,
-    max_len: int,
+    order: list[int],
+    order_lens: list[int],
+    tok_idx: list[int],
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Attend ``len(seq_idx)`` decode sequences (one query token each) together.
+    """Attend decode sequences (one query token each), given longest first.
 
-    Their blocks are gathered into a padded ``[B, kvh, L, d]`` view; positions past each
-    sequence's length (``lens``, ``[B]``) are masked. GQA without copying K/V per query
-    head: the ``group`` query heads of one kv head play the role of SDPA's query-length
-    dimension (``q: [B, kvh, group, d]``).
+    ``order``: their sequence indices sorted by decreasing length (``order_lens``);
+    ``tok_idx``: the row of each one's query token. Everything per batch is selected once
+    (block tables, lengths, queries); then, in chunks whose gathered K+V fit in
+    ``_DECODE_CHUNK_BYTES``, the chunk's blocks are gathered into a reused per-thread
+    buffer (it stays in cache and costs no page faults) as a padded ``[n, kvh, L, d]``
+    view, positions past each length are masked, and one SDPA call attends the chunk.
+    GQA without copying K/V per query head: the ``group`` query heads of one kv head play
+    SDPA's query-length role (``q: [n, kvh, group, d]``).
     """
     num_blocks, block_size, kvh, d = key_cache.shape
     num_heads = query.shape[1]
     group = num_heads // kvh
-    nb = (max_len + block_size - 1) // block_size
-    bt = block_tables.index_select(0, seq_idx)[:, :nb].long()  # [B, nb]
-    B = bt.shape[0]
-    L = nb * block_size
-    if key_cache.is_contiguous() and value_cache.is_contiguous():
-        # Gather into a reused buffer: it stays in cache and costs no page faults (measured
-        # 1.2-2x faster than gathering into fresh tensors at 64-128 sequences).
-        per_block = block_size * kvh * d
-        buf = _gather_buffer(2 * B * nb * per_block, key_cache.dtype, key_cache.device)
-        flat_idx = bt.reshape(-1)
-        kbuf = buf[: B * nb * per_block].view(B * nb, per_block)
-        vbuf = buf[B * nb * per_block: 2 * B * nb * per_block].view(B * nb, per_block)
-        torch.index_select(key_cache.view(num_blocks, per_block), 0, flat_idx, out=kbuf)
-        torch.index_select(value_cache.view(num_blocks, per_block), 0, flat_idx, out=vbuf)
-        k = kbuf.view(B, L, kvh, d).transpose(1, 2)  # [B, kvh, L, d]
-        v = vbuf.view(B, L, kvh, d).transpose(1, 2)
-    else:
-        k = key_cache[bt].view(B, L, kvh, d).transpose(1, 2)
-        v = value_cache[bt].view(B, L, kvh, d).transpose(1, 2)
-    q = query.index_select(0, tok_idx).view(B, kvh, group, d)
-    if q.dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
-    valid = torch.arange(L, device=query.device).unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid.view(B, 1, 1, L), scale=scale)
-    out.index_copy_(0, tok_idx, o.reshape(B, num_heads, d).to(out.dtype))
+    dev = query.device
+    D = len(order)
+    order_t = torch.tensor(order, dtype=torch.long, device=dev)
+    tok_t = torch.tensor(tok_idx, dtype=torch.long, device=dev)
+    max_nb = -(-order_lens[0] // block_size)
+    bt_all = block_tables.index_select(0, order_t)[:, :max_nb].long()  # [D, max_nb]
+    lens_all = lens.index_select(0, order_t)  # [D]
+    q_all = query.index_select(0, tok_t).view(D, kvh, group, d)
+    if q_all.dtype != torch.float32:
+        q_all = q_all.float()
+    o_all = torch.empty(D, kvh, group, d, dtype=q_all.dtype, device=dev)
+    positions = torch.arange(max_nb * block_size, device=dev)
+    per_block = block_size * kvh * d
+    chunk_blocks = max(1, _DECODE_CHUNK_BYTES // (2 * per_block * max(key_cache.element_size(), 4)))
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    if contiguous:
+        kflat = key_cache.view(num_blocks, per_block)
+        vflat = value_cache.view(num_blocks, per_block)
+        buf = _gather_buffer(2 * max(chunk_blocks, max_nb) * per_block, key_cache.dtype, key_cache.device)
+    i = 0
+    while i < D:
+        nb = -(-order_lens[i] // block_size)
+        n = min(D - i, max(1, chunk_blocks // nb))
+        L = nb * block_size
+        bt = bt_all[i:i + n, :nb]
+        if contiguous:
+            idx = bt.reshape(-1)
+            kbuf = buf[: n * nb * per_block].view(n * nb, per_block)
+            vbuf = buf[n * nb * per_block: 2 * n * nb * per_block].view(n * nb, per_block)
+            torch.index_select(kflat, 0, idx, out=kbuf)
+            torch.index_select(vflat, 0, idx, out=vbuf)
+        else:
+            kbuf, vbuf = key_cache[bt], value_cache[bt]
+        k = kbuf.view(n, L, kvh, d).transpose(1, 2)  # [n, kvh, L, d]
+        v = vbuf.view(n, L, kvh, d).transpose(1, 2)
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        valid = positions[:L].unsqueeze(0) < lens_all[i:i + n].unsqueeze(1)  # [n, L]
+        o_all[i:i + n] = F.scaled_dot_product_attention(
+            q_all[i:i + n], k, v, attn_mask=valid.view(n, 1, 1, L), scale=scale
+        )
+        i += n
+    out.index_copy_(0, tok_t, o_all.view(D, num_heads, d).to(out.dtype))
 
 
 def _prefill_one(
@@ -324,27 +346,16 @@ def paged_attention_torch(
     prefill = [s for s in range(num_seqs) if q_lens_l[s] > 1]
 
     if decode:
-        # Longest first, in chunks whose gathered K+V stay within _DECODE_CHUNK_BYTES (so
-        # they are still in cache when SDPA reads them); each chunk is padded only to its
-        # own longest sequence, so sorting also bounds the padding of ragged batches.
+        # Longest first, so each chunk is padded only to its own longest sequence: sorting
+        # bounds the padding of ragged batches.
         decode.sort(key=lambda s: lens_l[s], reverse=True)
-        if lens_l[decode[-1]] < 1:
+        order_lens = [lens_l[s] for s in decode]
+        if order_lens[-1] < 1:
             raise ValueError("a decode sequence (1 query token) must have seq_len >= 1")
-        elem = max(key_cache.element_size(), 4)
-        bytes_per_token = 2 * num_kv_heads * head_size * elem
-        i = 0
-        while i < len(decode):
-            longest = lens_l[decode[i]]
-            padded = -(-longest // block_size) * block_size
-            n = max(1, _DECODE_CHUNK_BYTES // (padded * bytes_per_token))
-            idx = decode[i:i + n]
-            seq_idx = torch.tensor(idx, dtype=torch.long, device=dev)
-            tok_idx = torch.tensor([starts_l[s] for s in idx], dtype=torch.long, device=dev)
-            _decode_chunk(
-                query, key_cache, value_cache, block_tables, seq_idx, tok_idx,
-                lens.index_select(0, seq_idx), longest, scale, out,
-            )
-            i += n
+        _decode_batch(
+            query, key_cache, value_cache, block_tables, lens, decode, order_lens,
+            [starts_l[s] for s in decode], scale, out,
+        )
 
     for s in prefill:
         a, b = starts_l[s], starts_l[s + 1]
