@@ -339,8 +339,9 @@ def paged_attention_triton(
     ``num_tokens``; no copy) picks the query tile. Wrong hints cost speed, not
     correctness (a low ``max_seq_len`` makes the last split take the remaining keys).
 
-    ``seq_lens`` and ``query_start_loc`` must be int32 or int64 on the query's device,
-    ``block_tables`` int32/int64. The caches need unit stride on ``head_size``.
+    ``seq_lens``, ``query_start_loc`` and ``block_tables``: any integer dtype on the
+    query's device (converted to int32 if needed). The caches need unit stride on
+    ``head_size``.
     Raises ValueError on inconsistent shapes.
     """
     num_seqs, num_heads, num_kv_heads, head_size, block_size = check_paged_attention_args(
@@ -358,10 +359,10 @@ def paged_attention_triton(
     for name, t in (("query", query), ("out", out), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride on head_size")
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-    query_start_loc = query_start_loc.contiguous()
+    # One integer type for the metadata (tiny tensors): the kernel is compiled for int32.
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
 
     if num_splits is None or num_splits > 1:
         if max_seq_len is None:

@@ -95,6 +95,14 @@ def test_split_k_decode_matches(tri, heads, dtype, num_splits):
     assert_close(out, ref, dtype)
 
 
+def test_int64_metadata(tri):
+    _, attn, _ = tri
+    b = make_paged_batch([(20, 1), (37, 5)], num_heads=4, num_kv_heads=2, block_size=8, device=DEVICE)
+    q, kc, vc, bt, sl, qsl, scale = b.attn_args
+    out = attn(q, kc, vc, bt.long(), sl.long(), qsl.long(), scale)
+    assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)
+
+
 def test_low_max_seq_len_hint_still_exact(tri):
     # The last split takes every remaining tile: a wrong hint costs balance, not keys.
     _, attn, _ = tri
