@@ -103,6 +103,15 @@ def test_int64_metadata(tri):
     assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)
 
 
+def test_wrong_max_query_len_hint_still_exact(tri):
+    # Decode-sized query tiles (16 rows) on a batch with 20-token chunks: more query
+    # blocks per sequence, same result.
+    _, attn, _ = tri
+    b = make_paged_batch([(30, 20), (9, 1), (41, 17)], num_heads=6, num_kv_heads=2, block_size=8, device=DEVICE)
+    out = attn(*b.attn_args, max_query_len=1, num_splits=1)
+    assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)
+
+
 def test_low_max_seq_len_hint_still_exact(tri):
     # The last split takes every remaining tile: a wrong hint costs balance, not keys.
     _, attn, _ = tri
