@@ -65,6 +65,44 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_tiles(
+    m_i, l_i, acc, q, q_pos, tile_lo, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Online-softmax update of (m_i, l_i, acc) over KV tiles [tile_lo, tile_hi)."""
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        j = tile * BLOCK_N + n  # key positions of this tile
+        j_ok = j < kv_end
+        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
+        off = (j % BLOCK_SIZE).to(tl.int64)
+        kv_mask = j_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_kt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        if CAUSAL_MASK:
+            visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -144,6 +182,8 @@ def _paged_attention_kernel(
     # The last split takes every remaining tile, so a low max_seq_len hint costs balance only.
     tile_hi = tl.where(split == num_splits - 1, num_tiles, tl.minimum(tile_lo + tiles_per_split, num_tiles))
 
+    # Every valid row sees keys [0, first row's position]: tiles wholly inside need no mask.
+    first_masked_tile = (context_len + q_block * BLOCK_Q + 1) // BLOCK_N
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -151,29 +191,19 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    n = tl.arange(0, BLOCK_N)
-    for tile in range(tile_lo, tile_hi):
-        j = tile * BLOCK_N + n  # key positions of this tile
-        j_ok = j < kv_end
-        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
-        off = (j % BLOCK_SIZE).to(tl.int64)
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + blk[:, None] * stride_kb + off[:, None] * stride_kt + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_base + blk[:, None] * stride_vb + off[:, None] * stride_vt + d[None, :],
-                    mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
-        visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # Two passes over this split's tiles (as FlashAttention's causal kernels do): tiles left
+    # of the diagonal without the causal mask, then the rest with it.
+    mid = tl.maximum(tl.minimum(first_masked_tile, tile_hi), tile_lo)
+    m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc, q, q_pos, tile_lo, mid, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST,
+    )
+    m_i, l_i, acc = _attend_tiles(
+        m_i, l_i, acc, q, q_pos, mid, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
+    )
 
     if SPLIT:
         # Partials: acc [T, H, S, HEAD_PAD], (m, l) [T, H, S, 2]; every split writes, even
