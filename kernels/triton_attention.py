@@ -17,7 +17,9 @@ unified Triton attention kernel):
   Axis 1 is the kv head, axis 2 the KV split.
 * The KV loop walks ``BLOCK_N``-token tiles of the context, gathering each token's
   physical block id from the block table (any ``block_size`` works, tiles may span
-  blocks), with the online softmax of FlashAttention-2 in fp32 (exp2 domain).
+  blocks), with the online softmax of FlashAttention-2 in fp32 (exp2 domain). Tiles
+  wholly left of the causal diagonal are processed without the mask, the rest with it
+  (two passes, ``_attend_tiles``).
 * With ``num_splits > 1`` split ``i`` covers tiles ``[i*tiles_per_split,
   (i+1)*tiles_per_split)`` and stores its unnormalised accumulator, running max and
   running sum; ``_reduce_splits_kernel`` merges them (Flash-Decoding, Dao et al. 2023).
