@@ -3,8 +3,9 @@
 These are both the production CPU path of the engine and the oracle the Triton kernels
 are tested against. They are vectorised (no Python loop over tokens): decode sequences
 (one query token each) are attended together in one batched computation over their
-gathered blocks; prefill sequences (chunks of several query tokens, possibly after a
-cached prefix) are attended one sequence at a time, each as one batched matmul.
+gathered blocks (in cache-sized chunks, one SDPA call each); prefill sequences (chunks
+of several query tokens, possibly after a cached prefix) are attended one sequence at a
+time, each with one SDPA call over all heads.
 
 Cache layout (the same as vLLM's FlashAttention backend, see ``kvfleet.kernels``)::
 
@@ -297,8 +298,9 @@ def paged_attention_torch(
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``; must
             already hold this step's keys/values (call ``reshape_and_cache`` first).
         block_tables: ``[num_seqs, max_blocks]`` integer (int32), physical block ids of
-            each sequence in logical order; entries past a sequence's last block are
-            ignored.
+            each sequence in logical order; entries past a sequence's last block do not
+            affect the result but must be valid block ids (e.g. 0 padding), because the
+            torch decode path gathers them before masking.
         seq_lens: ``[num_seqs]`` integer, context length of each sequence in tokens
             INCLUDING this step's new query tokens.
         query_start_loc: ``[num_seqs + 1]`` int32, cumulative query-token offsets
