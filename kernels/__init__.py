@@ -22,6 +22,11 @@ call) forces one: ``auto`` (default), ``torch`` or ``triton``. ``triton`` on CPU
 only works under the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported); that is how the tests check the kernels on machines without a GPU.
 
+Modules: ``reference`` (torch implementations), ``triton_cache`` / ``triton_attention``
+(Triton kernels, imported lazily), ``testing`` (random paged batches and a naive dense
+oracle for tests and benchmarks), ``aot`` (``python -m kvfleet.kernels.aot``: compile the
+kernels for sm_90/sm_80 without a GPU and report registers, spills, vectorisation).
+
 Sources: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023); Dao, "FlashAttention-2" (2023); Dao et al.,
 "Flash-Decoding for long-context inference" (2023); vLLM's ``reshape_and_cache_flash``
