@@ -1,16 +1,17 @@
 """Test and benchmark helpers: random paged batches and a naive dense attention oracle.
 
 Used by ``tests/test_kernels_*.py``, ``benchmarks/kernels_cpu.py`` and
-``benchmarks/gpu_check.py``; plain torch, no triton import.
+``benchmarks/gpu_check.py``; importing it does not import triton.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PagedBatch", "make_paged_batch", "naive_attention", "TOLERANCES"]
+__all__ = ["PagedBatch", "make_paged_batch", "naive_attention", "TOLERANCES", "triton_kernels"]
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     # (atol, rtol) of a kernel against the torch reference, inputs ~N(0, 1), scale 1/sqrt(d).
@@ -162,3 +163,43 @@ def naive_attention(batch: PagedBatch) -> torch.Tensor:
     if not outs:
         return torch.zeros(0, batch.query.shape[1], batch.query.shape[2], dtype=torch.float64)
     return torch.cat(outs)
+
+
+@contextlib.contextmanager
+def triton_kernels(interpret: bool):
+    """Context manager: import (or re-import) the Triton kernel modules, interpreted when
+    ``interpret``; yields ``(triton_cache_module, triton_attention_module)``.
+
+    The interpreter flag is read when ``triton.jit`` decorates a kernel, when triton is
+    first imported (its library functions), and by modules triton imports lazily at the
+    first launch, so ``TRITON_INTERPRET=1`` stays set for the whole ``with`` block and is
+    restored afterwards. Raises RuntimeError when triton was already imported in compiled
+    mode in this process (then run the caller in its own process, or export the variable).
+    """
+    import importlib
+    import os
+    import sys
+
+    old = os.environ.get("TRITON_INTERPRET")
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = []
+        for name in ("kvfleet.kernels.triton_cache", "kvfleet.kernels.triton_attention"):
+            mod = sys.modules.get(name)
+            mods.append(importlib.reload(mod) if mod is not None else importlib.import_module(name))
+        if interpret:
+            import triton.language.standard as std
+
+            if type(std.cdiv).__name__ != "InterpretedFunction":
+                raise RuntimeError(
+                    "triton was imported in this process before TRITON_INTERPRET=1 was set, so its "
+                    "library functions are compiled-mode only: run the interpreter tests in their own "
+                    "pytest process, or export TRITON_INTERPRET=1"
+                )
+        yield mods[0], mods[1]
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old

@@ -54,3 +54,16 @@ def smollm2():
     from kvfleet.runtime.model_loader import load_model
 
     return load_model(None, dtype="float32", device="cpu")
+
+
+# --- Triton interpreter for the kernel tests (tests/test_kernels_*.py) -------------------
+# Without a CUDA device the Triton kernels are tested under the interpreter. The flag must
+# be set before the first `import triton` in the process -- and torch._dynamo imports triton
+# as soon as transformers touches it (model loading), so a kernel test module cannot set it
+# itself in a full run. Nothing else runs Triton code on such a machine.
+import os as _kernels_os
+
+import torch as _kernels_torch
+
+if not _kernels_torch.cuda.is_available():
+    _kernels_os.environ.setdefault("TRITON_INTERPRET", "1")

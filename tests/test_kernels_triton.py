@@ -12,15 +12,11 @@ under a minute of interpreter time.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
-from kvfleet.kernels.testing import TOLERANCES, make_paged_batch
+from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, triton_kernels
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -30,27 +26,13 @@ GQA = [(2, 2), (3, 1), (8, 1)]  # (num_heads, num_kv_heads): ratios 1, 3, 8
 @pytest.fixture(scope="module")
 def tri():
     """The Triton implementations, interpreted on CPU."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if not ON_CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
     try:
-        mods = []
-        for name in ("kvfleet.kernels.triton_cache", "kvfleet.kernels.triton_attention"):
-            mod = sys.modules.get(name)
-            mods.append(importlib.reload(mod) if mod is not None else importlib.import_module(name))
-        if not ON_CUDA:
-            import triton.language.standard as std
-
-            if type(std.cdiv).__name__ != "InterpretedFunction":
-                pytest.fail("triton was imported in this process before TRITON_INTERPRET=1 was set, so its "
-                            "library functions are compiled-mode only: run tests/test_kernels_triton.py in its "
-                            "own pytest process, or export TRITON_INTERPRET=1", pytrace=False)
-        yield mods[0].reshape_and_cache_triton, mods[1].paged_attention_triton, mods[1]
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+        with triton_kernels(interpret=not ON_CUDA) as (cache_mod, attn_mod):
+            yield cache_mod.reshape_and_cache_triton, attn_mod.paged_attention_triton, attn_mod
+    except RuntimeError as e:
+        if "imported in this process" not in str(e):
+            raise
+        pytest.fail(str(e), pytrace=False)
 
 
 def seq_mix(bs: int) -> list[tuple[int, int]]:
