@@ -1,10 +1,11 @@
 """The Triton kernels against the torch reference, under the Triton interpreter
 (``TRITON_INTERPRET=1``) on CPU, or compiled when the tests run on a CUDA machine.
 
-The interpreter flag must be set before ``triton.jit`` decorates the kernels, so the
-``tri`` fixture sets it and (re)imports the kernel modules; the rest of the test session
-is unaffected (the flag is restored afterwards; the engine never imports these modules
-on CPU). Tolerances per dtype: ``kvfleet.kernels.testing.TOLERANCES``.
+The interpreter flag must be set before triton is first imported in the process;
+tests/conftest.py sets it for the session on machines without CUDA (torch._dynamo imports
+triton during model loading), and the ``tri`` fixture (``kvfleet.kernels.testing.
+triton_kernels``) sets it too and re-imports the kernel modules, so this module also runs
+on its own. Tolerances per dtype: ``kvfleet.kernels.testing.TOLERANCES``.
 
 Kept small (2-8 heads, sequences up to ~100 tokens) so that the whole module takes well
 under a minute of interpreter time.
