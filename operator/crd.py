@@ -214,10 +214,12 @@ AUTOSCALING = _obj(
         "targetKVCacheUsage": _num("Mean KV cache usage (0..1] above which to add a replica.",
                                    default=0.8, minimum=0, exclusiveMinimum=True, maximum=1),
         "scaleUp": _obj("Scale-up behaviour.", {
-            "stabilizationWindowSeconds": _int("Highest recommendation over this window wins.",
+            "stabilizationWindowSeconds": _int("Seconds; a scale-up goes only to the lowest "
+                                               "recommendation over this window (HPA algorithm).",
                                                minimum=0, maximum=3600, default=0)}),
         "scaleDown": _obj("Scale-down behaviour.", {
-            "stabilizationWindowSeconds": _int("Highest recommendation over this window wins.",
+            "stabilizationWindowSeconds": _int("Seconds; a scale-down goes only to the highest "
+                                               "recommendation over this window (HPA algorithm).",
                                                minimum=0, maximum=3600, default=300)}),
         "metrics": _obj("Where the operator's autoscaler reads the pods' metrics.", {
             "source": {"type": "string", "enum": ["pods", "prometheus"], "default": "pods",
