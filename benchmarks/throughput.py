@@ -65,12 +65,29 @@ def run_kvfleet(args, requests) -> tuple[float, int, dict]:
     # Warm-up (first-call overheads), not timed.
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     steps_before = engine.num_steps
+    # Split the wall time between steps that carry prefill tokens and pure decode steps.
+    split = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "decode_tokens": 0}
+    schedule, execute = engine.scheduler.schedule, engine.runner.execute_model
+
+    def timed_execute(scheduler_output):
+        t = time.perf_counter()
+        result = execute(scheduler_output)
+        dt = time.perf_counter() - t
+        kind = "prefill" if scheduler_output.num_prefill_tokens else "decode"
+        split[f"{kind}_steps"] += 1
+        split[f"{kind}_s"] += dt
+        if kind == "decode":
+            split["decode_tokens"] += scheduler_output.num_decode_tokens
+        return result
+
+    engine.runner.execute_model = timed_execute
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - t0
+    engine.runner.execute_model = execute
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, requests)), "wrong output lengths"
-    info = {"steps": engine.num_steps - steps_before, "num_blocks": engine.num_blocks}
+    info = {"steps": engine.num_steps - steps_before, "num_blocks": engine.num_blocks, **split}
     del llm, engine
     return elapsed, tokens, info
 
@@ -127,9 +144,12 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-batch-size", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
@@ -145,6 +165,10 @@ def main(argv=None) -> int:
     k_tps = k_tokens / k_time
     print(f"kvfleet:      {k_tokens} output tokens in {k_time:7.1f} s = {k_tps:7.1f} output tok/s "
           f"({info['steps']} steps, {info['num_blocks']} KV blocks)")
+    print(f"  forward passes: {info['prefill_steps']} with prefill tokens {info['prefill_s']:.1f} s, "
+          f"{info['decode_steps']} decode-only {info['decode_s']:.1f} s "
+          f"(mean batch {info['decode_tokens'] / max(info['decode_steps'], 1):.1f}); "
+          f"outside the forward pass {k_time - info['prefill_s'] - info['decode_s']:.1f} s")
     if args.skip_baseline:
         return 0
     b_time, b_tokens = run_transformers(args, requests)
