@@ -91,15 +91,32 @@ def parse_range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def sample_lengths(n: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt and output lengths (tokens), each uniform over its inclusive range."""
+def sample_lengths(n: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
+                   dist: str = "uniform", sigma: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths (tokens) within their inclusive ranges.
+
+    ``dist="uniform"``: uniform over each range. ``dist="lognormal"``: heavy-tailed like
+    chat logs (ShareGPT): lognormal with median the range's geometric midpoint
+    ``sqrt(min * max)`` and shape ``sigma``, rounded and clipped to the range.
+    """
     rng = np.random.default_rng(seed)
-    return rng.integers(input_range[0], input_range[1] + 1, size=n), rng.integers(output_range[0], output_range[1] + 1, size=n)
+    if dist == "uniform":
+        return rng.integers(input_range[0], input_range[1] + 1, size=n), rng.integers(output_range[0], output_range[1] + 1, size=n)
+    if dist != "lognormal":
+        raise ValueError(f"length distribution must be uniform or lognormal, got {dist!r}")
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+
+    def draw(lo: int, hi: int) -> np.ndarray:
+        return np.clip(np.round(rng.lognormal(np.log(np.sqrt(lo * hi)), sigma, size=n)), lo, hi).astype(np.int64)
+
+    return draw(*input_range), draw(*output_range)
 
 
-def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, special_ids=(), seed: int = 0) -> Workload:
+def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, special_ids=(), seed: int = 0,
+                  dist: str = "uniform", sigma: float = 1.0) -> Workload:
     """``n`` requests of random (non-special) token ids with lengths from :func:`sample_lengths`."""
-    p_lens, o_lens = sample_lengths(n, input_range, output_range, seed)
+    p_lens, o_lens = sample_lengths(n, input_range, output_range, seed, dist, sigma)
     rng = np.random.default_rng(seed + 1)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
     prompts = [rng.choice(allowed, size=int(p)).tolist() for p in p_lens]
@@ -591,6 +608,9 @@ def add_arguments(p) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: the level's concurrency)")
     p.add_argument("--input-len-range", default="16:256", help="prompt tokens MIN:MAX, uniform (default %(default)s)")
     p.add_argument("--output-len-range", default="16:128", help="output tokens MIN:MAX, uniform (default %(default)s)")
+    p.add_argument("--length-dist", choices=["uniform", "lognormal"], default="uniform",
+                   help="uniform over the ranges, or lognormal (heavy-tailed like ShareGPT) with median sqrt(MIN*MAX), clipped")
+    p.add_argument("--sigma", type=float, default=1.0, help="shape of --length-dist lognormal")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -659,7 +679,7 @@ def main(args) -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     special = getattr(tok, "all_special_ids", []) or []
     n_max = max(args.num_prompts or c for c in levels)
-    full = make_workload(n_max, in_range, out_range, shape.vocab_size, special, args.seed)
+    full = make_workload(n_max, in_range, out_range, shape.vocab_size, special, args.seed, args.length_dist, args.sigma)
 
     print("measuring matmul FLOP/s on the model's shapes ...")
     peak_fps = measure_matmul_flops(model_linear_weights(hf_model, include_lm_head=False), args.prefill_tokens, min_seconds=0.3, repeats=5)
@@ -688,15 +708,15 @@ def main(args) -> int:
             bar.close()
             runs.append(run)
         by_level[c] = runs
-        print(f"\n### {len(wl)} requests, concurrency {c}: prompts {in_range[0]}-{in_range[1]} tokens "
+        print(f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: prompts {in_range[0]}-{in_range[1]} tokens "
               f"(total {sum(wl.prompt_lens)}), outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n")
         print(format_level_table(runs, roofs[c]))
 
     max_len = args.max_model_len or int(getattr(hf_model.config, "max_position_embeddings", 0) or 2048)
     budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-    kv_p, kv_o = sample_lengths(args.kv_report_requests, in_range, out_range, args.seed + 7)
+    kv_p, kv_o = sample_lengths(args.kv_report_requests, in_range, out_range, args.seed + 7, args.length_dist, args.sigma)
     kv_rows = kv_memory_report(kv_p, kv_o, args.block_size, max_len, shape.kv_bytes_per_token(4), budget, max(levels))
-    print(f"\n### KV memory: {args.kv_report_requests} requests, prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
+    print(f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
           f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = {budget // shape.kv_bytes_per_token(4)} token slots\n")
     print(format_kv_table(kv_rows))
 

@@ -167,3 +167,17 @@ def test_compare_runs_all_three_systems(tmp_path):
     assert [row["scheme"].split()[0] for row in doc["kv_memory"]] == ["paged", "reserve", "static"]
     assert "| kvfleet (continuous, paged) |" in proc.stdout and "compute roofline" in proc.stdout
     assert plot.stat().st_size > 10_000
+
+
+def test_lognormal_lengths_are_heavy_tailed_and_clipped():
+    from kvfleet.runtime.bench_compare import sample_lengths
+
+    p, o = sample_lengths(5000, (16, 256), (8, 256), seed=0, dist="lognormal", sigma=1.0)
+    assert p.min() >= 16 and p.max() == 256 and o.min() >= 8 and o.max() == 256
+    assert np.median(p) == pytest.approx(64, rel=0.08)  # sqrt(16 * 256)
+    assert np.median(o) == pytest.approx(np.sqrt(8 * 256), rel=0.08)
+    assert p.mean() > np.median(p)  # right-skewed
+    u, _ = sample_lengths(5000, (16, 256), (8, 256), seed=0)
+    assert abs(np.median(u) - 136) < 10
+    with pytest.raises(ValueError):
+        sample_lengths(3, (1, 2), (1, 2), dist="zipf")
