@@ -206,6 +206,18 @@ def model_linear_weights(model, include_lm_head: bool = True) -> list:
     return weights
 
 
+def static_batch_flops(prompt_lens, output_lens, batch: int, shape: ModelShape) -> float:
+    """FLOPs that static padded batching spends: every request of a batch of ``batch``
+    consecutive requests is computed at the batch's longest prompt and longest output."""
+    total = 0.0
+    p, o = list(prompt_lens), list(output_lens)
+    for s in range(0, len(p), batch):
+        n = len(p[s : s + batch])
+        pre, dec = workload_flops([max(p[s : s + batch])] * n, [max(o[s : s + batch])] * n, shape)
+        total += pre + dec
+    return total
+
+
 def measure_matmul_flops(weights, tokens: int, min_seconds: float = 0.5, repeats: int = 3) -> float:
     """FLOP/s this machine reaches on ``torch.nn.functional.linear`` of a ``[tokens, in]``
     activation with each of ``weights`` (``[out, in]``) in turn: the model's own matmuls,
@@ -592,7 +604,7 @@ def plot_compare(levels: dict[int, list[RunResult]], roofs: dict[int, Roofline],
         ax.set_xticks(x + width * (len(systems) - 1) / 2, [f"C={c}" for c in cs])
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -711,6 +723,8 @@ def main(args) -> int:
         print(f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: prompts {in_range[0]}-{in_range[1]} tokens "
               f"(total {sum(wl.prompt_lens)}), outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n")
         print(format_level_table(runs, roofs[c]))
+        waste = static_batch_flops(wl.prompt_lens, wl.output_lens, c, shape) / 1e9
+        print(f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roofs[c].gflop:.2f}x the workload's {roofs[c].gflop:.0f} GFLOP (padding and past-the-end tokens)")
 
     max_len = args.max_model_len or int(getattr(hf_model.config, "max_position_embeddings", 0) or 2048)
     budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY

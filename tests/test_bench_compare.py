@@ -181,3 +181,14 @@ def test_lognormal_lengths_are_heavy_tailed_and_clipped():
     assert abs(np.median(u) - 136) < 10
     with pytest.raises(ValueError):
         sample_lengths(3, (1, 2), (1, 2), dist="zipf")
+
+
+def test_static_batch_flops_pads_to_the_batch_maximum():
+    from kvfleet.runtime.bench_compare import static_batch_flops
+
+    s = ModelShape.from_config(SMOLLM2)
+    p, o = [10, 30, 5, 40], [6, 2, 20, 40]
+    padded = sum(workload_flops([30, 30], [6, 6], s)) + sum(workload_flops([40, 40], [40, 40], s))
+    assert static_batch_flops(p, o, 2, s) == pytest.approx(padded)
+    assert static_batch_flops(p, o, 1, s) == pytest.approx(sum(workload_flops(p, o, s)))
+    assert static_batch_flops(p, o, 4, s) > static_batch_flops(p, o, 2, s) > sum(workload_flops(p, o, s))
