@@ -15,7 +15,6 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [
     "The capital of France is a city called",
-    "Three prime numbers are 2, 3 and",
     "The quick brown fox jumps over the lazy dog because it",
 ]
 
@@ -29,14 +28,14 @@ def test_engine_greedy_tokens_same_with_triton_kernels(smollm2, monkeypatch):
     engine = LLMEngine(EngineConfig(max_num_batched_tokens=16, block_size=8, kv_cache_memory=64 * 2**20),
                        loaded=smollm2)
     llm = LLM.from_engine(engine)
-    params = SamplingParams(temperature=0.0, max_tokens=4)
+    params = SamplingParams(temperature=0.0, max_tokens=3)
 
     def run():
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
     monkeypatch.setenv(BACKEND_ENV, "torch")
     expected = run()
-    assert all(len(ids) == 4 for ids in expected)
+    assert all(len(ids) == 3 for ids in expected)
     calls = []
     with triton_kernels(interpret=not torch.cuda.is_available()) as (_, attn_mod):
         real = attn_mod.paged_attention_triton
