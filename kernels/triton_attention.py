@@ -33,6 +33,7 @@ inference" (2023); Kwon et al., PagedAttention (SOSP 2023); vLLM's
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -258,8 +259,13 @@ def _interpreting() -> bool:
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 4  # interpreter: a small pretend machine, so tests still exercise splitting
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(num_q_programs: int, max_seq_len: int, block_n: int, device: torch.device,
