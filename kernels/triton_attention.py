@@ -407,7 +407,7 @@ def paged_attention_triton(
             max_seq_len = int(seq_lens.max())
     cfg = launch_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_query_len=max_query_len,
                         max_seq_len=max_seq_len, device=query.device, num_splits=num_splits, block_n=block_n)
-    head_pad, block_m, block_q, block_n = cfg.head_pad, cfg.block_m, cfg.block_q, cfg.block_n
+    head_pad, block_n = cfg.head_pad, cfg.block_n
     num_splits, num_q_programs, num_warps = cfg.num_splits, cfg.num_q_programs, cfg.num_warps
     tiles_per_split = 1 << 30  # one split: all tiles
     if num_splits > 1:
