@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from kvfleet.runtime.bench_datasets import SampleRequest
-from kvfleet.runtime.bench_metrics import RequestResult, compute_metrics, format_report, throughput_timeline
+from kvfleet.runtime.bench_metrics import RequestResult, compute_metrics, format_report, result_from_chunk_times, throughput_timeline
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -139,8 +139,6 @@ async def send_request(client, inp: RequestInput, t0: float, count_tokens=None) 
         prompt_len = inp.request.prompt_len
     if output_tokens is None:
         output_tokens = count_tokens(text) if count_tokens else len(chunk_times)
-    from kvfleet.runtime.bench_metrics import result_from_chunk_times
-
     return result_from_chunk_times(start - t0, chunk_times, prompt_len, output_tokens, text)
 
 
