@@ -668,6 +668,7 @@ def main(args) -> int:
     import torch
     from tqdm import tqdm
 
+    from kvfleet.runtime.bench_serve import source_revision
     from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY
     from kvfleet.runtime.model_loader import load_model, resolve_model_path
 
@@ -682,7 +683,8 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.now(timezone.utc)
-    print(f"kvfleet bench compare on {cpu_description()}, torch {torch.__version__} with {torch.get_num_threads()} threads, {started:%Y-%m-%d %H:%M} UTC")
+    print(f"kvfleet bench compare on {cpu_description()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+          f"{started:%Y-%m-%d %H:%M} UTC, kvfleet {source_revision() or 'outside git'}")
 
     model_path, model_name = resolve_model_path(args.model)
     loaded = load_model(model_path, dtype="float32", device="cpu")
@@ -738,6 +740,7 @@ def main(args) -> int:
         doc = {
             "date": started.isoformat(timespec="seconds"),
             "cpu": cpu_description(),
+            "kvfleet_revision": source_revision(),
             "torch_threads": torch.get_num_threads(),
             "model": model_name,
             "args": {k: v for k, v in vars(args).items()},

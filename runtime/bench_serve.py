@@ -58,6 +58,23 @@ def load_tokenizer(name_or_path: str | None):
     return AutoTokenizer.from_pretrained(path)
 
 
+def source_revision() -> str | None:
+    """The git commit of the kvfleet tree this runs from (``git rev-parse HEAD`` in the
+    package folder, ``-dirty`` appended when tracked files changed), or None outside git."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 @dataclass
 class RequestInput:
     """One HTTP request to send."""
@@ -339,6 +356,7 @@ def main(args) -> int:
         doc = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(),
+            "kvfleet_revision": source_revision(),
             "base_url": args.base_url,
             "model": model,
             "endpoint": args.endpoint,

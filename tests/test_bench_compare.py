@@ -192,3 +192,22 @@ def test_static_batch_flops_pads_to_the_batch_maximum():
     assert static_batch_flops(p, o, 2, s) == pytest.approx(padded)
     assert static_batch_flops(p, o, 1, s) == pytest.approx(sum(workload_flops(p, o, s)))
     assert static_batch_flops(p, o, 4, s) > static_batch_flops(p, o, 2, s) > sum(workload_flops(p, o, s))
+
+
+def test_source_revision_names_this_checkout():
+    import re
+
+    from kvfleet.runtime.bench_serve import source_revision
+
+    import shutil
+    from pathlib import Path
+
+    import kvfleet.runtime.bench_serve as mod
+
+    rev = source_revision()
+    in_git = shutil.which("git") and any((p / ".git").exists() for p in Path(mod.__file__).resolve().parents)
+    if not in_git:
+        assert rev is None
+        return
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(mod.__file__).parent, capture_output=True, text=True).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", rev) and rev.startswith(head)
