@@ -275,6 +275,10 @@ class _Submission:
                         self.finished.add(request_id)
                     yield out
             self.finished.add(request_id)
+        except ValueError:
+            if counted:  # rejected before it was queued (e.g. its id is in use): not ours to abort
+                self.finished.add(request_id)
+            raise
         finally:
             if counted:
                 state.pending -= n
@@ -833,6 +837,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 ``enable_thinking``, through ``chat_template_kwargs``)."""
 
 
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""OpenAI's message roles; any other is a 400 (a chat template would render it verbatim)."""
+
+
 async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompletionRequest):
     _check_model(state, body.model)
     try:
@@ -840,6 +848,10 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
         messages = body.template_messages()
     except P.ProtocolError as exc:
         raise _bad_request(exc) from None
+    for i, m in enumerate(messages):
+        if m["role"] not in _CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m['role']!r}",
+                           param="messages", code="invalid_value")  # fmt: skip
     engine = state.require_engine()
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
