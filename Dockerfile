@@ -41,7 +41,10 @@ ARG PYTHON_VERSION
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=""
 ARG BAKE_DEFAULT_MODEL=0
-ENV UV_PYTHON_INSTALL_DIR=/opt/python \
+# PYTHONSAFEPATH: /src holds the operator/ folder (kvfleet.operator), which must never shadow
+# the standard library's `operator` for a `python -c` run there.
+ENV PYTHONSAFEPATH=1 \
+    UV_PYTHON_INSTALL_DIR=/opt/python \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy \
     UV_NO_CACHE=1 \
@@ -118,11 +121,12 @@ FROM python:${PYTHON_VERSION}-slim AS operator
 # The distributions `kvfleet operator` imports (kvfleet.operator and the torch-free parts of
 # kvfleet.runtime it uses: cli, config). tests/test_dockerfile.py checks this list against
 # the operator's imports, and that `kvfleet operator --help` runs with nothing else.
-ARG OPERATOR_DEPS="kopf kubernetes pyyaml httpx prometheus-client pydantic"
+ARG OPERATOR_DEPS="kopf kubernetes pyyaml httpx prometheus-client pydantic urllib3"
 LABEL org.opencontainers.image.title="kvfleet-operator" \
       org.opencontainers.image.description="kvfleet operator: reconciles kvfleet.io InferenceServices into runtime pods" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PYTHONUNBUFFERED=1 \
+ENV PYTHONSAFEPATH=1 \
+    PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -43,6 +43,9 @@ def kubectl_bin() -> str:
 # threads that sleep rather than spin (the 2 shared cores are busy with other tests).
 _k8s_os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _k8s_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Subprocesses started from the repository root must not import operator/ as the stdlib
+# `operator` module (see README, "Set-up").
+_k8s_os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 @_k8s_pytest.fixture(scope="session")
