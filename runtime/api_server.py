@@ -587,7 +587,7 @@ async def _parse_body(request: Request, model: type[P._Request]):
         raise APIError(400, f"request body is not valid UTF-8: {exc}", code="invalid_encoding") from None
     try:
         json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the stack
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     try:
         return model.model_validate_json(raw)
@@ -859,7 +859,8 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
     extra_kwargs = dict(body.chat_template_kwargs or {})
     reserved = sorted(set(extra_kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs",
+                       code="invalid_value")
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -871,7 +872,8 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
     except Exception as exc:  # noqa: BLE001 - jinja TemplateError, ValueError, TypeError from the template
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages", code="invalid_value") from None
     if not isinstance(text, str):
-        raise APIError(400, "chat_template_kwargs must not change the template's output type", param="chat_template_kwargs")
+        raise APIError(400, "chat_template_kwargs must not change the template's output type", param="chat_template_kwargs",
+                       code="invalid_value")
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
     max_tokens = _resolve_max_tokens(
         body.requested_max_tokens(),

@@ -368,6 +368,7 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "hi", ', 400, None),  # malformed JSON
     (b"\xff\xfe{}", 400, None),  # not UTF-8
     (b'["prompt"]', 400, None),  # not an object
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # nested past the recursion limit
     (b'{"max_tokens": 5}', 400, "prompt"),  # missing prompt
     (b'{"prompt": 5}', 400, "prompt"),  # wrong type
     (b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens"),
