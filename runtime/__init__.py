@@ -10,7 +10,7 @@ Public Python API (shaped like vLLM's)::
 
 from kvfleet.runtime.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "AsyncLLMEngine", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "AsyncLLMEngine", "EngineConfig"]
 
 
 def __getattr__(name: str):
@@ -19,6 +19,10 @@ def __getattr__(name: str):
         from kvfleet.runtime.llm import LLM
 
         return LLM
+    if name == "LLMEngine":
+        from kvfleet.runtime.engine import LLMEngine
+
+        return LLMEngine
     if name == "AsyncLLMEngine":
         from kvfleet.runtime.async_engine import AsyncLLMEngine
 

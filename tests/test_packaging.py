@@ -37,3 +37,12 @@ def test_cli_dispatches_and_rejects_unknown_commands():
     assert ok.returncode == 0 and "serve" in ok.stdout and "operator" in ok.stdout
     bad = run("frobnicate")
     assert bad.returncode == 2 and "unknown command" in bad.stderr
+
+
+def test_runtime_exports_its_public_api():
+    # README / docs/engine.md name these as the Python API of kvfleet.runtime.
+    import kvfleet.runtime as runtime
+
+    for name in runtime.__all__:
+        assert getattr(runtime, name) is not None, name
+    assert {"LLM", "SamplingParams", "LLMEngine", "AsyncLLMEngine", "EngineConfig"} <= set(runtime.__all__)
