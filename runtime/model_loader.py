@@ -202,8 +202,8 @@ def resolve_model_path(model: str | None, cache_root: Path | None = None) -> tup
     GGUF files (and the default) are converted once and cached (see the module docstring).
 
     Raises:
-        FileNotFoundError: ``model`` looks like a local path (``.gguf`` suffix, or an existing
-            path) that does not exist or is not a checkpoint.
+        FileNotFoundError: ``model`` looks like a local path (``.gguf`` suffix, an absolute,
+            ``~`` or ``./`` path, or an existing path) that does not exist or is not a checkpoint.
     """
     if model is None:
         gguf = default_model_path()
@@ -219,6 +219,8 @@ def resolve_model_path(model: str | None, cache_root: Path | None = None) -> tup
             if not path.is_dir() or not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model: {model!r} is not a checkpoint directory (no config.json)")
             return str(path.resolve()), path.resolve().name
+        elif path.is_absolute() or model.startswith("."):  # a hub id never starts with /, ~ or .
+            raise FileNotFoundError(f"model: {model!r} does not exist")
         else:
             return model, model  # hub id
     target = gguf_cache_path(gguf, cache_root)

@@ -59,5 +59,8 @@ def test_dtype_device_and_missing_paths(tmp_path):
         ml.resolve_model_path(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         ml.resolve_model_path(str(tmp_path))
+    for missing in (str(tmp_path / "no-such-dir"), "./no-such-dir", "~/no-such-dir-kvfleet"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            ml.resolve_model_path(missing)
     # Anything else is taken for a hub id.
     assert ml.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
