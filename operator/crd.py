@@ -459,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     for arg in argv:
         if arg.startswith("--root="):
             root = Path(arg.split("=", 1)[1])
+        elif arg != "--check":  # e.g. --help or a typo: never write files on an unknown argument
+            print("usage: python -m kvfleet.operator.crd [--check] [--root=DIR]", file=sys.stderr)
+            return 0 if arg in ("-h", "--help") else 2
     stale = []
     for rel, text in rendered_files().items():
         path = root / rel

@@ -97,6 +97,8 @@ def test_generated_crd_files_are_in_sync():
 
 
 def test_check_detects_drift(tmp_path):
+    assert crd.main([f"--root={tmp_path}", "--help"]) == 0 and not any(tmp_path.iterdir())  # writes nothing
+    assert crd.main([f"--root={tmp_path}", "--chek"]) == 2 and not any(tmp_path.iterdir())
     assert crd.main([f"--root={tmp_path}", "--check"]) == 1
     assert crd.main([f"--root={tmp_path}"]) == 0
     assert crd.main([f"--root={tmp_path}", "--check"]) == 0
