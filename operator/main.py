@@ -47,9 +47,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvfleet operator``; returns when the operator stops (0)."""
+    """Entry point of ``kvfleet operator``; returns when the operator stops (0), or 2 at once
+    for a ``--kubeconfig`` that does not exist."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.kubeconfig:
+        if not os.path.isfile(args.kubeconfig):
+            # kopf would log the failed login and retry forever; a wrong path is a usage error.
+            print(f"kvfleet operator: --kubeconfig {args.kubeconfig!r}: no such file", file=sys.stderr)
+            return 2
         os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

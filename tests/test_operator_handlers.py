@@ -73,3 +73,10 @@ def test_cli_dispatches_to_the_operator(capsys):
         cli.main(["operator", "--help"])
     assert e.value.code == 0
     assert "--all-namespaces" in capsys.readouterr().out
+
+
+def test_missing_kubeconfig_is_a_usage_error_not_an_endless_retry(tmp_path, capsys):
+    from kvfleet.operator.main import main
+
+    assert main(["--kubeconfig", str(tmp_path / "nope.yaml"), "--standalone"]) == 2
+    assert "no such file" in capsys.readouterr().err
