@@ -678,6 +678,89 @@ def _engine_failure(state: ServerState, exc: BaseException) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+async def _stream_chunks(
+    state: ServerState,
+    sub: _Submission,
+    merged: AsyncIterator,
+    first: Any,
+    *,
+    request_id: str,
+    object_name: str,
+    created: int,
+    include_usage: bool,
+    prompt_lens: list[int],
+    n: int,
+    delta_choice: Callable[[int, str, Any], dict],
+    finish_choice: Callable[[int, CompletionOutput], dict],
+    logprobs: Callable[[CompletionOutput, int, int], Any] | None,
+    opening: list[dict] | None = None,
+    fingerprint_before_choices: bool = False,
+) -> AsyncIterator[str]:
+    """The SSE frames of a streaming completion or chat completion.
+
+    Choice ``c`` of prompt ``i`` is index ``i * n + c.index``. Each new piece of a choice is one
+    chunk of ``delta_choice(index, text, logprobs)`` and its end one of ``finish_choice(index, c)``;
+    ``logprobs(c, index, first_new_token)`` (None: not requested) gives the new tokens' logprobs.
+    ``opening`` choices are sent first, one chunk each. Then the usage chunk (include_usage) and
+    ``[DONE]``; a failure is an error event and ``[DONE]``. The streams are closed at the end,
+    also when the client goes away."""
+
+    def chunk(choices: list[dict], usage: P.UsageInfo | None = None) -> str:
+        payload: dict[str, Any] = {"id": request_id, "object": object_name, "created": created, "model": state.model_name}
+        if fingerprint_before_choices:
+            payload["system_fingerprint"] = None
+        payload["choices"] = choices
+        if not fingerprint_before_choices:
+            payload["system_fingerprint"] = None
+        if include_usage:
+            payload["usage"] = usage.model_dump() if usage is not None else None
+        return _sse(payload)
+
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    done: set[int] = set()
+    last: dict[int, RequestOutput] = {}
+    try:
+        for choice in opening or []:
+            yield chunk([choice])
+        item = first
+        while item is not None:
+            i, out = item
+            _raise_for_error(out)
+            last[i] = out
+            for c in out.outputs:
+                idx = i * n + c.index
+                if idx in done:
+                    continue
+                t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
+                delta = c.text[t0:]
+                lp = None
+                if logprobs is not None and len(c.token_ids) > k0:
+                    lp = logprobs(c, idx, k0)
+                if delta or lp is not None:
+                    yield chunk([delta_choice(idx, delta, lp.model_dump() if lp else None)])
+                sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    done.add(idx)
+                    yield chunk([finish_choice(idx, c)])
+            try:
+                item = await merged.__anext__()
+            except StopAsyncIteration:
+                item = None
+        if include_usage:
+            outs = [c for out in last.values() for c in out.outputs]
+            yield chunk([], _usage(prompt_lens, outs))
+        yield _sse("[DONE]")
+    except Exception as exc:  # noqa: BLE001
+        err = _engine_failure(state, exc)
+        yield _sse(err.body.model_dump())
+        yield _sse("[DONE]")
+    finally:
+        await sub.close()
+        with anyio.CancelScope(shield=True):
+            await merged.aclose()
+
+
 async def _serve_completion(state: ServerState, request: Request, body: P.CompletionRequest):
     _check_model(state, body.model)
     try:
@@ -765,68 +848,23 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         )
         return JSONResponse(resp.model_dump())
 
-    include_usage = body.include_usage
+    offsets: dict[int, int] = {}
 
-    def chunk(choices: list[dict], usage: P.UsageInfo | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": state.model_name,
-            "choices": choices,
-            "system_fingerprint": None,
-        }
-        if include_usage:
-            payload["usage"] = usage.model_dump() if usage is not None else None
-        return _sse(payload)
+    def logprobs(c: CompletionOutput, idx: int, k0: int) -> P.CompletionLogProbs:
+        lp, offsets[idx] = _completion_logprobs(c, k0, len(c.token_ids), k, detok, offsets.get(idx, 0))
+        return lp
 
-    async def generate() -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        offsets: dict[int, int] = {}
-        done: set[int] = set()
-        last: dict[int, RequestOutput] = {}
-        try:
-            item = first
-            while item is not None:
-                i, out = item
-                _raise_for_error(out)
-                last[i] = out
-                for c in out.outputs:
-                    idx = i * n + c.index
-                    if idx in done:
-                        continue
-                    t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                    delta = c.text[t0:]
-                    lp = None
-                    if body.logprobs is not None and len(c.token_ids) > k0:
-                        lp, offsets[idx] = _completion_logprobs(c, k0, len(c.token_ids), k, detok, offsets.get(idx, 0))
-                    if delta or lp is not None:
-                        yield chunk([{"index": idx, "text": delta, "logprobs": lp.model_dump() if lp else None,
-                                      "finish_reason": None, "stop_reason": None}])  # fmt: skip
-                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-                    if c.finish_reason is not None:
-                        done.add(idx)
-                        yield chunk([{"index": idx, "text": "", "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])  # fmt: skip
-                try:
-                    item = await merged.__anext__()
-                except StopAsyncIteration:
-                    item = None
-            if include_usage:
-                outs = [c for out in last.values() for c in out.outputs]
-                yield chunk([], _usage([len(x) for x in prompt_ids], outs))
-            yield _sse("[DONE]")
-        except Exception as exc:  # noqa: BLE001
-            err = _engine_failure(state, exc)
-            yield _sse(err.body.model_dump())
-            yield _sse("[DONE]")
-        finally:
-            await sub.close()
-            with anyio.CancelScope(shield=True):
-                await merged.aclose()
-
-    return StreamingResponse(generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    stream = _stream_chunks(
+        state, sub, merged, first,
+        request_id=request_id, object_name="text_completion", created=created, include_usage=body.include_usage,
+        prompt_lens=[len(x) for x in prompt_ids], n=n,
+        delta_choice=lambda idx, text, lp: {"index": idx, "text": text, "logprobs": lp, "finish_reason": None,
+                                            "stop_reason": None},
+        finish_choice=lambda idx, c: {"index": idx, "text": "", "logprobs": None, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason},
+        logprobs=logprobs if body.logprobs is not None else None,
+    )  # fmt: skip
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -934,69 +972,20 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
         )
         return JSONResponse(resp.model_dump())
 
-    include_usage = body.include_usage
-
-    def chunk(choices: list[dict], usage: P.UsageInfo | None = None) -> str:
-        payload: dict[str, Any] = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": state.model_name,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if include_usage:
-            payload["usage"] = usage.model_dump() if usage is not None else None
-        return _sse(payload)
-
-    async def generate() -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
-        last: RequestOutput | None = None
-        try:
-            for idx in range(body.n):
-                yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])  # fmt: skip
-            item = first
-            while item is not None:
-                _, out = item
-                _raise_for_error(out)
-                last = out
-                for c in out.outputs:
-                    idx = c.index
-                    if idx in done:
-                        continue
-                    t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                    delta = c.text[t0:]
-                    lp = None
-                    if body.logprobs and len(c.token_ids) > k0:
-                        lp = _chat_logprobs(c, k0, len(c.token_ids), k, detok)
-                    if delta or lp is not None:
-                        yield chunk([{"index": idx, "delta": {"content": delta},
-                                      "logprobs": lp.model_dump() if lp else None, "finish_reason": None}])  # fmt: skip
-                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
-                    if c.finish_reason is not None:
-                        done.add(idx)
-                        yield chunk([{"index": idx, "delta": {}, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])  # fmt: skip
-                try:
-                    item = await merged.__anext__()
-                except StopAsyncIteration:
-                    item = None
-            if include_usage:
-                yield chunk([], _usage([len(prompt_ids)], list(last.outputs) if last else []))
-            yield _sse("[DONE]")
-        except Exception as exc:  # noqa: BLE001
-            err = _engine_failure(state, exc)
-            yield _sse(err.body.model_dump())
-            yield _sse("[DONE]")
-        finally:
-            await sub.close()
-            with anyio.CancelScope(shield=True):
-                await merged.aclose()
-
-    return StreamingResponse(generate(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    stream = _stream_chunks(
+        state, sub, merged, first,
+        request_id=request_id, object_name="chat.completion.chunk", created=created, include_usage=body.include_usage,
+        prompt_lens=[len(prompt_ids)], n=body.n,
+        delta_choice=lambda idx, text, lp: {"index": idx, "delta": {"content": text}, "logprobs": lp,
+                                            "finish_reason": None},
+        finish_choice=lambda idx, c: {"index": idx, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason},
+        logprobs=(lambda c, idx, k0: _chat_logprobs(c, k0, len(c.token_ids), k, detok)) if body.logprobs else None,
+        opening=[{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for idx in range(body.n)],
+        fingerprint_before_choices=True,
+    )  # fmt: skip
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 # ----------------------------------------------------------------------------- entry point
