@@ -364,7 +364,7 @@ def _completion_logprobs(
         out.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
         top = {}
         for tok_id, lp in sorted(entries.items(), key=lambda kv: kv[1].rank or 0):
-            if lp.rank is None or lp.rank <= k:
+            if tok_id == tid or lp.rank is None or lp.rank <= k:  # the sampled token always (vLLM)
                 top.setdefault(detok(tok_id, lp), _finite(lp.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
@@ -1013,7 +1013,8 @@ def main(argv: list[str] | None = None) -> int:
             host=args.server.host,
             port=args.server.port,
             log_level=args.server.log_level,
-            timeout_graceful_shutdown=5,
+            # SIGTERM lets open streams finish for up to 30 s (the operator's pods get 60 s).
+            timeout_graceful_shutdown=30,
             lifespan="on",
         )
     )

@@ -682,3 +682,14 @@ def test_metrics_exposition_and_vllm_compat(start, smollm2, tok):
             assert gen[0].value == 3
             prompt = [s for s in after[prefix + "request_prompt_tokens"].samples if s.name.endswith("_sum")]
             assert prompt[0].value == len(tok.encode("hi"))
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token(client):
+    # High-temperature seeded sampling picks tokens outside the top 1; like vLLM (and
+    # OpenAI), each top_logprobs entry still lists the sampled token (up to logprobs + 1).
+    body = {"prompt": "Hi", "max_tokens": 8, "logprobs": 1, "temperature": 1.8, "seed": 7, "ignore_eos": True}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert all(tok in top and 1 <= len(top) <= 2 for tok, top in zip(lp["tokens"], lp["top_logprobs"]))
+    assert any(len(top) == 2 for top in lp["top_logprobs"]), "no token outside the top 1 was sampled"
