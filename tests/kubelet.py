@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from typing import Any
 
 import httpx
 import yaml
+from support import free_port
 
 CONFIG_HASH_ANNOTATION = "kvfleet.io/config-hash"
 METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"
@@ -49,12 +49,6 @@ METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

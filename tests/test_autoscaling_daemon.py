@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import http.server
 import logging
-import socket
 import threading
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvfleet.operator import autoscaler, builders, reconcile
 from kvfleet.operator.metrics_source import METRICS_PORT_ANNOTATION
 from kvfleet.runtime.metrics import CONTENT_TYPE, PrometheusStatLogger, exposition
 from kvfleet.runtime.stats import SchedulerStats
+from support import free_port
 
 NS = "llm"
 NAME = "svc"
@@ -57,12 +57,6 @@ class Runtime:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import http.server
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ from kvfleet.operator.metrics_source import (
 from kvfleet.operator.policy import AutoscalingConfig, decide_scale
 from kvfleet.runtime.metrics import PrometheusStatLogger, exposition
 from kvfleet.runtime.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from support import free_port
 
 
 def runtime_exposition(waiting=3, running=2, kv=0.5, preemptions=4, prefixes=("kvfleet:",), finished=()):
@@ -119,12 +119,6 @@ def servers():
     yield lambda *a, **kw: made.append(_Server(*a, **kw)) or made[-1]
     for s in made:
         s.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_scrape_over_http_leaves_out_and_reports_failures(servers):

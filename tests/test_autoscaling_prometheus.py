@@ -15,13 +15,8 @@ where that fails: ``.ci/setup --test`` installs it.
 from __future__ import annotations
 
 import asyncio
-import http.server
-import os
 import re
-import shutil
-import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -31,49 +26,14 @@ import yaml
 
 from kvfleet.operator.metrics_source import MetricsSourceError, PrometheusSource
 from kvfleet.operator.policy import HPA_METRIC
-from kvfleet.runtime.metrics import CONTENT_TYPE, PrometheusStatLogger, exposition
+from kvfleet.runtime.metrics import PrometheusStatLogger
 from kvfleet.runtime.stats import SchedulerStats
+from support import free_port, prometheus_binary, serve_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "kvfleet" / "files" / "prometheus-adapter-rules.yaml"
 NAMESPACE = "llm"
 PODS = {"llama-0": (3, 0.5), "llama-1": (7, 0.9)}  # pod -> (waiting, KV usage)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    message = ("the `prometheus` server binary is not installed (Debian package `prometheus`, installed by "
-               "`bash .ci/setup --test`)")
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message + " -- required in CI", pytrace=False)
-    pytest.skip(message)
-
-
-class _Exposition(http.server.BaseHTTPRequestHandler):
-    """Serves ``/metrics`` exactly as the runtime's server does: ``exposition(registry)``
-    with its content type (text format 0.0.4, whatever the scraper's Accept header; a
-    negotiated OpenMetrics answer from prometheus-client would escape the ``:`` in names)."""
-
-    registry = None
-
-    def do_GET(self):  # noqa: N802
-        body = exposition(self.registry)
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +44,7 @@ def runtimes():
         logger = PrometheusStatLogger("smollm2")
         logger.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=waiting, kv_cache_usage=kv,
                                      num_preemptions=1), None)
-        handler = type("Handler", (_Exposition,), {"registry": logger.registry})
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = serve_registry(logger.registry)
         servers.append(server)
         ports[pod] = server.server_address[1]
     yield ports

@@ -10,13 +10,9 @@ the InferenceService. The scrape config attaches the labels the chart's PodMonit
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
-import os
 import re
-import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -26,8 +22,9 @@ import httpx
 import pytest
 import yaml
 
-from kvfleet.runtime.metrics import CONTENT_TYPE, PrometheusStatLogger, exposition
+from kvfleet.runtime.metrics import PrometheusStatLogger
 from kvfleet.runtime.stats import IterationStats, SchedulerStats
+from support import free_port, prometheus_binary, serve_registry
 
 pytestmark = pytest.mark.slow
 
@@ -38,37 +35,6 @@ PODS = {"chat-0": (3, 0.5), "chat-1": (7, 0.9)}  # pod -> (waiting, KV usage)
 TTFT, ITL = 0.3, 0.04  # seconds, observed on every step
 
 
-def prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found:
-        return found
-    message = "the `prometheus` binary is not installed (Debian package `prometheus`; `bash .ci/setup --test`)"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(message + " -- required in CI", pytrace=False)
-    pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Exposition(http.server.BaseHTTPRequestHandler):
-    registry = None
-
-    def do_GET(self):  # noqa: N802
-        body = exposition(self.registry)
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     binary = prometheus_binary()
@@ -76,9 +42,7 @@ def prometheus(tmp_path_factory):
     servers, loggers, ports = [], {}, {}
     for pod in PODS:
         logger = loggers[pod] = PrometheusStatLogger("smollm2")
-        handler = type("Handler", (_Exposition,), {"registry": logger.registry})
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = serve_registry(logger.registry)
         servers.append(server)
         ports[pod] = server.server_address[1]
 

@@ -16,7 +16,6 @@ import base64
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 import yaml
 
 from kube_emulator import ISVC, EmulatorThread, KubeEmulator
+from support import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +47,6 @@ class RecordingEmulator(KubeEmulator):
         self.request_log.append((raw_request.method, raw_request.path, dict(raw_request.query),
                                  raw_request.headers.get("User-Agent", "")))
         return await super().__call__(raw_request)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_operator(kubeconfig: Path, log: Path, *args: str) -> tuple[subprocess.Popen, int]:

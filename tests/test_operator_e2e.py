@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import yaml
 
 from kvfleet.operator import builders
 from kube_emulator import ISVC, EmulatorThread
+from support import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 DEPLOY, CM, SVC, EVENTS = "apps/v1/deployments", "v1/configmaps", "v1/services", "v1/events"
 OPERATOR_AGENTS = ("OpenAPI-Generator", "kopf")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kvfleet_command() -> list[str]:
