@@ -58,3 +58,18 @@ def serve_registry(registry) -> http.server.ThreadingHTTPServer:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def record_schedules(engine) -> list:
+    """Wrap ``engine.scheduler.schedule`` (an ``LLMEngine``'s) so that every
+    ``SchedulerOutput`` it returns is also appended to the returned list."""
+    outputs = []
+    schedule = engine.scheduler.schedule
+
+    def wrapped():
+        out = schedule()
+        outputs.append(out)
+        return out
+
+    engine.scheduler.schedule = wrapped
+    return outputs

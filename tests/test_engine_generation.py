@@ -12,6 +12,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
+from support import record_schedules
 
 pytestmark = pytest.mark.slow
 
@@ -50,20 +51,6 @@ def make_engine(smollm2, **kwargs) -> tuple[LLMEngine, Recorder]:
     kwargs.setdefault("kv_cache_memory", 128 * 2**20)
     recorder = Recorder()
     return LLMEngine(EngineConfig(**kwargs), [recorder], loaded=smollm2), recorder
-
-
-def record_schedules(engine: LLMEngine) -> list:
-    """Wrap the engine's scheduler so every SchedulerOutput is kept."""
-    outputs = []
-    schedule = engine.scheduler.schedule
-
-    def wrapped():
-        out = schedule()
-        outputs.append(out)
-        return out
-
-    engine.scheduler.schedule = wrapped
-    return outputs
 
 
 @pytest.fixture(scope="module")

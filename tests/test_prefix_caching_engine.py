@@ -9,6 +9,7 @@ import pytest
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
+from support import record_schedules
 
 pytestmark = pytest.mark.slow
 
@@ -51,31 +52,16 @@ def engine(smollm2, caching: bool, **kw):
     return LLMEngine(config, [recorder], loaded=smollm2), recorder
 
 
-def run(eng: LLMEngine, prompts: list[list[int]], params=GREEDY, schedules=None) -> list[list[int]]:
+def run(eng: LLMEngine, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
     ids = [f"q{i}-{id(prompts)}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         eng.add_request(rid, prompt, params)
     final = {}
     while eng.has_unfinished_requests():
-        if schedules is not None:
-            schedules.append(None)
         for out in eng.step():
             if out.finished:
                 final[out.request_id] = out.outputs[0].token_ids
     return [final[rid] for rid in ids]
-
-
-def recording_schedules(eng: LLMEngine) -> list:
-    seen = []
-    schedule = eng.scheduler.schedule
-
-    def wrapped():
-        out = schedule()
-        seen.append(out)
-        return out
-
-    eng.scheduler.schedule = wrapped
-    return seen
 
 
 def test_shared_system_prompt_same_tokens_with_and_without_cache(smollm2):
@@ -89,7 +75,7 @@ def test_shared_system_prompt_same_tokens_with_and_without_cache(smollm2):
     on, recorder = engine(smollm2, caching=True)
     # Warm the cache with the first question, then send the rest together.
     first = run(on, prompts[:1])
-    schedules = recording_schedules(on)
+    schedules = record_schedules(on)
     rest = run(on, prompts[1:])
     assert first + rest == expected
 
@@ -107,7 +93,7 @@ def test_entirely_cached_prompt_gives_the_same_tokens(smollm2):
     prompt = system_prompt(tok, 320)  # 20 full blocks of 16
     on, recorder = engine(smollm2, caching=True)
     first = run(on, [prompt])
-    schedules = recording_schedules(on)
+    schedules = record_schedules(on)
     second = run(on, [prompt])
     assert first == second
     sr = schedules[0].scheduled[0]
@@ -125,7 +111,7 @@ def test_identical_long_prompts_under_memory_pressure(smollm2):
     # 23 blocks of 16: both copies start together (18 shared full blocks + a tail block
     # each = 20), but two sequences of 340 tokens need 18 + 2 * 4 = 26: one is preempted.
     on, recorder = engine(smollm2, caching=True, num_blocks=23)
-    schedules = recording_schedules(on)
+    schedules = record_schedules(on)
     outs = run(on, [prompt, prompt], params)
     assert outs == [expected, expected]
     assert any(out.preempted_request_ids for out in schedules), "no preemption happened"
