@@ -26,7 +26,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-__all__ = ["reshape_and_cache_torch", "paged_attention_torch", "check_paged_attention_args"]
+__all__ = ["reshape_and_cache_torch", "paged_attention_torch", "check_paged_attention_args", "check_reshape_and_cache_args"]
 
 # Decode sequences are attended in chunks whose gathered K+V take at most this many bytes
 # (fits a CPU's L2/L3; measured on 2 cores: 4 MiB is ~4x faster than one big gather at
@@ -73,16 +73,7 @@ def reshape_and_cache_torch(
     Slots are assumed unique among the non-negative entries (each token owns its slot);
     a slot ``>= num_blocks * block_size`` raises IndexError from torch.
     """
-    _check_cache_pair(key_cache, value_cache)
-    num_tokens = slot_mapping.shape[0]
-    _, _, num_kv_heads, head_size = key_cache.shape
-    if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
-        raise ValueError(
-            f"key/value must be [num_tokens={num_tokens}, num_kv_heads={num_kv_heads}, "
-            f"head_size={head_size}], got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key_cache and value_cache must be contiguous")
+    num_tokens, num_kv_heads, head_size = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     if num_tokens == 0:
         return
     kc = key_cache.view(-1, num_kv_heads, head_size)
@@ -95,6 +86,31 @@ def reshape_and_cache_torch(
         value = value[keep]
     kc.index_copy_(0, slots, key.to(kc.dtype))
     vc.index_copy_(0, slots, value.to(vc.dtype))
+
+
+def check_reshape_and_cache_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Validate ``reshape_and_cache``'s arguments (shared by the torch and Triton paths);
+    return ``(num_tokens, num_kv_heads, head_size)``.
+
+    Raises ValueError on mismatched shapes or a non-contiguous cache.
+    """
+    _check_cache_pair(key_cache, value_cache)
+    num_tokens = slot_mapping.shape[0]
+    _, _, num_kv_heads, head_size = key_cache.shape
+    if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
+        raise ValueError(
+            f"key/value must be [num_tokens={num_tokens}, num_kv_heads={num_kv_heads}, "
+            f"head_size={head_size}], got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    return num_tokens, num_kv_heads, head_size
 
 
 def check_paged_attention_args(

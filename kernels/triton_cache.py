@@ -59,18 +59,9 @@ def reshape_and_cache_triton(
     block_size, num_kv_heads, head_size]``, ``slot_mapping [num_tokens]`` int32/int64,
     ``-1`` skips). Raises ValueError on shape/layout mismatch. Out-of-range slots are
     not checked (undefined behaviour, as in vLLM)."""
-    from kvfleet.kernels.reference import _check_cache_pair
+    from kvfleet.kernels.reference import check_reshape_and_cache_args
 
-    _check_cache_pair(key_cache, value_cache)
-    num_tokens = slot_mapping.shape[0]
-    _, _, num_kv_heads, head_size = key_cache.shape
-    if key.shape != (num_tokens, num_kv_heads, head_size) or value.shape != key.shape:
-        raise ValueError(
-            f"key/value must be [num_tokens={num_tokens}, num_kv_heads={num_kv_heads}, "
-            f"head_size={head_size}], got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key_cache and value_cache must be contiguous")
+    num_tokens, num_kv_heads, head_size = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     if key.stride(2) != 1:
         key = key.contiguous()
     if value.stride(2) != 1:

@@ -656,17 +656,26 @@ def _usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> P.UsageIn
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-async def _first(state: ServerState, merged: AsyncIterator) -> tuple[Any, bool]:
-    """The first item of ``merged``; the engine's input errors (ValueError) become 400s, a
-    dead engine 503, anything else 500."""
+async def _start(state: ServerState, sub: "_Submission", streams: list[AsyncIterator[RequestOutput]]):
+    """Merge a request's engine streams, abort them if the client disconnects, and wait for
+    the first output. Returns ``(merged, first, has_first)``. The engine's input errors
+    (ValueError) become 400s, a dead engine 503, anything else 500; on any error the
+    streams are closed before it propagates."""
+    merged = _merge(streams)
+    sub.watch_disconnect()
     try:
-        return await merged.__anext__(), True
-    except StopAsyncIteration:
-        return None, False
-    except APIError:
+        try:
+            return merged, await merged.__anext__(), True
+        except StopAsyncIteration:
+            return merged, None, False
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _engine_failure(state, exc) from None
+    except BaseException:
+        await sub.close()
+        await merged.aclose()
         raise
-    except Exception as exc:  # noqa: BLE001
-        raise _engine_failure(state, exc) from None
 
 
 def _engine_failure(state: ServerState, exc: BaseException) -> APIError:
@@ -798,14 +807,7 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         sub.stream(ids, sp, f"{request_id}-{i}", priority=body.priority, tenant=body.user)
         for i, (ids, sp) in enumerate(zip(prompt_ids, params))
     ]
-    merged = _merge(streams)
-    sub.watch_disconnect()
-    try:
-        first, has_first = await _first(state, merged)
-    except BaseException:
-        await sub.close()
-        await merged.aclose()
-        raise
+    merged, first, has_first = await _start(state, sub, streams)
 
     if not body.stream:
         try:
@@ -931,14 +933,8 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
     k = (body.top_logprobs or 0) if body.logprobs else -1
     detok = _Detok(tokenizer)
     sub = _Submission(state, request)
-    merged = _merge([sub.stream(prompt_ids, params, request_id, priority=body.priority, tenant=body.user)])
-    sub.watch_disconnect()
-    try:
-        first, has_first = await _first(state, merged)
-    except BaseException:
-        await sub.close()
-        await merged.aclose()
-        raise
+    streams = [sub.stream(prompt_ids, params, request_id, priority=body.priority, tenant=body.user)]
+    merged, first, has_first = await _start(state, sub, streams)
 
     if not body.stream:
         final = first[1] if has_first else None
