@@ -1,12 +1,32 @@
-"""kopf handlers that scale and tune InferenceServices from the pods' live metrics.
+"""The operator's autoscaler: one loop that scales and tunes InferenceServices from the
+pods' live metrics.
 
 Registered by importing this module (:mod:`kvfleet.operator.handlers` does). Thin: read the
 cluster, call the pure functions of :mod:`kvfleet.operator.policy`, write the result.
 
-One kopf daemon per InferenceService that is autoscaled (``mode: operator``) or tuned
-(:func:`autoscale`, filter :func:`wants_daemon`) loops every
+**One operator-wide loop, no finalizer.** kopf keeps an index (:func:`autoscaled_index`,
+id ``autoscaler``) of the InferenceServices that are autoscaled (``mode: operator``) or
+tuned, from its own watch; indices need no finalizer. A task started by a ``kopf.on.startup``
+handler (:func:`start_autoscaler`; stopped by ``kopf.on.cleanup``) is the
+:class:`AutoscalerLoop`: it visits every indexed object every
 ``spec.autoscaling.metrics.intervalSeconds`` (default 15 s; the environment variable
-``KVFLEET_AUTOSCALER_INTERVAL``, in seconds, fractions allowed, overrides it, e.g. in tests):
+``KVFLEET_AUTOSCALER_INTERVAL``, in seconds, fractions allowed, overrides it, e.g. in tests)
+and runs :func:`step` for it with that object's own :class:`ServiceState`. One object's
+failure (API error, unreadable metrics, a bug) is logged and retried after its interval; the
+others go on. Nothing holds a deletion: ``kubectl delete`` of an InferenceService completes
+whether the operator runs or not (an earlier version ran one kopf daemon per object, and kopf
+adds the finalizer ``kvfleet.io/finalizer`` to objects with daemons).
+
+**Peering.** When a higher-priority operator of the same kopf peering is alive, kopf pauses
+this one; the loop must not scale or write then. kopf keeps its paused state internal (no
+handler argument or public API exposes it), so the loop reads what kopf decides it from: the
+peering object, judged by kopf's own rule (:func:`pause_reason`, :func:`peers_ahead`), with
+the identity ``kvfleet operator`` gives kopf (``kopf.run(identity=...)``, also put in
+``memo.peering_identity``). While paused the loop starts no iteration, cancels those in
+flight and forgets all per-object state; on resume the history is seeded afresh, as after a
+restart.
+
+What one iteration does, by spec:
 
 ``spec.autoscaling.mode: operator``
     reads the ready pods' metrics (:mod:`kvfleet.operator.metrics_source`), decides with
@@ -22,8 +42,8 @@ One kopf daemon per InferenceService that is autoscaled (``mode: operator``) or 
     reason ``ConflictingAutoscaler``, and a Warning Event.
 ``spec.autoscaling.mode: hpa``
     the HPA from :func:`policy.build_hpa` becomes a child (registered in
-    :data:`kvfleet.operator.reconcile.EXTRA_CHILDREN`; pruned when the mode changes). No
-    daemon: the HPA scales, and reports in its own status.
+    :data:`kvfleet.operator.reconcile.EXTRA_CHILDREN`; pruned when the mode changes). Not in
+    the loop: the HPA scales, and reports in its own status.
 ``spec.tuning.enabled``
     :func:`policy.tune` over the same metrics and the pods' container statuses (OOM
     restarts); the applied values and the tuner's bookkeeping go to ``status.engine``; the
@@ -32,30 +52,36 @@ One kopf daemon per InferenceService that is autoscaled (``mode: operator``) or 
     follow. Each change is an Event (``GpuMemoryRaised``, ``GpuMemoryLowered``,
     ``BlockSizeChanged``).
 
-Other InferenceServices get no daemon, hence no finalizer and no writes. When one stops
-being autoscaled, its daemon sets ``ScalingActive=False`` (reason ``OperatorAutoscalerOff``)
-and exits; kopf removes the finalizer it added for the daemon.
+Other InferenceServices are not in the index: no reads, no writes. One that stops being
+autoscaled (or was switched while the operator was down) stays indexed while its
+``ScalingActive`` condition still says otherwise (:func:`needs_retire`): the next iteration
+sets ``ScalingActive=False`` (reason ``OperatorAutoscalerOff``), then kopf drops it from the
+index and the loop drops its state.
 
-The recommendation history lives in the daemon (like the HPA controller's, in memory). After
-an operator restart it is seeded with the current replica count, so the scale-down window
-starts over instead of allowing an immediate scale-down.
+The recommendation history lives in memory (like the HPA controller's). After an operator
+restart or a peering pause it is seeded with the current replica count, so the scale-down
+window starts over instead of allowing an immediate scale-down. Events are posted by the loop
+itself through the API (``kopf.event`` works only inside kopf's per-object handlers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import httpx
 import kopf
 
 from kvfleet.operator import builders, crd, policy, reconcile
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
+
+log = logging.getLogger(__name__)
 
 INTERVAL_ENV = "KVFLEET_AUTOSCALER_INTERVAL"
 DEFAULT_INTERVAL = 15.0
@@ -98,47 +124,55 @@ if hpa_children not in reconcile.EXTRA_CHILDREN:
 
 
 # ---------------------------------------------------------------------------------
-# API helpers (the reconcile's Kube, called from threads)
-
-
-def _list(kube: reconcile.Kube, api_version: str, plural: str, namespace: str,
-          selector: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-    """List objects; the label selector is sent and also checked here (an emulator may
-    ignore it)."""
-    query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))] if selector else []
-    items = (kube._call("GET", kube.path(api_version, plural, namespace), query=query) or {}).get("items") or []
-    if selector:
-        items = [o for o in items
-                 if all(((o.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
-    return items
-
-
-def _scale(kube: reconcile.Kube, namespace: str, name: str, replicas: int) -> None:
-    """Write ``spec.replicas`` through the scale subresource (merge patch of a Scale)."""
-    kube._call("PATCH", kube.path(crd.API_VERSION, crd.PLURAL, namespace, name, "scale"),
-               body={"spec": {"replicas": int(replicas)}}, content_type="application/merge-patch+json")
-
-
-# ---------------------------------------------------------------------------------
-# the daemon
+# the per-object iteration
 
 
 @dataclass
-class DaemonState:
-    """What one InferenceService's daemon remembers between iterations."""
+class ServiceState:
+    """What the loop remembers about one InferenceService between iterations (in memory,
+    like the HPA controller's recommendations; forgotten when the object leaves the loop,
+    when the operator pauses, and on restart)."""
 
     history: tuple[policy.Recommendation, ...] | None = None
     previous: policy.MetricsAggregate | None = None
     last_reason: str | None = None
     http: httpx.AsyncClient | None = None
+    """The client for the pods' /metrics (the loop's shared one; None: one per read)."""
     changes: list[tuple[float, int, int]] = field(default_factory=list)
-    """``(time, from, to)`` of this daemon's scale changes (for logs and tests)."""
+    """``(time, from, to)`` of the scale changes made for this object (for logs and tests)."""
+    due: float = 0.0
+    """``time.monotonic()`` at which the next iteration is due."""
+    interval: float = DEFAULT_INTERVAL
+    """Seconds between iterations, as the last one found (``interval_seconds``)."""
 
 
-def _event(body: Mapping[str, Any], type_: str, reason: str, message: str, inputs: Mapping[str, Any] | None = None) -> None:
+async def _event(kube: reconcile.Kube, body: Mapping[str, Any], type_: str, reason: str, message: str,
+                 inputs: Mapping[str, Any] | None = None) -> None:
+    """Post a ``core/v1`` Event about ``body`` (``reportingComponent`` ``kvfleet-operator``).
+
+    kopf's ``kopf.event`` only works inside kopf's per-object handlers (it needs their
+    context), so the loop posts through the API itself. A failed post is logged, not raised:
+    an Event is never worth a missed scaling step."""
     if inputs:
         message = f"{message}; inputs {json.dumps(inputs, sort_keys=True, separators=(',', ':'))}"
-    kopf.event(dict(body), type=type_, reason=reason, message=message[:1024])
+    meta = body.get("metadata") or {}
+    namespace = meta.get("namespace") or "default"
+    now = reconcile.now_rfc3339()
+    event = {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
+        "involvedObject": {"apiVersion": body.get("apiVersion") or crd.API_VERSION, "kind": body.get("kind") or crd.KIND,
+                           "name": meta.get("name"), "namespace": namespace, "uid": meta.get("uid"),
+                           "resourceVersion": meta.get("resourceVersion")},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": builders.FIELD_MANAGER},
+        "reportingComponent": builders.FIELD_MANAGER, "reportingInstance": builders.FIELD_MANAGER,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    try:
+        await asyncio.to_thread(kube.create, event)
+    except reconcile.ApiError as e:
+        log.warning("could not post Event %s about %s/%s: %s", reason, namespace, meta.get("name"), e)
 
 
 def _condition_patch(isvc: Mapping[str, Any], status: str, reason: str, message: str) -> dict[str, Any]:
@@ -172,16 +206,43 @@ async def _retire(kube: reconcile.Kube, isvc: Mapping[str, Any], mode: str) -> N
         await asyncio.to_thread(kube.patch_status, crd.KIND, meta["namespace"], meta["name"], patch)
 
 
-def wants_daemon(spec: Mapping[str, Any], **_: Any) -> bool:
-    """The daemon's filter: only InferenceServices the operator scales (mode ``operator``)
-    or tunes get one, and with it kopf's finalizer (kopf holds deletion until a daemon has
-    stopped). Others (mode ``none``, mode ``hpa`` where the HPA scales) have neither."""
+def wants_autoscaler(spec: Mapping[str, Any], **_: Any) -> bool:
+    """Whether the loop works on an InferenceService: the operator scales it (mode
+    ``operator``) or tunes it. Others (mode ``none``; mode ``hpa``, where the HPA scales)
+    get no reads and no writes."""
     return (spec.get("autoscaling") or {}).get("mode") == "operator" or bool((spec.get("tuning") or {}).get("enabled"))
 
 
-async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonState,
+def needs_retire(body: Mapping[str, Any]) -> bool:
+    """Whether the InferenceService is not autoscaled or tuned but still carries a
+    ``ScalingActive`` condition that does not say so (it just stopped being autoscaled, or
+    it was switched while the operator was down): the loop visits it once more to set
+    ``ScalingActive=False``, reason ``OperatorAutoscalerOff``."""
+    try:
+        mode = builders.effective_spec(body)["autoscaling"].get("mode", "none")
+    except (TypeError, AttributeError, KeyError, ValueError):  # a malformed spec: the reconcile reports it
+        return False
+    return bool(_retire_patch(body, mode))
+
+
+def tracked(spec: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> bool:
+    """The index's filter (:func:`autoscaled_index`): :func:`wants_autoscaler` or
+    :func:`needs_retire`, and not being deleted."""
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    return wants_autoscaler(spec) or needs_retire(body)
+
+
+async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceState,
                logger: logging.Logger, now: float | None = None) -> float:
-    """One iteration for one InferenceService; returns the seconds to sleep."""
+    """One iteration for one InferenceService: read it, its pods and their metrics, decide,
+    write. ``now`` (Unix seconds, default the clock) is the decisions' time. Returns the
+    seconds until the next iteration.
+
+    Raises:
+        reconcile.ApiError, httpx.HTTPError, OSError: an API call failed (the loop logs it
+            and tries again after the interval).
+    """
     isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
     if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
         return DEFAULT_INTERVAL
@@ -192,7 +253,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
     tuning_on = bool(tuning.get("enabled"))
     status_patch: dict[str, Any] = {}
 
-    if mode != "operator" and not tuning_on:  # the daemon is about to stop (see wants_daemon)
+    if mode != "operator" and not tuning_on:  # leaving the loop (see wants_autoscaler)
         await _retire(kube, isvc, mode)
         state.history, state.previous, state.last_reason = None, None, None
         return interval
@@ -208,7 +269,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
         return interval
 
     now = time.time() if now is None else now
-    pods = await asyncio.to_thread(_list, kube, "v1", "pods", namespace, builders.selector_labels(isvc))
+    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, builders.selector_labels(isvc))
     metrics: policy.MetricsAggregate | None
     try:
         metrics = await source.read(pods, now=now, previous=state.previous)
@@ -220,7 +281,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
         status_patch["metrics"] = {"failedPods": None, "notReadyPods": None, **metrics.to_status()}
 
     if mode == "operator":
-        hpas = await asyncio.to_thread(_list, kube, "autoscaling/v2", "horizontalpodautoscalers", namespace)
+        hpas = await asyncio.to_thread(kube.list_objects, "HorizontalPodAutoscaler", namespace)
         foreign = policy.hpas_targeting([h for h in hpas if not reconcile.owned_by(h, isvc)], name)
         if foreign:
             message = (f"HorizontalPodAutoscaler {', '.join(foreign)} also targets this InferenceService; "
@@ -228,7 +289,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
                        "or use autoscaling.mode: hpa)")
             patch = _condition_patch(isvc, "False", "ConflictingAutoscaler", message)
             if patch:
-                _event(isvc, "Warning", "ConflictingAutoscaler", message)
+                await _event(kube, isvc, "Warning", "ConflictingAutoscaler", message)
             status_patch.update(patch)
             state.last_reason = "ConflictingAutoscaler"
         else:
@@ -241,14 +302,14 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
                                            history=state.history, max_num_seqs=int(max_num_seqs))
             state.history = decision.history
             if decision.changed:
-                await asyncio.to_thread(_scale, kube, namespace, name, decision.replicas)
+                await asyncio.to_thread(kube.scale, crd.KIND, namespace, name, decision.replicas)
                 state.changes.append((now, decision.current, decision.replicas))
                 logger.info("%s/%s: %s", namespace, name, decision.message)
-                _event(isvc, "Normal", decision.reason, decision.message, decision.inputs)
+                await _event(kube, isvc, "Normal", decision.reason, decision.message, decision.inputs)
                 status_patch["lastScaleTime"] = policy.rfc3339(now)
             elif decision.reason != state.last_reason and decision.reason not in ("Stable",):
-                _event(isvc, "Warning" if decision.reason == "MetricsUnavailable" else "Normal",
-                       decision.reason, decision.message, decision.inputs)
+                await _event(kube, isvc, "Warning" if decision.reason == "MetricsUnavailable" else "Normal",
+                             decision.reason, decision.message, decision.inputs)
             state.last_reason = decision.reason
             if decision.reason == "MetricsUnavailable":
                 cond = ("False", "MetricsUnavailable", decision.message)
@@ -269,7 +330,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
             status_patch["engine"] = decision.state.to_status()
         for reason, message in decision.changes:
             logger.info("%s/%s: %s", namespace, name, message)
-            _event(isvc, "Normal", reason, message)
+            await _event(kube, isvc, "Normal", reason, message)
         rollout = decision.changed
 
     if status_patch:
@@ -279,31 +340,244 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: DaemonSta
     return interval
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, id="autoscaler", when=wants_daemon,
-             cancellation_backoff=5.0, cancellation_timeout=10.0)
-async def autoscale(namespace: str, name: str, memo: Any, logger: logging.Logger, stopped: Any, **_: Any) -> None:
-    """Scale and tune one InferenceService until it is deleted, no longer autoscaled or
-    tuned (then ``ScalingActive`` turns False), or the operator stops or pauses (peering)."""
+# ---------------------------------------------------------------------------------
+# peering: is this operator paused?
+
+
+def _parse_time(value: Any) -> datetime.datetime | None:
+    if not value:
+        return None
+    try:
+        t = datetime.datetime.fromisoformat(str(value))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=datetime.UTC)
+
+
+def peers_ahead(status: Mapping[str, Any] | None, *, identity: str | None, priority: int,
+                now: datetime.datetime, same_priority_pauses: bool = True) -> list[str]:
+    """The live peers in a kopf peering object's ``status`` for which this operator pauses.
+
+    kopf's rule (``process_peering_event`` in kopf/_core/engines/peering.py, kopf 1.45): a
+    peer is an entry ``identity: {priority, lifetime (s), lastseen (ISO 8601)}``; it is dead
+    when ``lastseen + lifetime <= now`` (no ``lastseen``: alive). This operator pauses while
+    a live peer other than itself has a higher priority, or the same priority (kopf pauses
+    both then) unless the operator shards by label selectors (``same_priority_pauses``
+    False). With ``identity`` None (unknown) an entry of the same priority may be this
+    operator itself, so only higher priorities count.
+
+    Args:
+        status: the peering object's ``status`` (None or {}: no peers).
+        identity: this operator's peering identity (``kopf.run(identity=...)``).
+        priority: this operator's priority (``settings.peering.priority``).
+        now: the current time (timezone-aware).
+    """
+    out = []
+    for peer, info in (status or {}).items():
+        if peer == identity or not isinstance(info, Mapping):
+            continue
+        lastseen = _parse_time(info.get("lastseen")) or now
+        if lastseen + datetime.timedelta(seconds=int(info.get("lifetime", 60))) <= now:
+            continue
+        p = int(info.get("priority", 0))
+        if p > priority or (p == priority and same_priority_pauses and identity is not None):
+            out.append(peer)
+    return sorted(out)
+
+
+def pause_reason(kube: reconcile.Kube, settings: kopf.OperatorSettings, identity: str | None,
+                 namespaces: Iterable[str]) -> str | None:
+    """Why this operator is paused by kopf peering, or None when it may act.
+
+    kopf does not expose its paused state (an internal ``ToggleSet``), so this reads what
+    kopf decides it from: the peering object ``settings.peering.name`` (a
+    ``ClusterKopfPeering`` for a cluster-wide operator; for a namespaced one the
+    ``KopfPeering`` in each of ``namespaces``, the namespaces the loop works in), judged with
+    :func:`peers_ahead`. Like kopf: ``--standalone`` never pauses; a missing peering object
+    (or peering CRD) pauses only when peering is mandatory (``--peering NAME``).
+
+    Raises:
+        reconcile.ApiError: the peering object could not be read (the loop then does not act).
+    """
+    peering = settings.peering
+    if peering.standalone:
+        return None
+    targets = [("ClusterKopfPeering", None)] if peering.clusterwide else [("KopfPeering", ns) for ns in sorted(set(namespaces))]
+    now = datetime.datetime.now(datetime.UTC)
+    for kind, namespace in targets:
+        obj = kube.get(kind, namespace, peering.name)  # type: ignore[arg-type]  # None: cluster-scoped
+        where = f"{kind} {namespace + '/' if namespace else ''}{peering.name}"
+        if obj is None:
+            if peering.mandatory:
+                return f"{where} does not exist (peering is mandatory)"
+            continue
+        ahead = peers_ahead(obj.get("status"), identity=identity, priority=int(peering.priority), now=now,
+                            same_priority_pauses=not settings.watching.shard_selectors)
+        if ahead:
+            return f"{where}: paused in favour of {', '.join(ahead)}"
+    return None
+
+
+# ---------------------------------------------------------------------------------
+# the operator-wide loop
+
+
+INDEX = "autoscaler"
+"""The kopf index of the InferenceServices the loop works on: ``{(namespace, name): uid}``."""
+TICK = 1.0
+"""Longest sleep of the loop (seconds): how soon a newly indexed InferenceService is visited."""
+MAX_CONCURRENT = 8
+"""Iterations run at the same time (each waits on API calls and metrics scrapes)."""
+
+
+@kopf.index(crd.GROUP, crd.VERSION, crd.PLURAL, id=INDEX, when=tracked)
+def autoscaled_index(namespace: str, name: str, uid: str, **_: Any) -> dict[tuple[str, str], str]:
+    """Index the InferenceServices the loop works on (filter :func:`tracked`). kopf keeps
+    the index from its watch, drops an object when it is deleted or stops matching, and
+    needs no finalizer for indices."""
+    return {(namespace, name): uid}
+
+
+class AutoscalerLoop:
+    """One loop for the whole operator: every InferenceService in ``index`` gets
+    :func:`step` every ``interval`` seconds, with its own :class:`ServiceState`.
+
+    - Objects are visited concurrently (at most :data:`MAX_CONCURRENT` at once), each as
+      its own task: a slow or failing one (API error, bad metrics, a bug) is logged and
+      retried after the interval; the others go on.
+    - State is dropped for objects that leave the index (deleted, no longer autoscaled or
+      tuned; :func:`step` has set ``ScalingActive=False`` before that).
+    - Before starting iterations it asks :func:`pause_reason`; while the operator is
+      paused by peering it starts none, cancels those in flight and forgets all state (as a
+      restart would: the history is seeded afresh on resume).
+
+    Args:
+        kube: the API client.
+        index: kopf's index :data:`INDEX` (a live, read-only mapping ``(namespace, name) -> uids``).
+        settings: kopf's settings (peering name, priority, mode).
+        identity: this operator's kopf peering identity (None: unknown, see :func:`peers_ahead`).
+        logger: where to log.
+    """
+
+    def __init__(self, kube: reconcile.Kube, index: Mapping[tuple[str, str], Any], settings: kopf.OperatorSettings,
+                 identity: str | None, logger: logging.Logger):
+        self.kube, self.index, self.settings, self.identity, self.logger = kube, index, settings, identity, logger
+        self.states: dict[tuple[str, str], ServiceState] = {}
+        self.running: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.paused: str | None = None
+        self.recheck_at = 0.0
+        self.http = httpx.AsyncClient()
+        self._limit = asyncio.Semaphore(MAX_CONCURRENT)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="kvfleet autoscaler loop")
+
+    async def stop(self) -> None:
+        """Stop the loop and the iterations in flight; close the HTTP client."""
+        tasks = [t for t in [self._task, *self.running.values()] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.running.clear()
+        await self.http.aclose()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - the loop outlives any one failure
+                self.logger.exception("autoscaler loop")
+            await asyncio.sleep(self._sleep())
+
+    def _sleep(self) -> float:
+        now = time.monotonic()
+        waits = [st.due - now for key, st in self.states.items() if key not in self.running]
+        if self.paused:
+            waits.append(self.recheck_at - now)
+        return max(0.05, min([TICK, *waits]))
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        self.states.pop(key, None)
+        task = self.running.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def tick(self) -> None:
+        """One pass: drop what left the index, check peering, start the due iterations."""
+        keys = set(self.index)
+        for key in [k for k in self.states if k not in keys]:
+            self._forget(key)
+        now = time.monotonic()
+        due = [k for k in sorted(keys) if k not in self.running
+               and (k not in self.states or self.states[k].due <= now)]
+        if not due or (self.paused and now < self.recheck_at):
+            return
+        try:
+            reason = await asyncio.to_thread(pause_reason, self.kube, self.settings, self.identity,
+                                             {ns for ns, _ in keys})
+        except reconcile.ApiError as e:
+            reason = f"the peering object could not be read: {e}"
+        if reason:
+            if reason != self.paused:
+                self.logger.info("autoscaler paused: %s", reason)
+            recheck = min([st.interval for st in self.states.values()] or [_default_interval()])
+            for key in list(self.states):
+                self._forget(key)
+            self.paused, self.recheck_at = reason, now + recheck
+            return
+        if self.paused:
+            self.logger.info("autoscaler resumed")
+            self.paused = None
+        for key in due:
+            state = self.states.setdefault(key, ServiceState(http=self.http, interval=_default_interval()))
+            self.running[key] = asyncio.create_task(self._iterate(key, state), name=f"autoscaler {key[0]}/{key[1]}")
+
+    async def _iterate(self, key: tuple[str, str], state: ServiceState) -> None:
+        namespace, name = key
+        try:
+            async with self._limit:
+                try:
+                    delay = await step(self.kube, namespace, name, state, self.logger)
+                except (reconcile.ApiError, httpx.HTTPError, OSError) as e:
+                    self.logger.warning("autoscaler of %s/%s: %s", namespace, name, e)
+                    delay = state.interval
+                except Exception:  # noqa: BLE001 - one object's failure must not stop the others
+                    self.logger.exception("autoscaler of %s/%s", namespace, name)
+                    delay = state.interval
+            state.interval = delay
+            state.due = time.monotonic() + delay
+        finally:
+            if self.running.get(key) is asyncio.current_task():
+                del self.running[key]
+
+
+def _default_interval() -> float:
+    env = os.environ.get(INTERVAL_ENV)
+    return max(0.1, float(env)) if env else DEFAULT_INTERVAL
+
+
+@kopf.on.startup(id="autoscaler-start")
+async def start_autoscaler(memo: Any, settings: kopf.OperatorSettings, indices: Any, logger: logging.Logger,
+                           **_: Any) -> None:
+    """Start the loop (after :func:`kvfleet.operator.handlers.configure`, which made ``memo.kube``).
+
+    The peering identity comes from ``memo.peering_identity`` (``kvfleet operator`` passes
+    the same value to ``kopf.run(identity=...)``), else ``$POD_ID`` (what kopf itself uses)."""
     kube = getattr(memo, "kube", None)
     if kube is None:
         from kvfleet.operator.handlers import make_kube
 
         kube = memo.kube = make_kube()
-    state = DaemonState(http=httpx.AsyncClient())
-    try:
-        while not stopped:
-            try:
-                delay = await step(kube, namespace, name, state, logger)
-            except (reconcile.ApiError, httpx.HTTPError, OSError) as e:
-                logger.warning("autoscaler of %s/%s: %s", namespace, name, e)
-                delay = float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL)
-            await stopped.wait(delay)
-        if stopped.reason and stopped.reason & kopf.DaemonStoppingReason.FILTERS_MISMATCH:
-            isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
-            if isvc is not None:
-                spec = builders.effective_spec(isvc)
-                await _retire(kube, isvc, spec["autoscaling"].get("mode", "none"))
-    except (reconcile.ApiError, OSError) as e:
-        logger.warning("autoscaler of %s/%s stopping: %s", namespace, name, e)
-    finally:
-        await state.http.aclose()
+    identity = getattr(memo, "peering_identity", None) or os.environ.get("POD_ID")
+    loop = memo.autoscaler = AutoscalerLoop(kube, indices[INDEX], settings, identity, log)
+    loop.start()
+    logger.info("autoscaler loop started (peering identity %s)", identity or "unknown")
+
+
+@kopf.on.cleanup(id="autoscaler-stop")
+async def stop_autoscaler(memo: Any, **_: Any) -> None:
+    """Stop the loop when the operator stops."""
+    loop = getattr(memo, "autoscaler", None)
+    if loop is not None:
+        await loop.stop()

@@ -22,9 +22,13 @@ Options::
 from __future__ import annotations
 
 import argparse
+import datetime
+import getpass
 import logging
 import os
 import random
+import secrets
+import socket
 import sys
 
 DEFAULT_PEERING = "kvfleet-operator"
@@ -46,6 +50,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def peering_identity() -> str:
+    """This process's kopf peering identity: ``$POD_ID`` (the chart sets the pod name), else
+    ``user@host/UTC-time/random`` (the format kopf's own ``detect_own_id`` uses)."""
+    pod = os.environ.get("POD_ID")
+    if pod:
+        return pod
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (arbitrary container UIDs)
+        user = str(os.getuid())
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d%H%M%S")
+    return f"{user}@{socket.gethostname()}/{now}/{secrets.token_hex(2)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvfleet operator``; returns when the operator stops (0), or 2 at once
     for a ``--kubeconfig`` that does not exist."""
@@ -63,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvfleet.operator import handlers  # noqa: F401  (registers the handlers)
 
+    identity = peering_identity()
     priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
     kwargs: dict = {
         "clusterwide": not args.namespace,
         "namespaces": args.namespace,
         "standalone": bool(args.standalone),
         "priority": priority,
+        # kopf keeps its paused state to itself; the autoscaler loop judges the peering
+        # object by the same rule and needs to know which entry there is its own.
+        "identity": identity,
+        "memo": kopf.Memo(peering_identity=identity),
     }
     if args.peering:
         kwargs["peering_name"] = args.peering

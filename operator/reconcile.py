@@ -45,6 +45,10 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "Pod": ("v1", "pods"),
+    "Event": ("v1", "events"),
+    "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings"),
+    "KopfPeering": ("kopf.dev/v1", "kopfpeerings"),
     crd.KIND: (crd.API_VERSION, crd.PLURAL),
 }
 
@@ -116,6 +120,26 @@ class Kube:
                 return None
             raise
 
+    def list_objects(self, kind: str, namespace: str | None,
+                     selector: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+        """The objects of ``kind`` in ``namespace`` (all namespaces for None) whose labels
+        match ``selector`` (equality only). The selector is sent as ``labelSelector`` and
+        also checked here, so a server that ignores it gives the same answer."""
+        api_version, plural = KINDS[kind]
+        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))] if selector else []
+        items = (self._call("GET", self.path(api_version, plural, namespace), query=query) or {}).get("items") or []
+        if selector:
+            items = [o for o in items
+                     if all(((o.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
+        return items
+
+    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set ``spec.replicas`` through the scale subresource (JSON merge patch of the
+        ``autoscaling/v1`` Scale, so nothing else of the object changes); the Scale."""
+        api_version, plural = KINDS[kind]
+        return self._call("PATCH", self.path(api_version, plural, namespace, name, "scale"),
+                          body={"spec": {"replicas": int(replicas)}}, content_type="application/merge-patch+json")
+
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj`` (force, field manager ``kvfleet-operator``); the live result.
 
@@ -132,6 +156,12 @@ class Kube:
             if e.status != 404:
                 raise
         return self._call("POST", self.path(api_version, plural, ns), body=dict(obj),
+                          query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Create ``obj`` (``POST``; ``metadata.generateName`` works); the stored object."""
+        api_version, plural = KINDS[obj["kind"]]
+        return self._call("POST", self.path(api_version, plural, obj["metadata"].get("namespace")), body=dict(obj),
                           query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
