@@ -8,7 +8,8 @@ Public API::
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None
     paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
                     query_start_loc, scale=None, *, max_query_len=None,
-                    max_seq_len=None, out=None) -> Tensor
+                    max_seq_len=None, out=None, sliding_window=None,
+                    softcap=None) -> Tensor
 
 KV cache layout (per layer, one tensor for keys and one for values; vLLM's
 FlashAttention-backend layout)::
@@ -117,20 +118,26 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed varlen batch over the paged KV cache.
 
     ``query [num_tokens, num_heads, head_size]``; ``block_tables [num_seqs, max_blocks]``
     int32; ``seq_lens [num_seqs]`` (context length including this step's tokens);
     ``query_start_loc [num_seqs+1]`` int32. Query token ``i`` of sequence ``s`` sits at
-    position ``seq_lens[s] - q_len_s + i`` and attends to keys ``[0, pos]``. GQA when
+    position ``seq_lens[s] - q_len_s + i`` and attends to keys ``[0, pos]``, or to
+    ``(pos - sliding_window, pos]`` with a ``sliding_window`` (tokens, ``>= 1``; the
+    transformers/FlashAttention convention); ``softcap`` caps the scaled logits at
+    ``softcap * tanh(x / softcap)`` (Gemma 2). GQA when
     ``num_heads`` is a multiple of ``num_kv_heads``. Returns
     ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (fp32 accumulation).
 
     Dispatches on the device / ``KVFLEET_ATTENTION_BACKEND``; see
     :func:`kvfleet.kernels.reference.paged_attention_torch` for the full contract.
     """
-    kwargs = dict(max_query_len=max_query_len, max_seq_len=max_seq_len, out=out)
+    kwargs = dict(max_query_len=max_query_len, max_seq_len=max_seq_len, out=out, sliding_window=sliding_window,
+                  softcap=softcap)
     if select_backend(query.device) == "triton":
         return paged_attention_triton(
             query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, **kwargs

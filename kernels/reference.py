@@ -12,6 +12,14 @@ Cache layout (the same as vLLM's FlashAttention backend, see ``kvfleet.kernels``
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
     slot = block_id * block_size + offset_in_block
 
+Options (both kernels, same meaning): ``sliding_window`` (a query at position ``p`` sees
+keys ``p - sliding_window < k <= p``: transformers' ``masking_utils.sliding_window_overlay``
+``kv_idx > q_idx - sliding_window`` on top of the causal mask, the same as FlashAttention's
+``window_size=(sliding_window - 1, 0)`` that transformers and vLLM pass) and ``softcap``
+(attention logit soft-capping ``softcap * tanh(scores / softcap)`` before the mask, as
+Gemma 2's ``attn_logit_softcapping``: transformers' ``eager_attention_forward`` in
+``models/gemma2``, vLLM's ``apply_softcap``).
+
 Sources: W. Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention", SOSP 2023 (block tables, slot mapping); vLLM's
 ``reshape_and_cache_flash`` and ``flash_attn_varlen_func(block_table=...)`` for the
@@ -26,7 +34,13 @@ import threading
 import torch
 import torch.nn.functional as F
 
-__all__ = ["reshape_and_cache_torch", "paged_attention_torch", "check_paged_attention_args", "check_reshape_and_cache_args"]
+__all__ = [
+    "reshape_and_cache_torch",
+    "paged_attention_torch",
+    "check_paged_attention_args",
+    "check_reshape_and_cache_args",
+    "check_attention_options",
+]
 
 # Decode sequences are attended in chunks whose gathered K+V take at most this many bytes
 # (fits a CPU's L2/L3; measured on 2 cores: 4 MiB is ~4x faster than one big gather at
@@ -146,6 +160,45 @@ def check_paged_attention_args(
     return num_seqs, num_heads, num_kv_heads, head_size, block_size
 
 
+def check_attention_options(sliding_window: int | None, softcap: float | None) -> tuple[int | None, float | None]:
+    """Validate the optional attention features (shared by the torch and Triton paths).
+
+    Args:
+        sliding_window: None (full causal attention) or a window of ``>= 1`` tokens
+            (a query at position ``p`` sees keys ``p - sliding_window < k <= p``).
+        softcap: None or a finite ``> 0`` cap on the scaled attention logits
+            (``softcap * tanh(scores / softcap)``).
+
+    Returns: ``(sliding_window as int or None, softcap as float or None)``.
+
+    Raises:
+        ValueError: a window that is not a positive integer (0 is not "no window": pass
+            None), or a softcap that is not a positive finite number.
+    """
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an integer >= 1, got {sliding_window!r}")
+        sliding_window = int(sliding_window)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+        softcap = float(softcap)
+    return sliding_window, softcap
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """``softmax(mask(softcap * tanh(q k^T * scale / softcap))) v`` with broadcasting batch
+    dimensions (SDPA has no soft-capping). ``q [..., M, d]``, ``k, v [..., L, d]``,
+    ``mask`` bool broadcastable to ``[..., M, L]`` (True = attend)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
 def _sdpa_supports_gqa() -> bool:
     import inspect
 
@@ -185,21 +238,27 @@ def _decode_batch(
     block_tables: torch.Tensor,
     lens: torch.Tensor,
     order: list[int],
-    order_lens: list[int],
+    order_nblocks: list[int],
+    first_blocks: dict[int, int] | None,
     tok_idx: list[int],
     scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
     out: torch.Tensor,
 ) -> None:
-    """Attend decode sequences (one query token each), given longest first.
+    """Attend decode sequences (one query token each), given by decreasing block count.
 
-    ``order``: their sequence indices sorted by decreasing length (``order_lens``);
-    ``tok_idx``: the row of each one's query token. Everything per batch is selected once
-    (block tables, lengths, queries); then, in chunks whose gathered K+V fit in
-    ``_DECODE_CHUNK_BYTES``, the chunk's blocks are gathered into a reused per-thread
-    buffer (it stays in cache and costs no page faults) as a padded ``[n, kvh, L, d]``
-    view, positions past each length are masked, and one SDPA call attends the chunk.
-    GQA without copying K/V per query head: the ``group`` query heads of one kv head play
-    SDPA's query-length role (``q: [n, kvh, group, d]``).
+    ``order``: their sequence indices sorted by decreasing number of blocks to read
+    (``order_nblocks``); ``first_blocks``: with a sliding window, the logical index of the
+    first block each one reads (its window's first key's block; None without a window,
+    i.e. all from block 0); ``tok_idx``: the row of each one's query token. Everything per
+    batch is selected once (block tables, lengths, queries); then, in chunks whose
+    gathered K+V fit in ``_DECODE_CHUNK_BYTES``, the chunk's blocks are gathered into a
+    reused per-thread buffer (it stays in cache and costs no page faults) as a padded
+    ``[n, kvh, L, d]`` view, positions outside each sequence's visible range are masked,
+    and one SDPA call attends the chunk. GQA without copying K/V per query head: the
+    ``group`` query heads of one kv head play SDPA's query-length role
+    (``q: [n, kvh, group, d]``).
     """
     num_blocks, block_size, kvh, d = key_cache.shape
     num_heads = query.shape[1]
@@ -208,14 +267,21 @@ def _decode_batch(
     D = len(order)
     order_t = torch.tensor(order, dtype=torch.long, device=dev)
     tok_t = torch.tensor(tok_idx, dtype=torch.long, device=dev)
-    max_nb = -(-order_lens[0] // block_size)
-    bt_all = block_tables.index_select(0, order_t)[:, :max_nb].long()  # [D, max_nb]
+    max_nb = order_nblocks[0]
     lens_all = lens.index_select(0, order_t)  # [D]
+    positions = torch.arange(max_nb * block_size, device=dev)
+    if first_blocks is None:
+        bt_all = block_tables.index_select(0, order_t)[:, :max_nb].long()  # [D, max_nb]
+        first_pos = None
+    else:
+        fb = torch.tensor([first_blocks[s] for s in order], dtype=torch.long, device=dev)
+        cols = (fb.unsqueeze(1) + torch.arange(max_nb, device=dev)).clamp_(max=block_tables.shape[1] - 1)
+        bt_all = block_tables.index_select(0, order_t).long().gather(1, cols)  # [D, max_nb]
+        first_pos = fb * block_size  # [D] absolute position of each gathered row's first key
     q_all = query.index_select(0, tok_t).view(D, kvh, group, d)
     if q_all.dtype != torch.float32:
         q_all = q_all.float()
     o_all = torch.empty(D, kvh, group, d, dtype=q_all.dtype, device=dev)
-    positions = torch.arange(max_nb * block_size, device=dev)
     per_block = block_size * kvh * d
     chunk_blocks = max(1, _DECODE_CHUNK_BYTES // (2 * per_block * max(key_cache.element_size(), 4)))
     contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
@@ -225,7 +291,7 @@ def _decode_batch(
         buf = _gather_buffer(2 * max(chunk_blocks, max_nb) * per_block, key_cache.dtype, key_cache.device)
     i = 0
     while i < D:
-        nb = -(-order_lens[i] // block_size)
+        nb = order_nblocks[i]
         n = min(D - i, max(1, chunk_blocks // nb))
         L = nb * block_size
         bt = bt_all[i:i + n, :nb]
@@ -241,10 +307,19 @@ def _decode_batch(
         v = vbuf.view(n, L, kvh, d).transpose(1, 2)
         if k.dtype != torch.float32:
             k, v = k.float(), v.float()
-        valid = positions[:L].unsqueeze(0) < lens_all[i:i + n].unsqueeze(1)  # [n, L]
-        o_all[i:i + n] = F.scaled_dot_product_attention(
-            q_all[i:i + n], k, v, attn_mask=valid.view(n, 1, 1, L), scale=scale
-        )
+        seq_len = lens_all[i:i + n].unsqueeze(1)  # [n, 1]
+        if first_pos is None:
+            pos = positions[:L].unsqueeze(0)  # [1, L]
+            valid = pos < seq_len  # [n, L]
+        else:
+            pos = first_pos[i:i + n].unsqueeze(1) + positions[:L].unsqueeze(0)  # [n, L]
+            # The query sits at seq_len - 1 and sees keys seq_len - 1 - W < pos <= seq_len - 1.
+            valid = (pos < seq_len) & (pos >= seq_len - sliding_window)
+        mask = valid.view(n, 1, 1, L)
+        if softcap is None:
+            o_all[i:i + n] = F.scaled_dot_product_attention(q_all[i:i + n], k, v, attn_mask=mask, scale=scale)
+        else:
+            o_all[i:i + n] = _softcapped_attention(q_all[i:i + n], k, v, mask, scale, softcap)
         i += n
     out.index_copy_(0, tok_t, o_all.view(D, num_heads, d).to(out.dtype))
 
@@ -256,27 +331,42 @@ def _prefill_one(
     blocks: torch.Tensor,
     seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ([q_len, H, d], the last q_len positions of the sequence)
-    over the sequence's first ``seq_len`` cached tokens. Returns [q_len, H, d] in fp32
-    (or q's dtype when that is fp32)."""
+    over the sequence's first ``seq_len`` cached tokens (only the blocks that hold keys
+    inside the first query's window when ``sliding_window`` is set). Returns
+    [q_len, H, d] in fp32 (or q's dtype when that is fp32)."""
     _, block_size, kvh, d = key_cache.shape
     q_len, num_heads, _ = q.shape
     group = num_heads // kvh
+    prefix = seq_len - q_len
     nb = (seq_len + block_size - 1) // block_size
-    bt = blocks[:nb].long()
-    k = key_cache[bt].view(nb * block_size, kvh, d)[:seq_len].transpose(0, 1)  # [kvh, L, d]
-    v = value_cache[bt].view(nb * block_size, kvh, d)[:seq_len].transpose(0, 1)
+    # First block to read: the block of the first query's lowest visible key.
+    kb = 0 if sliding_window is None else max(0, prefix - sliding_window + 1) // block_size
+    first = kb * block_size
+    L = seq_len - first
+    bt = blocks[kb:nb].long()
+    k = key_cache[bt].view((nb - kb) * block_size, kvh, d)[:L].transpose(0, 1)  # [kvh, L, d]
+    v = value_cache[bt].view((nb - kb) * block_size, kvh, d)[:L].transpose(0, 1)
     if q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    prefix = seq_len - q_len
-    if prefix == 0:
+    if prefix == 0 and sliding_window is None and softcap is None:
         mask, causal = None, True  # SDPA's causal mask is top-left aligned: right when L == q_len
     else:
-        # Query token i sits at position prefix + i and sees keys [0, prefix + i].
-        pos = torch.arange(prefix, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [q_len, L]
+        # Query token i sits at position prefix + i and sees keys [0, prefix + i] (within the window).
+        pos = torch.arange(prefix, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
+        kpos = torch.arange(first, seq_len, device=q.device).unsqueeze(0)  # [1, L]
+        mask = kpos <= pos  # [q_len, L]
+        if sliding_window is not None:
+            mask &= kpos > pos - sliding_window
         causal = False
+    if softcap is not None:
+        # [kvh, group, q_len, d] against [kvh, 1, L, d]: GQA by broadcasting, no K/V copies.
+        qh = q.view(q_len, kvh, group, d).permute(1, 2, 0, 3)
+        o = _softcapped_attention(qh, k.unsqueeze(1), v.unsqueeze(1), mask, scale, softcap)
+        return o.permute(2, 0, 1, 3).reshape(q_len, num_heads, d)
     if _HAS_GQA:
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
@@ -286,7 +376,7 @@ def _prefill_one(
     # Older torch: fold the query heads of one kv head into the query-length dimension.
     qh = q.reshape(q_len, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * q_len, d)
     if mask is None:
-        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(q_len, L, dtype=torch.bool, device=q.device).tril()
     o = F.scaled_dot_product_attention(
         qh.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask.repeat(group, 1), scale=scale
     )[0]
@@ -305,6 +395,8 @@ def paged_attention_torch(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed varlen batch of query tokens over a paged KV cache.
 
@@ -325,12 +417,21 @@ def paged_attention_torch(
         max_query_len, max_seq_len: optional hints (unused here; the Triton path uses them
             to size its grid without a device-to-host copy).
         out: optional ``[num_tokens, num_heads, head_size]`` tensor to write into.
+        sliding_window: None (default) for full causal attention, or the window in tokens
+            (``>= 1``): a query at position ``p`` attends only to keys at positions
+            ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay``,
+            FlashAttention's ``window_size=(sliding_window - 1, 0)``). Blocks wholly
+            before the window are not read (they must still be valid block ids).
+        softcap: None (default) or ``> 0``: attention logits become
+            ``softcap * tanh(scale * q.k / softcap)`` before masking and softmax
+            (Gemma 2's ``attn_logit_softcapping``).
 
     Semantics: query token ``i`` of sequence ``s`` (``q_len_s`` tokens) sits at position
     ``seq_lens[s] - q_len_s + i`` and attends to keys at positions ``[0, pos]`` (causal,
-    bottom-right aligned). Grouped-query attention: query head ``h`` uses kv head
-    ``h // (num_heads // num_kv_heads)``. Sequences with ``q_len_s == 0`` contribute no
-    rows. Scores, softmax and the weighted sum are computed in fp32.
+    bottom-right aligned), or ``(pos - sliding_window, pos]`` with a window. Grouped-query
+    attention: query head ``h`` uses kv head ``h // (num_heads // num_kv_heads)``.
+    Sequences with ``q_len_s == 0`` contribute no rows. Scores, softmax and the weighted
+    sum are computed in fp32.
 
     Cache slots that no sequence has written must hold finite values (allocate caches
     with ``torch.zeros``, as the engine does): the decode path reads whole blocks and
@@ -338,11 +439,13 @@ def paged_attention_torch(
 
     Returns: ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (``out`` if given).
 
-    Raises: ValueError on inconsistent shapes (see ``check_paged_attention_args``).
+    Raises: ValueError on inconsistent shapes (see ``check_paged_attention_args``) or
+    invalid options (see ``check_attention_options``).
     """
     num_seqs, num_heads, num_kv_heads, head_size, block_size = check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
     )
+    sliding_window, softcap = check_attention_options(sliding_window, softcap)
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     if out is None:
@@ -364,22 +467,26 @@ def paged_attention_torch(
     prefill = [s for s in range(num_seqs) if q_lens_l[s] > 1]
 
     if decode:
-        # Longest first, so each chunk is padded only to its own longest sequence: sorting
-        # bounds the padding of ragged batches.
-        decode.sort(key=lambda s: lens_l[s], reverse=True)
-        order_lens = [lens_l[s] for s in decode]
-        if order_lens[-1] < 1:
+        if min(lens_l[s] for s in decode) < 1:
             raise ValueError("a decode sequence (1 query token) must have seq_len >= 1")
+        # Blocks each one reads: all of them, or from its window's first key's block on.
+        first = None
+        if sliding_window is not None:
+            first = {s: max(0, lens_l[s] - sliding_window) // block_size for s in decode}
+        nblocks = {s: -(-lens_l[s] // block_size) - (first[s] if first else 0) for s in decode}
+        # Most blocks first, so each chunk is padded only to its own widest sequence:
+        # sorting bounds the padding of ragged batches.
+        decode.sort(key=lambda s: nblocks[s], reverse=True)
         _decode_batch(
-            query, key_cache, value_cache, block_tables, lens, decode, order_lens,
-            [starts_l[s] for s in decode], scale, out,
+            query, key_cache, value_cache, block_tables, lens, decode, [nblocks[s] for s in decode], first,
+            [starts_l[s] for s in decode], scale, sliding_window, softcap, out,
         )
 
     for s in prefill:
         a, b = starts_l[s], starts_l[s + 1]
         if lens_l[s] < b - a:
             raise ValueError(f"seq_lens[{s}]={lens_l[s]} is shorter than its {b - a} query tokens")
-        out[a:b] = _prefill_one(query[a:b], key_cache, value_cache, block_tables[s], lens_l[s], scale).to(
-            out.dtype
-        )
+        out[a:b] = _prefill_one(
+            query[a:b], key_cache, value_cache, block_tables[s], lens_l[s], scale, sliding_window, softcap
+        ).to(out.dtype)
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PagedBatch", "make_paged_batch", "naive_attention", "TOLERANCES", "triton_kernels"]
+__all__ = ["PagedBatch", "make_paged_batch", "naive_attention", "poison_before_window", "TOLERANCES", "triton_kernels"]
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     # (atol, rtol) of a kernel against the torch reference, inputs ~N(0, 1), scale 1/sqrt(d).
@@ -138,10 +138,15 @@ def make_paged_batch(
     )
 
 
-def naive_attention(batch: PagedBatch) -> torch.Tensor:
+def naive_attention(batch: PagedBatch, *, sliding_window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Dense causal attention, one sequence at a time, straight from the definition:
     ``softmax(Q K^T * scale + causal mask) V`` in fp64 on CPU, with K/V repeated per query
-    head for GQA. Returns ``[num_tokens, num_heads, head_size]`` fp64 (CPU)."""
+    head for GQA. With ``sliding_window`` the query at position ``p`` sees only keys
+    ``max(0, p - sliding_window + 1) .. p`` (transformers' ``sliding_window_overlay``:
+    ``kv_idx > q_idx - sliding_window``); with ``softcap`` the scores become
+    ``softcap * tanh(scores / softcap)`` (Gemma 2). Returns ``[num_tokens, num_heads,
+    head_size]`` fp64 (CPU)."""
     q_all = batch.query.detach().cpu().double()
     qsl = batch.query_start_loc.tolist()
     outs = []
@@ -155,14 +160,41 @@ def naive_attention(batch: PagedBatch) -> torch.Tensor:
         out = torch.empty(q_len, q.shape[1], q.shape[2], dtype=torch.float64)
         for i in range(q_len):
             pos = L - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             for h in range(q.shape[1]):
-                scores = (kk[: pos + 1, h] @ q[i, h]) * batch.scale  # [pos+1]
+                scores = (kk[lo: pos + 1, h] @ q[i, h]) * batch.scale  # [pos + 1 - lo]
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
                 p = torch.softmax(scores, dim=0)
-                out[i, h] = p @ vv[: pos + 1, h]
+                out[i, h] = p @ vv[lo: pos + 1, h]
         outs.append(out)
     if not outs:
         return torch.zeros(0, batch.query.shape[1], batch.query.shape[2], dtype=torch.float64)
     return torch.cat(outs)
+
+
+def poison_before_window(batch: PagedBatch, sliding_window: int, align: int) -> int:
+    """Fill with NaN every cache block (keys and values) that holds only positions before
+    ``floor(lo / align) * align``, where ``lo = max(0, first_query_pos - sliding_window + 1)``
+    is the lowest key any of the sequence's query tokens may see. A kernel that skips the
+    blocks (tiles of ``align`` keys) outside the window is unaffected; one that loads them
+    and merely masks the scores gives NaN (``0 * NaN`` in ``P @ V``). Returns the number of
+    blocks poisoned (so a test can check it poisoned something).
+    """
+    block_size = batch.key_cache.shape[1]
+    qsl = batch.query_start_loc.tolist()
+    poisoned = 0
+    for s, L in enumerate(batch.seq_lens.tolist()):
+        q_len = qsl[s + 1] - qsl[s]
+        if q_len == 0:
+            continue
+        lo = max(0, L - q_len - sliding_window + 1) // align * align
+        for i in range(lo // block_size):
+            blk = int(batch.block_tables[s, i])
+            batch.key_cache[blk] = float("nan")
+            batch.value_cache[blk] = float("nan")
+            poisoned += 1
+    return poisoned
 
 
 @contextlib.contextmanager

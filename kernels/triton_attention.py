@@ -20,6 +20,16 @@ unified Triton attention kernel):
   blocks), with the online softmax of FlashAttention-2 in fp32 (exp2 domain). Tiles
   wholly left of the causal diagonal are processed without the mask, the rest with it
   (two passes, ``_attend_tiles``).
+* Sliding window (``sliding_window=W``, the ``SLIDING`` variant): a query block starts
+  its KV loop at the tile of its first row's lowest visible key (``first_pos - W + 1``),
+  so tiles wholly before the window are never loaded and a long context costs
+  ``O(W)`` per query block, not ``O(seq_len)``. Tiles that straddle the window's lower
+  edge get the mask (a third pass before the unmasked one); the splits divide only the
+  tiles a block reads.
+* Soft-capping (``softcap=c``, the ``SOFTCAP`` constexpr): scores become
+  ``c * tanh(scores / c)`` before the mask (Gemma 2's ``attn_logit_softcapping``), with
+  tanh written through ``exp2`` of a non-positive argument (no overflow; vLLM's
+  ``apply_softcap`` computes the same function).
 * With ``num_splits > 1`` split ``i`` covers tiles ``[i*tiles_per_split,
   (i+1)*tiles_per_split)`` and stores its unnormalised accumulator, running max and
   running sum; ``_reduce_splits_kernel`` merges them (Flash-Decoding, Dao et al. 2023).
@@ -42,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.reference import check_paged_attention_args
+from kvfleet.kernels.reference import check_attention_options, check_paged_attention_args
 
 __all__ = ["paged_attention_triton", "choose_num_splits", "launch_config", "LaunchConfig", "kernel_constexprs"]
 
@@ -68,16 +78,33 @@ def _find_seq(qsl_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _softcap_log2(s, SOFTCAP: tl.constexpr):
+    """``c * tanh(x / c)`` for scores ``s = x * log2(e)`` kept in the exp2 domain
+    (``c = SOFTCAP``): ``tanh(t) = sign(t) * (1 - e) / (1 + e)``, ``e = exp(-2|t|)``."""
+    t = s * (1.0 / (SOFTCAP * 1.4426950408889634))
+    e = tl.exp2(tl.abs(t) * -2.8853900817779268)  # exp(-2|t|) = 2^(-2 log2(e) |t|)
+    th = (1.0 - e) / (1.0 + e)
+    return tl.where(t < 0, -th, th) * (SOFTCAP * 1.4426950408889634)
+
+
+@triton.jit
 def _attend_tiles(
     m_i, l_i, acc, q, q_pos, tile_lo, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+    window,
     stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Online-softmax update of (m_i, l_i, acc) over KV tiles [tile_lo, tile_hi)."""
+    """Online-softmax update of (m_i, l_i, acc) over KV tiles [tile_lo, tile_hi).
+
+    With ``CAUSAL_MASK`` every score outside ``(q_pos - window, q_pos]`` (the window only
+    when ``SLIDING``) and past ``kv_end`` is masked; without it the caller guarantees that
+    every key of these tiles is visible to every valid row."""
     n = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         j = tile * BLOCK_N + n  # key positions of this tile
@@ -93,8 +120,12 @@ def _attend_tiles(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        if SOFTCAP > 0:
+            s = _softcap_log2(s, SOFTCAP)
         if CAUSAL_MASK:
             visible = (j[None, :] <= q_pos[:, None]) & j_ok[None, :]
+            if SLIDING:
+                visible = visible & (j[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -121,6 +152,7 @@ def _paged_attention_kernel(
     num_heads,
     num_splits,
     tiles_per_split,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -142,6 +174,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -178,15 +212,24 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this query block can see: [0, kv_end).
+    # Keys this query block can see: [0, kv_end), or [first_pos - window + 1, kv_end).
     kv_end = context_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tile_lo = split * tiles_per_split
+    first_pos = context_len + q_block * BLOCK_Q  # position of the block's first query row
+    if SLIDING:
+        # Tiles before the first row's window are never loaded; from tile `in_window` on,
+        # every key is inside the last row's window (kv_end - 1 - window < key), hence all rows'.
+        tile_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+        in_window = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N)
+    else:
+        tile_start = 0
+        in_window = 0
+    tile_lo = tile_start + split * tiles_per_split
     # The last split takes every remaining tile, so a low max_seq_len hint costs balance only.
     tile_hi = tl.where(split == num_splits - 1, num_tiles, tl.minimum(tile_lo + tiles_per_split, num_tiles))
 
     # Every valid row sees keys [0, first row's position]: tiles wholly inside need no mask.
-    first_masked_tile = (context_len + q_block * BLOCK_Q + 1) // BLOCK_N
+    first_masked_tile = (first_pos + 1) // BLOCK_N
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
@@ -195,17 +238,26 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
     # Two passes over this split's tiles (as FlashAttention's causal kernels do): tiles left
-    # of the diagonal without the causal mask, then the rest with it.
-    mid = tl.maximum(tl.minimum(first_masked_tile, tile_hi), tile_lo)
+    # of the diagonal without the causal mask, then the rest with it; with a sliding window
+    # a first masked pass over the tiles that straddle the window's lower edge.
+    lo = tile_lo
+    if SLIDING:
+        lo = tl.maximum(tl.minimum(in_window, tile_hi), tile_lo)
+        m_i, l_i, acc = _attend_tiles(
+            m_i, l_i, acc, q, q_pos, tile_lo, lo, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
+        )
+    mid = tl.maximum(tl.minimum(first_masked_tile, tile_hi), lo)
     m_i, l_i, acc = _attend_tiles(
-        m_i, l_i, acc, q, q_pos, tile_lo, mid, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+        m_i, l_i, acc, q, q_pos, lo, mid, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
         stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST,
+        BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, SLIDING, SOFTCAP,
     )
     m_i, l_i, acc = _attend_tiles(
-        m_i, l_i, acc, q, q_pos, mid, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+        m_i, l_i, acc, q, q_pos, mid, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
         stride_kb, stride_kt, stride_vb, stride_vt,
-        BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST,
+        BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
     )
 
     if SPLIT:
@@ -297,10 +349,12 @@ class LaunchConfig:
 def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, *,
                   max_query_len: int | None, max_seq_len: int | None, device: torch.device,
                   num_splits: int | None = None, block_n: int | None = None,
-                  num_sms: int | None = None) -> LaunchConfig:
+                  num_sms: int | None = None, sliding_window: int | None = None) -> LaunchConfig:
     """Choose tiles and splits (pure function of the shapes; also used by the GPU check to
     print what ran). ``max_seq_len`` is needed only when ``num_splits`` is None or > 1;
-    ``num_sms`` (default: the device's multiprocessor count) sizes the splits.
+    ``num_sms`` (default: the device's multiprocessor count) sizes the splits. With a
+    ``sliding_window`` the splits are sized for the keys one query block reads (at most
+    ``sliding_window + block_q - 1``), not for the whole context.
 
     Decode-like batches (``max_query_len * group <= max(16, group)``): 16-row query tiles
     (tl.dot's minimum; more when the GQA group is larger) and 64-key tiles, 4 warps; the context is split when the batch has too few
@@ -322,16 +376,23 @@ def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     num_q_programs = num_tokens // block_q + num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_q_programs * num_kv_heads, max_seq_len or 0, block_n, device,
-                                       num_sms=num_sms)
+        span = max_seq_len or 0
+        if sliding_window is not None:
+            span = min(span, sliding_window + block_q - 1)
+        num_splits = choose_num_splits(num_q_programs * num_kv_heads, span, block_n, device, num_sms=num_sms)
     num_splits = max(1, int(num_splits))
     num_warps = 4 if decode_like or head_pad < 128 else 8
     return LaunchConfig(head_pad, block_m, block_q, block_n, num_splits, num_q_programs, num_warps)
 
 
 def kernel_constexprs(cfg: LaunchConfig, *, head_size: int, block_size: int, group: int,
-                      cache_dtype: torch.dtype, interpreting: bool = False) -> dict:
+                      cache_dtype: torch.dtype, interpreting: bool = False, sliding: bool = False,
+                      softcap: float | None = None) -> dict:
     """The compile-time arguments of ``_paged_attention_kernel`` for one launch.
+
+    ``sliding``: compile the sliding-window variant (the window itself is a runtime
+    argument); ``softcap``: the logit cap, a compile-time constant (one variant per
+    model; None or 0 compiles no capping).
 
     fp32 caches use IEEE fp32 dots (no TF32: the result must match the fp32 reference);
     fp16/bf16 use the tensor cores with fp32 accumulation. Under the interpreter bf16
@@ -343,7 +404,7 @@ def kernel_constexprs(cfg: LaunchConfig, *, head_size: int, block_size: int, gro
     return dict(
         HEAD_SIZE=head_size, HEAD_PAD=cfg.head_pad, BLOCK_SIZE=block_size, GROUP=group,
         BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.num_splits > 1,
-        PRECISION=precision, UPCAST=upcast,
+        PRECISION=precision, UPCAST=upcast, SLIDING=bool(sliding), SOFTCAP=float(softcap or 0.0),
     )
 
 
@@ -361,10 +422,14 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kvfleet.kernels.reference.paged_attention_torch`: same
-    arguments, semantics and return value (``[num_tokens, num_heads, head_size]`` in
-    ``query.dtype``, fp32 accumulation).
+    arguments (including ``sliding_window`` and ``softcap``), semantics and return value
+    (``[num_tokens, num_heads, head_size]`` in ``query.dtype``, fp32 accumulation).
+    With a sliding window, KV tiles wholly before a query block's window are skipped
+    (never loaded), so the cost per query token is bounded by the window.
 
     Extra keyword arguments (tuning; defaults are chosen per call):
 
@@ -380,11 +445,12 @@ def paged_attention_triton(
     ``seq_lens``, ``query_start_loc`` and ``block_tables``: any integer dtype on the
     query's device (converted to int32 if needed). The caches need unit stride on
     ``head_size``.
-    Raises ValueError on inconsistent shapes.
+    Raises ValueError on inconsistent shapes or invalid options.
     """
     num_seqs, num_heads, num_kv_heads, head_size, block_size = check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
     )
+    sliding_window, softcap = check_attention_options(sliding_window, softcap)
     if scale is None:
         scale = 1.0 / math.sqrt(head_size)
     if out is None:
@@ -406,24 +472,29 @@ def paged_attention_triton(
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
     cfg = launch_config(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, max_query_len=max_query_len,
-                        max_seq_len=max_seq_len, device=query.device, num_splits=num_splits, block_n=block_n)
+                        max_seq_len=max_seq_len, device=query.device, num_splits=num_splits, block_n=block_n,
+                        sliding_window=sliding_window)
     head_pad, block_n = cfg.head_pad, cfg.block_n
     num_splits, num_q_programs, num_warps = cfg.num_splits, cfg.num_q_programs, cfg.num_warps
     tiles_per_split = 1 << 30  # one split: all tiles
     if num_splits > 1:
-        tiles_per_split = -(-(-(-max_seq_len // block_n)) // num_splits)
+        span_tiles = -(-max_seq_len // block_n)
+        if sliding_window is not None:  # tiles one query block reads, window edges unaligned
+            span_tiles = min(span_tiles, -(-(sliding_window + cfg.block_q - 1) // block_n) + 1)
+        tiles_per_split = -(-span_tiles // num_splits)
         part_acc = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32, device=query.device)
         part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out  # unused (SPLIT=False)
 
     meta = kernel_constexprs(cfg, head_size=head_size, block_size=block_size, group=num_heads // num_kv_heads,
-                             cache_dtype=key_cache.dtype, interpreting=_interpreting())
+                             cache_dtype=key_cache.dtype, interpreting=_interpreting(),
+                             sliding=sliding_window is not None, softcap=softcap)
     grid = (num_q_programs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, part_acc, part_ml,
         block_tables, seq_lens, query_start_loc,
-        scale * _LOG2E, num_seqs, num_heads, num_splits, tiles_per_split,
+        scale * _LOG2E, num_seqs, num_heads, num_splits, tiles_per_split, sliding_window or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

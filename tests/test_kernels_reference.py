@@ -15,7 +15,7 @@ from kvfleet.kernels import (
     reshape_and_cache_torch,
     select_backend,
 )
-from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, naive_attention
+from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, naive_attention, poison_before_window
 
 # (num_heads, num_kv_heads): GQA ratios 1, 3, 8
 GQA = [(2, 2), (3, 1), (8, 1)]
@@ -43,6 +43,72 @@ def test_reference_matches_naive(block_size, heads, head_size, dtype):
     # The reference computes in fp32 from the dtype's inputs; only the final rounding and
     # fp32 summation order differ from fp64.
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+# Windows: 1 (only itself), shorter than a block, a block plus some, longer than every sequence.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [1, 5, 19, 1000])
+@pytest.mark.parametrize("heads", [(2, 2), (6, 2)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_reference_sliding_window_and_softcap_match_naive(block_size, heads, window, softcap, dtype):
+    h, kvh = heads
+    seqs = seq_mix(block_size) + [(90, 30), (77, 1), (40, 2)]
+    b = make_paged_batch(seqs, num_heads=h, num_kv_heads=kvh, head_size=32, block_size=block_size, dtype=dtype,
+                         seed=window + block_size)
+    out = paged_attention_torch(*b.attn_args, sliding_window=window, softcap=softcap)
+    ref = naive_attention(b, sliding_window=window, softcap=softcap)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    if window < 77:
+        # The window changes the result (the oracle's window is not a no-op here).
+        assert not torch.allclose(ref, naive_attention(b, softcap=softcap), atol=1e-3)
+    if window >= 90:
+        torch.testing.assert_close(out, paged_attention_torch(*b.attn_args, softcap=softcap))
+
+
+def test_reference_sliding_window_skips_blocks_before_the_window():
+    # Blocks wholly before every query's window hold NaN: reading them (even masked) would
+    # give NaN, so a finite, exact result shows they are not read.
+    b = make_paged_batch([(200, 1), (150, 1), (120, 40), (64, 1), (33, 20)], num_heads=4, num_kv_heads=2,
+                         head_size=32, block_size=8)
+    assert poison_before_window(b, 24, align=8) > 30
+    out = paged_attention_torch(*b.attn_args, sliding_window=24)
+    torch.testing.assert_close(out.double(), naive_attention(b, sliding_window=24), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_sliding_window_decode_chunks():
+    # Decode sequences of very different lengths in several gather chunks, with a window
+    # that makes long and short ones read similar block counts.
+    lens = [1, 2, 15, 16, 17, 33, 100, 257, 600, 31, 64, 65, 5, 700]
+    b = make_paged_batch([(L, 1) for L in lens], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    import kvfleet.kernels.reference as ref_mod
+
+    old = ref_mod._DECODE_CHUNK_BYTES
+    try:
+        ref_mod._DECODE_CHUNK_BYTES = 32 * 1024
+        out = paged_attention_torch(*b.attn_args, sliding_window=40, softcap=30.0)
+    finally:
+        ref_mod._DECODE_CHUNK_BYTES = old
+    torch.testing.assert_close(out.double(), naive_attention(b, sliding_window=40, softcap=30.0),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(sliding_window=-3), "sliding_window"),
+    (dict(sliding_window=2.5), "sliding_window"),
+    (dict(sliding_window=True), "sliding_window"),
+    (dict(softcap=0.0), "softcap"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("inf")), "softcap"),
+])
+def test_attention_options_are_validated(kwargs, match):
+    b = make_paged_batch([(5, 1), (9, 3)], block_size=8)
+    with pytest.raises(ValueError, match=match):
+        paged_attention_torch(*b.attn_args, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        paged_attention(*b.attn_args, **kwargs)
 
 
 def test_reference_decode_chunking_and_long_ragged():

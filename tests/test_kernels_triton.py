@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
-from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, triton_kernels
+from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, naive_attention, poison_before_window, triton_kernels
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -76,6 +76,58 @@ def test_split_k_decode_matches(tri, heads, dtype, num_splits):
     ref = paged_attention_torch(*b.attn_args)
     out = attn(*b.attn_args, num_splits=num_splits, block_n=16, max_seq_len=b.max_seq_len)
     assert_close(out, ref, dtype)
+
+
+# (block_size, heads, window, softcap, dtype, num_splits): windows of 1 key, shorter than a
+# tile, spanning tiles and blocks, longer than the context; soft-capping; split contexts.
+SLIDING_CASES = [
+    (8, (4, 2), 1, None, torch.float32, 1),
+    (8, (3, 1), 5, None, torch.float16, 1),
+    (16, (2, 2), 21, 5.0, torch.float32, 1),
+    (4, (8, 1), 13, None, torch.float32, 3),
+    (16, (4, 2), 40, 30.0, torch.float16, 2),
+    (8, (2, 1), 500, 5.0, torch.float32, 1),
+]
+
+
+@pytest.mark.parametrize("block_size,heads,window,softcap,dtype,num_splits", SLIDING_CASES)
+def test_sliding_window_and_softcap_match_reference(tri, block_size, heads, window, softcap, dtype, num_splits):
+    _, attn, _ = tri
+    h, kvh = heads
+    seqs = seq_mix(block_size) + [(90, 20), (100, 1)]
+    b = make_paged_batch(seqs, num_heads=h, num_kv_heads=kvh, head_size=32, block_size=block_size, dtype=dtype,
+                         device=DEVICE, seed=window)
+    ref = paged_attention_torch(*b.attn_args, sliding_window=window, softcap=softcap)
+    out = attn(*b.attn_args, sliding_window=window, softcap=softcap, num_splits=num_splits, block_n=16,
+               max_seq_len=b.max_seq_len)
+    assert_close(out, ref, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double().cpu(), naive_attention(b, sliding_window=window, softcap=softcap),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sliding_window_skips_tiles_before_the_window(tri, num_splits):
+    # NaN in every block wholly before the first query row's window (16-key tiles, 16-token
+    # blocks): loading any of them, even masked, would make the output NaN.
+    _, attn, _ = tri
+    b = make_paged_batch([(160, 1), (130, 40), (70, 2), (20, 20)], num_heads=4, num_kv_heads=2, head_size=32,
+                         block_size=16, device=DEVICE)
+    assert poison_before_window(b, 24, align=16) >= 10
+    out = attn(*b.attn_args, sliding_window=24, num_splits=num_splits, block_n=16, max_seq_len=b.max_seq_len)
+    assert_close(out, paged_attention_torch(*b.attn_args, sliding_window=24), torch.float32)
+
+
+def test_sliding_window_sizes_splits_for_the_window(tri):
+    _, _, mod = tri
+    dev = torch.device("cuda") if ON_CUDA else torch.device("cpu")
+    full = mod.launch_config(1, 1, 8, 1, 128, max_query_len=1, max_seq_len=32768, device=dev, num_sms=132)
+    windowed = mod.launch_config(1, 1, 8, 1, 128, max_query_len=1, max_seq_len=32768, device=dev, num_sms=132,
+                                 sliding_window=256)
+    assert full.num_splits > windowed.num_splits == 1
+    with pytest.raises(ValueError, match="sliding_window"):
+        b = make_paged_batch([(9, 1)], block_size=8, device=DEVICE)
+        mod.paged_attention_triton(*b.attn_args, sliding_window=0)
 
 
 def test_int64_metadata(tri):
