@@ -5,7 +5,7 @@ Registered by importing this module (:mod:`kvfleet.operator.handlers` does). Thi
 cluster, call the pure functions of :mod:`kvfleet.operator.policy`, write the result.
 
 **One operator-wide loop, no finalizer.** kopf keeps an index (:func:`autoscaled_index`,
-id ``autoscaler``) of the InferenceServices that are autoscaled (``mode: operator``) or
+id ``autoscaled``) of the InferenceServices that are autoscaled (``mode: operator``) or
 tuned, from its own watch; indices need no finalizer. A task started by a ``kopf.on.startup``
 handler (:func:`start_autoscaler`; stopped by ``kopf.on.cleanup``) is the
 :class:`AutoscalerLoop`: it visits every indexed object every
@@ -422,8 +422,9 @@ def pause_reason(kube: reconcile.Kube, settings: kopf.OperatorSettings, identity
 # the operator-wide loop
 
 
-INDEX = "autoscaler"
-"""The kopf index of the InferenceServices the loop works on: ``{(namespace, name): uid}``."""
+INDEX = "autoscaled"
+"""The kopf index of the InferenceServices the loop works on: ``{(namespace, name): uid}``
+(kopf passes it to handlers as the keyword argument of that name)."""
 TICK = 1.0
 """Longest sleep of the loop (seconds): how soon a newly indexed InferenceService is visited."""
 MAX_CONCURRENT = 8
@@ -558,8 +559,8 @@ def _default_interval() -> float:
 
 
 @kopf.on.startup(id="autoscaler-start")
-async def start_autoscaler(memo: Any, settings: kopf.OperatorSettings, indices: Any, logger: logging.Logger,
-                           **_: Any) -> None:
+async def start_autoscaler(memo: Any, settings: kopf.OperatorSettings, logger: logging.Logger,
+                           **kwargs: Any) -> None:
     """Start the loop (after :func:`kvfleet.operator.handlers.configure`, which made ``memo.kube``).
 
     The peering identity comes from ``memo.peering_identity`` (``kvfleet operator`` passes
@@ -570,7 +571,7 @@ async def start_autoscaler(memo: Any, settings: kopf.OperatorSettings, indices: 
 
         kube = memo.kube = make_kube()
     identity = getattr(memo, "peering_identity", None) or os.environ.get("POD_ID")
-    loop = memo.autoscaler = AutoscalerLoop(kube, indices[INDEX], settings, identity, log)
+    loop = memo.autoscaler = AutoscalerLoop(kube, kwargs[INDEX], settings, identity, log)
     loop.start()
     logger.info("autoscaler loop started (peering identity %s)", identity or "unknown")
 
