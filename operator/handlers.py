@@ -11,7 +11,10 @@ Triggers (all run the same idempotent reconcile of one InferenceService):
 
 No handler needs a finalizer (no ``on.delete``, no timers, no daemons): deleting an
 InferenceService removes its children through ownerReferences, and nothing can wedge
-the deletion.
+the deletion, whether the operator runs or not. The autoscaler (:mod:`kvfleet.operator.autoscaler`,
+imported at the end of this module) adds a kopf index of the autoscaled and tuned
+InferenceServices and one operator-wide loop started and stopped by ``kopf.on.startup`` /
+``kopf.on.cleanup`` handlers; neither needs a finalizer.
 
 Settings live in one start-up handler, :func:`configure`:
 

@@ -16,7 +16,9 @@ Options::
   pause until its keep-alive expires. Without ``--priority`` every replica draws a random one,
   so exactly one of them is active. Without ``--peering`` the operator looks for a peering
   object named ``kvfleet-operator`` and runs alone when there is none; ``--standalone``
-  skips peering.
+  skips peering. The peering identity (:func:`peering_identity`) is passed to kopf and put
+  in ``memo.peering_identity``, so the autoscaler loop can tell its own keep-alive from its
+  peers' (kopf does not expose whether it is paused; see :mod:`kvfleet.operator.autoscaler`).
 """
 
 from __future__ import annotations

@@ -82,8 +82,7 @@ names the code that needs it; nothing here grants access to other kinds.
 */}}
 {{- define "kvfleet.operatorRules" -}}
 # The InferenceService itself: kopf lists and watches it, and patches its metadata
-# (kopf's diff-base annotation kvfleet.io/last-handled-configuration, and kopf's finalizer
-# while a per-resource daemon runs).
+# (kopf's diff-base annotation kvfleet.io/last-handled-configuration; no finalizer).
 - apiGroups: ["kvfleet.io"]
   resources: ["inferenceservices"]
   verbs: ["get", "list", "watch", "patch"]
