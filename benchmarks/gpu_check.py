@@ -7,6 +7,9 @@ Run on any machine with one CUDA GPU (target: under 5 minutes)::
     python benchmarks/gpu_check.py --skip-engine   # kernels only
     python benchmarks/gpu_check.py --smoke         # no GPU: run the kernel sections on CPU under
                                                    # the Triton interpreter, tiny shapes (checks the script)
+    python benchmarks/gpu_check.py --json out.json # also write a machine-readable summary
+    python benchmarks/gpu_check.py --only correctness --shard 0/8   # 1/8 of the correctness grid
+                                                   # (parallel processes share Triton's compile time)
 
 Sections (each in its own try/except; a failing section is reported and the next one
 runs; sections are skipped when the overall ``--budget-s`` is used up):
@@ -21,8 +24,17 @@ runs; sections are skipped when the overall ``--budget-s`` is used up):
    memory bandwidth (from a table of known GPUs, else a measured device-to-device copy).
 3. prefill timing: causal prefill and chunked prefill in TFLOP/s (4 * head_size FLOPs per
    visible query-key pair per head).
-4. engine: ``kvfleet.runtime.LLM`` with the default model (SmolLM2-135M-Instruct) on CUDA
-   and on CPU, fp32, greedy; the token ids must be identical.
+4. engine: ``kvfleet.runtime.LLM`` with the default model (SmolLM2-135M-Instruct; another
+   checkpoint or ``.gguf`` file with ``--engine-model``) on CUDA and on CPU, fp32, greedy;
+   the token ids must be identical. Under ``--smoke`` (only when asked for with
+   ``--only engine``) it compares the Triton backend under the interpreter with the torch
+   backend, both on CPU.
+
+``--json PATH`` writes what was printed as one JSON object (GPU, versions, per-section
+status, seconds, error, and the section's rows), also when a section fails or there is
+no GPU. ``benchmarks/device/run.sh`` runs each section in its own process (a CUDA error
+that poisons one process's context cannot take the other sections with it) and merges
+these files.
 
 Exit status: 0 when every section that ran passed, 1 when any failed, 2 when there is
 no CUDA device (nothing is checked then).
@@ -31,6 +43,7 @@ no CUDA device (nothing is checked then).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -62,6 +75,11 @@ GPU_PEAKS: list[tuple[str, float, float | None]] = [
     ("V100", 0.9e12, None),
     ("T4", 0.32e12, None),
 ]
+
+
+ENGINE_LOGPROB_ATOL = 1e-3
+"""Largest |difference| of a log-probability between the two engine runs (fp32 weights and
+activations; different reduction orders alone give about 1e-5)."""
 
 
 class Budget:
@@ -171,7 +189,9 @@ class Sizes:
 # --------------------------------------------------------------------------- sections
 
 
-def section_correctness(torch, device, budget: Budget, sz: Sizes) -> bool:
+def section_correctness(torch, device, budget: Budget, sz: Sizes, rec: dict, shard: tuple[int, int] = (0, 1)) -> bool:
+    """Triton kernels vs the torch reference. ``shard=(k, n)`` runs grid cases ``i % n == k``
+    (the shuffled-blocks and reshape_and_cache checks run in shard 0 only)."""
     from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
     from kvfleet.kernels.testing import TOLERANCES, make_paged_batch
     from kvfleet.kernels.triton_attention import paged_attention_triton
@@ -193,12 +213,20 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes) -> bool:
             failures.append(f"{label}: max abs err {err:.3e} (atol {atol}, rtol {rtol})")
 
     dtypes = [torch.float32, torch.float16] if sz.smoke else [torch.float32, torch.float16, torch.bfloat16]
+    shard_k, shard_n = shard
+    rec.update(shard=f"{shard_k}/{shard_n}", cut_short=False)
+    case = -1
     for bs in sz.grid_block_sizes:
         for head_size in sz.grid_head_sizes:
             for h, kvh in sz.grid_heads:
                 for dtype in dtypes:
+                    case += 1
+                    if case % shard_n != shard_k:
+                        continue
                     if budget.left() < (5 if sz.smoke else 60):
-                        failures.append("correctness grid cut short by the time budget")
+                        if not rec["cut_short"]:
+                            failures.append("correctness grid cut short by the time budget")
+                        rec["cut_short"] = True
                         break
                     b = make_paged_batch(seq_mix(bs), num_heads=h, num_kv_heads=kvh, head_size=head_size,
                                          block_size=bs, dtype=dtype, device=device, seed=bs + head_size + h)
@@ -206,6 +234,8 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes) -> bool:
                     for splits in sz.split_options:
                         out = paged_attention_triton(*b.attn_args, num_splits=splits, max_seq_len=b.max_seq_len)
                         check(f"attn bs={bs} d={head_size} h={h}/{kvh} {dtype} splits={splits}", out, ref, dtype)
+    if shard_k != 0:
+        return _report_correctness(torch, device, rec, checks, failures)
     # shuffled blocks: identical output
     shuffle_dtype = torch.float16 if sz.smoke else torch.bfloat16
     a = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
@@ -229,14 +259,19 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes) -> bool:
             checks += 1
             if not (torch.equal(kc, kr) and torch.equal(vc, vr)):
                 failures.append(f"reshape_and_cache bs={bs} kvh={kvh} d={d} {dtype} differs from the reference")
+    return _report_correctness(torch, device, rec, checks, failures)
+
+
+def _report_correctness(torch, device, rec: dict, checks: int, failures: list[str]) -> bool:
     sync(torch, device)
     for f in failures:
         log(f"  FAIL {f}")
     log(f"  {checks - len(failures)}/{checks} correctness checks passed")
+    rec.update(checks=checks, passed=checks - len(failures), failures=failures)
     return not failures
 
 
-def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float) -> bool:
+def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float, rec: dict) -> bool:
     from kvfleet.kernels.triton_attention import launch_config, paged_attention_triton
 
     shp = sz.decode_shape
@@ -255,14 +290,18 @@ def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float) -> 
     key_cache = torch.empty(num_blocks, block_size, kv_heads, head_size, dtype=dtype, device=device).normal_()
     value_cache = torch.empty_like(key_cache).normal_()
     log(f"  {'batch':>5s} {'context':>7s} {'splits':>6s} {'us/call':>9s} {'GB/s':>8s} {'of peak':>8s}")
+    rows = rec.setdefault("rows", [])
+    rec.update(shape=dict(shp, dtype=str(dtype)[6:]), peak_bandwidth_bytes_per_s=peak_bw)
     ok = True
     for B in batches:
         for ctx in contexts:
             if budget.left() < (5 if sz.smoke else 30):
                 log("  (time budget: remaining decode cases skipped)")
+                rec["cut_short"] = True
                 return ok
             if B * ctx > num_tokens:
                 log(f"  {B:5d} {ctx:7d}  skipped: needs {2 * B * ctx * per_token / 2**30:.1f} GiB of cache")
+                rows.append(dict(batch=B, context=ctx, skipped="cache does not fit in 60% of free memory"))
                 continue
             try:
                 nb = ctx // block_size
@@ -280,16 +319,19 @@ def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float) -> 
                 bytes_moved = 2 * B * ctx * per_token + 2 * q.numel() * elem + bt.numel() * 4
                 bw = bytes_moved / t
                 log(f"  {B:5d} {ctx:7d} {splits:6d} {t * 1e6:9.1f} {bw / 1e9:8.1f} {bw / peak_bw:8.1%}")
+                rows.append(dict(batch=B, context=ctx, num_splits=splits, us_per_call=t * 1e6,
+                                 bytes_per_call=bytes_moved, gb_per_s=bw / 1e9, fraction_of_peak=bw / peak_bw))
             except Exception as e:  # noqa: BLE001 - report and continue
                 ok = False
                 log(f"  {B:5d} {ctx:7d}  FAILED: {type(e).__name__}: {e}")
+                rows.append(dict(batch=B, context=ctx, error=f"{type(e).__name__}: {e}"))
     del key_cache, value_cache
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return ok
 
 
-def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float | None) -> bool:
+def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float | None, rec: dict) -> bool:
     from kvfleet.kernels.testing import make_paged_batch
     from kvfleet.kernels.triton_attention import paged_attention_triton
 
@@ -297,10 +339,13 @@ def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float 
     heads, kv_heads, head_size = sz.prefill_shape["heads"], sz.prefill_shape["kv_heads"], sz.prefill_shape["head_size"]
     dtype = torch.float16 if sz.smoke else torch.bfloat16
     log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, {str(dtype)[6:]}, block_size 16")
+    rows = rec.setdefault("rows", [])
+    rec.update(shape=dict(sz.prefill_shape, dtype=str(dtype)[6:], block_size=16), peak_flops=peak_flops)
     ok = True
     for name, seqs in cases:
         if budget.left() < (5 if sz.smoke else 30):
             log("  (time budget: remaining prefill cases skipped)")
+            rec["cut_short"] = True
             break
         try:
             b = make_paged_batch(seqs, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
@@ -313,13 +358,24 @@ def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float 
             flops = 4 * head_size * heads * pairs
             frac = f"{flops / t / peak_flops:8.1%}" if peak_flops else "     n/a"
             log(f"  {name:55s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s {frac} of bf16 peak")
+            rows.append(dict(case=name, ms_per_call=t * 1e3, flops_per_call=flops, tflop_per_s=flops / t / 1e12,
+                             fraction_of_peak=flops / t / peak_flops if peak_flops else None))
         except Exception as e:  # noqa: BLE001
             ok = False
             log(f"  {name}: FAILED: {type(e).__name__}: {e}")
+            rows.append(dict(case=name, error=f"{type(e).__name__}: {e}"))
     return ok
 
 
-def section_engine(torch, budget: Budget, max_tokens: int) -> bool:
+def section_engine(torch, budget: Budget, max_tokens: int, rec: dict, model: str | None = None,
+                   smoke: bool = False) -> bool:
+    """Greedy tokens of ``kvfleet.runtime.LLM`` on CUDA vs on CPU (fp32) must be identical, and
+    the log-probabilities of the prompt tokens and of the sampled tokens must agree within
+    ``ENGINE_LOGPROB_ATOL`` (a wrong attention kernel can leave greedy tokens unchanged, most
+    of all on a small or truncated model; it cannot leave every log-probability unchanged).
+    ``smoke``: both runs on CPU, the first through the Triton kernels under the interpreter
+    (``KVFLEET_ATTENTION_BACKEND=triton``), the second through the torch implementation."""
+    from kvfleet.kernels import BACKEND_ENV
     from kvfleet.runtime import LLM, SamplingParams
 
     prompts = [
@@ -328,38 +384,98 @@ def section_engine(torch, budget: Budget, max_tokens: int) -> bool:
         "List three prime numbers:",
         "The quick brown fox",
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, prompt_logprobs=0)
+    runs = [("cpu", "triton"), ("cpu", "torch")] if smoke else [("cuda", None), ("cpu", None)]
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the CUDA run's fp32 matmuls
+    labels = [f"{d} ({b} backend)" if b else d for d, b in runs]
+    rec.update(model=model or "default (SmolLM2-135M-Instruct)", dtype="float32", max_tokens=max_tokens,
+               compared=labels, prompts=[])
 
-    def run(device):
-        t0 = time.monotonic()
-        llm = LLM(device=device, dtype="float32", kv_cache_memory=512 * 2**20)
-        t1 = time.monotonic()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        t2 = time.monotonic()
-        ids = [o.outputs[0].token_ids for o in outs]
+    def run(device, backend, label):
+        saved = os.environ.get(BACKEND_ENV)
+        if backend:
+            os.environ[BACKEND_ENV] = backend
+        try:
+            t0 = time.monotonic()
+            llm = LLM(model, device=device, dtype="float32", kv_cache_memory=512 * 2**20)
+            t1 = time.monotonic()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            t2 = time.monotonic()
+        finally:
+            if saved is None:
+                os.environ.pop(BACKEND_ENV, None)
+            else:
+                os.environ[BACKEND_ENV] = saved
+        ids = [list(o.outputs[0].token_ids) for o in outs]
         texts = [o.outputs[0].text for o in outs]
+        # {(position kind, index, token id): logprob} per prompt
+        lps = [{**{("prompt", i, t): lp.logprob for i, d in enumerate(o.prompt_logprobs or []) if d
+                   for t, lp in d.items()},
+                **{("output", i, t): lp.logprob for i, d in enumerate(o.outputs[0].logprobs or [])
+                   for t, lp in d.items()}} for o in outs]
         ntok = sum(len(x) for x in ids)
-        log(f"  {device}: load {t1 - t0:.1f} s, generate {t2 - t1:.2f} s ({ntok} tokens)")
+        log(f"  {label}: load {t1 - t0:.1f} s, generate {t2 - t1:.2f} s ({ntok} tokens)")
+        rec.setdefault("runs", []).append(dict(device=label, load_s=t1 - t0, generate_s=t2 - t1, tokens=ntok))
         del llm
-        return ids, texts
+        return ids, texts, lps
 
-    gpu_ids, gpu_texts = run("cuda")
+    first_ids, first_texts, first_lps = run(*runs[0], labels[0])
     if budget.left() < 20:
-        log("  (time budget: CPU comparison run skipped)")
+        log(f"  (time budget: {labels[1]} comparison run skipped)")
+        rec["cut_short"] = True
         return False
-    cpu_ids, _ = run("cpu")
+    second_ids, _, second_lps = run(*runs[1], labels[1])
     ok = True
-    for p, g, c, text in zip(prompts, gpu_ids, cpu_ids, gpu_texts):
+    for p, g, c, text, la, lb in zip(prompts, first_ids, second_ids, first_texts, first_lps, second_lps):
+        shared = la.keys() & lb.keys()
+        diff = max((abs(la[k] - lb[k]) for k in shared), default=float("nan"))
+        entry = dict(prompt=p, text=text, same=g == c, logprobs_compared=len(shared), max_logprob_diff=diff)
+        if not shared or not diff <= ENGINE_LOGPROB_ATOL:
+            ok = False
+            log(f"  LOGPROBS DIFFER: {p!r}: max |difference| {diff:.3e} over {len(shared)} positions "
+                f"(tolerance {ENGINE_LOGPROB_ATOL})")
         if g == c:
-            log(f"  same greedy tokens ({len(g)}): {p!r} -> {text[:60]!r}")
+            log(f"  same greedy tokens ({len(g)}), logprobs within {diff:.1e}: {p!r} -> {text[:60]!r}")
         else:
             first = next((i for i, (x, y) in enumerate(zip(g, c)) if x != y), min(len(g), len(c)))
             ok = False
-            log(f"  DIFFERENT from token {first}: {p!r}\n    cuda {g}\n    cpu  {c}")
+            log(f"  DIFFERENT from token {first}: {p!r}\n    {runs[0][0]} {g}\n    {runs[1][0]}  {c}")
+            entry.update(first_difference=first, ids={labels[0]: g, labels[1]: c})
+        rec["prompts"].append(entry)
     return ok
 
 
 # --------------------------------------------------------------------------- main
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected K/N, e.g. 0/8") from None
+    if not (n >= 1 and 0 <= k < n):
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need N >= 1 and 0 <= K < N")
+    return k, n
+
+
+def write_json(path: str | None, report: dict) -> None:
+    """Write ``report`` to ``path`` (no-op for None); NaN/inf become null."""
+    if not path:
+        return
+
+    def clean(x):
+        if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(clean(report), f, indent=1)
+    os.replace(tmp, path)
 
 
 def main(argv=None) -> int:
@@ -370,9 +486,16 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine"], action="append",
                     help="run only these sections (repeatable)")
     ap.add_argument("--engine-max-tokens", type=int, default=32)
+    ap.add_argument("--engine-model", default=None,
+                    help="checkpoint directory or .gguf file for the engine section (default: the embedded "
+                         "SmolLM2-135M-Instruct)")
+    ap.add_argument("--shard", type=_shard, default=(0, 1), metavar="K/N",
+                    help="correctness: run grid cases i with i %% N == K (default 0/1: all)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as one JSON object to PATH")
     ap.add_argument("--smoke", action="store_true",
                     help="exercise the kernel sections on CPU under the Triton interpreter with tiny shapes "
-                         "(checks this script itself, not the GPU; the engine section is skipped)")
+                         "(checks this script itself, not the GPU; the engine section runs only with "
+                         "--only engine, comparing the interpreted Triton backend with torch on CPU)")
     args = ap.parse_args(argv)
     budget = Budget(args.budget_s)
     if args.smoke:
@@ -381,6 +504,9 @@ def main(argv=None) -> int:
 
     import torch
 
+    report: dict = dict(argv=sys.argv[1:] if argv is None else list(argv), smoke=args.smoke, quick=args.quick,
+                        versions=dict(python=sys.version.split()[0], torch=torch.__version__), gpu=None,
+                        sections={})
     log(f"kvfleet gpu_check: torch {torch.__version__}, python {sys.version.split()[0]}")
     if args.smoke:
         import triton
@@ -388,10 +514,13 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         name = "CPU (smoke test under TRITON_INTERPRET=1: timings are meaningless)"
         peak_bw, peak_flops = 1e11, None
+        report["versions"]["triton"] = triton.__version__
         log(f"GPU: none; {name}, triton {triton.__version__}")
     elif not torch.cuda.is_available():
         log("No CUDA device available (torch.cuda.is_available() is False): nothing checked. "
             "Run this on a machine with an NVIDIA GPU and a CUDA build of torch.")
+        report.update(exit_code=2, error="no CUDA device (torch.cuda.is_available() is False)")
+        write_json(args.json, report)
         return 2
     else:
         import triton
@@ -401,34 +530,49 @@ def main(argv=None) -> int:
         name = torch.cuda.get_device_name(device)
         log(f"GPU: {name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs, "
             f"{props.total_memory / 2**30:.0f} GiB), triton {triton.__version__}, CUDA {torch.version.cuda}")
+        report["versions"].update(triton=triton.__version__, cuda=torch.version.cuda)
+        report["gpu"] = dict(name=name, capability=f"sm_{props.major}{props.minor}",
+                             multiprocessors=props.multi_processor_count, memory_gib=props.total_memory / 2**30)
         peak_bw, peak_flops = lookup_peaks(name)
         if peak_bw is None:
             try:
                 peak_bw = measured_copy_bandwidth(torch, device)
                 log(f"peak bandwidth: not in the table; measured copy bandwidth {peak_bw / 1e12:.2f} TB/s used")
+                report["gpu"]["peak_bandwidth_source"] = "measured device-to-device copy"
             except Exception as e:  # noqa: BLE001
                 peak_bw = float("nan")
                 log(f"peak bandwidth unknown ({e})")
         else:
             log(f"peak bandwidth {peak_bw / 1e12:.2f} TB/s, bf16 dense peak "
                 f"{'%.0f TFLOP/s' % (peak_flops / 1e12) if peak_flops else 'unknown'} (datasheet)")
+            report["gpu"]["peak_bandwidth_source"] = "datasheet table"
+        report["gpu"].update(peak_bandwidth_bytes_per_s=peak_bw, peak_bf16_flops=peak_flops)
     sz = Sizes(args.smoke, args.quick)
+    report["device"] = name
 
+    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine")}
     sections = [
-        ("correctness", lambda: section_correctness(torch, device, budget, sz), 5 if args.smoke else 60),
-        ("decode", lambda: section_decode(torch, device, budget, sz, peak_bw), 5 if args.smoke else 30),
-        ("prefill", lambda: section_prefill(torch, device, budget, sz, peak_flops), 5 if args.smoke else 20),
-        ("engine", lambda: section_engine(torch, budget, args.engine_max_tokens), 60),
+        ("correctness", lambda: section_correctness(torch, device, budget, sz, recs["correctness"], args.shard),
+         5 if args.smoke else 60),
+        ("decode", lambda: section_decode(torch, device, budget, sz, peak_bw, recs["decode"]), 5 if args.smoke else 30),
+        ("prefill", lambda: section_prefill(torch, device, budget, sz, peak_flops, recs["prefill"]),
+         5 if args.smoke else 20),
+        ("engine", lambda: section_engine(torch, budget, args.engine_max_tokens, recs["engine"], args.engine_model,
+                                          smoke=args.smoke), 5 if args.smoke else 60),
     ]
     results = {}
     for sec, fn, min_left in sections:
         if args.only and sec not in args.only:
             continue
-        if sec == "engine" and (args.skip_engine or args.smoke):
+        if sec == "engine" and (args.skip_engine or (args.smoke and not (args.only and "engine" in args.only))):
             continue
+        rec = recs[sec]
+        report["sections"][sec] = rec
         if budget.left() < min_left:
             log(f"\n== {sec}: SKIPPED ({budget.left():.0f} s of budget left, needs ~{min_left} s)")
             results[sec] = None
+            rec.update(status="skipped", reason=f"{budget.left():.0f} s of budget left, needs ~{min_left} s")
+            write_json(args.json, report)
             continue
         log(f"\n== {sec} (t={budget.elapsed():.0f} s)")
         t0 = time.monotonic()
@@ -436,12 +580,19 @@ def main(argv=None) -> int:
             results[sec] = bool(fn())
         except Exception as e:  # noqa: BLE001
             results[sec] = False
+            rec["error"] = f"{type(e).__name__}: {e}"
             log(f"  FAILED: {type(e).__name__}: {e}")
             traceback.print_exc(limit=6)
+            sys.stderr.flush()
+        rec.update(status="pass" if results[sec] else "fail", seconds=time.monotonic() - t0)
         log(f"  -> {'PASS' if results[sec] else 'FAIL'} in {time.monotonic() - t0:.1f} s")
+        write_json(args.json, report)  # after every section: a later crash or kill keeps what ran
     log(f"\nSummary on {name} ({budget.elapsed():.0f} s): "
         + ", ".join(f"{k}={'skipped' if v is None else ('PASS' if v else 'FAIL')}" for k, v in results.items()))
-    return 0 if all(v is not False for v in results.values()) else 1
+    code = 0 if all(v is not False for v in results.values()) else 1
+    report.update(exit_code=code, seconds=budget.elapsed())
+    write_json(args.json, report)
+    return code
 
 
 if __name__ == "__main__":
