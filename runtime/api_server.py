@@ -372,6 +372,56 @@ def _completion_logprobs(
     return out, offset
 
 
+def _echo_logprobs(
+    prompt_ids: list[int], prompt_logprobs: list[dict[int, Logprob] | None] | None, k: int, detok: _Detok
+) -> tuple[P.CompletionLogProbs, int]:
+    """Legacy logprobs of the prompt tokens (``echo``), as vLLM: a position without an entry
+    (the first) has token_logprobs and top_logprobs None; returns them and the next text offset."""
+    out = P.CompletionLogProbs()
+    offset = 0
+    for j, tid in enumerate(prompt_ids):
+        entries = prompt_logprobs[j] if prompt_logprobs is not None and j < len(prompt_logprobs) else None
+        if entries is None:
+            token = detok(tid, None)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            actual = entries.get(tid)
+            token = detok(tid, actual)
+            out.token_logprobs.append(_finite(actual.logprob) if actual is not None else None)
+            top = {}
+            for tok_id, lp in sorted(entries.items(), key=lambda kv: kv[1].rank or 0):
+                if tok_id == tid or lp.rank is None or lp.rank <= k:  # the prompt token always (vLLM)
+                    top.setdefault(detok(tok_id, lp), _finite(lp.logprob))
+            out.top_logprobs.append(top)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out, offset
+
+
+def _join_logprobs(a: P.CompletionLogProbs, b: P.CompletionLogProbs) -> P.CompletionLogProbs:
+    return P.CompletionLogProbs(
+        text_offset=a.text_offset + b.text_offset,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        tokens=a.tokens + b.tokens,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+    )
+
+
+def _prompt_logprobs_body(plp: list[dict[int, Logprob] | None] | None) -> P.PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` for a response body (-inf clamped to -9999.0, as vLLM)."""
+    if plp is None:
+        return None
+    return [
+        None if entries is None else {
+            tid: P.PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+            for tid, lp in entries.items()
+        }
+        for entries in plp
+    ]  # fmt: skip
+
+
 def _chat_logprobs(c: CompletionOutput, start: int, end: int, k: int, detok: _Detok) -> P.ChatChoiceLogprobs:
     content = []
     for j in range(start, end):
@@ -704,13 +754,18 @@ async def _stream_chunks(
     logprobs: Callable[[CompletionOutput, int, int], Any] | None,
     opening: list[dict] | None = None,
     fingerprint_before_choices: bool = False,
+    echo: Callable[[int, int, RequestOutput], tuple[str, Any]] | None = None,
+    echo_only: bool = False,
 ) -> AsyncIterator[str]:
     """The SSE frames of a streaming completion or chat completion.
 
     Choice ``c`` of prompt ``i`` is index ``i * n + c.index``. Each new piece of a choice is one
     chunk of ``delta_choice(index, text, logprobs)`` and its end one of ``finish_choice(index, c)``;
     ``logprobs(c, index, first_new_token)`` (None: not requested) gives the new tokens' logprobs.
-    ``opening`` choices are sent first, one chunk each. Then the usage chunk (include_usage) and
+    ``opening`` choices are sent first, one chunk each. ``echo(prompt index, index, output)``
+    (completions' ``echo``) gives ``(text, logprobs)`` of the prompt, sent as a choice's first
+    chunk; with ``echo_only`` the completion's own tokens are not sent, only its end. Then the
+    usage chunk (include_usage) and
     ``[DONE]``; a failure is an error event and ``[DONE]``. The streams are closed at the end,
     also when the client goes away."""
 
@@ -741,12 +796,16 @@ async def _stream_chunks(
                 idx = i * n + c.index
                 if idx in done:
                     continue
+                if echo is not None and idx not in sent_text:
+                    text, lp = echo(i, idx, out)
+                    yield chunk([delta_choice(idx, text, lp.model_dump() if lp else None)])
+                    sent_text[idx] = sent_tokens[idx] = 0
                 t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
                 delta = c.text[t0:]
                 lp = None
                 if logprobs is not None and len(c.token_ids) > k0:
                     lp = logprobs(c, idx, k0)
-                if delta or lp is not None:
+                if (delta or lp is not None) and not echo_only:
                     yield chunk([delta_choice(idx, delta, lp.model_dump() if lp else None)])
                 sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                 if c.finish_reason is not None:
@@ -789,8 +848,11 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
             raise APIError(400, "prompt must not be empty (it tokenizes to no tokens)", param="prompt", code="invalid_value")
         prompt_ids.append(ids)
     params = []
+    echo_only = body.echo_only
     for ids in prompt_ids:
-        max_tokens = _resolve_max_tokens(body.max_tokens, len(ids), max_model_len, "max_tokens", "prompt")
+        # echo with max_tokens 0: the engine generates one token, which is not returned (vLLM).
+        requested = 1 if echo_only else body.max_tokens
+        max_tokens = _resolve_max_tokens(requested, len(ids), max_model_len, "max_tokens", "prompt")
         try:
             params.append(body.to_sampling_params(max_tokens))
         except P.ProtocolError as exc:
@@ -802,6 +864,8 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
     n = body.n
     k = body.logprobs if body.logprobs is not None else -1
     detok = _Detok(tokenizer)
+    # echo: the prompt as text (token-id prompts decoded, as vLLM does).
+    prompt_texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
     sub = _Submission(state, request)
     streams = [
         sub.stream(ids, sp, f"{request_id}-{i}", priority=body.priority, tenant=body.user)
@@ -831,15 +895,25 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         choices, outputs = [], []
         for i in range(len(prompts)):
             out = final.get(i)
+            plp = out.prompt_logprobs if out else None
             for c in sorted(out.outputs if out else [], key=lambda c: c.index):
                 lp = None
+                text = "" if echo_only else c.text
                 if body.logprobs is not None:
-                    lp, _ = _completion_logprobs(c, 0, len(c.token_ids), k, detok, 0)
+                    offset = 0
+                    if body.echo:
+                        lp, offset = _echo_logprobs(prompt_ids[i], plp, k, detok)
+                    if not echo_only:
+                        out_lp, _ = _completion_logprobs(c, 0, len(c.token_ids), k, detok, offset)
+                        lp = _join_logprobs(lp, out_lp) if lp is not None else out_lp
+                if body.echo:
+                    text = prompt_texts[i] + text
                 choices.append(
                     P.CompletionResponseChoice(
-                        index=i * n + c.index, text=c.text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                        index=i * n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason, prompt_logprobs=_prompt_logprobs_body(plp),
                     )
-                )
+                )  # fmt: skip
                 outputs.append(c)
         resp = P.CompletionResponse(
             id=request_id,
@@ -856,6 +930,12 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         lp, offsets[idx] = _completion_logprobs(c, k0, len(c.token_ids), k, detok, offsets.get(idx, 0))
         return lp
 
+    def echo(i: int, idx: int, out: RequestOutput) -> tuple[str, P.CompletionLogProbs | None]:
+        if body.logprobs is None:
+            return prompt_texts[i], None
+        lp, offsets[idx] = _echo_logprobs(prompt_ids[i], out.prompt_logprobs, k, detok)
+        return prompt_texts[i], lp
+
     stream = _stream_chunks(
         state, sub, merged, first,
         request_id=request_id, object_name="text_completion", created=created, include_usage=body.include_usage,
@@ -865,6 +945,8 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         finish_choice=lambda idx, c: {"index": idx, "text": "", "logprobs": None, "finish_reason": c.finish_reason,
                                       "stop_reason": c.stop_reason},
         logprobs=logprobs if body.logprobs is not None else None,
+        echo=echo if body.echo else None,
+        echo_only=echo_only,
     )  # fmt: skip
     return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -964,8 +1046,9 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
             for c in outputs
         ]
         resp = P.ChatCompletionResponse(
-            id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage([len(prompt_ids)], outputs)
-        )
+            id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage([len(prompt_ids)], outputs),
+            prompt_logprobs=_prompt_logprobs_body(final.prompt_logprobs if final else None),
+        )  # fmt: skip
         return JSONResponse(resp.model_dump())
 
     stream = _stream_chunks(

@@ -4,6 +4,7 @@ One :meth:`LLMEngine.step` is one iteration of continuous batching::
 
     scheduler.schedule()            which requests, which tokens, which blocks
     runner.execute_model()          one forward pass over the packed batch -> logits [S, V]
+                                    (and the prompt logprobs of requests that asked for them)
     sampler(logits)                 one token per sampling request
     scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
     detokenize, stop strings        finish on a stop string (scheduler.finish_requests)
@@ -31,7 +32,7 @@ import torch
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.model_loader import LoadedModel, load_model
-from kvfleet.runtime.model_runner import ModelRunner
+from kvfleet.runtime.model_runner import ModelRunner, PromptLogprobsTensors
 from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.sampler import Sampler, SampleLogprobs
@@ -70,6 +71,9 @@ class _UserRequest:
     arrival_time: float
     priority: int
     seqs: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """One entry per prompt token computed so far (the first is None), when asked for;
+    filled from the first sequence only (the others share the prompt)."""
 
     @property
     def finished(self) -> bool:
@@ -127,6 +131,7 @@ class LLMEngine:
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self._requests: dict[str, _UserRequest] = {}
         self._seqs: dict[str, tuple[_UserRequest, _Sequence]] = {}
+        self._decoded: dict[int, str] = {}
         self.num_steps = 0
 
     # ------------------------------------------------------------------ setup helpers
@@ -208,8 +213,7 @@ class LLMEngine:
             ValueError: with the offending parameter's name first: ``request_id`` (not a
                 non-empty string), ``prompt`` (empty, wrong type, token ids out of the
                 vocabulary, or longer than ``max_model_len`` / the whole KV cache),
-                ``sampling_params`` (wrong type), ``prompt_logprobs`` (not supported),
-                ``priority`` (not an int).
+                ``sampling_params`` (wrong type), ``priority`` (not an int).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -217,8 +221,6 @@ class LLMEngine:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if sampling_params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt_text: str | None
@@ -248,11 +250,19 @@ class LLMEngine:
         if self._extra_eos_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
         state = _UserRequest(request_id, prompt_text, prompt_ids, sampling_params, arrival, priority)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         n = params.n
         for i in range(n):
             child_params = params
             if n > 1:
-                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                # Only the first child computes the prompt logprobs: the prompt is the same,
+                # and the others may then share its KV blocks through the prefix cache.
+                child_params = params.clone(
+                    n=1,
+                    seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                )
             child_id = request_id if n == 1 else f"{request_id}-{i}"
             request = Request(
                 child_id,
@@ -386,7 +396,23 @@ class LLMEngine:
                 num_prompt = sr.request.num_prompt_tokens
                 if sr.start_pos < num_prompt:
                     iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
-            sampling, logits = self.runner.execute_model(scheduler_output)
+            result = self.runner.execute_model(scheduler_output)
+            sampling, logits = result.sampling, result.logits
+            for rid, plp in result.prompt_logprobs.items():
+                entry = self._seqs.get(rid)
+                if entry is None:
+                    continue
+                try:
+                    self._add_prompt_logprobs(entry[0], plp)
+                except Exception as exc:  # one bad request must not take the engine down
+                    logger.exception("request %s failed while processing its prompt logprobs", rid)
+                    state, seq = entry
+                    seq.error = f"{type(exc).__name__}: {exc}"
+                    if seq.finish_reason is None:
+                        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+                        seq.request.status = RequestStatus.FINISHED_ABORTED
+                        self._finish_sequence(state, seq, "abort", time.monotonic(), iteration)
+                    touched[state.request_id] = state
             requests = [s.request for s in sampling]
             sampled = self.sampler(logits, requests)
             tokens = {r.request_id: t for r, t in zip(requests, sampled.token_ids)}
@@ -435,7 +461,7 @@ class LLMEngine:
             iteration.inter_token_latencies.append(now - seq.last_token_time)
         seq.last_token_time = now
         if seq.logprobs is not None and lp is not None:
-            seq.logprobs.append(self._logprob_dict(token, lp))
+            seq.logprobs.append(self._logprob_dict(token, lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs))
             seq.cumulative_logprob += lp.logprob
         finished = request.is_finished
         # EOS / stop token ids end the sequence and are not part of the text (vLLM).
@@ -448,13 +474,47 @@ class LLMEngine:
         if finished:
             self._finish_sequence(state, seq, request.status.finish_reason or "stop", now, iteration)
 
-    def _logprob_dict(self, token: int, lp: SampleLogprobs) -> dict[int, Logprob]:
-        decode = self.tokenizer.decode
-        out = {token: Logprob(lp.logprob, lp.rank, decode([token]))}
-        for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+    def _decode_token(self, token: int) -> str:
+        """One token's text (``tokenizer.decode([token])``, as vLLM's ``decoded_token``), cached."""
+        text = self._decoded.get(token)
+        if text is None:
+            text = self._decoded[token] = self.tokenizer.decode([token])
+        return text
+
+    def _logprob_dict(
+        self, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
+    ) -> dict[int, Logprob]:
+        """vLLM's per-position dict: the given token first (its logprob and rank), then the
+        top tokens (ranks 1..k) that are not that token."""
+        decode = self._decode_token
+        out = {token: Logprob(logprob, rank, decode(token))}
+        for r, (tid, value) in enumerate(zip(top_ids, top_logprobs), start=1):
             if tid not in out:
-                out[tid] = Logprob(value, rank, decode([tid]))
+                out[tid] = Logprob(value, r, decode(tid))
         return out
+
+    def _add_prompt_logprobs(self, state: _UserRequest, plp: PromptLogprobsTensors) -> None:
+        """Append one step's prompt logprobs. Entries the request already has are skipped: a
+        request preempted (recompute) computes its prompt again from position 0."""
+        acc = state.prompt_logprobs
+        if acc is None:
+            return
+        skip = len(acc) - plp.first_token
+        if skip < 0:
+            raise RuntimeError(
+                f"prompt logprobs from token {plp.first_token} but only {len(acc)} entries so far"
+            )
+        n = plp.token_logprobs.shape[0]
+        if skip >= n:
+            return
+        prompt = state.prompt_token_ids
+        lps = plp.token_logprobs[skip:].tolist()
+        ranks = plp.token_ranks[skip:].tolist()
+        top_ids = plp.top_ids[skip:].tolist()
+        top_lps = plp.top_logprobs[skip:].tolist()
+        first = plp.first_token + skip
+        for j in range(n - skip):
+            acc.append(self._logprob_dict(prompt[first + j], lps[j], ranks[j], top_ids[j], top_lps[j]))
 
     def _finish_sequence(
         self, state: _UserRequest, seq: _Sequence, reason: str, now: float, iteration: IterationStats
@@ -511,6 +571,7 @@ class LLMEngine:
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
             finished=state.finished,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.request.num_cached_tokens, 0),
             metrics=metrics,
             priority=state.priority,

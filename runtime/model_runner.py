@@ -13,6 +13,16 @@ writes the per-layer KV caches it owns), and returns the logits of the last toke
 request that samples this step, ``[S, vocab_size]`` float32. The LM head runs only on
 those ``S`` hidden states (``logits_to_keep`` with an index tensor), never on all ``T``.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's semantics): for a request that
+asks for them, the LM head also runs on every prompt position of the step except the last
+prompt token's (whose logits are the sampling row): the hidden states come from a forward
+hook on the decoder (``model.get_decoder()``), and the LM head
+(``model.get_output_embeddings()``, plus ``final_logit_softcapping`` where the config has
+it, as Gemma 2 does) runs over them in chunks of at most ``PROMPT_LOGPROBS_CHUNK_BYTES`` of
+float32 logits, keeping only each row's prompt token's logprob and rank and the top-k
+(:class:`PromptLogprobsTensors`). Logprobs are ``log_softmax`` of the raw logits in float32
+(vLLM's default ``logprobs_mode="raw_logprobs"``: no temperature or penalties).
+
 KV cache: per layer one key and one value tensor of shape
 ``[num_blocks, block_size, num_kv_heads, head_size]`` in the model dtype (the layout of
 :mod:`kvfleet.kernels`). ``num_blocks`` comes from the memory budget, see
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +44,50 @@ from kvfleet.runtime.model_loader import LoadedModel
 from kvfleet.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_CHUNK_BYTES = 128 * 2**20
+"""Most float32 logits the prompt-logprobs LM head materialises at once, bytes
+(``rows * vocab_size * 4``; 682 rows of SmolLM2's 49152-token vocabulary)."""
+
+
+@dataclass
+class PromptLogprobsTensors:
+    """Prompt logprobs of one request computed in one step (host tensors, ``R`` rows).
+
+    Row ``i`` is the distribution at prompt position ``first_token - 1 + i``, i.e. the one
+    that predicts prompt token ``first_token + i`` (``first_token >= 1``: the first prompt
+    token has no logprob).
+
+    Attributes:
+        first_token: index in the prompt of the token row 0 scores.
+        token_logprobs: ``[R]`` float32, log-probability of each scored prompt token.
+        token_ranks: ``[R]`` int64, its 1-based rank (1 + tokens with a strictly larger logprob).
+        top_ids: ``[R, k]`` int64, the ``k`` most likely token ids, best first.
+        top_logprobs: ``[R, k]`` float32, their logprobs.
+    """
+
+    first_token: int
+    token_logprobs: torch.Tensor
+    token_ranks: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one :meth:`ModelRunner.execute_model` call returns.
+
+    Attributes:
+        sampling: the scheduled requests with ``sample=True``, in scheduling order.
+        logits: their next-token logits ``[len(sampling), vocab_size]`` float32 (model device).
+        prompt_logprobs: request id -> prompt logprobs computed this step, for the
+            requests with ``sampling_params.prompt_logprobs`` set whose step covered prompt
+            positions before the last prompt token.
+    """
+
+    sampling: list[ScheduledRequest]
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, PromptLogprobsTensors] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -219,14 +274,77 @@ class ModelRunner:
             to_dev(logits_indices, torch.int64),
         )
 
+    @staticmethod
+    def _prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int, int]]:
+        """``(request, first batch row, number of rows, first scored prompt token)`` for every
+        scheduled request that wants prompt logprobs and computes prompt positions before its
+        last prompt token this step. Position ``p`` scores prompt token ``p + 1``."""
+        rows = []
+        offset = 0
+        for s in scheduled:
+            k = s.request.sampling_params.prompt_logprobs
+            last = s.request.num_prompt_tokens - 1  # the last prompt position samples, it scores nothing
+            end = min(s.seq_len, last)
+            if k is not None and s.start_pos < end:
+                rows.append((s, offset, end - s.start_pos, s.start_pos + 1))
+            offset += s.num_new_tokens
+        return rows
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states ``[N, hidden_size]`` -> logits ``[N, vocab_size]``
+        float32: ``model.get_output_embeddings()``, then ``tanh`` soft-capping when the config
+        has ``final_logit_softcapping`` (Gemma 2), as the model's own forward does."""
+        logits = self.model.get_output_embeddings()(hidden_states).float()
+        cap = getattr(self.hf_config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[ScheduledRequest, int, int, int]]
+    ) -> dict[str, PromptLogprobsTensors]:
+        """Prompt logprobs of ``rows`` (see :meth:`_prompt_logprob_rows`) from the decoder's
+        hidden states ``[T, hidden_size]``, in chunks of ``PROMPT_LOGPROBS_CHUNK_BYTES``."""
+        dev = hidden.device
+        chunk = max(1, PROMPT_LOGPROBS_CHUNK_BYTES // (4 * self.vocab_size))
+        out: dict[str, PromptLogprobsTensors] = {}
+        for s, row0, count, first in rows:
+            k = s.request.sampling_params.prompt_logprobs
+            targets = torch.tensor(s.request.prompt_token_ids[first : first + count], dtype=torch.long, device=dev)
+            lps, ranks, top_ids, top_lps = [], [], [], []
+            for c0 in range(0, count, chunk):
+                n = min(chunk, count - c0)
+                logprobs = torch.log_softmax(self.compute_logits(hidden[row0 + c0 : row0 + c0 + n]), dim=-1)
+                target_lp = logprobs.gather(1, targets[c0 : c0 + n].unsqueeze(1))  # [n, 1]
+                lps.append(target_lp.squeeze(1))
+                ranks.append((logprobs > target_lp).sum(dim=1) + 1)
+                if k > 0:
+                    v, i = logprobs.topk(k, dim=-1)
+                    top_lps.append(v)
+                    top_ids.append(i)
+                del logprobs
+            if k > 0:
+                top_lp_t, top_id_t = torch.cat(top_lps).cpu(), torch.cat(top_ids).cpu()
+            else:
+                top_lp_t, top_id_t = torch.empty((count, 0)), torch.empty((count, 0), dtype=torch.long)
+            out[s.request.request_id] = PromptLogprobsTensors(
+                first_token=first,
+                token_logprobs=torch.cat(lps).cpu(),
+                token_ranks=torch.cat(ranks).cpu(),
+                top_ids=top_id_t,
+                top_logprobs=top_lp_t,
+            )
+        return out
+
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[list[ScheduledRequest], torch.Tensor]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward pass over the scheduled tokens.
 
         Returns:
-            ``(sampling, logits)``: the scheduled requests with ``sample=True`` in order, and
-            their next-token logits ``[len(sampling), vocab_size]`` float32 (on the model's
-            device). Both empty when nothing samples this step (a prefill chunk).
+            A :class:`ModelRunnerOutput`: the scheduled requests with ``sample=True`` in
+            order, their next-token logits ``[len(sampling), vocab_size]`` float32 (on the
+            model's device; both empty when nothing samples this step, a prefill chunk),
+            and the prompt logprobs computed this step.
 
         Raises:
             RuntimeError: the KV cache was not initialised.
@@ -236,16 +354,29 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         sampling = [s for s in scheduled if s.sample]
         if not scheduled:
-            return sampling, torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return ModelRunnerOutput(sampling, torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device))
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            logits_to_keep=logits_indices,
-            use_cache=False,
-            **{METADATA_KWARG: meta},
-        )
+        rows = self._prompt_logprob_rows(scheduled)
+        captured: list[torch.Tensor] = []
+        hook = None
+        if rows:
+            def keep_hidden(_module, _args, output):
+                captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+            hook = self.model.get_decoder().register_forward_hook(keep_hidden)
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                logits_to_keep=logits_indices,
+                use_cache=False,
+                **{METADATA_KWARG: meta},
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         logits = out.logits[0]
         if logits.dtype != torch.float32:
             logits = logits.float()
-        return sampling, logits
+        prompt_logprobs = self._prompt_logprobs(captured[0][0], rows) if rows else {}
+        return ModelRunnerOutput(sampling, logits, prompt_logprobs)

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """Log-probability (natural log, after temperature/penalties as sampled) of one token."""
+    """Log-probability (natural log) of one token at one position (vLLM's ``Logprob``).
+
+    Output tokens (``SamplingParams.logprobs``): of the distribution sampled from, after
+    penalties and temperature. Prompt tokens (``SamplingParams.prompt_logprobs``):
+    ``log_softmax`` of the model's raw logits in float32.
+    """
 
     logprob: float
     rank: int | None = None
@@ -59,6 +64,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs=k``: one entry per prompt token, the first None
+    (nothing predicts it); entry ``i`` maps the prompt token ``i`` (its logprob and 1-based
+    rank) and the ``k`` most likely tokens at that position (ranks 1..k) to their
+    :class:`Logprob`. Complete once the whole prompt is computed (from the first output on)."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
     metrics: RequestMetrics | None = None

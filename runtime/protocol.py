@@ -4,14 +4,14 @@ The shapes follow OpenAI's public API reference for ``/v1/completions``,
 ``/v1/chat/completions`` and ``/v1/models`` (https://platform.openai.com/docs/api-reference)
 plus vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``priority``), so that the official ``openai`` client and clients written for vLLM work
+``priority``, ``prompt_logprobs``), so that the official ``openai`` client and clients written for vLLM work
 unchanged.
 
 Request models validate *types* strictly (``"max_tokens": "5"`` or ``"n": 1.5`` is an
 error, not a coercion) and ignore unknown fields, as vLLM does. Value ranges
 (``temperature >= 0``, ``0 < top_p <= 1``, ...) are checked by
 :class:`kvfleet.runtime.sampling_params.SamplingParams`, built by ``to_sampling_params``;
-features the engine does not have (``echo``, ``suffix``, ``best_of != n``, ``logit_bias``,
+features the engine does not have (``suffix``, ``best_of != n``, ``logit_bias``,
 tools, image inputs) raise :class:`UnsupportedFeature` from ``check_supported``.
 """
 
@@ -121,12 +121,18 @@ class _SamplingFields(_Request):
     priority: int = 0
     """Lower runs first under the ``priority`` scheduling policy (vLLM semantics)."""
     request_id: str | None = None
+    prompt_logprobs: int | None = None
+    """vLLM's extra: top log-probabilities per prompt token (0-20; 0: the prompt token's
+    only), returned as ``prompt_logprobs`` (on each completions choice; on the chat response)."""
 
     def _common_checks(self) -> None:
         if self.n > MAX_N:
             raise ProtocolError(f"n must be <= {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream and self.prompt_logprobs is not None and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+            # vLLM's rule: streamed responses have no place for them.
+            raise ProtocolError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.logit_bias:
             raise UnsupportedFeature("logit_bias is not supported", "logit_bias")
 
@@ -178,16 +184,17 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     """OpenAI's default is 16; None: up to ``max_model_len``."""
     logprobs: int | None = None
-    """Top log-probabilities per output token (0-20; 0: the sampled token's only)."""
+    """Top log-probabilities per output token (0-20; 0: the sampled token's only); with
+    ``echo``, per prompt token too."""
     echo: bool | None = False
+    """Return the prompt text before the completion (and, with ``logprobs``, the prompt
+    tokens' logprobs first, the first token's None), as OpenAI's legacy completions and vLLM."""
     suffix: str | None = None
     best_of: int | None = None
 
     def check_supported(self) -> None:
         """Raises UnsupportedFeature/ProtocolError for what the server cannot do."""
         self._common_checks()
-        if self.echo:
-            raise UnsupportedFeature("echo is not supported", "echo")
         if self.suffix:
             raise UnsupportedFeature("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -220,8 +227,17 @@ class CompletionRequest(_SamplingFields):
             ProtocolError: a value out of range (``param`` names the field).
         """
         kw = self._sampling_kwargs()
-        kw.update(max_tokens=max_tokens, logprobs=self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs  # vLLM: echo + logprobs scores the prompt too
+        kw.update(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
         return _build_sampling_params(kw)
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: return the prompt (and its logprobs) only. The
+        engine still generates one token (vLLM does the same), which is not returned."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class TextContentPart(_Request):
@@ -309,7 +325,7 @@ class ChatCompletionRequest(_SamplingFields):
         logprobs = None
         if self.logprobs:
             logprobs = self.top_logprobs or 0
-        kw.update(max_tokens=max_tokens, logprobs=logprobs)
+        kw.update(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
         try:
             return _build_sampling_params(kw)
         except ProtocolError as exc:
@@ -336,12 +352,27 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogProbs(BaseModel):
-    """Legacy completions logprobs: parallel lists, one entry per output token."""
+    """Legacy completions logprobs: parallel lists, one entry per output token (with
+    ``echo``, per prompt token first: the first prompt token's logprob and top are None)."""
 
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs`` (its ``Logprob``): natural-log probability
+    (-inf as -9999.0), 1-based rank, the token's text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""vLLM's shape: one entry per prompt token (the first None), token id -> PromptLogprob
+(JSON object keys are the token ids as strings)."""
 
 
 class CompletionResponseChoice(BaseModel):
@@ -350,6 +381,7 @@ class CompletionResponseChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -418,6 +450,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's extra, with ``prompt_logprobs`` in the request (on the response, as vLLM)."""
 
 
 class DeltaMessage(BaseModel):

@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+MAX_LOGPROBS = 20
+"""Most top log-probabilities per token (``logprobs``, ``prompt_logprobs``): vLLM's default
+``max_logprobs`` and OpenAI's limit."""
+
 
 @dataclass
 class SamplingParams:
@@ -51,6 +55,10 @@ class SamplingParams:
     logprobs: int | None = None
     """Number of top log-probabilities to return per output token (0: only the sampled token's)."""
     prompt_logprobs: int | None = None
+    """Number of top log-probabilities to return per prompt token, besides the prompt token's
+    own (0: only the prompt token's); ``RequestOutput.prompt_logprobs``. ``log_softmax`` of
+    the raw logits (no temperature or penalties), as vLLM's default. vLLM's -1 (the whole
+    vocabulary) is refused: it is over the limit of 20 (vLLM's default ``max_logprobs``)."""
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -100,8 +108,11 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0 or value > 20):
-                bad(name, "must be an integer in [0, 20]")
+            if value is not None and (not isinstance(value, int) or value < 0 or value > MAX_LOGPROBS):
+                if value == -1:
+                    bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] (-1, every vocabulary token, is over "
+                              f"the limit of {MAX_LOGPROBS}, vLLM's default max_logprobs)")
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:

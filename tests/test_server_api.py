@@ -382,7 +382,7 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "hi", "n": 129}', 400, "n"),
     (b'{"prompt": null}', 400, "prompt"),
     (b'{"prompt": "hi", "max_tokens": 300}', 400, "max_tokens"),  # 1 + 300 > max_model_len 64
-    (b'{"prompt": "hi", "echo": true}', 400, "echo"),
+    (b'{"prompt": "hi", "prompt_logprobs": 21}', 400, "prompt_logprobs"),
     (b'{"prompt": "hi", "suffix": "x"}', 400, "suffix"),
     (b'{"prompt": "hi", "best_of": 3}', 400, "best_of"),
     (b'{"prompt": "hi", "logit_bias": {"5": 1.0}}', 400, "logit_bias"),

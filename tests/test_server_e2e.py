@@ -354,7 +354,7 @@ BAD = [
     ("/v1/completions", b'{"model": "M", "prompt": "hi", "top_p": 1.01}', 400),
     ("/v1/completions", b'{"model": "M", "prompt": "hi", "n": 0}', 400),
     ("/v1/completions", b'{"model": "M", "prompt": "hi", "max_tokens": 2048}', 400),
-    ("/v1/completions", b'{"model": "M", "prompt": "hi", "echo": true}', 400),
+    ("/v1/completions", b'{"model": "M", "prompt": "hi", "prompt_logprobs": -1}', 400),
     ("/v1/completions", b'{"model": "M", "prompt": "hi", "suffix": "!"}', 400),
     ("/v1/completions", b'{"model": "M", "prompt": [1, 999999999]}', 400),
     ("/v1/completions", b'{"model": "nope", "prompt": "hi"}', 404),
