@@ -16,6 +16,29 @@ mask"). Causality and sequence boundaries come from ``seq_lens`` / ``query_start
 The per-step metadata reaches the layers as the extra forward keyword argument
 ``kvfleet_attn`` (transformers passes unknown keyword arguments of the model's forward
 through to the attention function).
+
+What the paged attention implements, and what it refuses (no mask is built, so anything a
+mask or an extra score term would carry must be implemented here or refused):
+
+- causal attention, GQA/MQA, the module's ``scaling`` (e.g. Gemma's
+  ``query_pre_attn_scalar``);
+- sliding-window layers: each layer's window comes from the config the way transformers'
+  mask selection reads it (:func:`layer_sliding_windows`: ``layer_types[i] ==
+  "sliding_attention"`` -> ``sliding_window``; no ``layer_types`` -> ``sliding_window`` on
+  every layer, as Mistral), and the ``sliding_window`` keyword that the attention modules
+  pass must agree with it. Semantics: transformers' ``sliding_window_overlay``, see
+  :func:`kvfleet.kernels.paged_attention`. Every block is kept for the whole request
+  (blocks that fell out of every layer's window are not freed);
+- attention logit soft-capping (the ``softcap`` keyword, Gemma 2's
+  ``attn_logit_softcapping``). ``final_logit_softcapping`` is applied by the model's own
+  forward (the runner takes ``out.logits``).
+
+:func:`check_attention_support` refuses configs with anything else (ALiBi, cross-attention,
+encoder-decoder, MLA, chunked/sparse/linear layers, bidirectional attention) with a
+ValueError naming the config field, and :func:`probe_attention` runs two tokens through
+the model at engine start so that keyword arguments the config does not reveal
+(attention sinks ``s_aux``, position biases, a mask, ``is_causal=False``, a layer that
+bypasses the attention registry) are refused at load, not served wrongly.
 """
 
 from __future__ import annotations
@@ -52,6 +75,11 @@ class AttentionMetadata:
         kv_caches: per layer, ``(key_cache, value_cache)`` each of shape
             ``[num_blocks, block_size, num_kv_heads, head_size]`` (layout of
             :mod:`kvfleet.kernels`), indexed by the attention module's ``layer_idx``.
+        sliding_windows: per layer, the sliding window in tokens or None (full causal
+            attention), from :func:`layer_sliding_windows`; None (the default) means no
+            layer has a window unless transformers passes ``sliding_window``.
+        calls: number of attention-layer calls made with this metadata (the probe counts
+            them).
     """
 
     slot_mapping: torch.Tensor
@@ -61,6 +89,140 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    sliding_windows: list[int | None] | None = None
+    calls: int = 0
+
+
+# Keyword arguments some transformers attention modules pass that add terms to the scores
+# or select keys: none is implemented by the paged kernels (value: what it is, for errors).
+_UNSUPPORTED_KWARGS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+    "indices": "sparse (indexed) attention",
+    "block_indices": "sparse (block-indexed) attention",
+}
+
+
+def _as_window(value) -> int | None:
+    """A config/keyword sliding window as an int >= 1, or None for "no window" (None, 0)."""
+    if value is None or value is False or value == 0:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"sliding_window={value!r}: expected a positive integer or null")
+    return int(value)
+
+
+def layer_sliding_windows(config) -> list[int | None]:
+    """Per decoder layer, the sliding window (tokens) or None, as transformers' mask
+    selection reads the config: with ``layer_types``, ``sliding_window`` on the
+    ``"sliding_attention"`` layers and none on the ``"full_attention"`` ones (Qwen2, Gemma
+    2/3, Cohere2, ...); without it, ``sliding_window`` on every layer (Mistral, Phi-3,
+    Starcoder2: ``create_sliding_window_causal_mask`` when ``config.sliding_window`` is set).
+
+    Args:
+        config: a transformers config (the text config of a multimodal one).
+
+    Returns: ``num_hidden_layers`` entries.
+
+    Raises:
+        ValueError: a ``layer_types`` entry other than ``full_attention`` /
+            ``sliding_attention``, a ``sliding_attention`` layer without a positive
+            ``sliding_window``, or a ``layer_types`` of the wrong length.
+    """
+    num_layers = config.num_hidden_layers
+    window = _as_window(getattr(config, "sliding_window", None))
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return [window] * num_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for num_hidden_layers={num_layers}")
+    out: list[int | None] = []
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            out.append(None)
+        elif kind == "sliding_attention":
+            if window is None:
+                raise ValueError(f"layer_types[{i}] is 'sliding_attention' but sliding_window is not set")
+            out.append(window)
+        else:
+            raise ValueError(
+                f"layer_types[{i}]={kind!r}: kvfleet's paged attention implements only 'full_attention' and "
+                "'sliding_attention' layers"
+            )
+    return out
+
+
+def check_attention_support(config) -> list[int | None]:
+    """Refuse a model config that uses an attention feature the paged attention does not
+    implement, rather than serve wrong tokens; return the per-layer sliding windows.
+
+    Refused (the ValueError names the config field): ``is_encoder_decoder``,
+    ``add_cross_attention`` / ``cross_attention_layers`` (cross-attention), ALiBi
+    (``alibi``, ``use_alibi``, ``attn_config.alibi``, ``position_embedding_type='alibi'``,
+    ``model_type='bloom'``), multi-head latent attention (``kv_lora_rank``), chunked
+    attention (``attention_chunk_size``), bidirectional attention
+    (``use_bidirectional_attention``, ``is_causal=False``), KV sharing across layers
+    (``num_kv_shared_layers``), GPT-Neo style ``attention_layers`` with local layers, and
+    ``layer_types`` other than full/sliding attention (see :func:`layer_sliding_windows`).
+    Implemented, hence accepted: ``sliding_window``, ``attn_logit_softcapping``,
+    ``query_pre_attn_scalar`` (through the module's ``scaling``), and
+    ``final_logit_softcapping`` (applied by the model's forward).
+
+    Args:
+        config: a transformers ``PretrainedConfig`` (multimodal ones are checked on their
+            text config too).
+
+    Returns: :func:`layer_sliding_windows` of the text config.
+
+    Raises:
+        ValueError: naming the field and the model type.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", "?")
+
+    def refuse(field: str, value, what: str) -> None:
+        raise ValueError(
+            f"model_type={model_type!r}: {field}={value!r} ({what}) is not implemented by kvfleet's paged "
+            "attention; refusing the model rather than serving wrong tokens"
+        )
+
+    for cfg in {id(config): config, id(text): text}.values():
+        if getattr(cfg, "is_encoder_decoder", False):
+            refuse("is_encoder_decoder", True, "an encoder-decoder model with cross-attention")
+        if getattr(cfg, "add_cross_attention", False):
+            refuse("add_cross_attention", True, "cross-attention")
+        if getattr(cfg, "cross_attention_layers", None):
+            refuse("cross_attention_layers", cfg.cross_attention_layers, "cross-attention")
+        for field in ("alibi", "use_alibi"):
+            if getattr(cfg, field, False) is True:
+                refuse(field, True, "ALiBi position biases")
+        attn_config = getattr(cfg, "attn_config", None)
+        alibi = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", None)
+        if alibi:
+            refuse("attn_config.alibi", alibi, "ALiBi position biases")
+        if getattr(cfg, "position_embedding_type", None) == "alibi":
+            refuse("position_embedding_type", "alibi", "ALiBi position biases")
+        if getattr(cfg, "model_type", None) == "bloom":
+            refuse("model_type", "bloom", "ALiBi position biases")
+        if getattr(cfg, "kv_lora_rank", None):
+            refuse("kv_lora_rank", cfg.kv_lora_rank, "multi-head latent attention (MLA)")
+        if getattr(cfg, "attention_chunk_size", None):
+            refuse("attention_chunk_size", cfg.attention_chunk_size, "chunked local attention")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            refuse("use_bidirectional_attention", True, "non-causal attention")
+        if getattr(cfg, "is_causal", True) is False:
+            refuse("is_causal", False, "non-causal attention")
+        if getattr(cfg, "num_kv_shared_layers", 0):
+            refuse("num_kv_shared_layers", cfg.num_kv_shared_layers, "layers that reuse another layer's KV cache")
+        layers = getattr(cfg, "attention_layers", None)
+        if isinstance(layers, (list, tuple)) and any(kind != "global" for kind in layers):
+            refuse("attention_layers", list(layers), "local attention layers")
+    try:
+        return layer_sliding_windows(text)
+    except ValueError as e:
+        raise ValueError(f"model_type={model_type!r}: {e}; refusing the model rather than serving wrong tokens") from e
 
 
 def paged_attention_forward(
@@ -91,10 +253,18 @@ def paged_attention_forward(
     Returns: ``(attn_output, None)`` with ``attn_output`` of shape
     ``[1, T, num_heads, head_size]`` (what transformers' attention modules expect).
 
+    Keyword arguments transformers passes and that are honoured: ``sliding_window`` (must
+    match the layer's entry of ``kvfleet_attn.sliding_windows`` when that is set) and
+    ``softcap``. Anything that changes the scores otherwise (``attention_mask``,
+    ``is_causal=False``, ``s_aux``/``sinks``, ``position_bias``, sparse ``indices``) raises.
+
     Raises:
         RuntimeError: called without ``kvfleet_attn`` (the model was run outside the
             engine after the engine switched its attention implementation) or with a
             batch dimension other than 1.
+        ValueError: an attention feature the paged kernels do not implement (see above),
+            a ``sliding_window`` that disagrees with the config, dropout in training, or
+            keys and values of different head sizes (MLA).
     """
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
     if meta is None:
@@ -104,7 +274,15 @@ def paged_attention_forward(
         )
     if query.shape[0] != 1:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} runs packed batches of shape [1, T]; got batch {query.shape[0]}")
-    key_cache, value_cache = meta.kv_caches[module.layer_idx]
+    meta.calls += 1
+    layer = module.layer_idx
+    sliding_window, softcap = _layer_options(module, layer, meta, attention_mask, dropout, kwargs)
+    if key.shape[-1] != value.shape[-1]:
+        raise ValueError(
+            f"layer {layer}: key head size {key.shape[-1]} != value head size {value.shape[-1]} "
+            "(multi-head latent attention?) is not implemented by kvfleet's paged attention"
+        )
+    key_cache, value_cache = meta.kv_caches[layer]
     q = query[0].transpose(0, 1)  # [T, num_heads, head_size]
     k = key[0].transpose(0, 1)  # [T, num_kv_heads, head_size]
     v = value[0].transpose(0, 1)
@@ -119,8 +297,78 @@ def paged_attention_forward(
         scaling,
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
     return out.unsqueeze(0), None
+
+
+def _layer_options(module, layer: int, meta: AttentionMetadata, attention_mask, dropout, kwargs) -> tuple:
+    """``(sliding_window, softcap)`` of one attention call; ValueError for what the paged
+    kernels do not implement."""
+    where = f"layer {layer} ({type(module).__name__})"
+    if attention_mask is not None:
+        raise ValueError(f"{where}: received an attention mask; kvfleet's paged attention builds none and "
+                         "cannot apply one (custom masks are not implemented)")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError(f"{where}: non-causal attention (is_causal=False) is not implemented")
+    for name, what in _UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{where}: received {name}= ({what}), which kvfleet's paged attention does not implement")
+    if dropout:
+        raise ValueError(f"{where}: attention dropout {dropout} (training) is not implemented; call model.eval()")
+    passed = _as_window(kwargs.get("sliding_window"))
+    if meta.sliding_windows is None:
+        window = passed
+    else:
+        window = meta.sliding_windows[layer]
+        if passed is not None and passed != window:
+            raise ValueError(
+                f"{where}: transformers passed sliding_window={passed} but the config gives this layer "
+                f"{window} (layer_types/sliding_window); refusing rather than guessing"
+            )
+    softcap = kwargs.get("softcap")
+    return window, (float(softcap) if softcap else None)
+
+
+@torch.inference_mode()
+def probe_attention(model: torch.nn.Module, *, num_kv_heads: int, head_size: int, block_size: int,
+                    sliding_windows: list[int | None], device: torch.device, dtype: torch.dtype) -> None:
+    """Run two tokens through ``model`` (already switched to ``kvfleet_paged``) over a
+    throw-away one-block cache, so that every attention layer's call is checked (see
+    :func:`paged_attention_forward`) at load time, before any request.
+
+    Args:
+        model: the causal LM; ``sliding_windows``: :func:`layer_sliding_windows` of its
+            config (one entry per layer); the rest: the KV cache geometry.
+
+    Raises:
+        ValueError: a layer received something the paged attention does not implement, or
+            the number of attention calls differs from the number of layers (a layer that
+            bypasses transformers' attention registry would attend without the cache).
+    """
+    num_layers = len(sliding_windows)
+    shape = (1, max(block_size, 2), num_kv_heads, head_size)
+    caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+              for _ in range(num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(2, device=device),
+        block_tables=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([2], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, 2], dtype=torch.int32, device=device),
+        max_query_len=2,
+        max_seq_len=2,
+        kv_caches=caches,
+        sliding_windows=sliding_windows,
+    )
+    ids = torch.zeros((1, 2), dtype=torch.long, device=device)
+    pos = torch.arange(2, device=device).unsqueeze(0)
+    model(input_ids=ids, position_ids=pos, logits_to_keep=1, use_cache=False, **{METADATA_KWARG: meta})
+    if meta.calls != num_layers:
+        raise ValueError(
+            f"{type(model).__name__}: {meta.calls} attention calls for {num_layers} layers: some layers do not go "
+            "through transformers' attention-function registry, so kvfleet's paged attention cannot serve it"
+        )
 
 
 _registered = False

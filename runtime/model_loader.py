@@ -229,6 +229,19 @@ def resolve_model_path(model: str | None, cache_root: Path | None = None) -> tup
     return str(target), name
 
 
+def _initial_attn_implementation(config) -> str:
+    """``sdpa`` when the architecture supports it, else ``eager`` (Gemma 2 refuses sdpa at
+    load). Only the loaded model's own use outside the engine sees it: the engine
+    switches every model to ``kvfleet_paged``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, AttributeError):  # remote code or an unmapped config: let transformers decide
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) else "eager"
+
+
 def load_model(
     model: str | None = None,
     *,
@@ -246,20 +259,28 @@ def load_model(
         device: ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N``.
         cache_root: override of the cache folder (default :func:`cache_dir`).
 
-    Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention (the engine switches
-        it to its paged attention).
+    Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention, or ``eager`` for
+        architectures without sdpa support such as Gemma 2 (the engine switches it to its
+        paged attention).
 
     Raises:
-        FileNotFoundError: local model path missing; ValueError: bad dtype/device; OSError from
-        transformers when a hub id cannot be resolved.
+        FileNotFoundError: local model path missing; ValueError: bad dtype/device, or a model
+        whose config uses an attention feature the paged attention does not implement
+        (:func:`kvfleet.runtime.attention.check_attention_support`; checked on the config,
+        before any weight is read); OSError from transformers when a hub id cannot be resolved.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvfleet.runtime.attention import check_attention_support
 
     t0 = time.monotonic()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path, name = resolve_model_path(model, cache_root)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    hf_config = AutoConfig.from_pretrained(path)
+    check_attention_support(hf_config)
+    attn_implementation = _initial_attn_implementation(hf_config)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
     hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)

@@ -38,7 +38,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvfleet.runtime.attention import METADATA_KWARG, AttentionMetadata, register
+from kvfleet.runtime.attention import (
+    METADATA_KWARG,
+    AttentionMetadata,
+    check_attention_support,
+    probe_attention,
+    register,
+)
 from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvfleet.runtime.model_loader import LoadedModel
 from kvfleet.runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -115,6 +121,8 @@ class ModelRunner:
         self.head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
         self.vocab_size = text_config.vocab_size
         self.model_max_len = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
+        # Per-layer sliding windows; ValueError for attention features the kernels lack.
+        self.sliding_windows = check_attention_support(self.model.config)
         name = register()
         self.model.set_attn_implementation(name)
         if self.model.config._attn_implementation != name:
@@ -122,6 +130,10 @@ class ModelRunner:
                 f"{type(self.model).__name__} does not support transformers' attention-function "
                 "registry; kvfleet needs a model that does (Llama, Qwen2, Mistral, ...)"
             )
+        # One two-token forward: every layer's attention call is checked before any request.
+        probe_attention(self.model, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                        block_size=self.block_size, sliding_windows=self.sliding_windows,
+                        device=self.device, dtype=self.dtype)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._pin = self.device.type == "cuda"
@@ -186,6 +198,7 @@ class ModelRunner:
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
             kv_caches=caches,
+            sliding_windows=self.sliding_windows,
         )
         ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device).unsqueeze(0)
@@ -266,6 +279,7 @@ class ModelRunner:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             kv_caches=self.kv_caches,
+            sliding_windows=self.sliding_windows,
         )
         return (
             to_dev(input_ids, torch.int64).unsqueeze(0),
