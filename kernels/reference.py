@@ -15,7 +15,8 @@ Cache layout (the same as vLLM's FlashAttention backend, see ``kvfleet.kernels``
 Options (both kernels, same meaning): ``sliding_window`` (a query at position ``p`` sees
 keys ``p - sliding_window < k <= p``: transformers' ``masking_utils.sliding_window_overlay``
 ``kv_idx > q_idx - sliding_window`` on top of the causal mask, the same as FlashAttention's
-``window_size=(sliding_window - 1, 0)`` that transformers and vLLM pass) and ``softcap``
+``window_size=(sliding_window - 1, 0)`` as vLLM passes it; transformers passes
+``(sliding_window - 1, sliding_window - 1)`` with ``causal=True``, the same keys) and ``softcap``
 (attention logit soft-capping ``softcap * tanh(scores / softcap)`` before the mask, as
 Gemma 2's ``attn_logit_softcapping``: transformers' ``eager_attention_forward`` in
 ``models/gemma2``, vLLM's ``apply_softcap``).
