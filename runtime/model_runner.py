@@ -206,6 +206,13 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{METADATA_KWARG: meta})
         logits = out.logits.float()
         torch.softmax(logits, dim=-1)  # the sampler's fp32 working set
+        # A step with prompt logprobs: one chunk of fp32 logits, its log_softmax and the rank
+        # comparison (see _prompt_logprobs), on top of the sampler's working set.
+        rows = min(num_tokens, max(1, PROMPT_LOGPROBS_CHUNK_BYTES // (4 * self.vocab_size)))
+        chunk = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        chunk_lp = torch.log_softmax(chunk, dim=-1)
+        (chunk_lp > chunk_lp[:, :1]).sum(dim=1)
+        del chunk, chunk_lp
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         dummy_cache = sum(k.numel() * k.element_size() * 2 for k, _ in caches)

@@ -362,3 +362,22 @@ def test_bad_values_are_400_naming_the_field(client, path, body, param):
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
     ok = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1})
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["prompt_logprobs"]) == 1
+
+
+def test_official_openai_client_reads_echo_and_prompt_logprobs(client, smollm2, hf_logprobs):
+    import openai
+
+    tok = smollm2.tokenizer
+    prompt = "Hello there, how are you"
+    ids = tok.encode(prompt)
+    oc = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    r = oc.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == prompt
+    assert choice.logprobs.tokens == [tok.decode([t]) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None
+    want = [hf_logprobs(ids)[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want, abs=ATOL)
+    r = oc.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and [list(e) for e in plp[1:]] == [[str(t)] for t in ids[1:]]
