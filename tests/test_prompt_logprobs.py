@@ -381,3 +381,28 @@ def test_official_openai_client_reads_echo_and_prompt_logprobs(client, smollm2, 
     r = oc.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
     plp = r.choices[0].model_extra["prompt_logprobs"]
     assert plp[0] is None and [list(e) for e in plp[1:]] == [[str(t)] for t in ids[1:]]
+
+
+def test_final_logit_softcapping_model(tmp_path):
+    # Gemma 2 soft-caps its logits (tanh(x / cap) * cap) after the LM head: the prompt
+    # logprobs apply it too. A tiny random Gemma 2 (final_logit_softcapping 3.0, sliding
+    # window 8) from tests/test_sliding_window.py, against its eager transformers forward.
+    from test_sliding_window import PROMPTS as TOKEN_PROMPTS
+    from test_sliding_window import _build, _configs
+
+    from kvfleet.runtime.model_loader import load_model
+
+    config = _configs()["gemma2"]
+    assert config.final_logit_softcapping == 3.0
+    ref = _build(config, tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    engine = LLMEngine(EngineConfig(block_size=4, max_num_batched_tokens=8, kv_cache_memory=4 * 2**20), loaded=loaded)
+    for j, ids in enumerate(TOKEN_PROMPTS):
+        engine.add_request(f"g{j}", list(ids), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    final = engine.run_until_done()
+    for j, ids in enumerate(TOKEN_PROMPTS):
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
+        assert logits.abs().max() < 3.0  # capped
+        assert_prompt_logprobs(final[f"g{j}"].prompt_logprobs, list(ids), torch.log_softmax(logits.float(), -1), 3,
+                               loaded.tokenizer)  # fmt: skip
