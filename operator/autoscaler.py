@@ -554,8 +554,8 @@ class AutoscalerLoop:
 
 
 def _default_interval() -> float:
-    env = os.environ.get(INTERVAL_ENV)
-    return max(0.1, float(env)) if env else DEFAULT_INTERVAL
+    """The interval before an object's spec is known: ``$KVFLEET_AUTOSCALER_INTERVAL``, else 15 s."""
+    return interval_seconds({})
 
 
 @kopf.on.startup(id="autoscaler-start")
