@@ -2,16 +2,17 @@
 
 Routes
 ------
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{model}``
     OpenAI's API (see :mod:`kvfleet.runtime.protocol`), JSON or Server-Sent Events
     (``stream: true``: ``text/event-stream``, one ``data: {json}\\n\\n`` per chunk, ending
     with ``data: [DONE]\\n\\n``).
 ``POST /reset_prefix_cache``
     Drop every unreferenced cached KV block (vLLM's admin route).
-``GET /health``
+``GET /health`` (and ``HEAD``)
     200 while the engine loop is alive (also while the model loads); 503 once it died or
     the model failed to load: a liveness probe.
-``GET /ready``
+``GET /ready`` (and ``HEAD``)
     200 when requests can be served, 503 while the model loads or after the engine died:
     a readiness probe.
 ``GET /metrics``
@@ -23,8 +24,15 @@ With an API key, ``/v1/*`` and ``/reset_prefix_cache`` need ``Authorization: Bea
 Errors always have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
 400 for any malformed or invalid request (bad JSON, non-UTF-8 body, wrong types, values out
 of range, prompt + max_tokens beyond max_model_len, unsupported features), 401 bad API key,
-404 unknown model or route, 429 queue full (``max_queue_len``), 503 model loading or engine
-dead, 500 only for server faults.
+404 unknown model or route, 413 body over ``max_request_body_size``, 429 queue full
+(``max_queue_len``), 503 model loading or engine dead, 500 only for server faults.
+
+The event loop never tokenizes: prompts are tokenized (and chat templates applied) on one
+dedicated worker thread per app (HF fast tokenizers are not safe to call from several threads
+at once), so ``/health`` answers while a long prompt is being tokenized. A prompt string
+that is certainly longer than ``max_model_len`` tokens (its length in characters over the
+tokenizer's longest token, :mod:`kvfleet.runtime.tokenizer_bounds`) is rejected with a 400
+before it is tokenized.
 
 A client that disconnects (streaming or not) has its engine request(s) aborted at once:
 the engine frees their KV blocks and counts them as ``finished_reason="abort"``.
@@ -39,6 +47,7 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +65,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet.runtime.serve_args import ServerSettings
+from kvfleet.runtime.tokenizer_bounds import PromptLengthBound, prompt_length_bound
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -76,6 +86,7 @@ class APIError(Exception):
         401: "invalid_request_error",
         404: "invalid_request_error",
         405: "invalid_request_error",
+        413: "invalid_request_error",
         429: "rate_limit_error",
         500: "internal_server_error",
         503: "service_unavailable",
@@ -145,6 +156,13 @@ class ServerState:
     on_fatal: Callable[[], None] | None = None
     """Called when the model fails to load (``main`` makes uvicorn exit)."""
     started_at: float = field(default_factory=time.time)
+    prompt_bound: PromptLengthBound | None = None
+    """Lower bound on a prompt's tokens from its length, set at load (None: the tokenizer
+    gives none, prompts are just tokenized)."""
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-tokenizer")
+    )
+    """The one thread that tokenizes prompts and applies chat templates (never the event loop)."""
 
     @property
     def loading(self) -> bool:
@@ -493,6 +511,13 @@ def create_app(
             if core is not None and hasattr(core, "cache_config_info"):
                 info = core.cache_config_info()
             stat_logger.log_engine_initialized(engine.max_model_len, info)
+            try:
+                state.prompt_bound = await asyncio.to_thread(prompt_length_bound, engine.tokenizer)
+            except Exception:  # noqa: BLE001 - only a shortcut: without it prompts are just tokenized
+                logger.warning("no prompt length bound for this tokenizer", exc_info=True)
+            if state.prompt_bound is not None:
+                logger.info("prompts longer than %d characters per token of max_model_len are rejected untokenized",
+                            state.prompt_bound.chars_per_token)
             await engine.start()
             state.engine = engine
             logger.info("model %s ready in %.1f s (max_model_len %s)", name, time.monotonic() - t0, engine.max_model_len)
@@ -515,6 +540,7 @@ def create_app(
                     await state.engine.shutdown()
                 except Exception:  # noqa: BLE001
                     logger.exception("engine shutdown failed")
+            state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvfleet", version="0.1.0", lifespan=lifespan)
     app.state.kvfleet = state
@@ -555,13 +581,13 @@ def create_app(
     auth = [Depends(check_api_key)]
 
     # -- probes and metrics ------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # kubelets and load balancers send HEAD
     async def health():
         if state.engine_dead():
             return JSONResponse({"status": "dead", "error": repr(state.load_error or getattr(state.engine, "dead_error", None))}, status_code=503)
         return {"status": "loading" if state.loading else "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if state.engine_dead():
             return JSONResponse({"status": "dead"}, status_code=503)
@@ -587,25 +613,32 @@ def create_app(
         return {"reset": bool(result) if result is not None else True}
 
     # -- OpenAI routes -----------------------------------------------------------------
-    @app.get("/v1/models", dependencies=auth)
-    async def models():
-        engine = state.engine
-        card = P.ModelCard(
+    def model_card() -> P.ModelCard:
+        return P.ModelCard(
             id=name,
             created=int(state.started_at),
             root=config.model or DEFAULT_MODEL_NAME,
-            max_model_len=getattr(engine, "max_model_len", None),
+            max_model_len=getattr(state.engine, "max_model_len", None),
         )
-        return P.ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return P.ModelList(data=[model_card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)  # ids may hold "/" (hub ids)
+    async def retrieve_model(model_id: str):
+        """OpenAI's "retrieve model" (``client.models.retrieve``); unknown id: 404 as OpenAI."""
+        _check_model(state, model_id)
+        return model_card().model_dump()
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        body = await _parse_body(request, P.CompletionRequest)
+        body = await _parse_body(request, P.CompletionRequest, settings.max_request_body_size)
         return await _serve_completion(state, request, body)
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        body = await _parse_body(request, P.ChatCompletionRequest)
+        body = await _parse_body(request, P.ChatCompletionRequest, settings.max_request_body_size)
         return await _serve_chat(state, request, body)
 
     return app
@@ -629,20 +662,80 @@ def _refresh_gauges(state: ServerState) -> None:
         logger.debug("gauge refresh failed", exc_info=True)
 
 
-async def _parse_body(request: Request, model: type[P._Request]):
-    raw = await request.body()
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, at most ``limit`` bytes: a larger ``Content-Length`` is refused before
+    anything is read, a body without one (chunked) as soon as its chunks pass the limit.
+
+    Raises:
+        APIError: 413 (code ``request_too_large``).
+    """
+
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"request body is {size} bytes, over the limit of {limit} bytes (max_request_body_size)",
+                        code="request_too_large")  # fmt: skip
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"more than {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse_body(request: Request, model: type[P._Request], limit: int):
+    raw = await _read_body(request, limit)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(400, f"request body is not valid UTF-8: {exc}", code="invalid_encoding") from None
     try:
-        json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the stack
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
+        if any(err.get("type") == "json_invalid" for err in exc.errors()):
+            _explain_invalid_json(raw)  # raises the clearer error when there is one
         raise _validation_error(exc) from None
+
+
+def _explain_invalid_json(raw: bytes) -> None:
+    """Why pydantic's JSON parser refused ``raw``: not JSON at all (Python's parser says where),
+    or JSON whose strings hold a lone surrogate escape (``"\\ud800"``), which is no Unicode
+    text (it cannot be encoded as UTF-8) -- the error names the top-level field holding it."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the stack
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    for key, value in data.items() if isinstance(data, dict) else ():
+        bad = _lone_surrogate(value)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"{key} is not valid UTF-8 text: it contains a lone surrogate (\\u{ord(bad):04x}) that is not part "
+                "of a surrogate pair",
+                param=str(key),
+                code="invalid_encoding",
+            )
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in a parsed JSON value's strings (keys included), or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return v[exc.start]
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return None
 
 
 def _check_model(state: ServerState, requested: str | None) -> None:
@@ -692,6 +785,32 @@ def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: i
             code="context_length_exceeded",
         )
     return requested
+
+
+def _check_prompt_bound(state: ServerState, text: str, max_model_len: int, param: str) -> None:
+    """400 for a prompt text that is certainly longer than ``max_model_len`` tokens, from its
+    length alone (:class:`~kvfleet.runtime.tokenizer_bounds.PromptLengthBound`): no room for
+    output is left, whatever ``max_tokens``."""
+    bound = state.prompt_bound
+    if bound is None or len(text) <= bound.chars_per_token * (max_model_len - 1):  # ceil(n / L) < max_model_len
+        return
+    at_least = bound.min_tokens(text)
+    if at_least >= max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+            f"{len(text)} characters long, which is at least {at_least} tokens (no token of this model is longer "
+            f"than {bound.chars_per_token} characters), leaving no room for output. Please reduce the length of "
+            "the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+async def _on_tokenizer_thread(state: ServerState, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the app's tokenizer thread (one at a time, never on the event loop); its
+    exceptions (APIError included) are raised here."""
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, fn)
 
 
 def _check_token_ids(ids: list[int], vocab_size: int) -> None:
@@ -839,9 +958,16 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
     engine = state.require_engine()
     tokenizer = engine.tokenizer
     max_model_len = engine.max_model_len
+    for p in prompts:
+        if isinstance(p, str):
+            _check_prompt_bound(state, p, max_model_len, "prompt")
+        else:  # token ids: one that fills the context alone is refused before its ids are checked
+            _resolve_max_tokens(None, len(p), max_model_len, "max_tokens", "prompt")
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(await _on_tokenizer_thread(state, lambda: [tokenizer.encode(t) for t in texts]) if texts else [])
     prompt_ids: list[list[int]] = []
     for p in prompts:
-        ids = tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = next(encoded) if isinstance(p, str) else list(p)
         if not isinstance(p, str):
             _check_token_ids(ids, int(getattr(getattr(engine, "engine", None), "vocab_size", 0) or len(tokenizer)))
         if not ids:
@@ -983,20 +1109,25 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs",
                        code="invalid_value")
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **extra_kwargs,
-        )
-    except Exception as exc:  # noqa: BLE001 - jinja TemplateError, ValueError, TypeError from the template
-        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages", code="invalid_value") from None
-    if not isinstance(text, str):
-        raise APIError(400, "chat_template_kwargs must not change the template's output type", param="chat_template_kwargs",
-                       code="invalid_value")
-    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+
+    def render_and_tokenize() -> list[int]:  # on the tokenizer thread
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                **extra_kwargs,
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja TemplateError, ValueError, TypeError from the template
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages", code="invalid_value") from None
+        if not isinstance(text, str):
+            raise APIError(400, "chat_template_kwargs must not change the template's output type",
+                           param="chat_template_kwargs", code="invalid_value")  # fmt: skip
+        _check_prompt_bound(state, text, engine.max_model_len, "messages")
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    prompt_ids = await _on_tokenizer_thread(state, render_and_tokenize)
     max_tokens = _resolve_max_tokens(
         body.requested_max_tokens(),
         len(prompt_ids),

@@ -174,7 +174,11 @@ def _build_sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
         raise ProtocolError(message, param if param.isidentifier() else None) from None
 
 
-PromptType = str | list[str] | list[int] | list[list[int]]
+PromptType = typing.Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
+"""A string, strings, token ids, or lists of token ids. Tried in this order, first match wins
+(pydantic's default "smart" union also validated a token-id list against ``list[str]``, one
+error per element: a 31 MiB body of ids took 17 s instead of 2.8 s, on the event loop, on a
+busy 2-core machine)."""
 
 
 class CompletionRequest(_SamplingFields):
@@ -211,7 +215,7 @@ class CompletionRequest(_SamplingFields):
             prompts: list[str | list[int]] = [p]
         elif not p:
             raise ProtocolError("prompt must not be empty", "prompt")
-        elif all(isinstance(x, int) for x in p):
+        elif isinstance(p[0], int):  # validated: all ids, all strings or all id lists
             prompts = [list(p)]  # type: ignore[arg-type]
         else:
             prompts = list(p)  # type: ignore[arg-type]

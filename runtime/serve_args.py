@@ -11,9 +11,9 @@ Every option has three spellings, and the first one present wins:
    ``max-num-seqs: 64``), as the operator writes them into a ConfigMap.
 
 Engine options map 1:1 onto the fields of :class:`kvfleet.runtime.config.EngineConfig`;
-server options (host, port, API key, queue limit, metrics naming, log level) onto
-:class:`ServerSettings`. ``kv_cache_memory`` also accepts sizes with a unit
-(``2GiB``, ``512MiB``, ``1.5G``, ``800M``; binary and decimal units).
+server options (host, port, API key, queue limit, metrics naming, body size limit, log level) onto
+:class:`ServerSettings`. ``kv_cache_memory`` and ``max_request_body_size`` also accept sizes
+with a unit (``2GiB``, ``512MiB``, ``1.5G``, ``800M``; binary and decimal units).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class ServerSettings(BaseModel):
     """Reject new requests with HTTP 429 while this many are waiting; None: unbounded."""
     metrics_compat: Literal["none", "vllm"] = "none"
     """``vllm``: also export every ``kvfleet:`` series under vLLM's ``vllm:`` name."""
+    max_request_body_size: int = Field(32 * 1024**2, ge=1)
+    """Largest request body the server reads, bytes (also ``32MiB``, ``8M``); a larger one is
+    answered HTTP 413 without being read (``Content-Length`` checked first, chunked bodies
+    counted as they arrive). Bounds the JSON parsing the event loop does for one request."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 
@@ -75,6 +79,7 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* routes",
     "max_queue_len": "answer HTTP 429 while this many requests are waiting (default: unbounded)",
     "metrics_compat": "'vllm': also export the metrics under vLLM's names (vllm:...)",
+    "max_request_body_size": "largest request body, bytes or with a unit (32MiB); larger ones get HTTP 413",
     "log_level": "log level of the server",
 }
 
@@ -129,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SIZE_OPTIONS = ("kv_cache_memory", "max_request_body_size")
+"""Options that accept a size with a unit (:func:`parse_size`)."""
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
@@ -212,8 +219,9 @@ def resolve(
             values[name], sources[name] = environ[env_var(name)].strip(), "env"
         elif name in file_values:
             values[name], sources[name] = file_values[name], "file"
-    if "kv_cache_memory" in values:
-        values["kv_cache_memory"] = parse_size(values["kv_cache_memory"])
+    for name in _SIZE_OPTIONS:
+        if name in values:
+            values[name] = parse_size(values[name])
     # Strings from the command line / env are coerced by pydantic's lax mode ("16" -> 16,
     # "false" -> False, "0.5" -> 0.5); an explicit "none" / "null" unsets an optional field.
     for name, value in list(values.items()):

@@ -1,0 +1,201 @@
+"""A cheap lower bound on a text's token count, to reject hopeless prompts before tokenizing.
+
+Tokenizing a prompt costs time linear in its length (about 1 s per MB of text for a byte-level
+BPE on one CPU core), and a prompt far longer than ``max_model_len`` tokens is rejected anyway.
+:func:`prompt_length_bound` computes once, from the tokenizer's vocabulary, a number ``L``
+such that *every* text of ``n`` characters tokenizes to at least ``ceil(n / L)`` tokens, so
+that the server can answer such a prompt with a 400 from its length alone
+(:meth:`PromptLengthBound.min_tokens`).
+
+Why the bound holds
+-------------------
+Tokenizing (HF ``tokenizers``: normalizer -> pre-tokenizer -> model, plus added/special tokens
+matched verbatim) splits the normalized text into pieces, each of which is one vocabulary
+entry. If no piece covers more than ``L`` characters of the normalized text, ``n'`` normalized
+characters need at least ``n' / L`` tokens. ``L`` is the maximum over every token id
+(added tokens included) of
+
+- the length of its vocabulary string (``get_vocab()``): for a byte-level BPE (GPT-2, Llama 3,
+  Qwen2, SmolLM2) one character per *byte*, and a token of ``b`` bytes touches at most ``b``
+  characters of the text (every character has at least one UTF-8 byte); for SentencePiece
+  vocabularies ``"▁hello"`` covers ``" hello"``, and a byte-fallback piece ``"<0xE2>"`` (6
+  characters) covers one byte;
+- the length of the token decoded alone (``decode([id])``, special tokens kept), which is the
+  text an added token such as ``<|im_start|>`` covers. Measured rather than assumed, since
+  vocabulary strings of byte-level BPEs are byte-to-unicode mappings, not text.
+
+The steps before the model must not make the text shorter than the bound assumes:
+
+- normalizers: none, or ones that never shrink a text (NFD, NFKD, lowercasing, prepending,
+  replacing a string by one at least as long), or NFC / NFKC, which compose at most 4 code
+  points into one (the longest canonical decomposition in Unicode has 4 code points, e.g.
+  U+1F82), so ``L`` is multiplied by 4; a string replacement that shrinks multiplies ``L``
+  by the ratio;
+- pre-tokenizers that keep every character (ByteLevel, Metaspace, Digits, UnicodeScripts,
+  Split / Punctuation that do not remove their matches);
+- models that put every character into some token and never an unbounded run of them into
+  one: BPE with byte fallback, or a ByteLevel pre-tokenizer, or an ``unk_token`` that is not
+  fused (without any of these BPE silently drops characters it does not know); Unigram with
+  byte fallback.
+
+A byte-level BPE drops the bytes whose byte-level character is missing from its vocabulary
+(SmolLM2's, converted from GGUF, lacks e.g. ``\x04``: ``encode("\x04" * 10) == []``). When
+only single-byte (ASCII) characters can vanish that way, they are not counted
+(:attr:`PromptLengthBound.ignored_chars`); a missing UTF-8 continuation byte, which could make
+a multi-byte character vanish, gives no bound. (Bytes that never occur in UTF-8, such as
+0xC0, 0xC1, 0xF5-0xFF, do not matter.)
+
+Anything else (BERT's normalizer and whitespace pre-tokenizer drop characters, WordPiece maps
+any word longer than ``max_input_chars_per_word`` to one ``[UNK]``, a slow Python tokenizer
+has no inspectable pipeline) gives no bound (``None``): such prompts are simply tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("kvfleet.server")
+
+NFC_MAX_COMPOSITION = 4
+"""Most code points canonical composition merges into one (the longest canonical
+decomposition, Unicode 15: U+1F82 -> 4 code points)."""
+
+_KEEP_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
+_KEEP_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"}
+
+
+def _normalizer_shrink(spec: dict[str, Any] | None) -> float | None:
+    """Largest factor by which this normalizer can shorten a text (1: never); None: unbounded
+    or unknown."""
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for child in spec.get("normalizers", []):
+            f = _normalizer_shrink(child)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _KEEP_NORMALIZERS:
+        return 1.0
+    if kind in ("NFC", "NFKC"):
+        return float(NFC_MAX_COMPOSITION)
+    if kind == "Replace":
+        pattern = (spec.get("pattern") or {}).get("String")
+        content = spec.get("content") or ""
+        if pattern is None or not content:  # a regex, or a deletion: unbounded
+            return None
+        return max(1.0, len(pattern) / len(content))
+    return None  # BertNormalizer (drops control characters), Strip, StripAccents, Precompiled, ...
+
+
+def _pre_tokenizer_keeps_text(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps_text(child) for child in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return str(spec.get("behavior", "Isolated")).lower() != "removed"
+    return kind in _KEEP_PRE_TOKENIZERS  # Whitespace, WhitespaceSplit, BertPreTokenizer drop spaces
+
+
+def _has_byte_level(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return False
+    if spec.get("type") == "Sequence":
+        return any(_has_byte_level(child) for child in spec.get("pretokenizers", []))
+    return spec.get("type") == "ByteLevel"
+
+
+def _model_is_bounded(spec: dict[str, Any]) -> bool:
+    """Whether every character of the pre-tokenized text ends up in some token: BPE drops a
+    character missing from its vocabulary when it has no ``unk_token`` (and fuses a run of
+    them into one with ``fuse_unk``), unless bytes fall back to byte tokens (``byte_fallback``)
+    or a ByteLevel pre-tokenizer maps the text onto 256 byte characters (the ones missing from
+    the vocabulary are handled by :func:`_dropped_bytes`)."""
+    model = spec["model"]
+    kind = model.get("type")
+    if kind == "BPE":
+        if model.get("byte_fallback") or _has_byte_level(spec.get("pre_tokenizer")):
+            return True
+        return model.get("unk_token") is not None and not model.get("fuse_unk")
+    if kind == "Unigram":
+        return bool(model.get("byte_fallback"))
+    return False  # WordPiece: one [UNK] for a whole over-long word; WordLevel: one per word
+
+
+def _dropped_ascii(spec: dict[str, Any], vocab: dict[str, int]) -> str | None:
+    """The ASCII characters a byte-level BPE drops (their byte-level character is not in the
+    vocabulary and there is no byte fallback); None when a UTF-8 continuation byte (0x80-0xBF)
+    is missing too, so that whole multi-byte characters could vanish."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    model = spec["model"]
+    if model.get("type") != "BPE" or model.get("byte_fallback") or not _has_byte_level(spec.get("pre_tokenizer")):
+        return ""
+    byte_chars = ByteLevel(add_prefix_space=False, use_regex=False)  # the library's own byte -> char map
+    dropped = "".join(chr(b) for b in range(0x80) if byte_chars.pre_tokenize_str(chr(b))[0][0] not in vocab)
+    # U+0080..U+00BF are C2 80..C2 BF in UTF-8: the second mapped character is the continuation byte's
+    if any(byte_chars.pre_tokenize_str(chr(c))[0][0][1] not in vocab for c in range(0x80, 0xC0)):
+        return None
+    return dropped
+
+
+@dataclass(frozen=True)
+class PromptLengthBound:
+    """``min_tokens(text)``: a lower bound on the tokens of ``text`` (see the module docstring)."""
+
+    chars_per_token: int
+    """``L``: no token covers more characters of the text (normalizer shrink included)."""
+    ignored_chars: str = ""
+    """Characters the tokenizer drops (not counted)."""
+
+    def min_tokens(self, text: str) -> int:
+        """ceil(counted characters / L), in O(len(text)) C-level passes (``str.count``)."""
+        n = len(text) - sum(text.count(c) for c in self.ignored_chars)
+        return -(-n // self.chars_per_token)
+
+
+def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
+    """The bound of this tokenizer: a text of ``n`` counted characters (code points) tokenizes
+    to >= ceil(n / L) tokens; see the module docstring for why, and when there is none.
+
+    Args:
+        tokenizer: a transformers tokenizer backed by HF ``tokenizers`` (``backend_tokenizer``).
+
+    Returns: the bound (``L`` >= 1, already multiplied by the normalizer's shrink factor), or
+        None when the tokenizer gives none (its pipeline can drop or fuse characters, or it is
+        not a ``tokenizers``-backed one).
+
+    Cost: one decode per vocabulary entry (about 0.2 s for 49k entries); call it once.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        logger.info("prompt length pre-check off: %s has no tokenizers backend", type(tokenizer).__name__)
+        return None
+    spec = json.loads(backend.to_str())
+    vocab = backend.get_vocab(with_added_tokens=True)
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    bounded = _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")) and _model_is_bounded(spec)
+    dropped = _dropped_ascii(spec, vocab) if bounded else None
+    if dropped and shrink != 1.0:  # a normalizer could turn other characters into dropped ones
+        dropped = None
+    if shrink is None or dropped is None:
+        logger.info(
+            "prompt length pre-check off: the tokenizer (normalizer %s, pre-tokenizer %s, model %s) can drop or "
+            "fuse characters",
+            (spec.get("normalizer") or {}).get("type"), (spec.get("pre_tokenizer") or {}).get("type"),
+            spec["model"].get("type"),
+        )  # fmt: skip
+        return None
+    ids = sorted(set(vocab.values()))
+    decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    longest = max(max(len(s) for s in vocab), max(len(s) for s in decoded), 1)
+    return PromptLengthBound(math.ceil(longest * shrink), dropped)
