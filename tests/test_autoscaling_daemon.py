@@ -363,7 +363,7 @@ def fast(monkeypatch):
     monkeypatch.setenv(autoscaler.INTERVAL_ENV, "0.1")
 
 
-def test_the_loop_scales_each_service_and_one_failure_stops_no_other(cluster, fast):
+def test_the_loop_scales_each_service_and_one_failure_stops_no_other(cluster, fast, caplog):
     kube, client, events, runtimes = cluster
     create_isvc(kube, client, autoscaling=OPERATOR)
     add_pod(kube, runtimes, "p0", Runtime(waiting=5))
@@ -389,6 +389,8 @@ def test_the_loop_scales_each_service_and_one_failure_stops_no_other(cluster, fa
     assert kube.get(ISVC, NS, NAME)["spec"]["replicas"] == 3  # ceil(5 / 2)
     assert kube.get(ISVC, NS, "other")["spec"]["replicas"] == 4  # ceil(7 / 2)
     assert kube.get(ISVC, NS, "broken")["spec"]["replicas"] == "three"
+    failures = [r for r in caplog.records if r.getMessage() == f"autoscaler of {NS}/broken" and r.exc_info]
+    assert len(failures) == 3 and isinstance(failures[0].exc_info[1], ValueError)  # every pass, logged
     assert [e[1] for e in events if e[1].startswith("Scaled")] == ["ScaledUp"]  # once, not per pass
 
 
