@@ -11,6 +11,8 @@
   without being read, a prompt certainly longer than ``max_model_len`` tokens is a 400
   without being tokenized, lone surrogates are a 400 naming the field, ``HEAD`` probes, and
   ``GET /v1/models/{model}`` through the official ``openai`` client.
+
+Tests that load the model or start a server are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
 import torch
 import uvicorn
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from kvfleet.runtime.api_server import create_app
@@ -65,6 +68,7 @@ def tok(smollm2):
 # ----------------------------------------------------------------------------- the length bound
 
 
+@pytest.mark.slow
 def test_bound_of_the_default_tokenizer_holds_and_is_tight(tok):
     bound = prompt_length_bound(tok)
     assert bound is not None and bound.chars_per_token == L_SMOLLM2
@@ -93,8 +97,6 @@ def _byte_level_bpe(normalizer=None) -> Tokenizer:
     """A real byte-level BPE trained on a few sentences (every byte in its alphabet)."""
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    from tokenizers import decoders
-
     tk.decoder = decoders.ByteLevel()
     if normalizer is not None:
         tk.normalizer = normalizer
@@ -220,9 +222,8 @@ def tokenizer_spy(tokenizer, hold_first_big: bool = False):
     once); with ``hold_first_big`` the first one waits (at most 120 s) for ``spy.release``.
     A pass-through: the real ``encode`` does the work. Restored on exit."""
     real = tokenizer.encode
-    spy = type("Spy", (), {})()
-    spy.calls, spy.threads, spy.active, spy.most_active = [], [], 0, 0
-    spy.entered, spy.release = threading.Event(), threading.Event()
+    spy = SimpleNamespace(calls=[], threads=[], active=0, most_active=0, entered=threading.Event(),
+                          release=threading.Event())
     lock = threading.Lock()
 
     def encode(text, *args, **kwargs):
@@ -264,6 +265,7 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__
 HI = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
+@pytest.mark.slow
 def test_health_answers_while_a_multi_megabyte_prompt_is_tokenized(server, tok):
     baseline = server.http.post("/v1/completions", json=HI)
     assert baseline.status_code == 200, baseline.text
@@ -295,6 +297,7 @@ def test_health_answers_while_a_multi_megabyte_prompt_is_tokenized(server, tok):
     assert after.status_code == 200 and after.json()["choices"][0]["text"] == baseline.json()["choices"][0]["text"]
 
 
+@pytest.mark.slow
 def test_prompt_certainly_over_max_model_len_is_400_untokenized(server, tok):
     over = "a" * (L_SMOLLM2 * (MAX_LEN - 1) + 1)  # at least 8192 tokens
     with tokenizer_spy(tok) as spy:
@@ -333,6 +336,7 @@ def _raw_request(live: LiveServer, head: bytes, body: bytes) -> tuple[int, dict]
     return int(header.split()[1]), json.loads(rest[:length])
 
 
+@pytest.mark.slow
 def test_body_over_the_limit_is_413_without_being_read(server):
     limit = server.state.settings.max_request_body_size
     assert limit == 32 * 1024**2  # the default
@@ -363,6 +367,7 @@ def test_body_over_the_limit_is_413_without_being_read(server):
     assert server.http.post("/v1/completions", json=HI).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path,body,param",
     [
@@ -388,6 +393,7 @@ def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
 # ----------------------------------------------------------------------------- probes and models
 
 
+@pytest.mark.slow
 def test_head_probes_and_retrieve_model(smollm2):
     """HEAD /health and /ready (also while loading), and GET /v1/models/{model} through the
     official client, with an API key and a served name that holds a "/"."""
