@@ -1,7 +1,7 @@
 """A cheap lower bound on a text's token count, to reject hopeless prompts before tokenizing.
 
-Tokenizing a prompt costs time linear in its length (about 1 s per MB of text for a byte-level
-BPE on one CPU core), and a prompt far longer than ``max_model_len`` tokens is rejected anyway.
+Tokenizing a prompt costs time linear in its length (0.5-1 s per MB of text for a byte-level
+BPE on one busy CPU core), and a prompt far longer than ``max_model_len`` tokens is rejected anyway.
 :func:`prompt_length_bound` computes once, from the tokenizer's vocabulary, a number ``L``
 such that *every* text of ``n`` characters tokenizes to at least ``ceil(n / L)`` tokens, so
 that the server can answer such a prompt with a 400 from its length alone
@@ -39,7 +39,7 @@ The steps before the model must not make the text shorter than the bound assumes
   byte fallback.
 
 A byte-level BPE drops the bytes whose byte-level character is missing from its vocabulary
-(SmolLM2's, converted from GGUF, lacks e.g. ``\x04``: ``encode("\x04" * 10) == []``). When
+(SmolLM2's, converted from GGUF, lacks e.g. ``\\x04``: ``encode("\\x04" * 10) == []``). When
 only single-byte (ASCII) characters can vanish that way, they are not counted
 (:attr:`PromptLengthBound.ignored_chars`); a missing UTF-8 continuation byte, which could make
 a multi-byte character vanish, gives no bound. (Bytes that never occur in UTF-8, such as
@@ -62,7 +62,7 @@ logger = logging.getLogger("kvfleet.server")
 
 NFC_MAX_COMPOSITION = 4
 """Most code points canonical composition merges into one (the longest canonical
-decomposition, Unicode 15: U+1F82 -> 4 code points)."""
+decomposition in Unicode: U+1F82 -> 4 code points)."""
 
 _KEEP_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
 _KEEP_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"}
