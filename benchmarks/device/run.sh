@@ -18,7 +18,7 @@
 #
 # Environment (defaults): OUT (/tmp/gpu_check_out), PYTHON (python3), SITE (/tmp/site),
 # RUN_BUDGET_S (480: seconds from the start of this script to the end of the last section),
-# SHARDS (8), GPU_CHECK_EXTRA_ARGS (none; --smoke runs it all on CPU under the Triton
+# SHARDS (8), WHEELS_DIR (.whl), GPU_CHECK_EXTRA_ARGS (none; --smoke runs it all on CPU under the Triton
 # interpreter, which is how this script is tested without a GPU), ENGINE_MODEL (the .gguf in
 # .whl/model/, else gpu_check's default model).
 set -u -o pipefail
@@ -30,6 +30,7 @@ PY=${PYTHON:-python3}
 SITE=${SITE:-/tmp/site}
 RUN_BUDGET_S=${RUN_BUDGET_S:-480}
 SHARDS=${SHARDS:-8}
+WHEELS=${WHEELS_DIR:-.whl}
 read -r -a EXTRA <<< "${GPU_CHECK_EXTRA_ARGS:-}"
 W=$(mktemp -d /tmp/gpu_check.XXXXXX)   # per-process logs and JSON, merged into $OUT at the end
 mkdir -p "$OUT"
@@ -40,18 +41,18 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export KVFLEET_CACHE_DIR=${KVFLEET_CACHE_DIR:-/tmp/kvfleet-cache}   # the GGUF -> fp32 conversion
 
 echo "== set-up ($(date -u +%FT%TZ), $REPO)"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-    || { echo "run.sh: installing .whl/*.whl failed"; return 3; }
-  echo "installed into $SITE: $(cd .whl && ls *.whl | tr '\n' ' ')"
+if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
+    || { echo "run.sh: installing $WHEELS/*.whl failed"; return 3; }
+  echo "installed into $SITE: $(cd "$WHEELS" && ls *.whl | tr '\n' ' ')"
 else
   mkdir -p "$SITE"
-  echo "no .whl/*.whl: using the machine's packages only (run benchmarks/device/prepare.sh and carry .whl)"
+  echo "no $WHEELS/*.whl: using the machine's packages only (run benchmarks/device/prepare.sh and carry .whl)"
 fi
 mkdir -p "$SITE/kvfleet"
 for sub in runtime kernels operator; do ln -sfn "$REPO/$sub" "$SITE/kvfleet/$sub"; done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-MODEL=${ENGINE_MODEL:-$(ls .whl/model/*.gguf 2> /dev/null | head -1)}
+MODEL=${ENGINE_MODEL:-$(ls "$WHEELS"/model/*.gguf 2> /dev/null | head -1)}
 
 nvidia-smi || echo "(nvidia-smi not available)"
 "$PY" - << 'EOF' || { echo "run.sh: the imports gpu_check needs failed"; return 3; }
