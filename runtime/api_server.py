@@ -709,6 +709,10 @@ def _explain_invalid_json(raw: bytes) -> None:
     except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the stack
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     for key, value in data.items() if isinstance(data, dict) else ():
+        bad = _lone_surrogate(key)
+        if bad is not None:  # never echoed back: it cannot be encoded in the answer either
+            raise APIError(400, f"request body is not valid UTF-8 text: a field name contains a lone surrogate "
+                                f"(\\u{ord(bad):04x})", code="invalid_encoding")  # fmt: skip
         bad = _lone_surrogate(value)
         if bad is not None:
             raise APIError(

@@ -375,6 +375,7 @@ def test_body_over_the_limit_is_413_without_being_read(server):
         ("/v1/completions", b'{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
         ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udc00"], "max_tokens": 2}', "stop"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\ud83d"}]}', "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "\\ud800": 1}', None),
     ],
 )
 def test_lone_surrogate_is_400_naming_the_field(server, path, body, param):
