@@ -403,7 +403,7 @@ class LLMEngine:
                 if entry is None:
                     continue
                 try:
-                    self._add_prompt_logprobs(entry[0], plp)
+                    self._add_prompt_logprobs(entry[0], entry[1], plp)
                 except Exception as exc:  # one bad request must not take the engine down
                     logger.exception("request %s failed while processing its prompt logprobs", rid)
                     state, seq = entry
@@ -493,9 +493,10 @@ class LLMEngine:
                 out[tid] = Logprob(value, r, decode(tid))
         return out
 
-    def _add_prompt_logprobs(self, state: _UserRequest, plp: PromptLogprobsTensors) -> None:
-        """Append one step's prompt logprobs. Entries the request already has are skipped: a
-        request preempted (recompute) computes its prompt again from position 0."""
+    def _add_prompt_logprobs(self, state: _UserRequest, seq: _Sequence, plp: PromptLogprobsTensors) -> None:
+        """Append one step's prompt logprobs. Entries the request already has are skipped (the
+        runner does not compute them again after a preemption, see
+        ``Request.num_prompt_logprobs_done``; this keeps the list right regardless)."""
         acc = state.prompt_logprobs
         if acc is None:
             return
@@ -515,6 +516,7 @@ class LLMEngine:
         first = plp.first_token + skip
         for j in range(n - skip):
             acc.append(self._logprob_dict(prompt[first + j], lps[j], ranks[j], top_ids[j], top_lps[j]))
+        seq.request.num_prompt_logprobs_done = len(acc)
 
     def _finish_sequence(
         self, state: _UserRequest, seq: _Sequence, reason: str, now: float, iteration: IterationStats

@@ -299,15 +299,18 @@ class ModelRunner:
     def _prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int, int]]:
         """``(request, first batch row, number of rows, first scored prompt token)`` for every
         scheduled request that wants prompt logprobs and computes prompt positions before its
-        last prompt token this step. Position ``p`` scores prompt token ``p + 1``."""
+        last prompt token this step. Position ``p`` scores prompt token ``p + 1``; positions
+        whose logprobs the engine already holds (``request.num_prompt_logprobs_done``: a
+        request preempted and computing its prompt again) are skipped."""
         rows = []
         offset = 0
         for s in scheduled:
             k = s.request.sampling_params.prompt_logprobs
             last = s.request.num_prompt_tokens - 1  # the last prompt position samples, it scores nothing
+            start = max(s.start_pos, s.request.num_prompt_logprobs_done - 1)
             end = min(s.seq_len, last)
-            if k is not None and s.start_pos < end:
-                rows.append((s, offset, end - s.start_pos, s.start_pos + 1))
+            if k is not None and start < end:
+                rows.append((s, offset + start - s.start_pos, end - start, start + 1))
             offset += s.num_new_tokens
         return rows
 

@@ -55,6 +55,9 @@ class Request:
         num_preemptions: how many times it was preempted (recompute).
         block_hashes: prefix-cache hashes of its full blocks, extended by the KV cache manager.
         stop_reason: the stop string or stop token id that finished it, if any.
+        num_prompt_logprobs_done: with ``sampling_params.prompt_logprobs``, prompt positions
+            whose logprobs the engine already holds (the first token's, which has none,
+            counts): after a preemption the model runner does not compute them again.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
+        self.num_prompt_logprobs_done = 0
         # Prefix-cache accounting: counted once per successful schedule from WAITING.
         self.num_cached_tokens = -1
 

@@ -11,9 +11,11 @@ logprobs are within ``ATOL`` of each other.
 Engine paths covered: a batch mixing prompt-logprob requests (k = 0, 1, 5) with others
 (sampled logprobs, n = 2); chunked prefill (a token budget of 16 splits the prompt over
 many steps); a request preempted (recompute) both in the middle of its prefill and after
-its prompt was done; the prefix cache skipped. Server paths: ``/v1/completions`` with
+its prompt was done (no entry lost or doubled, no position scored twice); the prefix cache
+skipped; a soft-capped model (tiny Gemma 2). Server paths: ``/v1/completions`` with
 ``echo`` (+ ``logprobs``, streamed and not, ``max_tokens: 0``), vLLM's extra
-``prompt_logprobs`` on completions and chat, and its bad values (400 naming the field).
+``prompt_logprobs`` on completions and chat, its bad values (400 naming the field), and the
+official ``openai`` client reading them.
 """
 
 from __future__ import annotations
@@ -164,6 +166,17 @@ def test_preempted_request_neither_duplicates_nor_loses_entries(smollm2, hf_logp
     # its prompt was done (mid-decode) and then repeatedly in the middle of its prefill.
     engine = make_engine(smollm2, num_blocks=12, block_size=16, max_num_batched_tokens=32, enable_prefix_caching=False)
     schedules = record_schedules(engine)
+    scored = []  # the prompt tokens of B whose logprobs the model runner computed, step by step
+    execute = engine.runner.execute_model
+
+    def recording(scheduler_output):
+        result = execute(scheduler_output)
+        plp = result.prompt_logprobs.get("B")
+        if plp is not None:
+            scored.extend(range(plp.first_token, plp.first_token + len(plp.token_logprobs)))
+        return result
+
+    engine.runner.execute_model = recording
     tok = engine.tokenizer
     a = "The history of the Roman Empire spans many centuries. " * 12
     ids = tok.encode(PROMPTS[3])
@@ -183,6 +196,8 @@ def test_preempted_request_neither_duplicates_nor_loses_entries(smollm2, hf_logp
     assert any(c > len(ids) for c in preempted_at), f"B was not preempted after its prompt: {preempted_at}"
     assert any(0 < c < len(ids) for c in preempted_at), f"B was not preempted during its prefill: {preempted_at}"
     assert_prompt_logprobs(final["B"].prompt_logprobs, ids, hf_logprobs(ids), 3, tok)
+    # Recomputing its prompt after a preemption, B's positions already scored are not scored again.
+    assert sorted(scored) == list(range(1, len(ids)))
     alone = LLM.from_engine(make_engine(smollm2)).generate(
         PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )[0]
