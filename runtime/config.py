@@ -47,3 +47,8 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Processes (GPUs) one model is split over by tensor parallelism (Megatron-LM's column/row
+    sharding, through transformers' ``tp_plan``); must divide the model's
+    ``num_attention_heads`` and ``num_key_value_heads`` (checked when the engine starts, a
+    ``ValueError`` naming this field). Single node only, see :mod:`kvfleet.runtime.distributed`."""

@@ -31,6 +31,7 @@ import torch
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.distributed import MultiprocExecutor
 from kvfleet.runtime.model_loader import LoadedModel, load_model
 from kvfleet.runtime.model_runner import ModelRunner, PromptLogprobsTensors
 from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -102,8 +103,13 @@ class LLMEngine:
 
     Raises:
         ValueError: inconsistent configuration (``max_model_len`` longer than the model's
-            context or than the KV cache; a memory budget smaller than one block).
+            context or than the KV cache; a memory budget smaller than one block;
+            ``tensor_parallel_size`` that does not divide the model's attention or KV heads,
+            or a model without a tensor-parallel plan).
         FileNotFoundError: the model path does not exist.
+        TensorParallelError: a tensor-parallel worker failed to start (see
+            :mod:`kvfleet.runtime.distributed`; with ``tensor_parallel_size > 1`` this
+            process is rank 0 and spawns the other ranks; call :meth:`shutdown` to stop them).
     """
 
     def __init__(
@@ -115,15 +121,30 @@ class LLMEngine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.stat_loggers = list(stat_loggers or [])
-        if loaded is None:
+        self.executor: MultiprocExecutor | None = None  # tensor parallelism: rank 0 drives the workers
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
+            self.executor = MultiprocExecutor.start(config)
+            loaded = self.executor.loaded
+        elif loaded is None:
             loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device)
         self.loaded = loaded
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         self.runner = ModelRunner(config, loaded)
-        num_blocks = self.runner.determine_num_blocks()
-        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        if self.executor is None:
+            num_blocks = self.runner.determine_num_blocks()
+        else:
+            num_blocks = self.executor.determine_num_blocks(self.runner)  # the minimum over the ranks
+        try:
+            self.max_model_len = self._resolve_max_model_len(num_blocks)
+        except ValueError:
+            self.shutdown()
+            raise
         self.runner.initialize_kv_cache(num_blocks)
+        if self.executor is not None:
+            self.executor.wrap_runner(self.runner)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.sampler = Sampler(loaded.device, seed=config.seed)
@@ -164,6 +185,12 @@ class LLMEngine:
         if eos is None and gen_list:
             eos = gen_list[0]
         return eos, [t for t in gen_list if t != eos]
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step after
+        it (a step raises ``TensorParallelError``); with ``tensor_parallel_size=1`` a no-op."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ------------------------------------------------------------------ properties
     @property

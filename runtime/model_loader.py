@@ -249,6 +249,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str = "auto",
     cache_root: Path | None = None,
+    tensor_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
 
@@ -258,6 +259,9 @@ def load_model(
         dtype: ``auto`` / ``float32`` / ``float16`` / ``bfloat16`` (see :func:`resolve_dtype`).
         device: ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N``.
         cache_root: override of the cache folder (default :func:`cache_dir`).
+        tensor_parallel_size: above 1, load this rank's shard with transformers' tensor-parallel
+            plan (``torch.distributed`` must be initialised by
+            :class:`kvfleet.runtime.distributed.MultiprocExecutor`; ``device`` is this rank's).
 
     Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention, or ``eager`` for
         architectures without sdpa support such as Gemma 2 (the engine switches it to its
@@ -280,8 +284,16 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(path)
     check_attention_support(hf_config)
     attn_implementation = _initial_attn_implementation(hf_config)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
-    hf_model.to(dev)
+    if tensor_parallel_size > 1:  # kvfleet.runtime.distributed: each rank loads its shard on its device
+        from transformers.distributed import DistributedConfig
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attn_implementation,
+            distributed_config=DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size),
+        )
+    else:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)

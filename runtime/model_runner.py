@@ -119,6 +119,11 @@ class ModelRunner:
         self.num_heads = text_config.num_attention_heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
         self.head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
+        # Tensor parallelism (kvfleet.runtime.distributed): this rank computes and caches only
+        # its 1/tp share of the query and KV heads.
+        self.tp_size = config.tensor_parallel_size
+        self.num_heads //= self.tp_size
+        self.num_kv_heads //= self.tp_size
         self.vocab_size = text_config.vocab_size
         self.model_max_len = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
         # Per-layer sliding windows; ValueError for attention features the kernels lack.
@@ -150,6 +155,8 @@ class ModelRunner:
 
         - ``config.num_blocks`` when set;
         - CPU: ``kv_cache_memory`` (default ``DEFAULT_KV_CACHE_MEMORY``) / bytes per block;
+          with tensor parallelism each rank gets ``1 / tp`` of it (and its blocks are ``1 / tp``
+          the size: the same block count);
         - CUDA: ``kv_cache_memory`` when set, else
           ``gpu_memory_utilization * total - peak_torch_memory - non_torch_memory`` where the
           peak comes from a dummy forward pass of ``max_num_batched_tokens`` tokens (weights
@@ -164,6 +171,8 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
             source = "kv_cache_memory"
+            if self.device.type != "cuda":  # ranks share the host's memory: each gets 1/tp of it
+                budget /= self.tp_size
         else:
             budget = self._profile_cuda_budget()
             source = "gpu_memory_utilization"

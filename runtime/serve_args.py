@@ -74,6 +74,7 @@ _HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "order of admission: fcfs, priority (request field), fair (per tenant = user field)",
     "enable_chunked_prefill": "split long prompts over several steps",
+    "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism, one node",
     "host": "address to listen on",
     "port": "TCP port to listen on",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* routes",

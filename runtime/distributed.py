@@ -1,0 +1,542 @@
+"""Tensor parallelism on one node: the engine process is the *driver worker* (rank 0), and it
+spawns ``tensor_parallel_size - 1`` *workers* (ranks 1..tp-1), vLLM's process layout.
+
+What is sharded
+    The weights, by the model's own tensor-parallel plan in transformers
+    (``config.base_model_tp_plan`` and the model class's ``_tp_plan``): every rank loads its
+    shard with ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto",
+    tp_size=tp))``. For Llama-style models that is Megatron-LM's layout (Shoeybi et al. 2019,
+    "Megatron-LM", section 3): ``q/k/v_proj`` and ``gate/up_proj`` column-parallel (each rank
+    computes ``num_heads / tp`` query heads, ``num_kv_heads / tp`` KV heads and
+    ``intermediate_size / tp`` MLP columns), ``o_proj`` and ``down_proj`` row-parallel with one
+    all-reduce each; the embedding vocab-parallel (all-reduce); the LM head column-parallel
+    with an all-gather of its output (``colwise_gather_output``), so rank 0 gets full-vocab
+    logits ``[S, vocab_size]`` and samples alone.
+    The KV cache: each rank's :class:`~kvfleet.runtime.model_runner.ModelRunner` holds the
+    cache of its own ``num_kv_heads / tp`` heads, ``[num_blocks, block_size, num_kv_heads / tp,
+    head_size]`` per layer; all ranks use the same block ids, so the scheduler and block
+    tables are rank 0's alone.
+
+Process layout and one step
+    Rank 0 runs the scheduler, the sampler and the detokenizer. Its runner's model is wrapped
+    (:class:`_DriverModel`) so that every forward call first broadcasts the call's inputs
+    (``input_ids``, ``position_ids``, ``logits_to_keep`` and the
+    :class:`~kvfleet.runtime.attention.AttentionMetadata` without the KV caches: slot mapping,
+    block tables, sequence lengths, query start offsets) to the workers over a gloo "CPU"
+    process group with ``broadcast_object_list`` (vLLM's ``broadcast_tensor_dict`` idea: control
+    data over a CPU group, the model's collectives over the device group: gloo on CPU, NCCL on
+    CUDA, as ``transformers.distributed.utils.get_distributed_backend`` maps them). Each worker
+    replays the call on its own runner's model and KV caches and drops the output. A call of
+    the LM head alone (prompt logprobs: ``model.get_output_embeddings()(hidden)``) is sent the
+    same way, with its hidden states, because its all-gather needs every rank.
+
+Lifecycle
+    Workers are child processes (``python -m kvfleet.runtime.distributed``). :meth:`MultiprocExecutor.shutdown` (called by
+    ``LLMEngine.shutdown``, by an ``atexit`` hook and on a failed start) broadcasts a stop
+    message, joins them, then terminates/kills what is left. A worker also exits when its
+    parent dies (it polls ``os.getppid()``) or when a collective fails. A worker that fails
+    writes its traceback into the rendezvous store before exiting; the driver checks that its
+    workers are alive before every step, and a failed collective or a dead worker is raised in
+    the engine as :class:`TensorParallelError` (naming the rank and its error), never a hang.
+
+KV cache sizing
+    On CPU all ranks share the host's memory: ``kv_cache_memory`` (default 2 GiB) is the total
+    over all ranks, each rank gets ``kv_cache_memory / tp`` for blocks that are ``1 / tp`` the
+    size, so the engine holds as many blocks (tokens) as with ``tp = 1``. On CUDA each rank
+    profiles its own GPU (``gpu_memory_utilization`` of that GPU, or ``kv_cache_memory`` per
+    GPU) and the engine uses the minimum block count over all ranks (vLLM's rule).
+
+Limits: one node (ranks talk over ``127.0.0.1``), no pipeline parallelism, one tensor-parallel
+engine per process (torch.distributed has one default process group per process), and
+``device`` must be ``auto``, ``cpu`` or ``cuda`` (rank ``r`` uses ``cuda:r``).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch loads its OpenMP runtime (see kvfleet.runtime.engine).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import atexit
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvfleet.runtime.attention import METADATA_KWARG
+from kvfleet.runtime.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("KVFLEET_TP_STARTUP_TIMEOUT", "600"))
+"""Seconds the driver waits for its workers to reach the rendezvous (spawn + imports)."""
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+"""Timeout of the process groups' collectives (covers model loading; a dead peer is
+detected long before, by its closed connection)."""
+_STOP = "__kvfleet_stop__"
+_ERROR_KEY = "kvfleet/error/{rank}"
+_READY_KEY = "kvfleet/ready"
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker failed or died (the message names its rank and error)."""
+
+
+# ------------------------------------------------------------------------------ checks
+def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int, model_name: str = "the model") -> None:
+    """Check that a model can be split ``tensor_parallel_size`` ways.
+
+    Args:
+        hf_config: the model's transformers config (its text config is used).
+        tensor_parallel_size: the number of ranks.
+        model_name: for the messages.
+
+    Raises:
+        ValueError: naming ``tensor_parallel_size``: below 1, it does not divide
+            ``num_attention_heads`` or ``num_key_value_heads``, or the model type has no
+            tensor-parallel plan in transformers (``base_model_tp_plan``).
+    """
+    tp = tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    for field_name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value % tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must divide the model's {field_name} ({value}) "
+                f"({model_name}: {heads} attention heads, {kv_heads} KV heads)"
+            )
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ValueError(
+            f"tensor_parallel_size ({tp}): {model_name} ({getattr(text, 'model_type', '?')}) has no "
+            "tensor-parallel plan in transformers (config.base_model_tp_plan); run it with "
+            "tensor_parallel_size=1"
+        )
+
+
+def _device_for_rank(device: str, rank: int, tp: int) -> str:
+    """The device string of ``rank``: ``cpu``, or ``cuda:<rank>``.
+
+    Raises:
+        ValueError: ``device`` names one CUDA device (``cuda:N``), or fewer CUDA devices than
+            ``tp`` are visible.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return "cpu"
+    if device != "cuda":
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) needs device auto, cpu or cuda (rank r uses cuda:r), got {device!r}"
+        )
+    if torch.cuda.device_count() < tp:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) is more than the {torch.cuda.device_count()} visible CUDA devices"
+        )
+    return f"cuda:{rank}"
+
+
+# ------------------------------------------------------------------------------ messages
+def _to_device(obj: Any, device: torch.device) -> Any:
+    return obj.to(device) if isinstance(obj, torch.Tensor) else obj
+
+
+def _pack_call(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward call's keyword arguments as a picklable message: tensors on the CPU, the
+    attention metadata without its KV caches (each rank has its own)."""
+    msg: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key == METADATA_KWARG:
+            fields = {f.name: _to_device(getattr(value, f.name), torch.device("cpu")) for f in dataclasses.fields(value)}
+            fields["kv_caches"] = None
+            value = dataclasses.replace(value, **fields)
+        else:
+            value = _to_device(value, torch.device("cpu"))
+        msg[key] = value
+    return msg
+
+
+def _unpack_call(msg: dict[str, Any], device: torch.device, kv_caches) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for key, value in msg.items():
+        if key == METADATA_KWARG:
+            fields = {f.name: _to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)}
+            fields["kv_caches"] = kv_caches
+            value = dataclasses.replace(value, **fields)
+        else:
+            value = _to_device(value, device)
+        kwargs[key] = value
+    return kwargs
+
+
+def _min_over_ranks(value: int, group) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+# ------------------------------------------------------------------------------ worker
+def _init_process_group(rank: int, tp: int, store: dist.Store, device: str):
+    """Join the device process group (gloo/NCCL) through the driver's rendezvous store and
+    create the gloo control group."""
+    from transformers.distributed.utils import get_distributed_backend
+
+    backend = get_distributed_backend(torch.device(device).type)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore("kvfleet/pg", store),
+        rank=rank,
+        world_size=tp,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)  # the engine died: never outlive it
+        time.sleep(1.0)
+
+
+def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_port: int, parent_pid: int) -> None:
+    """Body of worker ``rank`` (its own process, see :func:`main`): join the groups, load this
+    rank's shard, size and allocate the local KV cache, then replay the driver's forward calls
+    until the stop message. Exit status 0 after a stop, 1 on an error (its traceback is written
+    to the rendezvous store under ``kvfleet/error/<rank>``)."""
+    torch.set_num_threads(int(os.environ.get("KVFLEET_TP_WORKER_THREADS", "1")))
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(name)s: %(message)s")
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    config = EngineConfig(**config_dict)
+    tp = config.tensor_parallel_size
+    code = 0
+    try:
+        device = _device_for_rank(config.device, rank, tp)
+        store.add(_READY_KEY, 1)
+        cpu_group = _init_process_group(rank, tp, store, device)
+        from kvfleet.runtime.model_loader import load_model
+        from kvfleet.runtime.model_runner import ModelRunner
+
+        loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=device,
+                            tensor_parallel_size=tp)
+        runner = ModelRunner(config, loaded)
+        num_blocks = _min_over_ranks(runner.determine_num_blocks(), cpu_group)
+        runner.initialize_kv_cache(num_blocks)
+        with torch.inference_mode():
+            while True:
+                box: list[Any] = [None]
+                dist.broadcast_object_list(box, src=0, group=cpu_group)
+                kind, payload = box[0]
+                if kind == _STOP:
+                    break
+                if kind == "forward":
+                    runner.model(**_unpack_call(payload, runner.device, runner.kv_caches))
+                elif kind == "lm_head":
+                    runner.model.get_output_embeddings()(payload.to(runner.device))
+                else:
+                    raise TensorParallelError(f"unknown message from the driver: {kind!r}")
+    except BaseException as exc:  # report, then exit non-zero
+        code = 1
+        if os.getppid() != parent_pid:
+            os._exit(3)  # the driver is gone (so are the collectives): nobody to report to
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        try:
+            store.set(_ERROR_KEY.format(rank=rank), text)
+        except Exception:
+            pass
+        logging.getLogger(__name__).error("tensor-parallel worker %d failed: %s", rank, text)
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    os._exit(code)  # skip interpreter teardown of torch/gloo threads
+
+
+# ------------------------------------------------------------------------------ driver
+class _DriverModel:
+    """Rank 0's model as the runner sees it: a call first sends its inputs to the workers,
+    then runs the local shard (whose collectives pair with the workers' replays). Every other
+    attribute is the wrapped model's."""
+
+    def __init__(self, model: torch.nn.Module, executor: "MultiprocExecutor") -> None:
+        self._model = model
+        self._executor = executor
+
+    def __call__(self, *args, **kwargs):
+        if args:
+            raise TypeError("the tensor-parallel driver forwards keyword arguments only")
+        self._executor.broadcast(("forward", _pack_call(kwargs)))
+        try:
+            return self._model(**kwargs)
+        except Exception as exc:
+            raise self._executor.failure(exc) from exc
+
+    def get_output_embeddings(self):
+        """The LM head, called on its own (prompt logprobs): its all-gather needs the workers,
+        so a call sends them the hidden states ``[N, hidden_size]`` first."""
+        return _DriverLMHead(self._model.get_output_embeddings(), self._executor)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+class _DriverLMHead:
+    def __init__(self, module: torch.nn.Module, executor: "MultiprocExecutor") -> None:
+        self._module = module
+        self._executor = executor
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._executor.broadcast(("lm_head", hidden_states.detach().cpu()))
+        try:
+            return self._module(hidden_states)
+        except Exception as exc:
+            raise self._executor.failure(exc) from exc
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+class MultiprocExecutor:
+    """Starts and owns the workers of a tensor-parallel engine; this process becomes rank 0.
+
+    Args:
+        config: the engine configuration (``tensor_parallel_size > 1``).
+        model_path: a path or hub id ``from_pretrained`` loads (already resolved by
+            :func:`kvfleet.runtime.model_loader.resolve_model_path`).
+        model_name: the display name for :attr:`loaded` (default: from the path).
+
+    After construction, :attr:`loaded` is rank 0's shard of the model. Use
+    :meth:`determine_num_blocks` (all ranks agree on the minimum), then
+    :meth:`wrap_runner` once the KV cache is allocated.
+
+    Raises:
+        ValueError: a bad ``device`` for tensor parallelism (see module docstring).
+        RuntimeError: another tensor-parallel engine is running in this process.
+        TensorParallelError: a worker failed to start or load (its error in the message).
+    """
+
+    def __init__(self, config: EngineConfig, model_path: str, model_name: str | None = None) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "tensor_parallel_size: torch.distributed is already initialised in this process "
+                "(one tensor-parallel engine per process)"
+            )
+        self.config = config
+        self.tp = tp = config.tensor_parallel_size
+        self.device = _device_for_rank(config.device, 0, tp)
+        self.procs: list[subprocess.Popen] = []
+        self._closed = False
+        self.cpu_group = None
+        # The rendezvous store (port 0: the OS picks a free one, no race with other processes);
+        # the process groups, the readiness count and the workers' errors all live in it.
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
+                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
+        store_port = self.store.port
+        # Fresh interpreters (``python -m kvfleet.runtime.distributed``), not multiprocessing's
+        # spawn: that re-imports the parent's __main__, which breaks unguarded scripts.
+        for rank in range(1, tp):
+            env = dict(os.environ)
+            env.update(
+                OMP_NUM_THREADS=os.environ.get("KVFLEET_TP_WORKER_THREADS", "1"),
+                LOCAL_RANK=str(rank),  # transformers binds cuda:LOCAL_RANK
+                PYTHONSAFEPATH="1",  # a checkout's operator/ must not shadow the stdlib module
+            )
+            args = [sys.executable, "-m", "kvfleet.runtime.distributed", "--rank", str(rank),
+                    "--store-port", str(store_port), "--parent-pid", str(os.getpid()), "--model-path", model_path,
+                    "--config", config.model_dump_json()]
+            self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
+        # At exit or garbage collection without shutdown(): no stop message, terminate at once.
+        self._finalizer = weakref.finalize(self, _shutdown_procs, self.procs, 0.0)
+        atexit.register(self._finalizer)
+        try:
+            self._wait_ready()
+            self.cpu_group = _init_process_group(0, tp, self.store, self.device)
+            from kvfleet.runtime.model_loader import load_model
+
+            self.loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=self.device,
+                                     tensor_parallel_size=tp)
+            if model_name:
+                self.loaded.name = model_name
+        except BaseException as exc:
+            failure = self.failure(exc)
+            self.shutdown()
+            if failure is exc:
+                raise
+            raise failure from exc
+        logger.info("tensor parallelism: %d ranks (%s), workers pids %s", tp, self.device, [p.pid for p in self.procs])
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> "MultiprocExecutor":
+        """Resolve ``config.model``, check that it splits ``tensor_parallel_size`` ways (from its
+        config alone, before any process starts), then start the workers.
+
+        Raises:
+            ValueError: see :func:`check_tensor_parallel` and :func:`_device_for_rank`.
+            FileNotFoundError: the model path does not exist.
+            TensorParallelError: a worker failed to start or load.
+        """
+        from transformers import AutoConfig
+
+        from kvfleet.runtime.model_loader import resolve_model_path
+
+        _device_for_rank(config.device, 0, config.tensor_parallel_size)
+        path, name = resolve_model_path(config.model)
+        check_tensor_parallel(AutoConfig.from_pretrained(path), config.tensor_parallel_size, name)
+        return cls(config, path, name)
+
+    # -------------------------------------------------------------- health
+    def _worker_errors(self) -> list[str]:
+        errors = []
+        for rank, proc in enumerate(self.procs, start=1):
+            key = _ERROR_KEY.format(rank=rank)
+            text = None
+            try:
+                if self.store.check([key]):
+                    text = self.store.get(key).decode(errors="replace").splitlines()[0]
+            except Exception:
+                pass
+            if text is None and proc.poll() is not None:
+                text = f"exited with code {proc.returncode}"
+            if text is not None:
+                errors.append(f"rank {rank} (pid {proc.pid}): {text}")
+        return errors
+
+    def failure(self, exc: BaseException) -> BaseException:
+        """The error to raise for ``exc``: a :class:`TensorParallelError` naming the failed
+        workers when there are any (waiting up to 2 s for a dying worker's report), else ``exc``."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            errors = self._worker_errors()
+            if errors or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if not errors:
+            return exc
+        return TensorParallelError(f"tensor-parallel worker failed: {'; '.join(errors)} (driver: {exc!r})")
+
+    def check_workers(self) -> None:
+        """Raises: TensorParallelError when a worker has exited (or the executor is shut down)."""
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel workers were shut down")
+        dead = [p for p in self.procs if p.poll() is not None]
+        if dead:
+            raise TensorParallelError(f"tensor-parallel worker failed: {'; '.join(self._worker_errors())}")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while self.store.add(_READY_KEY, 0) < len(self.procs):
+            self.check_workers()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+
+    # -------------------------------------------------------------- setup and steps
+    def determine_num_blocks(self, runner) -> int:
+        """``runner.determine_num_blocks()`` on rank 0, minimised over all ranks (each worker
+        sizes its own cache at the same time). On failure the workers are shut down.
+
+        Raises: what ``determine_num_blocks`` raises, or TensorParallelError (a worker failed)."""
+        try:
+            return _min_over_ranks(runner.determine_num_blocks(), self.cpu_group)
+        except BaseException as exc:
+            failure = self.failure(exc)
+            self.shutdown()
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def wrap_runner(self, runner) -> None:
+        """From now on, every forward of ``runner``'s model is replayed by the workers."""
+        runner.model = _DriverModel(runner.model, self)
+
+    def broadcast(self, msg: Any) -> None:
+        """Send one message to every worker (``broadcast_object_list`` on the gloo group).
+
+        Raises: TensorParallelError: a worker is dead or the broadcast failed."""
+        self.check_workers()
+        try:
+            dist.broadcast_object_list([msg], src=0, group=self.cpu_group)
+        except Exception as exc:
+            raise self.failure(exc) from exc
+
+    def shutdown(self) -> None:
+        """Stop the workers (stop message, join, then terminate/kill) and leave the process
+        groups. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        stopped = False
+        if self.cpu_group is not None and all(p.poll() is None for p in self.procs):
+            try:
+                dist.broadcast_object_list([(_STOP, None)], src=0, group=self.cpu_group)
+                stopped = True
+            except Exception:
+                logger.warning("could not send the stop message to the tensor-parallel workers", exc_info=True)
+        # After a stop message the workers exit by themselves; otherwise (a worker died, so the
+        # others may wait in a collective forever) they are terminated at once.
+        _shutdown_procs(self.procs, 10.0 if stopped else 0.0)
+        self._finalizer()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                logger.warning("destroy_process_group failed", exc_info=True)
+        atexit.unregister(self._finalizer)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    try:
+        proc.wait(max(0.0, timeout))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _shutdown_procs(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait up to ``timeout`` s for the workers to exit, then SIGTERM, then SIGKILL; reaps them."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        _wait(proc, deadline - time.monotonic())
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        if not _wait(proc, 2.0):
+            proc.kill()
+            _wait(proc, 2.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvfleet.runtime.distributed --rank R ...``: a worker process (started by
+    :class:`MultiprocExecutor`, not by hand)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.runtime.distributed")
+    for name in ("rank", "store-port", "parent-pid"):
+        parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
+    args = parser.parse_args(argv)
+    worker_main(args.rank, json.loads(args.config), args.model_path, args.store_port, args.parent_pid)
+
+
+if __name__ == "__main__":
+    main()

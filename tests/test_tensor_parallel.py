@@ -1,0 +1,227 @@
+"""Tensor parallelism (``tensor_parallel_size``, :mod:`kvfleet.runtime.distributed`) on the
+CPU with the real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks split it
+(3 query heads and 1 KV head each) and 2 ranks are refused.
+
+The TP engine runs 3 real processes (this one is rank 0, the driver worker; two workers)
+over gloo, with transformers' own tensor-parallel plan for Llama. Its greedy tokens and
+prompt logprobs are compared with the ``tensor_parallel_size=1`` engine's, through
+continuous batching (requests added while others decode). The fault tests kill real
+processes: a dead worker must be an engine error (not a hang), and a dead driver must not
+leave workers behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.distributed import TensorParallelError, check_tensor_parallel
+from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.serve_args import parse_serve_args
+
+KV_CACHE_MEMORY = 32 * 2**20
+"""A small KV cache (bytes, all ranks together): the test needs a few blocks, not 2 GiB."""
+PROMPTS = [
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "Hello, my name is",
+    "def fibonacci(n):",
+]
+MAX_TOKENS = 8
+
+
+def _config(tp: int, **kw) -> EngineConfig:
+    return EngineConfig(tensor_parallel_size=tp, device="cpu", dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, **kw)
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        out.extend(int(c) for c in children)
+    return out
+
+
+def _generate_staggered(engine: LLMEngine, params: SamplingParams) -> tuple[dict[str, list[int]], int, dict]:
+    """Two requests first, two more after two steps (they join a running batch).
+
+    Returns: token ids per request id, the largest number of running requests in one step,
+    and the final outputs."""
+    for i in range(2):
+        engine.add_request(f"r{i}", PROMPTS[i], params)
+    most_running = 0
+    final = {}
+    for step in range(200):
+        if step == 2:
+            for i in range(2, len(PROMPTS)):
+                engine.add_request(f"r{i}", PROMPTS[i], params)
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        most_running = max(most_running, engine.num_running)
+    tokens = {rid: out.outputs[0].token_ids for rid, out in final.items()}
+    return tokens, most_running, final
+
+
+# ------------------------------------------------------------------ configuration (fast)
+def test_field_flag_and_env_var():
+    assert EngineConfig().tensor_parallel_size == 1
+    assert parse_serve_args(["--tensor-parallel-size", "3"], environ={}).engine.tensor_parallel_size == 3
+    assert parse_serve_args([], environ={"KVFLEET_TENSOR_PARALLEL_SIZE": "4"}).engine.tensor_parallel_size == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_heads_must_divide(smollm2):
+    hf_config = smollm2.model.config
+    check_tensor_parallel(hf_config, 3, "SmolLM2")
+    check_tensor_parallel(hf_config, 1, "SmolLM2")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide the model's num_attention_heads \(9\)"):
+        check_tensor_parallel(hf_config, 2, "SmolLM2")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(9\) must divide the model's num_key_value_heads \(3\)"):
+        check_tensor_parallel(hf_config, 9, "SmolLM2")
+
+
+def test_engine_refuses_tp2_before_starting_any_process():
+    before = set(_children(os.getpid()))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide .*num_attention_heads \(9\)"):
+        LLMEngine(_config(2))
+    assert set(_children(os.getpid())) == before
+
+
+def test_engine_refuses_a_shared_model_and_a_single_cuda_device(smollm2):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1: the engine loads its own shards"):
+        LLMEngine(_config(3), loaded=smollm2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLMEngine(_config(3).model_copy(update={"device": "cuda:1"}))
+
+
+# ------------------------------------------------------------------ 3 processes (slow)
+@pytest.fixture(scope="module")
+def tp_engine():
+    engine = LLMEngine(_config(3))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_tp3_greedy_tokens_equal_tp1_through_continuous_batching(tp_engine, smollm2):
+    ref_engine = LLMEngine(_config(1), loaded=smollm2)
+    # Each rank caches 1 of the 3 KV heads in a third of the budget: as many blocks as tp=1.
+    assert tp_engine.runner.num_kv_heads == 1 and tp_engine.runner.num_heads == 3
+    assert tp_engine.runner.kv_caches[0][0].shape[2] == 1
+    assert tp_engine.num_blocks == ref_engine.num_blocks
+    assert tp_engine.model_name == ref_engine.model_name == "SmolLM2-135M-Instruct"
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    tp_tokens, tp_running, _ = _generate_staggered(tp_engine, params)
+    ref_tokens, _, ref_final = _generate_staggered(ref_engine, params)
+    assert tp_running >= 3  # requests joined a running batch
+    assert set(tp_tokens) == {f"r{i}" for i in range(len(PROMPTS))}
+    assert all(len(t) == MAX_TOKENS for t in tp_tokens.values())
+    assert tp_tokens == ref_tokens
+    assert "Paris" in ref_final["r0"].outputs[0].text
+
+
+@pytest.mark.slow
+def test_tp3_prompt_logprobs_equal_tp1(tp_engine, smollm2):
+    """Prompt logprobs run the LM head outside the model's forward: its all-gather must
+    reach the workers too."""
+    ref_engine = LLMEngine(_config(1), loaded=smollm2)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    results = []
+    for engine in (tp_engine, ref_engine):
+        engine.add_request("p", PROMPTS[0], params)
+        results.append(engine.run_until_done()["p"])
+    tp_out, ref_out = results
+    assert tp_out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+    assert len(tp_out.prompt_logprobs) == len(ref_out.prompt_logprobs) == len(tp_out.prompt_token_ids)
+    for tp_pos, ref_pos in zip(tp_out.prompt_logprobs[1:], ref_out.prompt_logprobs[1:]):
+        assert set(tp_pos) == set(ref_pos)
+        for tid, lp in ref_pos.items():
+            assert abs(tp_pos[tid].logprob - lp.logprob) < 1e-4
+
+
+@pytest.mark.slow
+def test_dead_worker_is_an_engine_error_and_shutdown_reaps_all(tp_engine):
+    """Runs last on the module's TP engine (it kills a worker)."""
+    procs = list(tp_engine.executor.procs)
+    assert all(_running(p.pid) for p in procs)
+    tp_engine.add_request("x", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=50))
+    tp_engine.step()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    with pytest.raises(TensorParallelError, match=rf"rank 2 \(pid {procs[1].pid}\)"):
+        for _ in range(50):  # the first step after the kill fails (a collective or the liveness check)
+            tp_engine.step()
+    tp_engine.shutdown()
+    assert all(p.poll() is not None for p in procs)
+    assert not any(_running(p.pid) for p in procs)
+    tp_engine.abort_request("x")
+    tp_engine.add_request("y", PROMPTS[1], SamplingParams(max_tokens=1))
+    with pytest.raises(TensorParallelError, match="shut down"):
+        tp_engine.step()
+
+
+@pytest.mark.slow
+def test_clean_shutdown_and_no_orphans_when_the_driver_is_killed(tmp_path):
+    """A driver process that shuts down stops its workers with status 0; a driver killed
+    with SIGKILL (no clean-up code runs) leaves no worker behind."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        from kvfleet.runtime.config import EngineConfig
+        from kvfleet.runtime.engine import LLMEngine
+        from kvfleet.runtime.sampling_params import SamplingParams
+
+        engine = LLMEngine(EngineConfig(tensor_parallel_size=3, device="cpu", dtype="float32",
+                                        kv_cache_memory={KV_CACHE_MEMORY}))
+        engine.add_request("a", "Hello", SamplingParams(temperature=0.0, max_tokens=2))
+        engine.run_until_done()
+        print(" ".join(str(p.pid) for p in engine.executor.procs), flush=True)
+        if sys.argv[1] == "shutdown":
+            engine.shutdown()
+            print(" ".join(str(p.returncode) for p in engine.executor.procs), flush=True)
+        else:
+            sys.stdin.read()  # wait to be killed
+    """))
+    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
+    for mode in ("shutdown", "kill"):
+        driver = subprocess.Popen([sys.executable, str(script), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  env=env, text=True)
+        try:
+            pids = [int(p) for p in driver.stdout.readline().split()]
+            assert len(pids) == 2, "the driver did not start its workers"
+            if mode == "shutdown":
+                assert driver.stdout.readline().split() == ["0", "0"]
+                assert driver.wait(60) == 0
+            else:
+                assert all(_running(p) for p in pids)
+                driver.send_signal(signal.SIGKILL)
+                driver.wait(10)
+            deadline = time.monotonic() + 30
+            while any(_running(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not any(_running(p) for p in pids), f"{mode}: workers outlived the driver"
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
