@@ -240,7 +240,9 @@ class LLMEngine:
             ValueError: with the offending parameter's name first: ``request_id`` (not a
                 non-empty string), ``prompt`` (empty, wrong type, token ids out of the
                 vocabulary, or longer than ``max_model_len`` / the whole KV cache),
-                ``sampling_params`` (wrong type), ``priority`` (not an int).
+                ``sampling_params`` (wrong type), ``prompt_logprobs`` (asked of a model whose
+                logits the runner cannot reproduce, see ``ModelRunner.prompt_logprobs_error``),
+                ``priority`` (not an int).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -248,6 +250,8 @@ class LLMEngine:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.prompt_logprobs is not None and self.runner.prompt_logprobs_error:
+            raise ValueError(f"prompt_logprobs are not supported for this model: {self.runner.prompt_logprobs_error}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt_text: str | None

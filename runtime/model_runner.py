@@ -17,8 +17,10 @@ Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's semantics): for a re
 asks for them, the LM head also runs on every prompt position of the step except the last
 prompt token's (whose logits are the sampling row): the hidden states come from a forward
 hook on the decoder (``model.get_decoder()``), and the LM head
-(``model.get_output_embeddings()``, plus ``final_logit_softcapping`` where the config has
-it, as Gemma 2 does) runs over them in chunks of at most ``PROMPT_LOGPROBS_CHUNK_BYTES`` of
+(``model.get_output_embeddings()``, times the constant factor some models apply to its
+output, fitted at load against the model's own logits, plus ``final_logit_softcapping``
+where the config has it, as Gemma 2 does: :meth:`ModelRunner.compute_logits`) runs over
+them in chunks of at most ``PROMPT_LOGPROBS_CHUNK_BYTES`` of
 float32 logits, keeping only each row's prompt token's logprob and rank and the top-k
 (:class:`PromptLogprobsTensors`). Logprobs are ``log_softmax`` of the raw logits in float32
 (vLLM's default ``logprobs_mode="raw_logprobs"``: no temperature or penalties).
@@ -139,6 +141,10 @@ class ModelRunner:
         probe_attention(self.model, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                         block_size=self.block_size, sliding_windows=self.sliding_windows,
                         device=self.device, dtype=self.dtype)
+        self._logit_scale = 1.0
+        self.prompt_logprobs_error = self._check_compute_logits()
+        """None, or why prompt logprobs cannot be computed for this model (the engine then
+        refuses requests that ask for them)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._pin = self.device.type == "cuda"
@@ -323,11 +329,54 @@ class ModelRunner:
             offset += s.num_new_tokens
         return rows
 
+    @torch.inference_mode()
+    def _check_compute_logits(self) -> str | None:
+        """Compare :meth:`compute_logits` on the decoder's hidden states with the model's own
+        logits over one two-token probe forward (:func:`probe_attention`). A forward that
+        multiplies the LM head's output by a constant (Cohere's ``logit_scale``, Granite's
+        ``1 / logits_scaling``, ...) is matched by fitting that factor (least squares over the
+        vocabulary) and checking the fit; it is then applied by :meth:`compute_logits`.
+        Returns None when they agree, else why not (prompt logprobs would be wrong)."""
+        hidden: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        h1 = self.model.get_decoder().register_forward_hook(
+            lambda _m, _a, o: hidden.append(o.last_hidden_state if hasattr(o, "last_hidden_state") else o[0])
+        )
+        h2 = self.model.register_forward_hook(lambda _m, _a, o: logits.append(o.logits))
+        try:
+            probe_attention(self.model, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                            block_size=self.block_size, sliding_windows=self.sliding_windows,
+                            device=self.device, dtype=self.dtype)  # fmt: skip
+        finally:
+            h1.remove()
+            h2.remove()
+        if not hidden or not logits:
+            return f"{type(self.model).__name__}: its decoder's hidden states or logits could not be observed"
+        mine = self.compute_logits(hidden[0][0, -1:])
+        theirs = logits[0][0, -1:].float()
+        if mine.shape != theirs.shape:
+            return f"{type(self.model).__name__}: LM head logits of shape {tuple(mine.shape)}, the model's {tuple(theirs.shape)}"
+        if torch.allclose(mine, theirs, rtol=1e-3, atol=1e-4):
+            return None
+        scale = float((mine * theirs).sum() / (mine * mine).sum().clamp_min(1e-30))
+        if math.isfinite(scale) and scale != 0 and torch.allclose(mine * scale, theirs, rtol=1e-3, atol=1e-4):
+            self._logit_scale = scale
+            logger.info("%s scales its logits by %.6g after the LM head", type(self.model).__name__, scale)
+            return None
+        return (
+                f"{type(self.model).__name__}'s forward changes the LM head's logits in a way kvfleet does not "
+                "repeat for prompt positions"
+            )
+        return None
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states ``[N, hidden_size]`` -> logits ``[N, vocab_size]``
-        float32: ``model.get_output_embeddings()``, then ``tanh`` soft-capping when the config
-        has ``final_logit_softcapping`` (Gemma 2), as the model's own forward does."""
+        float32, as the model's own forward computes them: ``model.get_output_embeddings()``,
+        times the constant factor some models apply (see :meth:`_check_compute_logits`), then
+        ``tanh`` soft-capping when the config has ``final_logit_softcapping`` (Gemma 2)."""
         logits = self.model.get_output_embeddings()(hidden_states).float()
+        if self._logit_scale != 1.0:
+            logits = logits * self._logit_scale
         cap = getattr(self.hf_config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -12,7 +12,8 @@ Engine paths covered: a batch mixing prompt-logprob requests (k = 0, 1, 5) with 
 (sampled logprobs, n = 2); chunked prefill (a token budget of 16 splits the prompt over
 many steps); a request preempted (recompute) both in the middle of its prefill and after
 its prompt was done (no entry lost or doubled, no position scored twice); the prefix cache
-skipped; a soft-capped model (tiny Gemma 2). Server paths: ``/v1/completions`` with
+skipped; models whose forward changes the LM head's output (tiny Gemma 2,
+Granite, Cohere). Server paths: ``/v1/completions`` with
 ``echo`` (+ ``logprobs``, streamed and not, ``max_tokens: 0``), vLLM's extra
 ``prompt_logprobs`` on completions and chat, its bad values (400 naming the field), and the
 official ``openai`` client reading them.
@@ -398,26 +399,45 @@ def test_official_openai_client_reads_echo_and_prompt_logprobs(client, smollm2, 
     assert plp[0] is None and [list(e) for e in plp[1:]] == [[str(t)] for t in ids[1:]]
 
 
-def test_final_logit_softcapping_model(tmp_path):
-    # Gemma 2 soft-caps its logits (tanh(x / cap) * cap) after the LM head: the prompt
-    # logprobs apply it too. A tiny random Gemma 2 (final_logit_softcapping 3.0, sliding
-    # window 8) from tests/test_sliding_window.py, against its eager transformers forward.
+def _tiny_config(name: str):
+    """Tiny random configs (tests/test_sliding_window.py's sizes) of models whose forward
+    changes the LM head's output: Gemma 2 soft-caps it (tanh(x / cap) * cap), Granite divides
+    it by ``logits_scaling``, Cohere multiplies it by ``logit_scale``."""
+    from test_sliding_window import COMMON, _configs
+    from transformers import CohereConfig, GraniteConfig
+
+    if name == "gemma2":
+        config = _configs()["gemma2"]
+        assert config.final_logit_softcapping == 3.0
+        return config
+    if name == "granite":
+        return GraniteConfig(logits_scaling=4.0, **COMMON)
+    return CohereConfig(logit_scale=0.25, **COMMON)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "granite", "cohere"])
+def test_models_that_change_the_lm_head_output(tmp_path, name):
+    # The prompt logprobs repeat what the model's forward does after its LM head (the
+    # soft-cap from the config; a constant factor fitted at load), against the model's own
+    # eager transformers forward.
     from test_sliding_window import PROMPTS as TOKEN_PROMPTS
-    from test_sliding_window import _build, _configs
+    from test_sliding_window import _build
 
     from kvfleet.runtime.model_loader import load_model
 
-    config = _configs()["gemma2"]
-    assert config.final_logit_softcapping == 3.0
-    ref = _build(config, tmp_path)
+    ref = _build(_tiny_config(name), tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     engine = LLMEngine(EngineConfig(block_size=4, max_num_batched_tokens=8, kv_cache_memory=4 * 2**20), loaded=loaded)
+    assert engine.runner.prompt_logprobs_error is None
+    expected_scale = {"gemma2": 1.0, "granite": 1 / 4.0, "cohere": 0.25}[name]
+    assert engine.runner._logit_scale == pytest.approx(expected_scale, rel=1e-5)
     for j, ids in enumerate(TOKEN_PROMPTS):
         engine.add_request(f"g{j}", list(ids), SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
     final = engine.run_until_done()
     for j, ids in enumerate(TOKEN_PROMPTS):
         with torch.no_grad():
             logits = ref(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits[0]
-        assert logits.abs().max() < 3.0  # capped
+        if name == "gemma2":
+            assert logits.abs().max() < 3.0  # capped
         assert_prompt_logprobs(final[f"g{j}"].prompt_logprobs, list(ids), torch.log_softmax(logits.float(), -1), 3,
                                loaded.tokenizer)  # fmt: skip
