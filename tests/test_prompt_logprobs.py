@@ -441,3 +441,31 @@ def test_models_that_change_the_lm_head_output(tmp_path, name):
             assert logits.abs().max() < 3.0  # capped
         assert_prompt_logprobs(final[f"g{j}"].prompt_logprobs, list(ids), torch.log_softmax(logits.float(), -1), 3,
                                loaded.tokenizer)  # fmt: skip
+
+
+def test_streamed_echo_of_several_prompts_and_choices(client, smollm2):
+    tok = smollm2.tokenizer
+    prompts = ["The capital of France is", "def add(a, b):"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1,
+            "prompt_logprobs": 4}  # fmt: skip
+    full = client.post("/v1/completions", json=body)
+    assert full.status_code == 200, full.text
+    choices = full.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for c in choices:
+        prompt = prompts[c["index"] // 2]
+        n = len(tok.encode(prompt))
+        assert c["text"].startswith(prompt) and len(c["logprobs"]["tokens"]) == n + 3
+        # The legacy top_logprobs keep logprobs=1 (the token and the best one), while the raw
+        # prompt_logprobs hold the explicit prompt_logprobs=4.
+        assert all(1 <= len(top) <= 2 for top in c["logprobs"]["top_logprobs"][1:])
+        assert all(len(entry) in (4, 5) for entry in c["prompt_logprobs"][1:])
+    s = client.post("/v1/completions", json={**body, "prompt_logprobs": None, "stream": True,
+                                             "stream_options": {"include_usage": True}})  # fmt: skip
+    events = [e for e in sse_events(s) if e != "[DONE]"]
+    texts: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert texts == {c["index"]: c["text"] for c in choices}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == full.json()["usage"]
