@@ -133,12 +133,14 @@ class AsyncLLMEngine:
 
     async def shutdown(self) -> None:
         """Stop the engine thread after the current step; pending streams end with
-        :class:`EngineDeadError`."""
+        :class:`EngineDeadError`; then stop the tensor-parallel workers (``LLMEngine.shutdown``)."""
         self._stopping = True
         self._wakeup.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 60)
         self._fail_streams(EngineDeadError("the engine was shut down"))
+        if self._thread is None or not self._thread.is_alive():
+            await asyncio.to_thread(self.engine.shutdown)  # tensor-parallel workers, if any
 
     # ------------------------------------------------------------------ requests
     async def generate(

@@ -62,6 +62,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -220,6 +221,8 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
     until the stop message. Exit status 0 after a stop, 1 on an error (its traceback is written
     to the rendezvous store under ``kvfleet/error/<rank>``)."""
     torch.set_num_threads(int(os.environ.get("KVFLEET_TP_WORKER_THREADS", "1")))
+    # Ctrl+C reaches the whole process group: the driver decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(name)s: %(message)s")
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -493,6 +496,7 @@ class MultiprocExecutor:
         # After a stop message the workers exit by themselves; otherwise (a worker died, so the
         # others may wait in a collective forever) they are terminated at once.
         _shutdown_procs(self.procs, 10.0 if stopped else 0.0)
+        logger.info("tensor-parallel workers stopped (exit codes %s)", [p.returncode for p in self.procs])
         self._finalizer()
         if dist.is_initialized():
             try:

@@ -5,9 +5,9 @@ CPU with the real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks spl
 The TP engine runs 3 real processes (this one is rank 0, the driver worker; two workers)
 over gloo, with transformers' own tensor-parallel plan for Llama. Its greedy tokens and
 prompt logprobs are compared with the ``tensor_parallel_size=1`` engine's, through
-continuous batching (requests added while others decode). The fault tests kill real
-processes: a dead worker must be an engine error (not a hang), and a dead driver must not
-leave workers behind.
+continuous batching (requests added while others decode), and through ``kvfleet serve``.
+The fault tests kill real processes: a dead worker must be an engine error (not a hang),
+and neither a stopped nor a killed server may leave workers behind.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvfleet.runtime.config import EngineConfig
@@ -27,6 +27,7 @@ from kvfleet.runtime.distributed import TensorParallelError, check_tensor_parall
 from kvfleet.runtime.engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.serve_args import parse_serve_args
+from support import free_port
 
 KV_CACHE_MEMORY = 32 * 2**20
 """A small KV cache (bytes, all ranks together): the test needs a few blocks, not 2 GiB."""
@@ -116,6 +117,25 @@ def test_engine_refuses_a_shared_model_and_a_single_cuda_device(smollm2):
         LLMEngine(_config(3).model_copy(update={"device": "cuda:1"}))
 
 
+def test_operator_configmap_carries_tensor_parallel_size(tmp_path):
+    """The operator writes ``engine.tensorParallelSize`` into the runtime's config file now
+    that EngineConfig knows the key, and ``kvfleet serve --config`` reads it back."""
+    import yaml
+
+    from kvfleet.operator import builders, crd
+
+    root = Path(__file__).resolve().parent.parent
+    isvc = yaml.safe_load((root / "examples/inferenceservice-gpu-tp2.yaml").read_text())
+    isvc["metadata"].update(uid="0000", generation=1)
+    cm = next(c for c in builders.desired_children(crd.apply_defaults(isvc)) if c["kind"] == "ConfigMap")
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(cm["data"]["config.yaml"])
+    assert yaml.safe_load(config_file.read_text())["tensor_parallel_size"] == 2
+    assert parse_serve_args(["--config", str(config_file)], environ={}).engine.tensor_parallel_size == 2
+    isvc["spec"]["engine"]["tensorParallelSize"] = 1  # the runtime default is not written
+    assert "tensor_parallel_size" not in builders.engine_config(crd.apply_defaults(isvc))
+
+
 # ------------------------------------------------------------------ 3 processes (slow)
 @pytest.fixture(scope="module")
 def tp_engine():
@@ -181,47 +201,73 @@ def test_dead_worker_is_an_engine_error_and_shutdown_reaps_all(tp_engine):
         tp_engine.step()
 
 
-@pytest.mark.slow
-def test_clean_shutdown_and_no_orphans_when_the_driver_is_killed(tmp_path):
-    """A driver process that shuts down stops its workers with status 0; a driver killed
-    with SIGKILL (no clean-up code runs) leaves no worker behind."""
-    script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys
-        from kvfleet.runtime.config import EngineConfig
-        from kvfleet.runtime.engine import LLMEngine
-        from kvfleet.runtime.sampling_params import SamplingParams
-
-        engine = LLMEngine(EngineConfig(tensor_parallel_size=3, device="cpu", dtype="float32",
-                                        kv_cache_memory={KV_CACHE_MEMORY}))
-        engine.add_request("a", "Hello", SamplingParams(temperature=0.0, max_tokens=2))
-        engine.run_until_done()
-        print(" ".join(str(p.pid) for p in engine.executor.procs), flush=True)
-        if sys.argv[1] == "shutdown":
-            engine.shutdown()
-            print(" ".join(str(p.returncode) for p in engine.executor.procs), flush=True)
-        else:
-            sys.stdin.read()  # wait to be killed
-    """))
-    env = dict(os.environ, PYTHONSAFEPATH="1", HF_HUB_OFFLINE="1")
-    for mode in ("shutdown", "kill"):
-        driver = subprocess.Popen([sys.executable, str(script), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  env=env, text=True)
+def _worker_pids(pid: int) -> list[int]:
+    """The tensor-parallel workers among ``pid``'s children."""
+    found = []
+    for child in _children(pid):
         try:
-            pids = [int(p) for p in driver.stdout.readline().split()]
-            assert len(pids) == 2, "the driver did not start its workers"
-            if mode == "shutdown":
-                assert driver.stdout.readline().split() == ["0", "0"]
-                assert driver.wait(60) == 0
-            else:
-                assert all(_running(p) for p in pids)
-                driver.send_signal(signal.SIGKILL)
-                driver.wait(10)
-            deadline = time.monotonic() + 30
-            while any(_running(p) for p in pids) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert not any(_running(p) for p in pids), f"{mode}: workers outlived the driver"
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-                driver.wait()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"kvfleet.runtime.distributed" in cmdline:
+            found.append(child)
+    return found
+
+
+def _start_server(log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "32MiB",
+           "--log-level", "info"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"server not ready in time:\n{log.read_text()}"
+        try:
+            if httpx.get(base + "/ready", timeout=5).status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
+def _wait_gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_running(p) for p in pids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_kvfleet_serve_tp3_answers_and_leaves_no_workers(sig, smollm2, tmp_path):
+    """``kvfleet serve --tensor-parallel-size 3`` answers as the tp=1 engine does. After
+    SIGTERM (graceful: the engine stops its workers) and after SIGKILL (no clean-up code runs
+    in the server; its workers notice their parent is gone) no worker is left."""
+    log = tmp_path / "server.log"
+    proc, base = _start_server(log)
+    try:
+        pids = _worker_pids(proc.pid)
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+        resp = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        ref_engine = LLMEngine(_config(1), loaded=smollm2)
+        ref_engine.add_request("ref", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+        assert resp.json()["choices"][0]["text"] == ref_engine.run_until_done()["ref"].outputs[0].text
+        proc.send_signal(sig)
+        code = proc.wait(60)
+        assert _wait_gone(pids, 30), f"workers {pids} outlived the server:\n{log.read_text()}"
+        if sig == signal.SIGTERM:  # uvicorn re-raises the signal after its graceful shutdown
+            assert code == -signal.SIGTERM, log.read_text()
+            # the engine sent the stop message: both workers exited by themselves, with status 0
+            assert "tensor-parallel workers stopped (exit codes [0, 0])" in log.read_text()
+            assert "worker failed" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
