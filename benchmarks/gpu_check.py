@@ -17,7 +17,7 @@ runs; sections are skipped when the overall ``--budget-s`` is used up):
 1. correctness: the Triton kernels against the torch reference *on the GPU* over the
    test grid (block sizes 8/16/32; head sizes 64/96/128; GQA ratios 1/3/8; fp32, fp16,
    bf16; ragged decode + prefill + chunked-prefill batches; forced split-K; shuffled
-   blocks; reshape_and_cache with slot -1).
+   blocks; sliding windows and logit soft-capping; reshape_and_cache with slot -1).
 2. decode timing: batch 1/32/256 at context 512/4096/32768 (Llama-3-8B attention shape:
    32 query heads, 8 kv heads, head_size 128, bf16, block_size 16); prints time per call
    and achieved bandwidth (bytes of K+V read / time) as a fraction of the GPU's peak
@@ -245,6 +245,16 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes, rec: dict, sha
     checks += 1
     if not torch.equal(paged_attention_triton(*a.attn_args), paged_attention_triton(*b.attn_args)):
         failures.append("shuffled physical blocks changed the output")
+    # sliding window (Mistral/Gemma-style local layers) and logit soft-capping (Gemma 2)
+    for window, softcap in ((7, None), (100, None), (None, 30.0), (33, 50.0)):
+        for dtype in dtypes:
+            b = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                                 dtype=dtype, device=device, seed=11)
+            ref = paged_attention_torch(*b.attn_args, sliding_window=window, softcap=softcap)
+            for splits in sz.split_options:
+                out = paged_attention_triton(*b.attn_args, num_splits=splits, max_seq_len=b.max_seq_len,
+                                             sliding_window=window, softcap=softcap)
+                check(f"attn window={window} softcap={softcap} {dtype} splits={splits}", out, ref, dtype)
     # reshape_and_cache, slot -1 untouched
     for dtype in dtypes:
         for bs, kvh, d in sz.cache_shapes:
