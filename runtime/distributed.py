@@ -289,7 +289,8 @@ class _DriverModel:
         self._executor.broadcast(("forward", _pack_call(kwargs)))
         try:
             return self._model(**kwargs)
-        except Exception as exc:
+        except BaseException as exc:
+            self._executor.broken = True
             raise self._executor.failure(exc) from exc
 
     def get_output_embeddings(self):
@@ -310,7 +311,8 @@ class _DriverLMHead:
         self._executor.broadcast(("lm_head", hidden_states.detach().cpu()))
         try:
             return self._module(hidden_states)
-        except Exception as exc:
+        except BaseException as exc:
+            self._executor.broken = True
             raise self._executor.failure(exc) from exc
 
     def __getattr__(self, name: str):
@@ -347,6 +349,10 @@ class MultiprocExecutor:
         self.device = _device_for_rank(config.device, 0, tp)
         self.procs: list[subprocess.Popen] = []
         self._closed = False
+        self.broken = False
+        """Set when a forward pass or a message failed on rank 0: the ranks may be out of step
+        (a worker waiting in a collective), so no further step is run and shutdown() does not
+        talk to the workers, it terminates them."""
         self.cpu_group = None
         # The rendezvous store (port 0: the OS picks a free one, no race with other processes);
         # the process groups, the readiness count and the workers' errors all live in it.
@@ -439,6 +445,10 @@ class MultiprocExecutor:
         """Raises: TensorParallelError when a worker has exited (or the executor is shut down)."""
         if self._closed:
             raise TensorParallelError("the tensor-parallel workers were shut down")
+        if self.broken:
+            raise TensorParallelError(
+                "an earlier step failed on the tensor-parallel ranks; they may be out of step: restart the engine"
+            )
         dead = [p for p in self.procs if p.poll() is not None]
         if dead:
             raise TensorParallelError(f"tensor-parallel worker failed: {'; '.join(self._worker_errors())}")
@@ -477,7 +487,8 @@ class MultiprocExecutor:
         self.check_workers()
         try:
             dist.broadcast_object_list([msg], src=0, group=self.cpu_group)
-        except Exception as exc:
+        except BaseException as exc:
+            self.broken = True
             raise self.failure(exc) from exc
 
     def shutdown(self) -> None:
@@ -487,7 +498,7 @@ class MultiprocExecutor:
             return
         self._closed = True
         stopped = False
-        if self.cpu_group is not None and all(p.poll() is None for p in self.procs):
+        if self.cpu_group is not None and not self.broken and all(p.poll() is None for p in self.procs):
             try:
                 dist.broadcast_object_list([(_STOP, None)], src=0, group=self.cpu_group)
                 stopped = True

@@ -201,6 +201,36 @@ def test_dead_worker_is_an_engine_error_and_shutdown_reaps_all(tp_engine):
         tp_engine.step()
 
 
+@pytest.mark.slow
+def test_failure_on_the_driver_alone_is_an_error_not_a_hang():
+    """A forward pass that fails on rank 0 mid-way leaves the workers waiting in a collective:
+    the step raises the driver's error, later steps refuse to run, and shutdown terminates the
+    workers instead of talking to them. (The failure is injected with a forward pre-hook on
+    rank 0's 4th decoder layer.)"""
+    engine = LLMEngine(_config(3))
+    try:
+        procs = list(engine.executor.procs)
+        layer = engine.runner.model.get_decoder().layers[3]
+
+        def fail(_module, _args):
+            raise RuntimeError("injected failure on rank 0")
+
+        handle = layer.register_forward_pre_hook(fail)
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=4))
+        with pytest.raises(RuntimeError, match="injected failure on rank 0"):
+            engine.step()
+        handle.remove()
+        engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=4))
+        with pytest.raises(TensorParallelError, match="out of step"):
+            engine.step()
+        t0 = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - t0 < 8  # terminated at once, no 10 s wait for a stop
+        assert not any(_running(p.pid) for p in procs)
+    finally:
+        engine.shutdown()
+
+
 def _worker_pids(pid: int) -> list[int]:
     """The tensor-parallel workers among ``pid``'s children."""
     found = []
