@@ -386,7 +386,7 @@ class MultiprocExecutor:
                 self.loaded.name = model_name
         except BaseException as exc:
             failure = self.failure(exc)
-            self.shutdown()
+            self.shutdown(terminate=True)
             if failure is exc:
                 raise
             raise failure from exc
@@ -471,7 +471,7 @@ class MultiprocExecutor:
             return _min_over_ranks(runner.determine_num_blocks(), self.cpu_group)
         except BaseException as exc:
             failure = self.failure(exc)
-            self.shutdown()
+            self.shutdown(terminate=True)
             if failure is exc:
                 raise
             raise failure from exc
@@ -491,12 +491,17 @@ class MultiprocExecutor:
             self.broken = True
             raise self.failure(exc) from exc
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, terminate: bool = False) -> None:
         """Stop the workers (stop message, join, then terminate/kill) and leave the process
-        groups. Idempotent; never raises."""
+        groups. Idempotent; never raises.
+
+        Args:
+            terminate: SIGTERM the workers at once, without the stop message (after a failed
+                start, when they may be waiting in some other collective)."""
         if self._closed:
             return
         self._closed = True
+        self.broken = self.broken or terminate
         stopped = False
         if self.cpu_group is not None and not self.broken and all(p.poll() is None for p in self.procs):
             try:

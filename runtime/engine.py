@@ -132,15 +132,16 @@ class LLMEngine:
         self.loaded = loaded
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
-        self.runner = ModelRunner(config, loaded)
-        if self.executor is None:
-            num_blocks = self.runner.determine_num_blocks()
-        else:
-            num_blocks = self.executor.determine_num_blocks(self.runner)  # the minimum over the ranks
-        try:
+        try:  # a failed start stops the tensor-parallel workers
+            self.runner = ModelRunner(config, loaded)
+            if self.executor is None:
+                num_blocks = self.runner.determine_num_blocks()
+            else:
+                num_blocks = self.executor.determine_num_blocks(self.runner)  # the minimum over the ranks
             self.max_model_len = self._resolve_max_model_len(num_blocks)
-        except ValueError:
-            self.shutdown()
+        except BaseException:
+            if self.executor is not None:
+                self.executor.shutdown(terminate=True)
             raise
         self.runner.initialize_kv_cache(num_blocks)
         if self.executor is not None:

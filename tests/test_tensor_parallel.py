@@ -231,6 +231,18 @@ def test_failure_on_the_driver_alone_is_an_error_not_a_hang():
         engine.shutdown()
 
 
+@pytest.mark.slow
+def test_failed_start_stops_the_workers():
+    """A configuration error found after the workers started (max_model_len beyond the
+    model's context) is a ValueError, and no worker or process group is left behind."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match=r"max_model_len \(100000\) is longer than the model's context"):
+        LLMEngine(_config(3, max_model_len=100_000))
+    assert _worker_pids(os.getpid()) == []
+    assert not dist.is_initialized()
+
+
 def _worker_pids(pid: int) -> list[int]:
     """The tensor-parallel workers among ``pid``'s children."""
     found = []
