@@ -31,13 +31,16 @@ Process layout and one step
     same way, with its hidden states, because its all-gather needs every rank.
 
 Lifecycle
-    Workers are child processes (``python -m kvfleet.runtime.distributed``). :meth:`MultiprocExecutor.shutdown` (called by
-    ``LLMEngine.shutdown``, by an ``atexit`` hook and on a failed start) broadcasts a stop
-    message, joins them, then terminates/kills what is left. A worker also exits when its
-    parent dies (it polls ``os.getppid()``) or when a collective fails. A worker that fails
-    writes its traceback into the rendezvous store before exiting; the driver checks that its
-    workers are alive before every step, and a failed collective or a dead worker is raised in
-    the engine as :class:`TensorParallelError` (naming the rank and its error), never a hang.
+    Workers are child processes (``python -m kvfleet.runtime.distributed``).
+    :meth:`MultiprocExecutor.shutdown` (called by ``LLMEngine.shutdown``) broadcasts a stop
+    message, joins them, then terminates/kills what is left; after a failed start or a failed
+    step it terminates them at once (they may wait in a collective), and so does an ``atexit``
+    hook when nobody called it. A worker also exits when its parent dies (it polls
+    ``os.getppid()``) or when a collective fails. A worker that fails writes its traceback
+    into the rendezvous store before exiting; the driver checks that its workers are alive
+    before every step, and a failed collective or a dead worker is raised in the engine as
+    :class:`TensorParallelError` (naming the rank and its error), never a hang. A worker that
+    hangs while alive is only caught by the collectives' timeout (``COLLECTIVE_TIMEOUT``).
 
 KV cache sizing
     On CPU all ranks share the host's memory: ``kv_cache_memory`` (default 2 GiB) is the total
@@ -134,12 +137,20 @@ def _device_for_rank(device: str, rank: int, tp: int) -> str:
     """The device string of ``rank``: ``cpu``, or ``cuda:<rank>``.
 
     Raises:
-        ValueError: ``device`` names one CUDA device (``cuda:N``), or fewer CUDA devices than
-            ``tp`` are visible.
+        ValueError: ``device`` names one CUDA device (``cuda:N``), fewer CUDA devices than
+            ``tp`` are visible, or ``cpu`` is asked on a machine with CUDA.
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
+        if torch.cuda.is_available():
+            # transformers builds the tensor-parallel device mesh (and places the shards) on
+            # the machine's accelerator, whatever was asked (initialize_distributed_mesh,
+            # transformers/distributed/utils.py:307 in 5.24).
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) with device cpu on a machine with CUDA: transformers "
+                "would place the shards on the GPU; hide it (CUDA_VISIBLE_DEVICES=) to run on the CPU"
+            )
         return "cpu"
     if device != "cuda":
         raise ValueError(
