@@ -244,9 +244,12 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
         device = _device_for_rank(config.device, rank, tp)
         store.add(_READY_KEY, 1)
         cpu_group = _init_process_group(rank, tp, store, device)
+        import transformers
+
         from kvfleet.runtime.model_loader import load_model
         from kvfleet.runtime.model_runner import ModelRunner
 
+        transformers.utils.logging.disable_progress_bar()  # rank 0 shows the one progress bar
         loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=device,
                             tensor_parallel_size=tp)
         runner = ModelRunner(config, loaded)
