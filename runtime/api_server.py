@@ -1209,7 +1209,10 @@ def main(argv: list[str] | None = None) -> int:
     """``kvfleet serve``: parse options (see :mod:`kvfleet.runtime.serve_args`), load the
     model in the background and serve until SIGINT/SIGTERM.
 
-    Returns: 0 after a clean shutdown, 1 when the engine failed to start.
+    Returns: 0 after a clean shutdown, 1 when the engine failed to start. On SIGINT/SIGTERM
+    uvicorn (>= 0.29) re-raises the signal once the graceful shutdown is over, so the process
+    then ends *by that signal* (status 143 for SIGTERM in a shell, ``-15`` from
+    :mod:`subprocess`), after open streams finished and the engine stopped.
     """
     import uvicorn
 
