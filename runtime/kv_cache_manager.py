@@ -71,6 +71,24 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks the pool can hand out now (free, including unreferenced cached ones)."""
+        return self.block_pool.num_free_blocks
+
+    def get_num_blocks_to_allocate(
+        self, request: Request, num_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()
+    ) -> int:
+        """Blocks that ``request`` would take from the free pool to hold its first
+        ``num_tokens`` tokens (positions ``[0, num_tokens)``), counting the blocks it holds
+        and the prefix-cache hits ``new_computed_blocks`` (a hit on a free block takes that
+        block out of the pool too). Changes nothing. As vLLM v1's
+        ``get_num_blocks_to_allocate`` (``vllm/v1/core/single_type_kv_cache_manager.py``).
+        """
+        have = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        num_new = max(0, cdiv(num_tokens, self.block_size) - have)
+        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         return self._num_blocks_needed(request, num_new_tokens, new_computed_blocks) is not None
 

@@ -3,7 +3,13 @@
 Each step serves the running requests first (one decode token each, or the next chunk
 of a long prefill), then admits waiting requests while the token budget
 (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and free KV blocks
-allow. Prefill and decode tokens share one packed forward pass; a prompt longer than the
+allow. A waiting (new or preempted) request is admitted beside running ones only if the
+free blocks cover, at once, the blocks every running request still needs for its known
+tokens plus its next one, the blocks the newcomer needs for all its known tokens plus its
+next one, and a watermark of spare blocks (vLLM v0's ``watermark``, 1% of the blocks,
+``vllm/core/block_manager.py`` ``can_allocate``): otherwise the running requests' growth
+in the next step would preempt it again at once (admit/preempt thrash). A request is
+always admitted when nothing else runs. Prefill and decode tokens share one packed forward pass; a prompt longer than the
 remaining budget is prefilled in chunks (chunked prefill). When a running request cannot
 get a block, the scheduler preempts by recompute (Kwon et al., 2023, "Efficient Memory
 Management for Large Language Model Serving with PagedAttention", section 4.5): the
@@ -204,9 +210,19 @@ class Scheduler:
             ``enable_prefix_caching``, ``enable_chunked_prefill``, ``scheduling_policy``.
         num_blocks: physical KV blocks.
         max_model_len: longest prompt + output, tokens.
+        watermark: fraction of ``num_blocks`` kept free when admitting a request beside
+            running ones (vLLM v0's ``BlockSpaceManager(watermark=0.01)``). The watermark is
+            ``max(1, int(watermark * num_blocks))`` blocks (vLLM rounds down, to 0 below 100
+            blocks; at least one block here), or 0 when ``watermark`` is 0.
+
+    Raises:
+        ValueError: ``watermark`` outside ``[0, 1)``; chunked prefill off with
+            ``max_num_batched_tokens < max_model_len``.
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, watermark: float = 0.01) -> None:
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.config = config
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
@@ -220,6 +236,8 @@ class Scheduler:
                 f"({max_model_len}) when chunked prefill is disabled"
             )
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
+        """Free blocks kept back when admitting a request beside running ones."""
         self.waiting = _QUEUES[self.policy]()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -334,11 +352,13 @@ class Scheduler:
         # 2. Waiting requests, in policy order, while budget, sequence cap and blocks allow.
         # No admission in a step that had to preempt for memory: memory is short.
         admit = not preempted
+        reserved: int | None = None  # blocks the running requests need up to their next token
         while admit and len(self.waiting) and budget > 0:
             request = self.waiting.peek()
             if len(self.running) >= self.max_num_seqs:
                 if not self._preempt_for_priority(request, unschedule):
                     break
+                reserved = None
                 continue
             hit_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
@@ -346,8 +366,15 @@ class Scheduler:
                 if not self.chunked_prefill:
                     break
                 num_new = budget
-            if self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+            fits = True
+            if self.running:  # alone, a request needs only this step's blocks (no deadlock)
+                if reserved is None:
+                    reserved = sum(self._num_lookahead_blocks(r) for r in self.running)
+                need = self._num_lookahead_blocks(request, hit_blocks)
+                fits = self.kv_cache_manager.num_free_blocks - reserved - need >= self.watermark_blocks
+            if not fits or self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
                 if self._preempt_for_priority(request, unschedule):
+                    reserved = None
                     continue
                 break
             self.waiting.pop()
@@ -359,6 +386,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)
+            if reserved is not None:
+                reserved += self._num_lookahead_blocks(request)
             scheduled[request.request_id] = ScheduledRequest(
                 request, num_cached, request.token_ids_slice(num_cached, num_cached + num_new)
             )
@@ -382,6 +411,14 @@ class Scheduler:
             else:
                 out.num_decode_tokens += sr.num_new_tokens
         return out
+
+    def _num_lookahead_blocks(self, request: Request, new_computed_blocks=()) -> int:
+        """Free blocks ``request`` still needs to hold every token it knows (the rest of its
+        prompt, and for a preempted request the tokens it had generated) plus the one it
+        samples next, beyond the blocks it holds (and the prefix-cache hits
+        ``new_computed_blocks`` it is about to take)."""
+        num_tokens = min(request.num_tokens + 1, self.max_model_len)
+        return self.kv_cache_manager.get_num_blocks_to_allocate(request, num_tokens, new_computed_blocks)
 
     def _preempt_for_priority(self, request: Request, unschedule) -> bool:
         """Under the ``priority`` policy, make room for a waiting request by preempting a

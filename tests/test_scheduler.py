@@ -23,10 +23,10 @@ from kvfleet.runtime.scheduler import Scheduler
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, **kw) -> Scheduler:
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, watermark=0.01, **kw) -> Scheduler:
     defaults = dict(block_size=block_size, max_num_seqs=8, max_num_batched_tokens=32)
     defaults.update(kw)
-    return Scheduler(EngineConfig(**defaults), num_blocks=num_blocks, max_model_len=max_model_len)
+    return Scheduler(EngineConfig(**defaults), num_blocks=num_blocks, max_model_len=max_model_len, watermark=watermark)
 
 
 def make_request(rid, prompt, max_tokens=8, **kw) -> Request:
@@ -49,9 +49,21 @@ class FakeRunner:
         self.slots: dict[int, int] = {}  # slot -> token id "stored" there
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
         self.outputs = []
+        self.just_admitted = False
 
     def step(self):
+        waiting = {q.request_id: q.priority for q in self.s.waiting}
         out = self.s.schedule()
+        if self.just_admitted:
+            # The admission rule: what the previous step admitted left room for the
+            # running requests' next tokens, so no request runs out of blocks now. Only a
+            # waiting request of higher priority may preempt (priority policy).
+            top = min(waiting.values(), default=None)
+            for rid in out.preempted_request_ids:
+                assert self.s.policy == "priority" and top is not None and self.s.requests[rid].priority > top, (
+                    f"{rid} preempted in the step after an admission"
+                )
+        self.just_admitted = any(sr.request_id in waiting for sr in out.scheduled)
         for sr in out.scheduled:
             for j, tok in enumerate(sr.token_ids):
                 pos = sr.start_pos + j
@@ -140,7 +152,9 @@ def test_chunked_prefill_splits_a_long_prompt_over_steps():
 
 
 def test_preemption_by_recompute_latest_arrival_first_and_resumes():
-    s = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    # 7 blocks: both 8-token prompts are admitted (2 blocks each, next-token reserve and the
+    # 1-block watermark still free), but 18 tokens each (5 blocks) do not fit together.
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     r = FakeRunner(s)
     s.add_request(make_request("early", [3] * 8, max_tokens=10, ignore_eos=True, arrival_time=1.0))
     s.add_request(make_request("late", [4] * 8, max_tokens=10, ignore_eos=True, arrival_time=2.0))
@@ -155,7 +169,7 @@ def test_preemption_by_recompute_latest_arrival_first_and_resumes():
 
 
 def test_priority_victim_is_the_lowest_priority():
-    s = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64, scheduling_policy="priority")
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=64, scheduling_policy="priority")
     r = FakeRunner(s)
     s.add_request(make_request("low", [3] * 8, max_tokens=10, ignore_eos=True, priority=5, arrival_time=1.0))
     s.add_request(make_request("high", [4] * 8, max_tokens=10, ignore_eos=True, priority=0, arrival_time=2.0))
@@ -327,6 +341,125 @@ def test_priority_request_scheduled_in_the_next_step_behind_50():
     out = r.step()
     assert "urgent" in [x.request_id for x in out.scheduled]
     assert out.preempted_request_ids  # a priority-10 request made room
+
+
+# -- admission: no admit/preempt thrash ------------------------------------------------------
+def run_counting(s: Scheduler, r: FakeRunner, max_steps=2_000):
+    """Run to the end; returns (preempted ids in order, per-request prefill tokens scheduled)."""
+    preempted, prefill = [], Counter()
+    for _ in range(max_steps):
+        if not s.has_unfinished_requests():
+            return preempted, prefill
+        out = r.step()
+        preempted += out.preempted_request_ids
+        for sr in out.scheduled:
+            prefill[sr.request_id] += max(0, min(sr.seq_len, sr.request.num_prompt_tokens) - sr.start_pos)
+    raise AssertionError("requests never finished")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_low_priority_request_is_not_admitted_only_to_be_preempted(policy):
+    # The workload of tests/test_prompt_logprobs.py's preemption test, without the model:
+    # 12 blocks of 16 tokens; A (121-token prompt, 60 out) needs all 12 blocks by its end,
+    # B (60-token prompt, 8 out, priority 1: the victim) does not fit beside it. Before the
+    # admission rule, B was admitted whenever 2 blocks were free (a 31-token chunk beside
+    # A's decode token) and preempted in the next step, 17 times (1 after its prompt, 16
+    # in its prefill), recomputing 60 + 16 * 31 prompt tokens. Now it waits for A's blocks.
+    s = make_scheduler(num_blocks=12, block_size=16, max_model_len=192, max_num_batched_tokens=32,
+                       enable_prefix_caching=False, scheduling_policy=policy)
+    r = FakeRunner(s)
+    s.add_request(make_request("A", list(range(1, 122)), max_tokens=60, ignore_eos=True, arrival_time=1.0))
+    s.add_request(make_request("B", list(range(300, 360)), max_tokens=8, ignore_eos=True, priority=1, arrival_time=2.0))
+    preempted, prefill = run_counting(s, r)
+    assert len(preempted) <= 1, preempted
+    assert prefill["B"] <= 2 * 60  # at most one recompute of its prompt
+    assert prefill["A"] == 121
+    assert_all_free(s)
+
+
+def test_admission_reserves_the_running_requests_next_block():
+    # Three running requests reach a block boundary together; a newcomer whose prompt fits
+    # the free blocks, but not beside their next blocks, waits instead of being preempted.
+    s = make_scheduler(num_blocks=12, block_size=4, max_model_len=48, max_num_batched_tokens=64, watermark=0)
+    r = FakeRunner(s)
+    for i in range(3):
+        s.add_request(make_request(f"run{i}", [10 + i] * 7, max_tokens=20, ignore_eos=True, arrival_time=i))
+    r.step()  # 7 prompt tokens each (2 blocks); each samples its 8th token
+    assert s.kv_cache_manager.num_free_blocks == 6
+    s.add_request(make_request("new", [9] * 11, max_tokens=20, ignore_eos=True, arrival_time=9.0))
+    s.add_request(make_request("late", [8] * 3, max_tokens=20, ignore_eos=True, arrival_time=10.0))
+    # This step they compute token 8 (still in block 2); the next one they need block 3
+    # each. "new" (11 tokens and its next one: 3 blocks) fits beside those 3 blocks; "late"
+    # (1 block) would have been admitted into them and preempted at once.
+    out = r.step()
+    assert [x.request_id for x in out.scheduled] == ["run0", "run1", "run2", "new"]
+    assert s.kv_cache_manager.num_free_blocks == 3 and s.num_waiting == 1
+    out = r.step()
+    assert out.preempted_request_ids == [] and s.kv_cache_manager.num_free_blocks == 0
+    run_counting(s, r)  # later growth (beyond the next step) may preempt: not foreseeable
+    assert_all_free(s)
+
+
+def test_a_request_that_fills_the_whole_cache_is_admitted_alone():
+    # No deadlock with the watermark: a 2-block cache, prompts of exactly 2 blocks (the
+    # watermark could never be kept beside them), queued behind each other.
+    for watermark in (0.01, 0.5):
+        s = make_scheduler(num_blocks=2, block_size=4, max_model_len=8, max_num_batched_tokens=8, watermark=watermark)
+        assert s.watermark_blocks == 1
+        r = FakeRunner(s)
+        s.add_request(make_request("full", list(range(1, 9)), max_tokens=5, ignore_eos=True))
+        s.add_request(make_request("grows", [5] * 5, max_tokens=3, ignore_eos=True))
+        s.add_request(make_request("one", [6], max_tokens=7, ignore_eos=True))
+        preempted, _ = run_counting(s, r)
+        assert preempted == []
+        assert s.requests == {}
+        assert_all_free(s)
+    s = make_scheduler(num_blocks=1, block_size=4, max_model_len=4)
+    r = FakeRunner(s)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", [i + 1] * 3, max_tokens=4, ignore_eos=True))
+    assert run_counting(s, r)[0] == []
+
+
+def test_watermark_blocks_follow_vllm_and_bad_values_are_refused():
+    assert make_scheduler(num_blocks=64).watermark_blocks == 1  # int(0.64) -> at least 1
+    assert make_scheduler(num_blocks=1000).watermark_blocks == 10  # vLLM: int(0.01 * 1000)
+    assert make_scheduler(num_blocks=1000, watermark=0).watermark_blocks == 0
+    for bad in (-0.1, 1, 1.5):
+        with pytest.raises(ValueError, match="watermark"):
+            make_scheduler(watermark=bad)
+
+
+def test_watermark_is_kept_free_when_admitting_beside_running_requests():
+    # 100 blocks -> watermark 1 block. A running request holds 50 and needs no new block
+    # next step; a newcomer needing all 50 free blocks (its prompt and next token) would
+    # leave none spare: it waits; one needing 49 is admitted.
+    for size, admitted in ((50 * 4 - 1, False), (49 * 4 - 1, True)):
+        s = make_scheduler(num_blocks=100, block_size=4, max_model_len=400, max_num_batched_tokens=512)
+        r = FakeRunner(s)
+        s.add_request(make_request("run", [1] * 198, max_tokens=50, ignore_eos=True))
+        r.step()  # 198 tokens + the sampled one: 50 blocks, the next token (200th) fits in them
+        s.add_request(make_request("new", [2] * size, max_tokens=1))
+        out = r.step()
+        assert ("new" in [x.request_id for x in out.scheduled]) is admitted
+
+
+def test_high_priority_arrival_still_preempts_for_memory():
+    s = make_scheduler(num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=64,
+                       scheduling_policy="priority")
+    r = FakeRunner(s)
+    for i in range(3):
+        s.add_request(make_request(f"low{i}", [i + 1] * 16, max_tokens=30, ignore_eos=True, priority=5, arrival_time=i))
+    r.step()
+    r.step()
+    assert s.num_running == 3
+    s.add_request(make_request("urgent", [9] * 12, max_tokens=4, ignore_eos=True, priority=0, arrival_time=9.0))
+    out = r.step()
+    assert "urgent" in [x.request_id for x in out.scheduled]
+    assert out.preempted_request_ids and all(rid.startswith("low") for rid in out.preempted_request_ids)
+    preempted, _ = run_counting(s, r)
+    assert "urgent" not in preempted
+    assert_all_free(s)
 
 
 # -- properties ---------------------------------------------------------------------------
