@@ -162,10 +162,13 @@ def test_chunked_prefill_accumulates(smollm2, hf_logprobs):
 
 
 def test_preempted_request_neither_duplicates_nor_loses_entries(smollm2, hf_logprobs):
-    # 12 blocks of 16 tokens: A (121-token prompt, 60 tokens out) and B (60-token prompt,
-    # priority 1 so that it is the victim) do not fit together. B is preempted once after
-    # its prompt was done (mid-decode) and then repeatedly in the middle of its prefill.
-    engine = make_engine(smollm2, num_blocks=12, block_size=16, max_num_batched_tokens=32, enable_prefix_caching=False)
+    # 14 blocks of 16 tokens, 8 tokens a step: A (121-token prompt, 60 tokens out), C
+    # (13-token prompt, 16 out) and B (60-token prompt, priority 1 so that it is the victim)
+    # do not fit together. The scheduler admits B only when its whole prompt fits beside
+    # the others' next tokens (see docs/scheduling.md), but A's and C's later growth still
+    # preempts B once in the middle of its prefill and, after C finished, once after its
+    # prompt was done (mid-decode).
+    engine = make_engine(smollm2, num_blocks=14, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=False)
     schedules = record_schedules(engine)
     scored = []  # the prompt tokens of B whose logprobs the model runner computed, step by step
     execute = engine.runner.execute_model
@@ -182,6 +185,7 @@ def test_preempted_request_neither_duplicates_nor_loses_entries(smollm2, hf_logp
     a = "The history of the Roman Empire spans many centuries. " * 12
     ids = tok.encode(PROMPTS[3])
     engine.add_request("A", a, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    engine.add_request("C", PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     engine.add_request("B", PROMPTS[3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=3),
                        priority=1)  # fmt: skip
     final = engine.run_until_done()
