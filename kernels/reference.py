@@ -38,6 +38,8 @@ import torch.nn.functional as F
 __all__ = [
     "reshape_and_cache_torch",
     "paged_attention_torch",
+    "plan_paged_attention_torch",
+    "PagedAttentionPlan",
     "check_paged_attention_args",
     "check_reshape_and_cache_args",
     "check_attention_options",
@@ -232,138 +234,264 @@ def _gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torc
     return buf[:numel]
 
 
+class _DecodeChunk:
+    """One gather chunk of decode sequences: rows ``start:start + n`` of the plan's decode
+    order, ``nb`` blocks each (``L = nb * block_size`` keys), their physical block ids
+    ``idx`` (``[n * nb]`` int64, sequence-major) and the keys each one sees ``valid``
+    (``[n, 1, 1, L]`` bool, True = attend). ``additive`` is the same mask as SDPA applies a
+    boolean one (``0`` / ``-inf`` float32, ``torch.where(valid, 0, -inf)``), built on first
+    use and shared by the layers."""
+
+    __slots__ = ("start", "n", "nb", "idx", "valid", "_additive")
+
+    def __init__(self, start: int, n: int, nb: int, idx: torch.Tensor, valid: torch.Tensor) -> None:
+        self.start, self.n, self.nb, self.idx, self.valid = start, n, nb, idx, valid
+        self._additive: torch.Tensor | None = None
+
+    @property
+    def additive(self) -> torch.Tensor:
+        if self._additive is None:
+            self._additive = torch.zeros(self.valid.shape, dtype=torch.float32, device=self.valid.device)
+            self._additive.masked_fill_(~self.valid, float("-inf"))
+        return self._additive
+
+
+class _PrefillSeq:
+    """One prefill sequence: query rows ``a:b``, the physical blocks to read ``blocks``
+    (``[nb]`` int64, from the first block inside the first query's window), the number of
+    keys ``L`` read from them, and the mask (``[q_len, L]`` bool, or None with ``causal``
+    True: SDPA's own top-left causal mask, right when there is no cached prefix)."""
+
+    __slots__ = ("a", "b", "blocks", "L", "mask", "causal")
+
+    def __init__(self, a, b, blocks, L, mask, causal) -> None:
+        self.a, self.b, self.blocks, self.L, self.mask, self.causal = a, b, blocks, L, mask, causal
+
+
+class PagedAttentionPlan:
+    """Everything :func:`paged_attention_torch` derives from a step's metadata and not from
+    its query or cache contents, computed once by :func:`plan_paged_attention_torch` and
+    reused by every layer of the step (the engine runs 30 layers with the same block tables,
+    lengths and offsets; recomputing this per layer was ~2/3 of the Python time of a CPU
+    decode step's attention).
+
+    Holds: the decode sequences' query rows in processing order (``decode_rows``, ``[D]``
+    int64; sorted by decreasing block count), their gather chunks (:class:`_DecodeChunk`:
+    block ids and masks), the gather buffer size, and the prefill sequences
+    (:class:`_PrefillSeq`). Valid only for caches of the geometry it was planned for
+    (``block_size``, ``num_kv_heads``, ``head_size``, element size) and for the same
+    ``sliding_window``; :func:`paged_attention_torch` checks that and raises ValueError.
+    """
+
+    __slots__ = ("num_seqs", "num_tokens", "geometry", "sliding_window", "decode_rows", "chunks",
+                 "buffer_numel", "prefill")
+
+    def __init__(self, num_seqs, num_tokens, geometry, sliding_window, decode_rows, chunks, buffer_numel, prefill):
+        self.num_seqs = num_seqs
+        self.num_tokens = num_tokens
+        self.geometry = geometry
+        self.sliding_window = sliding_window
+        self.decode_rows = decode_rows
+        self.chunks = chunks
+        self.buffer_numel = buffer_numel
+        self.prefill = prefill
+
+
+def _cache_geometry(key_cache: torch.Tensor) -> tuple:
+    _, block_size, kvh, d = key_cache.shape
+    return (block_size, kvh, d, key_cache.element_size(), key_cache.device)
+
+
+def plan_paged_attention_torch(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    key_cache: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+) -> PagedAttentionPlan:
+    """Precompute the step-invariant part of :func:`paged_attention_torch` (which sequences
+    decode, their order, gather chunks, block ids and masks; the prefill sequences' blocks
+    and masks) so that several calls with the same metadata (one per layer) share it.
+
+    Args:
+        block_tables, seq_lens, query_start_loc: as for :func:`paged_attention_torch`
+            (``[num_seqs, max_blocks]``, ``[num_seqs]``, ``[num_seqs + 1]`` integers).
+        key_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``, any layer's
+            cache (only its geometry, dtype size and device are used).
+        sliding_window: None or the window in tokens (``>= 1``), as the calls will pass it.
+
+    Returns: a :class:`PagedAttentionPlan` to pass as ``plan=``.
+
+    Raises:
+        ValueError: invalid ``sliding_window``, a decode sequence with ``seq_len < 1``, or a
+            sequence shorter than its query tokens.
+    """
+    sliding_window, _ = check_attention_options(sliding_window, None)
+    geometry = _cache_geometry(key_cache)
+    block_size, kvh, d, elem, dev = geometry
+    num_seqs = block_tables.shape[0]
+    q_bounds = query_start_loc.tolist()
+    lens_l = seq_lens.tolist()
+    num_tokens = int(q_bounds[-1]) if q_bounds else 0
+    decode = [s for s in range(num_seqs) if q_bounds[s + 1] - q_bounds[s] == 1]
+    prefill_ids = [s for s in range(num_seqs) if q_bounds[s + 1] - q_bounds[s] > 1]
+
+    decode_rows = None
+    chunks: list[_DecodeChunk] = []
+    buffer_numel = 0
+    if decode:
+        if min(lens_l[s] for s in decode) < 1:
+            raise ValueError("a decode sequence (1 query token) must have seq_len >= 1")
+        # Blocks each one reads: all of them, or from its window's first key's block on.
+        first = None
+        if sliding_window is not None:
+            first = {s: max(0, lens_l[s] - sliding_window) // block_size for s in decode}
+        nblocks = {s: -(-lens_l[s] // block_size) - (first[s] if first else 0) for s in decode}
+        # Most blocks first, so each chunk is padded only to its own widest sequence:
+        # sorting bounds the padding of ragged batches.
+        decode.sort(key=lambda s: nblocks[s], reverse=True)
+        order_nblocks = [nblocks[s] for s in decode]
+        D = len(decode)
+        order_t = torch.tensor(decode, dtype=torch.long, device=dev)
+        decode_rows = torch.tensor([q_bounds[s] for s in decode], dtype=torch.long, device=dev)
+        max_nb = order_nblocks[0]
+        lens_all = seq_lens.to(device=dev, dtype=torch.long).index_select(0, order_t)  # [D]
+        positions = torch.arange(max_nb * block_size, device=dev)
+        bt = block_tables.to(dev).index_select(0, order_t).long()
+        if first is None:
+            bt_all = bt[:, :max_nb]  # [D, max_nb]
+            first_pos = None
+        else:
+            fb = torch.tensor([first[s] for s in decode], dtype=torch.long, device=dev)
+            cols = (fb.unsqueeze(1) + torch.arange(max_nb, device=dev)).clamp_(max=block_tables.shape[1] - 1)
+            bt_all = bt.gather(1, cols)  # [D, max_nb]
+            first_pos = fb * block_size  # [D] absolute position of each gathered row's first key
+        per_block = block_size * kvh * d
+        chunk_blocks = max(1, _DECODE_CHUNK_BYTES // (2 * per_block * max(elem, 4)))
+        buffer_numel = 2 * max(chunk_blocks, max_nb) * per_block
+        i = 0
+        while i < D:
+            nb = order_nblocks[i]
+            n = min(D - i, max(1, chunk_blocks // nb))
+            L = nb * block_size
+            seq_len = lens_all[i:i + n].unsqueeze(1)  # [n, 1]
+            if first_pos is None:
+                valid = positions[:L].unsqueeze(0) < seq_len  # [n, L]
+            else:
+                pos = first_pos[i:i + n].unsqueeze(1) + positions[:L].unsqueeze(0)  # [n, L]
+                # The query sits at seq_len - 1 and sees keys seq_len - 1 - W < pos <= seq_len - 1.
+                valid = (pos < seq_len) & (pos >= seq_len - sliding_window)
+            idx = bt_all[i:i + n, :nb].reshape(-1).contiguous()
+            chunks.append(_DecodeChunk(i, n, nb, idx, valid.view(n, 1, 1, L)))
+            i += n
+
+    prefill: list[_PrefillSeq] = []
+    for s in prefill_ids:
+        a, b = q_bounds[s], q_bounds[s + 1]
+        q_len, seq_len = b - a, lens_l[s]
+        if seq_len < q_len:
+            raise ValueError(f"seq_lens[{s}]={seq_len} is shorter than its {q_len} query tokens")
+        prefix = seq_len - q_len
+        nb = (seq_len + block_size - 1) // block_size
+        # First block to read: the block of the first query's lowest visible key.
+        kb = 0 if sliding_window is None else max(0, prefix - sliding_window + 1) // block_size
+        first_key = kb * block_size
+        blocks = block_tables[s, kb:nb].to(device=dev, dtype=torch.long)
+        if prefix == 0 and sliding_window is None:
+            mask, causal = None, True  # SDPA's causal mask is top-left aligned: right when L == q_len
+        else:
+            # Query token i sits at position prefix + i and sees keys [0, prefix + i] (within the window).
+            pos = torch.arange(prefix, seq_len, device=dev).unsqueeze(1)  # [q_len, 1]
+            kpos = torch.arange(first_key, seq_len, device=dev).unsqueeze(0)  # [1, L]
+            mask = kpos <= pos  # [q_len, L]
+            if sliding_window is not None:
+                mask &= kpos > pos - sliding_window
+            causal = False
+        prefill.append(_PrefillSeq(a, b, blocks, seq_len - first_key, mask, causal))
+    return PagedAttentionPlan(num_seqs, num_tokens, geometry, sliding_window, decode_rows, chunks, buffer_numel,
+                              prefill)
+
+
 def _decode_batch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: torch.Tensor,
-    order: list[int],
-    order_nblocks: list[int],
-    first_blocks: dict[int, int] | None,
-    tok_idx: list[int],
+    plan: PagedAttentionPlan,
     scale: float,
-    sliding_window: int | None,
     softcap: float | None,
     out: torch.Tensor,
 ) -> None:
-    """Attend decode sequences (one query token each), given by decreasing block count.
+    """Attend the plan's decode sequences (one query token each).
 
-    ``order``: their sequence indices sorted by decreasing number of blocks to read
-    (``order_nblocks``); ``first_blocks``: with a sliding window, the logical index of the
-    first block each one reads (its window's first key's block; None without a window,
-    i.e. all from block 0); ``tok_idx``: the row of each one's query token. Everything per
-    batch is selected once (block tables, lengths, queries); then, in chunks whose
-    gathered K+V fit in ``_DECODE_CHUNK_BYTES``, the chunk's blocks are gathered into a
-    reused per-thread buffer (it stays in cache and costs no page faults) as a padded
-    ``[n, kvh, L, d]`` view, positions outside each sequence's visible range are masked,
-    and one SDPA call attends the chunk. GQA without copying K/V per query head: the
-    ``group`` query heads of one kv head play SDPA's query-length role
-    (``q: [n, kvh, group, d]``).
+    The queries are selected once (``plan.decode_rows``); then, chunk by chunk (gathered
+    K+V of at most ``_DECODE_CHUNK_BYTES``), the chunk's blocks are gathered into a reused
+    per-thread buffer (it stays in cache and costs no page faults) as a padded
+    ``[n, kvh, L, d]`` view, and one SDPA call attends the chunk with the plan's additive
+    mask (positions outside each sequence's visible range are ``-inf``). GQA without
+    copying K/V per query head: the ``group`` query heads of one kv head play SDPA's
+    query-length role (``q: [n, kvh, group, d]``).
     """
     num_blocks, block_size, kvh, d = key_cache.shape
     num_heads = query.shape[1]
     group = num_heads // kvh
-    dev = query.device
-    D = len(order)
-    order_t = torch.tensor(order, dtype=torch.long, device=dev)
-    tok_t = torch.tensor(tok_idx, dtype=torch.long, device=dev)
-    max_nb = order_nblocks[0]
-    lens_all = lens.index_select(0, order_t)  # [D]
-    positions = torch.arange(max_nb * block_size, device=dev)
-    if first_blocks is None:
-        bt_all = block_tables.index_select(0, order_t)[:, :max_nb].long()  # [D, max_nb]
-        first_pos = None
-    else:
-        fb = torch.tensor([first_blocks[s] for s in order], dtype=torch.long, device=dev)
-        cols = (fb.unsqueeze(1) + torch.arange(max_nb, device=dev)).clamp_(max=block_tables.shape[1] - 1)
-        bt_all = block_tables.index_select(0, order_t).long().gather(1, cols)  # [D, max_nb]
-        first_pos = fb * block_size  # [D] absolute position of each gathered row's first key
-    q_all = query.index_select(0, tok_t).view(D, kvh, group, d)
+    D = plan.decode_rows.shape[0]
+    q_all = query.index_select(0, plan.decode_rows).view(D, kvh, group, d)
     if q_all.dtype != torch.float32:
         q_all = q_all.float()
-    o_all = torch.empty(D, kvh, group, d, dtype=q_all.dtype, device=dev)
+    o_all = torch.empty(D, kvh, group, d, dtype=q_all.dtype, device=query.device)
     per_block = block_size * kvh * d
-    chunk_blocks = max(1, _DECODE_CHUNK_BYTES // (2 * per_block * max(key_cache.element_size(), 4)))
     contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
     if contiguous:
         kflat = key_cache.view(num_blocks, per_block)
         vflat = value_cache.view(num_blocks, per_block)
-        buf = _gather_buffer(2 * max(chunk_blocks, max_nb) * per_block, key_cache.dtype, key_cache.device)
-    i = 0
-    while i < D:
-        nb = order_nblocks[i]
-        n = min(D - i, max(1, chunk_blocks // nb))
+        buf = _gather_buffer(plan.buffer_numel, key_cache.dtype, key_cache.device)
+    for c in plan.chunks:
+        i, n, nb = c.start, c.n, c.nb
         L = nb * block_size
-        bt = bt_all[i:i + n, :nb]
         if contiguous:
-            idx = bt.reshape(-1)
             kbuf = buf[: n * nb * per_block].view(n * nb, per_block)
             vbuf = buf[n * nb * per_block: 2 * n * nb * per_block].view(n * nb, per_block)
-            torch.index_select(kflat, 0, idx, out=kbuf)
-            torch.index_select(vflat, 0, idx, out=vbuf)
+            torch.index_select(kflat, 0, c.idx, out=kbuf)
+            torch.index_select(vflat, 0, c.idx, out=vbuf)
         else:
-            kbuf, vbuf = key_cache[bt], value_cache[bt]
+            kbuf, vbuf = key_cache[c.idx], value_cache[c.idx]
         k = kbuf.view(n, L, kvh, d).transpose(1, 2)  # [n, kvh, L, d]
         v = vbuf.view(n, L, kvh, d).transpose(1, 2)
         if k.dtype != torch.float32:
             k, v = k.float(), v.float()
-        seq_len = lens_all[i:i + n].unsqueeze(1)  # [n, 1]
-        if first_pos is None:
-            pos = positions[:L].unsqueeze(0)  # [1, L]
-            valid = pos < seq_len  # [n, L]
-        else:
-            pos = first_pos[i:i + n].unsqueeze(1) + positions[:L].unsqueeze(0)  # [n, L]
-            # The query sits at seq_len - 1 and sees keys seq_len - 1 - W < pos <= seq_len - 1.
-            valid = (pos < seq_len) & (pos >= seq_len - sliding_window)
-        mask = valid.view(n, 1, 1, L)
         if softcap is None:
-            o_all[i:i + n] = F.scaled_dot_product_attention(q_all[i:i + n], k, v, attn_mask=mask, scale=scale)
+            o_all[i:i + n] = F.scaled_dot_product_attention(q_all[i:i + n], k, v, attn_mask=c.additive, scale=scale)
         else:
-            o_all[i:i + n] = _softcapped_attention(q_all[i:i + n], k, v, mask, scale, softcap)
-        i += n
-    out.index_copy_(0, tok_t, o_all.view(D, num_heads, d).to(out.dtype))
+            o_all[i:i + n] = _softcapped_attention(q_all[i:i + n], k, v, c.valid, scale, softcap)
+    out.index_copy_(0, plan.decode_rows, o_all.view(D, num_heads, d).to(out.dtype))
 
 
 def _prefill_one(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    blocks: torch.Tensor,
-    seq_len: int,
+    p: _PrefillSeq,
     scale: float,
-    sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ([q_len, H, d], the last q_len positions of the sequence)
-    over the sequence's first ``seq_len`` cached tokens (only the blocks that hold keys
-    inside the first query's window when ``sliding_window`` is set). Returns
+    over the sequence's cached keys in the plan's blocks ``p.blocks`` (only those that hold
+    keys inside the first query's window when there is a sliding window). Returns
     [q_len, H, d] in fp32 (or q's dtype when that is fp32)."""
     _, block_size, kvh, d = key_cache.shape
     q_len, num_heads, _ = q.shape
     group = num_heads // kvh
-    prefix = seq_len - q_len
-    nb = (seq_len + block_size - 1) // block_size
-    # First block to read: the block of the first query's lowest visible key.
-    kb = 0 if sliding_window is None else max(0, prefix - sliding_window + 1) // block_size
-    first = kb * block_size
-    L = seq_len - first
-    bt = blocks[kb:nb].long()
-    k = key_cache[bt].view((nb - kb) * block_size, kvh, d)[:L].transpose(0, 1)  # [kvh, L, d]
-    v = value_cache[bt].view((nb - kb) * block_size, kvh, d)[:L].transpose(0, 1)
+    nbk = p.blocks.shape[0]
+    L = p.L
+    k = key_cache[p.blocks].view(nbk * block_size, kvh, d)[:L].transpose(0, 1)  # [kvh, L, d]
+    v = value_cache[p.blocks].view(nbk * block_size, kvh, d)[:L].transpose(0, 1)
     if q.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    if prefix == 0 and sliding_window is None and softcap is None:
-        mask, causal = None, True  # SDPA's causal mask is top-left aligned: right when L == q_len
-    else:
-        # Query token i sits at position prefix + i and sees keys [0, prefix + i] (within the window).
-        pos = torch.arange(prefix, seq_len, device=q.device).unsqueeze(1)  # [q_len, 1]
-        kpos = torch.arange(first, seq_len, device=q.device).unsqueeze(0)  # [1, L]
-        mask = kpos <= pos  # [q_len, L]
-        if sliding_window is not None:
-            mask &= kpos > pos - sliding_window
-        causal = False
+    mask, causal = p.mask, p.causal
     if softcap is not None:
+        if mask is None:
+            mask = torch.ones(q_len, L, dtype=torch.bool, device=q.device).tril()
         # [kvh, group, q_len, d] against [kvh, 1, L, d]: GQA by broadcasting, no K/V copies.
         qh = q.view(q_len, kvh, group, d).permute(1, 2, 0, 3)
         o = _softcapped_attention(qh, k.unsqueeze(1), v.unsqueeze(1), mask, scale, softcap)
@@ -398,6 +526,7 @@ def paged_attention_torch(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    plan: PagedAttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed varlen batch of query tokens over a paged KV cache.
 
@@ -426,6 +555,10 @@ def paged_attention_torch(
         softcap: None (default) or ``> 0``: attention logits become
             ``softcap * tanh(scale * q.k / softcap)`` before masking and softmax
             (Gemma 2's ``attn_logit_softcapping``).
+        plan: optional :class:`PagedAttentionPlan` from :func:`plan_paged_attention_torch`
+            for the same ``block_tables`` / ``seq_lens`` / ``query_start_loc`` and
+            ``sliding_window`` (the engine plans once per step and passes it to every
+            layer); None plans here. The result is the same either way.
 
     Semantics: query token ``i`` of sequence ``s`` (``q_len_s`` tokens) sits at position
     ``seq_lens[s] - q_len_s + i`` and attends to keys at positions ``[0, pos]`` (causal,
@@ -440,8 +573,9 @@ def paged_attention_torch(
 
     Returns: ``[num_tokens, num_heads, head_size]`` in ``query.dtype`` (``out`` if given).
 
-    Raises: ValueError on inconsistent shapes (see ``check_paged_attention_args``) or
-    invalid options (see ``check_attention_options``).
+    Raises: ValueError on inconsistent shapes (see ``check_paged_attention_args``),
+    invalid options (see ``check_attention_options``), or a ``plan`` made for another
+    batch, cache geometry or ``sliding_window``.
     """
     num_seqs, num_heads, num_kv_heads, head_size, block_size = check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc
@@ -455,39 +589,18 @@ def paged_attention_torch(
         raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     if query.shape[0] == 0 or num_seqs == 0:
         return out
-
-    dev = query.device
-    qsl = query_start_loc.to(device=dev, dtype=torch.long)
-    q_lens = qsl[1:] - qsl[:-1]
-    lens = seq_lens.to(device=dev, dtype=torch.long)
-    q_lens_l = q_lens.tolist()
-    lens_l = lens.tolist()
-    starts_l = qsl.tolist()
-
-    decode = [s for s in range(num_seqs) if q_lens_l[s] == 1]
-    prefill = [s for s in range(num_seqs) if q_lens_l[s] > 1]
-
-    if decode:
-        if min(lens_l[s] for s in decode) < 1:
-            raise ValueError("a decode sequence (1 query token) must have seq_len >= 1")
-        # Blocks each one reads: all of them, or from its window's first key's block on.
-        first = None
-        if sliding_window is not None:
-            first = {s: max(0, lens_l[s] - sliding_window) // block_size for s in decode}
-        nblocks = {s: -(-lens_l[s] // block_size) - (first[s] if first else 0) for s in decode}
-        # Most blocks first, so each chunk is padded only to its own widest sequence:
-        # sorting bounds the padding of ragged batches.
-        decode.sort(key=lambda s: nblocks[s], reverse=True)
-        _decode_batch(
-            query, key_cache, value_cache, block_tables, lens, decode, [nblocks[s] for s in decode], first,
-            [starts_l[s] for s in decode], scale, sliding_window, softcap, out,
+    if plan is None:
+        plan = plan_paged_attention_torch(block_tables, seq_lens, query_start_loc, key_cache,
+                                          sliding_window=sliding_window)
+    elif (plan.num_seqs, plan.num_tokens, plan.geometry, plan.sliding_window) != (
+            num_seqs, query.shape[0], _cache_geometry(key_cache), sliding_window):
+        raise ValueError(
+            f"plan made for {plan.num_seqs} sequences, {plan.num_tokens} tokens, cache geometry "
+            f"{plan.geometry[:4]} and sliding_window={plan.sliding_window}; this call has {num_seqs}, "
+            f"{query.shape[0]}, {_cache_geometry(key_cache)[:4]} and {sliding_window}"
         )
-
-    for s in prefill:
-        a, b = starts_l[s], starts_l[s + 1]
-        if lens_l[s] < b - a:
-            raise ValueError(f"seq_lens[{s}]={lens_l[s]} is shorter than its {b - a} query tokens")
-        out[a:b] = _prefill_one(
-            query[a:b], key_cache, value_cache, block_tables[s], lens_l[s], scale, sliding_window, softcap
-        ).to(out.dtype)
+    if plan.chunks:
+        _decode_batch(query, key_cache, value_cache, plan, scale, softcap, out)
+    for p in plan.prefill:
+        out[p.a:p.b] = _prefill_one(query[p.a:p.b], key_cache, value_cache, p, scale, softcap).to(out.dtype)
     return out

@@ -47,7 +47,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.kernels import paged_attention, reshape_and_cache
+from kvfleet.kernels import paged_attention, reshape_and_cache, select_backend
+from kvfleet.kernels.reference import PagedAttentionPlan, paged_attention_torch, plan_paged_attention_torch
 
 ATTN_IMPLEMENTATION = "kvfleet_paged"
 """Name under which the paged attention is registered in ``transformers.AttentionInterface``."""
@@ -80,6 +81,13 @@ class AttentionMetadata:
             layer has a window unless transformers passes ``sliding_window``.
         calls: number of attention-layer calls made with this metadata (the probe counts
             them).
+
+    On the torch (CPU) attention path, :meth:`torch_plan` keeps one
+    :class:`~kvfleet.kernels.reference.PagedAttentionPlan` per sliding window and cache
+    geometry in the plain attribute ``_torch_plans`` (not a dataclass field, so
+    ``dataclasses.replace`` / ``fields`` copies of the metadata start without it): the
+    step's gather chunks, block ids and masks are computed by the first layer and reused
+    by the others.
     """
 
     slot_mapping: torch.Tensor
@@ -91,6 +99,19 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     sliding_windows: list[int | None] | None = None
     calls: int = 0
+
+    def torch_plan(self, key_cache: torch.Tensor, sliding_window: int | None) -> PagedAttentionPlan:
+        """The step's :func:`~kvfleet.kernels.reference.plan_paged_attention_torch` for
+        caches shaped like ``key_cache`` and this ``sliding_window``, computed on first use
+        and shared by every layer that asks for the same one."""
+        plans = self.__dict__.setdefault("_torch_plans", {})
+        key = (sliding_window, tuple(key_cache.shape[1:]), key_cache.element_size(), key_cache.device)
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = plan_paged_attention_torch(
+                self.block_tables, self.seq_lens, self.query_start_loc, key_cache, sliding_window=sliding_window
+            )
+        return plan
 
 
 # Keyword arguments some transformers attention modules pass that add terms to the scores
@@ -248,7 +269,9 @@ def paged_attention_forward(
 
     Writes the new K/V into the layer's cache at ``slot_mapping`` with
     ``kvfleet.kernels.reshape_and_cache``, then attends each query token over its
-    sequence's cached tokens (causally) with ``kvfleet.kernels.paged_attention``.
+    sequence's cached tokens (causally) with ``kvfleet.kernels.paged_attention`` (on the
+    torch backend: ``paged_attention_torch`` with the step's plan from
+    :meth:`AttentionMetadata.torch_plan`, made by the first layer and reused by the others).
 
     Returns: ``(attn_output, None)`` with ``attn_output`` of shape
     ``[1, T, num_heads, head_size]`` (what transformers' attention modules expect).
@@ -287,6 +310,14 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)  # [T, num_kv_heads, head_size]
     v = value[0].transpose(0, 1)
     reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    if select_backend(q.device) == "torch":
+        # The CPU path: the step's plan (gather chunks, block ids, masks) is computed once
+        # and shared by all layers (see AttentionMetadata.torch_plan).
+        out = paged_attention_torch(
+            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scaling,
+            sliding_window=sliding_window, softcap=softcap, plan=meta.torch_plan(key_cache, sliding_window),
+        )
+        return out.unsqueeze(0), None
     out = paged_attention(
         q,
         key_cache,

@@ -232,3 +232,44 @@ def test_public_entry_points_use_torch_on_cpu(monkeypatch):
     reshape_and_cache(b.new_keys, b.new_values, kc, vc, b.slot_mapping)
     assert torch.equal(kc.view(-1, 2, 64)[b.slot_mapping], b.new_keys)
     torch.testing.assert_close(paged_attention(*b.attn_args), paged_attention_torch(*b.attn_args))
+
+
+@pytest.mark.parametrize("sliding_window,softcap", [(None, None), (24, None), (None, 20.0), (40, 30.0)])
+def test_plan_shared_by_layers_is_bit_exact(sliding_window, softcap):
+    # One plan per step, reused by every layer (each with its own cache contents), gives the
+    # same bits as planning in every call, and matches the naive fp64 attention.
+    from kvfleet.kernels.reference import plan_paged_attention_torch
+
+    seqs = seq_mix(16) + [(L, 1) for L in (300, 57, 130, 1, 64)] + [(200, 37)]
+    layers = [make_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_size=64, block_size=16, seed=seed)
+              for seed in range(3)]
+    # Every "layer" is attended with layer 0's block tables and lengths (the step's metadata).
+    b0 = layers[0]
+    plan = plan_paged_attention_torch(b0.block_tables, b0.seq_lens, b0.query_start_loc, b0.key_cache,
+                                      sliding_window=sliding_window)
+    outs = []
+    for b in layers:
+        q, kc, vc, _, _, _, scale = b.attn_args
+        args = (q, kc, vc, b0.block_tables, b0.seq_lens, b0.query_start_loc, scale)
+        outs.append(paged_attention_torch(*args, sliding_window=sliding_window, softcap=softcap, plan=plan))
+        assert torch.equal(outs[-1], paged_attention_torch(*args, sliding_window=sliding_window, softcap=softcap))
+    assert not torch.equal(outs[0], outs[1])  # the layers' caches differ, so must their outputs
+    torch.testing.assert_close(outs[0].double(), naive_attention(b0, sliding_window=sliding_window, softcap=softcap),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_plan_for_another_batch_geometry_or_window_is_refused():
+    from kvfleet.kernels.reference import plan_paged_attention_torch
+
+    b = make_paged_batch([(20, 1), (9, 3)], num_heads=4, num_kv_heads=2, block_size=8)
+    plan = plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_torch(*b.attn_args, sliding_window=8, plan=plan)
+    other = make_paged_batch([(20, 1), (9, 3)], num_heads=4, num_kv_heads=2, block_size=16)
+    with pytest.raises(ValueError, match="plan made for"):
+        paged_attention_torch(*other.attn_args, plan=plan)
+    fewer = make_paged_batch([(20, 1)], num_heads=4, num_kv_heads=2, block_size=8)
+    with pytest.raises(ValueError, match="plan made for"):
+        paged_attention_torch(*fewer.attn_args, plan=plan)
+    with pytest.raises(ValueError, match="sliding_window"):
+        plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache, sliding_window=0)
