@@ -111,7 +111,7 @@ MODEL = _obj(
             "container), pvc://CLAIM/PATH (mounted read-only), file:///PATH (a directory "
             "or a .gguf file already in the image).",
             max_length=1024,
-            pattern=r"^(hf://[^/@\s]+/[^@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$",
+            pattern=r"^(hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$",
             **{"x-kubernetes-validations": [{
                 "rule": "self.startsWith('hf://') || self.startsWith('pvc://') || self.startsWith('file:///')",
                 "message": "model.uri must use one of the schemes hf://, pvc://, file:///",

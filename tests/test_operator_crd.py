@@ -230,6 +230,7 @@ def test_other_cel_rules(obj, message):
     _with("spec.replicas", -1),
     _with("spec.runtime", {"resources": {"memory": "lots"}}),
     _with("spec.model.uri", "hf://just-a-name"),
+    _with("spec.model.uri", "hf://org/name/extra"),
     {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "x"}, "spec": {}},
 ])
 def test_schema_rejects(obj):
