@@ -3,7 +3,7 @@
 Routes
 ------
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{model}``
+``GET /v1/models/{model}`` (every ``GET`` route also answers ``HEAD``: headers, no body)
     OpenAI's API (see :mod:`kvfleet.runtime.protocol`), JSON or Server-Sent Events
     (``stream: true``: ``text/event-stream``, one ``data: {json}\\n\\n`` per chunk, ending
     with ``data: [DONE]\\n\\n``).
@@ -427,16 +427,22 @@ def _join_logprobs(a: P.CompletionLogProbs, b: P.CompletionLogProbs) -> P.Comple
     )
 
 
-def _prompt_logprobs_body(plp: list[dict[int, Logprob] | None] | None) -> P.PromptLogprobs | None:
-    """vLLM's ``prompt_logprobs`` for a response body (-inf clamped to -9999.0, as vLLM)."""
+def _prompt_logprobs_body(
+    plp: list[dict[int, Logprob] | None] | None, prompt_ids: list[int] | None = None, k: int | None = None
+) -> P.PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` for a response body (-inf clamped to -9999.0, as vLLM).
+
+    With ``prompt_ids`` and ``k``: only the prompt token and the entries of rank <= ``k`` (the
+    engine scored more for ``echo`` + a larger ``logprobs``)."""
     if plp is None:
         return None
     return [
         None if entries is None else {
             tid: P.PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
             for tid, lp in entries.items()
+            if k is None or prompt_ids is None or tid == prompt_ids[j] or lp.rank is None or lp.rank <= k
         }
-        for entries in plp
+        for j, entries in enumerate(plp)
     ]  # fmt: skip
 
 
@@ -595,7 +601,7 @@ def create_app(
             return JSONResponse({"status": "loading"}, status_code=503)
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # every GET route answers HEAD (RFC 9110, 9.1)
     async def metrics():
         _refresh_gauges(state)
         return Response(exposition(stat_logger.registry), media_type=CONTENT_TYPE)
@@ -621,11 +627,11 @@ def create_app(
             max_model_len=getattr(state.engine, "max_model_len", None),
         )
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], dependencies=auth)
     async def models():
         return P.ModelList(data=[model_card()]).model_dump()
 
-    @app.get("/v1/models/{model_id:path}", dependencies=auth)  # ids may hold "/" (hub ids)
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"], dependencies=auth)  # ids may hold "/"
     async def retrieve_model(model_id: str):
         """OpenAI's "retrieve model" (``client.models.retrieve``); unknown id: 404 as OpenAI."""
         _check_model(state, model_id)
@@ -818,7 +824,9 @@ async def _on_tokenizer_thread(state: ServerState, fn: Callable[[], Any]) -> Any
 
 
 def _check_token_ids(ids: list[int], vocab_size: int) -> None:
-    for t in ids:
+    if ids and 0 <= min(ids) and max(ids) < vocab_size:  # C loops: ~0.1 s for 10M ids on the event loop
+        return
+    for t in ids:  # the first id out of range, for the message
         if t < 0 or t >= vocab_size:
             raise APIError(400, f"prompt token id {t} is out of range [0, {vocab_size})", param="prompt", code="invalid_value")
 
@@ -994,8 +1002,14 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
     n = body.n
     k = body.logprobs if body.logprobs is not None else -1
     detok = _Detok(tokenizer)
-    # echo: the prompt as text (token-id prompts decoded, as vLLM does).
-    prompt_texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(prompts, prompt_ids)]
+    # echo: the prompt as text (token-id prompts decoded, as vLLM does, on the tokenizer thread:
+    # a 32 MiB body of id lists takes seconds to decode). Without echo nothing is decoded.
+    prompt_texts: list[str] = []
+    if body.echo:
+        id_prompts = [ids for p, ids in zip(prompts, prompt_ids) if not isinstance(p, str)]
+        decoded = iter(await _on_tokenizer_thread(state, lambda: [tokenizer.decode(x) for x in id_prompts])
+                       if id_prompts else [])  # fmt: skip
+        prompt_texts = [p if isinstance(p, str) else next(decoded) for p in prompts]
     sub = _Submission(state, request)
     streams = [
         sub.stream(ids, sp, f"{request_id}-{i}", priority=body.priority, tenant=body.user)
@@ -1026,6 +1040,8 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         for i in range(len(prompts)):
             out = final.get(i)
             plp = out.prompt_logprobs if out else None
+            # Cut back to an explicit prompt_logprobs (echo + a larger logprobs scores more).
+            plp_body = _prompt_logprobs_body(plp, prompt_ids[i], body.prompt_logprobs)
             for c in sorted(out.outputs if out else [], key=lambda c: c.index):
                 lp = None
                 text = "" if echo_only else c.text
@@ -1041,7 +1057,7 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
                 choices.append(
                     P.CompletionResponseChoice(
                         index=i * n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason, prompt_logprobs=_prompt_logprobs_body(plp),
+                        stop_reason=c.stop_reason, prompt_logprobs=plp_body,
                     )
                 )  # fmt: skip
                 outputs.append(c)

@@ -235,7 +235,13 @@ class CompletionRequest(_SamplingFields):
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs  # vLLM: echo + logprobs scores the prompt too
         kw.update(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
-        return _build_sampling_params(kw)
+        params = _build_sampling_params(kw)  # validates the values as sent
+        if self.echo and params.logprobs is not None and (params.prompt_logprobs or 0) < params.logprobs:
+            # The echoed prompt's legacy top_logprobs hold the top ``logprobs`` too, even when an
+            # explicit smaller ``prompt_logprobs`` is sent (vLLM would give them only the top
+            # ``prompt_logprobs``); the raw ``prompt_logprobs`` in the response are cut back to it.
+            params = params.clone(prompt_logprobs=params.logprobs)
+        return params
 
     @property
     def echo_only(self) -> bool:

@@ -473,3 +473,33 @@ def test_streamed_echo_of_several_prompts_and_choices(client, smollm2):
             texts[c["index"]] = texts.get(c["index"], "") + c["text"]
     assert texts == {c["index"]: c["text"] for c in choices}
     assert events[-1]["choices"] == [] and events[-1]["usage"] == full.json()["usage"]
+
+
+def test_echo_top_logprobs_follow_logprobs_when_prompt_logprobs_is_smaller(client, smollm2, hf_logprobs):
+    """``echo`` + ``logprobs: 3`` + ``prompt_logprobs: 0``: the echoed prompt's legacy
+    top_logprobs still hold the top 3 (as without ``prompt_logprobs``), while the raw
+    ``prompt_logprobs`` hold what they asked for, the prompt token only."""
+    tok = smollm2.tokenizer
+    prompt = PROMPTS[0]
+    ids = tok.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 3, "temperature": 0}
+    r = client.post("/v1/completions", json={**body, "prompt_logprobs": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert_echo_logprobs(choice["logprobs"], ids, hf_logprobs(ids), 3, tok)
+    ref = hf_logprobs(ids)
+    for i in range(1, len(ids)):
+        best = ref[i - 1].topk(3).indices.tolist()
+        assert {tok.decode([t]) for t in best} <= set(choice["logprobs"]["top_logprobs"][i]), f"position {i}"
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and [list(entry) for entry in plp[1:]] == [[str(t)] for t in ids[1:]]
+    without = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert without["logprobs"]["top_logprobs"][1:] == [pytest.approx(t, abs=1e-5) for t in choice["logprobs"]["top_logprobs"][1:]]
+    assert all(len(entry) in (3, 4) for entry in without["prompt_logprobs"][1:])
+    # A larger prompt_logprobs is returned whole, the legacy top_logprobs keep logprobs.
+    more = client.post("/v1/completions", json={**body, "prompt_logprobs": 5}).json()["choices"][0]
+    assert all(len(entry) in (5, 6) for entry in more["prompt_logprobs"][1:])
+    assert all(3 <= len(top) <= 4 for top in more["logprobs"]["top_logprobs"][1:])
+    # Out-of-range values are still refused, naming the field sent.
+    bad = client.post("/v1/completions", json={**body, "prompt_logprobs": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"

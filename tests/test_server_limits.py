@@ -9,8 +9,9 @@
   answered, so a tokenizer running on the event loop would hang the probe and fail the test),
   tokenization is serialized on one thread, a body over ``max_request_body_size`` is a 413
   without being read, a prompt certainly longer than ``max_model_len`` tokens is a 400
-  without being tokenized, lone surrogates are a 400 naming the field, ``HEAD`` probes, and
-  ``GET /v1/models/{model}`` through the official ``openai`` client.
+  without being tokenized, lone surrogates are a 400 naming the field, ``HEAD`` probes (and
+  ``HEAD`` on every ``GET`` route), ``GET /v1/models/{model}`` through the official ``openai``
+  client, and token-id prompts decoded only for ``echo``, on the tokenizer thread.
 
 Tests that load the model or start a server are marked ``slow``.
 """
@@ -429,8 +430,46 @@ def test_head_probes_and_retrieve_model(smollm2):
             with pytest.raises(openai.AuthenticationError):
                 openai.OpenAI(base_url=live.base + "/v1", api_key="wrong", max_retries=0).models.retrieve("org/chat-small")
             assert live.http.head("/health").status_code == 200
+            # Every GET route answers HEAD (headers, no body), behind the key where GET is.
+            key = {"Authorization": "Bearer k3y"}
+            for path in ("/v1/models", "/v1/models/org/chat-small", "/metrics"):
+                got, head = live.http.get(path, headers=key), live.http.head(path, headers=key)
+                assert head.status_code == got.status_code == 200 and head.content == b"", path
+                assert head.headers["content-type"] == got.headers["content-type"], path
+            assert live.http.head("/v1/models/gpt-4", headers=key).status_code == 404
+            assert live.http.head("/v1/models").status_code == 401
+            assert live.http.head("/v1/completions", headers=key).status_code == 405  # POST routes stay POST
     finally:
         release.set()
+
+
+@pytest.mark.slow
+def test_token_id_prompts_are_decoded_only_for_echo_and_off_the_event_loop(server, tok):
+    """A token-id prompt's text is needed only to echo it: without ``echo`` it is never
+    decoded (a 32 MiB body of id lists took ~2.6 s to decode on the event loop), with
+    ``echo`` it is decoded on the tokenizer thread."""
+    ids = tok.encode("The capital of France is Paris. " * 40)
+    real = tok.decode
+    threads: list[str] = []
+
+    def decode(token_ids, *args, **kwargs):  # pass-through; records whole-prompt decodes
+        if len(token_ids) == len(ids):
+            threads.append(threading.current_thread().name)
+        return real(token_ids, *args, **kwargs)
+
+    tok.decode = decode
+    try:
+        body = {"prompt": [ids, ids[:5]], "max_tokens": 2, "temperature": 0}
+        plain = server.http.post("/v1/completions", json=body)
+        assert plain.status_code == 200, plain.text
+        assert threads == []
+        echo = server.http.post("/v1/completions", json={**body, "echo": True})
+        assert echo.status_code == 200, echo.text
+        assert threads and all(name.startswith("kvfleet-tokenizer") for name in threads), threads
+    finally:
+        del tok.decode
+    texts = [c["text"] for c in echo.json()["choices"]]
+    assert texts == [real(ids) + plain.json()["choices"][0]["text"], real(ids[:5]) + plain.json()["choices"][1]["text"]]
 
 
 # ----------------------------------------------------------------------------- the option
