@@ -6,6 +6,14 @@ linked queue whose head is evicted first. Blocks freed *without* a prefix-cache 
 to the head (reused first: they hold nothing worth keeping); blocks freed *with* a hash
 go to the tail, so unreferenced cached blocks are evicted least-recently-used first.
 A cached block that gets a hit while free is taken out of the middle of the queue in O(1).
+
+With ``use_null_block=True`` (sliding-window models, see
+:class:`kvfleet.runtime.kv_cache_manager.KVCacheManager`) the last physical block is the
+*null block*, as vLLM v1's ``BlockPool.null_block``: never handed out, never written,
+never cached, never reference-counted; block tables hold it in place of blocks that fell
+out of the sliding window and were freed. (vLLM reserves block 0; kvfleet reserves the last
+one because the model runner pads block tables with 0, so a null-block read can be told
+from a padding read.)
 """
 
 from __future__ import annotations
@@ -108,18 +116,36 @@ class BlockPool:
     """All ``num_blocks`` blocks: allocation, reference counting, the prefix-cache map.
 
     Invariants (checked by tests/test_block_pool_properties.py):
-    a block is in the free queue iff its ``ref_cnt`` is 0; ``ref_cnt`` is never negative;
-    ``cached_blocks[h].block_hash == h`` for every cached hash ``h``.
+    a block other than the null block is in the free queue iff its ``ref_cnt`` is 0;
+    ``ref_cnt`` is never negative; ``cached_blocks[h].block_hash == h`` for every cached
+    hash ``h``; the null block is never free, cached or referenced (``ref_cnt`` 0).
+
+    Args:
+        num_blocks: physical blocks, the null block included.
+        enable_caching: automatic prefix caching on/off.
+        use_null_block: reserve block ``num_blocks - 1`` as the null block (then
+            ``num_blocks - 1`` blocks can be handed out).
+
+    Raises:
+        ValueError: no block to hand out (``num_blocks < 1``, or ``< 2`` with a null block).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, use_null_block: bool = False) -> None:
+        if num_blocks < 1 + use_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + use_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block: KVCacheBlock | None = self.blocks[-1] if use_null_block else None
+        """Placeholder of freed out-of-window blocks in block tables (None: no null block)."""
+        usable = self.blocks[:-1] if use_null_block else self.blocks
+        self.free_queue = FreeBlockQueue(usable)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can be handed out: ``num_blocks``, less the null block if any."""
+        return self.num_blocks - (self.null_block is not None)
 
     # -- queries ------------------------------------------------------------------
     @property
@@ -129,8 +155,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction (0-1) of blocks referenced by at least one request."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction (0-1) of the usable blocks referenced by at least one request."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -160,20 +186,25 @@ class BlockPool:
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Add a reference to each block (prefix-cache hits), taking free ones out of the queue."""
+        """Add a reference to each block (prefix-cache hits), taking free ones out of the
+        queue. The null block is skipped."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue in the
-        given order (the first is evicted first among cached ones).
+        given order (the first is evicted first among cached ones). The null block is skipped.
 
         Raises:
             ValueError: a block's reference count would go negative (a double free).
         """
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
             block.ref_cnt -= 1
@@ -186,13 +217,18 @@ class BlockPool:
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Register a full block under ``block_hash``. Returns False (and leaves the block
         uncached) when another block already holds that hash."""
-        if not self.enable_caching or block.block_hash is not None:
+        if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return False
         if block_hash in self.cached_blocks:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
         return True
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Drop ``block``'s prefix-cache hash (its K/V will not be written after all). Call
+        it on a referenced block only; its free-queue place is chosen when it is freed."""
+        self._evict(block)
 
     def reset_prefix_cache(self) -> int:
         """Drop the hash of every unreferenced cached block. Returns how many were dropped.

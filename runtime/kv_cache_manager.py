@@ -5,6 +5,20 @@ The facade follows vLLM v1 (``vllm/v1/core/kv_cache_manager.py``):
 ``get_computed_blocks`` (longest cached prefix), ``allocate_slots`` (blocks for the
 tokens of this step), ``free``. A fully cached prompt still recomputes its last token,
 so the model produces logits for it.
+
+Sliding window (``sliding_window=W``, only when every attention layer has the same window,
+Mistral-style; see :func:`uniform_sliding_window`): as vLLM v1's ``SlidingWindowManager``
+(``vllm/v1/core/single_type_kv_cache_manager.py``), a query at position ``p`` sees keys
+``p - W < k <= p``, so once ``num_computed_tokens`` tokens are computed, no later query of
+the request reads a block whose positions are all ``< num_computed_tokens + 1 - W``. Those
+blocks go back to the pool at the request's next allocation (``remove_skipped_blocks``) and
+the block table keeps its length with the pool's *null block* in their place (never handed
+out, never written: the kernels never read table entries wholly before the window, and the
+Triton kernel's masked loads of a tile that straddles the window's lower edge read its
+zeros with weight 0). A freed block with a prefix-cache hash stays cached and evictable,
+like any freed block; a prefix-cache hit needs only the blocks of the last window
+(``find_longest_cache_hit``). Hybrid models (local + global layers in one block table,
+Gemma 2/3) keep every block, as full attention does.
 """
 
 from __future__ import annotations
@@ -17,6 +31,42 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def uniform_sliding_window(layer_windows) -> int | None:
+    """The window (tokens) when every attention layer has the same sliding window, else None.
+
+    Args:
+        layer_windows: per layer, the window or None (full attention), as
+            :func:`kvfleet.runtime.attention.layer_sliding_windows` returns them.
+
+    Returns: the common window, or None for full-attention and hybrid (local + global
+    layers, e.g. Gemma 2/3) models, whose out-of-window blocks are kept (a global layer
+    still reads them).
+    """
+    windows = set(layer_windows)
+    if len(windows) != 1:
+        return None
+    (window,) = windows
+    return window
+
+
+def max_num_blocks_per_request(num_tokens: int, block_size: int, sliding_window: int | None,
+                               max_num_batched_tokens: int) -> int:
+    """The most blocks one request of ``num_tokens`` tokens holds at once.
+
+    Full attention: every block, ``cdiv(num_tokens, block_size)``. With a sliding window
+    ``W`` the blocks of a step computing ``n <= max_num_batched_tokens`` tokens from position
+    ``c`` on are those from the block of ``c + 1 - W`` to the block of ``c + n - 1``: at most
+    ``cdiv(W - 1 + n, block_size) + 1`` (the +1 because the window need not start at a block
+    boundary), and never more than the full count. vLLM's
+    ``SlidingWindowSpec.max_memory_usage_bytes`` (``vllm/v1/kv_cache_interface.py``) bounds it
+    the same way.
+    """
+    full = cdiv(num_tokens, block_size)
+    if sliding_window is None:
+        return full
+    return min(full, cdiv(sliding_window - 1 + max_num_batched_tokens, block_size) + 1)
+
+
 class KVCacheManager:
     """Block tables of the live requests.
 
@@ -24,18 +74,41 @@ class KVCacheManager:
         num_blocks: physical KV blocks (from the memory budget).
         block_size: tokens per block.
         enable_caching: automatic prefix caching on/off.
+        sliding_window: the window (tokens) shared by every attention layer, or None (full
+            attention, or a hybrid model): with a window, out-of-window blocks are freed and
+            block ``num_blocks - 1`` is reserved as the null block (see the module doc).
+
+    Raises:
+        ValueError: ``sliding_window`` not None or an integer >= 1; no block to hand out.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and (
+                isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an integer >= 1, got {sliding_window!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.sliding_window = sliding_window
+        self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=sliding_window is not None)
+        self.null_block = self.block_pool.null_block
+        """Placeholder of freed out-of-window blocks (None without a sliding window)."""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
+        """Physical blocks, the null block included."""
         return self.block_pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: ``num_blocks`` less the null block, if any."""
+        return self.block_pool.num_usable_blocks
+
+    def max_num_blocks_per_request(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        """:func:`max_num_blocks_per_request` for this manager's block size and window."""
+        return max_num_blocks_per_request(num_tokens, self.block_size, self.sliding_window, max_num_batched_tokens)
 
     @property
     def usage(self) -> float:
@@ -58,11 +131,19 @@ class KVCacheManager:
         count as computed, so at least the last token is recomputed and yields logits.
         Requests asking for prompt logprobs skip the cache (their prompt must be computed).
         Does not take references: pass the blocks to ``allocate_slots``.
+
+        With a sliding window a hit needs only the blocks the next query can see: the
+        longest prefix whose last ``cdiv(W - 1, block_size)`` blocks are cached (earlier
+        entries are the null block), or else the cached blocks at the very start (vLLM v1's
+        ``SlidingWindowManager.find_longest_cache_hit``).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request, request.num_tokens)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            blocks = self._find_longest_window_hit(request.block_hashes[:max_hit_blocks])
+            return blocks, len(blocks) * self.block_size
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -71,23 +152,76 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def _find_longest_window_hit(self, block_hashes) -> list[KVCacheBlock]:
+        # Scan right to left for `needed` consecutive cached blocks: then the prefix up to
+        # their end is a hit, its earlier blocks never read again (null). At least one
+        # block, so that a window of 1 still matches real tokens.
+        needed = max(1, cdiv(self.sliding_window - 1, self.block_size))
+        out: list[KVCacheBlock] = [self.null_block] * len(block_hashes)
+        run = 0
+        for i in range(len(block_hashes) - 1, -1, -1):
+            block = self.block_pool.get_cached_block(block_hashes[i])
+            if block is None:
+                run = 0
+                continue
+            out[i] = block
+            run += 1
+            if run >= needed:
+                return out[:i + run]
+        return out[:run]  # fewer than `needed` blocks at the start still count
+
+    def _remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free the blocks of ``request_id`` that no query from position
+        ``num_computed_tokens`` on can see (all their positions ``< num_computed_tokens + 1
+        - W``) and put the null block in their place (vLLM v1's ``remove_skipped_blocks``).
+        The most recent is freed first, so among cached blocks the oldest is evicted last,
+        as vLLM does."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        num_skipped = max(0, num_computed_tokens + 1 - self.sliding_window) // self.block_size
+        removed = []
+        for i in range(min(num_skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i] is self.null_block:
+                break  # everything before it was nulled by an earlier call
+            removed.append(blocks[i])
+            blocks[i] = self.null_block
+        self.block_pool.free_blocks(removed)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks the pool can hand out now (free, including unreferenced cached ones)."""
         return self.block_pool.num_free_blocks
 
     def get_num_blocks_to_allocate(
-        self, request: Request, num_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()
+        self, request: Request, num_tokens: int, new_computed_blocks: list[KVCacheBlock] = (),
+        max_num_batched_tokens: int | None = None,
     ) -> int:
         """Blocks that ``request`` would take from the free pool to hold its first
         ``num_tokens`` tokens (positions ``[0, num_tokens)``), counting the blocks it holds
         and the prefix-cache hits ``new_computed_blocks`` (a hit on a free block takes that
         block out of the pool too). Changes nothing. As vLLM v1's
         ``get_num_blocks_to_allocate`` (``vllm/v1/core/single_type_kv_cache_manager.py``).
+
+        With a sliding window, the most blocks the request holds at once on the way
+        (:func:`max_num_blocks_per_request` for steps of at most ``max_num_batched_tokens``
+        tokens, default: the rest in one step) less the live (non-null) blocks it holds:
+        the blocks it frees behind its window go back to the pool as it advances.
         """
-        have = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
-        num_new = max(0, cdiv(num_tokens, self.block_size) - have)
-        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        blocks = self.req_to_blocks.get(request.request_id, ())
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not self.null_block)
+        if self.sliding_window is None:
+            have = len(blocks) + len(new_computed_blocks)
+            return max(0, cdiv(num_tokens, self.block_size) - have) + num_free_hits
+        live = sum(1 for b in (*blocks, *new_computed_blocks) if b is not self.null_block)
+        computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        chunk = max(1, num_tokens - computed)
+        if max_num_batched_tokens is not None:
+            chunk = min(chunk, max_num_batched_tokens)
+        peak = max_num_blocks_per_request(num_tokens, self.block_size, self.sliding_window, chunk)
+        return max(0, peak - live) + num_free_hits
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
         return self._num_blocks_needed(request, num_new_tokens, new_computed_blocks) is not None
@@ -97,7 +231,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         need = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - have)
         # Cache hits on blocks that are currently free take them out of the free pool too.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not self.null_block)
         if need > self.block_pool.num_free_blocks - num_free_hits:
             return None
         return need
@@ -118,8 +252,11 @@ class KVCacheManager:
 
         Returns:
             The newly allocated blocks (possibly empty), or None when the pool cannot
-            supply them; then nothing changed.
+            supply them; then nothing changed, except that with a sliding window the
+            request's blocks before its window were freed first (they are freed in any case:
+            no query of this step or a later one reads them).
         """
+        self._remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         need = self._num_blocks_needed(request, num_new_tokens, new_computed_blocks)
         if need is None:
             return None
@@ -127,6 +264,9 @@ class KVCacheManager:
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
+            # Hits only cover the window: nothing to free, unless a hit run started at 0.
+            self._remove_skipped_blocks(
+                request.request_id, request.num_computed_tokens + len(new_computed_blocks) * self.block_size)
         new_blocks = self.block_pool.get_new_blocks(need)
         blocks.extend(new_blocks)
         if self.enable_caching and request.sampling_params.prompt_logprobs is None:
@@ -143,14 +283,35 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = max(start, num_full)
         return new_blocks
 
-    def free(self, request: Request) -> None:
-        """Release all of ``request``'s blocks (last block first, so its tail is evicted first)."""
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """With a sliding window, free ``request``'s blocks that no query after its
+        ``num_computed_tokens`` computed tokens can see (see the module doc); a no-op
+        otherwise. The scheduler calls it after each step, so the blocks are free before
+        the next one is planned. Safe only once the step that computed those tokens ran."""
+        self._remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
+    def free(self, request: Request, num_written_tokens: int | None = None) -> None:
+        """Release all of ``request``'s blocks (last block first, so its tail is evicted
+        first); null-block entries are skipped.
+
+        Args:
+            num_written_tokens: tokens whose K/V are in the cache (default: all). Blocks that
+                ``allocate_slots`` registered in the prefix cache for a step that will not
+                run (a request preempted in the step that allocated them) and that are full
+                only past this count lose their hash first, so that no later request gets a
+                hit on K/V that was never written.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
+        num_registered = self._num_cached_blocks.pop(request.request_id, 0)
+        if num_written_tokens is not None:
+            for i in range(num_written_tokens // self.block_size, min(num_registered, len(blocks))):
+                if blocks[i].ref_cnt == 1:
+                    self.block_pool.uncache_block(blocks[i])
         self.block_pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The block table of a request: physical block ids in logical order."""
+        """The block table of a request: physical block ids in logical order (the null
+        block's id in place of freed out-of-window blocks)."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> int:

@@ -16,6 +16,13 @@ Management for Large Language Model Serving with PagedAttention", section 4.5): 
 victim -- lowest priority, then latest arrival -- loses its blocks and goes back to the
 head of the waiting queue; its tokens so far are recomputed when it resumes.
 
+With a ``sliding_window`` shared by every attention layer, the KV cache manager frees a
+running request's blocks that fell out of its window after each step (see
+:mod:`kvfleet.runtime.kv_cache_manager`), and every "how many blocks does it need" above
+counts at most :func:`~kvfleet.runtime.kv_cache_manager.max_num_blocks_per_request` blocks
+held at once, so a windowed request whose prompt is longer than the whole cache is accepted
+and runs (as vLLM allows).
+
 The shape follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm. The
 scheduler never touches tensors: it speaks in requests, token counts and block ids.
 """
@@ -28,7 +35,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.kv_cache_manager import KVCacheManager, cdiv
+from kvfleet.runtime.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.request import Request, RequestStatus
 from kvfleet.runtime.stats import SchedulerStats
 
@@ -214,13 +221,17 @@ class Scheduler:
             running ones (vLLM v0's ``BlockSpaceManager(watermark=0.01)``). The watermark is
             ``max(1, int(watermark * num_blocks))`` blocks (vLLM rounds down, to 0 below 100
             blocks; at least one block here), or 0 when ``watermark`` is 0.
+        sliding_window: the window (tokens) of every attention layer, or None (full
+            attention or a hybrid model): out-of-window blocks are freed, and the last
+            block is the null block (``num_blocks - 1`` blocks for requests).
 
     Raises:
         ValueError: ``watermark`` outside ``[0, 1)``; chunked prefill off with
             ``max_num_batched_tokens < max_model_len``.
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, watermark: float = 0.01) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, watermark: float = 0.01,
+                 sliding_window: int | None = None) -> None:
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.config = config
@@ -235,7 +246,8 @@ class Scheduler:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({max_model_len}) when chunked prefill is disabled"
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
+                                               sliding_window=sliding_window)
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         """Free blocks kept back when admitting a request beside running ones."""
         self.waiting = _QUEUES[self.policy]()
@@ -264,17 +276,20 @@ class Scheduler:
 
         Raises:
             ValueError: its id is already live, or it can never fit: the prompt is longer
-                than ``max_model_len`` or needs more blocks than the whole cache holds.
+                than ``max_model_len`` or needs more blocks at once than the whole cache
+                holds (with a sliding window, only the window's and a step's blocks are
+                held at once: :meth:`KVCacheManager.max_num_blocks_per_request`).
         """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         n = request.num_prompt_tokens
         if n > self.max_model_len:
             raise ValueError(f"prompt is {n} tokens, longer than max_model_len ({self.max_model_len})")
-        if cdiv(n, self.block_size) > self.kv_cache_manager.num_blocks:
+        kv = self.kv_cache_manager
+        if kv.max_num_blocks_per_request(n, self.max_num_batched_tokens) > kv.num_usable_blocks:
             raise ValueError(
                 f"prompt is {n} tokens, more than the whole KV cache holds "
-                f"({self.kv_cache_manager.num_blocks} blocks of {self.block_size})"
+                f"({kv.num_usable_blocks} blocks of {self.block_size})"
             )
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -307,7 +322,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        # Called before the step's num_computed_tokens advance: blocks registered for this
+        # step (which will not run for the victim) are not in the prefix cache afterwards.
+        self.kv_cache_manager.free(request, num_written_tokens=request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -418,7 +435,8 @@ class Scheduler:
         samples next, beyond the blocks it holds (and the prefix-cache hits
         ``new_computed_blocks`` it is about to take)."""
         num_tokens = min(request.num_tokens + 1, self.max_model_len)
-        return self.kv_cache_manager.get_num_blocks_to_allocate(request, num_tokens, new_computed_blocks)
+        return self.kv_cache_manager.get_num_blocks_to_allocate(
+            request, num_tokens, new_computed_blocks, max_num_batched_tokens=self.max_num_batched_tokens)
 
     def _preempt_for_priority(self, request: Request, unschedule) -> bool:
         """Under the ``priority`` policy, make room for a waiting request by preempting a
@@ -436,12 +454,18 @@ class Scheduler:
 
         A request finishes (its blocks freed at once) on its EOS token (unless
         ``ignore_eos``) or one of its ``stop_token_ids`` -- both only after ``min_tokens``
-        -- or when it reaches ``max_tokens`` or ``max_model_len``.
+        -- or when it reaches ``max_tokens`` or ``max_model_len``. With a sliding window,
+        every scheduled request still running frees the blocks that fell out of its window
+        (the step that read them has run).
 
         Returns:
             The requests that got a token this step, finished or not, in scheduled order.
         """
         changed = []
+        if self.kv_cache_manager.sliding_window is not None:
+            for sr in scheduler_output.scheduled:
+                if sr.request.status == RequestStatus.RUNNING:
+                    self.kv_cache_manager.remove_skipped_blocks(sr.request)
         for sr in scheduler_output.scheduled:
             request = sr.request
             token = sampled_token_ids.get(request.request_id)

@@ -23,10 +23,12 @@ from kvfleet.runtime.scheduler import Scheduler
 EOS = 0
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, watermark=0.01, **kw) -> Scheduler:
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, watermark=0.01, sliding_window=None,
+                   **kw) -> Scheduler:
     defaults = dict(block_size=block_size, max_num_seqs=8, max_num_batched_tokens=32)
     defaults.update(kw)
-    return Scheduler(EngineConfig(**defaults), num_blocks=num_blocks, max_model_len=max_model_len, watermark=watermark)
+    return Scheduler(EngineConfig(**defaults), num_blocks=num_blocks, max_model_len=max_model_len, watermark=watermark,
+                     sliding_window=sliding_window)
 
 
 def make_request(rid, prompt, max_tokens=8, **kw) -> Request:
@@ -68,13 +70,26 @@ class FakeRunner:
             for j, tok in enumerate(sr.token_ids):
                 pos = sr.start_pos + j
                 self.slots[sr.block_ids[pos // self.bs] * self.bs + pos % self.bs] = tok
+        kv = self.s.kv_cache_manager
+        window = kv.sliding_window
+        null_id = kv.null_block.block_id if kv.null_block is not None else None
         for sr in out.scheduled:  # attention reads after every write of the step
             tokens = sr.request.all_token_ids
             assert len(sr.block_ids) * self.bs >= sr.seq_len
-            for pos in range(sr.seq_len):
-                assert self.slots.get(sr.block_ids[pos // self.bs] * self.bs + pos % self.bs) == tokens[pos], (
+            # Keys the step's queries see: all, or with a window W those of the first
+            # query's window on (p - W < k <= p for the query at p = start_pos).
+            first = 0 if window is None else max(0, sr.start_pos + 1 - window)
+            for pos in range(first, sr.seq_len):
+                block_id = sr.block_ids[pos // self.bs]
+                assert block_id != null_id, f"{sr.request_id} position {pos} is in its window but nulled"
+                assert self.slots.get(block_id * self.bs + pos % self.bs) == tokens[pos], (
                     f"{sr.request_id} position {pos} reads another token"
                 )
+            if window is not None:
+                # Nothing before the window is kept beyond the block of its first key.
+                assert all(b == null_id for b in sr.block_ids[:first // self.bs])
+                live = sum(b != null_id for b in sr.block_ids)
+                assert live <= kv.max_num_blocks_per_request(sr.seq_len, sr.num_new_tokens)
         sampled = {sr.request_id: next_token(sr.request) for sr in out.scheduled if sr.sample}
         self.s.update_from_output(out, sampled)
         self.outputs.append(out)
@@ -84,14 +99,24 @@ class FakeRunner:
     def check_invariants(self):
         kv = self.s.kv_cache_manager
         pool = kv.block_pool
+        null = pool.null_block
         owners = Counter()
         for rid, blocks in kv.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
+            ids = [b.block_id for b in blocks if b is not null]
             assert len(ids) == len(set(ids)), f"{rid} holds a block twice"
             owners.update(ids)
+            # Null entries only before the live ones (a prefix of the table).
+            live = [b is not null for b in blocks]
+            assert live == sorted(live), f"{rid} has a null block after a live one"
         free_ids = {b.block_id for b in pool.free_queue}
         assert len(free_ids) == pool.num_free_blocks
+        if null is not None:
+            assert null.block_id == pool.num_blocks - 1
+            assert null.ref_cnt == 0 and null.block_hash is None and null.block_id not in free_ids
+            assert all(null.block_id * self.bs + k not in self.slots for k in range(self.bs)), "null block written"
         for block in pool.blocks:
+            if block is null:
+                continue
             assert block.ref_cnt >= 0
             assert block.ref_cnt == owners[block.block_id], f"{block} owners={owners[block.block_id]}"
             assert (block.ref_cnt == 0) == (block.block_id in free_ids)
@@ -115,7 +140,7 @@ class FakeRunner:
 
 def assert_all_free(s: Scheduler):
     pool = s.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert pool.num_free_blocks == pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert not s.kv_cache_manager.req_to_blocks
 
@@ -480,11 +505,14 @@ op = st.one_of(
     budget=st.sampled_from([8, 16, 64]),
     caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
+    window=st.sampled_from([None, None, 1, 3, 8]),
 )
-def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, caching, policy):
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, caching, policy, window):
+    usable = num_blocks - (window is not None)
     s = make_scheduler(
-        num_blocks=num_blocks, block_size=block_size, max_model_len=num_blocks * block_size,
+        num_blocks=num_blocks, block_size=block_size, max_model_len=usable * block_size,
         max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=caching, scheduling_policy=policy,
+        sliding_window=window,
     )
     r = FakeRunner(s)
     added = []
@@ -496,7 +524,7 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size,
             try:
                 s.add_request(make_request(rid, prompt, max_tokens=max_tokens, priority=prio, tenant=f"t{prio % 2}"))
             except ValueError:
-                assert len(prompt) > s.max_model_len or -(-len(prompt) // block_size) > num_blocks
+                assert len(prompt) > s.max_model_len or -(-len(prompt) // block_size) > usable
                 continue
             added.append(rid)
         elif o[0] == "step":
@@ -508,3 +536,199 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size,
     assert_all_free(s)
     for rid in added:
         assert rid not in s.requests
+
+
+# -- sliding window: blocks behind the window go back to the pool --------------------------
+def test_sliding_window_frees_blocks_behind_the_window_each_step():
+    # block_size 4, window 6, 8 tokens a step: after a step with num_computed_tokens = c,
+    # blocks whose positions are all < c + 1 - 6 are free and nulled in the table.
+    s = make_scheduler(num_blocks=16, block_size=4, sliding_window=6, max_num_batched_tokens=8, max_model_len=64)
+    kv = s.kv_cache_manager
+    null_id = kv.null_block.block_id
+    assert null_id == 15 and kv.num_usable_blocks == 15 and kv.num_free_blocks == 15
+    r = FakeRunner(s)
+    req = make_request("a", list(range(100, 130)), max_tokens=12, ignore_eos=True)
+    s.add_request(req)
+    seen_nulls = 0
+    while s.has_unfinished_requests():
+        r.step()
+        if req.is_finished:
+            break
+        c = req.num_computed_tokens
+        table = kv.get_block_ids("a")
+        num_skipped = max(0, c + 1 - 6) // 4
+        assert table[:num_skipped] == [null_id] * num_skipped
+        assert null_id not in table[num_skipped:]
+        assert len(table) == -(-c // 4)  # the table keeps its length
+        live = len(table) - num_skipped
+        assert kv.num_free_blocks == 15 - live
+        assert live <= -(-(6 - 1 + 8) // 4) + 1  # cdiv(W - 1 + chunk, block_size) + 1
+        seen_nulls = max(seen_nulls, num_skipped)
+    assert seen_nulls >= 8  # 42 tokens: most blocks were freed along the way
+    assert_all_free(s)
+
+
+def test_full_attention_keeps_every_block():
+    s = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8, max_model_len=64)
+    r = FakeRunner(s)
+    req = make_request("a", list(range(100, 130)), max_tokens=4, ignore_eos=True)
+    s.add_request(req)
+    for _ in range(5):
+        r.step()
+    assert s.kv_cache_manager.num_free_blocks == 16 - -(-req.num_computed_tokens // 4)
+    assert s.kv_cache_manager.null_block is None
+
+
+def test_windowed_prompt_longer_than_the_cache_runs():
+    # 8 blocks of 4 (7 usable) hold 28 tokens; a 60-token prompt + 20 tokens runs with a
+    # window of 8 (at most cdiv(8 - 1 + 8, 4) + 1 = 5 blocks at once) but is refused
+    # without one.
+    prompt = [300 + i for i in range(60)]
+    full = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8, max_model_len=100)
+    with pytest.raises(ValueError, match="more than the whole KV cache"):
+        full.add_request(make_request("a", prompt))
+    s = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8, max_model_len=100, sliding_window=8)
+    r = FakeRunner(s)
+    req = make_request("a", prompt, max_tokens=20, ignore_eos=True)
+    s.add_request(req)
+    min_free = s.kv_cache_manager.num_free_blocks
+    while s.has_unfinished_requests():
+        r.step()
+        min_free = min(min_free, s.kv_cache_manager.num_free_blocks)
+    assert req.num_output_tokens == 20 and req.num_preemptions == 0
+    assert min_free >= 7 - 5
+    assert_all_free(s)
+    # Even a window of 8 cannot run in 3 usable blocks with 8-token steps.
+    tiny = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=8, max_model_len=100, sliding_window=8)
+    with pytest.raises(ValueError, match="more than the whole KV cache"):
+        tiny.add_request(make_request("b", prompt))
+
+
+def test_window_prefix_hit_needs_only_the_last_window_of_blocks():
+    # A's blocks stay cached (evictable) after it finishes, including those freed behind its
+    # window. B shares A's 40-token prompt: with the first blocks evicted, full attention
+    # would get no hit, the window needs only the blocks of the last window.
+    s = make_scheduler(num_blocks=32, block_size=4, sliding_window=6, max_num_batched_tokens=8, max_model_len=64)
+    kv, pool = s.kv_cache_manager, s.kv_cache_manager.block_pool
+    r = FakeRunner(s)
+    prompt = [400 + i for i in range(40)]
+    a = make_request("a", prompt, max_tokens=2, ignore_eos=True)
+    s.add_request(a)
+    r.run_until_done()
+    assert len(pool.cached_blocks) == 10  # 41 computed tokens: 10 full blocks, all cached
+    for h in a.block_hashes[:4]:  # evict blocks 0-3
+        pool._evict(pool.get_cached_block(h))
+    b = make_request("b", prompt + [500, 501], max_tokens=3, ignore_eos=True)
+    hits, num_cached = kv.get_computed_blocks(b)
+    # 41 tokens -> at most 10 hit blocks; the window needs cdiv(6 - 1, 4) = 2 of them.
+    assert num_cached == 40
+    assert hits[:4] == [kv.null_block] * 4 and all(h is not kv.null_block for h in hits[8:])
+    # A miss inside the last window breaks the hit: the longest prefix that ends with 2
+    # cached blocks is 8 blocks (7 and 8 cached, 9 evicted).
+    pool._evict(pool.get_cached_block(a.block_hashes[9]))
+    hits, num_cached = kv.get_computed_blocks(b)
+    assert num_cached == 36 and len(hits) == 9
+    s.add_request(b)
+    out = r.step()
+    (sr,) = out.scheduled
+    assert sr.start_pos == 36 and b.num_cached_tokens == 36
+    r.run_until_done()  # the fake runner checks B reads A's tokens in its window
+    assert b.num_output_tokens == 3
+    assert_all_free(s)
+
+
+def test_freed_window_blocks_stay_cached_and_evictable():
+    s = make_scheduler(num_blocks=16, block_size=4, sliding_window=4, max_num_batched_tokens=8, max_model_len=64)
+    kv, pool = s.kv_cache_manager, s.kv_cache_manager.block_pool
+    r = FakeRunner(s)
+    a = make_request("a", [600 + i for i in range(24)], max_tokens=8, ignore_eos=True)
+    s.add_request(a)
+    for _ in range(3):
+        r.step()
+    assert a.num_computed_tokens == 24
+    freed = [pool.get_cached_block(h) for h in a.block_hashes[:5]]  # positions < 24 + 1 - 4 = 21
+    assert all(b is not None and b.ref_cnt == 0 for b in freed)
+    free_ids = [b.block_id for b in pool.free_queue]
+    assert all(b.block_id in free_ids for b in freed)
+    # Unhashed free blocks are reused first, then the cached ones (LRU).
+    assert free_ids.index(freed[0].block_id) >= pool.num_free_blocks - 5
+    r.run_until_done()
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_window_preemption_recomputes_and_frees_again(caching):
+    # A low-priority windowed request is preempted (recompute) by a high-priority arrival
+    # (one sequence at a time) after blocks fell out of its window; it resumes from
+    # position 0 (or from a window-sized prefix-cache hit) and both finish, the fake runner
+    # checking every read.
+    s = make_scheduler(num_blocks=12, block_size=2, sliding_window=5, max_num_batched_tokens=6, max_model_len=80,
+                       enable_prefix_caching=caching, scheduling_policy="priority", max_num_seqs=1)
+    kv = s.kv_cache_manager
+    r = FakeRunner(s)
+    low = make_request("low", [700 + i for i in range(20)], max_tokens=6, ignore_eos=True, priority=1)
+    s.add_request(low)
+    for _ in range(5):
+        r.step()
+    assert kv.null_block.block_id in kv.get_block_ids("low")
+    high = make_request("high", [800 + i for i in range(9)], max_tokens=5, ignore_eos=True, priority=0)
+    s.add_request(high)
+    out = r.step()
+    assert out.preempted_request_ids == ["low"] and low.num_computed_tokens == 0
+    assert "low" not in kv.req_to_blocks
+    r.run_until_done()
+    assert low.num_preemptions == 1 and low.num_output_tokens == 6 and high.num_output_tokens == 5
+    if caching:  # resumed from the cached last window of its 22 computed tokens
+        assert low.num_cached_tokens == 0  # counted at its first schedule only
+    assert_all_free(s)
+
+
+def test_window_newcomer_admitted_beside_a_running_request():
+    # A newcomer with a 60-token prompt needs 15 blocks for all its tokens under full
+    # attention (more than 12 usable); with a window of 4 it needs at most 4 at once, so it
+    # is admitted beside the running request instead of waiting for it to finish.
+    s = make_scheduler(num_blocks=13, block_size=4, sliding_window=4, max_num_batched_tokens=8, max_model_len=128,
+                       watermark=0)
+    r = FakeRunner(s)
+    a = make_request("a", [1, 2, 3], max_tokens=40, ignore_eos=True)
+    s.add_request(a)
+    r.step()
+    b = make_request("b", [900 + i for i in range(60)], max_tokens=4, ignore_eos=True)
+    s.add_request(b)
+    out = r.step()
+    assert {sr.request_id for sr in out.scheduled} == {"a", "b"}
+    r.run_until_done()
+    assert a.num_preemptions == 0 and b.num_preemptions == 0
+    assert_all_free(s)
+
+
+def test_bad_sliding_window_is_refused():
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            make_scheduler(sliding_window=bad)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_victim_of_the_allocating_step_leaves_no_unwritten_block_cached(window):
+    # `low` gets its next chunk's blocks (registered in the prefix cache as full after the
+    # step) and is then preempted in the same schedule() by a higher-priority arrival: its
+    # step never runs, so those blocks must not stay cached (the fake runner checks every
+    # cached block holds its hash's tokens). Found while testing the window (it held for
+    # full attention too).
+    s = make_scheduler(num_blocks=16, block_size=2, max_num_batched_tokens=6, max_model_len=32,
+                       scheduling_policy="priority", max_num_seqs=1, sliding_window=window)
+    pool = s.kv_cache_manager.block_pool
+    r = FakeRunner(s)
+    low = make_request("low", [700 + i for i in range(20)], max_tokens=6, ignore_eos=True, priority=1)
+    s.add_request(low)
+    for _ in range(3):
+        r.step()
+    assert low.num_computed_tokens == 18
+    s.add_request(make_request("high", [800 + i for i in range(9)], max_tokens=5, ignore_eos=True, priority=0))
+    out = r.step()  # low's last 2 prompt tokens get block 9, then the budget left admits high
+    assert out.preempted_request_ids == ["low"]
+    # Blocks 0-8 (positions < 18) were written; block 9 was only allocated.
+    assert len(low.block_hashes) == 10 and pool.get_cached_block(low.block_hashes[9]) is None
+    r.run_until_done()
+    assert low.num_output_tokens == 6
+    assert_all_free(s)
