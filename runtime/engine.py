@@ -32,6 +32,7 @@ import torch
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.distributed import MultiprocExecutor
+from kvfleet.runtime.kv_cache_manager import max_num_blocks_per_request, uniform_sliding_window
 from kvfleet.runtime.model_loader import LoadedModel, load_model
 from kvfleet.runtime.model_runner import ModelRunner, PromptLogprobsTensors
 from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -138,6 +139,8 @@ class LLMEngine:
                 num_blocks = self.runner.determine_num_blocks()
             else:
                 num_blocks = self.executor.determine_num_blocks(self.runner)  # the minimum over the ranks
+            # Mistral-style models (one window on every layer) free out-of-window blocks.
+            self.sliding_window = uniform_sliding_window(self.runner.sliding_windows)
             self.max_model_len = self._resolve_max_model_len(num_blocks)
         except BaseException:
             if self.executor is not None:
@@ -147,7 +150,7 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.wrap_runner(self.runner)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
         self.sampler = Sampler(loaded.device, seed=config.seed)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
@@ -161,6 +164,19 @@ class LLMEngine:
         capacity = num_blocks * self.config.block_size
         model_max = self.runner.model_max_len
         wanted = self.config.max_model_len
+        window = self.sliding_window
+        if window is not None:
+            # One block is the null block; a request holds at most its window's and a
+            # step's blocks at once, so it may be longer than the cache (as in vLLM).
+            usable = num_blocks - 1
+            if usable < 1:
+                raise ValueError(
+                    f"a sliding-window model needs at least 2 KV blocks (one is the null block), got {num_blocks}")
+            capacity = usable * self.config.block_size
+            per_request = max_num_blocks_per_request(
+                10**12, self.config.block_size, window, self.config.max_num_batched_tokens)
+            if per_request <= usable:
+                capacity = model_max if model_max is not None else capacity
         if wanted is not None:
             if model_max is not None and wanted > model_max:
                 raise ValueError(

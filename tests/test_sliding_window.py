@@ -256,3 +256,191 @@ def test_paged_attention_forward_refuses_a_disagreeing_window():
         paged_attention_forward(Module(), q, kv, kv, torch.ones(1, 1, 2, 2), kvfleet_attn=meta)
     out, _ = paged_attention_forward(Module(), q, kv, kv, None, kvfleet_attn=meta, sliding_window=None)
     assert out.shape == (1, 2, 2, 8) and meta.calls == 3
+
+
+# -- out-of-window blocks go back to the pool (Mistral: one window on every layer) ---------
+LONG_PROMPTS = [[(11 * i + 5) % (VOCAB - 2) + 2 for i in range(60)], [(13 * i + 7) % (VOCAB - 2) + 2 for i in range(9)]]
+LONG_GEN = 14
+
+
+def _poisoned_null_engine(path, *, num_blocks: int, block_size: int, max_num_batched_tokens: int,
+                          enable_prefix_caching: bool = True):
+    """An engine whose null block's K/V is NaN in every layer: a kernel that read it (even
+    masked) would make the logits NaN and the greedy tokens wrong."""
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.model_loader import load_model
+
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    engine = LLMEngine(EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                                    num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
+                       loaded=loaded)
+    null_id = engine.scheduler.kv_cache_manager.null_block.block_id
+    assert null_id == num_blocks - 1
+    for k, v in engine.runner.kv_caches:
+        # Zeros as allocated: the Triton kernel's straddling tile loads it with weight 0.
+        assert not k[null_id].any() and not v[null_id].any()
+        k[null_id] = float("nan")
+        v[null_id] = float("nan")
+    return engine
+
+
+def _run_checking_the_pool(engine, prompts, n):
+    """Greedy tokens of ``prompts``, asserting after every step that each running request
+    holds only its window's blocks and the pool's free count is the rest."""
+    from kvfleet.runtime.kv_cache_manager import cdiv
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    kv = sched.kv_cache_manager
+    bs, window, budget = kv.block_size, kv.sliding_window, sched.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", list(p), params)
+    final, max_live, steps = {}, 0, 0
+    cached = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = list(out.outputs[0].token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+        steps += 1
+        live_total = 0
+        for req in sched.running:
+            table = kv.get_block_ids(req.request_id)
+            skipped = max(0, req.num_computed_tokens + 1 - window) // bs
+            assert table[:skipped] == [kv.null_block.block_id] * skipped, f"step {steps}: {req.request_id}"
+            live = len(table) - skipped
+            assert live <= cdiv(window - 1 + budget, bs) + 1
+            live_total += live
+            max_live = max(max_live, live)
+        assert kv.num_free_blocks == kv.num_usable_blocks - live_total, f"step {steps}"
+    assert kv.num_free_blocks == kv.num_usable_blocks
+    _run_checking_the_pool.num_cached_tokens = [cached[f"r{i}"] for i in range(len(prompts))]
+    return [final[f"r{i}"] for i in range(len(prompts))], max_live
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_window_frees_blocks_and_runs_prompts_longer_than_the_cache(models, caching, monkeypatch):
+    # 8 blocks of 4 tokens, one of them the null block: 28 tokens of cache for a 60-token
+    # prompt + 14 tokens (and a second request beside it), window 8, 8-token prefill chunks.
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    path, ref, plain_tokens = models["mistral"]
+    expected = _hf_greedy(ref, prompts=LONG_PROMPTS, n=LONG_GEN)
+    engine = _poisoned_null_engine(path, num_blocks=8, block_size=4, max_num_batched_tokens=8,
+                                   enable_prefix_caching=caching)
+    assert engine.sliding_window == 8 and engine.max_model_len == 256  # not capped by the 28-token cache
+    got, max_live = _run_checking_the_pool(engine, LONG_PROMPTS, LONG_GEN)
+    assert got == expected
+    assert max_live <= 5  # cdiv(8 - 1 + 8, 4) + 1
+    # The null block was never written (still NaN): the kernels never read it.
+    null_id = engine.scheduler.kv_cache_manager.null_block.block_id
+    assert all(torch.isnan(k[null_id]).all() and torch.isnan(v[null_id]).all() for k, v in engine.runner.kv_caches)
+
+
+def test_window_prefix_hit_on_the_real_model(models, monkeypatch):
+    # 15 usable blocks of 4 (60 tokens) for a 60-token prompt + 14 tokens: its earliest
+    # blocks are evicted on the way, its last window's are not, so the same prompt again
+    # gets 56 tokens from the cache (the last 14 full blocks' hit needs only blocks 12-13
+    # cached) and the same greedy tokens.
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    path, ref, _ = models["mistral"]
+    expected = _hf_greedy(ref, prompts=LONG_PROMPTS[:1], n=LONG_GEN)
+    engine = _poisoned_null_engine(path, num_blocks=16, block_size=4, max_num_batched_tokens=8)
+    first, _ = _run_checking_the_pool(engine, LONG_PROMPTS[:1], LONG_GEN)
+    assert first == expected and _run_checking_the_pool.num_cached_tokens == [0]
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert 0 < len(pool.cached_blocks) < 74 // 4  # some of its 18 full blocks were evicted
+    again, _ = _run_checking_the_pool(engine, LONG_PROMPTS[:1], LONG_GEN)
+    assert again == expected and _run_checking_the_pool.num_cached_tokens == [56]
+
+
+def test_a_read_of_the_null_block_would_be_caught():
+    # The poisoning is not vacuous: the torch kernel on a block table whose first entries
+    # are the NaN null block gives NaN without a window and the exact result with one.
+    from kvfleet.kernels.reference import paged_attention_torch
+    from kvfleet.kernels.testing import make_paged_batch, naive_attention
+
+    b = make_paged_batch([(40, 1), (33, 5)], num_heads=4, num_kv_heads=2, head_size=16, block_size=4, seed=3)
+    q, kc, vc, bt, sl, qsl, scale = b.attn_args
+    expected = naive_attention(b, sliding_window=8)
+    used = {int(x) for s, L in enumerate(sl.tolist()) for x in bt[s, :-(-L // 4)]}
+    null_id = max(set(range(kc.shape[0])) - used)  # a spare block, as the engine's null block
+    kc[null_id] = float("nan")
+    vc[null_id] = float("nan")
+    bt = bt.clone()
+    # Entries wholly before every query's window: positions < 40 - 8 and < 28 + 1 - 8.
+    bt[0, :(40 - 8) // 4] = null_id
+    bt[1, :(28 + 1 - 8) // 4] = null_id
+    with torch.inference_mode():  # as the engine calls it
+        out = paged_attention_torch(q, kc, vc, bt, sl, qsl, scale, sliding_window=8)
+        full = paged_attention_torch(q, kc, vc, bt, sl, qsl, scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.isnan(full).any()
+
+
+def test_hybrid_and_full_attention_models_keep_every_block(models):
+    from kvfleet.runtime.kv_cache_manager import uniform_sliding_window
+
+    assert uniform_sliding_window([8, 8]) == 8
+    assert uniform_sliding_window([None, 8]) is None  # Qwen2 max_window_layers / Gemma 2: one table for both
+    assert uniform_sliding_window([8, None]) is None
+    assert uniform_sliding_window([None, None]) is None
+    assert uniform_sliding_window([8, 16]) is None
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_reads_null_entries_only_in_the_tile_that_straddles_the_window(num_splits):
+    # The Triton kernel skips whole KV tiles (block_n keys) before a query block's window,
+    # split-K included, but loads every key of the tile that straddles the window's lower
+    # edge and masks the scores: with 4-token blocks and 16-key tiles, up to 3 null-block
+    # entries of that tile are loaded with softmax weight 0. The engine's null block is
+    # never written, so it holds the zeros the cache was allocated with and adds exactly 0;
+    # a NaN there shows the load (a kernel-side mask of the block-table load would remove
+    # it; kernels/triton_attention.py is not changed here).
+    from kvfleet.kernels.testing import make_paged_batch, naive_attention, triton_kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    b = make_paged_batch([(70, 1), (45, 6)], num_heads=4, num_kv_heads=2, head_size=32, block_size=4, seed=5,
+                         device=dev)
+    q, kc, vc, bt, sl, qsl, scale = b.attn_args
+    expected = naive_attention(b, sliding_window=8)
+    used = {int(x) for s, L in enumerate(sl.tolist()) for x in bt[s, :-(-L // 4)]}
+    null_id = max(set(range(kc.shape[0])) - used)
+    bt = bt.clone()
+    bt[0, :(70 - 8) // 4] = null_id  # decode query at 69: keys 62..69
+    bt[1, :(39 + 1 - 8) // 4] = null_id  # first query at 39: keys 32..
+    with triton_kernels(interpret=not torch.cuda.is_available()) as (_, attn_mod):
+        def run():
+            return attn_mod.paged_attention_triton(q, kc, vc, bt, sl, qsl, scale, sliding_window=8,
+                                                   num_splits=num_splits, block_n=16, max_seq_len=70)
+
+        kc[null_id] = 0.0
+        vc[null_id] = 0.0
+        torch.testing.assert_close(run().double().cpu(), expected, atol=1e-5, rtol=1e-5)
+        vc[null_id] = float("nan")
+        assert torch.isnan(run()).any()
+
+
+def test_window_engine_sizes_max_model_len_by_the_window(models):
+    # Mistral (window 8), blocks of 4, 8-token steps: a request holds at most 5 blocks, so
+    # 6 blocks (5 usable) serve the model's whole context (256 tokens, 64 blocks' worth);
+    # 5 blocks (4 usable) only what fits in them; 1 block cannot hold the null block too.
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.model_loader import load_model
+
+    path, _, _ = models["mistral"]
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+
+    def engine(num_blocks, **kw):
+        return LLMEngine(EngineConfig(block_size=4, max_num_batched_tokens=8, num_blocks=num_blocks, **kw),
+                         loaded=loaded)
+
+    assert engine(6).max_model_len == 256
+    assert engine(6, max_model_len=200).max_model_len == 200
+    assert engine(5).max_model_len == 16
+    with pytest.raises(ValueError, match="longer than the KV cache"):
+        engine(5, max_model_len=17)
+    with pytest.raises(ValueError, match="at least 2 KV blocks"):
+        engine(1)
