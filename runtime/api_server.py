@@ -1036,39 +1036,46 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         finally:
             await sub.close()
             await merged.aclose()
-        choices, outputs = [], []
-        for i in range(len(prompts)):
-            out = final.get(i)
-            plp = out.prompt_logprobs if out else None
-            # Cut back to an explicit prompt_logprobs (echo + a larger logprobs scores more).
-            plp_body = _prompt_logprobs_body(plp, prompt_ids[i], body.prompt_logprobs)
-            for c in sorted(out.outputs if out else [], key=lambda c: c.index):
-                lp = None
-                text = "" if echo_only else c.text
-                if body.logprobs is not None:
-                    offset = 0
+        def build() -> JSONResponse:
+            choices, outputs = [], []
+            for i in range(len(prompts)):
+                out = final.get(i)
+                plp = out.prompt_logprobs if out else None
+                # Cut back to an explicit prompt_logprobs (echo + a larger logprobs scores more).
+                plp_body = _prompt_logprobs_body(plp, prompt_ids[i], body.prompt_logprobs)
+                # The echoed prompt's logprobs are the same for every choice of a prompt: once.
+                echo_lp = _echo_logprobs(prompt_ids[i], plp, k, detok) if body.echo and body.logprobs is not None else None
+                for c in sorted(out.outputs if out else [], key=lambda c: c.index):
+                    lp = None
+                    text = "" if echo_only else c.text
+                    if body.logprobs is not None:
+                        offset = 0
+                        if echo_lp is not None:
+                            lp, offset = echo_lp
+                        if not echo_only:
+                            out_lp, _ = _completion_logprobs(c, 0, len(c.token_ids), k, detok, offset)
+                            lp = _join_logprobs(lp, out_lp) if lp is not None else out_lp
                     if body.echo:
-                        lp, offset = _echo_logprobs(prompt_ids[i], plp, k, detok)
-                    if not echo_only:
-                        out_lp, _ = _completion_logprobs(c, 0, len(c.token_ids), k, detok, offset)
-                        lp = _join_logprobs(lp, out_lp) if lp is not None else out_lp
-                if body.echo:
-                    text = prompt_texts[i] + text
-                choices.append(
-                    P.CompletionResponseChoice(
-                        index=i * n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason, prompt_logprobs=plp_body,
-                    )
-                )  # fmt: skip
-                outputs.append(c)
-        resp = P.CompletionResponse(
-            id=request_id,
-            created=created,
-            model=state.model_name,
-            choices=choices,
-            usage=_usage([len(x) for x in prompt_ids], outputs),
-        )
-        return JSONResponse(resp.model_dump())
+                        text = prompt_texts[i] + text
+                    choices.append(
+                        P.CompletionResponseChoice(
+                            index=i * n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason, prompt_logprobs=plp_body,
+                        )
+                    )  # fmt: skip
+                    outputs.append(c)
+            resp = P.CompletionResponse(
+                id=request_id,
+                created=created,
+                model=state.model_name,
+                choices=choices,
+                usage=_usage([len(x) for x in prompt_ids], outputs),
+            )
+            return JSONResponse(resp.model_dump())  # renders the JSON here
+
+        # Off the event loop: with echo, logprobs 20 and n up to 128 the body reaches hundreds
+        # of MB, tens of seconds of building and encoding (/health must keep answering).
+        return await asyncio.to_thread(build)
 
     offsets: dict[int, int] = {}
 
@@ -1185,22 +1192,27 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
         finally:
             await sub.close()
             await merged.aclose()
-        outputs = sorted(final.outputs, key=lambda c: c.index) if final else []
-        choices = [
-            P.ChatCompletionResponseChoice(
-                index=c.index,
-                message=P.ChatResponseMessage(content=c.text),
-                logprobs=_chat_logprobs(c, 0, len(c.token_ids), k, detok) if body.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in outputs
-        ]
-        resp = P.ChatCompletionResponse(
-            id=request_id, created=created, model=state.model_name, choices=choices, usage=_usage([len(prompt_ids)], outputs),
-            prompt_logprobs=_prompt_logprobs_body(final.prompt_logprobs if final else None),
-        )  # fmt: skip
-        return JSONResponse(resp.model_dump())
+        def build() -> JSONResponse:
+            outputs = sorted(final.outputs, key=lambda c: c.index) if final else []
+            choices = [
+                P.ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=P.ChatResponseMessage(content=c.text),
+                    logprobs=_chat_logprobs(c, 0, len(c.token_ids), k, detok) if body.logprobs else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in outputs
+            ]
+            resp = P.ChatCompletionResponse(
+                id=request_id, created=created, model=state.model_name, choices=choices,
+                usage=_usage([len(prompt_ids)], outputs),
+                prompt_logprobs=_prompt_logprobs_body(final.prompt_logprobs if final else None),
+            )  # fmt: skip
+            return JSONResponse(resp.model_dump())  # renders the JSON here
+
+        # Off the event loop (prompt_logprobs and logprobs of long sequences make big bodies).
+        return await asyncio.to_thread(build)
 
     stream = _stream_chunks(
         state, sub, merged, first,

@@ -35,6 +35,7 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from kvfleet.runtime import api_server
 from kvfleet.runtime.api_server import create_app
 from kvfleet.runtime.async_engine import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
@@ -441,6 +442,46 @@ def test_head_probes_and_retrieve_model(smollm2):
             assert live.http.head("/v1/completions", headers=key).status_code == 405  # POST routes stay POST
     finally:
         release.set()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_health_answers_while_a_response_body_is_built(server, monkeypatch, path):
+    """Non-streamed bodies are built and encoded off the event loop: with echo, logprobs 20
+    and n 16 on a 3,900-token prompt the body is 117 MB and took 76 s, /health stalled 6.5 s
+    (n 128 makes it ~8x that). The builder is held by a pass-through spy until /health has
+    answered, so a body built on the event loop would hang the probe and fail the test."""
+    real = api_server._prompt_logprobs_body
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def held(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(120)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api_server, "_prompt_logprobs_body", held)
+    if path == "/v1/completions":
+        body = {"prompt": "The capital of France is", "echo": True, "logprobs": 2, "max_tokens": 0, "n": 3}
+    else:
+        body = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 2, "max_tokens": 2, "n": 3}
+    call = Call(server, path, body)
+    try:
+        assert entered.wait(120), "the response was never built"
+        health = server.http.get("/health", timeout=30)
+        assert health.status_code == 200 and call.response is None
+    finally:
+        release.set()
+    r = call.result()
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 3 and len(threads) == 1 and threads[0] != server.thread.name, threads
+    if path == "/v1/completions":  # the echoed prompt's logprobs, built once, in every choice
+        assert choices[0]["logprobs"]["top_logprobs"][1] and all(c["logprobs"] == choices[0]["logprobs"] for c in choices)
+        assert all(c["prompt_logprobs"] == choices[0]["prompt_logprobs"] for c in choices)
+    else:
+        assert len(r.json()["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"]
 
 
 @pytest.mark.slow
