@@ -89,7 +89,7 @@ def _softcap_log2(s, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(
-    m_i, l_i, acc, q, q_pos, tile_lo, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+    m_i, l_i, acc, q, q_pos, tile_lo, tile_hi, kv_start, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
     window,
     stride_kb, stride_kt, stride_vb, stride_vt,
     BLOCK_SIZE: tl.constexpr,
@@ -104,11 +104,16 @@ def _attend_tiles(
 
     With ``CAUSAL_MASK`` every score outside ``(q_pos - window, q_pos]`` (the window only
     when ``SLIDING``) and past ``kv_end`` is masked; without it the caller guarantees that
-    every key of these tiles is visible to every valid row."""
+    every key of these tiles is visible to every valid row. With ``SLIDING``, keys before
+    ``kv_start`` (the first row's window start) are not loaded at all, so block-table entries
+    freed behind the window (the cache manager's null block) are never read, even in the
+    tile that straddles the window's lower edge."""
     n = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         j = tile * BLOCK_N + n  # key positions of this tile
         j_ok = j < kv_end
+        if SLIDING:
+            j_ok = j_ok & (j >= kv_start)
         blk = tl.load(bt_row + j // BLOCK_SIZE, mask=j_ok, other=0).to(tl.int64)
         off = (j % BLOCK_SIZE).to(tl.int64)
         kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -219,9 +224,11 @@ def _paged_attention_kernel(
     if SLIDING:
         # Tiles before the first row's window are never loaded; from tile `in_window` on,
         # every key is inside the last row's window (kv_end - 1 - window < key), hence all rows'.
-        tile_start = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+        kv_start = tl.maximum(first_pos - window + 1, 0)
+        tile_start = kv_start // BLOCK_N
         in_window = tl.cdiv(tl.maximum(kv_end - window, 0), BLOCK_N)
     else:
+        kv_start = 0
         tile_start = 0
         in_window = 0
     tile_lo = tile_start + split * tiles_per_split
@@ -244,18 +251,18 @@ def _paged_attention_kernel(
     if SLIDING:
         lo = tl.maximum(tl.minimum(in_window, tile_hi), tile_lo)
         m_i, l_i, acc = _attend_tiles(
-            m_i, l_i, acc, q, q_pos, tile_lo, lo, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
+            m_i, l_i, acc, q, q_pos, tile_lo, lo, kv_start, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
             stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
         )
     mid = tl.maximum(tl.minimum(first_masked_tile, tile_hi), lo)
     m_i, l_i, acc = _attend_tiles(
-        m_i, l_i, acc, q, q_pos, lo, mid, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
+        m_i, l_i, acc, q, q_pos, lo, mid, kv_start, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
         stride_kb, stride_kt, stride_vb, stride_vt,
         BLOCK_SIZE, BLOCK_N, False, PRECISION, UPCAST, SLIDING, SOFTCAP,
     )
     m_i, l_i, acc = _attend_tiles(
-        m_i, l_i, acc, q, q_pos, mid, tile_hi, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
+        m_i, l_i, acc, q, q_pos, mid, tile_hi, kv_start, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
         stride_kb, stride_kt, stride_vb, stride_vt,
         BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
     )

@@ -13,9 +13,8 @@ Mistral-style; see :func:`uniform_sliding_window`): as vLLM v1's ``SlidingWindow
 the request reads a block whose positions are all ``< num_computed_tokens + 1 - W``. Those
 blocks go back to the pool at the request's next allocation (``remove_skipped_blocks``) and
 the block table keeps its length with the pool's *null block* in their place (never handed
-out, never written: the kernels never read table entries wholly before the window, and the
-Triton kernel's masked loads of a tile that straddles the window's lower edge read its
-zeros with weight 0). A freed block with a prefix-cache hash stays cached and evictable,
+out, never written: neither kernel reads table entries of keys before the window; the
+Triton kernel masks the loads of such keys in the tile that straddles the window's edge). A freed block with a prefix-cache hash stays cached and evictable,
 like any freed block; a prefix-cache hit needs only the blocks of the last window
 (``find_longest_cache_hit``). Hybrid models (local + global layers in one block table,
 Gemma 2/3) keep every block, as full attention does.
