@@ -242,11 +242,14 @@ class _DecodeChunk:
     boolean one (``0`` / ``-inf`` float32, ``torch.where(valid, 0, -inf)``), built on first
     use and shared by the layers."""
 
-    __slots__ = ("start", "n", "nb", "idx", "valid", "_additive")
+    __slots__ = ("start", "n", "nb", "idx", "valid", "_additive", "views")
 
     def __init__(self, start: int, n: int, nb: int, idx: torch.Tensor, valid: torch.Tensor) -> None:
         self.start, self.n, self.nb, self.idx, self.valid = start, n, nb, idx, valid
         self._additive: torch.Tensor | None = None
+        # (buffer data_ptr, K rows, V rows, K [n, kvh, L, d], V [n, kvh, L, d]) views of the
+        # gather buffer the last call used: the next layers reuse them (same buffer).
+        self.views: tuple | None = None
 
     @property
     def additive(self) -> torch.Tensor:
@@ -446,18 +449,23 @@ def _decode_batch(
         kflat = key_cache.view(num_blocks, per_block)
         vflat = value_cache.view(num_blocks, per_block)
         buf = _gather_buffer(plan.buffer_numel, key_cache.dtype, key_cache.device)
+        ptr = buf.data_ptr()
     for c in plan.chunks:
         i, n, nb = c.start, c.n, c.nb
         L = nb * block_size
         if contiguous:
-            kbuf = buf[: n * nb * per_block].view(n * nb, per_block)
-            vbuf = buf[n * nb * per_block: 2 * n * nb * per_block].view(n * nb, per_block)
+            views = c.views  # one read: another thread may replace it (its views, its buffer)
+            if views is None or views[0] != ptr:
+                m = n * nb * per_block
+                kbuf, vbuf = buf[:m].view(n * nb, per_block), buf[m:2 * m].view(n * nb, per_block)
+                views = c.views = (ptr, kbuf, vbuf, kbuf.view(n, L, kvh, d).transpose(1, 2),
+                                   vbuf.view(n, L, kvh, d).transpose(1, 2))  # K, V: [n, kvh, L, d]
+            _, kbuf, vbuf, k, v = views
             torch.index_select(kflat, 0, c.idx, out=kbuf)
             torch.index_select(vflat, 0, c.idx, out=vbuf)
         else:
-            kbuf, vbuf = key_cache[c.idx], value_cache[c.idx]
-        k = kbuf.view(n, L, kvh, d).transpose(1, 2)  # [n, kvh, L, d]
-        v = vbuf.view(n, L, kvh, d).transpose(1, 2)
+            k = key_cache[c.idx].view(n, L, kvh, d).transpose(1, 2)  # [n, kvh, L, d]
+            v = value_cache[c.idx].view(n, L, kvh, d).transpose(1, 2)
         if k.dtype != torch.float32:
             k, v = k.float(), v.float()
         if softcap is None:

@@ -48,7 +48,12 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.kernels import paged_attention, reshape_and_cache, select_backend
-from kvfleet.kernels.reference import PagedAttentionPlan, paged_attention_torch, plan_paged_attention_torch
+from kvfleet.kernels.reference import (
+    PagedAttentionPlan,
+    paged_attention_torch,
+    plan_paged_attention_torch,
+    reshape_and_cache_torch,
+)
 
 ATTN_IMPLEMENTATION = "kvfleet_paged"
 """Name under which the paged attention is registered in ``transformers.AttentionInterface``."""
@@ -87,7 +92,8 @@ class AttentionMetadata:
     geometry in the plain attribute ``_torch_plans`` (not a dataclass field, so
     ``dataclasses.replace`` / ``fields`` copies of the metadata start without it): the
     step's gather chunks, block ids and masks are computed by the first layer and reused
-    by the others.
+    by the others. The attention backend (``kvfleet.kernels.select_backend``) is likewise
+    chosen by the first layer (attribute ``_backend``).
     """
 
     slot_mapping: torch.Tensor
@@ -309,15 +315,18 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, num_heads, head_size]
     k = key[0].transpose(0, 1)  # [T, num_kv_heads, head_size]
     v = value[0].transpose(0, 1)
-    reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    if select_backend(q.device) == "torch":
+    backend = meta.__dict__.get("_backend") or meta.__dict__.setdefault("_backend", select_backend(q.device))
+    if backend == "torch":
         # The CPU path: the step's plan (gather chunks, block ids, masks) is computed once
-        # and shared by all layers (see AttentionMetadata.torch_plan).
+        # and shared by all layers (see AttentionMetadata.torch_plan); the backend is
+        # chosen once per step too.
+        reshape_and_cache_torch(k, v, key_cache, value_cache, meta.slot_mapping)
         out = paged_attention_torch(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scaling,
             sliding_window=sliding_window, softcap=softcap, plan=meta.torch_plan(key_cache, sliding_window),
         )
         return out.unsqueeze(0), None
+    reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = paged_attention(
         q,
         key_cache,
