@@ -528,3 +528,25 @@ def test_max_request_body_size_option():
 def test_bound_type_is_plain_data():
     b = PromptLengthBound(chars_per_token=4, ignored_chars="\x00")
     assert b.min_tokens("abcd" * 3 + "\x00" * 100) == 3 and b.min_tokens("abcde") == 2 and b.min_tokens("") == 0
+
+
+def test_body_response_equals_the_whole_model_encoded_at_once():
+    """``_body_response`` splices the choices, encoded one by one, into the response's JSON: the
+    bytes equal one ``model_dump_json`` call, even with ids and texts that spell the key."""
+    from kvfleet.runtime import protocol as P
+
+    tricky = '"choices":[]'
+    lp = P.CompletionLogProbs(text_offset=[0, 1], token_logprobs=[None, -0.5], tokens=[tricky, "é"],
+                              top_logprobs=[None, {tricky: -0.5, "😀": -9999.0}])  # fmt: skip
+    plp = [None, {7: P.PromptLogprob(logprob=-0.5, rank=1, decoded_token=tricky)}]
+    choices = [P.CompletionResponseChoice(index=i, text=tricky * i, logprobs=lp, finish_reason="length",
+                                          prompt_logprobs=plp) for i in range(3)]  # fmt: skip
+    for resp in (
+        P.CompletionResponse(id=tricky, created=1, model=tricky, choices=choices, usage=P.UsageInfo(prompt_tokens=2)),
+        P.CompletionResponse(id="cmpl-1", created=1, model="m", choices=[], usage=P.UsageInfo()),
+        P.ChatCompletionResponse(id=tricky, created=1, model="m", usage=P.UsageInfo(), choices=[
+            P.ChatCompletionResponseChoice(index=0, message=P.ChatResponseMessage(content=tricky), finish_reason="stop")]),
+    ):  # fmt: skip
+        r = api_server._body_response(resp)
+        assert r.body == resp.model_dump_json().encode("utf-8") and r.media_type == "application/json"
+        assert json.loads(r.body) == resp.model_dump(mode="json")
