@@ -133,7 +133,8 @@ def engine_ab(args, base):
     (``kvfleet.runtime.attention.paged_attention_forward``) and, with ``--baseline``, the
     same layer function over the baseline module's ``reshape_and_cache_torch`` /
     ``paged_attention_torch`` (one call per layer, no shared plan: what the engine did
-    before). Prints ms per step (min / median) of each."""
+    before); by default they alternate every step. Prints ms per step (min / median) of
+    each and their ratios."""
     import random
 
     from transformers import AttentionInterface
@@ -159,7 +160,7 @@ def engine_ab(args, base):
     eng = LLMEngine(EngineConfig(model=None, dtype="float32", device="cpu", max_num_seqs=n,
                                  max_num_batched_tokens=4096))
     rng = random.Random(0)
-    total_steps = 16 + rounds * (per_round + 1) * 2
+    total_steps = 16 + rounds * per_round * 2
     for i in range(n):
         eng.add_request(f"r{i}", [rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))],
                         SamplingParams(temperature=0.0, max_tokens=total_steps + 8, ignore_eos=True))
@@ -183,7 +184,6 @@ def engine_ab(args, base):
         for _ in range(rounds):
             for name, fn in impls.items():
                 AttentionInterface.register(attn.ATTN_IMPLEMENTATION, fn)
-                eng.step()  # untimed: the first step after a switch
                 for _ in range(per_round):
                     t = time.perf_counter()
                     eng.step()
@@ -237,8 +237,8 @@ def main(argv=None):
                     help="also time decode steps of the real engine (SmolLM2-135M; a minute or more)")
     ap.add_argument("--engine-seqs", type=int, default=48)
     ap.add_argument("--engine-ctx", type=int, nargs=2, default=[200, 600], metavar=("LO", "HI"))
-    ap.add_argument("--engine-rounds", type=int, default=6)
-    ap.add_argument("--engine-steps", type=int, default=5, help="timed steps per implementation per round")
+    ap.add_argument("--engine-rounds", type=int, default=30)
+    ap.add_argument("--engine-steps", type=int, default=1, help="timed steps per implementation per round")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
