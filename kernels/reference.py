@@ -5,7 +5,10 @@ are tested against. They are vectorised (no Python loop over tokens): decode seq
 (one query token each) are attended together in one batched computation over their
 gathered blocks (in cache-sized chunks, one SDPA call each); prefill sequences (chunks
 of several query tokens, possibly after a cached prefix) are attended one sequence at a
-time, each with one SDPA call over all heads.
+time, each with one SDPA call over all heads. What depends only on the step's metadata
+(the decode order and chunks, block ids, masks) is computed by
+:func:`plan_paged_attention_torch`; the engine computes it once per step and passes it to
+every layer's :func:`paged_attention_torch` call (``plan=``).
 
 Cache layout (the same as vLLM's FlashAttention backend, see ``kvfleet.kernels``)::
 
