@@ -873,9 +873,13 @@ async def _start(state: ServerState, sub: "_Submission", streams: list[AsyncIter
         raise
 
 
+_REQUEST_FIELDS = frozenset(P.CompletionRequest.model_fields) | frozenset(P.ChatCompletionRequest.model_fields)
+
+
 def _engine_failure(state: ServerState, exc: BaseException) -> APIError:
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), code="invalid_value")
+    if isinstance(exc, ValueError):  # the engine's messages start with the field they refuse
+        first = str(exc).split(" ", 1)[0]
+        return APIError(400, str(exc), param=first if first in _REQUEST_FIELDS else None, code="invalid_value")
     logger.error("generation failed: %r", exc, exc_info=exc)
     if state.engine_dead():
         return APIError(503, f"the engine died: {exc}", code="engine_dead")

@@ -438,7 +438,7 @@ def test_engine_rejection_is_400_and_does_not_disturb_the_request_it_collides_wi
         wait_until(lambda: client.state.pending == 1, "the first request to be submitted")
         t0 = time.monotonic()
         err = assert_error(client.post("/v1/completions", json=body), 400)
-        assert "already in use" in err["message"]
+        assert "already in use" in err["message"] and err["param"] == "request_id"
         assert time.monotonic() - t0 < 5, "the rejection waited for the engine"
         gate.set()
     assert first.result().status_code == 200, first.result().text
