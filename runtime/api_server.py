@@ -543,7 +543,9 @@ def create_app(
             logger.info("model %s ready in %.1f s (max_model_len %s)", name, time.monotonic() - t0, engine.max_model_len)
         except Exception as exc:  # noqa: BLE001 - reported by /health and the exit status
             state.load_error = exc
-            logger.exception("the engine failed to start")
+            # The reason on the ERROR line itself (a bad option such as a tensor_parallel_size that
+            # does not divide the heads is a ValueError), the traceback after it.
+            logger.exception("the engine failed to start: %s: %s", type(exc).__name__, exc)
             if state.on_fatal is not None:
                 state.on_fatal()
 

@@ -313,3 +313,17 @@ def test_kvfleet_serve_tp3_answers_and_leaves_no_workers(sig, smollm2, tmp_path)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow
+def test_kvfleet_serve_tp2_exits_1_naming_the_option(tmp_path):
+    """``kvfleet serve --tensor-parallel-size 2`` on the default model (9 heads): status 1, the
+    reason on the server's ERROR line, no worker started."""
+    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
+           "--tensor-parallel-size", "2", "--device", "cpu", "--kv-cache-memory", "32MiB"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert errors and "the engine failed to start: ValueError: tensor_parallel_size (2) must divide" in errors[0], errors
+    assert "workers pids" not in proc.stderr  # no worker was started (runtime/distributed.py logs them)
