@@ -226,11 +226,16 @@ _local = threading.local()
 
 
 def _gather_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-thread scratch buffer of at least ``numel`` elements, reused across calls."""
+    """A per-thread scratch buffer of at least ``numel`` elements, reused across calls.
+
+    One buffer per inference-mode state: a buffer allocated under ``torch.inference_mode()``
+    (the engine's steps) is an inference tensor, which torch refuses to write outside that
+    mode ("Inplace update to inference tensor outside InferenceMode"), so a call outside it
+    (tests, user code after an engine ran in the same thread) gets its own buffer."""
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
-    key = (dtype, device)
+    key = (dtype, device, torch.is_inference_mode_enabled())
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)

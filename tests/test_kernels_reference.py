@@ -273,3 +273,18 @@ def test_plan_for_another_batch_geometry_or_window_is_refused():
         paged_attention_torch(*fewer.attn_args, plan=plan)
     with pytest.raises(ValueError, match="sliding_window"):
         plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache, sliding_window=0)
+
+
+def test_decode_inside_then_outside_inference_mode():
+    # The engine runs its steps under torch.inference_mode(); the decode path's reused gather
+    # buffer must not leak an inference tensor into later calls outside that mode (torch
+    # refuses in-place writes to inference tensors there), nor the other way round.
+    b = make_paged_batch([(70, 1), (33, 1), (200, 1)], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    expected = naive_attention(b)
+    with torch.inference_mode():
+        inside = paged_attention_torch(*b.attn_args)
+    outside = paged_attention_torch(*b.attn_args)
+    with torch.inference_mode():
+        again = paged_attention_torch(*b.attn_args)
+    for out in (inside, outside, again):
+        torch.testing.assert_close(out.double(), expected, **dict(zip(("atol", "rtol"), TOLERANCES[torch.float32])))
