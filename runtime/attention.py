@@ -27,8 +27,10 @@ mask or an extra score term would carry must be implemented here or refused):
   "sliding_attention"`` -> ``sliding_window``; no ``layer_types`` -> ``sliding_window`` on
   every layer, as Mistral), and the ``sliding_window`` keyword that the attention modules
   pass must agree with it. Semantics: transformers' ``sliding_window_overlay``, see
-  :func:`kvfleet.kernels.paged_attention`. Every block is kept for the whole request
-  (blocks that fell out of every layer's window are not freed);
+  :func:`kvfleet.kernels.paged_attention`. When every layer has the same window
+  (Mistral), the KV cache manager frees the blocks that fell out of it and the block table
+  holds the null block there (:mod:`kvfleet.runtime.kv_cache_manager`); hybrid models
+  (local + global layers, Gemma 2/3) keep every block for the whole request;
 - attention logit soft-capping (the ``softcap`` keyword, Gemma 2's
   ``attn_logit_softcapping``). ``final_logit_softcapping`` is applied by the model's own
   forward (the runner takes ``out.logits``).
