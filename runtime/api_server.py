@@ -951,6 +951,7 @@ async def _stream_chunks(
                     text, lp = echo(i, idx, out)
                     yield chunk([delta_choice(idx, text, lp.model_dump() if lp else None)])
                     sent_text[idx] = sent_tokens[idx] = 0
+                    await asyncio.sleep(0)  # a prompt's echo chunk can be MBs: let /health etc. in between
                 t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
                 delta = c.text[t0:]
                 lp = None
@@ -1103,10 +1104,14 @@ async def _serve_completion(state: ServerState, request: Request, body: P.Comple
         lp, offsets[idx] = _completion_logprobs(c, k0, len(c.token_ids), k, detok, offsets.get(idx, 0))
         return lp
 
+    echoed: dict[int, tuple[P.CompletionLogProbs, int]] = {}  # per prompt: the same for each of its choices
+
     def echo(i: int, idx: int, out: RequestOutput) -> tuple[str, P.CompletionLogProbs | None]:
         if body.logprobs is None:
             return prompt_texts[i], None
-        lp, offsets[idx] = _echo_logprobs(prompt_ids[i], out.prompt_logprobs, k, detok)
+        if i not in echoed:
+            echoed[i] = _echo_logprobs(prompt_ids[i], out.prompt_logprobs, k, detok)
+        lp, offsets[idx] = echoed[i]
         return prompt_texts[i], lp
 
     stream = _stream_chunks(

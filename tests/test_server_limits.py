@@ -485,6 +485,33 @@ def test_health_answers_while_a_response_body_is_built(server, monkeypatch, path
 
 
 @pytest.mark.slow
+def test_streamed_echo_logprobs_are_built_once_per_prompt(server, monkeypatch):
+    """Streamed ``echo`` + ``logprobs`` with n 3 over two prompts: each prompt's logprobs are
+    built once (not once per choice) and every choice's first chunk carries them."""
+    calls: list[int] = []
+    real = api_server._echo_logprobs
+
+    def counted(prompt_ids, *args, **kwargs):
+        calls.append(len(prompt_ids))
+        return real(prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(api_server, "_echo_logprobs", counted)
+    prompts = ["The capital of France is", "def add(a, b):"]
+    body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 2, "n": 3, "temperature": 0, "stream": True}
+    r = server.http.post("/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    first: dict[int, dict] = {}
+    for e in events:
+        for c in e["choices"]:
+            first.setdefault(c["index"], c)
+    assert sorted(first) == list(range(6)) and len(calls) == 2
+    for idx, c in first.items():
+        assert c["text"] == prompts[idx // 3] and c["logprobs"] == first[idx // 3 * 3]["logprobs"]
+        assert c["logprobs"]["top_logprobs"][0] is None and len(c["logprobs"]["tokens"]) == calls[idx // 3]
+
+
+@pytest.mark.slow
 def test_token_id_prompts_are_decoded_only_for_echo_and_off_the_event_loop(server, tok):
     """A token-id prompt's text is needed only to echo it: without ``echo`` it is never
     decoded (a 32 MiB body of id lists took ~2.6 s to decode on the event loop), with
