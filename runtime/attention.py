@@ -212,8 +212,9 @@ def check_attention_support(config) -> list[int | None]:
     model_type = getattr(config, "model_type", "?")
 
     def refuse(field: str, value, what: str) -> None:
+        where = "" if field == "model_type" else f"model_type={model_type!r}: "
         raise ValueError(
-            f"model_type={model_type!r}: {field}={value!r} ({what}) is not implemented by kvfleet's paged "
+            f"{where}{field}={value!r} ({what}) is not implemented by kvfleet's paged "
             "attention; refusing the model rather than serving wrong tokens"
         )
 
