@@ -304,8 +304,9 @@ class LLMEngine:
         for i in range(n):
             child_params = params
             if n > 1:
-                # Only the first child computes the prompt logprobs: the prompt is the same,
-                # and the others may then share its KV blocks through the prefix cache.
+                # Only the first child computes the prompt logprobs: the prompt is the same.
+                # With prefix caching on, the others wait for it to compute the prompt (their
+                # prompt_leader), then take its full blocks from the prefix cache.
                 child_params = params.clone(
                     n=1,
                     seed=None if params.seed is None else params.seed + i,
@@ -320,6 +321,7 @@ class LLMEngine:
                 arrival_time=arrival,
                 priority=priority,
                 tenant=tenant,
+                prompt_leader=state.seqs[0].request if i else None,
             )
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
             seq = _Sequence(request, i, detok)

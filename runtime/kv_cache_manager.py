@@ -128,7 +128,8 @@ class KVCacheManager:
 
         Returns ``(blocks, num_computed_tokens)``; at most ``request.num_tokens - 1`` tokens
         count as computed, so at least the last token is recomputed and yields logits.
-        Requests asking for prompt logprobs skip the cache (their prompt must be computed).
+        Requests asking for prompt logprobs skip the lookup (every prompt position must be
+        computed for its logits), but ``allocate_slots`` still inserts their full blocks.
         Does not take references: pass the blocks to ``allocate_slots``.
 
         With a sliding window a hit needs only the blocks the next query can see: the
@@ -268,9 +269,11 @@ class KVCacheManager:
                 request.request_id, request.num_computed_tokens + len(new_computed_blocks) * self.block_size)
         new_blocks = self.block_pool.get_new_blocks(need)
         blocks.extend(new_blocks)
-        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+        if self.enable_caching:
             # Register the blocks that will be full after this step. Their K/V is written in
-            # this step's forward pass, before any later step can read them.
+            # this step's forward pass, before any later step can read them. A request asking
+            # for prompt logprobs registers its blocks too (their K/V does not depend on it;
+            # only its lookup is skipped, as in vLLM v1).
             num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
             num_full = (num_computed + num_new_tokens) // self.block_size
             start = self._num_cached_blocks.get(request.request_id, len(new_computed_blocks))

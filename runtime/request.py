@@ -1,7 +1,9 @@
 """A request as the scheduler and KV cache manager see it (one output sequence).
 
 A user request with ``n > 1`` is fanned out by the engine into ``n`` requests that
-share the prompt (and, with prefix caching, its KV blocks).
+share the prompt (and, with prefix caching, its KV blocks: the later ones name the first as
+their ``prompt_leader`` and wait for it to compute the prompt, see
+:mod:`kvfleet.runtime.scheduler`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class Request:
         num_prompt_logprobs_done: with ``sampling_params.prompt_logprobs``, prompt positions
             whose logprobs the engine already holds (the first token's, which has none,
             counts): after a preemption the model runner does not compute them again.
+        prompt_leader: for a later sequence of a fanned-out ``n > 1`` request, the first
+            sequence (same prompt). With prefix caching on, the scheduler admits this one
+            only once the leader has computed its whole prompt (or finished), so that it
+            reuses the leader's prompt blocks from the prefix cache instead of computing
+            them again; then the scheduler sets it back to None. None otherwise.
     """
 
     def __init__(
@@ -71,6 +78,7 @@ class Request:
         priority: int = 0,
         tenant: str | None = None,
         cache_salt: str | None = None,
+        prompt_leader: Request | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
@@ -89,6 +97,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.stop_reason: int | str | None = None
         self.num_prompt_logprobs_done = 0
+        self.prompt_leader = prompt_leader
         # Prefix-cache accounting: counted once per successful schedule from WAITING.
         self.num_cached_tokens = -1
 

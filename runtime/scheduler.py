@@ -111,6 +111,13 @@ class _FCFSQueue:
     def pop(self) -> Request:
         return self._q.popleft()
 
+    def take(self, r: Request) -> None:
+        """Dequeue ``r`` for admission (``pop`` when it is the head)."""
+        if self._q[0] is r:
+            self._q.popleft()
+        else:
+            self._q.remove(r)
+
     def remove(self, r: Request) -> None:
         self._q.remove(r)
 
@@ -138,6 +145,13 @@ class _PriorityQueue:
 
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[3]
+
+    def take(self, r: Request) -> None:
+        """Dequeue ``r`` for admission (``pop`` when it is the head)."""
+        if self._heap[0][3] is r:
+            heapq.heappop(self._heap)
+        else:
+            self.remove(r)
 
     def remove(self, r: Request) -> None:
         self._heap = [e for e in self._heap if e[3] is not r]
@@ -189,6 +203,17 @@ class _FairQueue:
         else:
             del self._tenants[key]
         return r
+
+    def take(self, r: Request) -> None:
+        """Dequeue ``r`` for admission: its tenant's turn is over, as with ``pop``."""
+        key = self._key(r)
+        q = self._tenants[key]
+        q.remove(r)
+        self._len -= 1
+        if q:
+            self._tenants.move_to_end(key)
+        else:
+            del self._tenants[key]
 
     def remove(self, r: Request) -> None:
         key = self._key(r)
@@ -371,7 +396,9 @@ class Scheduler:
         admit = not preempted
         reserved: int | None = None  # blocks the running requests need up to their next token
         while admit and len(self.waiting) and budget > 0:
-            request = self.waiting.peek()
+            request = self._next_waiting()
+            if request is None:
+                break  # only siblings waiting for their leader's prompt
             if len(self.running) >= self.max_num_seqs:
                 if not self._preempt_for_priority(request, unschedule):
                     break
@@ -394,7 +421,7 @@ class Scheduler:
                     reserved = None
                     continue
                 break
-            self.waiting.pop()
+            self.waiting.take(request)
             if request.num_cached_tokens < 0:
                 # Prefix-cache counters: once per request, at its first successful schedule.
                 request.num_cached_tokens = num_cached
@@ -428,6 +455,38 @@ class Scheduler:
             else:
                 out.num_decode_tokens += sr.num_new_tokens
         return out
+
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request, in policy order, that may be admitted now: not a
+        sibling still waiting for its ``prompt_leader`` (see :meth:`_waits_for_leader`).
+        None when every waiting request is such a sibling. The siblings keep their places."""
+        head = self.waiting.peek()
+        if not self._waits_for_leader(head):
+            return head
+        for request in self.waiting:
+            if not self._waits_for_leader(request):
+                return request
+        return None
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        """True while ``request`` (a later sequence of an ``n > 1`` request) must wait for
+        its ``prompt_leader`` to compute the shared prompt: with prefix caching on, until
+        the leader, running, has every prompt token computed by a step that already ran
+        (``num_computed_tokens`` advances when a step is planned, and this is called before
+        this step's advance), so that its full prompt blocks are in the prefix cache with
+        their K/V written; or until the leader finished (aborted). A preempted leader is
+        waited for (it is ahead in the queue and always admitted when nothing else runs,
+        so this cannot deadlock). Once released, a request never waits again (the link is
+        cleared). With prefix caching off nothing waits (each sequence computes the prompt,
+        as before)."""
+        leader = request.prompt_leader
+        if leader is None:
+            return False
+        if (not self.kv_cache_manager.enable_caching or leader.is_finished
+                or (leader.status == RequestStatus.RUNNING and leader.num_computed_tokens >= leader.num_prompt_tokens)):
+            request.prompt_leader = None
+            return False
+        return True
 
     def _num_lookahead_blocks(self, request: Request, new_computed_blocks=()) -> int:
         """Free blocks ``request`` still needs to hold every token it knows (the rest of its

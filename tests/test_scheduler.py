@@ -55,7 +55,19 @@ class FakeRunner:
 
     def step(self):
         waiting = {q.request_id: q.priority for q in self.s.waiting}
+        # Siblings of an n > 1 request still tied to their leader, with the leader's state
+        # before this step is planned.
+        tied = {q.request_id: (q.prompt_leader, q.prompt_leader.status, q.prompt_leader.num_computed_tokens)
+                for q in self.s.waiting if q.prompt_leader is not None}
         out = self.s.schedule()
+        for sr in out.scheduled:
+            if sr.request_id in tied:
+                # With prefix caching, a sibling starts only after its leader's prompt was
+                # computed by a step that already ran (or the leader finished).
+                leader, status, computed = tied[sr.request_id]
+                assert (not self.s.kv_cache_manager.enable_caching or status.finished
+                        or (status == RequestStatus.RUNNING and computed >= leader.num_prompt_tokens)), (
+                    f"{sr.request_id} admitted before its leader computed the prompt")
         if self.just_admitted:
             # The admission rule: what the previous step admitted left room for the
             # running requests' next tokens, so no request runs out of blocks now. Only a
@@ -288,6 +300,119 @@ def test_prompt_logprobs_requests_skip_the_cache():
     assert r.step().scheduled[0].start_pos == 0
 
 
+def test_prompt_logprobs_request_still_inserts_its_blocks():
+    # vLLM v1 skips only the lookup: the prompt-logprobs request's full blocks (hashed as any
+    # other request's: same tokens, no extra key) serve the next request with that prefix.
+    s = make_scheduler(block_size=4)
+    r = FakeRunner(s)
+    prompt = list(range(1, 14))  # 13 tokens: 3 full blocks
+    s.add_request(make_request("a", prompt, max_tokens=1, prompt_logprobs=1))
+    assert r.step().scheduled[0].start_pos == 0
+    r.run_until_done()
+    s.add_request(make_request("b", prompt, max_tokens=1))
+    sr = r.step().scheduled[0]
+    assert (sr.start_pos, sr.num_new_tokens) == (12, 1)
+    plain = make_request("c", prompt, max_tokens=1)
+    s.kv_cache_manager._update_block_hashes(plain, len(prompt))
+    assert plain.block_hashes == sr.request.block_hashes[:3]
+    r.run_until_done()
+    assert_all_free(s)
+
+
+def fan_out(rid, prompt, n, **kw) -> list[Request]:
+    """n sequences of one prompt, linked as LLMEngine links an n > 1 request's sequences."""
+    seqs = [make_request(f"{rid}-{i}", prompt, **kw) for i in range(n)]
+    for seq in seqs[1:]:
+        seq.prompt_leader = seqs[0]
+    return seqs
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_siblings_wait_for_the_leaders_prompt_then_hit_every_full_block(policy):
+    s = make_scheduler(block_size=4, max_num_batched_tokens=8, scheduling_policy=policy)
+    r = FakeRunner(s)
+    prompt = list(range(1, 23))  # 22 tokens: 5 full blocks, prefilled in chunks of 8
+    for seq in fan_out("p", prompt, 4, max_tokens=3, ignore_eos=True, arrival_time=0.0):
+        s.add_request(seq)
+    s.add_request(make_request("later", [90, 91], max_tokens=6, ignore_eos=True, arrival_time=1.0))
+    steps = [r.step() for _ in range(4)]
+    ran = [[(sr.request_id, sr.start_pos, sr.num_new_tokens) for sr in out.scheduled] for out in steps]
+    # Steps 1-3: the leader's prompt in chunks; the later request fills the budget left
+    # while the siblings wait (they are not admitted before the leader's prompt is done).
+    assert ran[0] == [("p-0", 0, 8)]
+    assert ran[1] == [("p-0", 8, 8)]
+    assert ran[2] == [("p-0", 16, 6), ("later", 0, 2)]
+    # Step 4: siblings take the 5 full blocks from the cache and compute the last 2 tokens.
+    assert ran[3] == [("p-0", 22, 1), ("later", 2, 1), ("p-1", 20, 2), ("p-2", 20, 2), ("p-3", 20, 2)]
+    stats = s.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (22 * 4 + 2, 20 * 3)
+    r.run_until_done()
+    assert_all_free(s)
+
+
+def test_siblings_keep_their_place_ahead_of_later_requests():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=64, max_num_seqs=3)
+    r = FakeRunner(s)
+    for seq in fan_out("p", list(range(1, 11)), 3, max_tokens=4, ignore_eos=True, arrival_time=0.0):
+        s.add_request(seq)
+    s.add_request(make_request("x", [50, 51, 52], max_tokens=8, ignore_eos=True, arrival_time=1.0))
+    s.add_request(make_request("y", [60, 61, 62], max_tokens=8, ignore_eos=True, arrival_time=2.0))
+    first = r.step()
+    assert [sr.request_id for sr in first.scheduled] == ["p-0", "x", "y"]  # siblings wait, later ones run
+    s.add_request(make_request("z", [70, 71, 72], max_tokens=2, ignore_eos=True, arrival_time=3.0))
+    r.run_until_done()
+    admitted = []
+    for out in r.outputs:
+        admitted += [sr.request_id for sr in out.scheduled if sr.request_id not in admitted]
+    # Seats free up as p-0, x and y finish: the released siblings, ahead in the queue, get them first.
+    assert admitted == ["p-0", "x", "y", "p-1", "p-2", "z"]
+    assert_all_free(s)
+
+
+def test_leader_preempted_mid_prompt_is_waited_for_and_all_finish():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=8)
+    r = FakeRunner(s)
+    seqs = fan_out("p", list(range(1, 23)), 3, max_tokens=2, ignore_eos=True)
+    for seq in seqs:
+        s.add_request(seq)
+    r.step()  # 8 of the leader's 22 prompt tokens
+    s._preempt(seqs[0])  # as the scheduler preempts a victim by recompute
+    assert [q.request_id for q in s.waiting] == ["p-0", "p-1", "p-2"]
+    out = r.step()
+    # It resumes from its own cached blocks; the siblings still wait.
+    assert [(sr.request_id, sr.start_pos) for sr in out.scheduled] == [("p-0", 8)]
+    r.run_until_done()
+    assert all(q.num_output_tokens == 2 for q in seqs)
+    assert_all_free(s)
+
+
+def test_aborted_leader_releases_its_siblings():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=8)
+    r = FakeRunner(s)
+    seqs = fan_out("p", list(range(1, 23)), 3, max_tokens=2, ignore_eos=True)
+    for seq in seqs:
+        s.add_request(seq)
+    r.step()
+    s.finish_requests("p-0", RequestStatus.FINISHED_ABORTED)
+    out = r.step()
+    assert [(sr.request_id, sr.start_pos) for sr in out.scheduled] == [("p-1", 8)]  # the 2 blocks written
+    r.run_until_done()
+    assert all(q.num_output_tokens == 2 for q in seqs[1:])
+    assert_all_free(s)
+
+
+def test_without_prefix_caching_siblings_start_at_once():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    r = FakeRunner(s)
+    for seq in fan_out("p", list(range(1, 11)), 3, max_tokens=2, ignore_eos=True):
+        s.add_request(seq)
+    out = r.step()
+    assert [(sr.request_id, sr.start_pos, sr.num_new_tokens) for sr in out.scheduled] == [
+        ("p-0", 0, 10), ("p-1", 0, 10), ("p-2", 0, 10)]
+    r.run_until_done()
+    assert_all_free(s)
+
+
 def test_lru_eviction_and_unhashed_blocks_reused_first():
     s = make_scheduler(num_blocks=8, block_size=4)
     r = FakeRunner(s)
@@ -491,7 +616,8 @@ def test_high_priority_arrival_still_preempts_for_memory():
 PREFIXES = [[], list(range(1, 9)), list(range(50, 63)), [7] * 5]
 
 op = st.one_of(
-    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 14), st.integers(1, 12), st.integers(0, 3)),
+    st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 14), st.integers(1, 12), st.integers(0, 3),
+              st.integers(1, 3), st.booleans()),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 40)),
 )
@@ -518,15 +644,24 @@ def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size,
     added = []
     for o in ops:
         if o[0] == "add":
-            _, prefix, suffix_len, max_tokens, prio = o
+            # n sequences of one prompt, as LLMEngine fans out an n > 1 request: the later
+            # ones name the first as their prompt_leader; the first may ask for prompt logprobs.
+            _, prefix, suffix_len, max_tokens, prio, n, plp = o
             prompt = PREFIXES[prefix] + [200 + (len(added) * 7 + k) % 13 for k in range(suffix_len)]
             rid = f"r{len(added)}"
+            group = []
+            for i in range(n):
+                req = make_request(f"{rid}-{i}", prompt, max_tokens=max_tokens, priority=prio, tenant=f"t{prio % 2}",
+                                   prompt_logprobs=1 if plp and i == 0 else None, arrival_time=float(len(added)))
+                req.prompt_leader = group[0] if group else None
+                group.append(req)
             try:
-                s.add_request(make_request(rid, prompt, max_tokens=max_tokens, priority=prio, tenant=f"t{prio % 2}"))
+                for req in group:
+                    s.add_request(req)
             except ValueError:
                 assert len(prompt) > s.max_model_len or -(-len(prompt) // block_size) > usable
                 continue
-            added.append(rid)
+            added.extend(req.request_id for req in group)
         elif o[0] == "step":
             r.step()
         elif added:
