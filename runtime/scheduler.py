@@ -23,6 +23,12 @@ counts at most :func:`~kvfleet.runtime.kv_cache_manager.max_num_blocks_per_reque
 held at once, so a windowed request whose prompt is longer than the whole cache is accepted
 and runs (as vLLM allows).
 
+Parallel sampling (``n > 1``): with prefix caching on, a waiting sequence whose
+``prompt_leader`` (the first sequence of its request) has not yet computed its prompt in a
+step that ran is skipped -- it keeps its place in the waiting queue, and later requests may
+be admitted meanwhile -- so that, once admitted, it takes every full prompt block from the
+prefix cache instead of computing the prompt again (:meth:`Scheduler._waits_for_leader`).
+
 The shape follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm. The
 scheduler never touches tensors: it speaks in requests, token counts and block ids.
 """

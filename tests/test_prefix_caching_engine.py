@@ -48,7 +48,8 @@ def system_prompt(tokenizer, num_tokens: int = 300) -> list[int]:
 def engine(smollm2, caching: bool, **kw):
     recorder = Recorder()
     kw.setdefault("kv_cache_memory", 64 * 2**20)
-    config = EngineConfig(enable_prefix_caching=caching, max_num_batched_tokens=1024, **kw)
+    kw.setdefault("max_num_batched_tokens", 1024)
+    config = EngineConfig(enable_prefix_caching=caching, **kw)
     return LLMEngine(config, [recorder], loaded=smollm2), recorder
 
 
@@ -116,4 +117,116 @@ def test_identical_long_prompts_under_memory_pressure(smollm2):
     assert outs == [expected, expected]
     assert any(out.preempted_request_ids for out in schedules), "no preemption happened"
     assert recorder.total("prefix_cache_hits") > 0
+    assert on.scheduler.kv_cache_manager.block_pool.num_free_blocks == on.num_blocks
+
+
+# -- n > 1: the prompt is computed once, the other sequences take it from the cache --------
+N_PARAMS = SamplingParams(n=4, temperature=1.5, seed=11, max_tokens=8, ignore_eos=True)
+
+
+def open_prompt(tokenizer) -> list[int]:
+    """~300 tokens ending in an open question (the samples differ); not a multiple of 16."""
+    ids = system_prompt(tokenizer, 280) + tokenizer(
+        " Now tell me, in your own words, what you would name a new small red fruit and why",
+        add_special_tokens=False)["input_ids"]
+    assert len(ids) % 16 not in (0, 1)
+    return ids
+
+
+def run_n(eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, **kw):
+    """Run one request to the end; returns (final RequestOutput, scheduled prompt tokens)."""
+    schedules = record_schedules(eng)
+    eng.add_request(rid, prompt, params, **kw)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished and out.request_id == rid:
+                final = out
+    prefill = sum(sr.num_new_tokens for out in schedules for sr in out.scheduled
+                  if sr.start_pos < sr.request.num_prompt_tokens and sr.request_id.startswith(rid))
+    return final, prefill, schedules
+
+
+def seq_tokens(out) -> list[list[int]]:
+    return [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+def plp_table(out):
+    return [None if d is None else sorted((t, round(lp.logprob, 4), lp.rank) for t, lp in d.items())
+            for d in out.prompt_logprobs]
+
+
+@pytest.mark.parametrize("chunk", [1024, 128])
+def test_n4_computes_the_prompt_once_with_the_same_samples(smollm2, chunk):
+    tok = smollm2.tokenizer
+    prompt = open_prompt(tok)
+    block = 16
+    tail = len(prompt) - (len(prompt) - 1) // block * block  # recomputed by each sibling
+
+    off, _ = engine(smollm2, caching=False, max_num_batched_tokens=chunk)
+    expected, off_prefill, _ = run_n(off, "g", prompt, N_PARAMS)
+    assert off_prefill == 4 * len(prompt)  # caching off: each sequence computes the prompt (as before)
+
+    on, recorder = engine(smollm2, caching=True, max_num_batched_tokens=chunk)
+    got, on_prefill, schedules = run_n(on, "g", prompt, N_PARAMS)
+    assert seq_tokens(got) == seq_tokens(expected)  # same per-sequence seeds, same samples
+    assert len({tuple(t) for t in seq_tokens(got)}) > 1  # really sampled, not 4 copies
+    assert on_prefill == len(prompt) + 3 * tail
+    assert recorder.total("prefix_cache_hits") == 3 * (len(prompt) - tail)
+    # No sibling is scheduled before the step after the leader's last prompt chunk.
+    first = {}
+    for step, out in enumerate(schedules):
+        for sr in out.scheduled:
+            first.setdefault(sr.request_id, (step, sr.start_pos))
+            if sr.request_id == "g-0" and sr.seq_len == len(prompt):
+                leader_done = step
+    assert all(first[f"g-{i}"] == (leader_done + 1, len(prompt) - tail) for i in (1, 2, 3)), first
+
+
+def test_n4_with_prompt_logprobs_computes_the_prompt_once(smollm2):
+    tok = smollm2.tokenizer
+    prompt = open_prompt(tok)
+    tail = len(prompt) % 16
+    params = N_PARAMS.clone(prompt_logprobs=2)
+    off, _ = engine(smollm2, caching=False)
+    expected, off_prefill, _ = run_n(off, "g", prompt, params)
+    assert off_prefill == 4 * len(prompt)
+
+    on, _ = engine(smollm2, caching=True)
+    got, on_prefill, _ = run_n(on, "g", prompt, params)
+    assert seq_tokens(got) == seq_tokens(expected)
+    assert len(got.prompt_logprobs) == len(prompt) and got.prompt_logprobs[0] is None
+    assert plp_table(got) == plp_table(expected)
+    assert on_prefill == len(prompt) + 3 * tail  # the leader computes every position, the others the tail
+    # The leader asked for prompt logprobs, so it looked nothing up, even with its prompt cached.
+    again, again_prefill, _ = run_n(on, "h", prompt, params.clone(n=1))
+    assert again_prefill == len(prompt) and plp_table(again) == plp_table(expected)
+
+
+def test_n4_leader_preempted_mid_prompt_still_finishes_all(smollm2):
+    tok = smollm2.tokenizer
+    prompt = open_prompt(tok)
+    off, _ = engine(smollm2, caching=False, max_num_batched_tokens=128)
+    expected, _, _ = run_n(off, "g", prompt, N_PARAMS)
+
+    # One seat: an urgent (priority 0) request arriving while the leader (priority 1) is in
+    # its chunked prompt preempts it; the siblings wait for the resumed leader.
+    on, _ = engine(smollm2, caching=True, max_num_batched_tokens=128, scheduling_policy="priority", max_num_seqs=1)
+    schedules = record_schedules(on)
+    on.add_request("g", prompt, N_PARAMS, priority=1)
+    on.step()  # 128 of the leader's 300 prompt tokens
+    on.add_request("urgent", prompt[:40], SamplingParams(temperature=0, max_tokens=3), priority=0)
+    final = {}
+    while on.has_unfinished_requests():
+        for out in on.step():
+            if out.finished:
+                final[out.request_id] = out
+    # The budget left beside the leader's chunks lets the urgent request in (preempting
+    # the leader) in step 3, after 256 of its 300-odd prompt tokens.
+    hit = [i for i, out in enumerate(schedules) if "g-0" in out.preempted_request_ids]
+    assert hit, "the leader was not preempted"
+    done = sum(sr.num_new_tokens for out in schedules[:hit[0]] for sr in out.scheduled if sr.request_id == "g-0")
+    assert done < len(prompt)
+    assert "g-1" not in {sr.request_id for out in schedules[:hit[0] + 1] for sr in out.scheduled}
+    assert seq_tokens(final["g"]) == seq_tokens(expected)
     assert on.scheduler.kv_cache_manager.block_pool.num_free_blocks == on.num_blocks
