@@ -62,7 +62,8 @@ class Request:
             counts): after a preemption the model runner does not compute them again.
         prompt_leader: for a later sequence of a fanned-out ``n > 1`` request, the first
             sequence (same prompt). With prefix caching on, the scheduler admits this one
-            only once the leader has computed its whole prompt (or finished), so that it
+            only once the leader has its whole prompt computed or scheduled in the current
+            step (or finished), so that it
             reuses the leader's prompt blocks from the prefix cache instead of computing
             them again; then the scheduler sets it back to None. None otherwise.
     """

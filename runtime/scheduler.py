@@ -24,8 +24,8 @@ held at once, so a windowed request whose prompt is longer than the whole cache 
 and runs (as vLLM allows).
 
 Parallel sampling (``n > 1``): with prefix caching on, a waiting sequence whose
-``prompt_leader`` (the first sequence of its request) has not yet computed its prompt in a
-step that ran is skipped -- it keeps its place in the waiting queue, and later requests may
+``prompt_leader`` (the first sequence of its request) has not yet computed (or been
+scheduled to compute, in this step) its whole prompt is skipped -- it keeps its place in the waiting queue, and later requests may
 be admitted meanwhile -- so that, once admitted, it takes every full prompt block from the
 prefix cache instead of computing the prompt again (:meth:`Scheduler._waits_for_leader`).
 
@@ -402,7 +402,7 @@ class Scheduler:
         admit = not preempted
         reserved: int | None = None  # blocks the running requests need up to their next token
         while admit and len(self.waiting) and budget > 0:
-            request = self._next_waiting()
+            request = self._next_waiting(scheduled)
             if request is None:
                 break  # only siblings waiting for their leader's prompt
             if len(self.running) >= self.max_num_seqs:
@@ -462,36 +462,45 @@ class Scheduler:
                 out.num_decode_tokens += sr.num_new_tokens
         return out
 
-    def _next_waiting(self) -> Request | None:
+    def _next_waiting(self, scheduled: dict[str, ScheduledRequest]) -> Request | None:
         """The first waiting request, in policy order, that may be admitted now: not a
         sibling still waiting for its ``prompt_leader`` (see :meth:`_waits_for_leader`).
         None when every waiting request is such a sibling. The siblings keep their places."""
         head = self.waiting.peek()
-        if not self._waits_for_leader(head):
+        if not self._waits_for_leader(head, scheduled):
             return head
         for request in self.waiting:
-            if not self._waits_for_leader(request):
+            if not self._waits_for_leader(request, scheduled):
                 return request
         return None
 
-    def _waits_for_leader(self, request: Request) -> bool:
+    def _waits_for_leader(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> bool:
         """True while ``request`` (a later sequence of an ``n > 1`` request) must wait for
-        its ``prompt_leader`` to compute the shared prompt: with prefix caching on, until
-        the leader, running, has every prompt token computed by a step that already ran
-        (``num_computed_tokens`` advances when a step is planned, and this is called before
-        this step's advance), so that its full prompt blocks are in the prefix cache with
-        their K/V written; or until the leader finished (aborted). A preempted leader is
-        waited for (it is ahead in the queue and always admitted when nothing else runs,
-        so this cannot deadlock). Once released, a request never waits again (the link is
-        cleared). With prefix caching off nothing waits (each sequence computes the prompt,
-        as before)."""
+        its ``prompt_leader`` to compute the shared prompt. With prefix caching on it waits
+        until the leader, running, has its whole prompt computed or scheduled in this step
+        (``scheduled``): ``allocate_slots`` has then hashed every full prompt block into the
+        prefix cache, and blocks of this step are written in its forward pass before any
+        attention reads them (the same rule as any prefix-cache hit on a block allocated
+        earlier in the step). Only the ``priority`` policy preempts during admission, and only
+        for a request of strictly better priority, which its queue order puts before the
+        siblings (they share the leader's priority): no request admitted after them can
+        unschedule the leader whose blocks they share. Or until the leader
+        finished (aborted). A preempted leader is waited for (it is ahead in the queue and
+        always admitted when nothing else runs, so this cannot deadlock). Once released, a
+        request never waits again (the link is cleared). With prefix caching off nothing
+        waits (each sequence computes the prompt, as before)."""
         leader = request.prompt_leader
         if leader is None:
             return False
-        if (not self.kv_cache_manager.enable_caching or leader.is_finished
-                or (leader.status == RequestStatus.RUNNING and leader.num_computed_tokens >= leader.num_prompt_tokens)):
+        if not self.kv_cache_manager.enable_caching or leader.is_finished:
             request.prompt_leader = None
             return False
+        if leader.status == RequestStatus.RUNNING:
+            sr = scheduled.get(leader.request_id)
+            computed = sr.seq_len if sr is not None else leader.num_computed_tokens
+            if computed >= leader.num_prompt_tokens:
+                request.prompt_leader = None
+                return False
         return True
 
     def _num_lookahead_blocks(self, request: Request, new_computed_blocks=()) -> int:
