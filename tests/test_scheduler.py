@@ -353,13 +353,21 @@ def test_siblings_wait_for_the_leaders_prompt_then_hit_every_full_block(policy):
     assert_all_free(s)
 
 
-def test_leader_preempted_mid_prompt_is_waited_for_and_all_finish():
+def _three_siblings_after_the_leaders_first_chunk():
+    """A 22-token prompt fanned out to 3 sequences, after one step: the leader computed 8 of
+    its prompt tokens (2 full blocks, hashed), the siblings wait."""
     s = make_scheduler(block_size=4, max_num_batched_tokens=8)
     r = FakeRunner(s)
     seqs = fan_out("p", list(range(1, 23)), 3, max_tokens=2, ignore_eos=True)
     for seq in seqs:
         s.add_request(seq)
-    r.step()  # 8 of the leader's 22 prompt tokens
+    assert [sr.request_id for sr in r.step().scheduled] == ["p-0"]
+    assert seqs[0].num_computed_tokens == 8
+    return s, r, seqs
+
+
+def test_leader_preempted_mid_prompt_is_waited_for_and_all_finish():
+    s, r, seqs = _three_siblings_after_the_leaders_first_chunk()
     s._preempt(seqs[0])  # as the scheduler preempts a victim by recompute
     assert [q.request_id for q in s.waiting] == ["p-0", "p-1", "p-2"]
     out = r.step()
@@ -371,12 +379,7 @@ def test_leader_preempted_mid_prompt_is_waited_for_and_all_finish():
 
 
 def test_aborted_leader_releases_its_siblings():
-    s = make_scheduler(block_size=4, max_num_batched_tokens=8)
-    r = FakeRunner(s)
-    seqs = fan_out("p", list(range(1, 23)), 3, max_tokens=2, ignore_eos=True)
-    for seq in seqs:
-        s.add_request(seq)
-    r.step()
+    s, r, seqs = _three_siblings_after_the_leaders_first_chunk()
     s.finish_requests("p-0", RequestStatus.FINISHED_ABORTED)
     out = r.step()
     assert [(sr.request_id, sr.start_pos) for sr in out.scheduled] == [("p-1", 8)]  # the 2 blocks written
