@@ -368,6 +368,17 @@ class _Detok:
         return self.tokenizer.decode([token_id])
 
 
+def _legacy_top(entries: dict[int, Logprob], tid: int, k: int, detok: _Detok) -> dict[str, float]:
+    """One position's legacy ``top_logprobs``: token text -> logprob (-inf as -9999.0) of the
+    entries of rank <= ``k``, by rank, plus token ``tid`` (the sampled or prompt token) always,
+    as vLLM; texts that decode alike keep the better-ranked entry."""
+    top: dict[str, float] = {}
+    for tok_id, lp in sorted(entries.items(), key=lambda kv: kv[1].rank or 0):
+        if tok_id == tid or lp.rank is None or lp.rank <= k:
+            top.setdefault(detok(tok_id, lp), _finite(lp.logprob))
+    return top
+
+
 def _completion_logprobs(
     c: CompletionOutput, start: int, end: int, k: int, detok: _Detok, offset: int
 ) -> tuple[P.CompletionLogProbs, int]:
@@ -380,11 +391,7 @@ def _completion_logprobs(
         token = detok(tid, sampled)
         out.tokens.append(token)
         out.token_logprobs.append(_finite(sampled.logprob) if sampled is not None else None)
-        top = {}
-        for tok_id, lp in sorted(entries.items(), key=lambda kv: kv[1].rank or 0):
-            if tok_id == tid or lp.rank is None or lp.rank <= k:  # the sampled token always (vLLM)
-                top.setdefault(detok(tok_id, lp), _finite(lp.logprob))
-        out.top_logprobs.append(top)
+        out.top_logprobs.append(_legacy_top(entries, tid, k, detok))
         out.text_offset.append(offset)
         offset += len(token)
     return out, offset
@@ -407,11 +414,7 @@ def _echo_logprobs(
             actual = entries.get(tid)
             token = detok(tid, actual)
             out.token_logprobs.append(_finite(actual.logprob) if actual is not None else None)
-            top = {}
-            for tok_id, lp in sorted(entries.items(), key=lambda kv: kv[1].rank or 0):
-                if tok_id == tid or lp.rank is None or lp.rank <= k:  # the prompt token always (vLLM)
-                    top.setdefault(detok(tok_id, lp), _finite(lp.logprob))
-            out.top_logprobs.append(top)
+            out.top_logprobs.append(_legacy_top(entries, tid, k, detok))
         out.tokens.append(token)
         out.text_offset.append(offset)
         offset += len(token)
