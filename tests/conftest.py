@@ -59,6 +59,20 @@ def smollm2():
     return load_model(None, dtype="float32", device="cpu")
 
 
+@_k8s_pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op torch thread while a module runs, restored afterwards. On the 2 cores
+    shared by several test processes, a second OpenMP thread that is descheduled makes every
+    op wait for it (decode steps measured ~10x slower). Modules that run the engine in
+    threads beside a server use it: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # --- Triton interpreter for the kernel tests (tests/test_kernels_*.py) -------------------
 # Without a CUDA device the Triton kernels are tested under the interpreter. The flag must
 # be set before the first `import triton` in the process -- and torch._dynamo imports triton

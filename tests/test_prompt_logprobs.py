@@ -36,7 +36,7 @@ from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.serve_args import ServerSettings
 from support import record_schedules
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 ATOL = 1e-4
 """Largest allowed |engine logprob - transformers logprob| (natural log)."""
@@ -47,15 +47,6 @@ PROMPTS = [
     "Hello",
     "In 1492, Columbus sailed " + "across the ocean blue and " * 10,
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs (the 2 shared cores; see test_server_api)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,23 +48,14 @@ MAX_LEN = 64
 """max_model_len of the module's shared app (small, so that limits are cheap to reach)."""
 HI = [{"role": "user", "content": "hi"}]
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
+
 
 def engine_config(**kw) -> EngineConfig:
     return EngineConfig(**{"kv_cache_memory": KV_CACHE, "max_model_len": MAX_LEN, **kw})
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs: on the 2 cores shared by several test
-    processes, a second OpenMP thread that is descheduled makes every op wait for it
-    (decode steps measured ~10x slower). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -52,14 +51,7 @@ L_SMOLLM2 = 81
 BIG = 100_000
 """Texts at least this long are "big" for the tokenizer spy."""
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread while this module runs (see tests/test_server_api.py)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
