@@ -119,7 +119,7 @@ def _model_is_bounded(spec: dict[str, Any]) -> bool:
     character missing from its vocabulary when it has no ``unk_token`` (and fuses a run of
     them into one with ``fuse_unk``), unless bytes fall back to byte tokens (``byte_fallback``)
     or a ByteLevel pre-tokenizer maps the text onto 256 byte characters (the ones missing from
-    the vocabulary are handled by :func:`_dropped_bytes`)."""
+    the vocabulary are handled by :func:`_dropped_ascii`)."""
     model = spec["model"]
     kind = model.get("type")
     if kind == "BPE":
@@ -173,6 +173,10 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
     Returns: the bound (``L`` >= 1, already multiplied by the normalizer's shrink factor), or
         None when the tokenizer gives none (its pipeline can drop or fuse characters, or it is
         not a ``tokenizers``-backed one).
+
+    Raises:
+        ValueError (``json.JSONDecodeError``) or KeyError: a serialized pipeline it cannot
+        read (e.g. no ``model``); the server logs it and serves without a bound.
 
     Cost: one decode per vocabulary entry (about 0.2 s for 49k entries); call it once.
     """
