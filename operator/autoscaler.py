@@ -427,6 +427,11 @@ INDEX = "autoscaled"
 (kopf passes it to handlers as the keyword argument of that name)."""
 TICK = 1.0
 """Longest sleep of the loop (seconds): how soon a newly indexed InferenceService is visited."""
+PEERING_TTL = TICK
+"""Seconds a "not paused" answer of :func:`pause_reason` is reused: the peering object is
+read at most once per this time, however many objects fall due in it (their due times
+spread out, so without it every object's iteration would cost one more API read). With
+one object, or intervals longer than this, every iteration still checks first."""
 MAX_CONCURRENT = 8
 """Iterations run at the same time (each waits on API calls and metrics scrapes)."""
 
@@ -446,6 +451,10 @@ class AutoscalerLoop:
     - Objects are visited concurrently (at most :data:`MAX_CONCURRENT` at once), each as
       its own task: a slow or failing one (API error, bad metrics, a bug) is logged and
       retried after the interval; the others go on.
+    - Per iteration of one object: a GET of it, a LIST of its pods, a scrape of each ready
+      pod (or one Prometheus query), and for mode ``operator`` a LIST of the namespace's
+      HPAs; writes only on a change. Per pass: at most one read of the peering object per
+      :data:`PEERING_TTL` (one per namespace for a namespaced operator).
     - State is dropped for objects that leave the index (deleted, no longer autoscaled or
       tuned; :func:`step` has set ``ScalingActive=False`` before that).
     - Before starting iterations it asks :func:`pause_reason`; while the operator is
@@ -467,6 +476,8 @@ class AutoscalerLoop:
         self.running: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.paused: str | None = None
         self.recheck_at = 0.0
+        """``time.monotonic()`` before which :func:`pause_reason` is not asked again (paused:
+        the shortest interval; not paused: :data:`PEERING_TTL`)."""
         self.http = httpx.AsyncClient()
         self._limit = asyncio.Semaphore(MAX_CONCURRENT)
         self._task: asyncio.Task[None] | None = None
@@ -512,24 +523,28 @@ class AutoscalerLoop:
         now = time.monotonic()
         due = [k for k in sorted(keys) if k not in self.running
                and (k not in self.states or self.states[k].due <= now)]
-        if not due or (self.paused and now < self.recheck_at):
+        if not due:
             return
-        try:
-            reason = await asyncio.to_thread(pause_reason, self.kube, self.settings, self.identity,
-                                             {ns for ns, _ in keys})
-        except reconcile.ApiError as e:
-            reason = f"the peering object could not be read: {e}"
-        if reason:
-            if reason != self.paused:
-                self.logger.info("autoscaler paused: %s", reason)
-            recheck = min([st.interval for st in self.states.values()] or [_default_interval()])
-            for key in list(self.states):
-                self._forget(key)
-            self.paused, self.recheck_at = reason, now + recheck
+        if now >= self.recheck_at:
+            try:
+                reason = await asyncio.to_thread(pause_reason, self.kube, self.settings, self.identity,
+                                                 {ns for ns, _ in keys})
+            except reconcile.ApiError as e:
+                reason = f"the peering object could not be read: {e}"
+            if reason:
+                if reason != self.paused:
+                    self.logger.info("autoscaler paused: %s", reason)
+                recheck = min([st.interval for st in self.states.values()] or [_default_interval()])
+                for key in list(self.states):
+                    self._forget(key)
+                self.paused, self.recheck_at = reason, now + recheck
+                return
+            if self.paused:
+                self.logger.info("autoscaler resumed")
+                self.paused = None
+            self.recheck_at = now + PEERING_TTL
+        elif self.paused:
             return
-        if self.paused:
-            self.logger.info("autoscaler resumed")
-            self.paused = None
         for key in due:
             state = self.states.setdefault(key, ServiceState(http=self.http, interval=_default_interval()))
             self.running[key] = asyncio.create_task(self._iterate(key, state), name=f"autoscaler {key[0]}/{key[1]}")

@@ -415,8 +415,7 @@ def test_the_loop_retires_a_service_that_stops_being_autoscaled_then_forgets_it(
             before = kube.writes()
             await passes(loop, kube, index, 3)
             assert kube.writes() == before
-            kube.delete(ISVC, NS, NAME)
-            assert kube.get(ISVC, NS, NAME) is None
+            assert not kube.get(ISVC, NS, NAME)["metadata"].get("finalizers")  # nothing holds a delete
         finally:
             await loop.stop()
 
@@ -452,6 +451,7 @@ def test_a_paused_operator_neither_scales_nor_writes(cluster, fast):
             rt.set(waiting=9)
             for st in loop.states.values():
                 st.due = 0.0
+            loop.recheck_at = 0.0  # the "not paused" answer is reused for PEERING_TTL
             before = kube.writes()
             await passes(loop, kube, index, 2)
             assert loop.paused and loop.states == {} and kube.writes() == before
@@ -505,3 +505,35 @@ def test_no_kopf_handler_of_the_operator_needs_a_finalizer():
     assert not [h.id for h in ours if getattr(h, "requires_finalizer", False)]
     assert not [h for h in registry._spawning.get_all_handlers()
                 if getattr(h.fn, "__module__", "").startswith("kvfleet.operator")]  # no daemons, no timers
+
+
+def test_the_peering_object_is_read_once_per_ttl_not_once_per_object(monkeypatch):
+    calls = []
+    monkeypatch.setattr(autoscaler, "pause_reason", lambda *a: calls.append(a) and None)
+    seen = []
+
+    async def fake_step(kube, namespace, name, state, logger, now=None):
+        seen.append(name)
+        return 60.0
+
+    monkeypatch.setattr(autoscaler, "step", fake_step)
+    index = {(NS, f"s{i}"): "uid" for i in range(5)}
+
+    async def main():
+        loop = autoscaler.AutoscalerLoop(None, index, settings(), "me", log)
+        try:
+            await loop.tick()  # all five due: one read
+            await asyncio.gather(*list(loop.running.values()))
+            for st in loop.states.values():  # fall due one after the other
+                st.due = 0.0
+                await loop.tick()
+                await asyncio.gather(*list(loop.running.values()))
+            assert len(seen) == 10 and len(calls) == 1
+            loop.recheck_at = 0.0  # the TTL is over: the next due object checks again
+            next(iter(loop.states.values())).due = 0.0
+            await loop.tick()
+            assert len(calls) == 2
+        finally:
+            await loop.stop()
+
+    asyncio.run(main())
