@@ -155,8 +155,7 @@ class Kube:
         except ApiError as e:
             if e.status != 404:
                 raise
-        return self._call("POST", self.path(api_version, plural, ns), body=dict(obj),
-                          query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
+        return self.create(obj)
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Create ``obj`` (``POST``; ``metadata.generateName`` works); the stored object."""
