@@ -6,55 +6,27 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from support import start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-kvfleet-bench"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
     log = tmp_path_factory.mktemp("bench_server") / "server.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVFLEET_API_KEY": API_KEY, "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"]  # fmt: skip
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_serve(["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"],
+                             log, env={"KVFLEET_API_KEY": API_KEY})
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not ready in time:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(base + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         yield base
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc)
 
 
 def _generation_tokens(base: str) -> float:

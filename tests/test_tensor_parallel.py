@@ -27,7 +27,7 @@ from kvfleet.runtime.distributed import TensorParallelError, check_tensor_parall
 from kvfleet.runtime.engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.serve_args import parse_serve_args
-from support import free_port
+from support import free_port, start_serve
 
 KV_CACHE_MEMORY = 32 * 2**20
 """A small KV cache (bytes, all ranks together): the test needs a few blocks, not 2 GiB."""
@@ -257,24 +257,8 @@ def _worker_pids(pid: int) -> list[int]:
 
 
 def _start_server(log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "32MiB",
-           "--log-level", "info"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"server not ready in time:\n{log.read_text()}"
-        try:
-            if httpx.get(base + "/ready", timeout=5).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    return start_serve(["--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32",
+                        "--kv-cache-memory", "32MiB", "--log-level", "info"], log)
 
 
 def _wait_gone(pids: list[int], seconds: float) -> bool:
