@@ -452,16 +452,12 @@ class LLMEngine:
                 entry = self._seqs.get(rid)
                 if entry is None:
                     continue
+                state, seq = entry
                 try:
-                    self._add_prompt_logprobs(entry[0], entry[1], plp)
+                    self._add_prompt_logprobs(state, seq, plp)
                 except Exception as exc:  # one bad request must not take the engine down
                     logger.exception("request %s failed while processing its prompt logprobs", rid)
-                    state, seq = entry
-                    seq.error = f"{type(exc).__name__}: {exc}"
-                    if seq.finish_reason is None:
-                        self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
-                        seq.request.status = RequestStatus.FINISHED_ABORTED
-                        self._finish_sequence(state, seq, "abort", time.monotonic(), iteration)
+                    self._abort_sequence(state, seq, exc, time.monotonic(), iteration)
                     touched[state.request_id] = state
             requests = [s.request for s in sampling]
             sampled = self.sampler(logits, requests)
@@ -479,11 +475,7 @@ class LLMEngine:
                     self._process_token(state, seq, logprobs.get(request.request_id), now, iteration)
                 except Exception as exc:  # one bad request must not take the engine down
                     logger.exception("request %s failed while processing its output", request.request_id)
-                    seq.error = f"{type(exc).__name__}: {exc}"
-                    if seq.finish_reason is None:
-                        self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-                        request.status = RequestStatus.FINISHED_ABORTED
-                        self._finish_sequence(state, seq, "abort", now, iteration)
+                    self._abort_sequence(state, seq, exc, now, iteration)
                 touched[state.request_id] = state
         self.num_steps += 1
         outputs = []
@@ -523,6 +515,17 @@ class LLMEngine:
             finished = True
         if finished:
             self._finish_sequence(state, seq, request.status.finish_reason or "stop", now, iteration)
+
+    def _abort_sequence(
+        self, state: _UserRequest, seq: _Sequence, exc: Exception, now: float, iteration: IterationStats
+    ) -> None:
+        """Record ``exc`` as ``seq``'s error and, unless it already finished, abort it in the
+        scheduler (its blocks freed) and finish it with ``finish_reason="abort"``."""
+        seq.error = f"{type(exc).__name__}: {exc}"
+        if seq.finish_reason is None:
+            self.scheduler.finish_requests([seq.request.request_id], RequestStatus.FINISHED_ABORTED)
+            seq.request.status = RequestStatus.FINISHED_ABORTED
+            self._finish_sequence(state, seq, "abort", now, iteration)
 
     def _decode_token(self, token: int) -> str:
         """One token's text (``tokenizer.decode([token])``, as vLLM's ``decoded_token``), cached."""

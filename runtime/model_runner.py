@@ -137,11 +137,8 @@ class ModelRunner:
                 f"{type(self.model).__name__} does not support transformers' attention-function "
                 "registry; kvfleet needs a model that does (Llama, Qwen2, Mistral, ...)"
             )
-        # One two-token forward: every layer's attention call is checked before any request.
-        probe_attention(self.model, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                        block_size=self.block_size, sliding_windows=self.sliding_windows,
-                        device=self.device, dtype=self.dtype)
         self._logit_scale = 1.0
+        # Its two-token probe forward also checks every layer's attention call before any request.
         self.prompt_logprobs_error = self._check_compute_logits()
         """None, or why prompt logprobs cannot be computed for this model (the engine then
         refuses requests that ask for them)."""
@@ -336,7 +333,11 @@ class ModelRunner:
         multiplies the LM head's output by a constant (Cohere's ``logit_scale``, Granite's
         ``1 / logits_scaling``, ...) is matched by fitting that factor (least squares over the
         vocabulary) and checking the fit; it is then applied by :meth:`compute_logits`.
-        Returns None when they agree, else why not (prompt logprobs would be wrong)."""
+        Returns None when they agree, else why not (prompt logprobs would be wrong).
+
+        Raises:
+            ValueError: from :func:`probe_attention`, a layer's attention call the kernels
+                cannot serve (this probe is the model's only one at start-up)."""
         hidden: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
         h1 = self.model.get_decoder().register_forward_hook(
@@ -364,10 +365,9 @@ class ModelRunner:
             logger.info("%s scales its logits by %.6g after the LM head", type(self.model).__name__, scale)
             return None
         return (
-                f"{type(self.model).__name__}'s forward changes the LM head's logits in a way kvfleet does not "
-                "repeat for prompt positions"
-            )
-        return None
+            f"{type(self.model).__name__}'s forward changes the LM head's logits in a way kvfleet does not "
+            "repeat for prompt positions"
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states ``[N, hidden_size]`` -> logits ``[N, vocab_size]``

@@ -134,6 +134,23 @@ def test_one_token_prompt_has_only_the_leading_none(smollm2):
     assert engine.run_until_done()["one"].prompt_logprobs == [None]
 
 
+def test_a_failure_in_prompt_logprobs_aborts_only_that_request(smollm2, monkeypatch):
+    engine = make_engine(smollm2)
+
+    def boom(*_args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine, "_add_prompt_logprobs", boom)
+    engine.add_request("bad", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
+    engine.add_request("good", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3))
+    outs = engine.run_until_done()
+    bad = outs["bad"]
+    assert bad.finished and bad.outputs[0].finish_reason == "abort"
+    assert bad.extra["error"] == "RuntimeError: boom"
+    assert outs["good"].outputs[0].finish_reason == "length" and len(outs["good"].outputs[0].token_ids) == 3
+    assert engine.scheduler.kv_cache_manager.usage == 0.0
+
+
 def test_chunked_prefill_accumulates(smollm2, hf_logprobs):
     engine = make_engine(smollm2, max_num_batched_tokens=16)
     schedules = record_schedules(engine)
