@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PagedBatch", "make_paged_batch", "naive_attention", "poison_before_window", "TOLERANCES", "triton_kernels"]
+__all__ = ["PagedBatch", "make_paged_batch", "naive_attention", "poison_before_window", "TOLERANCES", "triton_kernels",
+           "record_calls"]
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     # (atol, rtol) of a kernel against the torch reference, inputs ~N(0, 1), scale 1/sqrt(d).
@@ -235,3 +236,21 @@ def triton_kernels(interpret: bool):
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def record_calls(monkeypatch, owner, name: str) -> list[dict]:
+    """Replace ``owner.name`` (a module attribute) with a wrapper that calls the original
+    and records each call's keyword arguments; return the (live) list of those dicts.
+
+    ``monkeypatch`` is pytest's fixture: the original is restored at the end of the test.
+    Tests use it to check that a kernel or planner actually ran, and with which options
+    (e.g. ``[c.get("sliding_window") for c in calls]``)."""
+    calls: list[dict] = []
+    real = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls

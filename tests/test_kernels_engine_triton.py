@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfleet.kernels import BACKEND_ENV
-from kvfleet.kernels.testing import triton_kernels
+from kvfleet.kernels.testing import record_calls, triton_kernels
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,8 @@ def test_engine_greedy_tokens_same_with_triton_kernels(smollm2, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "torch")
     expected = run()
     assert all(len(ids) == 3 for ids in expected)
-    calls = []
     with triton_kernels(interpret=not torch.cuda.is_available()) as (_, attn_mod):
-        real = attn_mod.paged_attention_triton
-
-        def counting(*args, **kwargs):
-            calls.append(1)
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(attn_mod, "paged_attention_triton", counting)
+        calls = record_calls(monkeypatch, attn_mod, "paged_attention_triton")
         monkeypatch.setenv(BACKEND_ENV, "triton")
         got = run()
     assert calls, "the Triton kernel was not used"

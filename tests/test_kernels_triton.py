@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
-from kvfleet.kernels.testing import TOLERANCES, make_paged_batch, naive_attention, poison_before_window, triton_kernels
+from kvfleet.kernels.testing import (
+    TOLERANCES,
+    make_paged_batch,
+    naive_attention,
+    poison_before_window,
+    record_calls,
+    triton_kernels,
+)
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -263,15 +270,8 @@ def test_dispatch_env_forces_triton(tri, monkeypatch):
 
     b = make_paged_batch([(9, 1), (5, 5)], num_heads=2, num_kv_heads=1, block_size=8, device=DEVICE)
     monkeypatch.setenv(BACKEND_ENV, "triton")
-    calls = []
     _, _, mod = tri
-    real = mod.paged_attention_triton
-
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(mod, "paged_attention_triton", spy)
+    calls = record_calls(monkeypatch, mod, "paged_attention_triton")
     out = paged_attention(*b.attn_args)
-    assert calls == [1]
+    assert len(calls) == 1
     assert_close(out, paged_attention_torch(*b.attn_args), torch.float32)

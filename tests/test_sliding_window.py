@@ -161,22 +161,15 @@ def test_engine_greedy_equals_transformers_generate(models, name, monkeypatch):
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
 def test_engine_greedy_with_triton_kernels(models, name, monkeypatch):
     # The Triton kernel (interpreted on CPU) in the engine: same tokens as transformers.
-    from kvfleet.kernels.testing import triton_kernels
+    from kvfleet.kernels.testing import record_calls, triton_kernels
 
     path, ref, _ = models[name]
     expected = _hf_greedy(ref, prompts=PROMPTS[:2], n=4)
     with triton_kernels(interpret=not torch.cuda.is_available()) as (_, attn_mod):
-        calls = []
-        real = attn_mod.paged_attention_triton
-
-        def counting(*args, **kwargs):
-            calls.append(kwargs.get("sliding_window"))
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(attn_mod, "paged_attention_triton", counting)
+        calls = record_calls(monkeypatch, attn_mod, "paged_attention_triton")
         monkeypatch.setenv(BACKEND_ENV, "triton")
         got = _engine_greedy(path, prompts=PROMPTS[:2], n=4)
-    assert 8 in calls, "the Triton kernel never ran a sliding-window layer"
+    assert 8 in [c.get("sliding_window") for c in calls], "the Triton kernel never ran a sliding-window layer"
     assert got == expected
 
 
