@@ -73,7 +73,7 @@ import time
 import traceback
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -399,11 +399,7 @@ class MultiprocExecutor:
             if model_name:
                 self.loaded.name = model_name
         except BaseException as exc:
-            failure = self.failure(exc)
-            self.shutdown(terminate=True)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._fail_and_shutdown(exc)
         logger.info("tensor parallelism: %d ranks (%s), workers pids %s", tp, self.device, [p.pid for p in self.procs])
 
     @classmethod
@@ -455,6 +451,15 @@ class MultiprocExecutor:
             return exc
         return TensorParallelError(f"tensor-parallel worker failed: {'; '.join(errors)} (driver: {exc!r})")
 
+    def _fail_and_shutdown(self, exc: BaseException) -> NoReturn:
+        """Terminate the workers and raise :meth:`failure` for ``exc`` (``exc`` itself,
+        traceback intact, when no worker reported an error). Call from an ``except`` block."""
+        failure = self.failure(exc)
+        self.shutdown(terminate=True)
+        if failure is exc:
+            raise exc
+        raise failure from exc
+
     def check_workers(self) -> None:
         """Raises: TensorParallelError when a worker has exited (or the executor is shut down)."""
         if self._closed:
@@ -484,11 +489,7 @@ class MultiprocExecutor:
         try:
             return _min_over_ranks(runner.determine_num_blocks(), self.cpu_group)
         except BaseException as exc:
-            failure = self.failure(exc)
-            self.shutdown(terminate=True)
-            if failure is exc:
-                raise
-            raise failure from exc
+            self._fail_and_shutdown(exc)
 
     def wrap_runner(self, runner) -> None:
         """From now on, every forward of ``runner``'s model is replayed by the workers."""
