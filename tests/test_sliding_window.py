@@ -373,8 +373,17 @@ def test_a_read_of_the_null_block_would_be_caught():
 
 
 def test_hybrid_and_full_attention_models_keep_every_block(models):
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine import LLMEngine
     from kvfleet.runtime.kv_cache_manager import uniform_sliding_window
+    from kvfleet.runtime.model_loader import load_model
 
+    # The engines: only Mistral (one window on every layer) gives its scheduler a window to
+    # free blocks behind; the hybrid models (Qwen2 max_window_layers, Gemma 2) give none.
+    for name, window in (("mistral", 8), ("qwen2", None), ("gemma2", None)):
+        loaded = load_model(str(models[name][0]), dtype="float32", device="cpu")
+        engine = LLMEngine(EngineConfig(block_size=4, max_num_batched_tokens=8, kv_cache_memory=2**20), loaded=loaded)
+        assert engine.sliding_window == window, name
     assert uniform_sliding_window([8, 8]) == 8
     assert uniform_sliding_window([None, 8]) is None  # Qwen2 max_window_layers / Gemma 2: one table for both
     assert uniform_sliding_window([8, None]) is None
