@@ -87,7 +87,10 @@ def test_reference_sliding_window_decode_chunks():
     old = ref_mod._DECODE_CHUNK_BYTES
     try:
         ref_mod._DECODE_CHUNK_BYTES = 32 * 1024
-        out = paged_attention_torch(*b.attn_args, sliding_window=40, softcap=30.0)
+        plan = ref_mod.plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache,
+                                                  sliding_window=40)
+        assert len(plan.chunks) > 1, "one gather chunk: the test does not cover chunking"
+        out = paged_attention_torch(*b.attn_args, sliding_window=40, softcap=30.0, plan=plan)
     finally:
         ref_mod._DECODE_CHUNK_BYTES = old
     torch.testing.assert_close(out.double(), naive_attention(b, sliding_window=40, softcap=30.0),
