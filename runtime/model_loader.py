@@ -284,15 +284,13 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(path)
     check_attention_support(hf_config)
     attn_implementation = _initial_attn_implementation(hf_config)
+    kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation)
     if tensor_parallel_size > 1:  # kvfleet.runtime.distributed: each rank loads its shard on its device
         from transformers.distributed import DistributedConfig
 
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attn_implementation,
-            distributed_config=DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size),
-        )
-    else:
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if tensor_parallel_size == 1:
         hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)
