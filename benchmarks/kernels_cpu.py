@@ -15,7 +15,7 @@ step.
 The ``step:`` cases time what one engine step's attention does on the CPU: 30 layers, each
 with its own KV cache (same block tables), each calling ``reshape_and_cache`` then
 ``paged_attention`` with the step's plan (``plan_paged_attention_torch`` once per step and
-window, as :meth:`kvfleet.runtime.attention.AttentionMetadata.torch_plan` does).
+window, as :meth:`kvfleet.runtime.worker.attention.AttentionMetadata.torch_plan` does).
 
 ``--baseline REV`` loads ``kernels/reference.py`` of git revision ``REV`` (e.g. ``HEAD~1``)
 as a second module and times it in the same process, alternating calls with the current
@@ -130,7 +130,7 @@ def engine_ab(args, base):
     """Decode steps of the real engine (SmolLM2-135M, fp32, CPU): ``--engine-seqs``
     requests with prompts of ``--engine-ctx`` lo..hi random tokens are prefilled, then
     rounds of ``--engine-steps`` pure decode steps alternate between the current attention
-    (``kvfleet.runtime.attention.paged_attention_forward``) and, with ``--baseline``, the
+    (``kvfleet.runtime.worker.attention.paged_attention_forward``) and, with ``--baseline``, the
     same layer function over the baseline module's ``reshape_and_cache_torch`` /
     ``paged_attention_torch`` (one call per layer, no shared plan: what the engine did
     before); by default they alternate every step. Prints ms per step (min / median) of
@@ -139,9 +139,9 @@ def engine_ab(args, base):
 
     from transformers import AttentionInterface
 
-    from kvfleet.runtime import attention as attn
+    from kvfleet.runtime.worker import attention as attn
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.sampling_params import SamplingParams
 
     def baseline_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -21,10 +21,10 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvfleet.runtime.bench_metrics import summarize  # noqa: E402
+from kvfleet.runtime.bench.metrics import summarize  # noqa: E402
 from kvfleet.runtime.config import EngineConfig  # noqa: E402
-from kvfleet.runtime.engine import LLMEngine  # noqa: E402
-from kvfleet.runtime.model_loader import load_model  # noqa: E402
+from kvfleet.runtime.engine.llm_engine import LLMEngine  # noqa: E402
+from kvfleet.runtime.worker.model_loader import load_model  # noqa: E402
 from kvfleet.runtime.sampling_params import SamplingParams  # noqa: E402
 
 TOPICS = ["rivers", "prime numbers", "volcanoes", "bread", "owls", "chess", "copper", "tides",

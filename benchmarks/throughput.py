@@ -47,7 +47,7 @@ def make_workload(n: int, min_prompt: int, max_prompt: int, min_output: int, max
 
 def run_kvfleet(args, requests) -> tuple[float, int, dict]:
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.llm import LLM
     from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -93,7 +93,7 @@ def run_kvfleet(args, requests) -> tuple[float, int, dict]:
 
 
 def run_transformers(args, requests) -> tuple[float, int]:
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model, tok = loaded.model, loaded.tokenizer

@@ -20,11 +20,11 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LLMEngine":
-        from kvfleet.runtime.engine import LLMEngine
+        from kvfleet.runtime.engine.llm_engine import LLMEngine
 
         return LLMEngine
     if name == "AsyncLLMEngine":
-        from kvfleet.runtime.async_engine import AsyncLLMEngine
+        from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 
         return AsyncLLMEngine
     if name == "EngineConfig":

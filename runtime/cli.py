@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 
 _SUBCOMMANDS = {
-    "serve": ("kvfleet.runtime.api_server", "Run the OpenAI-compatible inference server."),
+    "serve": ("kvfleet.runtime.entrypoints.openai.api_server", "Run the OpenAI-compatible inference server."),
     "operator": ("kvfleet.operator.main", "Run the Kubernetes operator (kopf)."),
-    "bench": ("kvfleet.runtime.bench", "Serving benchmarks: `bench serve`, `bench compare`."),
+    "bench": ("kvfleet.runtime.bench.cli", "Serving benchmarks: `bench serve`, `bench compare`."),
 }
 
 

@@ -51,4 +51,4 @@ class EngineConfig(BaseModel):
     """Processes (GPUs) one model is split over by tensor parallelism (Megatron-LM's column/row
     sharding, through transformers' ``tp_plan``); must divide the model's
     ``num_attention_heads`` and ``num_key_value_heads`` (checked when the engine starts, a
-    ``ValueError`` naming this field). Single node only, see :mod:`kvfleet.runtime.distributed`."""
+    ``ValueError`` naming this field). Single node only, see :mod:`kvfleet.runtime.worker.executor`."""

@@ -23,8 +23,8 @@ import itertools
 from collections.abc import Sequence
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
-from kvfleet.runtime.outputs import RequestOutput
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -35,7 +35,7 @@ class LLM:
 
     Args:
         model: checkpoint directory, ``.gguf`` file or hub id; None: the embedded default.
-        stat_loggers: passed to :class:`~kvfleet.runtime.engine.LLMEngine`.
+        stat_loggers: passed to :class:`~kvfleet.runtime.engine.llm_engine.LLMEngine`.
         **kwargs: any :class:`~kvfleet.runtime.config.EngineConfig` field (``dtype``,
             ``device``, ``block_size``, ``kv_cache_memory``, ``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).

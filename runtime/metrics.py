@@ -38,7 +38,8 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvfleet.runtime.stats import IterationStats, SchedulerStats, StatLoggerBase
+from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
+from kvfleet.runtime.core.sched.output import SchedulerStats
 
 # Buckets copied from vLLM v1 (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -113,7 +114,7 @@ class PrometheusStatLogger(StatLoggerBase):
             histograms are created by :meth:`log_engine_initialized`.
 
     The engine calls :meth:`record` once per step (counters are deltas, gauges states; see
-    :mod:`kvfleet.runtime.stats`). Thread-safe (prometheus-client metrics are).
+    :mod:`kvfleet.runtime.engine.stats`). Thread-safe (prometheus-client metrics are).
     """
 
     def __init__(

@@ -51,10 +51,10 @@ _k8s_os.environ.setdefault("PYTHONSAFEPATH", "1")
 @_k8s_pytest.fixture(scope="session")
 def smollm2():
     """The default model (SmolLM2-135M-Instruct, fp32, CPU) as a
-    ``kvfleet.runtime.model_loader.LoadedModel``, shared by every engine of the session
+    ``kvfleet.runtime.worker.model_loader.LoadedModel``, shared by every engine of the session
     (``LLMEngine(config, loaded=smollm2)``). Its attention is switched to the engine's paged
     attention: load another copy (``load_model()``) to run plain transformers on it."""
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     return load_model(None, dtype="float32", device="cpu")
 

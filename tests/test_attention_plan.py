@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.kernels.testing import record_calls
-from kvfleet.runtime import attention
+from kvfleet.runtime.worker import attention
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -56,7 +56,7 @@ def test_one_plan_per_step_and_same_outputs_as_per_layer_planning(smollm2, monke
 
 
 def test_plan_is_not_a_metadata_field():
-    # runtime/distributed.py copies the metadata with dataclasses.replace over its fields:
+    # runtime/worker/executor.py copies the metadata with dataclasses.replace over its fields:
     # a copy must not carry the step's plans (they belong to the driver's caches).
     import dataclasses
 

@@ -22,7 +22,7 @@ from kube_emulator import ISVC, EmulatorThread
 from kvfleet.operator import autoscaler, builders, reconcile
 from kvfleet.operator.metrics_source import METRICS_PORT_ANNOTATION
 from kvfleet.runtime.metrics import CONTENT_TYPE, PrometheusStatLogger, exposition
-from kvfleet.runtime.stats import SchedulerStats
+from kvfleet.runtime.core.sched.output import SchedulerStats
 from support import free_port
 
 NS = "llm"
@@ -302,7 +302,7 @@ def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster
                 engine={"blockSize": 16, "maxNumSeqs": 4})
     rt = Runtime(waiting=0)
     rt.logger.log_engine_initialized(8192)
-    from kvfleet.runtime.stats import FinishedRequestStats, IterationStats
+    from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
 
     rt.logger.record(None, IterationStats(finished_requests=[
         FinishedRequestStats("length", 10.0, 0.1, 1500, 500) for _ in range(150)]))

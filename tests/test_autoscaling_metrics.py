@@ -20,7 +20,8 @@ from kvfleet.operator.metrics_source import (
 )
 from kvfleet.operator.policy import AutoscalingConfig, decide_scale
 from kvfleet.runtime.metrics import PrometheusStatLogger, exposition
-from kvfleet.runtime.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
+from kvfleet.runtime.core.sched.output import SchedulerStats
 from support import free_port
 
 

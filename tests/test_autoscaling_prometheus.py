@@ -27,7 +27,7 @@ import yaml
 from kvfleet.operator.metrics_source import MetricsSourceError, PrometheusSource
 from kvfleet.operator.policy import HPA_METRIC
 from kvfleet.runtime.metrics import PrometheusStatLogger
-from kvfleet.runtime.stats import SchedulerStats
+from kvfleet.runtime.core.sched.output import SchedulerStats
 from support import free_port, prometheus_binary, serve_registry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvfleet.runtime import bench_datasets as ds
-from kvfleet.runtime.bench_compare import (
+from kvfleet.runtime.bench import datasets as ds
+from kvfleet.runtime.bench.compare import (
     ModelShape,
     Workload,
     kv_memory_report,
@@ -92,7 +92,7 @@ def test_workloads_are_seeded_and_in_range():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvfleet.runtime.bench_serve import load_tokenizer
+    from kvfleet.runtime.bench.serve import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -170,7 +170,7 @@ def test_compare_runs_all_three_systems(tmp_path):
 
 
 def test_lognormal_lengths_are_heavy_tailed_and_clipped():
-    from kvfleet.runtime.bench_compare import sample_lengths
+    from kvfleet.runtime.bench.compare import sample_lengths
 
     p, o = sample_lengths(5000, (16, 256), (8, 256), seed=0, dist="lognormal", sigma=1.0)
     assert p.min() >= 16 and p.max() == 256 and o.min() >= 8 and o.max() == 256
@@ -184,7 +184,7 @@ def test_lognormal_lengths_are_heavy_tailed_and_clipped():
 
 
 def test_static_batch_flops_pads_to_the_batch_maximum():
-    from kvfleet.runtime.bench_compare import static_batch_flops
+    from kvfleet.runtime.bench.compare import static_batch_flops
 
     s = ModelShape.from_config(SMOLLM2)
     p, o = [10, 30, 5, 40], [6, 2, 20, 40]
@@ -197,12 +197,12 @@ def test_static_batch_flops_pads_to_the_batch_maximum():
 def test_source_revision_names_this_checkout():
     import re
 
-    from kvfleet.runtime.bench_serve import source_revision
+    from kvfleet.runtime.bench.serve import source_revision
 
     import shutil
     from pathlib import Path
 
-    import kvfleet.runtime.bench_serve as mod
+    import kvfleet.runtime.bench.serve as mod
 
     rev = source_revision()
     in_git = shutil.which("git") and any((p / ".git").exists() for p in Path(mod.__file__).resolve().parents)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kvfleet.runtime.bench_metrics import (
+from kvfleet.runtime.bench.metrics import (
     RequestResult,
     compute_metrics,
     format_report,
@@ -17,7 +17,7 @@ from kvfleet.runtime.bench_metrics import (
     summarize,
     throughput_timeline,
 )
-from kvfleet.runtime.bench_serve import arrival_intervals
+from kvfleet.runtime.bench.serve import arrival_intervals
 
 
 def _req(start, chunks, prompt_len=10, output_tokens=None):

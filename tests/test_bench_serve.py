@@ -62,8 +62,8 @@ def test_random_completions_report_is_complete_and_consistent(server, tmp_path):
     assert doc["completed"] == 6 and doc["failed"] == 0
     reqs = doc["requests"]
     # --ignore-eos: every request produced exactly max_tokens, one streamed chunk per token
-    from kvfleet.runtime import bench_datasets as ds
-    from kvfleet.runtime.bench_serve import load_tokenizer
+    from kvfleet.runtime.bench import datasets as ds
+    from kvfleet.runtime.bench.serve import load_tokenizer
 
     expected = [r.expected_output_len for r in ds.random_dataset(load_tokenizer(None), 6, 32, 8, 0.5, seed=7)]
     assert [r["output_tokens"] for r in reqs] == expected

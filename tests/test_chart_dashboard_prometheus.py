@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from kvfleet.runtime.metrics import PrometheusStatLogger
-from kvfleet.runtime.stats import IterationStats, SchedulerStats
+from kvfleet.runtime.engine.stats import IterationStats
+from kvfleet.runtime.core.sched.output import SchedulerStats
 from support import free_port, prometheus_binary, serve_registry
 
 pytestmark = pytest.mark.slow

@@ -37,7 +37,7 @@ def env(**extra) -> dict:
 
 @pytest.fixture(scope="module")
 def two_layer_model(tmp_path_factory) -> Path:
-    from kvfleet.runtime.model_loader import default_model_path
+    from kvfleet.runtime.worker.model_loader import default_model_path
 
     dst = tmp_path_factory.mktemp("model") / "smollm2-first2.gguf"
     load("truncate_gguf").truncate(default_model_path(), dst, 2)
@@ -46,7 +46,7 @@ def two_layer_model(tmp_path_factory) -> Path:
 
 def test_truncate_gguf_keeps_the_first_layers_byte_for_byte(two_layer_model):
     import gguf
-    from kvfleet.runtime.model_loader import default_model_path
+    from kvfleet.runtime.worker.model_loader import default_model_path
 
     src = gguf.GGUFReader(str(default_model_path()))
     out = gguf.GGUFReader(str(two_layer_model))
@@ -66,7 +66,7 @@ def test_truncate_gguf_keeps_the_first_layers_byte_for_byte(two_layer_model):
 
 
 def test_truncate_gguf_refuses_more_layers_than_the_model_has(tmp_path):
-    from kvfleet.runtime.model_loader import default_model_path
+    from kvfleet.runtime.worker.model_loader import default_model_path
 
     r = subprocess.run([sys.executable, str(DEVICE / "truncate_gguf.py"), str(default_model_path()),
                         str(tmp_path / "x.gguf"), "--layers", "31"], capture_output=True, text=True,

@@ -8,7 +8,7 @@ from contextlib import aclosing
 
 import pytest
 
-from kvfleet.runtime.async_engine import AsyncLLMEngine, EngineDeadError
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.sampling_params import SamplingParams
 

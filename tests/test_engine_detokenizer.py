@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.runtime.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.sampling_params import SamplingParams
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
 from support import record_schedules
@@ -56,7 +56,7 @@ def make_engine(smollm2, **kwargs) -> tuple[LLMEngine, Recorder]:
 @pytest.fixture(scope="module")
 def hf_greedy(smollm2):
     """transformers generate(), greedy, one prompt at a time, on a separate plain copy of the model."""
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     ref = load_model(None, dtype="float32", device="cpu")
     tok = ref.tokenizer

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvfleet.runtime import model_loader as ml
+from kvfleet.runtime.worker import model_loader as ml
 
 
 def test_default_model_is_the_packaged_gguf():

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kvfleet.runtime.request import Request
-from kvfleet.runtime.sampler import Sampler, step_seed
+from kvfleet.runtime.core.request import Request
+from kvfleet.runtime.worker.sampler import Sampler, step_seed
 from kvfleet.runtime.sampling_params import SamplingParams
 
 VOCAB = 8

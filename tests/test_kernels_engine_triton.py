@@ -21,7 +21,7 @@ PROMPTS = [
 
 def test_engine_greedy_tokens_same_with_triton_kernels(smollm2, monkeypatch):
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.llm import LLM
     from kvfleet.runtime.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
 from support import record_schedules
 

@@ -27,13 +27,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kvfleet.runtime.api_server import create_app
-from kvfleet.runtime.async_engine import AsyncLLMEngine
+from kvfleet.runtime.entrypoints.openai.api_server import create_app
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.serve_args import ServerSettings
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from support import record_schedules
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -53,7 +53,7 @@ PROMPTS = [
 def hf_logprobs(smollm2):
     """``hf_logprobs(token_ids) -> [P, vocab]`` float32: log_softmax of transformers' own
     forward of a plain copy of the model over the whole prompt (memoized)."""
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     ref = load_model(None, dtype="float32", device="cpu")
     cache: dict[tuple[int, ...], torch.Tensor] = {}
@@ -435,7 +435,7 @@ def test_models_that_change_the_lm_head_output(tmp_path, name):
     from test_sliding_window import PROMPTS as TOKEN_PROMPTS
     from test_sliding_window import _build
 
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     ref = _build(_tiny_config(name), tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")

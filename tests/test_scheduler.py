@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.request import Request, RequestStatus
+from kvfleet.runtime.core.request import Request, RequestStatus
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.scheduler import Scheduler
+from kvfleet.runtime.core.sched.scheduler import Scheduler
 
 EOS = 0
 

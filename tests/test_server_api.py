@@ -1,7 +1,7 @@
 """HTTP contract of the OpenAI server, in process, against the REAL engine.
 
 Every app here is ``create_app(...)`` with an ``engine_factory`` that builds the real
-:class:`~kvfleet.runtime.async_engine.AsyncLLMEngine` on the session's loaded default model
+:class:`~kvfleet.runtime.engine.async_llm.AsyncLLMEngine` on the session's loaded default model
 (SmolLM2-135M-Instruct, the ``smollm2`` fixture: loaded once, each engine gets its own small
 KV cache), driven through FastAPI's TestClient. Status codes, OpenAI error bodies, SSE
 framing, usage counts, 429 back-pressure, the API key, the probes, /metrics and
@@ -32,14 +32,14 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.runtime.api_server import create_app
-from kvfleet.runtime.async_engine import AsyncLLMEngine
+from kvfleet.runtime.entrypoints.openai.api_server import create_app
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.serve_args import ServerSettings
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
 KV_CACHE = 32 * 1024**2

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.serve_args import (
+from kvfleet.runtime.entrypoints.openai.serve_args import (
     ServerSettings,
     build_parser,
     env_var,

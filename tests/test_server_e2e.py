@@ -411,10 +411,10 @@ def test_engine_loop_death_turns_health_and_requests_to_503(smollm2):
     liveness probe restarts the pod) and requests get a 503 error body, not a hang."""
     from fastapi.testclient import TestClient
 
-    from kvfleet.runtime.api_server import create_app
-    from kvfleet.runtime.async_engine import AsyncLLMEngine
+    from kvfleet.runtime.entrypoints.openai.api_server import create_app
+    from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.serve_args import ServerSettings
+    from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 
     engines = []
 

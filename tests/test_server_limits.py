@@ -1,6 +1,6 @@
 """The OpenAI server against huge prompts and bodies, plus the small API routes around it.
 
-- :mod:`kvfleet.runtime.tokenizer_bounds` on the real SmolLM2 tokenizer (the bound holds on
+- :mod:`kvfleet.runtime.entrypoints.openai.tokenizer_bounds` on the real SmolLM2 tokenizer (the bound holds on
   adversarial texts, and is tight) and on real ``tokenizers`` pipelines that drop or fuse
   characters (no bound);
 - a real uvicorn server (in this process, in a thread, on a loopback port) whose engine is the
@@ -34,12 +34,12 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from kvfleet.runtime import api_server
-from kvfleet.runtime.api_server import create_app
-from kvfleet.runtime.async_engine import AsyncLLMEngine
+from kvfleet.runtime.entrypoints.openai import api_server
+from kvfleet.runtime.entrypoints.openai.api_server import create_app
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.serve_args import ServerSettings, parse_serve_args
-from kvfleet.runtime.tokenizer_bounds import PromptLengthBound, prompt_length_bound
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings, parse_serve_args
+from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound, prompt_length_bound
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_LEN = 8192
@@ -552,7 +552,7 @@ def test_bound_type_is_plain_data():
 def test_body_response_equals_the_whole_model_encoded_at_once():
     """``_body_response`` splices the choices, encoded one by one, into the response's JSON: the
     bytes equal one ``model_dump_json`` call, even with ids and texts that spell the key."""
-    from kvfleet.runtime import protocol as P
+    from kvfleet.runtime.entrypoints.openai import protocol as P
 
     tricky = '"choices":[]'
     lp = P.CompletionLogProbs(text_offset=[0, 1], token_logprobs=[None, -0.5], tokens=[tricky, "é"],

@@ -14,7 +14,8 @@ from kvfleet.runtime.metrics import (
     build_1_2_5_buckets,
     exposition,
 )
-from kvfleet.runtime.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
+from kvfleet.runtime.core.sched.output import SchedulerStats
 
 
 def families(logger: PrometheusStatLogger) -> dict:

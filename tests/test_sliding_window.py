@@ -94,9 +94,9 @@ def _hf_greedy(model, prompts=PROMPTS, n: int = GEN) -> list[list[int]]:
 def _engine_greedy(path, *, block_size: int = 4, max_num_batched_tokens: int = 16, prompts=PROMPTS,
                    n: int = GEN) -> list[list[int]]:
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.llm import LLM
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
     from kvfleet.runtime.sampling_params import SamplingParams
 
     loaded = load_model(str(path), dtype="float32", device="cpu")
@@ -133,7 +133,7 @@ def models(tmp_path_factory):
 
 
 def test_layer_windows_follow_the_config():
-    from kvfleet.runtime.attention import check_attention_support, layer_sliding_windows
+    from kvfleet.runtime.worker.attention import check_attention_support, layer_sliding_windows
 
     cfgs = _configs()
     assert layer_sliding_windows(cfgs["mistral"]) == [8, 8]
@@ -190,7 +190,7 @@ def test_unsupported_attention_config_is_refused_at_load(tmp_path, cls, kwargs, 
     # Only config.json: the check runs on the config, before any weight is looked for.
     import transformers
 
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     getattr(transformers, cls)(**kwargs).save_pretrained(tmp_path)
     assert not list(tmp_path.glob("*.safetensors"))
@@ -200,7 +200,7 @@ def test_unsupported_attention_config_is_refused_at_load(tmp_path, cls, kwargs, 
 
 
 def test_unknown_layer_type_is_refused(tmp_path):
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.worker.model_loader import load_model
 
     config = _configs()["qwen2"].to_dict()
     config["layer_types"] = ["full_attention", "linear_attention"]
@@ -215,8 +215,8 @@ def test_attention_sinks_are_refused_when_the_engine_starts(tmp_path):
     from transformers import GptOssConfig
 
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.worker.model_loader import load_model
 
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
@@ -230,7 +230,7 @@ def test_attention_sinks_are_refused_when_the_engine_starts(tmp_path):
 def test_paged_attention_forward_refuses_a_disagreeing_window():
     # The config says layer 0 is full attention; a module that passes sliding_window=4
     # there means kvfleet misread the model: refuse, do not guess.
-    from kvfleet.runtime.attention import AttentionMetadata, paged_attention_forward
+    from kvfleet.runtime.worker.attention import AttentionMetadata, paged_attention_forward
 
     class Module(torch.nn.Module):
         layer_idx = 0
@@ -261,8 +261,8 @@ def _poisoned_null_engine(path, *, num_blocks: int, block_size: int, max_num_bat
     """An engine whose null block's K/V is NaN in every layer: a kernel that read it (even
     masked) would make the logits NaN and the greedy tokens wrong."""
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.worker.model_loader import load_model
 
     loaded = load_model(str(path), dtype="float32", device="cpu")
     engine = LLMEngine(EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
@@ -281,7 +281,7 @@ def _poisoned_null_engine(path, *, num_blocks: int, block_size: int, max_num_bat
 def _run_checking_the_pool(engine, prompts, n):
     """Greedy tokens of ``prompts``, asserting after every step that each running request
     holds only its window's blocks and the pool's free count is the rest."""
-    from kvfleet.runtime.kv_cache_manager import cdiv
+    from kvfleet.runtime.core.kv_cache_manager import cdiv
     from kvfleet.runtime.sampling_params import SamplingParams
 
     sched = engine.scheduler
@@ -374,9 +374,9 @@ def test_a_read_of_the_null_block_would_be_caught():
 
 def test_hybrid_and_full_attention_models_keep_every_block(models):
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
-    from kvfleet.runtime.kv_cache_manager import uniform_sliding_window
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.core.kv_cache_manager import uniform_sliding_window
+    from kvfleet.runtime.worker.model_loader import load_model
 
     # The engines: only Mistral (one window on every layer) gives its scheduler a window to
     # free blocks behind; the hybrid models (Qwen2 max_window_layers, Gemma 2) give none.
@@ -424,8 +424,8 @@ def test_window_engine_sizes_max_model_len_by_the_window(models):
     # 6 blocks (5 usable) serve the model's whole context (256 tokens, 64 blocks' worth);
     # 5 blocks (4 usable) only what fits in them; 1 block cannot hold the null block too.
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.worker.model_loader import load_model
 
     path, _, _ = models["mistral"]
     loaded = load_model(str(path), dtype="float32", device="cpu")

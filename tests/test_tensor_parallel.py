@@ -1,4 +1,4 @@
-"""Tensor parallelism (``tensor_parallel_size``, :mod:`kvfleet.runtime.distributed`) on the
+"""Tensor parallelism (``tensor_parallel_size``, :mod:`kvfleet.runtime.worker.executor`) on the
 CPU with the real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks split it
 (3 query heads and 1 KV head each) and 2 ranks are refused.
 
@@ -23,10 +23,10 @@ import httpx
 import pytest
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.distributed import TensorParallelError, check_tensor_parallel
-from kvfleet.runtime.engine import LLMEngine
+from kvfleet.runtime.worker.executor import TensorParallelError, check_tensor_parallel
+from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.serve_args import parse_serve_args
+from kvfleet.runtime.entrypoints.openai.serve_args import parse_serve_args
 from support import free_port, start_serve
 
 KV_CACHE_MEMORY = 32 * 2**20
@@ -251,7 +251,7 @@ def _worker_pids(pid: int) -> list[int]:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if b"kvfleet.runtime.distributed" in cmdline:
+        if b"kvfleet.runtime.worker.executor" in cmdline:
             found.append(child)
     return found
 
@@ -310,4 +310,4 @@ def test_kvfleet_serve_tp2_exits_1_naming_the_option(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert errors and "the engine failed to start: ValueError: tensor_parallel_size (2) must divide" in errors[0], errors
-    assert "workers pids" not in proc.stderr  # no worker was started (runtime/distributed.py logs them)
+    assert "workers pids" not in proc.stderr  # no worker was started (runtime/worker/executor.py logs them)

@@ -33,9 +33,9 @@ from concurrent.futures import Future, InvalidStateError
 import torch
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine import LLMEngine
-from kvfleet.runtime.model_loader import LoadedModel
-from kvfleet.runtime.outputs import RequestOutput
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.worker.model_loader import LoadedModel
+from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    """Async front of :class:`~kvfleet.runtime.engine.LLMEngine`.
+    """Async front of :class:`~kvfleet.runtime.engine.llm_engine.LLMEngine`.
 
     Args:
         config: engine configuration (default ``EngineConfig()``).

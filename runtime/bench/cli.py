@@ -2,12 +2,12 @@
 ``benchmark_serving.py`` / ``vllm bench serve`` methodology).
 
 - ``kvfleet bench serve``: a streaming load generator for any OpenAI-compatible endpoint
-  (:mod:`kvfleet.runtime.bench_serve`); report maths in :mod:`kvfleet.runtime.bench_metrics`,
-  workloads in :mod:`kvfleet.runtime.bench_datasets`.
+  (:mod:`kvfleet.runtime.bench.serve`); report maths in :mod:`kvfleet.runtime.bench.metrics`,
+  workloads in :mod:`kvfleet.runtime.bench.datasets`.
 - ``kvfleet bench compare``: one workload through kvfleet's engine, transformers
   ``generate()`` with static padded batches and transformers' continuous batching
   (``generate_batch``), per concurrency level; plus the KV-memory report and the compute
-  roofline (:mod:`kvfleet.runtime.bench_compare`).
+  roofline (:mod:`kvfleet.runtime.bench.compare`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvfleet.runtime import bench_compare, bench_serve
+    from kvfleet.runtime.bench import compare as bench_compare, serve as bench_serve
 
     parser = argparse.ArgumentParser(prog="kvfleet bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "serve":
-            from kvfleet.runtime import bench_serve
+            from kvfleet.runtime.bench import serve as bench_serve
 
             return bench_serve.main(args)
-        from kvfleet.runtime import bench_compare
+        from kvfleet.runtime.bench import compare as bench_compare
 
         return bench_compare.main(args)
     except ValueError as exc:  # bad options or data, found after parsing

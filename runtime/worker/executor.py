@@ -12,7 +12,7 @@ What is sharded
     all-reduce each; the embedding vocab-parallel (all-reduce); the LM head column-parallel
     with an all-gather of its output (``colwise_gather_output``), so rank 0 gets full-vocab
     logits ``[S, vocab_size]`` and samples alone.
-    The KV cache: each rank's :class:`~kvfleet.runtime.model_runner.ModelRunner` holds the
+    The KV cache: each rank's :class:`~kvfleet.runtime.worker.model_runner.ModelRunner` holds the
     cache of its own ``num_kv_heads / tp`` heads, ``[num_blocks, block_size, num_kv_heads / tp,
     head_size]`` per layer; all ranks use the same block ids, so the scheduler and block
     tables are rank 0's alone.
@@ -21,7 +21,7 @@ Process layout and one step
     Rank 0 runs the scheduler, the sampler and the detokenizer. Its runner's model is wrapped
     (:class:`_DriverModel`) so that every forward call first broadcasts the call's inputs
     (``input_ids``, ``position_ids``, ``logits_to_keep`` and the
-    :class:`~kvfleet.runtime.attention.AttentionMetadata` without the KV caches: slot mapping,
+    :class:`~kvfleet.runtime.worker.attention.AttentionMetadata` without the KV caches: slot mapping,
     block tables, sequence lengths, query start offsets) to the workers over a gloo "CPU"
     process group with ``broadcast_object_list`` (vLLM's ``broadcast_tensor_dict`` idea: control
     data over a CPU group, the model's collectives over the device group: gloo on CPU, NCCL on
@@ -31,7 +31,7 @@ Process layout and one step
     same way, with its hidden states, because its all-gather needs every rank.
 
 Lifecycle
-    Workers are child processes (``python -m kvfleet.runtime.distributed``).
+    Workers are child processes (``python -m kvfleet.runtime.worker.executor``).
     :meth:`MultiprocExecutor.shutdown` (called by ``LLMEngine.shutdown``) broadcasts a stop
     message, joins them, then terminates/kills what is left; after a failed start or a failed
     step it terminates them at once (they may wait in a collective), and so does an ``atexit``
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads its OpenMP runtime (see kvfleet.runtime.engine).
+# Before torch loads its OpenMP runtime (see kvfleet.runtime.engine.llm_engine).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import atexit
@@ -78,7 +78,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kvfleet.runtime.attention import METADATA_KWARG
+from kvfleet.runtime.worker.attention import METADATA_KWARG
 from kvfleet.runtime.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -246,8 +246,8 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
         cpu_group = _init_process_group(rank, tp, store, device)
         import transformers
 
-        from kvfleet.runtime.model_loader import load_model
-        from kvfleet.runtime.model_runner import ModelRunner
+        from kvfleet.runtime.worker.model_loader import load_model
+        from kvfleet.runtime.worker.model_runner import ModelRunner
 
         transformers.utils.logging.disable_progress_bar()  # rank 0 shows the one progress bar
         loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=device,
@@ -339,7 +339,7 @@ class MultiprocExecutor:
     Args:
         config: the engine configuration (``tensor_parallel_size > 1``).
         model_path: a path or hub id ``from_pretrained`` loads (already resolved by
-            :func:`kvfleet.runtime.model_loader.resolve_model_path`).
+            :func:`kvfleet.runtime.worker.model_loader.resolve_model_path`).
         model_name: the display name for :attr:`loaded` (default: from the path).
 
     After construction, :attr:`loaded` is rank 0's shard of the model. Use
@@ -373,7 +373,7 @@ class MultiprocExecutor:
         self.store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
                                    timeout=timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
         store_port = self.store.port
-        # Fresh interpreters (``python -m kvfleet.runtime.distributed``), not multiprocessing's
+        # Fresh interpreters (``python -m kvfleet.runtime.worker.executor``), not multiprocessing's
         # spawn: that re-imports the parent's __main__, which breaks unguarded scripts.
         for rank in range(1, tp):
             env = dict(os.environ)
@@ -382,7 +382,7 @@ class MultiprocExecutor:
                 LOCAL_RANK=str(rank),  # transformers binds cuda:LOCAL_RANK
                 PYTHONSAFEPATH="1",  # a checkout's operator/ must not shadow the stdlib module
             )
-            args = [sys.executable, "-m", "kvfleet.runtime.distributed", "--rank", str(rank),
+            args = [sys.executable, "-m", "kvfleet.runtime.worker.executor", "--rank", str(rank),
                     "--store-port", str(store_port), "--parent-pid", str(os.getpid()), "--model-path", model_path,
                     "--config", config.model_dump_json()]
             self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
@@ -392,7 +392,7 @@ class MultiprocExecutor:
         try:
             self._wait_ready()
             self.cpu_group = _init_process_group(0, tp, self.store, self.device)
-            from kvfleet.runtime.model_loader import load_model
+            from kvfleet.runtime.worker.model_loader import load_model
 
             self.loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=self.device,
                                      tensor_parallel_size=tp)
@@ -414,7 +414,7 @@ class MultiprocExecutor:
         """
         from transformers import AutoConfig
 
-        from kvfleet.runtime.model_loader import resolve_model_path
+        from kvfleet.runtime.worker.model_loader import resolve_model_path
 
         _device_for_rank(config.device, 0, config.tensor_parallel_size)
         path, name = resolve_model_path(config.model)
@@ -560,11 +560,11 @@ def _shutdown_procs(procs: list[subprocess.Popen], timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kvfleet.runtime.distributed --rank R ...``: a worker process (started by
+    """``python -m kvfleet.runtime.worker.executor --rank R ...``: a worker process (started by
     :class:`MultiprocExecutor`, not by hand)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvfleet.runtime.distributed")
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.runtime.worker.executor")
     for name in ("rank", "store-port", "parent-pid"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--model-path", required=True)

@@ -29,7 +29,7 @@ mask or an extra score term would carry must be implemented here or refused):
   pass must agree with it. Semantics: transformers' ``sliding_window_overlay``, see
   :func:`kvfleet.kernels.paged_attention`. When every layer has the same window
   (Mistral), the KV cache manager frees the blocks that fell out of it and the block table
-  holds the null block there (:mod:`kvfleet.runtime.kv_cache_manager`); hybrid models
+  holds the null block there (:mod:`kvfleet.runtime.core.kv_cache_manager`); hybrid models
   (local + global layers, Gemma 2/3) keep every block for the whole request;
 - attention logit soft-capping (the ``softcap`` keyword, Gemma 2's
   ``attn_logit_softcapping``). ``final_logit_softcapping`` is applied by the model's own

@@ -3,7 +3,7 @@
 A user request with ``n > 1`` is fanned out by the engine into ``n`` requests that
 share the prompt (and, with prefix caching, its KV blocks: the later ones name the first as
 their ``prompt_leader`` and wait for it to compute the prompt, see
-:mod:`kvfleet.runtime.scheduler`).
+:mod:`kvfleet.runtime.core.sched.scheduler`).
 """
 
 from __future__ import annotations

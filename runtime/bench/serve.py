@@ -14,7 +14,7 @@ Methodology of vLLM's ``benchmarks/benchmark_serving.py`` (``vllm bench serve``)
 - greedy decoding (``temperature: 0``); ``--ignore-eos`` (vLLM's extra field, which kvfleet
   accepts) makes every request produce exactly ``max_tokens`` tokens.
 
-The report maths lives in :mod:`kvfleet.runtime.bench_metrics`.
+The report maths lives in :mod:`kvfleet.runtime.bench.metrics`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from kvfleet.runtime.bench_datasets import SampleRequest
-from kvfleet.runtime.bench_metrics import RequestResult, compute_metrics, format_report, result_from_chunk_times, throughput_timeline
+from kvfleet.runtime.bench.datasets import SampleRequest
+from kvfleet.runtime.bench.metrics import RequestResult, compute_metrics, format_report, result_from_chunk_times, throughput_timeline
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -40,12 +40,12 @@ def load_tokenizer(name_or_path: str | None):
 
     ``name_or_path``: a checkpoint folder, a ``.gguf`` file, a hub id (when the hub is
     reachable), or None for kvfleet's default model (resolved, and converted once, by
-    :func:`kvfleet.runtime.model_loader.resolve_model_path`). A name that is no path and
+    :func:`kvfleet.runtime.worker.model_loader.resolve_model_path`). A name that is no path and
     no reachable hub id (a ``--served-model-name``, say) falls back to the default model's.
     """
     from transformers import AutoTokenizer
 
-    from kvfleet.runtime.model_loader import resolve_model_path
+    from kvfleet.runtime.worker.model_loader import resolve_model_path
 
     if name_or_path:
         path, _ = resolve_model_path(name_or_path)
@@ -299,7 +299,7 @@ def add_arguments(p) -> None:
 
 
 def build_requests(args, tokenizer) -> list[SampleRequest]:
-    from kvfleet.runtime import bench_datasets as ds
+    from kvfleet.runtime.bench import datasets as ds
 
     if args.num_prompts < 1:
         raise ValueError("num-prompts must be >= 1")
@@ -326,7 +326,7 @@ def _first_model(base_url: str, api_key: str | None) -> str:
 
 def main(args) -> int:
     """Run ``kvfleet bench serve`` with parsed arguments; returns the exit status."""
-    from kvfleet.runtime.bench_metrics import parse_goodput
+    from kvfleet.runtime.bench.metrics import parse_goodput
 
     percentiles = [float(q) for q in str(args.percentiles).split(",") if q.strip()]
     slos = parse_goodput(args.goodput)

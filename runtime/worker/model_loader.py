@@ -261,7 +261,7 @@ def load_model(
         cache_root: override of the cache folder (default :func:`cache_dir`).
         tensor_parallel_size: above 1, load this rank's shard with transformers' tensor-parallel
             plan (``torch.distributed`` must be initialised by
-            :class:`kvfleet.runtime.distributed.MultiprocExecutor`; ``device`` is this rank's).
+            :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's).
 
     Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention, or ``eager`` for
         architectures without sdpa support such as Gemma 2 (the engine switches it to its
@@ -270,12 +270,12 @@ def load_model(
     Raises:
         FileNotFoundError: local model path missing; ValueError: bad dtype/device, or a model
         whose config uses an attention feature the paged attention does not implement
-        (:func:`kvfleet.runtime.attention.check_attention_support`; checked on the config,
+        (:func:`kvfleet.runtime.worker.attention.check_attention_support`; checked on the config,
         before any weight is read); OSError from transformers when a hub id cannot be resolved.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvfleet.runtime.attention import check_attention_support
+    from kvfleet.runtime.worker.attention import check_attention_support
 
     t0 = time.monotonic()
     dev = resolve_device(device)
@@ -285,7 +285,7 @@ def load_model(
     check_attention_support(hf_config)
     attn_implementation = _initial_attn_implementation(hf_config)
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation)
-    if tensor_parallel_size > 1:  # kvfleet.runtime.distributed: each rank loads its shard on its device
+    if tensor_parallel_size > 1:  # kvfleet.runtime.worker.executor: each rank loads its shard on its device
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)

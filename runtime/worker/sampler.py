@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.runtime.request import Request
+from kvfleet.runtime.core.request import Request
 
 _MASK63 = (1 << 63) - 1
 

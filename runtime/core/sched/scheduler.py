@@ -18,8 +18,8 @@ head of the waiting queue; its tokens so far are recomputed when it resumes.
 
 With a ``sliding_window`` shared by every attention layer, the KV cache manager frees a
 running request's blocks that fell out of its window after each step (see
-:mod:`kvfleet.runtime.kv_cache_manager`), and every "how many blocks does it need" above
-counts at most :func:`~kvfleet.runtime.kv_cache_manager.max_num_blocks_per_request` blocks
+:mod:`kvfleet.runtime.core.kv_cache_manager`), and every "how many blocks does it need" above
+counts at most :func:`~kvfleet.runtime.core.kv_cache_manager.max_num_blocks_per_request` blocks
 held at once, so a windowed request whose prompt is longer than the whole cache is accepted
 and runs (as vLLM allows).
 
@@ -35,209 +35,11 @@ scheduler never touches tensors: it speaks in requests, token counts and block i
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
-
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.kv_cache_manager import KVCacheManager
-from kvfleet.runtime.request import Request, RequestStatus
-from kvfleet.runtime.stats import SchedulerStats
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of an engine step.
-
-    The model runner computes ``token_ids`` at positions ``[start_pos, start_pos + len)``,
-    writes their K/V into the slots of ``block_ids``, and, when ``sample`` is True,
-    samples the next token from the logits of the last one.
-    """
-
-    request: Request
-    start_pos: int
-    """Tokens already in the KV cache before this step (prefix-cache hits included)."""
-    token_ids: list[int]
-    """The new tokens to compute this step."""
-    block_ids: list[int] = field(default_factory=list)
-    """The request's whole block table after this step's allocation (physical block ids,
-    logical order); block ``i`` holds positions ``[i*block_size, (i+1)*block_size)``."""
-    sample: bool = False
-    """True when this step reaches the request's last known token (end of the prompt for
-    a prefill, always for a decode): the runner samples one token."""
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def seq_len(self) -> int:
-        """Context length after this step (``start_pos + num_new_tokens``), tokens."""
-        return self.start_pos + len(self.token_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    """Running requests first (in running order), then newly admitted ones."""
-    total_num_scheduled_tokens: int
-    preempted_request_ids: list[str] = field(default_factory=list)
-    finished_request_ids: set[str] = field(default_factory=set)
-    """Requests finished since the previous schedule() (the runner drops their state)."""
-    num_prefill_tokens: int = 0
-    """Tokens of requests still in their prompt (chunked or not), this step."""
-    num_decode_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-# -- waiting queues, one per scheduling policy ------------------------------------------
-class _FCFSQueue:
-    """First come, first served; preempted requests go back to the head."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add(self, r: Request) -> None:
-        self._q.append(r)
-
-    def prepend(self, r: Request) -> None:
-        self._q.appendleft(r)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def take(self, r: Request) -> None:
-        """Dequeue ``r`` for admission (``pop`` when it is the head)."""
-        if self._q[0] is r:
-            self._q.popleft()
-        else:
-            self._q.remove(r)
-
-    def remove(self, r: Request) -> None:
-        self._q.remove(r)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self):
-        return iter(self._q)
-
-
-class _PriorityQueue:
-    """Lowest ``priority`` first, then earliest arrival (vLLM's semantics)."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, r: Request) -> None:
-        heapq.heappush(self._heap, (r.priority, r.arrival_time, next(self._counter), r))
-
-    prepend = add  # a preempted request's (priority, arrival) already puts it in front
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def take(self, r: Request) -> None:
-        """Dequeue ``r`` for admission (``pop`` when it is the head)."""
-        if self._heap[0][3] is r:
-            heapq.heappop(self._heap)
-        else:
-            self.remove(r)
-
-    def remove(self, r: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not r]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self):
-        return (e[3] for e in sorted(self._heap))
-
-
-class _FairQueue:
-    """Round-robin between tenants with waiting work; FCFS within a tenant.
-
-    A tenant with many queued requests gets one admission per turn, so another tenant's
-    single request waits for at most one admission per other active tenant.
-    """
-
-    def __init__(self) -> None:
-        self._tenants: OrderedDict[str, deque[Request]] = OrderedDict()
-        self._len = 0
-
-    @staticmethod
-    def _key(r: Request) -> str:
-        return r.tenant or ""
-
-    def add(self, r: Request) -> None:
-        self._tenants.setdefault(self._key(r), deque()).append(r)
-        self._len += 1
-
-    def prepend(self, r: Request) -> None:
-        key = self._key(r)
-        if key not in self._tenants:
-            self._tenants[key] = deque()
-        self._tenants[key].appendleft(r)
-        self._tenants.move_to_end(key, last=False)
-        self._len += 1
-
-    def peek(self) -> Request:
-        return next(iter(self._tenants.values()))[0]
-
-    def pop(self) -> Request:
-        key, q = next(iter(self._tenants.items()))
-        r = q.popleft()
-        self._len -= 1
-        if q:
-            self._tenants.move_to_end(key)  # this tenant's turn is over
-        else:
-            del self._tenants[key]
-        return r
-
-    def take(self, r: Request) -> None:
-        """Dequeue ``r`` for admission: its tenant's turn is over, as with ``pop``."""
-        key = self._key(r)
-        q = self._tenants[key]
-        q.remove(r)
-        self._len -= 1
-        if q:
-            self._tenants.move_to_end(key)
-        else:
-            del self._tenants[key]
-
-    def remove(self, r: Request) -> None:
-        key = self._key(r)
-        q = self._tenants[key]
-        q.remove(r)
-        self._len -= 1
-        if not q:
-            del self._tenants[key]
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __iter__(self):
-        for q in self._tenants.values():
-            yield from q
-
-
-_QUEUES = {"fcfs": _FCFSQueue, "priority": _PriorityQueue, "fair": _FairQueue}
+from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
+from kvfleet.runtime.core.request import Request, RequestStatus
+from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.sched.request_queue import create_request_queue
 
 
 class Scheduler:
@@ -281,7 +83,7 @@ class Scheduler:
                                                sliding_window=sliding_window)
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         """Free blocks kept back when admitting a request beside running ones."""
-        self.waiting = _QUEUES[self.policy]()
+        self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()

@@ -8,19 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int = 0
-    num_waiting_reqs: int = 0
-    kv_cache_usage: float = 0.0
-    """Fraction (0-1) of KV blocks referenced by requests (cached-but-free blocks excluded)."""
-    num_preemptions: int = 0
-    """Delta: preemptions during this step."""
-    prefix_cache_queries: int = 0
-    """Delta, tokens: prompt tokens looked up in the prefix cache (once per scheduled request)."""
-    prefix_cache_hits: int = 0
-    """Delta, tokens: of those, tokens found cached."""
+from kvfleet.runtime.core.sched.output import SchedulerStats
 
 
 @dataclass

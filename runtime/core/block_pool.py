@@ -8,7 +8,7 @@ go to the tail, so unreferenced cached blocks are evicted least-recently-used fi
 A cached block that gets a hit while free is taken out of the middle of the queue in O(1).
 
 With ``use_null_block=True`` (sliding-window models, see
-:class:`kvfleet.runtime.kv_cache_manager.KVCacheManager`) the last physical block is the
+:class:`kvfleet.runtime.core.kv_cache_manager.KVCacheManager`) the last physical block is the
 *null block*, as vLLM v1's ``BlockPool.null_block``: never handed out, never written,
 never cached, never reference-counted; block tables hold it in place of blocks that fell
 out of the sliding window and were freed. (vLLM reserves block 0; kvfleet reserves the last

@@ -11,7 +11,7 @@ One :meth:`LLMEngine.step` is one iteration of continuous batching::
     outputs + stats                 RequestOutput per user request; stat loggers' record()
 
 The engine is single-threaded and not thread-safe: the async wrapper
-(:mod:`kvfleet.runtime.async_engine`) drives it from one background thread.
+(:mod:`kvfleet.runtime.engine.async_llm`) drives it from one background thread.
 """
 
 from __future__ import annotations
@@ -30,17 +30,18 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.distributed import MultiprocExecutor
-from kvfleet.runtime.kv_cache_manager import max_num_blocks_per_request, uniform_sliding_window
-from kvfleet.runtime.model_loader import LoadedModel, load_model
-from kvfleet.runtime.model_runner import ModelRunner, PromptLogprobsTensors
-from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvfleet.runtime.request import Request, RequestStatus
-from kvfleet.runtime.sampler import Sampler, SampleLogprobs
+from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
+from kvfleet.runtime.worker.executor import MultiprocExecutor
+from kvfleet.runtime.core.kv_cache_manager import max_num_blocks_per_request, uniform_sliding_window
+from kvfleet.runtime.worker.model_loader import LoadedModel, load_model
+from kvfleet.runtime.worker.model_runner import ModelRunner, PromptLogprobsTensors
+from kvfleet.runtime.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvfleet.runtime.core.request import Request, RequestStatus
+from kvfleet.runtime.worker.sampler import Sampler, SampleLogprobs
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.scheduler import Scheduler
-from kvfleet.runtime.stats import FinishedRequestStats, IterationStats, SchedulerStats, StatLoggerBase
+from kvfleet.runtime.core.sched.scheduler import Scheduler
+from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats, StatLoggerBase
+from kvfleet.runtime.core.sched.output import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class LLMEngine:
             or a model without a tensor-parallel plan).
         FileNotFoundError: the model path does not exist.
         TensorParallelError: a tensor-parallel worker failed to start (see
-            :mod:`kvfleet.runtime.distributed`; with ``tensor_parallel_size > 1`` this
+            :mod:`kvfleet.runtime.worker.executor`; with ``tensor_parallel_size > 1`` this
             process is rank 0 and spawns the other ranks; call :meth:`shutdown` to stop them).
     """
 

@@ -22,8 +22,8 @@ Gemma 2/3) keep every block, as full attention does.
 
 from __future__ import annotations
 
-from kvfleet.runtime.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from kvfleet.runtime.request import Request
+from kvfleet.runtime.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from kvfleet.runtime.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,7 +35,7 @@ def uniform_sliding_window(layer_windows) -> int | None:
 
     Args:
         layer_windows: per layer, the window or None (full attention), as
-            :func:`kvfleet.runtime.attention.layer_sliding_windows` returns them.
+            :func:`kvfleet.runtime.worker.attention.layer_sliding_windows` returns them.
 
     Returns: the common window, or None for full-attention and hybrid (local + global
     layers, e.g. Gemma 2/3) models, whose out-of-window blocks are kept (a global layer

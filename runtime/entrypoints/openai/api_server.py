@@ -4,7 +4,7 @@ Routes
 ------
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /v1/models/{model}`` (every ``GET`` route also answers ``HEAD``: headers, no body)
-    OpenAI's API (see :mod:`kvfleet.runtime.protocol`), JSON or Server-Sent Events
+    OpenAI's API (see :mod:`kvfleet.runtime.entrypoints.openai.protocol`), JSON or Server-Sent Events
     (``stream: true``: ``text/event-stream``, one ``data: {json}\\n\\n`` per chunk, ending
     with ``data: [DONE]\\n\\n``).
 ``POST /reset_prefix_cache``
@@ -31,7 +31,7 @@ The event loop never tokenizes: prompts are tokenized (and chat templates applie
 dedicated worker thread per app (HF fast tokenizers are not safe to call from several threads
 at once), so ``/health`` answers while a long prompt is being tokenized. A prompt string
 that is certainly longer than ``max_model_len`` tokens (its length in characters over the
-tokenizer's longest token, :mod:`kvfleet.runtime.tokenizer_bounds`) is rejected with a 400
+tokenizer's longest token, :mod:`kvfleet.runtime.entrypoints.openai.tokenizer_bounds`) is rejected with a 400
 before it is tokenized.
 
 A client that disconnects (streaming or not) has its engine request(s) aborted at once:
@@ -60,12 +60,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvfleet.runtime import protocol as P
+from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
-from kvfleet.runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from kvfleet.runtime.serve_args import ServerSettings
-from kvfleet.runtime.tokenizer_bounds import PromptLengthBound, prompt_length_bound
+from kvfleet.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
+from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound, prompt_length_bound
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -198,7 +198,7 @@ def served_name(config: EngineConfig) -> str:
 
 
 def _default_engine_factory(config: EngineConfig, stat_loggers: list) -> Any:
-    from kvfleet.runtime.async_engine import AsyncLLMEngine
+    from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 
     return AsyncLLMEngine(config, stat_loggers=stat_loggers)
 
@@ -509,7 +509,7 @@ def create_app(
         settings: server options (API key, queue limit, metrics naming; host/port are
             ``main``'s business).
         engine_factory: ``(config, stat_loggers) -> engine`` with AsyncLLMEngine's
-            interface; default constructs :class:`kvfleet.runtime.async_engine.AsyncLLMEngine`.
+            interface; default constructs :class:`kvfleet.runtime.engine.async_llm.AsyncLLMEngine`.
             It runs in a worker thread (model loading blocks), so ``/ready`` answers 503
             meanwhile; then ``await engine.start()``.
 
@@ -818,7 +818,7 @@ def _resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: i
 
 def _check_prompt_bound(state: ServerState, text: str, max_model_len: int, param: str) -> None:
     """400 for a prompt text that is certainly longer than ``max_model_len`` tokens, from its
-    length alone (:class:`~kvfleet.runtime.tokenizer_bounds.PromptLengthBound`): no room for
+    length alone (:class:`~kvfleet.runtime.entrypoints.openai.tokenizer_bounds.PromptLengthBound`): no room for
     output is left, whatever ``max_tokens``."""
     bound = state.prompt_bound
     if bound is None or len(text) <= bound.chars_per_token * (max_model_len - 1):  # ceil(n / L) < max_model_len
@@ -1262,7 +1262,7 @@ async def _serve_chat(state: ServerState, request: Request, body: P.ChatCompleti
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvfleet serve``: parse options (see :mod:`kvfleet.runtime.serve_args`), load the
+    """``kvfleet serve``: parse options (see :mod:`kvfleet.runtime.entrypoints.openai.serve_args`), load the
     model in the background and serve until SIGINT/SIGTERM.
 
     Returns: 0 after a clean shutdown, 1 when the engine failed to start. On SIGINT/SIGTERM
@@ -1272,7 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     import uvicorn
 
-    from kvfleet.runtime.serve_args import parse_serve_args
+    from kvfleet.runtime.entrypoints.openai.serve_args import parse_serve_args
 
     args = parse_serve_args(argv)
     level = args.server.log_level.upper()

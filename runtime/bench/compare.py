@@ -48,7 +48,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 
-from kvfleet.runtime.bench_metrics import RequestResult, compute_metrics
+from kvfleet.runtime.bench.metrics import RequestResult, compute_metrics
 
 SYSTEMS = ("kvfleet", "hf-static", "hf-continuous")
 SYSTEM_LABELS = {
@@ -643,8 +643,8 @@ def _kvfleet_engine_factory(model_path: str, args):
     The model is loaded once, on first use, and shared by the engines of all levels
     (each engine allocates its own KV cache; the previous one is dropped first)."""
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine import LLMEngine
-    from kvfleet.runtime.model_loader import load_model
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.worker.model_loader import load_model
 
     state: dict = {}
 
@@ -668,9 +668,9 @@ def main(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from kvfleet.runtime.bench_serve import source_revision
+    from kvfleet.runtime.bench.serve import source_revision
     from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY
-    from kvfleet.runtime.model_loader import load_model, resolve_model_path
+    from kvfleet.runtime.worker.model_loader import load_model, resolve_model_path
 
     levels = sorted({int(c) for c in str(args.concurrency).split(",") if c.strip()})
     if not levels or levels[0] < 1:

@@ -1,14 +1,14 @@
 """Model runner: one forward pass of a transformers model over a packed, unpadded batch.
 
 The scheduler decides which requests run and which tokens/blocks they use; the runner
-turns that :class:`~kvfleet.runtime.scheduler.SchedulerOutput` into tensors
+turns that :class:`~kvfleet.runtime.core.sched.scheduler.SchedulerOutput` into tensors
 
 - ``input_ids[T]`` and ``positions[T]``: the new tokens of every scheduled request, one
   request after another (``T`` = ``total_num_scheduled_tokens``);
 - ``slot_mapping[T]``: where each new token's K/V goes (``block_id * block_size + offset``);
 - ``block_tables[B, max_blocks]``, ``seq_lens[B]``, ``query_start_loc[B + 1]``;
 
-runs the model once (the paged attention of :mod:`kvfleet.runtime.attention` reads and
+runs the model once (the paged attention of :mod:`kvfleet.runtime.worker.attention` reads and
 writes the per-layer KV caches it owns), and returns the logits of the last token of each
 request that samples this step, ``[S, vocab_size]`` float32. The LM head runs only on
 those ``S`` hidden states (``logits_to_keep`` with an index tensor), never on all ``T``.
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvfleet.runtime.attention import (
+from kvfleet.runtime.worker.attention import (
     METADATA_KWARG,
     AttentionMetadata,
     check_attention_support,
@@ -48,8 +48,8 @@ from kvfleet.runtime.attention import (
     register,
 )
 from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from kvfleet.runtime.model_loader import LoadedModel
-from kvfleet.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from kvfleet.runtime.worker.model_loader import LoadedModel
+from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class ModelRunner:
         self.num_heads = text_config.num_attention_heads
         self.num_kv_heads = getattr(text_config, "num_key_value_heads", None) or self.num_heads
         self.head_size = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.num_heads
-        # Tensor parallelism (kvfleet.runtime.distributed): this rank computes and caches only
+        # Tensor parallelism (kvfleet.runtime.worker.executor): this rank computes and caches only
         # its 1/tp share of the query and KV heads.
         self.tp_size = config.tensor_parallel_size
         self.num_heads //= self.tp_size

@@ -1,0 +1,3 @@
+"""The engine: ``LLMEngine`` (synchronous step loop), ``AsyncLLMEngine`` (the server's client),
+the incremental detokenizer, per-step stats and the request outputs.
+"""

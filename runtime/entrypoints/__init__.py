@@ -1,0 +1,1 @@
+"""Server entry points (HTTP APIs) over the engine client protocol."""
