@@ -13,15 +13,8 @@ import numpy as np
 import pytest
 
 from kvfleet.runtime.bench import datasets as ds
-from kvfleet.runtime.bench.compare import (
-    ModelShape,
-    Workload,
-    kv_memory_report,
-    make_workload,
-    parse_range,
-    roofline,
-    workload_flops,
-)
+from kvfleet.runtime.bench.datasets import Workload, make_workload, parse_range
+from kvfleet.runtime.bench.roofline import ModelShape, kv_memory_report, roofline, workload_flops
 
 SMOLLM2 = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                           num_key_value_heads=3, head_dim=64, vocab_size=49152)
@@ -170,7 +163,7 @@ def test_compare_runs_all_three_systems(tmp_path):
 
 
 def test_lognormal_lengths_are_heavy_tailed_and_clipped():
-    from kvfleet.runtime.bench.compare import sample_lengths
+    from kvfleet.runtime.bench.datasets import sample_lengths
 
     p, o = sample_lengths(5000, (16, 256), (8, 256), seed=0, dist="lognormal", sigma=1.0)
     assert p.min() >= 16 and p.max() == 256 and o.min() >= 8 and o.max() == 256
@@ -184,7 +177,7 @@ def test_lognormal_lengths_are_heavy_tailed_and_clipped():
 
 
 def test_static_batch_flops_pads_to_the_batch_maximum():
-    from kvfleet.runtime.bench.compare import static_batch_flops
+    from kvfleet.runtime.bench.roofline import static_batch_flops
 
     s = ModelShape.from_config(SMOLLM2)
     p, o = [10, 30, 5, 40], [6, 2, 20, 40]
@@ -196,13 +189,11 @@ def test_static_batch_flops_pads_to_the_batch_maximum():
 
 def test_source_revision_names_this_checkout():
     import re
-
-    from kvfleet.runtime.bench.serve import source_revision
-
     import shutil
     from pathlib import Path
 
     import kvfleet.runtime.bench.serve as mod
+    from kvfleet.runtime.bench.serve import source_revision
 
     rev = source_revision()
     in_git = shutil.which("git") and any((p / ".git").exists() for p in Path(mod.__file__).resolve().parents)

@@ -4,10 +4,11 @@
 - ``kvfleet bench serve``: a streaming load generator for any OpenAI-compatible endpoint
   (:mod:`kvfleet.runtime.bench.serve`); report maths in :mod:`kvfleet.runtime.bench.metrics`,
   workloads in :mod:`kvfleet.runtime.bench.datasets`.
-- ``kvfleet bench compare``: one workload through kvfleet's engine, transformers
-  ``generate()`` with static padded batches and transformers' continuous batching
-  (``generate_batch``), per concurrency level; plus the KV-memory report and the compute
-  roofline (:mod:`kvfleet.runtime.bench.compare`).
+- ``kvfleet bench compare``: one workload through each system under test
+  (:mod:`kvfleet.runtime.bench.systems`: kvfleet's engine, transformers ``generate()`` with
+  static padded batches, transformers' continuous batching), per concurrency level; plus the
+  KV-memory report and the compute roofline (:mod:`kvfleet.runtime.bench.compare`,
+  :mod:`kvfleet.runtime.bench.roofline`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvfleet.runtime.bench import compare as bench_compare, serve as bench_serve
+    from kvfleet.runtime.bench import compare as bench_compare
+    from kvfleet.runtime.bench import serve as bench_serve
 
     parser = argparse.ArgumentParser(prog="kvfleet bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

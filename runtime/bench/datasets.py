@@ -1,24 +1,16 @@
 """Workloads of ``kvfleet bench``: lists of prompts with target output lengths.
 
-Three datasets, with the meaning they have in vLLM's serving benchmark:
-
-- ``random``: prompts of random token ids, ``input_len`` tokens each (uniform in
-  ``[input_len * (1 - range_ratio), input_len * (1 + range_ratio)]``), decoded with the
-  model's tokenizer and re-encoded until the text is exactly that many tokens; output
-  lengths drawn the same way around ``output_len``.
-- ``sharegpt``: the first human turn of each conversation as the prompt, the length of
-  the first answer as the output length (vLLM's filters: prompt and output >= 4 tokens,
-  prompt <= 1024, prompt + output <= 2048). From a local ShareGPT-format JSON file
-  (``[{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}]``);
-  without one, from a built-in *synthetic* conversation set (see
-  :func:`synthetic_sharegpt_lengths`: not real ShareGPT text, only its heavy-tailed length
-  shape).
-- ``shared-prefix``: ``num_prompts`` requests that all start with the same system prompt
-  of ``prefix_len`` tokens followed by ``input_len`` tokens of their own (prefix caching's
-  best case: a chat product's fixed system prompt).
+``kvfleet bench serve`` datasets (text prompts, :class:`SampleRequest`), as in vLLM's
+serving benchmark: ``random`` (random token ids re-encoded to exactly the drawn length),
+``sharegpt`` (a local ShareGPT-format JSON file, vLLM's filters; without one a built-in
+*synthetic* set with ShareGPT's heavy-tailed length shape, :func:`synthetic_sharegpt_lengths`)
+and ``shared-prefix`` (one system prompt of ``prefix_len`` tokens shared by every request).
+``kvfleet bench compare`` workloads (token-id prompts with exact output lengths,
+:class:`Workload`, :func:`make_workload`).
 
 All lengths are tokens of the given tokenizer; everything is drawn from
 ``numpy.random.default_rng(seed)``, so the same seed gives the same workload.
+Definitions and filters: docs/benchmarks.md (``bench serve`` datasets, ``bench compare`` workload).
 """
 
 from __future__ import annotations
@@ -176,3 +168,69 @@ def shared_prefix_dataset(tokenizer, num_prompts: int, prefix_len: int, input_le
         n = len(tokenizer.encode(system + text, add_special_tokens=False))
         out.append(SampleRequest(text, n, output_len, system=system or None))
     return out
+
+
+# --------------------------------------------------------------------------- bench compare workloads
+
+
+@dataclass
+class Workload:
+    """Prompts (token ids) and exact output lengths (tokens), one per request."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def take(self, n: int) -> Workload:
+        return Workload(self.prompts[:n], self.output_lens[:n])
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"16:256"`` -> (16, 256), inclusive token bounds."""
+    lo, sep, hi = str(text).partition(":")
+    try:
+        bounds = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise ValueError(f"expected MIN:MAX tokens, got {text!r}") from None
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise ValueError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
+def sample_lengths(n: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
+                   dist: str = "uniform", sigma: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt and output lengths (tokens) within their inclusive ranges.
+
+    ``dist="uniform"``: uniform over each range. ``dist="lognormal"``: heavy-tailed like
+    chat logs (ShareGPT): lognormal with median the range's geometric midpoint
+    ``sqrt(min * max)`` and shape ``sigma``, rounded and clipped to the range.
+    """
+    rng = np.random.default_rng(seed)
+    if dist == "uniform":
+        return rng.integers(input_range[0], input_range[1] + 1, size=n), rng.integers(output_range[0], output_range[1] + 1, size=n)
+    if dist != "lognormal":
+        raise ValueError(f"length distribution must be uniform or lognormal, got {dist!r}")
+    if not sigma > 0:
+        raise ValueError(f"sigma must be > 0, got {sigma}")
+
+    def draw(lo: int, hi: int) -> np.ndarray:
+        return np.clip(np.round(rng.lognormal(np.log(np.sqrt(lo * hi)), sigma, size=n)), lo, hi).astype(np.int64)
+
+    return draw(*input_range), draw(*output_range)
+
+
+def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, special_ids=(), seed: int = 0,
+                  dist: str = "uniform", sigma: float = 1.0) -> Workload:
+    """``n`` requests of random (non-special) token ids with lengths from :func:`sample_lengths`."""
+    p_lens, o_lens = sample_lengths(n, input_range, output_range, seed, dist, sigma)
+    rng = np.random.default_rng(seed + 1)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
+    prompts = [rng.choice(allowed, size=int(p)).tolist() for p in p_lens]
+    return Workload(prompts, [int(o) for o in o_lens])
+
