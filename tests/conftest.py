@@ -1,38 +1,39 @@
+"""Shared fixtures: the real helm/kubectl binaries, the loaded default model, the Triton interpreter."""
 
+import os
+import shutil
+from pathlib import Path
+
+import pytest
 
 # --- real helm and kubectl binaries (tests/test_chart*.py, tests/test_gitops*.py) ----------
 # Installed by `bash .ci/install-helm-kubectl.sh .tools/bin` (part of `.ci/setup --test`).
 # Outside CI a missing binary skips the tests that need it, saying how to install it;
 # in CI (CI=true) it fails them, so that a broken install step cannot pass as green.
-import os as _k8s_os
-import shutil as _k8s_shutil
-from pathlib import Path as _K8sPath
-
-import pytest as _k8s_pytest
 
 
 def _k8s_tool(name: str) -> str:
-    root = _K8sPath(__file__).resolve().parent.parent
-    for folder in (_k8s_os.environ.get("KVFLEET_TOOLS_BIN"), root / ".tools" / "bin"):
-        if folder and (_K8sPath(folder) / name).is_file() and _k8s_os.access(_K8sPath(folder) / name, _k8s_os.X_OK):
-            return str(_K8sPath(folder) / name)
-    found = _k8s_shutil.which(name)
+    root = Path(__file__).resolve().parent.parent
+    for folder in (os.environ.get("KVFLEET_TOOLS_BIN"), root / ".tools" / "bin"):
+        if folder and (Path(folder) / name).is_file() and os.access(Path(folder) / name, os.X_OK):
+            return str(Path(folder) / name)
+    found = shutil.which(name)
     if found:
         return found
     message = (f"the real `{name}` binary is not installed: run `bash .ci/install-helm-kubectl.sh .tools/bin` "
                f"(or `bash .ci/setup --test`)")
-    if _k8s_os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        _k8s_pytest.fail(message + " -- required in CI", pytrace=False)
-    _k8s_pytest.skip(message)
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(message + " -- required in CI", pytrace=False)
+    pytest.skip(message)
 
 
-@_k8s_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def helm_bin() -> str:
     """Path of the real `helm` (v4) binary."""
     return _k8s_tool("helm")
 
 
-@_k8s_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def kubectl_bin() -> str:
     """Path of the real `kubectl` binary (with its built-in kustomize)."""
     return _k8s_tool("kubectl")
@@ -41,14 +42,14 @@ def kubectl_bin() -> str:
 # --- engine: one loaded default model per session (tests/test_engine_*.py) --------------
 # Set before transformers / torch are imported: no hub access in tests, and OpenMP
 # threads that sleep rather than spin (the 2 shared cores are busy with other tests).
-_k8s_os.environ.setdefault("HF_HUB_OFFLINE", "1")
-_k8s_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Subprocesses started from the repository root must not import operator/ as the stdlib
 # `operator` module (see README, "Set-up").
-_k8s_os.environ.setdefault("PYTHONSAFEPATH", "1")
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
-@_k8s_pytest.fixture(scope="session")
+@pytest.fixture(scope="session")
 def smollm2():
     """The default model (SmolLM2-135M-Instruct, fp32, CPU) as a
     ``kvfleet.runtime.worker.model_loader.LoadedModel``, shared by every engine of the session
@@ -59,7 +60,7 @@ def smollm2():
     return load_model(None, dtype="float32", device="cpu")
 
 
-@_k8s_pytest.fixture(scope="module")
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op torch thread while a module runs, restored afterwards. On the 2 cores
     shared by several test processes, a second OpenMP thread that is descheduled makes every
@@ -78,9 +79,9 @@ def one_torch_thread():
 # be set before the first `import triton` in the process -- and torch._dynamo imports triton
 # as soon as transformers touches it (model loading), so a kernel test module cannot set it
 # itself in a full run. Nothing else runs Triton code on such a machine.
-import os as _kernels_os
+def pytest_configure(config):
+    # Runs after the environment set-up above and before any test module is imported.
+    import torch
 
-import torch as _kernels_torch
-
-if not _kernels_torch.cuda.is_available():
-    _kernels_os.environ.setdefault("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")

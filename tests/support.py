@@ -85,7 +85,7 @@ class _Exposition(http.server.BaseHTTPRequestHandler):
 
     registry = None
 
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         body = exposition(self.registry)
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE)

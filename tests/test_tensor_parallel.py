@@ -21,13 +21,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import free_port, start_serve
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.worker.executor import TensorParallelError, check_tensor_parallel
 from kvfleet.runtime.engine.llm_engine import LLMEngine
-from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.entrypoints.openai.serve_args import parse_serve_args
-from support import free_port, start_serve
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.executor import TensorParallelError, check_tensor_parallel
 
 KV_CACHE_MEMORY = 32 * 2**20
 """A small KV cache (bytes, all ranks together): the test needs a few blocks, not 2 GiB."""
@@ -97,9 +97,11 @@ def test_heads_must_divide(smollm2):
     hf_config = smollm2.model.config
     check_tensor_parallel(hf_config, 3, "SmolLM2")
     check_tensor_parallel(hf_config, 1, "SmolLM2")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide the model's num_attention_heads \(9\)"):
+    heads_msg = r"tensor_parallel_size \(2\) must divide the model's num_attention_heads \(9\)"
+    with pytest.raises(ValueError, match=heads_msg):
         check_tensor_parallel(hf_config, 2, "SmolLM2")
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(9\) must divide the model's num_key_value_heads \(3\)"):
+    kv_heads_msg = r"tensor_parallel_size \(9\) must divide the model's num_key_value_heads \(3\)"
+    with pytest.raises(ValueError, match=kv_heads_msg):
         check_tensor_parallel(hf_config, 9, "SmolLM2")
 
 
@@ -309,5 +311,6 @@ def test_kvfleet_serve_tp2_exits_1_naming_the_option(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
-    assert errors and "the engine failed to start: ValueError: tensor_parallel_size (2) must divide" in errors[0], errors
+    expected = "the engine failed to start: ValueError: tensor_parallel_size (2) must divide"
+    assert errors and expected in errors[0], errors
     assert "workers pids" not in proc.stderr  # no worker was started (runtime/worker/executor.py logs them)
