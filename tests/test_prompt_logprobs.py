@@ -140,7 +140,7 @@ def test_a_failure_in_prompt_logprobs_aborts_only_that_request(smollm2, monkeypa
     def boom(*_args):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine, "_add_prompt_logprobs", boom)
+    monkeypatch.setattr(engine.output_processor, "add_prompt_logprobs", boom)
     engine.add_request("bad", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1))
     engine.add_request("good", PROMPTS[1], SamplingParams(temperature=0, max_tokens=3))
     outs = engine.run_until_done()

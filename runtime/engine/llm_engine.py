@@ -7,8 +7,9 @@ One :meth:`LLMEngine.step` is one iteration of continuous batching::
                                     (and the prompt logprobs of requests that asked for them)
     sampler(logits)                 one token per sampling request
     scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
-    detokenize, stop strings        finish on a stop string (scheduler.finish_requests)
-    outputs + stats                 RequestOutput per user request; stat loggers' record()
+    output_processor                detokenize, finish on a stop string, logprobs, RequestOutput per
+                                    user request (:mod:`kvfleet.runtime.engine.output_processor`)
+    stats                           stat loggers' record()
 
 The engine is single-threaded and not thread-safe: the async wrapper
 (:mod:`kvfleet.runtime.engine.async_llm`) drives it from one background thread.
@@ -25,62 +26,25 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
-from kvfleet.runtime.worker.executor import MultiprocExecutor
 from kvfleet.runtime.core.kv_cache_manager import max_num_blocks_per_request, uniform_sliding_window
-from kvfleet.runtime.worker.model_loader import LoadedModel, load_model
-from kvfleet.runtime.worker.model_runner import ModelRunner, PromptLogprobsTensors
-from kvfleet.runtime.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvfleet.runtime.core.request import Request, RequestStatus
-from kvfleet.runtime.worker.sampler import Sampler, SampleLogprobs
-from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.core.sched.scheduler import Scheduler
-from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats, StatLoggerBase
 from kvfleet.runtime.core.sched.output import SchedulerStats
+from kvfleet.runtime.core.sched.scheduler import Scheduler
+from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestState
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.executor import MultiprocExecutor
+from kvfleet.runtime.worker.model_loader import LoadedModel, load_model
+from kvfleet.runtime.worker.model_runner import ModelRunner
+from kvfleet.runtime.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one output sequence (one scheduler ``Request``)."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class _UserRequest:
-    """A user request: a prompt and its ``n`` sequences."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    priority: int
-    seqs: list[_Sequence] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    """One entry per prompt token computed so far (the first is None), when asked for;
-    filled from the first sequence only (the others share the prompt)."""
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
 
 
 @dataclass
@@ -88,7 +52,7 @@ class PreparedRequest:
     """A validated, tokenized request, ready for :meth:`LLMEngine.add_prepared` (the async
     engine validates in the caller's thread and adds in the engine thread)."""
 
-    state: _UserRequest
+    state: RequestState
 
 
 class LLMEngine:
@@ -155,9 +119,7 @@ class LLMEngine:
         self.sampler = Sampler(loaded.device, seed=config.seed)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
-        self._requests: dict[str, _UserRequest] = {}
-        self._seqs: dict[str, tuple[_UserRequest, _Sequence]] = {}
-        self._decoded: dict[int, str] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
         self.num_steps = 0
 
     # ------------------------------------------------------------------ setup helpers
@@ -225,7 +187,7 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished user requests."""
-        return len(self._requests)
+        return len(self.output_processor.requests)
 
     def cache_config_info(self) -> dict[str, str]:
         """KV cache settings for the metrics info gauge (values as strings, as Prometheus
@@ -298,7 +260,7 @@ class LLMEngine:
         params = sampling_params
         if self._extra_eos_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
-        state = _UserRequest(request_id, prompt_text, prompt_ids, sampling_params, arrival, priority)
+        state = RequestState(request_id, prompt_text, prompt_ids, sampling_params, arrival, priority)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None]
         n = params.n
@@ -324,12 +286,7 @@ class LLMEngine:
                 tenant=tenant,
                 prompt_leader=state.seqs[0].request if i else None,
             )
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params)
-            seq = _Sequence(request, i, detok)
-            if child_params.logprobs is not None:
-                seq.logprobs = []
-                seq.cumulative_logprob = 0.0
-            state.seqs.append(seq)
+            state.seqs.append(self.output_processor.new_sequence(request, i, child_params))
         return PreparedRequest(state)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
@@ -340,7 +297,7 @@ class LLMEngine:
                 the scheduler rejects the prompt (``prompt ...``).
         """
         state = prepared.state
-        if state.request_id in self._requests or any(s.request.request_id in self._seqs for s in state.seqs):
+        if self.output_processor.in_use(state):
             raise ValueError(f"request_id {state.request_id!r} is already in use")
         added: list[str] = []
         try:
@@ -350,9 +307,7 @@ class LLMEngine:
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        self._requests[state.request_id] = state
-        for seq in state.seqs:
-            self._seqs[seq.request.request_id] = (state, seq)
+        self.output_processor.add(state)
 
     def add_request(
         self,
@@ -395,15 +350,16 @@ class LLMEngine:
         """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        proc = self.output_processor
         now = time.monotonic()
         iteration = IterationStats()
-        touched: dict[str, _UserRequest] = {}
+        touched: dict[str, RequestState] = {}
         for rid in request_ids:
-            if rid in self._requests:
-                state = self._requests[rid]
+            if rid in proc.requests:
+                state = proc.requests[rid]
                 seqs = state.seqs
-            elif rid in self._seqs:
-                state, seq = self._seqs[rid]
+            elif rid in proc.seqs:
+                state, seq = proc.seqs[rid]
                 seqs = [seq]
             else:
                 continue
@@ -412,12 +368,12 @@ class LLMEngine:
             for s in seqs:
                 if s.finish_reason is None:
                     s.request.status = RequestStatus.FINISHED_ABORTED
-                    self._finish_sequence(state, s, "abort", now, iteration)
+                    proc.finish_sequence(state, s, "abort", now, iteration)
             touched[state.request_id] = state
-        outputs = [self._make_output(state) for state in touched.values()]
+        outputs = [proc.make_output(state) for state in touched.values()]
         for state in touched.values():
             if state.finished:
-                self._drop(state)
+                proc.drop(state)
         if iteration.finished_requests:
             self._record_stats(self.scheduler.make_stats(), iteration)
         return [o for o in outputs if o.finished]
@@ -435,13 +391,14 @@ class LLMEngine:
                 an error while post-processing one request aborts that request (its output
                 carries ``finish_reason="abort"`` and ``extra["error"]``) and the step goes on.
         """
+        proc = self.output_processor
         scheduler_output = self.scheduler.schedule()
         iteration = IterationStats()
-        touched: dict[str, _UserRequest] = {}
+        touched: dict[str, RequestState] = {}
         if scheduler_output.scheduled:
             now = time.monotonic()
             for sr in scheduler_output.scheduled:
-                entry = self._seqs.get(sr.request.request_id)
+                entry = proc.seqs.get(sr.request.request_id)
                 if entry is not None and entry[1].first_scheduled_time is None:
                     entry[1].first_scheduled_time = now
                 num_prompt = sr.request.num_prompt_tokens
@@ -450,15 +407,15 @@ class LLMEngine:
             result = self.runner.execute_model(scheduler_output)
             sampling, logits = result.sampling, result.logits
             for rid, plp in result.prompt_logprobs.items():
-                entry = self._seqs.get(rid)
+                entry = proc.seqs.get(rid)
                 if entry is None:
                     continue
                 state, seq = entry
                 try:
-                    self._add_prompt_logprobs(state, seq, plp)
+                    proc.add_prompt_logprobs(state, seq, plp)
                 except Exception as exc:  # one bad request must not take the engine down
                     logger.exception("request %s failed while processing its prompt logprobs", rid)
-                    self._abort_sequence(state, seq, exc, time.monotonic(), iteration)
+                    proc.abort_sequence(state, seq, exc, time.monotonic(), iteration)
                     touched[state.request_id] = state
             requests = [s.request for s in sampling]
             sampled = self.sampler(logits, requests)
@@ -468,183 +425,29 @@ class LLMEngine:
             now = time.monotonic()
             iteration.num_generation_tokens = len(changed)
             for request in changed:
-                entry = self._seqs.get(request.request_id)
+                entry = proc.seqs.get(request.request_id)
                 if entry is None:
                     continue
                 state, seq = entry
                 try:
-                    self._process_token(state, seq, logprobs.get(request.request_id), now, iteration)
+                    proc.process_token(state, seq, logprobs.get(request.request_id), now, iteration)
                 except Exception as exc:  # one bad request must not take the engine down
                     logger.exception("request %s failed while processing its output", request.request_id)
-                    self._abort_sequence(state, seq, exc, now, iteration)
+                    proc.abort_sequence(state, seq, exc, now, iteration)
                 touched[state.request_id] = state
         self.num_steps += 1
         outputs = []
         for state in touched.values():
             try:
-                outputs.append(self._make_output(state))
+                outputs.append(proc.make_output(state))
             except Exception as exc:
                 logger.exception("request %s failed while building its output", state.request_id)
                 self.abort_request(state.request_id)
-                outputs.append(self._error_output(state, exc))
+                outputs.append(proc.error_output(state, exc))
             if state.finished:
-                self._drop(state)
+                proc.drop(state)
         self._record_stats(self.scheduler.make_stats(), iteration)
         return outputs
-
-    def _process_token(
-        self, state: _UserRequest, seq: _Sequence, lp: SampleLogprobs | None, now: float, iteration: IterationStats
-    ) -> None:
-        request = seq.request
-        token = request.output_token_ids[-1]
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            iteration.time_to_first_tokens.append(now - request.arrival_time)
-        else:
-            iteration.inter_token_latencies.append(now - seq.last_token_time)
-        seq.last_token_time = now
-        if seq.logprobs is not None and lp is not None:
-            seq.logprobs.append(self._logprob_dict(token, lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs))
-            seq.cumulative_logprob += lp.logprob
-        finished = request.is_finished
-        # EOS / stop token ids end the sequence and are not part of the text (vLLM).
-        stop_token = finished and request.status == RequestStatus.FINISHED_STOPPED
-        if seq.detokenizer.update([token], request.num_output_tokens, skip_last=stop_token) and not finished:
-            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = seq.detokenizer.stop_reason
-            finished = True
-        if finished:
-            self._finish_sequence(state, seq, request.status.finish_reason or "stop", now, iteration)
-
-    def _abort_sequence(
-        self, state: _UserRequest, seq: _Sequence, exc: Exception, now: float, iteration: IterationStats
-    ) -> None:
-        """Record ``exc`` as ``seq``'s error and, unless it already finished, abort it in the
-        scheduler (its blocks freed) and finish it with ``finish_reason="abort"``."""
-        seq.error = f"{type(exc).__name__}: {exc}"
-        if seq.finish_reason is None:
-            self.scheduler.finish_requests([seq.request.request_id], RequestStatus.FINISHED_ABORTED)
-            seq.request.status = RequestStatus.FINISHED_ABORTED
-            self._finish_sequence(state, seq, "abort", now, iteration)
-
-    def _decode_token(self, token: int) -> str:
-        """One token's text (``tokenizer.decode([token])``, as vLLM's ``decoded_token``), cached."""
-        text = self._decoded.get(token)
-        if text is None:
-            text = self._decoded[token] = self.tokenizer.decode([token])
-        return text
-
-    def _logprob_dict(
-        self, token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
-    ) -> dict[int, Logprob]:
-        """vLLM's per-position dict: the given token first (its logprob and rank), then the
-        top tokens (ranks 1..k) that are not that token."""
-        decode = self._decode_token
-        out = {token: Logprob(logprob, rank, decode(token))}
-        for r, (tid, value) in enumerate(zip(top_ids, top_logprobs), start=1):
-            if tid not in out:
-                out[tid] = Logprob(value, r, decode(tid))
-        return out
-
-    def _add_prompt_logprobs(self, state: _UserRequest, seq: _Sequence, plp: PromptLogprobsTensors) -> None:
-        """Append one step's prompt logprobs. Entries the request already has are skipped (the
-        runner does not compute them again after a preemption, see
-        ``Request.num_prompt_logprobs_done``; this keeps the list right regardless)."""
-        acc = state.prompt_logprobs
-        if acc is None:
-            return
-        skip = len(acc) - plp.first_token
-        if skip < 0:
-            raise RuntimeError(
-                f"prompt logprobs from token {plp.first_token} but only {len(acc)} entries so far"
-            )
-        n = plp.token_logprobs.shape[0]
-        if skip >= n:
-            return
-        prompt = state.prompt_token_ids
-        lps = plp.token_logprobs[skip:].tolist()
-        ranks = plp.token_ranks[skip:].tolist()
-        top_ids = plp.top_ids[skip:].tolist()
-        top_lps = plp.top_logprobs[skip:].tolist()
-        first = plp.first_token + skip
-        for j in range(n - skip):
-            acc.append(self._logprob_dict(prompt[first + j], lps[j], ranks[j], top_ids[j], top_lps[j]))
-        seq.request.num_prompt_logprobs_done = len(acc)
-
-    def _finish_sequence(
-        self, state: _UserRequest, seq: _Sequence, reason: str, now: float, iteration: IterationStats
-    ) -> None:
-        seq.finish_reason = reason
-        seq.finished_time = now
-        seq.detokenizer.finish()
-        request = seq.request
-        queue_time = (seq.first_scheduled_time - request.arrival_time) if seq.first_scheduled_time else 0.0
-        iteration.finished_requests.append(
-            FinishedRequestStats(
-                finish_reason=reason,
-                e2e_latency=now - request.arrival_time,
-                queue_time=queue_time,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_generation_tokens=request.num_output_tokens,
-            )
-        )
-
-    def _drop(self, state: _UserRequest) -> None:
-        self._requests.pop(state.request_id, None)
-        for seq in state.seqs:
-            self._seqs.pop(seq.request.request_id, None)
-
-    def _make_output(self, state: _UserRequest) -> RequestOutput:
-        completions = []
-        errors = []
-        for seq in state.seqs:
-            request = seq.request
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.detokenizer.output_text,
-                    token_ids=list(request.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=request.stop_reason if seq.finish_reason == "stop" else None,
-                )
-            )
-            if seq.error:
-                errors.append(seq.error)
-        first = state.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min((s.first_scheduled_time for s in state.seqs if s.first_scheduled_time), default=None),
-            first_token_time=min((s.first_token_time for s in state.seqs if s.first_token_time), default=None),
-            last_token_time=max((s.last_token_time for s in state.seqs if s.last_token_time), default=None),
-            finished_time=max((s.finished_time or 0 for s in state.seqs), default=None) if state.finished else None,
-        )
-        out = RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=state.finished,
-            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
-            num_cached_tokens=max(first.request.num_cached_tokens, 0),
-            metrics=metrics,
-            priority=state.priority,
-        )
-        if errors:
-            out.extra["error"] = "; ".join(errors)
-        return out
-
-    def _error_output(self, state: _UserRequest, exc: Exception) -> RequestOutput:
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[CompletionOutput(index=s.index, text="", token_ids=[], finish_reason="abort") for s in state.seqs],
-            finished=True,
-            extra={"error": f"{type(exc).__name__}: {exc}"},
-        )
 
     def _record_stats(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
