@@ -2,42 +2,17 @@
 
 Run on any machine with one CUDA GPU (target: under 5 minutes)::
 
-    python benchmarks/gpu_check.py                 # everything
-    python benchmarks/gpu_check.py --quick         # smaller timing grid
+    python benchmarks/gpu_check.py                 # everything (--quick: smaller timing grid)
     python benchmarks/gpu_check.py --skip-engine   # kernels only
-    python benchmarks/gpu_check.py --smoke         # no GPU: run the kernel sections on CPU under
-                                                   # the Triton interpreter, tiny shapes (checks the script)
-    python benchmarks/gpu_check.py --json out.json # also write a machine-readable summary
-    python benchmarks/gpu_check.py --only correctness --shard 0/8   # 1/8 of the correctness grid
-                                                   # (parallel processes share Triton's compile time)
+    python benchmarks/gpu_check.py --smoke         # no GPU: kernel sections on CPU, Triton interpreter, tiny shapes
+    python benchmarks/gpu_check.py --json out.json --only correctness --shard 0/8
 
-Sections (each in its own try/except; a failing section is reported and the next one
-runs; sections are skipped when the overall ``--budget-s`` is used up):
-
-1. correctness: the Triton kernels against the torch reference *on the GPU* over the
-   test grid (block sizes 8/16/32; head sizes 64/96/128; GQA ratios 1/3/8; fp32, fp16,
-   bf16; ragged decode + prefill + chunked-prefill batches; forced split-K; shuffled
-   blocks; sliding windows and logit soft-capping; reshape_and_cache with slot -1).
-2. decode timing: batch 1/32/256 at context 512/4096/32768 (Llama-3-8B attention shape:
-   32 query heads, 8 kv heads, head_size 128, bf16, block_size 16); prints time per call
-   and achieved bandwidth (bytes of K+V read / time) as a fraction of the GPU's peak
-   memory bandwidth (from a table of known GPUs, else a measured device-to-device copy).
-3. prefill timing: causal prefill and chunked prefill in TFLOP/s (4 * head_size FLOPs per
-   visible query-key pair per head).
-4. engine: ``kvfleet.runtime.LLM`` with the default model (SmolLM2-135M-Instruct; another
-   checkpoint or ``.gguf`` file with ``--engine-model``) on CUDA and on CPU, fp32, greedy;
-   the token ids must be identical. Under ``--smoke`` (only when asked for with
-   ``--only engine``) it compares the Triton backend under the interpreter with the torch
-   backend, both on CPU.
-
-``--json PATH`` writes what was printed as one JSON object (GPU, versions, per-section
-status, seconds, error, and the section's rows), also when a section fails or there is
-no GPU. ``benchmarks/device/run.sh`` runs each section in its own process (a CUDA error
-that poisons one process's context cannot take the other sections with it) and merges
-these files.
-
-Exit status: 0 when every section that ran passed, 1 when any failed, 2 when there is
-no CUDA device (nothing is checked then).
+Sections (each in its own try/except, skipped once ``--budget-s`` is used up): correctness
+(Triton vs the torch reference on the GPU over the test grid), decode timing (bandwidth as a
+fraction of peak), prefill timing (TFLOP/s), engine (``LLM`` on CUDA vs CPU, identical greedy
+token ids). ``--json`` writes per-section status, seconds, error and rows.
+Exit status: 0 when every section that ran passed, 1 when any failed, 2 without a CUDA device.
+Grid, shapes and formulas: docs/performance.md, "How to run the GPU check".
 """
 
 from __future__ import annotations

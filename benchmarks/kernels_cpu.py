@@ -1,27 +1,15 @@
 """Micro-benchmark of the CPU (torch) attention path: time per call of
 ``paged_attention`` and ``reshape_and_cache`` for the shapes the engine sees with
-SmolLM2-135M (9 query heads, 3 kv heads, head_size 64, fp32, block_size 16).
+SmolLM2-135M (9 query heads, 3 kv heads, head_size 64, fp32, block_size 16). Not a test::
 
-Not a test. Run::
+    python benchmarks/kernels_cpu.py [--threads 2] [--repeat 20] [--baseline HEAD~1]
 
-    python benchmarks/kernels_cpu.py            # default grid
-    python benchmarks/kernels_cpu.py --threads 2 --repeat 20
-
-Each line prints the shape, the time per call (min and median of ``--repeat`` runs, after
-a warm-up; on a shared machine the min is the code, the median includes the neighbours)
-and the min multiplied by the model's 30 layers, i.e. the attention cost of one engine
-step.
-
-The ``step:`` cases time what one engine step's attention does on the CPU: 30 layers, each
-with its own KV cache (same block tables), each calling ``reshape_and_cache`` then
-``paged_attention`` with the step's plan (``plan_paged_attention_torch`` once per step and
-window, as :meth:`kvfleet.runtime.worker.attention.AttentionMetadata.torch_plan` does).
-
-``--baseline REV`` loads ``kernels/reference.py`` of git revision ``REV`` (e.g. ``HEAD~1``)
-as a second module and times it in the same process, alternating calls with the current
-code (so both see the same neighbours), then prints both minima and the ratio
-baseline / current (> 1: the current code is faster). A baseline without
-``plan_paged_attention_torch`` runs each layer's call without a plan, as the engine did.
+Each line prints the shape, min and median time per call over ``--repeat`` runs (after a
+warm-up) and the min times the model's 30 layers (one engine step's attention). ``step:``
+cases time one step as the engine runs it (30 layers, one plan per step and window).
+``--baseline REV`` also loads ``kernels/reference.py`` of git revision ``REV`` and alternates
+calls with the current code, printing both minima and baseline / current (> 1: current is
+faster). Results: docs/performance.md, "CPU path (torch)".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Offline throughput: kvfleet's continuous batching vs transformers' static batches.
 
-Workload (issue 2): 64 requests, prompt lengths uniform in [16, 512] tokens, output lengths
-uniform in [16, 256] tokens (fixed seed), all submitted at once, on the default model
-(SmolLM2-135M-Instruct, fp32 on CPU unless --device/--dtype say otherwise). Prompts are
-random token ids; every request generates exactly its output length (``ignore_eos``).
+Workload (issue 2): 64 requests of random token ids, prompts uniform in [16, 512] tokens,
+outputs uniform in [16, 256] tokens (fixed seed, ``ignore_eos``), all submitted at once, on
+the default model (fp32 on CPU unless --device/--dtype say otherwise). kvfleet:
+``LLM.generate`` over all 64; baseline: transformers ``generate()`` on left-padded static
+batches of 8 in arrival order, each running to its longest output. Both count only the
+requested output tokens and run in this process, on separate copies of the model::
 
-- kvfleet: ``LLM.generate`` over all 64 requests (continuous batching, paged KV cache).
-- baseline: transformers ``generate()`` on static, left-padded batches of 8 in arrival
-  order; each batch runs until its longest output is done (``min_new_tokens`` =
-  ``max_new_tokens`` = the batch's longest output length), as a static server would.
-
-Both count only the requested output tokens, so the baseline's padding and the tokens it
-generates past a request's own length are its waste. Both run in this process, one after
-the other, on separate copies of the model.
-
-Usage::
-
-    python benchmarks/throughput.py                 # the issue's workload (several minutes on 2 cores)
+    python benchmarks/throughput.py                 # the issue's workload (minutes on 2 cores)
     python benchmarks/throughput.py --num-requests 16 --max-output 64   # a quick look
+
+Results: docs/engine.md, "Throughput benchmark".
 """
 
 from __future__ import annotations

@@ -3,35 +3,18 @@ reference implementations (CPU, and the oracle in tests).
 
 Public API::
 
-    from kvfleet.kernels import reshape_and_cache, paged_attention
-
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None
-    paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                    query_start_loc, scale=None, *, max_query_len=None,
-                    max_seq_len=None, out=None, sliding_window=None,
-                    softcap=None) -> Tensor
+    paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                    scale=None, *, max_query_len=None, max_seq_len=None, out=None,
+                    sliding_window=None, softcap=None) -> Tensor
 
-KV cache layout (per layer, one tensor for keys and one for values; vLLM's
-FlashAttention-backend layout)::
-
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
-    slot = block_id * block_size + offset_in_block     (slot -1: skip the token)
-
-Backend choice: CUDA tensors use the Triton kernels, anything else the torch
-implementation. The environment variable ``KVFLEET_ATTENTION_BACKEND`` (read at every
-call) forces one: ``auto`` (default), ``torch`` or ``triton``. ``triton`` on CPU tensors
-only works under the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is
-imported); that is how the tests check the kernels on machines without a GPU.
-
-Modules: ``reference`` (torch implementations), ``triton_cache`` / ``triton_attention``
-(Triton kernels, imported lazily), ``testing`` (random paged batches and a naive dense
-oracle for tests and benchmarks), ``aot`` (``python -m kvfleet.kernels.aot``: compile the
-kernels for sm_90/sm_80 without a GPU and report registers, spills, vectorisation).
-
-Sources: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
-PagedAttention" (SOSP 2023); Dao, "FlashAttention-2" (2023); Dao et al.,
-"Flash-Decoding for long-context inference" (2023); vLLM's ``reshape_and_cache_flash``
-and Triton attention kernels for the layout and calling convention.
+KV cache layout (per layer, vLLM's FlashAttention-backend layout): ``key_cache, value_cache:
+[num_blocks, block_size, num_kv_heads, head_size]``, ``slot = block_id * block_size + offset``
+(slot -1: skip the token). CUDA tensors use Triton, anything else torch;
+``KVFLEET_ATTENTION_BACKEND=auto|torch|triton`` (read at every call) forces one (``triton``
+on CPU needs ``TRITON_INTERPRET=1`` before triton is imported). Modules: ``reference``,
+``triton_cache`` / ``triton_attention`` (lazy), ``testing``, ``aot``. Design and sources:
+docs/performance.md.
 """
 
 from __future__ import annotations

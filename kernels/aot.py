@@ -1,20 +1,13 @@
 """Compile the Triton kernels ahead of time for NVIDIA GPUs, on any machine (no GPU needed).
 
 ``python -m kvfleet.kernels.aot`` lowers every kernel, with the tile configuration the
-wrappers would pick for a set of representative shapes (``CASES``), to PTX and a cubin
-for Hopper (sm_90) and Ampere (sm_80), applying the 16-byte-divisibility specialisation
-Triton applies at launch to pointers and strides. For each it reports whether the K/V
-loads are vectorised (``cp.async`` / ``ld.global.v4``), whether the tensor-core
-instruction is Hopper's ``wgmma``, and the registers / stack / local memory per thread
-(from the ``cuobjdump`` in triton's wheel; stack or local > 0 means register spills).
-
-Used by ``tests/test_kernels_compile.py`` (in a subprocess: compiled-mode triton and the
-interpreter cannot share one process) and by hand when changing tile sizes::
-
-    python -m kvfleet.kernels.aot            # table
-    python -m kvfleet.kernels.aot --json     # one JSON object per line
-
-Must be run without ``TRITON_INTERPRET=1`` (raises RuntimeError otherwise).
+wrappers would pick for representative shapes (``CASES``), to PTX and a cubin for sm_90 and
+sm_80 (with Triton's 16-byte-divisibility specialisation), and reports whether K/V loads are
+vectorised (``cp.async`` / ``ld.global.v4``), whether the tensor-core instruction is
+``wgmma``, and registers / stack / local memory per thread (``cuobjdump``; stack or local > 0
+means spills). ``--json``: one JSON object per line. Used by ``tests/test_kernels_compile.py``
+(in a subprocess) and by hand when changing tile sizes. Must be run without
+``TRITON_INTERPRET=1`` (raises RuntimeError otherwise).
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
 """Torch implementations of the paged-KV-cache operations.
 
-These are both the production CPU path of the engine and the oracle the Triton kernels
-are tested against. They are vectorised (no Python loop over tokens): decode sequences
-(one query token each) are attended together in one batched computation over their
-gathered blocks (in cache-sized chunks, one SDPA call each); prefill sequences (chunks
-of several query tokens, possibly after a cached prefix) are attended one sequence at a
-time, each with one SDPA call over all heads. What depends only on the step's metadata
-(the decode order and chunks, block ids, masks) is computed by
-:func:`plan_paged_attention_torch`; the engine computes it once per step and passes it to
-every layer's :func:`paged_attention_torch` call (``plan=``).
-
-Cache layout (the same as vLLM's FlashAttention backend, see ``kvfleet.kernels``)::
+Both the production CPU path of the engine and the oracle the Triton kernels are tested
+against; vectorised (no Python loop over tokens). :func:`plan_paged_attention_torch`
+computes once per step what depends only on the step's metadata; every layer's
+:func:`paged_attention_torch` call reuses it (``plan=``). Cache layout (vLLM's
+FlashAttention backend, see ``kvfleet.kernels``)::
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size]
     slot = block_id * block_size + offset_in_block
 
-Options (both kernels, same meaning): ``sliding_window`` (a query at position ``p`` sees
-keys ``p - sliding_window < k <= p``: transformers' ``masking_utils.sliding_window_overlay``
-``kv_idx > q_idx - sliding_window`` on top of the causal mask, the same as FlashAttention's
-``window_size=(sliding_window - 1, 0)`` as vLLM passes it; transformers passes
-``(sliding_window - 1, sliding_window - 1)`` with ``causal=True``, the same keys) and ``softcap``
-(attention logit soft-capping ``softcap * tanh(scores / softcap)`` before the mask, as
-Gemma 2's ``attn_logit_softcapping``: transformers' ``eager_attention_forward`` in
-``models/gemma2``, vLLM's ``apply_softcap``).
-
-Sources: W. Kwon et al., "Efficient Memory Management for Large Language Model Serving
-with PagedAttention", SOSP 2023 (block tables, slot mapping); vLLM's
-``reshape_and_cache_flash`` and ``flash_attn_varlen_func(block_table=...)`` for the
-layout and the varlen calling convention.
+Options (same meaning in both kernels): ``sliding_window`` (a query at ``p`` sees keys
+``p - sliding_window < k <= p``) and ``softcap`` (``softcap * tanh(scores / softcap)``).
+Algorithm, option semantics and sources (PagedAttention, SOSP 2023; vLLM; transformers):
+docs/performance.md, "CPU path (torch)".
 """
 
 from __future__ import annotations
@@ -49,8 +34,7 @@ __all__ = [
 ]
 
 # Decode sequences are attended in chunks whose gathered K+V take at most this many bytes
-# (fits a CPU's L2/L3; measured on 2 cores: 4 MiB is ~4x faster than one big gather at
-# 128 sequences x 512 tokens, see benchmarks/kernels_cpu.py).
+# (fits a CPU's L2/L3; measured: docs/performance.md, "CPU path (torch)").
 _DECODE_CHUNK_BYTES = 4 << 20
 
 
@@ -282,9 +266,7 @@ class _PrefillSeq:
 class PagedAttentionPlan:
     """Everything :func:`paged_attention_torch` derives from a step's metadata and not from
     its query or cache contents, computed once by :func:`plan_paged_attention_torch` and
-    reused by every layer of the step (the engine runs 30 layers with the same block tables,
-    lengths and offsets; recomputing this per layer was ~2/3 of the Python time of a CPU
-    decode step's attention).
+    reused by every layer of the step (why: docs/performance.md, "One plan per step").
 
     Holds: the decode sequences' query rows in processing order (``decode_rows``, ``[D]``
     int64; sorted by decreasing block count), their gather chunks (:class:`_DecodeChunk`:
@@ -433,16 +415,10 @@ def _decode_batch(
     softcap: float | None,
     out: torch.Tensor,
 ) -> None:
-    """Attend the plan's decode sequences (one query token each).
-
-    The queries are selected once (``plan.decode_rows``); then, chunk by chunk (gathered
-    K+V of at most ``_DECODE_CHUNK_BYTES``), the chunk's blocks are gathered into a reused
-    per-thread buffer (it stays in cache and costs no page faults) as a padded
-    ``[n, kvh, L, d]`` view, and one SDPA call attends the chunk with the plan's additive
-    mask (positions outside each sequence's visible range are ``-inf``). GQA without
-    copying K/V per query head: the ``group`` query heads of one kv head play SDPA's
-    query-length role (``q: [n, kvh, group, d]``).
-    """
+    """Attend the plan's decode sequences (one query token each) into ``out``: chunk by
+    chunk, gather the blocks into a reused per-thread buffer as a padded ``[n, kvh, L, d]``
+    view and make one SDPA call with the plan's additive mask; GQA as ``q: [n, kvh, group, d]``
+    (docs/performance.md, "CPU path (torch)")."""
     num_blocks, block_size, kvh, d = key_cache.shape
     num_heads = query.shape[1]
     group = num_heads // kvh
@@ -565,9 +541,8 @@ def paged_attention_torch(
         out: optional ``[num_tokens, num_heads, head_size]`` tensor to write into.
         sliding_window: None (default) for full causal attention, or the window in tokens
             (``>= 1``): a query at position ``p`` attends only to keys at positions
-            ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay``,
-            FlashAttention's ``window_size=(sliding_window - 1, 0)``). Blocks wholly
-            before the window are not read (they must still be valid block ids).
+            ``p - sliding_window < k <= p`` (transformers' ``sliding_window_overlay``).
+            Blocks wholly before the window are not read (they must be valid block ids).
         softcap: None (default) or ``> 0``: attention logits become
             ``softcap * tanh(scale * q.k / softcap)`` before masking and softmax
             (Gemma 2's ``attn_logit_softcapping``).

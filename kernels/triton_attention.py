@@ -1,44 +1,16 @@
 """Triton kernels: causal attention of a packed varlen batch over the paged KV cache.
 
-One kernel serves prefill, chunked prefill after a cached prefix, and decode; long
-contexts are split across programs and reduced (split-K, "Flash-Decoding").
+One kernel (``_paged_attention_kernel``) serves prefill, chunked prefill after a cached
+prefix, and decode: a program owns ``BLOCK_Q`` query tokens of one sequence times the
+``GROUP`` query heads of one kv head (grid: query block, kv head, KV split) and runs
+FlashAttention-2's online softmax over ``BLOCK_N``-token tiles gathered through the block
+table. Long contexts are split (``num_splits > 1``) and merged by ``_reduce_splits_kernel``
+(Flash-Decoding). Variants: ``SLIDING`` (tiles wholly before the window are never loaded)
+and ``SOFTCAP`` (``c * tanh(scores / c)`` before the mask). Same contract as
+:func:`kvfleet.kernels.reference.paged_attention_torch`.
 
-Work decomposition (FlashAttention-2 over a paged cache, in the style of vLLM's
-unified Triton attention kernel):
-
-* A program owns ``BLOCK_Q`` consecutive query tokens of one sequence times the
-  ``GROUP = num_heads // num_kv_heads`` query heads that share one kv head, packed
-  into ``BLOCK_M = BLOCK_Q * GROUP`` (padded to a power of two) rows, so each K/V tile
-  is loaded once for the whole GQA group.
-* Grid axis 0 enumerates query blocks of the packed batch: sequence ``s`` owns indices
-  ``[qsl[s] // BLOCK_Q + s, qsl[s+1] // BLOCK_Q + s + 1)``; a program finds its sequence
-  by binary search over ``query_start_loc`` (no host-side work, no device-to-host copy
-  to size the grid), and programs past a sequence's last query block exit at once.
-  Axis 1 is the kv head, axis 2 the KV split.
-* The KV loop walks ``BLOCK_N``-token tiles of the context, gathering each token's
-  physical block id from the block table (any ``block_size`` works, tiles may span
-  blocks), with the online softmax of FlashAttention-2 in fp32 (exp2 domain). Tiles
-  wholly left of the causal diagonal are processed without the mask, the rest with it
-  (two passes, ``_attend_tiles``).
-* Sliding window (``sliding_window=W``, the ``SLIDING`` variant): a query block starts
-  its KV loop at the tile of its first row's lowest visible key (``first_pos - W + 1``),
-  so tiles wholly before the window are never loaded and a long context costs
-  ``O(W)`` per query block, not ``O(seq_len)``. Tiles that straddle the window's lower
-  edge get the mask (a third pass before the unmasked one); the splits divide only the
-  tiles a block reads.
-* Soft-capping (``softcap=c``, the ``SOFTCAP`` constexpr): scores become
-  ``c * tanh(scores / c)`` before the mask (Gemma 2's ``attn_logit_softcapping``), with
-  tanh written through ``exp2`` of a non-positive argument (no overflow; vLLM's
-  ``apply_softcap`` computes the same function).
-* With ``num_splits > 1`` split ``i`` covers tiles ``[i*tiles_per_split,
-  (i+1)*tiles_per_split)`` and stores its unnormalised accumulator, running max and
-  running sum; ``_reduce_splits_kernel`` merges them (Flash-Decoding, Dao et al. 2023).
-  With one split the kernel normalises and writes the output directly.
-
-Sources: Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
-Partitioning" (2023); Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
-inference" (2023); Kwon et al., PagedAttention (SOSP 2023); vLLM's
-``triton_unified_attention.py`` for the query-block/sequence mapping.
+Work decomposition, masking passes and sources (FlashAttention-2, Flash-Decoding,
+PagedAttention, vLLM's ``triton_unified_attention.py``): docs/performance.md, "Design notes".
 """
 
 from __future__ import annotations

@@ -4,32 +4,14 @@ Names, meanings, histogram buckets and suffixes follow vLLM's ``PrometheusStatLo
 (vllm/v1/metrics/loggers.py) so that dashboards, HPA/KEDA triggers and Gateway API
 Inference Extension setups written for vLLM read them unchanged; the prefix is
 ``kvfleet:`` (and, with ``metrics_compat="vllm"``, additionally ``vllm:``). Every series is
-labelled ``model_name`` (the served model name). Exposition suffixes come from
-prometheus-client: counters end in ``_total``, histograms in ``_bucket``/``_sum``/``_count``.
-
-============================================  =========  =====================================
-series (after the prefix)                     type       meaning
-============================================  =========  =====================================
-``num_requests_running``                      gauge      requests in the running batch
-``num_requests_waiting``                      gauge      requests waiting (incl. preempted)
-``kv_cache_usage_perc``                       gauge      fraction (0-1) of KV blocks referenced
-                                                         by requests (cached free blocks excluded)
-``num_preemptions_total``                     counter    preemptions (recompute)
-``prompt_tokens_total``                       counter    prefill tokens computed
-``generation_tokens_total``                   counter    output tokens generated
-``request_success_total{finished_reason}``    counter    finished requests by stop|length|abort
-``prefix_cache_queries_total``                counter    prompt tokens looked up in the prefix cache
-``prefix_cache_hits_total``                   counter    of those, tokens found cached
-``time_to_first_token_seconds``               histogram  arrival to first output token, s
-``inter_token_latency_seconds``               histogram  time between consecutive output tokens, s
-``e2e_request_latency_seconds``               histogram  arrival to finish, s
-``request_queue_time_seconds``                histogram  arrival to first scheduled, s
-``request_prompt_tokens``                     histogram  prompt length of finished requests, tokens
-``request_generation_tokens``                 histogram  output length of finished requests, tokens
-``cache_config_info``                         gauge = 1  labels: block_size, num_blocks
-                                                         (vllm: also num_gpu_blocks),
-                                                         gpu_memory_utilization
-============================================  =========  =====================================
+labelled ``model_name``. Counters end in ``_total``, histograms in ``_bucket``/``_sum``/``_count``
+(prometheus-client). Series: gauges ``num_requests_running``, ``num_requests_waiting``,
+``kv_cache_usage_perc`` (0-1), ``cache_config_info``; counters ``num_preemptions``,
+``prompt_tokens``, ``generation_tokens``, ``request_success{finished_reason}``,
+``prefix_cache_queries``, ``prefix_cache_hits``; histograms (seconds)
+``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+``e2e_request_latency_seconds``, ``request_queue_time_seconds``, and (tokens)
+``request_prompt_tokens``, ``request_generation_tokens``. Meanings: docs/server.md, "Metrics".
 """
 
 from __future__ import annotations

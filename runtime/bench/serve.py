@@ -1,20 +1,12 @@
 """``kvfleet bench serve``: load generator for any OpenAI-compatible streaming endpoint.
 
-Methodology of vLLM's ``benchmarks/benchmark_serving.py`` (``vllm bench serve``):
-
-- one warm-up request (not counted), then ``num_prompts`` requests sent by one asyncio
-  client (httpx); arrivals all at once (``request_rate=inf``) or with inter-arrival times
-  drawn from a gamma distribution of shape ``burstiness`` and mean ``1/request_rate``
-  seconds (``burstiness=1``: a Poisson process);
-- ``max_concurrency`` caps the requests in flight (a semaphore); a request's clock starts
-  when it is actually sent, after it got a slot;
-- every request streams (``stream: true`` with ``stream_options.include_usage``); the
-  arrival of each chunk that carries text is timed, token counts come from the server's
-  ``usage`` (the tokenizer's count of the text when the server sends none);
-- greedy decoding (``temperature: 0``); ``--ignore-eos`` (vLLM's extra field, which kvfleet
-  accepts) makes every request produce exactly ``max_tokens`` tokens.
-
-The report maths lives in :mod:`kvfleet.runtime.bench.metrics`.
+Methodology of vLLM's ``benchmark_serving.py`` (``vllm bench serve``): one warm-up request,
+then ``num_prompts`` requests from one asyncio client (httpx), all at once or with gamma
+inter-arrival times (shape ``burstiness``, mean ``1/request_rate`` s; 1 = Poisson);
+``max_concurrency`` caps requests in flight (a request's clock starts when it is sent);
+every request streams, each text chunk is timed, token counts come from the server's
+``usage``; greedy, ``--ignore-eos`` for exact lengths. Report maths:
+:mod:`kvfleet.runtime.bench.metrics`; options and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -25,12 +17,18 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 
 from kvfleet.runtime.bench.datasets import SampleRequest
-from kvfleet.runtime.bench.metrics import RequestResult, compute_metrics, format_report, result_from_chunk_times, throughput_timeline
+from kvfleet.runtime.bench.metrics import (
+    RequestResult,
+    compute_metrics,
+    format_report,
+    result_from_chunk_times,
+    throughput_timeline,
+)
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -354,7 +352,7 @@ def main(args) -> int:
         print(f"first error: {failed[0].error}")
     if args.output_json:
         doc = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "host": platform.node(),
             "kvfleet_revision": source_revision(),
             "base_url": args.base_url,

@@ -3,17 +3,12 @@ prefix-cache map. It speaks only in block ids and never touches tensors.
 
 Layout follows vLLM v1 (``vllm/v1/core/block_pool.py``): free blocks sit in one doubly
 linked queue whose head is evicted first. Blocks freed *without* a prefix-cache hash go
-to the head (reused first: they hold nothing worth keeping); blocks freed *with* a hash
-go to the tail, so unreferenced cached blocks are evicted least-recently-used first.
-A cached block that gets a hit while free is taken out of the middle of the queue in O(1).
-
-With ``use_null_block=True`` (sliding-window models, see
-:class:`kvfleet.runtime.core.kv_cache_manager.KVCacheManager`) the last physical block is the
-*null block*, as vLLM v1's ``BlockPool.null_block``: never handed out, never written,
-never cached, never reference-counted; block tables hold it in place of blocks that fell
-out of the sliding window and were freed. (vLLM reserves block 0; kvfleet reserves the last
-one because the model runner pads block tables with 0, so a null-block read can be told
-from a padding read.)
+to the head (reused first); blocks freed *with* a hash go to the tail, so unreferenced
+cached blocks are evicted least-recently-used first; a free cached block that gets a hit
+is taken out of the middle of the queue in O(1). With ``use_null_block=True``
+(sliding-window models) the last physical block is the *null block* (vLLM v1's
+``BlockPool.null_block``): never handed out, written, cached or reference-counted (why
+the last one: docs/scheduling.md, "Sliding-window models").
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """KV cache manager: per-request block tables on top of the block pool, with automatic
 prefix caching. Speaks only in requests, token counts and block ids.
 
-The facade follows vLLM v1 (``vllm/v1/core/kv_cache_manager.py``):
-``get_computed_blocks`` (longest cached prefix), ``allocate_slots`` (blocks for the
-tokens of this step), ``free``. A fully cached prompt still recomputes its last token,
-so the model produces logits for it.
-
+The facade follows vLLM v1 (``vllm/v1/core/kv_cache_manager.py``): ``get_computed_blocks``
+(longest cached prefix), ``allocate_slots`` (blocks for the tokens of this step), ``free``.
+A fully cached prompt still recomputes its last token, so the model produces its logits.
 Sliding window (``sliding_window=W``, only when every attention layer has the same window,
-Mistral-style; see :func:`uniform_sliding_window`): as vLLM v1's ``SlidingWindowManager``
-(``vllm/v1/core/single_type_kv_cache_manager.py``), a query at position ``p`` sees keys
-``p - W < k <= p``, so once ``num_computed_tokens`` tokens are computed, no later query of
-the request reads a block whose positions are all ``< num_computed_tokens + 1 - W``. Those
-blocks go back to the pool at the request's next allocation (``remove_skipped_blocks``) and
-the block table keeps its length with the pool's *null block* in their place (never handed
-out, never written: neither kernel reads table entries of keys before the window; the
-Triton kernel masks the loads of such keys in the tile that straddles the window's edge). A freed block with a prefix-cache hash stays cached and evictable,
-like any freed block; a prefix-cache hit needs only the blocks of the last window
-(``find_longest_cache_hit``). Hybrid models (local + global layers in one block table,
-Gemma 2/3) keep every block, as full attention does.
+:func:`uniform_sliding_window`): as vLLM v1's ``SlidingWindowManager``, blocks whose
+positions are all ``< num_computed_tokens + 1 - W`` go back to the pool at the request's
+next allocation and the block table holds the pool's null block in their place; a
+prefix-cache hit needs only the blocks of the last window. Hybrid models keep every block.
+Details: docs/scheduling.md, "Sliding-window models".
 """
 
 from __future__ import annotations

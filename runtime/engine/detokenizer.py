@@ -1,20 +1,14 @@
 """Incremental detokenization with stop strings matched on text.
 
-Decoding token by token is wrong for byte-level BPE and SentencePiece (a character may
-span several tokens; a token's leading space depends on its neighbours), and decoding
-the whole output every step is quadratic. :class:`IncrementalDetokenizer` keeps two
-offsets into the token list, as HF's ``TextStreamer`` and vLLM's
-``detokenize_incrementally`` do: ``prefix_offset`` (start of a few tokens of context) and
-``read_offset`` (end of the text already produced). Each step it decodes
-``tokens[prefix_offset:]`` and ``tokens[prefix_offset:read_offset]``; the new text is the
-difference, released only when it does not end in an incomplete UTF-8 sequence (U+FFFD).
-
-Stop strings are searched in the produced text (so a stop string may end in the middle of
-a token, or span tokens). Text that could still become a stop string -- a suffix that is a
-prefix of one of them -- is held back, so text is never emitted and then taken back. On a
-match the output is cut before the stop string (after it with
-``include_stop_str_in_output``). Stop strings are only honoured once ``min_tokens`` tokens
-were generated (vLLM's rule).
+:class:`IncrementalDetokenizer` keeps two offsets into the token list, as HF's
+``TextStreamer`` and vLLM's ``detokenize_incrementally`` do (``prefix_offset``: start of a few
+tokens of context; ``read_offset``: end of the text already produced) and releases new text
+only when it does not end in an incomplete UTF-8 sequence (U+FFFD). Stop strings are searched
+in the produced text (they may end mid-token or span tokens); a suffix that could still
+become a stop string is held back, so text is never emitted and taken back. On a match the
+output is cut before the stop string (after it with ``include_stop_str_in_output``). Stop
+strings count only once ``min_tokens`` tokens were generated (vLLM's rule).
+Why: docs/engine.md, "Detokenization".
 """
 
 from __future__ import annotations

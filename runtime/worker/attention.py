@@ -1,46 +1,15 @@
 """The engine's paged attention, plugged into transformers' attention-function registry.
 
-``register()`` adds ``"kvfleet_paged"`` to ``transformers.AttentionInterface``. A model
-whose ``config._attn_implementation`` is that name (set by the model runner) calls
-:func:`paged_attention_forward` in every attention layer instead of sdpa/eager, so any
-Llama/Qwen2/Mistral-style model definition from transformers runs on the engine's packed,
-unpadded batch (``input_ids`` of shape ``[1, T]``, one sequence after another, with
-per-token ``position_ids``) without a model file of our own.
-
-No attention mask is built: the name is deliberately *not* in transformers'
-``AttentionMaskInterface``, and for such names ``create_causal_mask`` returns ``None``
-without doing any work (``masking_utils._preprocess_mask_arguments``: "For TGI/vLLM
-backends, or other custom attention without equivalent mask creation: we don't need a
-mask"). Causality and sequence boundaries come from ``seq_lens`` / ``query_start_loc``.
-
-The per-step metadata reaches the layers as the extra forward keyword argument
-``kvfleet_attn`` (transformers passes unknown keyword arguments of the model's forward
-through to the attention function).
-
-What the paged attention implements, and what it refuses (no mask is built, so anything a
-mask or an extra score term would carry must be implemented here or refused):
-
-- causal attention, GQA/MQA, the module's ``scaling`` (e.g. Gemma's
-  ``query_pre_attn_scalar``);
-- sliding-window layers: each layer's window comes from the config the way transformers'
-  mask selection reads it (:func:`layer_sliding_windows`: ``layer_types[i] ==
-  "sliding_attention"`` -> ``sliding_window``; no ``layer_types`` -> ``sliding_window`` on
-  every layer, as Mistral), and the ``sliding_window`` keyword that the attention modules
-  pass must agree with it. Semantics: transformers' ``sliding_window_overlay``, see
-  :func:`kvfleet.kernels.paged_attention`. When every layer has the same window
-  (Mistral), the KV cache manager frees the blocks that fell out of it and the block table
-  holds the null block there (:mod:`kvfleet.runtime.core.kv_cache_manager`); hybrid models
-  (local + global layers, Gemma 2/3) keep every block for the whole request;
-- attention logit soft-capping (the ``softcap`` keyword, Gemma 2's
-  ``attn_logit_softcapping``). ``final_logit_softcapping`` is applied by the model's own
-  forward (the runner takes ``out.logits``).
-
-:func:`check_attention_support` refuses configs with anything else (ALiBi, cross-attention,
-encoder-decoder, MLA, chunked/sparse/linear layers, bidirectional attention) with a
-ValueError naming the config field, and :func:`probe_attention` runs two tokens through
-the model at engine start so that keyword arguments the config does not reveal
-(attention sinks ``s_aux``, position biases, a mask, ``is_causal=False``, a layer that
-bypasses the attention registry) are refused at load, not served wrongly.
+``register()`` adds ``"kvfleet_paged"`` to ``transformers.AttentionInterface``. A model whose
+``config._attn_implementation`` is that name (set by the model runner) calls
+:func:`paged_attention_forward` in every attention layer, so any Llama/Qwen2/Mistral-style
+transformers model runs on the engine's packed, unpadded batch (``input_ids [1, T]``,
+per-token ``position_ids``). No attention mask is built; the per-step
+:class:`AttentionMetadata` reaches the layers as the forward keyword ``kvfleet_attn``.
+Supported: causal attention, GQA/MQA, the module's ``scaling``, per-layer sliding windows
+(:func:`layer_sliding_windows`) and logit soft-capping. :func:`check_attention_support`
+refuses other configs with a ValueError naming the field; :func:`probe_attention` refuses at
+load what only a forward call shows. Details: docs/engine.md, "How a step runs".
 """
 
 from __future__ import annotations

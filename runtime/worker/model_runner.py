@@ -1,34 +1,17 @@
 """Model runner: one forward pass of a transformers model over a packed, unpadded batch.
 
-The scheduler decides which requests run and which tokens/blocks they use; the runner
-turns that :class:`~kvfleet.runtime.core.sched.scheduler.SchedulerOutput` into tensors
-
-- ``input_ids[T]`` and ``positions[T]``: the new tokens of every scheduled request, one
-  request after another (``T`` = ``total_num_scheduled_tokens``);
-- ``slot_mapping[T]``: where each new token's K/V goes (``block_id * block_size + offset``);
-- ``block_tables[B, max_blocks]``, ``seq_lens[B]``, ``query_start_loc[B + 1]``;
-
-runs the model once (the paged attention of :mod:`kvfleet.runtime.worker.attention` reads and
-writes the per-layer KV caches it owns), and returns the logits of the last token of each
-request that samples this step, ``[S, vocab_size]`` float32. The LM head runs only on
-those ``S`` hidden states (``logits_to_keep`` with an index tensor), never on all ``T``.
-
-Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's semantics): for a request that
-asks for them, the LM head also runs on every prompt position of the step except the last
-prompt token's (whose logits are the sampling row): the hidden states come from a forward
-hook on the decoder (``model.get_decoder()``), and the LM head
-(``model.get_output_embeddings()``, times the constant factor some models apply to its
-output, fitted at load against the model's own logits, plus ``final_logit_softcapping``
-where the config has it, as Gemma 2 does: :meth:`ModelRunner.compute_logits`) runs over
-them in chunks of at most ``PROMPT_LOGPROBS_CHUNK_BYTES`` of
-float32 logits, keeping only each row's prompt token's logprob and rank and the top-k
-(:class:`PromptLogprobsTensors`). Logprobs are ``log_softmax`` of the raw logits in float32
-(vLLM's default ``logprobs_mode="raw_logprobs"``: no temperature or penalties).
-
-KV cache: per layer one key and one value tensor of shape
-``[num_blocks, block_size, num_kv_heads, head_size]`` in the model dtype (the layout of
-:mod:`kvfleet.kernels`). ``num_blocks`` comes from the memory budget, see
-:meth:`ModelRunner.determine_num_blocks`.
+Turns a :class:`~kvfleet.runtime.core.sched.output.SchedulerOutput` into ``input_ids[T]``,
+``positions[T]``, ``slot_mapping[T]`` (``block_id * block_size + offset``),
+``block_tables[B, max_blocks]``, ``seq_lens[B]``, ``query_start_loc[B + 1]``; runs the model
+once (the paged attention of :mod:`kvfleet.runtime.worker.attention` reads and writes the
+per-layer KV caches it owns) and returns the logits of the last token of each request that
+samples, ``[S, vocab_size]`` float32 (the LM head runs only on those ``S`` rows).
+Prompt logprobs (vLLM's semantics, ``log_softmax`` of the raw float32 logits): the LM head
+also runs on the prompt positions of requests that ask, in chunks of at most
+``PROMPT_LOGPROBS_CHUNK_BYTES`` (:class:`PromptLogprobsTensors`). KV cache: per layer
+``[num_blocks, block_size, num_kv_heads, head_size]`` keys and values in the model dtype;
+``num_blocks`` from :meth:`ModelRunner.determine_num_blocks`. Details: docs/engine.md,
+"How a step runs" and "Sampling semantics".
 """
 
 from __future__ import annotations

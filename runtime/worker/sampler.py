@@ -1,35 +1,16 @@
 """Batched sampling: logits processing, greedy/random sampling, logprobs.
 
-Pipeline for a batch of ``S`` rows (one per request that samples this step), on
-``logits [S, vocab_size]`` float32:
-
-1. Penalties (only rows that use them):
-   - ``repetition_penalty`` over prompt + output tokens, as in CTRL (Keskar et al., 2019)
-     and vLLM/transformers: a seen token's logit is divided by the penalty when positive,
-     multiplied when negative;
-   - ``frequency_penalty`` / ``presence_penalty`` over output tokens, as in the OpenAI API
-     reference: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
-2. ``min_tokens``: while a request has fewer output tokens, its EOS (unless
-   ``ignore_eos``) and ``stop_token_ids`` get ``-inf`` (vLLM's MinTokensLogitsProcessor).
-3. Greedy rows (``temperature == 0``): ``argmax``.
-4. Other rows: divide by ``temperature``; ``top_k``; ``top_p`` (the smallest set of tokens
-   whose probability sums to at least ``top_p``, Holtzman et al., 2019); ``min_p``
-   (drop tokens with probability below ``min_p`` times the top one's, Nguyen et al.,
-   2024); then sample by an exponential race: ``argmax(p_i / E_i)`` with
-   ``E_i ~ Exponential(1)``, which picks token ``i`` with probability ``p_i`` (equivalent to
-   the Gumbel-max trick; vLLM samples the same way).
-
-Seeds: a request with ``seed`` draws its ``E`` from a generator re-seeded at every step
-from ``(seed, number of output tokens so far)``, so its draws depend only on its seed and
-its own step count: the same text alone, in any batch, and after preemption (the
-recomputed prefix gives the same logits, the step count continues where it was).
-Unseeded requests share the engine's generator, drawn in one batched call.
-
-Logprobs (``logprobs=k``): ``log_softmax`` of the logits after penalties, ``min_tokens``
-masking and temperature, before top-k/top-p/min-p truncation (vLLM's "processed logits"
-without the truncation, so every token has a finite value; for greedy rows no temperature
-is applied). Returned: the sampled token's logprob and 1-based rank, and the ``k`` best
-tokens with their logprobs.
+On ``logits [S, vocab_size]`` float32 (one row per request that samples), in order:
+``repetition_penalty`` over prompt + output tokens (CTRL, Keskar et al. 2019: positive logits
+divided, negative multiplied); ``frequency_penalty`` / ``presence_penalty`` over output
+tokens (OpenAI API: ``logit -= f * count + p * (count > 0)``); ``min_tokens`` (EOS unless
+``ignore_eos``, and ``stop_token_ids``, get ``-inf``); then greedy rows ``argmax``, others
+temperature, ``top_k``, ``top_p`` (Holtzman et al. 2019), ``min_p`` (Nguyen et al. 2024) and an
+exponential race ``argmax(p_i / E_i)``, ``E_i ~ Exponential(1)`` (Gumbel-max equivalent).
+A seeded request draws from a generator re-seeded each step from ``(seed, output tokens so
+far)``. Logprobs (``logprobs=k``): ``log_softmax`` after penalties, ``min_tokens`` and
+temperature, before truncation; the sampled token's logprob and 1-based rank plus the ``k``
+best. Semantics: docs/engine.md, "Sampling semantics".
 """
 
 from __future__ import annotations

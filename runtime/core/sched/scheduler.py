@@ -1,36 +1,17 @@
 """Continuous-batching scheduler: one ``schedule()`` call per engine step.
 
-Each step serves the running requests first (one decode token each, or the next chunk
-of a long prefill), then admits waiting requests while the token budget
-(``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and free KV blocks
-allow. A waiting (new or preempted) request is admitted beside running ones only if the
-free blocks cover, at once, the blocks every running request still needs for its known
-tokens plus its next one, the blocks the newcomer needs for all its known tokens plus its
-next one, and a watermark of spare blocks (vLLM v0's ``watermark``, 1% of the blocks,
-``vllm/core/block_manager.py`` ``can_allocate``): otherwise the running requests' growth
-in the next step would preempt it again at once (admit/preempt thrash). A request is
-always admitted when nothing else runs. Prefill and decode tokens share one packed forward pass; a prompt longer than the
-remaining budget is prefilled in chunks (chunked prefill). When a running request cannot
-get a block, the scheduler preempts by recompute (Kwon et al., 2023, "Efficient Memory
-Management for Large Language Model Serving with PagedAttention", section 4.5): the
-victim -- lowest priority, then latest arrival -- loses its blocks and goes back to the
-head of the waiting queue; its tokens so far are recomputed when it resumes.
-
-With a ``sliding_window`` shared by every attention layer, the KV cache manager frees a
-running request's blocks that fell out of its window after each step (see
-:mod:`kvfleet.runtime.core.kv_cache_manager`), and every "how many blocks does it need" above
-counts at most :func:`~kvfleet.runtime.core.kv_cache_manager.max_num_blocks_per_request` blocks
-held at once, so a windowed request whose prompt is longer than the whole cache is accepted
-and runs (as vLLM allows).
-
-Parallel sampling (``n > 1``): with prefix caching on, a waiting sequence whose
-``prompt_leader`` (the first sequence of its request) has not yet computed (or been
-scheduled to compute, in this step) its whole prompt is skipped -- it keeps its place in the waiting queue, and later requests may
-be admitted meanwhile -- so that, once admitted, it takes every full prompt block from the
-prefix cache instead of computing the prompt again (:meth:`Scheduler._waits_for_leader`).
-
-The shape follows vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm. The
-scheduler never touches tensors: it speaks in requests, token counts and block ids.
+Each step serves the running requests first (one decode token each, or the next chunk of a
+long prefill), then admits waiting requests while the token budget
+(``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and free KV blocks allow,
+keeping a watermark of spare blocks (vLLM v0's ``watermark``, 1%). Prefill and decode
+tokens share one packed forward pass (chunked prefill). When a running request cannot get a
+block, the victim (lowest priority, then latest arrival) is preempted by recompute (Kwon et
+al. 2023, PagedAttention, section 4.5) and goes back to the head of the waiting queue. With
+a uniform sliding window, block needs count at most
+:func:`~kvfleet.runtime.core.kv_cache_manager.max_num_blocks_per_request`; with ``n > 1`` and
+prefix caching, a sequence waits for its ``prompt_leader`` to compute the prompt.
+Shape of vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm; no tensors. Admission
+rule, sliding windows, parallel sampling: docs/scheduling.md.
 """
 
 from __future__ import annotations
