@@ -34,9 +34,9 @@ import torch
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
-from kvfleet.runtime.worker.model_loader import LoadedModel
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    """Async front of :class:`~kvfleet.runtime.engine.llm_engine.LLMEngine`.
+    """Async front of :class:`~kvfleet.runtime.engine.llm_engine.LLMEngine`; implements
+    :class:`~kvfleet.runtime.engine.protocol.EngineClient` (what the HTTP server uses).
 
     Args:
         config: engine configuration (default ``EngineConfig()``).
@@ -118,6 +119,15 @@ class AsyncLLMEngine:
     @property
     def num_running(self) -> int:
         return self.engine.num_running
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction 0-1 of KV blocks held by requests (read from the event loop; a float is atomic)."""
+        return float(self.engine.scheduler.kv_cache_manager.usage)
 
     def cache_config_info(self) -> dict[str, str]:
         return self.engine.cache_config_info()

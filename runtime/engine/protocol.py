@@ -1,0 +1,83 @@
+"""``EngineClient``: everything the HTTP server may ask of an engine (vLLM's ``EngineClient``).
+
+The OpenAI server is typed against this protocol alone; :class:`~kvfleet.runtime.engine.async_llm.AsyncLLMEngine`
+implements it. Torch-free: importing this module loads no model code.
+
+Contract: ``generate`` yields cumulative :class:`~kvfleet.runtime.engine.outputs.RequestOutput` s until
+one is ``finished`` (closing it early aborts the request), raises ``ValueError`` for invalid input
+before yielding anything; ``abort`` frees the request's KV blocks before it returns. The counts and
+``kv_cache_usage`` are live values, read from the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
+
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The engine as the server sees it."""
+
+    # -- facts, fixed once loaded
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer (``encode``, ``decode``, ``apply_chat_template``, ``chat_template``)."""
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids of a prompt must be in ``[0, vocab_size)``."""
+
+    @property
+    def model_name(self) -> str:
+        """The model's display name (the server serves it as ``served_name``)."""
+
+    def cache_config_info(self) -> dict[str, str]:
+        """``block_size``, ``num_blocks``, ``gpu_memory_utilization`` (the ``cache_config_info`` metric)."""
+
+    # -- live state
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why the engine loop died, or None."""
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction 0-1 of KV blocks held by requests."""
+
+    # -- lifecycle and requests
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every unreferenced cached KV block; whether the reset happened."""
