@@ -22,7 +22,7 @@ import typing
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -130,7 +130,8 @@ class _SamplingFields(_Request):
             raise ProtocolError(f"n must be <= {MAX_N}, got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed when stream is true", "stream_options")
-        if self.stream and self.prompt_logprobs is not None and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+        plp = self.prompt_logprobs
+        if self.stream and plp is not None and (plp > 0 or plp == -1):
             # vLLM's rule: streamed responses have no place for them.
             raise ProtocolError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.logit_bias:
@@ -413,13 +414,16 @@ class CompletionStreamChoice(BaseModel):
 
 
 class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed completion; ``usage`` is a key of every chunk with
+    ``include_usage`` (null but on the last, choice-less one), else of none."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionStreamChoice]
-    usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
 
 
 class TopLogprob(BaseModel):
@@ -465,26 +469,43 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """A chat chunk's ``delta``: only the keys that are not None (``{}`` on a choice's last chunk)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ChatCompletionStreamChoice(BaseModel):
+    """``stop_reason`` is sent with the ``finish_reason``, on a choice's last chunk only."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    @model_serializer(mode="wrap")
+    def _stop_reason_when_finished(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.finish_reason is None:
+            data.pop("stop_reason", None)
+        return data
+
 
 class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed chat completion; ``usage`` as :class:`CompletionStreamResponse`."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
