@@ -34,7 +34,7 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from kvfleet.runtime.entrypoints.openai import api_server
+from kvfleet.runtime.entrypoints.openai import logprobs as openai_logprobs
 from kvfleet.runtime.entrypoints.openai.api_server import create_app
 from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
@@ -443,7 +443,7 @@ def test_health_answers_while_a_response_body_is_built(server, monkeypatch, path
     and n 16 on a 3,900-token prompt the body is 117 MB and took 76 s, /health stalled 6.5 s
     (n 128 makes it ~8x that). The builder is held by a pass-through spy until /health has
     answered, so a body built on the event loop would hang the probe and fail the test."""
-    real = api_server._prompt_logprobs_body
+    real = openai_logprobs.prompt_logprobs_body
     entered, release = threading.Event(), threading.Event()
     threads: list[str] = []
 
@@ -453,7 +453,7 @@ def test_health_answers_while_a_response_body_is_built(server, monkeypatch, path
         assert release.wait(120)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api_server, "_prompt_logprobs_body", held)
+    monkeypatch.setattr(openai_logprobs, "prompt_logprobs_body", held)
     if path == "/v1/completions":
         body = {"prompt": "The capital of France is", "echo": True, "logprobs": 2, "max_tokens": 0, "n": 3}
     else:
@@ -481,13 +481,13 @@ def test_streamed_echo_logprobs_are_built_once_per_prompt(server, monkeypatch):
     """Streamed ``echo`` + ``logprobs`` with n 3 over two prompts: each prompt's logprobs are
     built once (not once per choice) and every choice's first chunk carries them."""
     calls: list[int] = []
-    real = api_server._echo_logprobs
+    real = openai_logprobs.echo_logprobs
 
     def counted(prompt_ids, *args, **kwargs):
         calls.append(len(prompt_ids))
         return real(prompt_ids, *args, **kwargs)
 
-    monkeypatch.setattr(api_server, "_echo_logprobs", counted)
+    monkeypatch.setattr(openai_logprobs, "echo_logprobs", counted)
     prompts = ["The capital of France is", "def add(a, b):"]
     body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 2, "n": 3, "temperature": 0, "stream": True}
     r = server.http.post("/v1/completions", json=body, timeout=120)
@@ -550,9 +550,10 @@ def test_bound_type_is_plain_data():
 
 
 def test_body_response_equals_the_whole_model_encoded_at_once():
-    """``_body_response`` splices the choices, encoded one by one, into the response's JSON: the
+    """``body_response`` splices the choices, encoded one by one, into the response's JSON: the
     bytes equal one ``model_dump_json`` call, even with ids and texts that spell the key."""
     from kvfleet.runtime.entrypoints.openai import protocol as P
+    from kvfleet.runtime.entrypoints.openai.serving_engine import body_response
 
     tricky = '"choices":[]'
     lp = P.CompletionLogProbs(text_offset=[0, 1], token_logprobs=[None, -0.5], tokens=[tricky, "é"],
@@ -566,6 +567,6 @@ def test_body_response_equals_the_whole_model_encoded_at_once():
         P.ChatCompletionResponse(id=tricky, created=1, model="m", usage=P.UsageInfo(), choices=[
             P.ChatCompletionResponseChoice(index=0, message=P.ChatResponseMessage(content=tricky), finish_reason="stop")]),
     ):  # fmt: skip
-        r = api_server._body_response(resp)
+        r = body_response(resp)
         assert r.body == resp.model_dump_json().encode("utf-8") and r.media_type == "application/json"
         assert json.loads(r.body) == resp.model_dump(mode="json")

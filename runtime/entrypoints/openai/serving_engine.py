@@ -1,0 +1,340 @@
+"""What the serving classes share: the app's :class:`ServerState`, the checks every generation
+request passes, submitting to the engine, collecting or streaming its outputs.
+
+A serving class (:class:`OpenAIServing` subclass, one per endpoint) validates a parsed request,
+tokenizes it on the app's tokenizer thread (never on the event loop), submits it through a
+:class:`~kvfleet.runtime.entrypoints.openai.streaming.Submission` and answers either one JSON
+body (built off the event loop, :func:`body_response`) or an SSE stream whose chunks a
+:class:`StreamWriter` shapes. It talks to the engine only through
+:class:`~kvfleet.runtime.engine.protocol.EngineClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.runtime.engine.protocol import EngineClient
+from kvfleet.runtime.entrypoints.openai import protocol as P
+from kvfleet.runtime.entrypoints.openai.errors import APIError, engine_error, raise_for_error
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
+from kvfleet.runtime.entrypoints.openai.streaming import SSE_DONE, Submission, merge, sse_chunk, sse_error
+from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound
+from kvfleet.runtime.metrics import PrometheusStatLogger
+from kvfleet.runtime.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerState:
+    """Everything one app instance holds (``app.state.kvfleet``)."""
+
+    config: EngineConfig
+    settings: ServerSettings
+    model_name: str
+    stat_logger: PrometheusStatLogger
+    engine: EngineClient | None = None
+    """The engine once loaded and started; None while loading."""
+    load_error: BaseException | None = None
+    pending: int = 0
+    """Engine sequences submitted by this server that have not produced output yet."""
+    on_fatal: Callable[[], None] | None = None
+    """Called when the model fails to load (``main`` makes uvicorn exit)."""
+    started_at: float = field(default_factory=time.time)
+    prompt_bound: PromptLengthBound | None = None
+    """Lower bound on a prompt's tokens from its length, set at load (None: the tokenizer
+    gives none, prompts are just tokenized)."""
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-tokenizer")
+    )
+    """The one thread that tokenizes prompts and applies chat templates (never the event loop)."""
+
+    @property
+    def loading(self) -> bool:
+        return self.engine is None and self.load_error is None
+
+    def engine_dead(self) -> bool:
+        if self.load_error is not None:
+            return True
+        e = self.engine
+        return e is not None and (e.errored or not e.is_running)
+
+    def check_model(self, requested: str | None) -> None:
+        """404 unless ``requested`` is None or the served model's name."""
+        if requested is not None and requested != self.model_name:
+            raise APIError(
+                404,
+                f"The model `{requested}` does not exist. Served model: `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def require_engine(self) -> EngineClient:
+        if self.engine_dead():
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        if self.engine is None:
+            raise APIError(503, "the model is loading; retry later", code="model_loading", headers={"Retry-After": "5"})
+        return self.engine
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, param: str, prompt_param: str
+) -> int:
+    """The output budget: ``requested``, or what is left of ``max_model_len`` (400 if it does not fit)."""
+    if requested is not None and (isinstance(requested, bool) or requested < 1):
+        raise APIError(400, f"{param} must be an integer >= 1, got {requested}", param=param, code="invalid_value")
+    if requested is None:
+        if prompt_len >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+                f"{prompt_len} tokens, leaving no room for output. Please reduce the length of the prompt.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion "
+            f"({param})). Please reduce the length of the prompt or {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> P.UsageInfo:
+    prompt = sum(prompt_lens)
+    completion = sum(len(c.token_ids) for c in outputs)
+    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def body_response(resp: P.CompletionResponse | P.ChatCompletionResponse) -> Response:
+    """``resp`` as an ``application/json`` response, its choices encoded one at a time (on a
+    worker thread, pydantic's encoder holds the GIL for a whole call: one call per choice keeps
+    the event loop going). The bytes equal ``resp.model_dump_json()``."""
+    head = resp.model_copy(update={"choices": []}).model_dump_json()
+    marker = '"choices":[]'  # the key itself: inside a JSON string its quotes would be escaped
+    at = head.index(marker) + len(marker) - 1
+    body = head[:at] + ",".join(c.model_dump_json() for c in resp.choices) + head[at:]
+    return Response(body.encode("utf-8"), media_type="application/json")
+
+
+StreamChoice = P.CompletionStreamChoice | P.ChatCompletionStreamChoice
+StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
+
+
+class StreamWriter(ABC):
+    """The chunks of one streamed request. Choice ``c`` of prompt ``i`` is index ``i * n + c.index``.
+
+    Each new piece of a choice is one chunk of ``delta(index, text, logprobs)`` and its end one of
+    ``finish(index, output)``; ``logprobs(output, index, first_new_token)`` gives the new tokens'
+    logprobs (None: not requested). ``opening()`` choices are sent first, one chunk each;
+    ``echo(prompt index, index, output)`` gives ``(text, logprobs)`` sent as a choice's first chunk
+    (None: no echo); with ``echo_only`` the choice's own tokens are not sent, only its end."""
+
+    def __init__(
+        self,
+        response_type: type[P.CompletionStreamResponse] | type[P.ChatCompletionStreamResponse],
+        *,
+        request_id: str,
+        created: int,
+        model: str,
+        n: int,
+        prompt_lens: list[int],
+        include_usage: bool,
+        echo_only: bool = False,
+    ):
+        self.response_type, self.request_id, self.created, self.model = response_type, request_id, created, model
+        self.n, self.prompt_lens, self.include_usage, self.echo_only = n, prompt_lens, include_usage, echo_only
+
+    def opening(self) -> list[StreamChoice]:
+        return []
+
+    def echo(self, i: int, idx: int, out: RequestOutput) -> tuple[str, StreamLogprobs | None] | None:
+        return None
+
+    def logprobs(self, c: CompletionOutput, idx: int, k0: int) -> StreamLogprobs | None:
+        return None
+
+    @abstractmethod
+    def delta(self, idx: int, text: str, lp: Any) -> StreamChoice: ...
+
+    @abstractmethod
+    def finish(self, idx: int, c: CompletionOutput) -> StreamChoice: ...
+
+    def event(self, choices: list[Any], usage: P.UsageInfo | None = None) -> str:
+        """One chunk of ``choices`` as an SSE event."""
+        chunk = self.response_type(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage)  # fmt: skip
+        return sse_chunk(chunk, self.include_usage)
+
+
+@dataclass
+class Generation:
+    """A submitted request: its engine requests, their merged outputs, the first output (None: none)."""
+
+    sub: Submission
+    merged: AsyncIterator[tuple[int, RequestOutput]]
+    first: tuple[int, RequestOutput] | None
+
+
+class OpenAIServing:
+    """Base of the serving classes (one per endpoint) over the app's :class:`ServerState`."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def check_queue(self, engine: EngineClient) -> None:
+        limit = self.state.settings.max_queue_len
+        if limit is None:
+            return
+        waiting = max(engine.num_waiting, self.state.pending)
+        if waiting >= limit:
+            raise APIError(
+                429,
+                f"the server is overloaded: {waiting} requests are waiting (max_queue_len {limit}); retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+
+    def check_prompt_bound(self, text: str, max_model_len: int, param: str) -> None:
+        """400 for a prompt text that is certainly longer than ``max_model_len`` tokens, from its
+        length alone (:class:`~kvfleet.runtime.entrypoints.openai.tokenizer_bounds.PromptLengthBound`):
+        no room for output is left, whatever ``max_tokens``."""
+        bound = self.state.prompt_bound
+        if bound is None or len(text) <= bound.chars_per_token * (max_model_len - 1):  # ceil(n / L) < max_model_len
+            return
+        at_least = bound.min_tokens(text)
+        if at_least >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
+                f"{len(text)} characters long, which is at least {at_least} tokens (no token of this model is "
+                f"longer than {bound.chars_per_token} characters), leaving no room for output. Please reduce the "
+                "length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def on_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the app's tokenizer thread (one at a time, never on the event loop); its
+        exceptions (APIError included) are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self.state.tokenizer_pool, fn)
+
+    def engine_error(self, exc: BaseException) -> APIError:
+        return engine_error(exc, engine_dead=self.state.engine_dead())
+
+    async def submit(
+        self,
+        engine: EngineClient,
+        http_request: Request,
+        requests: list[tuple[list[int], SamplingParams, str]],
+        body: P.CompletionRequest | P.ChatCompletionRequest,
+    ) -> Generation:
+        """Submit ``(prompt ids, params, request id)`` s, abort them if the client disconnects, and
+        wait for the first output. On any error the streams are closed before it propagates."""
+        sub = Submission(self.state, engine, http_request)
+        merged = merge([sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user)
+                        for ids, sp, rid in requests])  # fmt: skip
+        sub.watch_disconnect()
+        try:
+            try:
+                return Generation(sub, merged, await merged.__anext__())
+            except StopAsyncIteration:
+                return Generation(sub, merged, None)
+            except APIError:
+                raise
+            except Exception as exc:
+                raise self.engine_error(exc) from None
+        except BaseException:
+            await sub.close()
+            await merged.aclose()  # type: ignore[attr-defined]
+            raise
+
+    async def collect(self, gen: Generation) -> dict[int, RequestOutput]:
+        """The final output of each prompt (by prompt index) of a non-streamed request."""
+        final: dict[int, RequestOutput] = {}
+        try:
+            item = gen.first
+            while item is not None:
+                i, out = item
+                raise_for_error(out)
+                final[i] = out
+                try:
+                    item = await gen.merged.__anext__()
+                except StopAsyncIteration:
+                    break
+        except APIError:
+            raise
+        except Exception as exc:
+            raise self.engine_error(exc) from None
+        finally:
+            await gen.sub.close()
+            await gen.merged.aclose()  # type: ignore[attr-defined]
+        return final
+
+    def stream_response(self, gen: Generation, writer: StreamWriter) -> StreamingResponse:
+        return StreamingResponse(self._events(gen, writer), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    async def _events(self, gen: Generation, w: StreamWriter) -> AsyncIterator[str]:
+        """The SSE frames: the chunks, the usage chunk (include_usage) and ``[DONE]``; a failure is
+        an error event and ``[DONE]``. The streams are closed at the end, also when the client goes."""
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        last: dict[int, RequestOutput] = {}
+        try:
+            for choice in w.opening():
+                yield w.event([choice])
+            item = gen.first
+            while item is not None:
+                i, out = item
+                raise_for_error(out)
+                last[i] = out
+                for c in out.outputs:
+                    idx = i * w.n + c.index
+                    if idx in done:
+                        continue
+                    if idx not in sent_text and (echo := w.echo(i, idx, out)) is not None:
+                        yield w.event([w.delta(idx, *echo)])
+                        sent_text[idx] = sent_tokens[idx] = 0
+                        await asyncio.sleep(0)  # a prompt's echo chunk can be MBs: let /health etc. in between
+                    t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
+                    delta = c.text[t0:]
+                    lp = w.logprobs(c, idx, k0) if len(c.token_ids) > k0 else None
+                    if (delta or lp is not None) and not w.echo_only:
+                        yield w.event([w.delta(idx, delta, lp)])
+                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                        yield w.event([w.finish(idx, c)])
+                try:
+                    item = await gen.merged.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if w.include_usage:
+                yield w.event([], usage(w.prompt_lens, [c for out in last.values() for c in out.outputs]))
+            yield SSE_DONE
+        except Exception as exc:
+            yield sse_error(self.engine_error(exc).body)
+            yield SSE_DONE
+        finally:
+            await gen.sub.close()
+            with anyio.CancelScope(shield=True):
+                await gen.merged.aclose()  # type: ignore[attr-defined]

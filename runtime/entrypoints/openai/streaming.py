@@ -1,0 +1,178 @@
+"""Server-Sent Events framing and the engine requests behind one HTTP request.
+
+SSE: one ``data: {json}\\n\\n`` per chunk, ending with ``data: [DONE]\\n\\n``; a failure mid-stream is
+an ``{"error": ...}`` event, then ``[DONE]``. :class:`Submission` owns the engine requests of one
+HTTP request: a client that disconnects (streaming or not) has every unfinished one aborted at once,
+and whatever ends the HTTP request aborts the rest. :func:`merge` interleaves several output streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import anyio
+from fastapi import Request
+
+from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.engine.protocol import EngineClient
+from kvfleet.runtime.entrypoints.openai import protocol as P
+from kvfleet.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
+
+logger = logging.getLogger("kvfleet.server")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_chunk(chunk: P.CompletionStreamResponse | P.ChatCompletionStreamResponse, include_usage: bool) -> str:
+    """One chunk as an event: with ``include_usage`` every chunk has a ``usage`` key (null but on
+    the last, choice-less chunk), without it none has."""
+    return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+
+
+def sse_error(body: P.ErrorResponse) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+"""Strong references to fire-and-forget tasks (asyncio keeps only weak ones)."""
+
+
+class Submission:
+    """The engine requests of one HTTP request: tracks which finished, aborts the rest, and
+    watches the client connection (a disconnect aborts at once)."""
+
+    def __init__(self, state: ServerState, engine: EngineClient, http_request: Request):
+        self.state = state
+        self.engine = engine
+        self.http_request = http_request
+        self.request_ids: list[str] = []
+        self.finished: set[str] = set()
+        self._watcher: asyncio.Task | None = None
+        self.disconnected = False
+
+    def watch_disconnect(self) -> None:
+        async def watch() -> None:
+            try:
+                while True:
+                    message = await self.http_request.receive()
+                    if message["type"] == "http.disconnect":
+                        break
+            except Exception:  # the transport is gone either way
+                pass
+            self.disconnected = True
+            logger.info("client disconnected: aborting %s", ", ".join(self.unfinished()) or "nothing")
+            await self.abort_unfinished()
+
+        self._watcher = asyncio.create_task(watch())
+
+    def unfinished(self) -> list[str]:
+        return [r for r in self.request_ids if r not in self.finished]
+
+    async def abort_unfinished(self) -> None:
+        """Abort every unfinished engine request.
+
+        The aborts run in their own task, so that cancelling the caller (Starlette cancels a
+        streaming response whose client left) can neither interrupt them nor cancel the
+        engine-side call half-way."""
+        ids = self.unfinished()
+        self.finished.update(ids)
+        if not ids:
+            return
+        task = asyncio.ensure_future(self._abort(ids))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+        with anyio.CancelScope(shield=True):
+            await asyncio.shield(task)
+
+    async def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            try:
+                await self.engine.abort(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+
+    async def close(self) -> None:
+        if self._watcher is not None and not self.disconnected:
+            self._watcher.cancel()
+        self._watcher = None
+        await self.abort_unfinished()
+
+    def stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None
+    ) -> AsyncIterator[RequestOutput]:
+        """The engine's cumulative outputs of one prompt; marks the request finished and keeps
+        the server's pending count (queue back-pressure) up to date."""
+        self.request_ids.append(request_id)
+        return self._stream(prompt_ids, params, request_id, priority=priority, tenant=tenant)
+
+    async def _stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None
+    ) -> AsyncIterator[RequestOutput]:
+        state = self.state
+        n = params.n
+        state.pending += n
+        counted = True
+        try:
+            async with aclosing(
+                self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant)
+            ) as outputs:
+                async for out in outputs:
+                    if counted:
+                        state.pending -= n
+                        counted = False
+                    if out.finished:
+                        self.finished.add(request_id)
+                    yield out
+            self.finished.add(request_id)
+        except ValueError:
+            if counted:  # rejected before it was queued (e.g. its id is in use): not ours to abort
+                self.finished.add(request_id)
+            raise
+        finally:
+            if counted:
+                state.pending -= n
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as ``(stream index, output)``, in arrival order."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # re-raised by the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
