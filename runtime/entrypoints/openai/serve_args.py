@@ -23,9 +23,10 @@ import json
 import os
 import re
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -172,7 +173,8 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     try:
         data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ValueError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}")
+        kind = "JSON" if p.suffix == ".json" else "YAML"
+        raise ValueError(f"config file {str(p)!r} is not valid {kind}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
