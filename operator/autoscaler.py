@@ -1,67 +1,18 @@
-"""The operator's autoscaler: one loop that scales and tunes InferenceServices from the
-pods' live metrics.
+"""The operator's autoscaler: one operator-wide loop that scales and tunes InferenceServices
+from the pods' live metrics. Thin: read the cluster, call the pure :mod:`kvfleet.operator.policy`
+and :mod:`kvfleet.operator.tuning`, write the result.
 
-Registered by importing this module (:mod:`kvfleet.operator.handlers` does). Thin: read the
-cluster, call the pure functions of :mod:`kvfleet.operator.policy`, write the result.
+- :func:`autoscaled_index` (a kopf index, no finalizer) holds the InferenceServices in mode
+  ``operator`` or with ``spec.tuning.enabled`` (and, once more, those to retire, :func:`needs_retire`);
+- :class:`AutoscalerLoop` (started and stopped by kopf startup/cleanup handlers) runs
+  :func:`step` for each every ``intervalSeconds`` (``$KVFLEET_AUTOSCALER_INTERVAL`` overrides);
+  one object's failure is logged and retried, the others go on;
+- :func:`step` scales through the InferenceService's scale subresource, tunes through
+  ``status.engine`` (then reconciles), posts Events, writes ``status.metrics`` and the
+  ``ScalingActive`` condition;
+- while kopf peering pauses this operator (:func:`pause_reason`) the loop acts on nothing.
 
-**One operator-wide loop, no finalizer.** kopf keeps an index (:func:`autoscaled_index`,
-id ``autoscaled``) of the InferenceServices that are autoscaled (``mode: operator``) or
-tuned, from its own watch; indices need no finalizer. A task started by a ``kopf.on.startup``
-handler (:func:`start_autoscaler`; stopped by ``kopf.on.cleanup``) is the
-:class:`AutoscalerLoop`: it visits every indexed object every
-``spec.autoscaling.metrics.intervalSeconds`` (default 15 s; the environment variable
-``KVFLEET_AUTOSCALER_INTERVAL``, in seconds, fractions allowed, overrides it, e.g. in tests)
-and runs :func:`step` for it with that object's own :class:`ServiceState`. One object's
-failure (API error, unreadable metrics, a bug) is logged and retried after its interval; the
-others go on. Nothing holds a deletion: ``kubectl delete`` of an InferenceService completes
-whether the operator runs or not (an earlier version ran one kopf daemon per object, and kopf
-adds the finalizer ``kvfleet.io/finalizer`` to objects with daemons).
-
-**Peering.** When a higher-priority operator of the same kopf peering is alive, kopf pauses
-this one; the loop must not scale or write then. kopf keeps its paused state internal (no
-handler argument or public API exposes it), so the loop reads what kopf decides it from: the
-peering object, judged by kopf's own rule (:func:`pause_reason`, :func:`peers_ahead`), with
-the identity ``kvfleet operator`` gives kopf (``kopf.run(identity=...)``, also put in
-``memo.peering_identity``). While paused the loop starts no iteration, cancels those in
-flight and forgets all per-object state; on resume the history is seeded afresh, as after a
-restart.
-
-What one iteration does, by spec:
-
-``spec.autoscaling.mode: operator``
-    reads the ready pods' metrics (:mod:`kvfleet.operator.metrics_source`), decides with
-    :func:`policy.decide_scale`, and when the replica count changes writes it through the
-    InferenceService's **scale subresource** (``PATCH .../inferenceservices/NAME/scale``), so
-    only ``spec.replicas`` changes (GitOps tools: ignore ``/spec/replicas``) and the normal
-    reconcile moves the Deployment. Each change is a ``Normal`` Event (``ScaledUp`` /
-    ``ScaledDown`` / ``ScaledToZero``) whose message carries the decision's inputs; holds
-    (``MetricsUnavailable`` as a Warning, ``PodsStarting``, stabilized) are Events when the
-    reason changes. ``status.metrics`` holds the latest aggregate; the condition
-    ``ScalingActive`` says whether the autoscaler acts. When another HorizontalPodAutoscaler
-    targets the same InferenceService, the operator does not scale: ``ScalingActive=False``,
-    reason ``ConflictingAutoscaler``, and a Warning Event.
-``spec.autoscaling.mode: hpa``
-    the HPA from :func:`policy.build_hpa` becomes a child (registered in
-    :data:`kvfleet.operator.reconcile.EXTRA_CHILDREN`; pruned when the mode changes). Not in
-    the loop: the HPA scales, and reports in its own status.
-``spec.tuning.enabled``
-    :func:`policy.tune` over the same metrics and the pods' container statuses (OOM
-    restarts); the applied values and the tuner's bookkeeping go to ``status.engine``; the
-    builders overlay them on ``spec.engine`` (:func:`builders.effective_engine`), and a
-    reconcile is run at once so the ConfigMap (and with it the pods, by the config hash)
-    follow. Each change is an Event (``GpuMemoryRaised``, ``GpuMemoryLowered``,
-    ``BlockSizeChanged``).
-
-Other InferenceServices are not in the index: no reads, no writes. One that stops being
-autoscaled (or was switched while the operator was down) stays indexed while its
-``ScalingActive`` condition still says otherwise (:func:`needs_retire`): the next iteration
-sets ``ScalingActive=False`` (reason ``OperatorAutoscalerOff``), then kopf drops it from the
-index and the loop drops its state.
-
-The recommendation history lives in memory (like the HPA controller's). After an operator
-restart or a peering pause it is seeded with the current replica count, so the scale-down
-window starts over instead of allowing an immediate scale-down. Events are posted by the loop
-itself through the API (``kopf.event`` works only inside kopf's per-object handlers).
+Mode ``hpa`` is not in the loop (the HPA is a child: :func:`builders.build_hpa`). See docs/autoscaling.md.
 """
 
 from __future__ import annotations
@@ -72,14 +23,18 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import httpx
 import kopf
 
-from kvfleet.operator import builders, crd, policy, reconcile
+from kvfleet.operator import builders, crd, policy, reconcile, tuning
+from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
+from kvfleet.operator.status import set_condition
+from kvfleet.operator.times import parse_datetime, rfc3339
 
 log = logging.getLogger(__name__)
 
@@ -97,30 +52,6 @@ def interval_seconds(spec: Mapping[str, Any]) -> float:
     if env:
         return max(0.1, float(env))
     return float((((spec.get("autoscaling") or {}).get("metrics") or {}).get("intervalSeconds")) or DEFAULT_INTERVAL)
-
-
-# ---------------------------------------------------------------------------------
-# mode hpa: the HPA as a child of the reconcile
-
-
-def hpa_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The HPA child in mode ``hpa`` (none otherwise). Raises builders.InvalidSpec on an
-    invalid ``spec.autoscaling`` (the reconcile turns that into ``Degraded``)."""
-    spec = builders.effective_spec(isvc)
-    if spec["autoscaling"].get("mode") != "hpa":
-        return []
-    try:
-        hpa = policy.build_hpa({**isvc, "spec": spec}, labels=builders.labels(isvc))
-    except ValueError as e:
-        raise builders.InvalidSpec("InvalidAutoscaling", str(e)) from None
-    hpa["metadata"]["namespace"] = isvc["metadata"].get("namespace") or "default"
-    hpa["metadata"]["name"] = builders.names(isvc)["hpa"]
-    hpa["metadata"]["ownerReferences"] = [builders.owner_reference(isvc)]
-    return [hpa]
-
-
-if hpa_children not in reconcile.EXTRA_CHILDREN:
-    reconcile.EXTRA_CHILDREN.append(hpa_children)
 
 
 # ---------------------------------------------------------------------------------
@@ -146,7 +77,7 @@ class ServiceState:
     """Seconds between iterations, as the last one found (``interval_seconds``)."""
 
 
-async def _event(kube: reconcile.Kube, body: Mapping[str, Any], type_: str, reason: str, message: str,
+async def _event(kube: Kube, body: Mapping[str, Any], type_: str, reason: str, message: str,
                  inputs: Mapping[str, Any] | None = None) -> None:
     """Post a ``core/v1`` Event about ``body`` (``reportingComponent`` ``kvfleet-operator``).
 
@@ -157,13 +88,13 @@ async def _event(kube: reconcile.Kube, body: Mapping[str, Any], type_: str, reas
         message = f"{message}; inputs {json.dumps(inputs, sort_keys=True, separators=(',', ':'))}"
     meta = body.get("metadata") or {}
     namespace = meta.get("namespace") or "default"
-    now = reconcile.now_rfc3339()
+    now = rfc3339()
     event = {
         "apiVersion": "v1", "kind": "Event",
         "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
-        "involvedObject": {"apiVersion": body.get("apiVersion") or crd.API_VERSION, "kind": body.get("kind") or crd.KIND,
-                           "name": meta.get("name"), "namespace": namespace, "uid": meta.get("uid"),
-                           "resourceVersion": meta.get("resourceVersion")},
+        "involvedObject": {"apiVersion": body.get("apiVersion") or crd.API_VERSION,
+                           "kind": body.get("kind") or crd.KIND, "name": meta.get("name"), "namespace": namespace,
+                           "uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")},
         "type": type_, "reason": reason, "message": message[:1024],
         "source": {"component": builders.FIELD_MANAGER},
         "reportingComponent": builders.FIELD_MANAGER, "reportingInstance": builders.FIELD_MANAGER,
@@ -171,7 +102,7 @@ async def _event(kube: reconcile.Kube, body: Mapping[str, Any], type_: str, reas
     }
     try:
         await asyncio.to_thread(kube.create, event)
-    except reconcile.ApiError as e:
+    except ApiError as e:
         log.warning("could not post Event %s about %s/%s: %s", reason, namespace, meta.get("name"), e)
 
 
@@ -182,8 +113,8 @@ def _condition_patch(isvc: Mapping[str, Any], status: str, reason: str, message:
     current = next((c for c in old if c.get("type") == CONDITION), None)
     if current and (current.get("status"), current.get("reason"), current.get("message")) == (status, reason, message):
         return {}
-    conds = builders.set_condition(old, type=CONDITION, status=status, reason=reason, message=message,
-                                   now=policy.rfc3339(time.time()),
+    conds = set_condition(old, type=CONDITION, status=status, reason=reason, message=message,
+                                   now=rfc3339(time.time()),
                                    observed_generation=(isvc.get("metadata") or {}).get("generation"))
     return {"conditions": conds}
 
@@ -199,7 +130,7 @@ def _retire_patch(isvc: Mapping[str, Any], mode: str) -> dict[str, Any]:
     return _condition_patch(isvc, "False", "OperatorAutoscalerOff", message)
 
 
-async def _retire(kube: reconcile.Kube, isvc: Mapping[str, Any], mode: str) -> None:
+async def _retire(kube: Kube, isvc: Mapping[str, Any], mode: str) -> None:
     patch = _retire_patch(isvc, mode)
     if patch:
         meta = isvc["metadata"]
@@ -233,14 +164,14 @@ def tracked(spec: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> bool:
     return wants_autoscaler(spec) or needs_retire(body)
 
 
-async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceState,
+async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
                logger: logging.Logger, now: float | None = None) -> float:
     """One iteration for one InferenceService: read it, its pods and their metrics, decide,
     write. ``now`` (Unix seconds, default the clock) is the decisions' time. Returns the
     seconds until the next iteration.
 
     Raises:
-        reconcile.ApiError, httpx.HTTPError, OSError: an API call failed (the loop logs it
+        ApiError, httpx.HTTPError, OSError: an API call failed (the loop logs it
             and tries again after the interval).
     """
     isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
@@ -248,9 +179,9 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceSt
         return DEFAULT_INTERVAL
     spec = builders.effective_spec(isvc)
     interval = interval_seconds(spec)
-    auto, tuning = spec["autoscaling"], spec["tuning"]
+    auto, tuning_spec = spec["autoscaling"], spec["tuning"]
     mode = auto.get("mode", "none")
-    tuning_on = bool(tuning.get("enabled"))
+    tuning_on = bool(tuning_spec.get("enabled"))
     status_patch: dict[str, Any] = {}
 
     if mode != "operator" and not tuning_on:  # leaving the loop (see wants_autoscaler)
@@ -260,7 +191,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceSt
 
     try:
         config = policy.AutoscalingConfig.from_spec(auto) if mode == "operator" else None
-        tconfig = policy.TuningConfig.from_spec(tuning) if tuning_on else None
+        tconfig = tuning.TuningConfig.from_spec(tuning_spec) if tuning_on else None
         source = make_source(auto, namespace, client=state.http)
     except ValueError as e:  # the schema's CEL rules should have caught it
         status_patch.update(_condition_patch(isvc, "False", "InvalidAutoscaling", str(e)))
@@ -306,7 +237,7 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceSt
                 state.changes.append((now, decision.current, decision.replicas))
                 logger.info("%s/%s: %s", namespace, name, decision.message)
                 await _event(kube, isvc, "Normal", decision.reason, decision.message, decision.inputs)
-                status_patch["lastScaleTime"] = policy.rfc3339(now)
+                status_patch["lastScaleTime"] = rfc3339(now)
             elif decision.reason != state.last_reason and decision.reason not in ("Stable",):
                 await _event(kube, isvc, "Warning" if decision.reason == "MetricsUnavailable" else "Normal",
                              decision.reason, decision.message, decision.inputs)
@@ -324,8 +255,8 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceSt
 
     rollout = False
     if tconfig is not None:
-        tstate = policy.TuningState.from_status((isvc.get("status") or {}).get("engine"))
-        decision = policy.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods)
+        tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
+        decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods)
         if decision.state != tstate:
             status_patch["engine"] = decision.state.to_status()
         for reason, message in decision.changes:
@@ -342,16 +273,6 @@ async def step(kube: reconcile.Kube, namespace: str, name: str, state: ServiceSt
 
 # ---------------------------------------------------------------------------------
 # peering: is this operator paused?
-
-
-def _parse_time(value: Any) -> datetime.datetime | None:
-    if not value:
-        return None
-    try:
-        t = datetime.datetime.fromisoformat(str(value))
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=datetime.UTC)
 
 
 def peers_ahead(status: Mapping[str, Any] | None, *, identity: str | None, priority: int,
@@ -376,7 +297,10 @@ def peers_ahead(status: Mapping[str, Any] | None, *, identity: str | None, prior
     for peer, info in (status or {}).items():
         if peer == identity or not isinstance(info, Mapping):
             continue
-        lastseen = _parse_time(info.get("lastseen")) or now
+        try:
+            lastseen = parse_datetime(info.get("lastseen")) or now
+        except ValueError:
+            lastseen = now
         if lastseen + datetime.timedelta(seconds=int(info.get("lifetime", 60))) <= now:
             continue
         p = int(info.get("priority", 0))
@@ -385,7 +309,7 @@ def peers_ahead(status: Mapping[str, Any] | None, *, identity: str | None, prior
     return sorted(out)
 
 
-def pause_reason(kube: reconcile.Kube, settings: kopf.OperatorSettings, identity: str | None,
+def pause_reason(kube: Kube, settings: kopf.OperatorSettings, identity: str | None,
                  namespaces: Iterable[str]) -> str | None:
     """Why this operator is paused by kopf peering, or None when it may act.
 
@@ -397,12 +321,15 @@ def pause_reason(kube: reconcile.Kube, settings: kopf.OperatorSettings, identity
     (or peering CRD) pauses only when peering is mandatory (``--peering NAME``).
 
     Raises:
-        reconcile.ApiError: the peering object could not be read (the loop then does not act).
+        ApiError: the peering object could not be read (the loop then does not act).
     """
     peering = settings.peering
     if peering.standalone:
         return None
-    targets = [("ClusterKopfPeering", None)] if peering.clusterwide else [("KopfPeering", ns) for ns in sorted(set(namespaces))]
+    if peering.clusterwide:
+        targets = [("ClusterKopfPeering", None)]
+    else:
+        targets = [("KopfPeering", ns) for ns in sorted(set(namespaces))]
     now = datetime.datetime.now(datetime.UTC)
     for kind, namespace in targets:
         obj = kube.get(kind, namespace, peering.name)  # type: ignore[arg-type]  # None: cluster-scoped
@@ -469,7 +396,7 @@ class AutoscalerLoop:
         logger: where to log.
     """
 
-    def __init__(self, kube: reconcile.Kube, index: Mapping[tuple[str, str], Any], settings: kopf.OperatorSettings,
+    def __init__(self, kube: Kube, index: Mapping[tuple[str, str], Any], settings: kopf.OperatorSettings,
                  identity: str | None, logger: logging.Logger):
         self.kube, self.index, self.settings, self.identity, self.logger = kube, index, settings, identity, logger
         self.states: dict[tuple[str, str], ServiceState] = {}
@@ -498,7 +425,7 @@ class AutoscalerLoop:
         while True:
             try:
                 await self.tick()
-            except Exception:  # noqa: BLE001 - the loop outlives any one failure
+            except Exception:
                 self.logger.exception("autoscaler loop")
             await asyncio.sleep(self._sleep())
 
@@ -529,7 +456,7 @@ class AutoscalerLoop:
             try:
                 reason = await asyncio.to_thread(pause_reason, self.kube, self.settings, self.identity,
                                                  {ns for ns, _ in keys})
-            except reconcile.ApiError as e:
+            except ApiError as e:
                 reason = f"the peering object could not be read: {e}"
             if reason:
                 if reason != self.paused:
@@ -555,10 +482,10 @@ class AutoscalerLoop:
             async with self._limit:
                 try:
                     delay = await step(self.kube, namespace, name, state, self.logger)
-                except (reconcile.ApiError, httpx.HTTPError, OSError) as e:
+                except (ApiError, httpx.HTTPError, OSError) as e:
                     self.logger.warning("autoscaler of %s/%s: %s", namespace, name, e)
                     delay = state.interval
-                except Exception:  # noqa: BLE001 - one object's failure must not stop the others
+                except Exception:
                     self.logger.exception("autoscaler of %s/%s", namespace, name)
                     delay = state.interval
             state.interval = delay
@@ -582,8 +509,6 @@ async def start_autoscaler(memo: Any, settings: kopf.OperatorSettings, logger: l
     the same value to ``kopf.run(identity=...)``), else ``$POD_ID`` (what kopf itself uses)."""
     kube = getattr(memo, "kube", None)
     if kube is None:
-        from kvfleet.operator.handlers import make_kube
-
         kube = memo.kube = make_kube()
     identity = getattr(memo, "peering_identity", None) or os.environ.get("POD_ID")
     loop = memo.autoscaler = AutoscalerLoop(kube, kwargs[INDEX], settings, identity, log)

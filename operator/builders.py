@@ -1,22 +1,18 @@
-"""Pure builders: an InferenceService dict in, Kubernetes objects (dicts) out.
+"""Pure builders: an InferenceService dict in, its children (Kubernetes object dicts) out.
 
 No API calls, no clocks, no randomness: the same input gives the same output, so the
-children and the status are tested exhaustively without a cluster (``tests/golden/``).
+children are tested exhaustively without a cluster (``tests/golden/``).
+:func:`desired_children` gives every child of InferenceService ``NAME`` (namespace ``NS``),
+each with a controller ownerReference to it and the labels of :func:`labels`:
 
-Children of an InferenceService ``NAME`` in namespace ``NS`` (all carry an
-ownerReference to it, with ``controller: true``, and the labels of :func:`labels`):
+- ConfigMap ``NAME-config``: ``config.yaml``, the runtime's engine config
+  (:class:`kvfleet.runtime.config.EngineConfig` field names);
+- Service ``NAME`` (port 8000, ``http``) and Deployment ``NAME`` (the runtime pods; the pod
+  template carries the config hash, so a config change rolls them);
+- PodDisruptionBudget ``NAME`` when ``spec.disruption`` sets a field, and
+  HorizontalPodAutoscaler ``NAME`` in ``spec.autoscaling.mode: hpa``.
 
-- ConfigMap ``NAME-config``: ``config.yaml``, the runtime's engine config file
-  (keys are :class:`kvfleet.runtime.config.EngineConfig` field names), read by
-  ``kvfleet serve --config /etc/kvfleet/config.yaml``;
-- Deployment ``NAME``: the runtime pods (pod template annotated with the config hash, so
-  a config change rolls the pods);
-- Service ``NAME``: port 8000 named ``http``;
-- PodDisruptionBudget ``NAME``: only when ``spec.disruption`` sets one field.
-
-The status helpers (:func:`conditions_from`, :func:`desired_status`) follow kstatus
-(https://github.com/kubernetes-sigs/cli-utils/blob/master/pkg/kstatus/README.md) and the
-API conventions for conditions (``lastTransitionTime`` changes only when ``status`` does).
+A spec that cannot be built raises :class:`InvalidSpec`. The status is :mod:`kvfleet.operator.status`.
 """
 
 from __future__ import annotations
@@ -25,11 +21,12 @@ import copy
 import hashlib
 import json
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import yaml
 
-from kvfleet.operator import crd
+from kvfleet.operator import crd, policy
 
 FIELD_MANAGER = "kvfleet-operator"
 """The one server-side-apply field manager of every write the operator makes."""
@@ -514,9 +511,26 @@ def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
             "metadata": _meta(isvc, names(isvc)["pdb"]), "spec": body}
 
 
+def build_hpa(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The HorizontalPodAutoscaler (:func:`policy.build_hpa`'s spec) in mode ``hpa``, else None.
+
+    Raises:
+        InvalidSpec: an invalid ``spec.autoscaling`` (reason ``InvalidAutoscaling``).
+    """
+    spec = effective_spec(isvc)
+    if spec["autoscaling"].get("mode") != "hpa":
+        return None
+    try:
+        hpa = policy.build_hpa({**isvc, "spec": spec})
+    except ValueError as e:
+        raise InvalidSpec("InvalidAutoscaling", str(e)) from None
+    return {"apiVersion": hpa["apiVersion"], "kind": hpa["kind"], "metadata": _meta(isvc, names(isvc)["hpa"]),
+            "spec": hpa["spec"]}
+
+
 def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None) -> list[dict[str, Any]]:
-    """Every child the InferenceService should have, in apply order
-    (ConfigMap, Service, Deployment, then PodDisruptionBudget when asked).
+    """Every child the InferenceService should have, in apply order: ConfigMap, Service,
+    Deployment, then the PodDisruptionBudget and the HorizontalPodAutoscaler when asked.
 
     Args:
         isvc: the InferenceService as a dict (``metadata.name``, ``metadata.uid`` required).
@@ -528,9 +542,7 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None) ->
     cm = build_configmap(isvc)
     children = [cm, build_service(isvc),
                 build_deployment(isvc, config_hash=content_hash(cm["data"]), replicas=replicas)]
-    pdb = build_pdb(isvc)
-    if pdb is not None:
-        children.append(pdb)
+    children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]
     return children
 
 
@@ -546,138 +558,3 @@ def required_secrets(isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
     if ref and spec["model"]["uri"].startswith("hf://"):
         out.append((ref["name"], ref.get("key") or "token"))
     return out
-
-
-# ---------------------------------------------------------------------------------
-# status
-
-
-def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,
-                  message: str, now: str, observed_generation: int | None = None) -> list[dict[str, Any]]:
-    """Return ``conditions`` with one condition set (a new list; the input is not modified).
-
-    ``lastTransitionTime`` is ``now`` (an RFC 3339 string) only when the condition is new or
-    its ``status`` changed; otherwise the previous time is kept (API conventions).
-    """
-    out = [dict(c) for c in (conditions or [])]
-    new = {"type": type, "status": status, "reason": reason, "message": message}
-    if observed_generation is not None:
-        new["observedGeneration"] = observed_generation
-    for i, old in enumerate(out):
-        if old.get("type") == type:
-            new["lastTransitionTime"] = (old.get("lastTransitionTime") or now) if old.get("status") == status else now
-            out[i] = new
-            return out
-    new["lastTransitionTime"] = now
-    out.append(new)
-    return out
-
-
-def deployment_progress(deployment: Mapping[str, Any] | None, desired: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Summarise a live Deployment for the conditions.
-
-    Returns ``{"exists", "replicas", "ready", "updated", "available", "current", "rolled_out",
-    "stalled", "stall_message"}``: ``current`` is True when the Deployment controller observed the
-    latest Deployment generation and (when ``desired`` is given) the live pod template carries the
-    desired config hash; ``rolled_out`` when, in addition, every wanted replica is updated and
-    available and no old pods remain (the ``kubectl rollout status`` rule); ``stalled`` when the
-    Progressing condition says ``ProgressDeadlineExceeded``.
-    """
-    if not deployment:
-        return {"exists": False, "replicas": 0, "ready": 0, "updated": 0, "available": 0,
-                "current": False, "rolled_out": False, "stalled": False, "stall_message": ""}
-    spec = deployment.get("spec") or {}
-    st = deployment.get("status") or {}
-    want = int(spec.get("replicas", 1))
-    gen = (deployment.get("metadata") or {}).get("generation")
-    observed = st.get("observedGeneration")
-    current = gen is None or (observed is not None and observed >= gen)
-    if desired is not None:
-        def _hash(d: Mapping[str, Any] | None) -> Any:
-            return (((d or {}).get("spec") or {}).get("template") or {}).get("metadata", {}).get(
-                "annotations", {}).get(ANNOTATION_CONFIG_HASH)
-        current = current and _hash(deployment) == _hash(desired) and want == int(
-            (desired.get("spec") or {}).get("replicas", want))
-    replicas = int(st.get("replicas") or 0)
-    updated = int(st.get("updatedReplicas") or 0)
-    available = int(st.get("availableReplicas") or 0)
-    stall = next((c for c in st.get("conditions") or [] if c.get("type") == "Progressing"
-                  and c.get("reason") == "ProgressDeadlineExceeded"), None)
-    return {
-        "exists": True, "replicas": replicas, "ready": int(st.get("readyReplicas") or 0),
-        "updated": updated, "available": available, "current": current,
-        "rolled_out": current and updated >= want and available >= want and replicas <= updated,
-        "stalled": stall is not None, "stall_message": (stall or {}).get("message", ""),
-    }
-
-
-def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | None,
-                   desired_deployment: Mapping[str, Any] | None, now: str,
-                   error: InvalidSpec | None = None) -> dict[str, Any]:
-    """The status the operator owns, computed from the live Deployment.
-
-    Args:
-        isvc: the InferenceService (its ``status.conditions`` keep their transition times).
-        deployment: the live Deployment (None when absent).
-        desired_deployment: what the operator applied (for the config hash check).
-        now: the current time, RFC 3339 (``2026-01-01T00:00:00Z``); used only for transitions.
-        error: the reason the spec could not be applied, if any (-> Degraded=True, Ready=False).
-
-    Returns:
-        ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
-        "url", "conditions"}``. Conditions (kstatus): ``Ready`` True only when the current
-        generation is fully rolled out; ``Progressing`` True while a rollout is under way;
-        ``Degraded`` True on an invalid spec or a stalled rollout.
-    """
-    meta = isvc.get("metadata") or {}
-    gen = meta.get("generation")
-    old = (isvc.get("status") or {}).get("conditions") or []
-    prog = deployment_progress(deployment, desired_deployment)
-    want = int(((desired_deployment or deployment or {}).get("spec") or {}).get("replicas", 0))
-
-    if error is not None:
-        ready = ("False", error.reason, error.message)
-        progressing = ("False", error.reason, "the spec cannot be applied")
-        degraded = ("True", error.reason, error.message)
-    elif not prog["exists"]:
-        ready = ("False", "DeploymentMissing", "the Deployment does not exist yet")
-        progressing = ("True", "Creating", "creating the runtime Deployment")
-        degraded = ("False", "AsExpected", "")
-    elif prog["stalled"]:
-        ready = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
-        progressing = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
-        degraded = ("True", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
-    elif prog["rolled_out"]:
-        ready = ("True", "RolledOut", f"{prog['available']}/{want} replicas available")
-        progressing = ("False", "RolledOut", "the current generation is rolled out")
-        degraded = ("False", "AsExpected", "")
-    else:
-        msg = (f"{prog['updated']}/{want} replicas updated, {prog['available']} available"
-               if prog["current"] else "waiting for the Deployment controller to observe the new spec")
-        ready = ("False", "RollingOut", msg)
-        progressing = ("True", "RollingOut", msg)
-        degraded = ("False", "AsExpected", "")
-
-    conds: list[dict[str, Any]] = [dict(c) for c in old]
-    for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
-                                             ("Degraded", degraded)):
-        conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
-                              now=now, observed_generation=gen)
-    status: dict[str, Any] = {
-        "replicas": prog["replicas"],
-        "readyReplicas": prog["ready"],
-        "updatedReplicas": prog["updated"],
-        "selector": selector_string(isvc),
-        "url": service_url(isvc),
-        "conditions": conds,
-    }
-    if gen is not None:
-        status["observedGeneration"] = gen
-    return status
-
-
-def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
-    """The merge patch that turns ``current`` status into ``desired`` for the keys the operator
-    owns (empty dict when nothing changed: the reconcile then writes nothing)."""
-    current = current or {}
-    return {k: copy.deepcopy(v) for k, v in desired.items() if current.get(k) != v}

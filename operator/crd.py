@@ -1,22 +1,14 @@
 """The one definition of the ``InferenceService`` CustomResourceDefinition.
 
-Everything about the API shape lives here: the structural OpenAPI v3 schema (types,
-defaults, enums, ranges), the CEL rules (``x-kubernetes-validations``), the status and
-scale subresources and the printer columns. ``crds/inferenceservices.kvfleet.io.yaml``
-is *generated* from this module::
+The structural OpenAPI v3 schema (types, defaults, enums, ranges), the CEL rules
+(``x-kubernetes-validations``), the status and scale subresources and the printer columns.
+``crds/*.yaml`` (and the chart's copies) are generated from it::
 
-    python -m kvfleet.operator.crd            # rewrite crds/*.yaml and charts/kvfleet/crds/*.yaml
-    python -m kvfleet.operator.crd --check    # exit 1 when the files drift
+    python -m kvfleet.operator.crd            # rewrite them
+    python -m kvfleet.operator.crd --check    # exit 1 when they drift
 
-and ``tests/test_operator_crd.py`` fails when the committed file differs.
-
-The operator applies the same defaults itself (:func:`apply_defaults`) so that the
-builders give the same children whether or not an API server defaulted the object
-(an API server applies structural defaults on read and write; see
-https://kubernetes.io/docs/tasks/extend-kubernetes/custom-resources/custom-resource-definitions/#defaulting).
-
-Sources: Kubernetes API conventions for the field names; kstatus for the conditions
-(https://github.com/kubernetes-sigs/cli-utils/blob/master/pkg/kstatus/README.md).
+:func:`apply_defaults` applies the schema's defaults the way an API server does, so the
+builders give the same children whether or not a server defaulted the object.
 """
 
 from __future__ import annotations
@@ -75,7 +67,8 @@ def _quantity(desc: str) -> dict[str, Any]:
         "description": desc,
         "anyOf": [{"type": "integer"}, {"type": "string"}],
         "x-kubernetes-int-or-string": True,
-        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                   r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
     }
 
 

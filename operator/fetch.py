@@ -16,8 +16,8 @@ import json
 import multiprocessing
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 MARKER = ".kvfleet-complete"
 

@@ -1,28 +1,12 @@
 """kopf handlers of the kvfleet operator: thin wrappers around :func:`reconcile.reconcile`.
 
-Triggers (all run the same idempotent reconcile of one InferenceService):
-
-- ``InferenceService`` created, changed (spec, labels, annotations) or found at start-up
-  (``on.create`` / ``on.update`` / ``on.resume``); an invalid spec is retried by kopf with
-  back-off (10 s doubling to 5 min) after a Degraded condition and a Warning Event;
-- any watch event of a child (ConfigMap, Service, Deployment, PodDisruptionBudget,
-  HorizontalPodAutoscaler labelled ``app.kubernetes.io/managed-by=kvfleet-operator``):
-  the Deployment's rollout moves the status; a child edited or deleted by hand is put back.
-
-No handler needs a finalizer (no ``on.delete``, no timers, no daemons): deleting an
-InferenceService removes its children through ownerReferences, and nothing can wedge
-the deletion, whether the operator runs or not. The autoscaler (:mod:`kvfleet.operator.autoscaler`,
-imported at the end of this module) adds a kopf index of the autoscaled and tuned
-InferenceServices and one operator-wide loop started and stopped by ``kopf.on.startup`` /
-``kopf.on.cleanup`` handlers; neither needs a finalizer.
-
-Settings live in one start-up handler, :func:`configure`:
-
-- kopf's progress (retries, back-off) is kept in ``status.kopf`` (``StatusProgressStorage``);
-- kopf's diff-base (the last handled spec, for change detection) is kept in the
-  annotation ``kvfleet.io/last-handled-configuration`` (``AnnotationsDiffBaseStorage``);
-- only Warning Events are posted (kopf's per-handler success events would be writes on every
-  restart); the finalizer name is ``kvfleet.io/finalizer`` (never added).
+Every trigger runs the same idempotent reconcile of one InferenceService: the InferenceService
+created, changed or found at start-up (an invalid spec: a Warning Event, then kopf retries with
+:func:`backoff`), and any watch event of a child labelled
+``app.kubernetes.io/managed-by=kvfleet-operator`` (rollout progress moves the status; a child
+edited or deleted by hand is put back). No handler needs a finalizer. Importing this module
+registers these handlers and, through :mod:`kvfleet.operator.autoscaler`, the autoscaler's.
+All settings live in the one start-up handler :func:`configure` (see docs/operator.md).
 """
 
 from __future__ import annotations
@@ -35,6 +19,7 @@ import kopf
 
 from kvfleet.operator import builders, crd, reconcile
 from kvfleet.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY
+from kvfleet.operator.kube import ApiError, Kube, make_kube
 
 DIFFBASE_PREFIX = "kvfleet.io"
 DIFFBASE_KEY = "last-handled-configuration"
@@ -58,23 +43,11 @@ def backoff(retry: int) -> float:
     return float(min(300, 10 * 2 ** min(retry, 5)))
 
 
-def _kube(memo: Any) -> reconcile.Kube:
+def _kube(memo: Any) -> Kube:
     kube = getattr(memo, "kube", None)
     if kube is None:  # start-up handlers run first; this is a safety net for direct calls
         kube = memo.kube = make_kube()
     return kube
-
-
-def make_kube() -> reconcile.Kube:
-    """A :class:`reconcile.Kube` from the in-cluster service account, else ``$KUBECONFIG``."""
-    import kubernetes
-
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        # explicit: the library reads $KUBECONFIG once, when it is first imported
-        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
-    return reconcile.Kube(kubernetes.client.ApiClient())
 
 
 @kopf.on.startup()
@@ -108,7 +81,7 @@ def login(**kwargs: Any) -> Any:
 def _reconcile(memo: Any, namespace: str, name: str, logger: logging.Logger) -> reconcile.Outcome:
     try:
         out = reconcile.reconcile(_kube(memo), namespace, name)
-    except reconcile.ApiError as e:
+    except ApiError as e:
         raise kopf.TemporaryError(f"API error: {e}", delay=10) from None
     if out.applied or out.deleted:
         logger.info("applied %s; deleted %s", ", ".join(out.applied) or "nothing", ", ".join(out.deleted) or "nothing")
@@ -131,7 +104,8 @@ def reconcile_inference_service(body: kopf.Body, namespace: str, name: str, retr
 
 def _owner(body: kopf.Body) -> str | None:
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if ref.get("kind") == crd.KIND and ref.get("apiVersion", "").startswith(crd.GROUP + "/") and ref.get("controller"):
+        ours = ref.get("kind") == crd.KIND and ref.get("apiVersion", "").startswith(crd.GROUP + "/")
+        if ours and ref.get("controller"):
             return ref.get("name")
     return None
 
@@ -146,7 +120,7 @@ def _register_child_watch(group: str, version: str, plural: str) -> None:
             return
         try:
             out = reconcile.reconcile(_kube(memo), namespace, owner)
-        except reconcile.ApiError as e:
+        except ApiError as e:
             logger.warning("reconcile of %s/%s after a %s event failed: %s", namespace, owner, plural, e)
             return
         if out.applied or out.deleted:
@@ -164,11 +138,8 @@ def probe_reconciles(**_: Any) -> int:
     return len(reconcile._locks)
 
 
-# The autoscaling/tuning handlers (issue 7) register themselves when present.
-try:  # pragma: no cover - depends on the autoscaler module being there
-    import kvfleet.operator.autoscaler  # noqa: F401
-except ImportError as _e:
-    if "kvfleet.operator.autoscaler" not in str(_e):
-        raise
+# The autoscaler's kopf handlers (its index, its loop's start-up and clean-up), registered
+# after configure so that kopf runs its start-up handler second.
+from kvfleet.operator import autoscaler  # noqa: E402
 
-__all__ = ["configure", "reconcile_inference_service", "backoff", "builders"]
+__all__ = ["autoscaler", "backoff", "builders", "configure", "reconcile_inference_service"]

@@ -6,19 +6,10 @@ Options::
                      [--kubeconfig FILE] [--health-port PORT]
                      [--peering NAME | --standalone] [--priority N] [--verbose]
 
-- ``--namespace`` (repeatable; kopf globs like ``team-*`` work) or ``--all-namespaces``
-  (the default when no namespace is given).
-- ``--kubeconfig``: otherwise in-cluster credentials, else ``$KUBECONFIG`` / ``~/.kube/config``.
-- ``--health-port``: serve kopf's liveness endpoint on ``http://0.0.0.0:PORT/healthz``
-  (200 while the operator runs; point the Deployment's livenessProbe at it).
-- Peering (kopf's leader election; needs ``crds/kopf-peering.yaml``): replicas with the same
-  ``--peering NAME`` see each other; the one with the highest ``--priority`` acts, the others
-  pause until its keep-alive expires. Without ``--priority`` every replica draws a random one,
-  so exactly one of them is active. Without ``--peering`` the operator looks for a peering
-  object named ``kvfleet-operator`` and runs alone when there is none; ``--standalone``
-  skips peering. The peering identity (:func:`peering_identity`) is passed to kopf and put
-  in ``memo.peering_identity``, so the autoscaler loop can tell its own keep-alive from its
-  peers' (kopf does not expose whether it is paused; see :mod:`kvfleet.operator.autoscaler`).
+Imports :mod:`kvfleet.operator.handlers` (which registers every kopf handler) and runs kopf
+with a peering identity (:func:`peering_identity`, also put in ``memo.peering_identity`` for
+the autoscaler loop) and a random priority unless ``--priority`` is given. What each option
+does, and how peering works: docs/operator.md.
 """
 
 from __future__ import annotations

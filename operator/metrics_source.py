@@ -1,25 +1,13 @@
 """Where the autoscaler and the tuner read the runtime pods' live metrics.
 
 Two sources, one result (:class:`kvfleet.operator.policy.MetricsAggregate`):
+:class:`PodScraper` (``spec.autoscaling.metrics.source: pods``, the default) GETs each ready
+pod's ``/metrics`` concurrently (port and path: :func:`metrics_url`); :class:`PrometheusSource`
+(``source: prometheus``) makes one instant query for the same series, by ``pod`` label.
 
-* :class:`PodScraper` (default, ``spec.autoscaling.metrics.source: pods``): GET each ready
-  pod's ``/metrics`` with httpx, concurrently, and parse the exposition with
-  prometheus-client's text parser. No Prometheus needed.
-* :class:`PrometheusSource` (``source: prometheus`` + ``prometheusUrl``): one instant query
-  (``GET /api/v1/query``) for the same series, grouped by the ``pod`` label, which is what
-  the usual Kubernetes service discovery relabelling (and the chart's PodMonitor) attaches.
-
-Pods that are not ready are not read and are listed as such; a ready pod whose read fails
-(connection refused, timeout, HTTP error, unparsable text, series missing) is left out of
-the sums and listed with the reason. A source that fails as a whole raises
-:class:`MetricsSourceError`; the policy then holds the replica count (never scales down,
-let alone to zero, on missing data).
-
-Where a pod is scraped: ``http://<status.podIP>:<port><path>`` with ``port`` taken, in
-order, from the pod annotation ``kvfleet.io/metrics-port`` (the documented override; the
-test kubelet sets it because all its "pods" share 127.0.0.1), the container port named
-``http`` or ``metrics``, the ``prometheus.io/port`` annotation, else 8000; ``path`` from
-``prometheus.io/path`` (default ``/metrics``); ``scheme`` from ``prometheus.io/scheme``.
+Pods that are not ready are not read and are listed as such; a ready pod whose read fails is
+left out of the sums and listed with the reason. A source that fails as a whole raises
+:class:`MetricsSourceError` (the policy then holds the replica count). See docs/autoscaling.md.
 """
 
 from __future__ import annotations
@@ -206,7 +194,7 @@ class PrometheusSource:
         """The PromQL instant-vector selector for ``pod_names`` (all series one read needs)."""
         names = "|".join(re.escape(s) for s in sorted(_FIELDS))
         pods = "|".join(re.escape(p) for p in sorted(pod_names))
-        esc = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')  # noqa: E731
+        esc = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')
         return (f'{{__name__=~"{esc(re.escape(prefix))}({esc(names)})",'
                 f'{self.namespace_label}="{esc(self.namespace)}",{self.pod_label}=~"{esc(pods)}"}}')
 

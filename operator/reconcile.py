@@ -1,182 +1,37 @@
-"""One reconcile of one InferenceService: read, build (pure), apply what differs, write status.
+"""One reconcile of one InferenceService: read, build (pure), apply what differs, prune, write status.
 
-Synchronous and framework-free (the kopf handlers in :mod:`kvfleet.operator.handlers` call
-:func:`reconcile` from kopf's thread pool), so tests can run it against any API server.
-
-Writes follow server-side apply (https://kubernetes.io/docs/reference/using-api/server-side-apply/):
-every child is sent whole as ``PATCH`` with ``Content-Type: application/apply-patch+yaml``,
-``fieldManager=kvfleet-operator`` and ``force=true``; the API server then removes the fields
-the operator applied before and no longer applies (a field removed from the spec disappears
-from the child), and keeps fields other managers own. A child is written only when
-
-- it does not exist, or
-- its ``kvfleet.io/desired-hash`` annotation differs from the hash of the desired object
-  (the desired object changed, including fields that were removed), or
-- a desired field differs in the live object (someone edited it by hand);
-
-so reconciling an unchanged resource writes nothing. The status subresource is patched
-(JSON merge patch) only with the keys whose value changed.
+Synchronous and framework-free (the kopf handlers call :func:`reconcile` from kopf's thread
+pool), so tests run it against any API server. Every child of
+:func:`kvfleet.operator.builders.desired_children` is server-side applied whole, and only when
+it is missing, its ``kvfleet.io/desired-hash`` annotation differs from the hash of the desired
+object, or a desired field differs in the live object (a hand edit); optional children no
+longer desired (:data:`PRUNABLE_KINDS`) are deleted; the status subresource is merge-patched
+with only the keys that changed. So reconciling an unchanged resource writes nothing.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
-
-import urllib3
+from typing import Any
 
 from kvfleet.operator import builders, crd
-from kvfleet.operator.builders import FIELD_MANAGER, InvalidSpec
+from kvfleet.operator.builders import InvalidSpec
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.status import desired_status, status_patch
+from kvfleet.operator.times import rfc3339
 
 log = logging.getLogger(__name__)
 
 ANNOTATION_DESIRED_HASH = "kvfleet.io/desired-hash"
 """Child annotation: hash of what the operator last applied (detects removed fields)."""
 
-# kind -> (apiVersion, plural)
-KINDS: dict[str, tuple[str, str]] = {
-    "ConfigMap": ("v1", "configmaps"),
-    "Service": ("v1", "services"),
-    "Secret": ("v1", "secrets"),
-    "Deployment": ("apps/v1", "deployments"),
-    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
-    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
-    "Pod": ("v1", "pods"),
-    "Event": ("v1", "events"),
-    "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings"),
-    "KopfPeering": ("kopf.dev/v1", "kopfpeerings"),
-    crd.KIND: (crd.API_VERSION, crd.PLURAL),
-}
-
 PRUNABLE_KINDS = ("PodDisruptionBudget", "HorizontalPodAutoscaler")
 """Optional children: deleted when no longer desired (only when this InferenceService is
 their controller owner)."""
-
-EXTRA_CHILDREN: list[Callable[[Mapping[str, Any]], list[dict[str, Any]]]] = []
-"""Further child builders ``fn(isvc) -> [objects]`` (pure), e.g. the autoscaler's HPA in
-mode ``hpa``. Register by appending at import time; each object must carry the
-InferenceService's ownerReference (:func:`builders.owner_reference`). A builder may raise
-:class:`InvalidSpec`."""
-
-
-class ApiError(Exception):
-    """An API call failed (``status``: HTTP status, 0 for a connection error)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-
-
-class Kube:
-    """Raw-dict access to the Kubernetes API over ``kubernetes.client.ApiClient``.
-
-    Args:
-        api_client: a configured ``kubernetes.client.ApiClient`` (kubeconfig or in-cluster).
-    """
-
-    def __init__(self, api_client: Any):
-        self.api = api_client
-
-    @staticmethod
-    def path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
-             subresource: str | None = None) -> str:
-        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        out = base + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
-        if name:
-            out += f"/{name}"
-        if subresource:
-            out += f"/{subresource}"
-        return out
-
-    def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
-              content_type: str | None = None) -> Any:
-        from kubernetes.client.exceptions import ApiException
-
-        headers = {"Accept": "application/json"}
-        if content_type:
-            headers["Content-Type"] = content_type
-        try:
-            request = self.api.param_serialize(method, path, query_params=query or [], header_params=headers,
-                                               body=body, auth_settings=["BearerToken"])
-            response = self.api.call_api(*request, _request_timeout=30)
-            response.read()
-            return self.api.response_deserialize(response, {"2XX": "object"}).data
-        except ApiException as e:
-            raise ApiError(e.status or 0, str(e.reason or e.body)) from None
-        except (OSError, urllib3.exceptions.HTTPError) as e:  # connection refused, timeouts, retries
-            raise ApiError(0, repr(e)) from None
-
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        """The live object, or None when it does not exist."""
-        api_version, plural = KINDS[kind]
-        try:
-            return self._call("GET", self.path(api_version, plural, namespace, name))
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
-
-    def list_objects(self, kind: str, namespace: str | None,
-                     selector: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
-        """The objects of ``kind`` in ``namespace`` (all namespaces for None) whose labels
-        match ``selector`` (equality only). The selector is sent as ``labelSelector`` and
-        also checked here, so a server that ignores it gives the same answer."""
-        api_version, plural = KINDS[kind]
-        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))] if selector else []
-        items = (self._call("GET", self.path(api_version, plural, namespace), query=query) or {}).get("items") or []
-        if selector:
-            items = [o for o in items
-                     if all(((o.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
-        return items
-
-    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
-        """Set ``spec.replicas`` through the scale subresource (JSON merge patch of the
-        ``autoscaling/v1`` Scale, so nothing else of the object changes); the Scale."""
-        api_version, plural = KINDS[kind]
-        return self._call("PATCH", self.path(api_version, plural, namespace, name, "scale"),
-                          body={"spec": {"replicas": int(replicas)}}, content_type="application/merge-patch+json")
-
-    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply ``obj`` (force, field manager ``kvfleet-operator``); the live result.
-
-        An API server creates a missing object on apply; an emulator that answers 404
-        instead gets a create (``POST``) with the same field manager.
-        """
-        api_version, plural = KINDS[obj["kind"]]
-        ns, name = obj["metadata"].get("namespace"), obj["metadata"]["name"]
-        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
-        try:
-            return self._call("PATCH", self.path(api_version, plural, ns, name), body=dict(obj), query=query,
-                              content_type="application/apply-patch+yaml")
-        except ApiError as e:
-            if e.status != 404:
-                raise
-        return self.create(obj)
-
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Create ``obj`` (``POST``; ``metadata.generateName`` works); the stored object."""
-        api_version, plural = KINDS[obj["kind"]]
-        return self._call("POST", self.path(api_version, plural, obj["metadata"].get("namespace")), body=dict(obj),
-                          query=[("fieldManager", FIELD_MANAGER)], content_type="application/json")
-
-    def delete(self, kind: str, namespace: str, name: str) -> None:
-        api_version, plural = KINDS[kind]
-        try:
-            self._call("DELETE", self.path(api_version, plural, namespace, name))
-        except ApiError as e:
-            if e.status != 404:
-                raise
-
-    def patch_status(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
-        """JSON-merge-patch the status subresource with ``{"status": patch}``."""
-        api_version, plural = KINDS[kind]
-        return self._call("PATCH", self.path(api_version, plural, namespace, name, "status"),
-                          body={"status": dict(patch)}, content_type="application/merge-patch+json")
-
 
 # ---------------------------------------------------------------------------------
 # pure comparison
@@ -203,7 +58,7 @@ def is_subset(desired: Any, live: Any) -> bool:
         return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(live, list) and len(desired) == len(live) and all(
-            is_subset(d, l) for d, l in zip(desired, live))
+            is_subset(d, v) for d, v in zip(desired, live))
     if isinstance(desired, bool) or isinstance(live, bool):
         return desired is live
     if isinstance(desired, (int, float)) and isinstance(live, (int, float)):
@@ -224,10 +79,6 @@ def owned_by(obj: Mapping[str, Any], isvc: Mapping[str, Any]) -> bool:
     uid = isvc["metadata"].get("uid")
     return any(ref.get("controller") and ref.get("uid") == uid
                for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---------------------------------------------------------------------------------
@@ -262,11 +113,8 @@ def check_secrets(kube: Kube, isvc: Mapping[str, Any]) -> None:
 
 
 def desired_objects(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """All desired children, stamped (builders + :data:`EXTRA_CHILDREN`)."""
-    children = builders.desired_children(isvc)
-    for extra in EXTRA_CHILDREN:
-        children += extra(isvc)
-    return [stamped(c) for c in children]
+    """Every desired child (:func:`builders.desired_children`), stamped."""
+    return [stamped(c) for c in builders.desired_children(isvc)]
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -288,7 +136,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
     keep serving) and the status says ``Degraded``; the error is returned in the outcome.
 
     Raises:
-        ApiError: an API call failed (the caller retries).
+        kube.ApiError: an API call failed (the caller retries).
     """
     with lock_for(namespace, name):
         isvc = kube.get(crd.KIND, namespace, name)
@@ -296,7 +144,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
         if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
             out.found = False
             return out
-        now = now or now_rfc3339()
+        now = now or rfc3339()
         live_deployment = None
         desired_deployment = None
         try:
@@ -324,9 +172,9 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                 if live is not None and owned_by(live, isvc):
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
-        status = builders.desired_status(isvc, deployment=live_deployment,
-                                         desired_deployment=desired_deployment, now=now, error=out.error)
-        patch = builders.status_patch(isvc.get("status"), status)
+        wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
+                                error=out.error)
+        patch = status_patch(isvc.get("status"), wanted)
         if patch:
             kube.patch_status(crd.KIND, namespace, name, patch)
             out.status_patch = patch

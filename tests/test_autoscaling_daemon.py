@@ -17,13 +17,14 @@ import kopf
 import kubernetes
 import pytest
 import yaml
-
 from kube_emulator import ISVC, EmulatorThread
-from kvfleet.operator import autoscaler, builders, reconcile
-from kvfleet.operator.metrics_source import METRICS_PORT_ANNOTATION
-from kvfleet.runtime.metrics import CONTENT_TYPE, PrometheusStatLogger, exposition
-from kvfleet.runtime.core.sched.output import SchedulerStats
 from support import free_port
+
+from kvfleet.operator import autoscaler, builders, reconcile
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.metrics_source import METRICS_PORT_ANNOTATION
+from kvfleet.runtime.core.sched.output import SchedulerStats
+from kvfleet.runtime.metrics import CONTENT_TYPE, PrometheusStatLogger, exposition
 
 NS = "llm"
 NAME = "svc"
@@ -40,7 +41,7 @@ class Runtime:
         registry = self.logger.registry
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 body = exposition(registry)
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE)
@@ -89,7 +90,7 @@ def cluster(tmp_path: Path):
         path = kube.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
         cfg = kubernetes.client.Configuration()
         kubernetes.config.load_kube_config(config_file=str(path), client_configuration=cfg)
-        client = reconcile.Kube(kubernetes.client.ApiClient(cfg))
+        client = Kube(kubernetes.client.ApiClient(cfg))
         yield kube, client, Events(kube), runtimes
     for r in runtimes:
         r.close()

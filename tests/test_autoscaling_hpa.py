@@ -1,11 +1,11 @@
-"""``autoscaling.mode: hpa``: the HorizontalPodAutoscaler the operator makes validates
-against the official Kubernetes schema (kubernetes-validate) and targets the
-InferenceService's scale subresource with the queue-depth Pods metric."""
+"""``autoscaling.mode: hpa``: the HorizontalPodAutoscaler the operator makes is one of
+``builders.desired_children`` (and absent in the other modes), validates against the official
+Kubernetes schema (kubernetes-validate) and targets the InferenceService's scale subresource
+with the queue-depth Pods metric."""
 
 from __future__ import annotations
 
 import copy
-
 from pathlib import Path
 
 import kubernetes_validate
@@ -13,12 +13,16 @@ import pytest
 import yaml
 
 from kvfleet.operator import builders, crd
-from kvfleet.operator.autoscaler import hpa_children
 from kvfleet.operator.policy import HPA_METRIC, build_hpa, hpas_targeting
-from kvfleet.operator.reconcile import EXTRA_CHILDREN, desired_objects
+from kvfleet.operator.reconcile import desired_objects
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.33"
+
+
+def hpa_children(obj: dict) -> list[dict]:
+    """The HPAs among every child the builders give."""
+    return [c for c in builders.desired_children(obj) if c["kind"] == "HorizontalPodAutoscaler"]
 
 
 def isvc(**autoscaling) -> dict:
@@ -70,19 +74,21 @@ def test_a_broken_hpa_would_fail_validation():
 
 
 def test_only_mode_hpa_makes_an_hpa_child():
-    assert hpa_children_registered()
     obj = isvc()
-    kinds = [c["kind"] for c in desired_objects(obj)]
-    assert kinds.count("HorizontalPodAutoscaler") == 1
+    kinds = [c["kind"] for c in builders.desired_children(obj)]
+    assert kinds == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler"]
+    assert builders.build_hpa(obj) == hpa_children(obj)[0]
+    # The reconcile applies (and prunes) exactly what the builders give: the HPA too.
+    assert [c["kind"] for c in desired_objects(obj)] == kinds
     for mode in ("operator", "none"):
         other = copy.deepcopy(obj)
         other["spec"]["autoscaling"]["mode"] = mode
-        assert hpa_children(other) == []
+        assert builders.build_hpa(other) is None
+        assert "HorizontalPodAutoscaler" not in [c["kind"] for c in builders.desired_children(other)]
         assert "HorizontalPodAutoscaler" not in [c["kind"] for c in desired_objects(other)]
-
-
-def hpa_children_registered() -> bool:
-    return hpa_children in EXTRA_CHILDREN
+    no_autoscaling = copy.deepcopy(obj)
+    del no_autoscaling["spec"]["autoscaling"]
+    assert hpa_children(no_autoscaling) == []
 
 
 def test_invalid_autoscaling_is_an_invalid_spec():

@@ -67,9 +67,10 @@ SAMPLES = [
                                                             observed=3)]}),
      "Progressing", "RollingOut: 1/2 updated"),
     ("rolling out",
-     isvc(2, {"observedGeneration": 2, "conditions": [cond("Ready", "False", "RollingOut", "1/2 replicas updated"),
-                                                       cond("Progressing", "True", "RollingOut", "1/2 replicas updated"),
-                                                       cond("Degraded", "False", "AsExpected")]}),
+     isvc(2, {"observedGeneration": 2, "conditions": [
+         cond("Ready", "False", "RollingOut", "1/2 replicas updated"),
+         cond("Progressing", "True", "RollingOut", "1/2 replicas updated"),
+         cond("Degraded", "False", "AsExpected")]}),
      "Progressing", "RollingOut: 1/2 replicas updated"),
     ("degraded: missing secret",
      isvc(2, {"observedGeneration": 2, "conditions": [
@@ -80,10 +81,12 @@ SAMPLES = [
     ("degraded wins over a stale ready",
      isvc(2, {"observedGeneration": 2, "conditions": [cond("Ready", "True"), cond("Degraded", "True", "X", "boom")]}),
      "Degraded", "X: boom"),
-    ("not ready, nothing else said", isvc(1, {"observedGeneration": 1, "conditions": [cond("Ready", "False", "Waiting")]}),
+    ("not ready, nothing else said",
+     isvc(1, {"observedGeneration": 1, "conditions": [cond("Ready", "False", "Waiting")]}),
      "Progressing", "Waiting"),
     ("no generation (not from an API server)",
-     {"metadata": {"name": "x"}, "status": {"conditions": [cond("Ready", "True", "RolledOut")]}}, "Healthy", "RolledOut"),
+     {"metadata": {"name": "x"}, "status": {"conditions": [cond("Ready", "True", "RolledOut")]}},
+     "Healthy", "RolledOut"),
 ]
 
 
@@ -116,8 +119,8 @@ def _deployment(replicas=2, updated=2, available=2, generation=1, observed=1, st
     ("rolled out, then the spec changes", "Progressing"),
 ])
 def test_argocd_health_on_statuses_from_the_operator(scenario, expected):
-    """The statuses kvfleet.operator.builders.desired_status writes, read by the Lua check."""
-    from kvfleet.operator import builders
+    """The statuses kvfleet.operator.status.desired_status writes, read by the Lua check."""
+    from kvfleet.operator import builders, status
 
     obj = isvc(generation=1)
     desired = next(c for c in builders.desired_children(obj) if c["kind"] == "Deployment")
@@ -135,7 +138,7 @@ def test_argocd_health_on_statuses_from_the_operator(scenario, expected):
         kwargs["deployment"] = live
     elif scenario == "invalid spec":
         kwargs["error"] = builders.InvalidSpec("SecretNotFound", "secret llm/key does not exist")
-    obj["status"] = builders.desired_status(obj, **kwargs)
+    obj["status"] = status.desired_status(obj, **kwargs)
     if scenario == "rolled out, then the spec changes":
         assert argocd_health(obj)["status"] == "Healthy"
         obj["metadata"]["generation"] = 2  # the API server bumps it; the operator has not seen it yet

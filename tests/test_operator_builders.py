@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator import builders, crd, fetch
+from kvfleet.operator import builders, crd, fetch, status
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 
@@ -149,7 +149,8 @@ def test_pod_basics():
     ann = tpl["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
     assert ann["prometheus.io/path"] == "/metrics"
-    assert ann["kvfleet.io/config-hash"] == builders.content_hash(by_kind(builders.desired_children(isvc))["ConfigMap"]["data"])
+    config_map = by_kind(builders.desired_children(isvc))["ConfigMap"]
+    assert ann["kvfleet.io/config-hash"] == builders.content_hash(config_map["data"])
     assert "resources" not in c or "nvidia.com/gpu" not in c["resources"].get("limits", {})
     assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
@@ -203,7 +204,8 @@ def test_gpu_tensor_parallel_example():
     vols = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
     assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
-    assert {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api-key", "key": "api-key"}}} in c["env"]
+    api_key = {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api-key", "key": "api-key"}}}
+    assert api_key in c["env"]
     assert kinds["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
     assert deploy["spec"]["replicas"] == 2
     # 16Gi of weights: 120 s + 20 s/GiB = 440 s -> 44 probes of 10 s
@@ -241,14 +243,18 @@ def test_removed_fields_disappear_from_children():
                                                                   "nodeSelector": {"a": "b"}},
                                                          disruption={"maxUnavailable": 1})))
     without = by_kind(builders.desired_children(minimal()))
-    assert "KVFLEET_API_KEY" in {e["name"] for e in with_key["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert "KVFLEET_API_KEY" not in {e["name"] for e in without["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    def env_names(children: dict) -> set[str]:
+        return {e["name"] for e in children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "KVFLEET_API_KEY" in env_names(with_key)
+    assert "KVFLEET_API_KEY" not in env_names(without)
     assert "nodeSelector" not in without["Deployment"]["spec"]["template"]["spec"]
     assert "PodDisruptionBudget" in with_key and "PodDisruptionBudget" not in without
 
 
 def test_extra_args_pass_through_and_unknown_ones_are_invalid():
-    cm = by_kind(builders.desired_children(minimal(engine={"extraArgs": {"enable_chunked_prefill": False}})))["ConfigMap"]
+    extra = {"extraArgs": {"enable_chunked_prefill": False}}
+    cm = by_kind(builders.desired_children(minimal(engine=extra)))["ConfigMap"]
     assert yaml.safe_load(cm["data"]["config.yaml"])["enable_chunked_prefill"] is False
     with pytest.raises(InvalidSpec) as e:
         builders.desired_children(minimal(engine={"extraArgs": {"warp_drive": True}}))
@@ -294,7 +300,7 @@ def cond(status, type_):
 def test_status_ready_only_when_rolled_out_for_the_current_generation():
     isvc = minimal(replicas=2)
     desired = by_kind(builders.desired_children(isvc))["Deployment"]
-    st = builders.desired_status(isvc, deployment=None, desired_deployment=desired, now=T0)
+    st = status.desired_status(isvc, deployment=None, desired_deployment=desired, now=T0)
     assert cond(st, "Ready")["status"] == "False" and cond(st, "Progressing")["status"] == "True"
     assert st["url"] == "http://smollm2.default.svc.cluster.local:8000/v1"
     assert st["selector"] == ("app.kubernetes.io/component=inference-server,app.kubernetes.io/instance=smollm2,"
@@ -302,61 +308,61 @@ def test_status_ready_only_when_rolled_out_for_the_current_generation():
     assert st["observedGeneration"] == 1
 
     rolling = live_deployment(isvc, available=1)
-    st = builders.desired_status(isvc, deployment=rolling, desired_deployment=desired, now=T0)
+    st = status.desired_status(isvc, deployment=rolling, desired_deployment=desired, now=T0)
     assert cond(st, "Ready")["status"] == "False" and cond(st, "Progressing")["reason"] == "RollingOut"
 
     stale = live_deployment(isvc, available=2, observed=1, generation=2)  # controller has not seen gen 2
-    st = builders.desired_status(isvc, deployment=stale, desired_deployment=desired, now=T0)
+    st = status.desired_status(isvc, deployment=stale, desired_deployment=desired, now=T0)
     assert cond(st, "Ready")["status"] == "False"
 
     done = live_deployment(isvc, available=2)
-    st = builders.desired_status(isvc, deployment=done, desired_deployment=desired, now=T0)
+    st = status.desired_status(isvc, deployment=done, desired_deployment=desired, now=T0)
     assert cond(st, "Ready")["status"] == "True" and cond(st, "Ready")["observedGeneration"] == 1
     assert cond(st, "Degraded")["status"] == "False" and st["readyReplicas"] == 2
 
     # a new config the Deployment does not carry yet is not Ready
     isvc2 = minimal(replicas=2, engine={"blockSize": 32})
     desired2 = by_kind(builders.desired_children(isvc2))["Deployment"]
-    st = builders.desired_status(isvc2, deployment=done, desired_deployment=desired2, now=T0)
+    st = status.desired_status(isvc2, deployment=done, desired_deployment=desired2, now=T0)
     assert cond(st, "Ready")["status"] == "False"
 
 
 def test_last_transition_time_changes_only_with_status():
     isvc = minimal()
     desired = by_kind(builders.desired_children(isvc))["Deployment"]
-    st0 = builders.desired_status(isvc, deployment=live_deployment(isvc, available=0, updated=1),
+    st0 = status.desired_status(isvc, deployment=live_deployment(isvc, available=0, updated=1),
                                   desired_deployment=desired, now=T0)
     isvc["status"] = st0
-    st1 = builders.desired_status(isvc, deployment=live_deployment(isvc, available=0, updated=1),
+    st1 = status.desired_status(isvc, deployment=live_deployment(isvc, available=0, updated=1),
                                   desired_deployment=desired, now=T1)
-    assert st1 == st0 and builders.status_patch(st0, st1) == {}
+    assert st1 == st0 and status.status_patch(st0, st1) == {}
     isvc["status"] = st1
-    st2 = builders.desired_status(isvc, deployment=live_deployment(isvc, available=1),
+    st2 = status.desired_status(isvc, deployment=live_deployment(isvc, available=1),
                                   desired_deployment=desired, now=T2)
     assert cond(st2, "Ready")["lastTransitionTime"] == T2
     assert cond(st2, "Degraded")["lastTransitionTime"] == T0  # stayed False
-    assert set(builders.status_patch(st1, st2)) == {"conditions", "readyReplicas"}
+    assert set(status.status_patch(st1, st2)) == {"conditions", "readyReplicas"}
 
 
 def test_degraded_on_invalid_spec_and_stalled_rollout():
     isvc = minimal()
     err = InvalidSpec("SecretNotFound", "Secret default/k not found")
-    st = builders.desired_status(isvc, deployment=None, desired_deployment=None, now=T0, error=err)
+    st = status.desired_status(isvc, deployment=None, desired_deployment=None, now=T0, error=err)
     assert cond(st, "Degraded") == {"type": "Degraded", "status": "True", "reason": "SecretNotFound",
                                     "message": "Secret default/k not found", "observedGeneration": 1,
                                     "lastTransitionTime": T0}
     assert cond(st, "Ready")["status"] == "False"
     desired = by_kind(builders.desired_children(isvc))["Deployment"]
-    st = builders.desired_status(isvc, deployment=live_deployment(isvc, available=0, stalled=True),
+    st = status.desired_status(isvc, deployment=live_deployment(isvc, available=0, stalled=True),
                                  desired_deployment=desired, now=T0)
     assert cond(st, "Degraded")["reason"] == "ProgressDeadlineExceeded"
 
 
 def test_set_condition_keeps_order_and_time():
-    c = builders.set_condition([], type="Ready", status="False", reason="A", message="", now=T0)
-    c = builders.set_condition(c, type="Ready", status="False", reason="B", message="m", now=T1)
+    c = status.set_condition([], type="Ready", status="False", reason="A", message="", now=T0)
+    c = status.set_condition(c, type="Ready", status="False", reason="B", message="m", now=T1)
     assert c == [{"type": "Ready", "status": "False", "reason": "B", "message": "m", "lastTransitionTime": T0}]
-    c = builders.set_condition(c, type="Ready", status="True", reason="C", message="", now=T2)
+    c = status.set_condition(c, type="Ready", status="True", reason="C", message="", now=T2)
     assert c[0]["lastTransitionTime"] == T2
 
 

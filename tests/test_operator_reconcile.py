@@ -3,15 +3,15 @@ what it writes, when it writes nothing, and how it handles drift and bad specs."
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import kubernetes
 import pytest
 import yaml
-
-from kvfleet.operator import builders, crd, reconcile
 from kube_emulator import ISVC, EmulatorThread
+
+from kvfleet.operator import builders, reconcile
+from kvfleet.operator.kube import ApiError, Kube
 
 ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
@@ -26,7 +26,7 @@ def kube_env(tmp_path):
                                            client_configuration=cfg)
         api = kubernetes.client.ApiClient(cfg)
         try:
-            yield emu, reconcile.Kube(api)
+            yield emu, Kube(api)
         finally:
             api.close()
 
@@ -205,6 +205,6 @@ def test_unreachable_api_is_an_api_error():
     cfg.host = "http://127.0.0.1:9"  # discard port: connection refused
     cfg.retries = 0
     with kubernetes.client.ApiClient(cfg) as api:
-        with pytest.raises(reconcile.ApiError) as e:
-            reconcile.Kube(api).get("ConfigMap", NS, "x")
+        with pytest.raises(ApiError) as e:
+            Kube(api).get("ConfigMap", NS, "x")
     assert e.value.status == 0

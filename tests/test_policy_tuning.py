@@ -1,21 +1,13 @@
-"""Pure tuning decisions (kvfleet.operator.policy.tune): gpuMemoryUtilization from
+"""Pure tuning decisions (kvfleet.operator.tuning.tune): gpuMemoryUtilization from
 preemption pressure and out-of-memory restarts, blockSize from the length distribution."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvfleet.operator.policy import (
-    MetricsAggregate,
-    PodMetrics,
-    TuningConfig,
-    TuningState,
-    aggregate,
-    choose_block_size,
-    oom_restarts,
-    rfc3339,
-    tune,
-)
+from kvfleet.operator.policy import MetricsAggregate, PodMetrics, aggregate
+from kvfleet.operator.times import rfc3339
+from kvfleet.operator.tuning import TuningConfig, TuningState, choose_block_size, oom_restarts, tune
 
 T0 = 1_800_000_000.0
 ENGINE = {"gpuMemoryUtilization": 0.8, "blockSize": 16}

@@ -1,0 +1,148 @@
+"""The status the operator writes on an InferenceService, from its live Deployment (pure).
+
+:func:`desired_status` gives ``observedGeneration``, the replica counts, ``selector`` (the
+scale subresource's), ``url`` and the kstatus conditions ``Ready`` / ``Progressing`` /
+``Degraded`` (https://github.com/kubernetes-sigs/cli-utils/blob/master/pkg/kstatus/README.md);
+:func:`set_condition` keeps ``lastTransitionTime`` unless a condition's ``status`` changes (API
+conventions); :func:`status_patch` is the merge patch of only the keys that changed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, selector_string, service_url
+
+
+def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,
+                  message: str, now: str, observed_generation: int | None = None) -> list[dict[str, Any]]:
+    """Return ``conditions`` with one condition set (a new list; the input is not modified).
+
+    ``lastTransitionTime`` is ``now`` (an RFC 3339 string) only when the condition is new or
+    its ``status`` changed; otherwise the previous time is kept (API conventions).
+    """
+    out = [dict(c) for c in (conditions or [])]
+    new = {"type": type, "status": status, "reason": reason, "message": message}
+    if observed_generation is not None:
+        new["observedGeneration"] = observed_generation
+    for i, old in enumerate(out):
+        if old.get("type") == type:
+            new["lastTransitionTime"] = (old.get("lastTransitionTime") or now) if old.get("status") == status else now
+            out[i] = new
+            return out
+    new["lastTransitionTime"] = now
+    out.append(new)
+    return out
+
+
+def deployment_progress(deployment: Mapping[str, Any] | None,
+                        desired: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Summarise a live Deployment for the conditions.
+
+    Returns ``{"exists", "replicas", "ready", "updated", "available", "current", "rolled_out",
+    "stalled", "stall_message"}``: ``current`` is True when the Deployment controller observed the
+    latest Deployment generation and (when ``desired`` is given) the live pod template carries the
+    desired config hash; ``rolled_out`` when, in addition, every wanted replica is updated and
+    available and no old pods remain (the ``kubectl rollout status`` rule); ``stalled`` when the
+    Progressing condition says ``ProgressDeadlineExceeded``.
+    """
+    if not deployment:
+        return {"exists": False, "replicas": 0, "ready": 0, "updated": 0, "available": 0,
+                "current": False, "rolled_out": False, "stalled": False, "stall_message": ""}
+    spec = deployment.get("spec") or {}
+    st = deployment.get("status") or {}
+    want = int(spec.get("replicas", 1))
+    gen = (deployment.get("metadata") or {}).get("generation")
+    observed = st.get("observedGeneration")
+    current = gen is None or (observed is not None and observed >= gen)
+    if desired is not None:
+        def _hash(d: Mapping[str, Any] | None) -> Any:
+            return (((d or {}).get("spec") or {}).get("template") or {}).get("metadata", {}).get(
+                "annotations", {}).get(ANNOTATION_CONFIG_HASH)
+        current = current and _hash(deployment) == _hash(desired) and want == int(
+            (desired.get("spec") or {}).get("replicas", want))
+    replicas = int(st.get("replicas") or 0)
+    updated = int(st.get("updatedReplicas") or 0)
+    available = int(st.get("availableReplicas") or 0)
+    stall = next((c for c in st.get("conditions") or [] if c.get("type") == "Progressing"
+                  and c.get("reason") == "ProgressDeadlineExceeded"), None)
+    return {
+        "exists": True, "replicas": replicas, "ready": int(st.get("readyReplicas") or 0),
+        "updated": updated, "available": available, "current": current,
+        "rolled_out": current and updated >= want and available >= want and replicas <= updated,
+        "stalled": stall is not None, "stall_message": (stall or {}).get("message", ""),
+    }
+
+
+def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | None,
+                   desired_deployment: Mapping[str, Any] | None, now: str,
+                   error: InvalidSpec | None = None) -> dict[str, Any]:
+    """The status the operator owns, computed from the live Deployment.
+
+    Args:
+        isvc: the InferenceService (its ``status.conditions`` keep their transition times).
+        deployment: the live Deployment (None when absent).
+        desired_deployment: what the operator applied (for the config hash check).
+        now: the current time, RFC 3339 (``2026-01-01T00:00:00Z``); used only for transitions.
+        error: the reason the spec could not be applied, if any (-> Degraded=True, Ready=False).
+
+    Returns:
+        ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
+        "url", "conditions"}``. Conditions (kstatus): ``Ready`` True only when the current
+        generation is fully rolled out; ``Progressing`` True while a rollout is under way;
+        ``Degraded`` True on an invalid spec or a stalled rollout.
+    """
+    meta = isvc.get("metadata") or {}
+    gen = meta.get("generation")
+    old = (isvc.get("status") or {}).get("conditions") or []
+    prog = deployment_progress(deployment, desired_deployment)
+    want = int(((desired_deployment or deployment or {}).get("spec") or {}).get("replicas", 0))
+
+    if error is not None:
+        ready = ("False", error.reason, error.message)
+        progressing = ("False", error.reason, "the spec cannot be applied")
+        degraded = ("True", error.reason, error.message)
+    elif not prog["exists"]:
+        ready = ("False", "DeploymentMissing", "the Deployment does not exist yet")
+        progressing = ("True", "Creating", "creating the runtime Deployment")
+        degraded = ("False", "AsExpected", "")
+    elif prog["stalled"]:
+        ready = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
+        progressing = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
+        degraded = ("True", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
+    elif prog["rolled_out"]:
+        ready = ("True", "RolledOut", f"{prog['available']}/{want} replicas available")
+        progressing = ("False", "RolledOut", "the current generation is rolled out")
+        degraded = ("False", "AsExpected", "")
+    else:
+        msg = (f"{prog['updated']}/{want} replicas updated, {prog['available']} available"
+               if prog["current"] else "waiting for the Deployment controller to observe the new spec")
+        ready = ("False", "RollingOut", msg)
+        progressing = ("True", "RollingOut", msg)
+        degraded = ("False", "AsExpected", "")
+
+    conds: list[dict[str, Any]] = [dict(c) for c in old]
+    for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
+                                             ("Degraded", degraded)):
+        conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
+                              now=now, observed_generation=gen)
+    status: dict[str, Any] = {
+        "replicas": prog["replicas"],
+        "readyReplicas": prog["ready"],
+        "updatedReplicas": prog["updated"],
+        "selector": selector_string(isvc),
+        "url": service_url(isvc),
+        "conditions": conds,
+    }
+    if gen is not None:
+        status["observedGeneration"] = gen
+    return status
+
+
+def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> dict[str, Any]:
+    """The merge patch that turns ``current`` status into ``desired`` for the keys the operator
+    owns (empty dict when nothing changed: the reconcile then writes nothing)."""
+    current = current or {}
+    return {k: copy.deepcopy(v) for k, v in desired.items() if current.get(k) != v}
