@@ -1,53 +1,14 @@
 """A cheap lower bound on a text's token count, to reject hopeless prompts before tokenizing.
 
-Tokenizing a prompt costs time linear in its length (0.5-1 s per MB of text for a byte-level
-BPE on one busy CPU core), and a prompt far longer than ``max_model_len`` tokens is rejected anyway.
-:func:`prompt_length_bound` computes once, from the tokenizer's vocabulary, a number ``L``
-such that *every* text of ``n`` characters tokenizes to at least ``ceil(n / L)`` tokens, so
-that the server can answer such a prompt with a 400 from its length alone
-(:meth:`PromptLengthBound.min_tokens`).
-
-Why the bound holds
--------------------
-Tokenizing (HF ``tokenizers``: normalizer -> pre-tokenizer -> model, plus added/special tokens
-matched verbatim) splits the normalized text into pieces, each of which is one vocabulary
-entry. If no piece covers more than ``L`` characters of the normalized text, ``n'`` normalized
-characters need at least ``n' / L`` tokens. ``L`` is the maximum over every token id
-(added tokens included) of
-
-- the length of its vocabulary string (``get_vocab()``): for a byte-level BPE (GPT-2, Llama 3,
-  Qwen2, SmolLM2) one character per *byte*, and a token of ``b`` bytes touches at most ``b``
-  characters of the text (every character has at least one UTF-8 byte); for SentencePiece
-  vocabularies ``"▁hello"`` covers ``" hello"``, and a byte-fallback piece ``"<0xE2>"`` (6
-  characters) covers one byte;
-- the length of the token decoded alone (``decode([id])``, special tokens kept), which is the
-  text an added token such as ``<|im_start|>`` covers. Measured rather than assumed, since
-  vocabulary strings of byte-level BPEs are byte-to-unicode mappings, not text.
-
-The steps before the model must not make the text shorter than the bound assumes:
-
-- normalizers: none, or ones that never shrink a text (NFD, NFKD, lowercasing, prepending,
-  replacing a string by one at least as long), or NFC / NFKC, which compose at most 4 code
-  points into one (the longest canonical decomposition in Unicode has 4 code points, e.g.
-  U+1F82), so ``L`` is multiplied by 4; a string replacement that shrinks multiplies ``L``
-  by the ratio;
-- pre-tokenizers that keep every character (ByteLevel, Metaspace, Digits, UnicodeScripts,
-  Split / Punctuation that do not remove their matches);
-- models that put every character into some token and never an unbounded run of them into
-  one: BPE with byte fallback, or a ByteLevel pre-tokenizer, or an ``unk_token`` that is not
-  fused (without any of these BPE silently drops characters it does not know); Unigram with
-  byte fallback.
-
-A byte-level BPE drops the bytes whose byte-level character is missing from its vocabulary
-(SmolLM2's, converted from GGUF, lacks e.g. ``\\x04``: ``encode("\\x04" * 10) == []``). When
-only single-byte (ASCII) characters can vanish that way, they are not counted
-(:attr:`PromptLengthBound.ignored_chars`); a missing UTF-8 continuation byte, which could make
-a multi-byte character vanish, gives no bound. (Bytes that never occur in UTF-8, such as
-0xC0, 0xC1, 0xF5-0xFF, do not matter.)
-
-Anything else (BERT's normalizer and whitespace pre-tokenizer drop characters, WordPiece maps
-any word longer than ``max_input_chars_per_word`` to one ``[UNK]``, a slow Python tokenizer
-has no inspectable pipeline) gives no bound (``None``): such prompts are simply tokenized.
+:func:`prompt_length_bound` computes once, from the tokenizer's vocabulary and pipeline, a
+:class:`PromptLengthBound` with a number ``L`` such that *every* text of ``n`` characters tokenizes
+to at least ``ceil(n / L)`` tokens (:meth:`PromptLengthBound.min_tokens`; characters the tokenizer
+may drop, :attr:`PromptLengthBound.ignored_chars`, are not counted), so that the server answers a
+prompt far longer than ``max_model_len`` tokens with a 400 from its length alone. ``L`` is the most
+characters any token covers (its vocabulary string, or its text decoded alone), times 4 under an
+NFC/NFKC normalizer. A pipeline that can drop or fuse characters without bound (BERT's normalizer
+and whitespace pre-tokenizer, WordPiece's ``[UNK]``, a slow tokenizer) gives None: such prompts are
+simply tokenized. Why the bound holds: docs/server.md, "Why the length bound holds".
 """
 
 from __future__ import annotations
