@@ -33,6 +33,7 @@ import kopf
 from kvfleet.operator import builders, crd, policy, reconcile, tuning
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
+from kvfleet.operator.status import event as status_event
 from kvfleet.operator.status import set_condition
 from kvfleet.operator.times import parse_datetime, rfc3339
 
@@ -88,18 +89,7 @@ async def _event(kube: Kube, body: Mapping[str, Any], type_: str, reason: str, m
         message = f"{message}; inputs {json.dumps(inputs, sort_keys=True, separators=(',', ':'))}"
     meta = body.get("metadata") or {}
     namespace = meta.get("namespace") or "default"
-    now = rfc3339()
-    event = {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
-        "involvedObject": {"apiVersion": body.get("apiVersion") or crd.API_VERSION,
-                           "kind": body.get("kind") or crd.KIND, "name": meta.get("name"), "namespace": namespace,
-                           "uid": meta.get("uid"), "resourceVersion": meta.get("resourceVersion")},
-        "type": type_, "reason": reason, "message": message[:1024],
-        "source": {"component": builders.FIELD_MANAGER},
-        "reportingComponent": builders.FIELD_MANAGER, "reportingInstance": builders.FIELD_MANAGER,
-        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-    }
+    event = status_event(body, type_, reason, message, rfc3339(), builders.FIELD_MANAGER)
     try:
         await asyncio.to_thread(kube.create, event)
     except ApiError as e:

@@ -331,6 +331,7 @@ PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas"},
     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status"},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].reason"},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 0},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

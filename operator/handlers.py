@@ -4,7 +4,8 @@ Every trigger runs the same idempotent reconcile of one InferenceService: the In
 created, changed or found at start-up (an invalid spec: a Warning Event, then kopf retries with
 :func:`backoff`), and any watch event of a child labelled
 ``app.kubernetes.io/managed-by=kvfleet-operator`` (rollout progress moves the status; a child
-edited or deleted by hand is put back). No handler needs a finalizer. Importing this module
+edited or deleted by hand is put back), and of a runtime pod (labelled ``kvfleet.io/inferenceservice``:
+the status names why it is not ready). No handler needs a finalizer. Importing this module
 registers these handlers and, through :mod:`kvfleet.operator.autoscaler`, the autoscaler's.
 All settings live in the one start-up handler :func:`configure` (see docs/operator.md).
 """
@@ -18,7 +19,7 @@ from typing import Any
 import kopf
 
 from kvfleet.operator import builders, crd, reconcile
-from kvfleet.operator.builders import FIELD_MANAGER, LABEL_MANAGED_BY
+from kvfleet.operator.builders import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 
 DIFFBASE_PREFIX = "kvfleet.io"
@@ -130,6 +131,20 @@ def _register_child_watch(group: str, version: str, plural: str) -> None:
 
 for _group, _version, _plural in CHILD_RESOURCES:
     _register_child_watch(_group, _version, _plural)
+
+
+@kopf.on.event("", "v1", "pods", labels={**MANAGED, LABEL_ISVC: kopf.PRESENT}, id="runtime-pods")
+def pod_changed(body: kopf.Body, namespace: str, memo: Any, logger: logging.Logger, type: str | None,
+                **_: Any) -> None:
+    """A runtime pod changed (pulling, crash-looping, unschedulable, ready): reconcile its
+    InferenceService (named by its label) so the status says why within one event."""
+    owner = (body.get("metadata", {}).get("labels") or {}).get(LABEL_ISVC)
+    if owner is None or type is None:
+        return
+    try:
+        reconcile.reconcile(_kube(memo), namespace, owner)
+    except ApiError as e:
+        logger.warning("reconcile of %s/%s after a pod event failed: %s", namespace, owner, e)
 
 
 @kopf.on.probe(id="inferenceservices")

@@ -20,8 +20,9 @@ from typing import Any
 
 from kvfleet.operator import builders, crd
 from kvfleet.operator.builders import InvalidSpec
-from kvfleet.operator.kube import Kube
+from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, status_patch
+from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class Outcome:
     deleted: list[str] = field(default_factory=list)
     status_patch: dict[str, Any] = field(default_factory=dict)
     error: InvalidSpec | None = None
+    events: list[tuple[str, str]] = field(default_factory=list)
+    """``(reason, message)`` of the Warning Events posted (a pod-level reason newly Degraded)."""
 
     @property
     def wrote(self) -> bool:
@@ -172,10 +175,29 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                 if live is not None and owned_by(live, isvc):
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
+        pods = kube.list_objects("Pod", namespace, builders.selector_labels(isvc)) if live_deployment else []
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
-                                error=out.error)
+                                error=out.error, pods=pods)
         patch = status_patch(isvc.get("status"), wanted)
         if patch:
             kube.patch_status(crd.KIND, namespace, name, patch)
             out.status_patch = patch
+            problem = new_pod_problem(isvc.get("status"), wanted) if out.error is None else None
+            if problem is not None:
+                out.events.append(problem)
+                try:
+                    kube.create(status_event(isvc, "Warning", problem[0], problem[1], now, builders.FIELD_MANAGER))
+                except ApiError as e:
+                    log.warning("could not post Event %s about %s/%s: %s", problem[0], namespace, name, e)
         return out
+
+
+def new_pod_problem(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(reason, message)`` of ``new``'s Degraded condition when it became True or changed
+    reason since ``old`` (then worth one Warning Event), else None."""
+    def degraded(st: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        return next((c for c in (st or {}).get("conditions") or [] if c.get("type") == "Degraded"), {})
+    was, now = degraded(old), degraded(new)
+    if now.get("status") != "True" or (was.get("status"), was.get("reason")) == ("True", now.get("reason")):
+        return None
+    return str(now.get("reason")), str(now.get("message") or "")

@@ -5,6 +5,8 @@ scale subresource's), ``url`` and the kstatus conditions ``Ready`` / ``Progressi
 ``Degraded`` (https://github.com/kubernetes-sigs/cli-utils/blob/master/pkg/kstatus/README.md);
 :func:`set_condition` keeps ``lastTransitionTime`` unless a condition's ``status`` changes (API
 conventions); :func:`status_patch` is the merge patch of only the keys that changed.
+:func:`pod_problem` names why a runtime pod will not become ready (image, crash loop,
+scheduling, Secret, model fetch); :func:`event` builds a ``core/v1`` Event about an object.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from kvfleet.operator import crd
 from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, selector_string, service_url
 
 
@@ -78,7 +81,8 @@ def deployment_progress(deployment: Mapping[str, Any] | None,
 
 def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | None,
                    desired_deployment: Mapping[str, Any] | None, now: str,
-                   error: InvalidSpec | None = None) -> dict[str, Any]:
+                   error: InvalidSpec | None = None,
+                   pods: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """The status the operator owns, computed from the live Deployment.
 
     Args:
@@ -87,6 +91,8 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         desired_deployment: what the operator applied (for the config hash check).
         now: the current time, RFC 3339 (``2026-01-01T00:00:00Z``); used only for transitions.
         error: the reason the spec could not be applied, if any (-> Degraded=True, Ready=False).
+        pods: the runtime pods; while the generation is not rolled out, a :func:`pod_problem`
+            gives Ready=False and Degraded=True with its reason and message.
 
     Returns:
         ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
@@ -99,6 +105,7 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
     old = (isvc.get("status") or {}).get("conditions") or []
     prog = deployment_progress(deployment, desired_deployment)
     want = int(((desired_deployment or deployment or {}).get("spec") or {}).get("replicas", 0))
+    problem = pod_problem(pods) if error is None and prog["exists"] and not prog["rolled_out"] else None
 
     if error is not None:
         ready = ("False", error.reason, error.message)
@@ -108,6 +115,11 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         ready = ("False", "DeploymentMissing", "the Deployment does not exist yet")
         progressing = ("True", "Creating", "creating the runtime Deployment")
         degraded = ("False", "AsExpected", "")
+    elif problem is not None:
+        ready = ("False", *problem)
+        progressing = ("False", "ProgressDeadlineExceeded", prog["stall_message"]) if prog["stalled"] else (
+            "True", "RollingOut", "the runtime pods are not becoming ready")
+        degraded = ("True", *problem)
     elif prog["stalled"]:
         ready = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
         progressing = ("False", "ProgressDeadlineExceeded", prog["stall_message"] or "rollout stalled")
@@ -146,3 +158,90 @@ def status_patch(current: Mapping[str, Any] | None, desired: Mapping[str, Any]) 
     owns (empty dict when nothing changed: the reconcile then writes nothing)."""
     current = current or {}
     return {k: copy.deepcopy(v) for k, v in desired.items() if current.get(k) != v}
+
+
+# ---------------------------------------------------------------------------------
+# pod-level reasons
+
+POD_WAITING_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+                       "CreateContainerError", "CrashLoopBackOff", "RunContainerError")
+"""Container ``state.waiting`` reasons that say a pod will not become ready by itself."""
+FETCH_CONTAINER = "fetch-model"
+
+
+def _secret_reason(message: str) -> str:
+    """``SecretNotFound`` / ``SecretKeyNotFound`` for the kubelet's CreateContainerConfigError
+    messages (``secret "x" not found``, ``couldn't find key k in Secret ns/x``), else the
+    kubelet's own reason."""
+    low = message.lower()
+    if "couldn't find key" in low:
+        return "SecretKeyNotFound"
+    if "secret" in low and "not found" in low:
+        return "SecretNotFound"
+    return "CreateContainerConfigError"
+
+
+def _container_problem(cs: Mapping[str, Any], init: bool) -> tuple[str, str] | None:
+    waiting = (cs.get("state") or {}).get("waiting") or {}
+    last = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated") or {}
+    reason, message = waiting.get("reason"), str(waiting.get("message") or "")
+    fetch = init and cs.get("name") == FETCH_CONTAINER
+    if reason in ("ImagePullBackOff", "ErrImagePull", "InvalidImageName"):
+        return reason, message or f"cannot pull image {cs.get('image', '')}"
+    if reason == "CreateContainerConfigError":
+        return _secret_reason(message), message
+    if fetch and int(last.get("exitCode") or 0) != 0:
+        detail = str(last.get("message") or "").strip() or f"exit code {last.get('exitCode')}"
+        return "ModelFetchFailed", f"init container {FETCH_CONTAINER} failed: {detail}"
+    if reason in POD_WAITING_REASONS:
+        detail = str(last.get("message") or "").strip()
+        if last and not detail:
+            detail = f"{last.get('reason') or 'exited'} with exit code {last.get('exitCode')}"
+        return reason, f"container {cs.get('name')}: {detail or message or reason}"
+    return None
+
+
+def pod_problem(pods: list[Mapping[str, Any]] | None) -> tuple[str, str] | None:
+    """The first reason, over ``pods`` (sorted by name), that a runtime pod will not become
+    ready by itself, as ``(reason, message)``; None when there is none.
+
+    Reasons: ``Unschedulable`` (PodScheduled False), ``ImagePullBackOff`` / ``ErrImagePull`` /
+    ``InvalidImageName``, ``SecretNotFound`` / ``SecretKeyNotFound`` (from the kubelet's
+    CreateContainerConfigError), ``ModelFetchFailed`` (the ``fetch-model`` init container
+    exited non-zero), ``CrashLoopBackOff`` (with the last termination message); the message
+    starts with ``pod NAME:``.
+    """
+    for pod in sorted(pods or [], key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        name = (pod.get("metadata") or {}).get("name", "?")
+        st = pod.get("status") or {}
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for cond in st.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                return "Unschedulable", f"pod {name}: {cond.get('message') or 'cannot be scheduled'}"
+        for key, init in (("initContainerStatuses", True), ("containerStatuses", False)):
+            for cs in st.get(key) or []:
+                found = _container_problem(cs, init)
+                if found:
+                    return found[0], f"pod {name}: {found[1]}"[:1024]
+    return None
+
+
+def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: str,
+          component: str = "kvfleet-operator") -> dict[str, Any]:
+    """A ``core/v1`` Event about ``body`` (``reportingComponent`` ``component``), to create."""
+    meta = body.get("metadata") or {}
+    namespace = meta.get("namespace") or "default"
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{meta.get('name')}.", "namespace": namespace},
+        "involvedObject": {"apiVersion": body.get("apiVersion") or crd.API_VERSION,
+                           "kind": body.get("kind") or crd.KIND, "name": meta.get("name"),
+                           "namespace": namespace, "uid": meta.get("uid"),
+                           "resourceVersion": meta.get("resourceVersion")},
+        "type": type_, "reason": reason, "message": message[:1024],
+        "source": {"component": component},
+        "reportingComponent": component, "reportingInstance": component,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }

@@ -126,7 +126,8 @@ def test_crd_shape():
     assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
                                                  "statusReplicasPath": ".status.replicas",
                                                  "labelSelectorPath": ".status.selector"}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Replicas", "Ready", "URL", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Replicas", "Ready", "Reason", "URL",
+                                                                            "Age"]
     s = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     assert set(s["autoscaling"]["properties"]) >= {"mode", "minReplicas", "maxReplicas", "targetQueueDepth",
                                                    "targetKVCacheUsage", "scaleUp", "scaleDown"}

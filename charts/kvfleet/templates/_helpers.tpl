@@ -113,11 +113,13 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: ["autoscaling"]
   resources: ["horizontalpodautoscalers"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Runtime pods: readiness, IPs to scrape /metrics from, restart reasons (OOMKilled) for tuning.
-# HPAs above are also listed to find one that targets an InferenceService in mode operator.
+# Runtime pods: readiness, IPs to scrape /metrics from, restart reasons (OOMKilled) for tuning,
+# and why a pod is not ready (image pulls, crash loops, scheduling, a missing Secret), watched
+# so the status says so at once. HPAs above are also listed to find one that targets an
+# InferenceService in mode operator.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list"]
+  verbs: ["get", "list", "watch"]
 # Checking that spec.runtime.apiKeySecretRef names an existing Secret (read, never listed).
 - apiGroups: [""]
   resources: ["secrets"]
