@@ -34,10 +34,10 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.entrypoints.openai import logprobs as openai_logprobs
 from kvfleet.runtime.entrypoints.openai.api_server import create_app
-from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
-from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings, parse_serve_args
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound, prompt_length_bound
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 from fastapi import Request
@@ -21,9 +21,6 @@ from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -40,6 +37,12 @@ def sse_error(body: P.ErrorResponse) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
+class PendingCount(Protocol):
+    """Where the server counts engine sequences submitted without output yet (its ``ServerState``)."""
+
+    pending: int
+
+
 _BACKGROUND: set[asyncio.Task] = set()
 """Strong references to fire-and-forget tasks (asyncio keeps only weak ones)."""
 
@@ -48,7 +51,7 @@ class Submission:
     """The engine requests of one HTTP request: tracks which finished, aborts the rest, and
     watches the client connection (a disconnect aborts at once)."""
 
-    def __init__(self, state: ServerState, engine: EngineClient, http_request: Request):
+    def __init__(self, state: PendingCount, engine: EngineClient, http_request: Request):
         self.state = state
         self.engine = engine
         self.http_request = http_request
