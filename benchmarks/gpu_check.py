@@ -87,7 +87,7 @@ def measured_copy_bandwidth(torch, device) -> float:
     b = torch.empty_like(a)
     b.copy_(a)
     torch.cuda.synchronize()
-    t = cuda_time(torch, lambda: b.copy_(a), iters=10)
+    t = cuda_time(torch, lambda a=a, b=b: b.copy_(a), iters=10)
     del a, b
     return 2 * n * 4 / t
 
@@ -298,15 +298,16 @@ def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float, rec
                 out = torch.empty_like(q)
                 splits = launch_config(B, B, heads, kv_heads, head_size, max_query_len=1, max_seq_len=ctx,
                                        device=q.device).num_splits
-                t = cuda_time(torch, lambda: paged_attention_triton(
-                    q, key_cache, value_cache, bt, sl, qsl, None, max_query_len=1, max_seq_len=ctx, out=out),
+                t = cuda_time(torch, lambda q=q, kc=key_cache, vc=value_cache, bt=bt, sl=sl, qsl=qsl, ctx=ctx, out=out:
+                              paged_attention_triton(q, kc, vc, bt, sl, qsl, None, max_query_len=1, max_seq_len=ctx,
+                                                     out=out),
                     iters=sz.iters or (20 if B * ctx < 2**22 else 8))
                 bytes_moved = 2 * B * ctx * per_token + 2 * q.numel() * elem + bt.numel() * 4
                 bw = bytes_moved / t
                 log(f"  {B:5d} {ctx:7d} {splits:6d} {t * 1e6:9.1f} {bw / 1e9:8.1f} {bw / peak_bw:8.1%}")
                 rows.append(dict(batch=B, context=ctx, num_splits=splits, us_per_call=t * 1e6,
                                  bytes_per_call=bytes_moved, gb_per_s=bw / 1e9, fraction_of_peak=bw / peak_bw))
-            except Exception as e:  # noqa: BLE001 - report and continue
+            except Exception as e:
                 ok = False
                 log(f"  {B:5d} {ctx:7d}  FAILED: {type(e).__name__}: {e}")
                 rows.append(dict(batch=B, context=ctx, error=f"{type(e).__name__}: {e}"))
@@ -337,7 +338,7 @@ def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float 
                                  dtype=dtype, device=device, garbage=1.0)
             out = torch.empty_like(b.query)
             mq = max(q for _, q in seqs)
-            t = cuda_time(torch, lambda: paged_attention_triton(
+            t = cuda_time(torch, lambda b=b, mq=mq, out=out: paged_attention_triton(
                 *b.attn_args, max_query_len=mq, max_seq_len=b.max_seq_len, out=out), iters=sz.iters or 10)
             pairs = sum(sum(L - q + i + 1 for i in range(q)) for L, q in seqs)  # visible (query, key) pairs
             flops = 4 * head_size * heads * pairs
@@ -345,7 +346,7 @@ def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float 
             log(f"  {name:55s} {t * 1e3:8.3f} ms {flops / t / 1e12:7.1f} TFLOP/s {frac} of bf16 peak")
             rows.append(dict(case=name, ms_per_call=t * 1e3, flops_per_call=flops, tflop_per_s=flops / t / 1e12,
                              fraction_of_peak=flops / t / peak_flops if peak_flops else None))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             ok = False
             log(f"  {name}: FAILED: {type(e).__name__}: {e}")
             rows.append(dict(case=name, error=f"{type(e).__name__}: {e}"))
@@ -524,7 +525,7 @@ def main(argv=None) -> int:
                 peak_bw = measured_copy_bandwidth(torch, device)
                 log(f"peak bandwidth: not in the table; measured copy bandwidth {peak_bw / 1e12:.2f} TB/s used")
                 report["gpu"]["peak_bandwidth_source"] = "measured device-to-device copy"
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 peak_bw = float("nan")
                 log(f"peak bandwidth unknown ({e})")
         else:
@@ -563,7 +564,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         try:
             results[sec] = bool(fn())
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             results[sec] = False
             rec["error"] = f"{type(e).__name__}: {e}"
             log(f"  FAILED: {type(e).__name__}: {e}")

@@ -31,8 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from kvfleet.kernels import reshape_and_cache_torch
 from kvfleet.kernels import reference as current_ref
+from kvfleet.kernels import reshape_and_cache_torch
 from kvfleet.kernels.testing import make_paged_batch
 
 NUM_LAYERS = 30
@@ -127,10 +127,10 @@ def engine_ab(args, base):
 
     from transformers import AttentionInterface
 
-    from kvfleet.runtime.worker import attention as attn
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.worker import attention as attn
 
     def baseline_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         meta = kwargs[attn.METADATA_KWARG]
@@ -244,7 +244,7 @@ def main(argv=None):
                 t_attn, t_base = time_pair(attn_call(current_ref, b), attn_call(base, b), args.repeat)
             else:
                 t_attn = time_call(attn_call(current_ref, b), args.repeat)
-            t_cache = time_call(lambda: reshape_and_cache_torch(
+            t_cache = time_call(lambda b=b: reshape_and_cache_torch(
                 b.new_keys, b.new_values, b.key_cache, b.value_cache, b.slot_mapping), args.repeat)
             n = b.query.shape[0]
             line = (f"{name:45s} {n:6d} {t_attn[0] * 1e3:8.2f}/{t_attn[1] * 1e3:8.2f} "

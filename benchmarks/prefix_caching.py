@@ -21,11 +21,11 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvfleet.runtime.bench.metrics import summarize  # noqa: E402
-from kvfleet.runtime.config import EngineConfig  # noqa: E402
-from kvfleet.runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from kvfleet.runtime.worker.model_loader import load_model  # noqa: E402
-from kvfleet.runtime.sampling_params import SamplingParams  # noqa: E402
+from kvfleet.runtime.bench.metrics import summarize
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.model_loader import load_model
 
 TOPICS = ["rivers", "prime numbers", "volcanoes", "bread", "owls", "chess", "copper", "tides",
           "glaciers", "violins", "bees", "comets", "maple trees", "lighthouses", "salt", "kites"]
@@ -50,7 +50,7 @@ def run(loaded, prompts, caching: bool, output_len: int, args) -> dict:
     start = time.monotonic()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params, arrival_time=start)
-    ttft, outputs, prefill_tokens = [], {}, 0
+    ttft, outputs = [], {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

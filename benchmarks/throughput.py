@@ -24,7 +24,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
 
 def make_workload(n: int, min_prompt: int, max_prompt: int, min_output: int, max_output: int, vocab: int, seed: int):
@@ -60,7 +60,7 @@ def run_kvfleet(args, requests) -> tuple[float, int, dict]:
     steps_before = engine.num_steps
     # Split the wall time between steps that carry prefill tokens and pure decode steps.
     split = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "decode_tokens": 0}
-    schedule, execute = engine.scheduler.schedule, engine.runner.execute_model
+    execute = engine.runner.execute_model
 
     def timed_execute(scheduler_output):
         t = time.perf_counter()

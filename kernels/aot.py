@@ -119,7 +119,7 @@ def compile_all(num_sms: int = 132):
                 k = _compile(ta._paged_attention_kernel, _attention_signature(ta._paged_attention_kernel, dtype),
                              meta, arch, cfg.num_warps, cfg.num_stages)
                 row.update(ok=True, **_describe(k))
-            except Exception as e:  # noqa: BLE001 - reported to the caller
+            except Exception as e:
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
             yield row
     sig = {n: ("*fp32" if n.endswith("_ptr") else ("constexpr" if n.isupper() else "i32"))
@@ -129,10 +129,10 @@ def compile_all(num_sms: int = 132):
         try:
             k = _compile(ta._reduce_splits_kernel, sig, dict(HEAD_SIZE=96, HEAD_PAD=128, SPLITS_PAD=64), arch, 4, 2)
             row.update(ok=True, **_describe(k))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
         yield row
-    for dtype, t in _TRITON_DTYPE.items():
+    for t in _TRITON_DTYPE.values():
         sig = {}
         for n in tc._reshape_and_cache_kernel.arg_names:
             if n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr"):
@@ -146,7 +146,7 @@ def compile_all(num_sms: int = 132):
             k = _compile(tc._reshape_and_cache_kernel, sig,
                          dict(NUM_KV_HEADS=8, HEAD_SIZE=128, HEADS_PAD=8, HEAD_PAD=128), 90, 4, 1)
             row.update(ok=True, **_describe(k))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
         yield row
 

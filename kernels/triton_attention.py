@@ -274,10 +274,10 @@ def _reduce_splits_kernel(
     sp_ok = sp < num_splits
     base = (tok * num_heads + head) * num_splits
     m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
+    l_sp = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, axis=0)
+    denom = tl.sum(w * l_sp, axis=0)
     d = tl.arange(0, HEAD_PAD)
     acc = tl.load(part_acc_ptr + (base + sp)[:, None] * HEAD_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / denom
@@ -294,7 +294,7 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: a small pretend machine, so tests still exercise splitting
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

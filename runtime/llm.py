@@ -50,7 +50,7 @@ class LLM:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> "LLM":
+    def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an existing engine (e.g. one sharing a loaded model with others)."""
         self = cls.__new__(cls)
         self.config = engine.config

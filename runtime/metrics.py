@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
 from kvfleet.runtime.core.sched.output import SchedulerStats
+from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
 
 # Buckets copied from vLLM v1 (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS: tuple[float, ...] = (

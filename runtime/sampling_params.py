@@ -119,6 +119,6 @@ class SamplingParams:
         """True when sampling is argmax (temperature 0)."""
         return self.temperature == 0.0
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed."""
         return replace(self, **changes)

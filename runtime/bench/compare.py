@@ -59,8 +59,10 @@ def cpu_description() -> str:
 def format_level_table(runs: list[RunResult], roof: Roofline | None = None) -> str:
     """Markdown table of one concurrency level with ratios to kvfleet."""
     ref = next((r for r in runs if r.system == "kvfleet" and not r.error), None)
-    lines = ["| system | output tok/s | p99 e2e (s) | mean TTFT (s) | wall (s) | kvfleet speed-up | kvfleet p99 / system p99 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| system | output tok/s | p99 e2e (s) | mean TTFT (s) | wall (s) | kvfleet speed-up | kvfleet p99 / system p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in runs:
         if r.error and not r.report.get("completed"):
             lines.append(f"| {SYSTEM_LABELS.get(r.system, r.system)} | failed: {r.error} | | | | | |")
@@ -69,18 +71,26 @@ def format_level_table(runs: list[RunResult], roof: Roofline | None = None) -> s
         speed = f"{ref.output_throughput / tps:.2f}x" if ref and tps else "-"
         lat = f"{ref.p99_e2e_s / p99:.2f}" if ref and p99 else "-"
         note = f" ({r.error})" if r.error else ""
-        lines.append(f"| {SYSTEM_LABELS.get(r.system, r.system)}{note} | {tps:.1f} | {p99:.2f} | {r.report['mean_ttft_ms'] / 1e3:.2f} | {r.duration:.1f} | {speed} | {lat} |")
+        lines.append(
+            f"| {SYSTEM_LABELS.get(r.system, r.system)}{note} | {tps:.1f} | {p99:.2f} | {r.report['mean_ttft_ms'] / 1e3:.2f} | {r.duration:.1f} | {speed} | {lat} |"
+        )
     if roof is not None:
         share = f"kvfleet at {ref.output_throughput / roof.output_tokens_per_s:.0%} of it" if ref else ""
-        lines.append(f"| compute roofline: {roof.gflop:.0f} GFLOP at {roof.peak_gflops_per_s:.0f} GFLOP/s | {roof.output_tokens_per_s:.1f} | | | {roof.seconds:.1f} | {share} | |")
+        lines.append(
+            f"| compute roofline: {roof.gflop:.0f} GFLOP at {roof.peak_gflops_per_s:.0f} GFLOP/s | {roof.output_tokens_per_s:.1f} | | | {roof.seconds:.1f} | {share} | |"
+        )
     return "\n".join(lines)
 
 
 def format_kv_table(rows: list[dict]) -> str:
-    lines = ["| KV allocation | slots allocated | real tokens | share of slots holding real tokens | slots per sequence | max concurrent sequences in the budget |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| KV allocation | slots allocated | real tokens | share of slots holding real tokens | slots per sequence | max concurrent sequences in the budget |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['scheme']} | {r['allocated_slots']} | {r['real_tokens']} | {r['utilization']:.1%} | {r['slots_per_seq']:.0f} | {r['max_concurrent_seqs']} |")
+        lines.append(
+            f"| {r['scheme']} | {r['allocated_slots']} | {r['real_tokens']} | {r['utilization']:.1%} | {r['slots_per_seq']:.0f} | {r['max_concurrent_seqs']} |"
+        )
     return "\n".join(lines)
 
 
@@ -102,9 +112,17 @@ def plot_compare(levels: dict[int, list[RunResult]], roofs: dict[int, Roofline],
         axes[0].bar(x + k * width, tps, width, label=SYSTEM_LABELS[s])
         axes[1].bar(x + k * width, p99, width, label=SYSTEM_LABELS[s])
     if roofs:
-        axes[0].plot(x + width * (len(systems) - 1) / 2, [roofs[c].output_tokens_per_s if c in roofs else np.nan for c in cs], "k_", markersize=40,
-                     label="compute roofline")
-    for ax, ylabel in ((axes[0], "output tokens/s (higher is better)"), (axes[1], "p99 e2e latency, s (lower is better)")):
+        axes[0].plot(
+            x + width * (len(systems) - 1) / 2,
+            [roofs[c].output_tokens_per_s if c in roofs else np.nan for c in cs],
+            "k_",
+            markersize=40,
+            label="compute roofline",
+        )
+    for ax, ylabel in (
+        (axes[0], "output tokens/s (higher is better)"),
+        (axes[1], "p99 e2e latency, s (lower is better)"),
+    ):
         ax.set_xticks(x + width * (len(systems) - 1) / 2, [f"C={c}" for c in cs])
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
@@ -115,32 +133,44 @@ def plot_compare(levels: dict[int, list[RunResult]], roofs: dict[int, Roofline],
     plt.close(fig)
 
 
-
 # --------------------------------------------------------------------------- CLI
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir, .gguf or hub id (default: SmolLM2-135M-Instruct)")
     p.add_argument("--concurrency", default="8,32,64", help="comma-separated concurrency levels (default %(default)s)")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default: the level's concurrency)")
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per level (default: the level's concurrency)"
+    )
     p.add_argument("--input-len-range", default="16:256", help="prompt tokens MIN:MAX, uniform (default %(default)s)")
     p.add_argument("--output-len-range", default="16:128", help="output tokens MIN:MAX, uniform (default %(default)s)")
-    p.add_argument("--length-dist", choices=["uniform", "lognormal"], default="uniform",
-                   help="uniform over the ranges, or lognormal (heavy-tailed like ShareGPT) with median sqrt(MIN*MAX), clipped")
+    p.add_argument(
+        "--length-dist",
+        choices=["uniform", "lognormal"],
+        default="uniform",
+        help="uniform over the ranges, or lognormal (heavy-tailed like ShareGPT) with median sqrt(MIN*MAX), clipped",
+    )
     p.add_argument("--sigma", type=float, default=1.0, help="shape of --length-dist lognormal")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="kvfleet token budget per step (default: the engine's)")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV budget, bytes (default: the engine's CPU default)")
-    p.add_argument("--max-model-len", type=int, default=None, help="for the KV report (default: the model's context length)")
-    p.add_argument("--kv-report-requests", type=int, default=1000, help="requests in the KV-memory report's mixed workload")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="kvfleet token budget per step (default: the engine's)"
+    )
+    p.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="KV budget, bytes (default: the engine's CPU default)"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="for the KV report (default: the model's context length)"
+    )
+    p.add_argument(
+        "--kv-report-requests", type=int, default=1000, help="requests in the KV-memory report's mixed workload"
+    )
     p.add_argument("--prefill-tokens", type=int, default=512, help="rows of the prefill-shaped matmul timing")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="PNG: tokens/s and p99 latency per level")
     p.add_argument("--disable-tqdm", action="store_true")
-
 
 
 def main(args) -> int:
@@ -163,8 +193,10 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = datetime.now(UTC)
-    print(f"kvfleet bench compare on {cpu_description()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
-          f"{started:%Y-%m-%d %H:%M} UTC, kvfleet {source_revision() or 'outside git'}")
+    print(
+        f"kvfleet bench compare on {cpu_description()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+        f"{started:%Y-%m-%d %H:%M} UTC, kvfleet {source_revision() or 'outside git'}"
+    )
 
     model_path, model_name = resolve_model_path(args.model)
     loaded = load_model(model_path, dtype="float32", device="cpu")
@@ -176,10 +208,16 @@ def main(args) -> int:
     full = make_workload(n_max, in_range, out_range, shape.vocab_size, special, args.seed, args.length_dist, args.sigma)
 
     print("measuring matmul FLOP/s on the model's shapes ...")
-    peak_fps = measure_matmul_flops(model_linear_weights(hf_model, include_lm_head=False), args.prefill_tokens, min_seconds=0.3, repeats=5)
-    decode_fps = {c: measure_matmul_flops(model_linear_weights(hf_model), c, min_seconds=0.3, repeats=3) for c in levels}
-    print(f"matmul: {peak_fps / 1e9:.1f} GFLOP/s at {args.prefill_tokens} rows; "
-          + ", ".join(f"{v / 1e9:.1f} at {c}" for c, v in decode_fps.items()))
+    peak_fps = measure_matmul_flops(
+        model_linear_weights(hf_model, include_lm_head=False), args.prefill_tokens, min_seconds=0.3, repeats=5
+    )
+    decode_fps = {
+        c: measure_matmul_flops(model_linear_weights(hf_model), c, min_seconds=0.3, repeats=3) for c in levels
+    }
+    print(
+        f"matmul: {peak_fps / 1e9:.1f} GFLOP/s at {args.prefill_tokens} rows; "
+        + ", ".join(f"{v / 1e9:.1f} at {c}" for c, v in decode_fps.items())
+    )
 
     runners = build_runners(systems, hf_model, pad, model_path, args)
     by_level: dict[int, list[RunResult]] = {}
@@ -197,18 +235,26 @@ def main(args) -> int:
             bar.close()
             runs.append(run)
         by_level[c] = runs
-        print(f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: prompts {in_range[0]}-{in_range[1]} tokens "
-              f"(total {sum(wl.prompt_lens)}), outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n")
+        print(
+            f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: prompts {in_range[0]}-{in_range[1]} tokens "
+            f"(total {sum(wl.prompt_lens)}), outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n"
+        )
         print(format_level_table(runs, roofs[c]))
         waste = static_batch_flops(wl.prompt_lens, wl.output_lens, c, shape) / 1e9
-        print(f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roofs[c].gflop:.2f}x the workload's {roofs[c].gflop:.0f} GFLOP (padding and past-the-end tokens)")
+        print(
+            f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roofs[c].gflop:.2f}x the workload's {roofs[c].gflop:.0f} GFLOP (padding and past-the-end tokens)"
+        )
 
     max_len = args.max_model_len or int(getattr(hf_model.config, "max_position_embeddings", 0) or 2048)
     budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-    kv_p, kv_o = sample_lengths(args.kv_report_requests, in_range, out_range, args.seed + 7, args.length_dist, args.sigma)
+    kv_p, kv_o = sample_lengths(
+        args.kv_report_requests, in_range, out_range, args.seed + 7, args.length_dist, args.sigma
+    )
     kv_rows = kv_memory_report(kv_p, kv_o, args.block_size, max_len, shape.kv_bytes_per_token(4), budget, max(levels))
-    print(f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
-          f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = {budget // shape.kv_bytes_per_token(4)} token slots\n")
+    print(
+        f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
+        f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = {budget // shape.kv_bytes_per_token(4)} token slots\n"
+    )
     print(format_kv_table(kv_rows))
 
     if args.output_json:
@@ -219,11 +265,16 @@ def main(args) -> int:
             "torch_threads": torch.get_num_threads(),
             "model": model_name,
             "args": {k: v for k, v in vars(args).items()},
-            "matmul_gflops_per_s": {f"rows_{args.prefill_tokens}": peak_fps / 1e9, **{f"rows_{c}": v / 1e9 for c, v in decode_fps.items()}},
+            "matmul_gflops_per_s": {
+                f"rows_{args.prefill_tokens}": peak_fps / 1e9,
+                **{f"rows_{c}": v / 1e9 for c, v in decode_fps.items()},
+            },
             "levels": {
                 str(c): {
                     "roofline": asdict(roofs[c]),
-                    "runs": [{"system": r.system, "duration": r.duration, "error": r.error, **r.report} for r in by_level[c]],
+                    "runs": [
+                        {"system": r.system, "duration": r.duration, "error": r.error, **r.report} for r in by_level[c]
+                    ],
                 }
                 for c in levels
             },
@@ -237,4 +288,3 @@ def main(args) -> int:
         print(f"wrote {args.plot}")
     failed = [r for rs in by_level.values() for r in rs if r.error]
     return 1 if failed else 0
-

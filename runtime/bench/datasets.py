@@ -91,7 +91,9 @@ def _lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: float) ->
     return rng.integers(low, high + 1, size=n)
 
 
-def random_dataset(tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+def random_dataset(
+    tokenizer, num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0
+) -> list[SampleRequest]:
     """``num_prompts`` random-token prompts (see the module docstring), lengths in tokens."""
     rng = np.random.default_rng(seed)
     allowed = _allowed_token_ids(tokenizer)
@@ -127,7 +129,9 @@ def _synthetic_text(tokenizer, rng: np.random.Generator, length: int) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def sharegpt_dataset(tokenizer, num_prompts: int, path: str | None = None, output_len: int | None = None, seed: int = 0) -> list[SampleRequest]:
+def sharegpt_dataset(
+    tokenizer, num_prompts: int, path: str | None = None, output_len: int | None = None, seed: int = 0
+) -> list[SampleRequest]:
     """ShareGPT requests from ``path`` (shuffled with ``seed``) or from the built-in
     synthetic set; ``output_len`` overrides every output length (tokens)."""
     rng = np.random.default_rng(seed)
@@ -156,7 +160,9 @@ def sharegpt_dataset(tokenizer, num_prompts: int, path: str | None = None, outpu
     return out
 
 
-def shared_prefix_dataset(tokenizer, num_prompts: int, prefix_len: int, input_len: int, output_len: int, seed: int = 0) -> list[SampleRequest]:
+def shared_prefix_dataset(
+    tokenizer, num_prompts: int, prefix_len: int, input_len: int, output_len: int, seed: int = 0
+) -> list[SampleRequest]:
     """``num_prompts`` requests sharing one system prompt of ``prefix_len`` tokens, each
     followed by ``input_len`` tokens of its own; ``output_len`` tokens out."""
     rng = np.random.default_rng(seed)
@@ -203,8 +209,14 @@ def parse_range(text: str) -> tuple[int, int]:
     return bounds
 
 
-def sample_lengths(n: int, input_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
-                   dist: str = "uniform", sigma: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def sample_lengths(
+    n: int,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int = 0,
+    dist: str = "uniform",
+    sigma: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Prompt and output lengths (tokens) within their inclusive ranges.
 
     ``dist="uniform"``: uniform over each range. ``dist="lognormal"``: heavy-tailed like
@@ -213,7 +225,9 @@ def sample_lengths(n: int, input_range: tuple[int, int], output_range: tuple[int
     """
     rng = np.random.default_rng(seed)
     if dist == "uniform":
-        return rng.integers(input_range[0], input_range[1] + 1, size=n), rng.integers(output_range[0], output_range[1] + 1, size=n)
+        return rng.integers(input_range[0], input_range[1] + 1, size=n), rng.integers(
+            output_range[0], output_range[1] + 1, size=n
+        )
     if dist != "lognormal":
         raise ValueError(f"length distribution must be uniform or lognormal, got {dist!r}")
     if not sigma > 0:
@@ -225,12 +239,19 @@ def sample_lengths(n: int, input_range: tuple[int, int], output_range: tuple[int
     return draw(*input_range), draw(*output_range)
 
 
-def make_workload(n: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, special_ids=(), seed: int = 0,
-                  dist: str = "uniform", sigma: float = 1.0) -> Workload:
+def make_workload(
+    n: int,
+    input_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    special_ids=(),
+    seed: int = 0,
+    dist: str = "uniform",
+    sigma: float = 1.0,
+) -> Workload:
     """``n`` requests of random (non-special) token ids with lengths from :func:`sample_lengths`."""
     p_lens, o_lens = sample_lengths(n, input_range, output_range, seed, dist, sigma)
     rng = np.random.default_rng(seed + 1)
     allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(list(special_ids), dtype=np.int64))
     prompts = [rng.choice(allowed, size=int(p)).tolist() for p in p_lens]
     return Workload(prompts, [int(o) for o in o_lens])
-

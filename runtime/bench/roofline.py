@@ -48,7 +48,12 @@ class ModelShape:
 
     def layer_matmul_shapes(self) -> list[tuple[int, int]]:
         """(in_features, out_features) of one layer's linear maps: q, k, v, o, gate, up, down."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        h, q, kv, i = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
         return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
 
     @property
@@ -165,17 +170,34 @@ class Roofline:
         return self.prefill_gflop + self.decode_gflop
 
 
-def roofline(workload: Workload, shape: ModelShape, peak_flops_per_s: float, decode_shape_flops_per_s: float | None = None) -> Roofline:
+def roofline(
+    workload: Workload, shape: ModelShape, peak_flops_per_s: float, decode_shape_flops_per_s: float | None = None
+) -> Roofline:
     """The :class:`Roofline` of ``workload`` (FLOPs from :func:`workload_flops`) at
     ``peak_flops_per_s`` FLOP/s."""
     pre, dec = workload_flops(workload.prompt_lens, workload.output_lens, shape)
     seconds = (pre + dec) / peak_flops_per_s
     out = sum(workload.output_lens)
-    return Roofline(pre / 1e9, dec / 1e9, peak_flops_per_s / 1e9, seconds, out, out / seconds,
-                    None if decode_shape_flops_per_s is None else decode_shape_flops_per_s / 1e9)
+    return Roofline(
+        pre / 1e9,
+        dec / 1e9,
+        peak_flops_per_s / 1e9,
+        seconds,
+        out,
+        out / seconds,
+        None if decode_shape_flops_per_s is None else decode_shape_flops_per_s / 1e9,
+    )
 
 
-def kv_memory_report(prompt_lens, output_lens, block_size: int, max_model_len: int, kv_bytes_per_token: int, kv_budget_bytes: int, static_batch: int) -> list[dict]:
+def kv_memory_report(
+    prompt_lens,
+    output_lens,
+    block_size: int,
+    max_model_len: int,
+    kv_bytes_per_token: int,
+    kv_budget_bytes: int,
+    static_batch: int,
+) -> list[dict]:
     """How well three KV allocation schemes use memory on a mixed-length workload.
 
     Each request holds ``prompt + output`` real tokens at its peak. Schemes:
@@ -205,19 +227,25 @@ def kv_memory_report(prompt_lens, output_lens, block_size: int, max_model_len: i
     for s in range(0, len(real), static_batch):
         static[s : s + static_batch] = p[s : s + static_batch].max() + o[s : s + static_batch].max()
     rows = []
-    for name, alloc in (("paged (block_size %d)" % block_size, paged), ("reserve max_model_len (%d)" % max_model_len, reserve),
-                        ("static padded batch of %d" % static_batch, static)):
+    schemes = (
+        (f"paged (block_size {block_size})", paged),
+        (f"reserve max_model_len ({max_model_len})", reserve),
+        (f"static padded batch of {static_batch}", static),
+    )
+    for name, alloc in schemes:
         per_seq = float(alloc.mean())
         if name.startswith("paged"):
             fits = int((budget_slots // block_size) // (per_seq / block_size))
         else:
             fits = int(budget_slots // per_seq)
-        rows.append({
-            "scheme": name,
-            "allocated_slots": int(alloc.sum()),
-            "real_tokens": int(real.sum()),
-            "utilization": float(real.sum() / alloc.sum()),
-            "slots_per_seq": per_seq,
-            "max_concurrent_seqs": fits,
-        })
+        rows.append(
+            {
+                "scheme": name,
+                "allocated_slots": int(alloc.sum()),
+                "real_tokens": int(real.sum()),
+                "utilization": float(real.sum() / alloc.sum()),
+                "slots_per_seq": per_seq,
+                "max_concurrent_seqs": fits,
+            }
+        )
     return rows

@@ -66,8 +66,13 @@ def source_revision() -> str | None:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=here,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return rev.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -126,7 +131,9 @@ async def send_request(client, inp: RequestInput, t0: float, count_tokens=None) 
         async with client.stream("POST", inp.api_url, json=_payload(inp), headers=headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
-                return RequestResult(success=False, start_time=start - t0, error=f"HTTP {resp.status_code}: {body[:500]}")
+                return RequestResult(
+                    success=False, start_time=start - t0, error=f"HTTP {resp.status_code}: {body[:500]}"
+                )
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -200,7 +207,19 @@ async def run_benchmark(
     inputs = [RequestInput(api_url, model, r, endpoint, ignore_eos, api_key) for r in requests]
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as client:
         if warmup and inputs:
-            test = RequestInput(api_url, model, SampleRequest(requests[0].prompt, requests[0].prompt_len, min(4, requests[0].expected_output_len), requests[0].system), endpoint, ignore_eos, api_key)
+            test = RequestInput(
+                api_url,
+                model,
+                SampleRequest(
+                    requests[0].prompt,
+                    requests[0].prompt_len,
+                    min(4, requests[0].expected_output_len),
+                    requests[0].system,
+                ),
+                endpoint,
+                ignore_eos,
+                api_key,
+            )
             res = await send_request(client, test, time.perf_counter(), count_tokens)
             if not res.success:
                 raise RuntimeError(f"warm-up request to {api_url} failed: {res.error}")
@@ -271,22 +290,41 @@ def plot_serve(results: list[RequestResult], duration: float, path: str, title: 
 
 def add_arguments(p) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (or .../v1); default %(default)s")
-    p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first /v1/models entry)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer path for building prompts and counting (default: --model if it is a path, else the default model's)")
+    p.add_argument(
+        "--model", default=None, help="model name sent in requests (default: the server's first /v1/models entry)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer path for building prompts and counting (default: --model if it is a path, else the default model's)",
+    )
     p.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
     p.add_argument("--dataset-name", choices=["random", "sharegpt", "shared-prefix"], default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (sharegpt); without it the built-in synthetic set")
+    p.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON file (sharegpt); without it the built-in synthetic set"
+    )
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", type=int, default=128, help="random/shared-prefix: prompt tokens (per request, after the prefix)")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens (random default 64; sharegpt: override the dataset's)")
+    p.add_argument(
+        "--input-len", type=int, default=128, help="random/shared-prefix: prompt tokens (per request, after the prefix)"
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help="output tokens (random default 64; sharegpt: override the dataset's)",
+    )
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)]")
-    p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens shared by all requests")
+    p.add_argument(
+        "--prefix-len", type=int, default=256, help="shared-prefix: system prompt tokens shared by all requests"
+    )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once (default)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens output tokens (vLLM's ignore_eos)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="ask for exactly max_tokens output tokens (vLLM's ignore_eos)"
+    )
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS", help="SLOs, e.g. ttft:500 tpot:50 (ms)")
     p.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles to report")
     p.add_argument("--output-json", default=None, help="write the report and per-request timings here")
@@ -302,10 +340,14 @@ def build_requests(args, tokenizer) -> list[SampleRequest]:
     if args.num_prompts < 1:
         raise ValueError("num-prompts must be >= 1")
     if args.dataset_name == "random":
-        return ds.random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len or 64, args.range_ratio, args.seed)
+        return ds.random_dataset(
+            tokenizer, args.num_prompts, args.input_len, args.output_len or 64, args.range_ratio, args.seed
+        )
     if args.dataset_name == "sharegpt":
         return ds.sharegpt_dataset(tokenizer, args.num_prompts, args.dataset_path, args.output_len, args.seed)
-    return ds.shared_prefix_dataset(tokenizer, args.num_prompts, args.prefix_len, args.input_len, args.output_len or 64, args.seed)
+    return ds.shared_prefix_dataset(
+        tokenizer, args.num_prompts, args.prefix_len, args.input_len, args.output_len or 64, args.seed
+    )
 
 
 def _first_model(base_url: str, api_key: str | None) -> str:
@@ -336,13 +378,26 @@ def main(args) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     rate = args.request_rate
-    print(f"Traffic request rate: {rate} req/s; burstiness {args.burstiness} "
-          f"({'Poisson process' if args.burstiness == 1.0 else 'gamma distribution'}); max concurrency: {args.max_concurrency}")
+    print(
+        f"Traffic request rate: {rate} req/s; burstiness {args.burstiness} "
+        f"({'Poisson process' if args.burstiness == 1.0 else 'gamma distribution'}); max concurrency: {args.max_concurrency}"
+    )
     results, duration = asyncio.run(
         run_benchmark(
-            args.base_url, model, requests, args.endpoint, args.api_key, rate, args.burstiness,
-            args.max_concurrency, args.ignore_eos, args.seed, args.disable_tqdm, not args.no_warmup,
-            args.timeout, count_tokens,
+            args.base_url,
+            model,
+            requests,
+            args.endpoint,
+            args.api_key,
+            rate,
+            args.burstiness,
+            args.max_concurrency,
+            args.ignore_eos,
+            args.seed,
+            args.disable_tqdm,
+            not args.no_warmup,
+            args.timeout,
+            count_tokens,
         )
     )
     report = compute_metrics(results, duration, percentiles, slos)
@@ -373,6 +428,11 @@ def main(args) -> int:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.output_json}")
     if args.plot:
-        plot_serve(results, duration, args.plot, f"kvfleet bench serve: {model}, {args.dataset_name}, {args.num_prompts} prompts")
+        plot_serve(
+            results,
+            duration,
+            args.plot,
+            f"kvfleet bench serve: {model}, {args.dataset_name}, {args.num_prompts} prompts",
+        )
         print(f"wrote {args.plot}")
     return 0 if report["completed"] else 1

@@ -94,24 +94,36 @@ def run_hf_static(model, workload: Workload, concurrency: int, pad_token_id: int
         ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
         for row, x in enumerate(prompts):
-            ids[row, width - len(x):] = torch.tensor(x)
-            mask[row, width - len(x):] = 1
+            ids[row, width - len(x) :] = torch.tensor(x)
+            mask[row, width - len(x) :] = 1
         new = max(workload.output_lens[i] for i in idx)
         clock = StepClock()
         b0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                 pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList([clock]))
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_token_id,
+                stopping_criteria=StoppingCriteriaList([clock]),
+            )
         b1 = time.perf_counter()
         produced = out.shape[1] - width
-        for row, i in enumerate(idx):
+        for i in idx:
             o = workload.output_lens[i]
             times = [t - t0 for t in clock.times[:o]]
             ok = produced >= o and len(times) == o
             results[i] = RequestResult(
-                success=ok, prompt_len=len(workload.prompts[i]), output_tokens=o if ok else produced,
-                start_time=b0 - t0, ttft=(clock.times[0] - b0) if clock.times else 0.0, latency=b1 - b0,
-                itl=[b - a for a, b in zip(times, times[1:])], chunk_times=times,
+                success=ok,
+                prompt_len=len(workload.prompts[i]),
+                output_tokens=o if ok else produced,
+                start_time=b0 - t0,
+                ttft=(clock.times[0] - b0) if clock.times else 0.0,
+                latency=b1 - b0,
+                itl=[b - a for a, b in zip(times, times[1:])],
+                chunk_times=times,
                 error="" if ok else f"generate() produced {produced} tokens, expected {o}",
             )
         if progress is not None:
@@ -127,12 +139,19 @@ def run_hf_continuous(model, workload: Workload, concurrency: int, pad_token_id:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1, pad_token_id=pad_token_id)
+    gen_cfg = GenerationConfig(
+        do_sample=False, max_new_tokens=max(workload.output_lens), eos_token_id=-1, pad_token_id=pad_token_id
+    )
     cb_cfg = ContinuousBatchingConfig(max_requests_per_batch=concurrency)
-    hints = WorkloadHints(max_prompt_length=max(workload.prompt_lens), max_generated_length=max(workload.output_lens), num_requests=len(workload))
+    hints = WorkloadHints(
+        max_prompt_length=max(workload.prompt_lens),
+        max_generated_length=max(workload.output_lens),
+        num_requests=len(workload),
+    )
     results: list[RequestResult] = [None] * len(workload)  # type: ignore[list-item]
-    with model.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True,
-                                                   timeout=60, workload_hints=hints) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=60, workload_hints=hints
+    ) as manager:
         # warm-up request, not timed
         manager.add_request(warmup_prompt(workload), request_id="warmup", max_new_tokens=2, eos_token_id=-1)
         while True:
@@ -151,7 +170,13 @@ def run_hf_continuous(model, workload: Workload, concurrency: int, pad_token_id:
             nxt += 1
             rid = f"r{i}"
             submitted[rid] = (i, time.perf_counter())
-            manager.add_request(workload.prompts[i], request_id=rid, max_new_tokens=workload.output_lens[i], eos_token_id=-1, record_timestamps=True)
+            manager.add_request(
+                workload.prompts[i],
+                request_id=rid,
+                max_new_tokens=workload.output_lens[i],
+                eos_token_id=-1,
+                record_timestamps=True,
+            )
 
         while nxt < min(concurrency, len(workload)):
             submit()
@@ -168,12 +193,23 @@ def run_hf_continuous(model, workload: Workload, concurrency: int, pad_token_id:
             n = len(r.generated_tokens)
             if r.error is None and stamps:
                 results[i] = RequestResult(
-                    success=True, prompt_len=len(workload.prompts[i]), output_tokens=n, start_time=sent - t0,
-                    ttft=stamps[0] - sent, latency=stamps[-1] - sent, itl=[b - a for a, b in zip(stamps, stamps[1:])],
-                    chunk_times=[t - t0 for t in stamps])
+                    success=True,
+                    prompt_len=len(workload.prompts[i]),
+                    output_tokens=n,
+                    start_time=sent - t0,
+                    ttft=stamps[0] - sent,
+                    latency=stamps[-1] - sent,
+                    itl=[b - a for a, b in zip(stamps, stamps[1:])],
+                    chunk_times=[t - t0 for t in stamps],
+                )
             else:
-                results[i] = RequestResult(success=False, prompt_len=len(workload.prompts[i]), output_tokens=n, start_time=sent - t0,
-                                           error=str(r.error or "no timestamps"))
+                results[i] = RequestResult(
+                    success=False,
+                    prompt_len=len(workload.prompts[i]),
+                    output_tokens=n,
+                    start_time=sent - t0,
+                    error=str(r.error or "no timestamps"),
+                )
             done += 1
             if progress is not None:
                 progress.update(1)
@@ -190,7 +226,9 @@ def run_kvfleet(engine_factory, workload: Workload, concurrency: int, progress=N
 
     engine = engine_factory(concurrency)
     # warm-up request, not timed
-    engine.add_request("warmup", warmup_prompt(workload), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    engine.add_request(
+        "warmup", warmup_prompt(workload), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    )
     while engine.has_unfinished_requests():
         engine.step()
     results: list[RequestResult] = [None] * len(workload)  # type: ignore[list-item]
@@ -206,7 +244,9 @@ def run_kvfleet(engine_factory, workload: Workload, concurrency: int, progress=N
         rid = f"r{i}"
         sent_at[rid] = (i, time.perf_counter())
         times[rid] = []
-        params = SamplingParams(max_tokens=workload.output_lens[i], min_tokens=workload.output_lens[i], temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=workload.output_lens[i], min_tokens=workload.output_lens[i], temperature=0.0, ignore_eos=True
+        )
         engine.add_request(rid, workload.prompts[i], params)
 
     while nxt < min(concurrency, len(workload)):
@@ -224,16 +264,21 @@ def run_kvfleet(engine_factory, workload: Workload, concurrency: int, progress=N
             if out.finished:
                 i, sent = sent_at.pop(rid)
                 results[i] = RequestResult(
-                    success=True, prompt_len=len(workload.prompts[i]), output_tokens=n, start_time=sent - t0,
-                    ttft=stamps[0] - sent, latency=stamps[-1] - sent, itl=[b - a for a, b in zip(stamps, stamps[1:])],
-                    chunk_times=[t - t0 for t in stamps])
+                    success=True,
+                    prompt_len=len(workload.prompts[i]),
+                    output_tokens=n,
+                    start_time=sent - t0,
+                    ttft=stamps[0] - sent,
+                    latency=stamps[-1] - sent,
+                    itl=[b - a for a, b in zip(stamps, stamps[1:])],
+                    chunk_times=[t - t0 for t in stamps],
+                )
                 done += 1
                 if progress is not None:
                     progress.update(1)
                 if nxt < len(workload):
                     submit()
     return finish_run("kvfleet", concurrency, results, time.perf_counter() - t0, workload)
-
 
 
 def kvfleet_engine_factory(model_path: str, args):
@@ -251,7 +296,13 @@ def kvfleet_engine_factory(model_path: str, args):
         state.pop("engine", None)
         if "loaded" not in state:
             state["loaded"] = load_model(model_path, dtype="float32", device="cpu")
-        cfg = dict(model=model_path, dtype="float32", device="cpu", block_size=args.block_size, max_num_seqs=max(concurrency, 1))
+        cfg = dict(
+            model=model_path,
+            dtype="float32",
+            device="cpu",
+            block_size=args.block_size,
+            max_num_seqs=max(concurrency, 1),
+        )
         if args.max_num_batched_tokens:
             cfg["max_num_batched_tokens"] = args.max_num_batched_tokens
         if args.kv_cache_memory:
@@ -260,7 +311,6 @@ def kvfleet_engine_factory(model_path: str, args):
         return state["engine"]
 
     return factory
-
 
 
 def build_runners(systems, model, pad_token_id: int, model_path: str, args) -> dict[str, Runner]:

@@ -37,8 +37,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from kvfleet.runtime.worker.attention import METADATA_KWARG
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.worker.attention import METADATA_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class _DriverModel:
     then runs the local shard (whose collectives pair with the workers' replays). Every other
     attribute is the wrapped model's."""
 
-    def __init__(self, model: torch.nn.Module, executor: "MultiprocExecutor") -> None:
+    def __init__(self, model: torch.nn.Module, executor: MultiprocExecutor) -> None:
         self._model = model
         self._executor = executor
 
@@ -276,7 +276,7 @@ class _DriverModel:
 
 
 class _DriverLMHead:
-    def __init__(self, module: torch.nn.Module, executor: "MultiprocExecutor") -> None:
+    def __init__(self, module: torch.nn.Module, executor: MultiprocExecutor) -> None:
         self._module = module
         self._executor = executor
 
@@ -362,7 +362,7 @@ class MultiprocExecutor:
         logger.info("tensor parallelism: %d ranks (%s), workers pids %s", tp, self.device, [p.pid for p in self.procs])
 
     @classmethod
-    def start(cls, config: EngineConfig) -> "MultiprocExecutor":
+    def start(cls, config: EngineConfig) -> MultiprocExecutor:
         """Resolve ``config.model``, check that it splits ``tensor_parallel_size`` ways (from its
         config alone, before any process starts), then start the workers.
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput
 from kvfleet.runtime.worker.attention import (
     METADATA_KWARG,
     AttentionMetadata,
@@ -30,9 +32,7 @@ from kvfleet.runtime.worker.attention import (
     probe_attention,
     register,
 )
-from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvfleet.runtime.worker.model_loader import LoadedModel
-from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
