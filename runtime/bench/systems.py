@@ -67,6 +67,22 @@ def finish_run(system: str, c: int, results: list[RequestResult], duration: floa
     return run
 
 
+def streamed_result(prompt_len: int, output_tokens: int, sent: float, t0: float, stamps: list[float]) -> RequestResult:
+    """A successful request sent at ``sent`` whose tokens arrived at ``stamps``
+    (``time.perf_counter()`` seconds, non-empty); times in the result are relative to the
+    run's start ``t0`` (TTFT and latency relative to ``sent``)."""
+    return RequestResult(
+        success=True,
+        prompt_len=prompt_len,
+        output_tokens=output_tokens,
+        start_time=sent - t0,
+        ttft=stamps[0] - sent,
+        latency=stamps[-1] - sent,
+        itl=[b - a for a, b in zip(stamps, stamps[1:])],
+        chunk_times=[t - t0 for t in stamps],
+    )
+
+
 def warmup_prompt(workload: Workload) -> list[int]:
     """16 tokens that prefix no request of the workload (so no prefix cache is primed)."""
     return list(reversed(workload.prompts[-1]))[:16]
@@ -192,16 +208,7 @@ def run_hf_continuous(model, workload: Workload, concurrency: int, pad_token_id:
             stamps = list(r.timestamps or [])
             n = len(r.generated_tokens)
             if r.error is None and stamps:
-                results[i] = RequestResult(
-                    success=True,
-                    prompt_len=len(workload.prompts[i]),
-                    output_tokens=n,
-                    start_time=sent - t0,
-                    ttft=stamps[0] - sent,
-                    latency=stamps[-1] - sent,
-                    itl=[b - a for a, b in zip(stamps, stamps[1:])],
-                    chunk_times=[t - t0 for t in stamps],
-                )
+                results[i] = streamed_result(len(workload.prompts[i]), n, sent, t0, stamps)
             else:
                 results[i] = RequestResult(
                     success=False,
@@ -263,16 +270,7 @@ def run_kvfleet(engine_factory, workload: Workload, concurrency: int, progress=N
             stamps.extend([now] * (n - len(stamps)))
             if out.finished:
                 i, sent = sent_at.pop(rid)
-                results[i] = RequestResult(
-                    success=True,
-                    prompt_len=len(workload.prompts[i]),
-                    output_tokens=n,
-                    start_time=sent - t0,
-                    ttft=stamps[0] - sent,
-                    latency=stamps[-1] - sent,
-                    itl=[b - a for a, b in zip(stamps, stamps[1:])],
-                    chunk_times=[t - t0 for t in stamps],
-                )
+                results[i] = streamed_result(len(workload.prompts[i]), n, sent, t0, stamps)
                 done += 1
                 if progress is not None:
                     progress.update(1)
