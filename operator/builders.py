@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import crd, policy
+from kvfleet.operator import crd, fetch, policy
 
 FIELD_MANAGER = "kvfleet-operator"
 """The one server-side-apply field manager of every write the operator makes."""
@@ -212,6 +212,16 @@ def startup_seconds(spec: Mapping[str, Any]) -> int:
     return STARTUP_BASE_SECONDS + int(math.ceil(size / 2**30 * STARTUP_SECONDS_PER_GIB))
 
 
+def progress_deadline_seconds(spec: Mapping[str, Any]) -> int:
+    """The Deployment's ``progressDeadlineSeconds``: the startup budget, plus for ``hf://``
+    models the whole download budget (every attempt timing out, and the back-offs), plus 600 s."""
+    total = startup_seconds(spec) + 600
+    if spec["model"]["uri"].startswith("hf://"):
+        dl = spec["model"].get("download") or {}
+        total += int(math.ceil(fetch.budget_seconds(float(dl.get("timeoutSeconds", 3600)), int(dl.get("retries", 3)))))
+    return total
+
+
 def gpu_count(spec: Mapping[str, Any]) -> int:
     """``runtime.resources.gpus``, else ``engine.tensorParallelSize`` when above 1, else 0.
 
@@ -291,10 +301,16 @@ def _engine_config_fields() -> list[str]:
     return list(EngineConfig.model_fields)
 
 
+def model_cache_dir(repo: str, revision: str | None) -> str:
+    """The cache directory name of ``hf://repo@revision`` (``ORG--NAME@REVISION``, ``main``
+    when unpinned): one per revision, so a new revision never rewrites files in use."""
+    return f"{repo}@{revision or 'main'}".replace("/", "--")
+
+
 def model_path_in_pod(model: Mapping[str, Any]) -> str:
     """Where the runtime finds the weights inside the pod."""
     if model["scheme"] == "hf":
-        return f"{MODELS_DIR}/model"
+        return f"{MODELS_DIR}/{model_cache_dir(str(model['repo']), model['revision'])}"
     if model["scheme"] == "pvc":
         return f"{MODELS_DIR}/{model['path']}" if model["path"] else MODELS_DIR
     return str(model["path"])
@@ -338,10 +354,12 @@ def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> di
     if token:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": token["name"], "key": token.get("key") or "token"}}})
-    args = ["-m", "kvfleet.operator.fetch", "--repo", str(model["repo"]), "--dest", f"{MODELS_DIR}/model",
+    args = ["-m", "kvfleet.operator.fetch", "--repo", str(model["repo"]), "--dest", model_path_in_pod(model),
             "--timeout", str(dl["timeoutSeconds"]), "--retries", str(dl["retries"])]
     if model["revision"]:
         args += ["--revision", str(model["revision"])]
+    for pattern in dl.get("allowPatterns") or []:
+        args += ["--allow-pattern", str(pattern)]
     return {
         "name": "fetch-model",
         "image": spec["runtime"]["image"],
@@ -481,8 +499,8 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}},
             "revisionHistoryLimit": 5,
-            # Model loading is not lack of progress: leave the startup probe its full budget.
-            "progressDeadlineSeconds": startup + 600,
+            # Downloading and loading the model are not lack of progress: leave both their budget.
+            "progressDeadlineSeconds": progress_deadline_seconds(spec),
             "template": {"metadata": {"labels": labels(isvc), "annotations": pod_annotations},
                          "spec": pod_spec},
         },
@@ -544,6 +562,19 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None) ->
                 build_deployment(isvc, config_hash=content_hash(cm["data"]), replicas=replicas)]
     children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]
     return children
+
+
+def model_claim(isvc: Mapping[str, Any]) -> str | None:
+    """The PersistentVolumeClaim the model volume mounts (``download.claimName`` of an
+    ``hf://`` model, the claim of a ``pvc://`` one), or None."""
+    try:
+        spec = effective_spec(isvc)
+        model = parse_model_uri(spec["model"]["uri"])
+    except (InvalidSpec, KeyError, TypeError):
+        return None
+    if model["scheme"] == "pvc":
+        return model["claim"]
+    return spec["model"]["download"].get("claimName") if model["scheme"] == "hf" else None
 
 
 def required_secrets(isvc: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -31,6 +31,8 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 BLOCK_SIZES = [8, 16, 32, 64, 128]
 MODEL_URI_SCHEMES = ["hf://", "pvc://", "file:///"]
 DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-runtime:0.1.0"
+DEFAULT_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja")
+"""Files of an hf:// repository the init container fetches by default (not .bin/.pth/.onnx copies)."""
 
 # ---------------------------------------------------------------------------------
 # schema helpers (plain dicts, so that the YAML is readable and diffs are obvious)
@@ -122,7 +124,15 @@ MODEL = _obj(
             "retries": _int("Attempts before the init container fails (the kubelet then restarts it "
                             "with its own back-off).", minimum=1, maximum=20, default=3),
             "claimName": _str("Cache the download in this PersistentVolumeClaim instead of an "
-                              "emptyDir (survives pod restarts)."),
+                              "emptyDir (survives pod restarts; one directory per ORG/NAME@REVISION, "
+                              "replicas sharing it download once). A ReadWriteOnce claim cannot be "
+                              "mounted by pods on other nodes: the operator reports it."),
+            "allowPatterns": {"type": "array", "maxItems": 64, "default": list(DEFAULT_ALLOW_PATTERNS),
+                              "items": {"type": "string", "maxLength": 256},
+                              "description": "Download only the repository files matching these globs "
+                                             "(huggingface_hub allow_patterns). Default: weights as "
+                                             "safetensors, configs, tokenizer files and chat templates; "
+                                             "add e.g. *.gguf for a GGUF repository."},
         }),
     },
     required=["uri"],

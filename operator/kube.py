@@ -30,6 +30,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
     "Pod": ("v1", "pods"),
+    "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
     "Event": ("v1", "events"),
     "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings"),
     "KopfPeering": ("kopf.dev/v1", "kopfpeerings"),

@@ -176,8 +176,10 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
         pods = kube.list_objects("Pod", namespace, builders.selector_labels(isvc)) if live_deployment else []
+        claim_name = builders.model_claim(isvc) if live_deployment else None
+        claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
-                                error=out.error, pods=pods)
+                                error=out.error, pods=pods, claim=claim)
         patch = status_patch(isvc.get("status"), wanted)
         if patch:
             kube.patch_status(crd.KIND, namespace, name, patch)

@@ -82,7 +82,8 @@ def deployment_progress(deployment: Mapping[str, Any] | None,
 def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | None,
                    desired_deployment: Mapping[str, Any] | None, now: str,
                    error: InvalidSpec | None = None,
-                   pods: list[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                   pods: list[Mapping[str, Any]] | None = None,
+                   claim: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The status the operator owns, computed from the live Deployment.
 
     Args:
@@ -92,7 +93,10 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         now: the current time, RFC 3339 (``2026-01-01T00:00:00Z``); used only for transitions.
         error: the reason the spec could not be applied, if any (-> Degraded=True, Ready=False).
         pods: the runtime pods; while the generation is not rolled out, a :func:`pod_problem`
-            gives Ready=False and Degraded=True with its reason and message.
+            gives Ready=False and Degraded=True with its reason and message; for ``hf://``
+            models they also give the ``ModelCached`` condition (:func:`model_cached`).
+        claim: the live PersistentVolumeClaim of the model volume, if any (a ReadWriteOnce
+            claim that pods on several nodes would mount: :func:`claim_problem`).
 
     Returns:
         ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
@@ -105,7 +109,9 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
     old = (isvc.get("status") or {}).get("conditions") or []
     prog = deployment_progress(deployment, desired_deployment)
     want = int(((desired_deployment or deployment or {}).get("spec") or {}).get("replicas", 0))
-    problem = pod_problem(pods) if error is None and prog["exists"] and not prog["rolled_out"] else None
+    problem = None
+    if error is None and prog["exists"] and not prog["rolled_out"]:
+        problem = pod_problem(pods) or claim_problem(claim, desired_deployment or deployment)
 
     if error is not None:
         ready = ("False", error.reason, error.message)
@@ -136,8 +142,10 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         degraded = ("False", "AsExpected", "")
 
     conds: list[dict[str, Any]] = [dict(c) for c in old]
+    cached = model_cached(isvc, pods, claim, desired_deployment or deployment,
+                          available=prog["available"]) if prog["exists"] else None
     for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
-                                             ("Degraded", degraded)):
+                                             ("Degraded", degraded), *((("ModelCached", cached),) if cached else ())):
         conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
                               now=now, observed_generation=gen)
     status: dict[str, Any] = {
@@ -245,3 +253,58 @@ def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: s
         "reportingComponent": component, "reportingInstance": component,
         "firstTimestamp": now, "lastTimestamp": now, "count": 1,
     }
+
+
+def claim_problem(claim: Mapping[str, Any] | None,
+                  deployment: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``("ReadWriteOnceClaim", message)`` when the model volume's claim is ReadWriteOnce(Pod)
+    and the Deployment runs more than one pod at a time (replicas above 1, or a surge pod
+    during a rolling update): pods on another node cannot mount it and hang in
+    ContainerCreating. None otherwise."""
+    if not claim or not deployment:
+        return None
+    modes = set((claim.get("spec") or {}).get("accessModes") or [])
+    if not modes or not modes <= {"ReadWriteOnce", "ReadWriteOncePod"}:
+        return None
+    spec = deployment.get("spec") or {}
+    replicas = int(spec.get("replicas", 1))
+    surge = ((spec.get("strategy") or {}).get("rollingUpdate") or {}).get("maxSurge", 0)
+    if replicas <= 1 and surge in (0, "0", "0%"):
+        return None
+    name = (claim.get("metadata") or {}).get("name")
+    why = f"{replicas} replicas" if replicas > 1 else "the surge pod of a rolling update"
+    return "ReadWriteOnceClaim", (
+        f"PersistentVolumeClaim {name} is {'/'.join(sorted(modes))}, but {why} may run on another node, "
+        "where it cannot be mounted: use a ReadWriteMany (or ReadOnlyMany) claim, or 1 replica with "
+        "rollout.strategy ResourceAware")
+
+
+def model_cached(isvc: Mapping[str, Any], pods: list[Mapping[str, Any]] | None,
+                 claim: Mapping[str, Any] | None = None,
+                 deployment: Mapping[str, Any] | None = None, *, available: int = 0) -> tuple[str, str, str] | None:
+    """The ``ModelCached`` condition ``(status, reason, message)`` of an ``hf://`` model (None
+    for other schemes), from the pods' ``fetch-model`` init containers: ``True``/``Fetched``
+    once one finished (or a runtime container runs, or ``available`` pods serve), ``False``/``ModelFetchFailed``,
+    ``False``/``Downloading`` while one runs, else ``False``/``Pending``. A
+    :func:`claim_problem` is appended to the message."""
+    uri = str(((isvc.get("spec") or {}).get("model") or {}).get("uri") or "")
+    if not uri.startswith("hf://"):
+        return None
+    result = ("False", "Pending", f"no pod has fetched {uri} yet")
+    if available > 0:
+        result = ("True", "Fetched", f"{uri} is in the model cache ({available} pods serve it)")
+    for pod in [] if available > 0 else sorted(pods or [], key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        name = (pod.get("metadata") or {}).get("name", "?")
+        st = pod.get("status") or {}
+        fetchers = [c for c in st.get("initContainerStatuses") or [] if c.get("name") == FETCH_CONTAINER]
+        done = any(((c.get("state") or {}).get("terminated") or {}).get("exitCode") == 0 for c in fetchers) or any(
+            "running" in (c.get("state") or {}) for c in st.get("containerStatuses") or [])
+        if done:
+            result = ("True", "Fetched", f"{uri} is in the model cache (pod {name})")
+            break
+        if any(int(((c.get("lastState") or {}).get("terminated") or {}).get("exitCode") or 0) for c in fetchers):
+            result = ("False", "ModelFetchFailed", f"pod {name}: init container {FETCH_CONTAINER} failed")
+        elif result[1] == "Pending" and any("running" in (c.get("state") or {}) for c in fetchers):
+            result = ("False", "Downloading", f"pod {name} is downloading {uri}")
+    rwo = claim_problem(claim, deployment)
+    return (result[0], result[1], f"{result[2]}; {rwo[1]}") if rwo else result

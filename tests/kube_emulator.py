@@ -54,6 +54,7 @@ RESOURCES: dict[str, tuple[str, bool, set[str], set[str]]] = {
     "v1/services": ("Service", True, {"status"}, {"svc"}),
     "v1/secrets": ("Secret", True, set(), set()),
     "v1/pods": ("Pod", True, {"status"}, {"po"}),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True, {"status"}, {"pvc"}),
     "v1/events": ("Event", True, set(), {"ev"}),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}, {"deploy"}),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}, {"pdb"}),

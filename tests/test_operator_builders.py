@@ -160,12 +160,15 @@ def test_hf_model_is_fetched_by_an_init_container():
     (init,) = spec["initContainers"]
     assert init["args"][:2] == ["-m", "kvfleet.operator.fetch"]
     args = dict(zip(init["args"][2::2], init["args"][3::2]))
-    assert args == {"--repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "--dest": "/models/model",
-                    "--timeout": "3600", "--retries": "3"}
+    assert args == {"--repo": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                    "--dest": "/models/HuggingFaceTB--SmolLM2-135M-Instruct@main",
+                    "--timeout": "3600", "--retries": "3", "--allow-pattern": "*.jinja"}
+    patterns = [b for a, b in zip(init["args"], init["args"][1:]) if a == "--allow-pattern"]
+    assert patterns == list(crd.DEFAULT_ALLOW_PATTERNS) and "*.safetensors" in patterns
     assert {"name": "models", "emptyDir": {}} in spec["volumes"]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
     config = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])
-    assert config["model"] == "/models/model"
+    assert config["model"] == "/models/HuggingFaceTB--SmolLM2-135M-Instruct@main"
     assert config["served_model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -372,7 +375,7 @@ def test_set_condition_keeps_order_and_time():
 def test_fetch_retries_then_succeeds(tmp_path):
     calls = tmp_path / "calls"
 
-    def flaky(repo, revision, dest):
+    def flaky(repo, revision, dest, allow_patterns):
         n = len(calls.read_text()) if calls.exists() else 0
         calls.write_text("x" * (n + 1))
         if n < 2:
@@ -394,3 +397,77 @@ def test_fetch_times_out_and_gives_up(tmp_path):
                      sleep=lambda s: None, log=lambda *_: None)
     assert not ok and time.monotonic() - t < 10
     assert not (tmp_path / "m" / fetch.MARKER).exists()
+
+
+# --------------------------------------------------------------------- the model cache
+
+
+def test_each_revision_has_its_own_cache_dir_and_deadline_covers_the_download():
+    a, b = (pod_spec(minimal(model={"uri": f"hf://org/name@{rev}", "download": {"claimName": "cache"}}))
+            for rev in ("v1", "refs/pr/2"))
+    dest = [dict(zip(s["initContainers"][0]["args"][2::2], s["initContainers"][0]["args"][3::2]))["--dest"]
+            for s in (a, b)]
+    assert dest == ["/models/org--name@v1", "/models/org--name@refs--pr--2"]
+    config = yaml.safe_load(by_kind(builders.desired_children(minimal(model={"uri": "hf://org/name@v1"})))[
+        "ConfigMap"]["data"]["config.yaml"])
+    assert config["model"] == "/models/org--name@v1"
+    patterns = minimal(model={"uri": "hf://org/name", "download": {"allowPatterns": ["*.gguf"]}})
+    args = pod_spec(patterns)["initContainers"][0]["args"]
+    assert [b for a, b in zip(args, args[1:]) if a == "--allow-pattern"] == ["*.gguf"]
+    # every attempt timing out, with the back-offs between them, fits in the progress deadline
+    isvc = minimal(model={"uri": "hf://org/name", "download": {"timeoutSeconds": 1000, "retries": 4}})
+    deploy = by_kind(builders.desired_children(isvc))["Deployment"]
+    budget = fetch.budget_seconds(1000, 4)
+    assert budget == 4000 + 10 + 20 + 40
+    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + builders.startup_seconds(builders.effective_spec(isvc))
+    pvc = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/m"})))["Deployment"]
+    assert pvc["spec"]["progressDeadlineSeconds"] == builders.DEFAULT_STARTUP_SECONDS + 600
+
+
+def test_replicas_sharing_a_volume_download_once(tmp_path):
+    """Two fetchers at once on one cache directory (two pods on one PVC): one download."""
+    import multiprocessing
+
+    calls = tmp_path / "calls"
+
+    def slow(repo, revision, dest, allow_patterns):
+        with open(calls, "a") as fh:
+            fh.write("x")
+        time.sleep(1.0)
+        (Path(dest) / "config.json").write_text("{}")
+
+    dest = str(tmp_path / "o--m@main")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=fetch.fetch, args=("o/m", dest), kwargs={"download": slow, "log": lambda *_: None})
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert calls.read_text() == "x" and (Path(dest) / fetch.MARKER).exists()
+
+
+def test_model_cached_condition_and_read_write_once_claim():
+    isvc = minimal(model={"uri": "hf://org/name", "download": {"claimName": "cache"}})
+    init = {"name": "fetch-model"}
+    pods = lambda *cs: [{"metadata": {"name": "p"}, "status": {"initContainerStatuses": list(cs)}}]  # noqa: E731
+    assert status.model_cached(isvc, []) == ("False", "Pending", "no pod has fetched hf://org/name yet")
+    assert status.model_cached(isvc, pods({**init, "state": {"running": {}}}))[1] == "Downloading"
+    assert status.model_cached(isvc, pods({**init, "state": {"terminated": {"exitCode": 0}}}))[:2] == (
+        "True", "Fetched")
+    assert status.model_cached(isvc, pods({**init, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                           "lastState": {"terminated": {"exitCode": 1}}}))[1] == "ModelFetchFailed"
+    assert status.model_cached(minimal(model={"uri": "pvc://store/m"}), []) is None
+    deploy = by_kind(builders.desired_children(isvc))["Deployment"]  # Availability: maxSurge 1
+    rwo = {"metadata": {"name": "cache"}, "spec": {"accessModes": ["ReadWriteOnce"]}}
+    rwx = {"metadata": {"name": "cache"}, "spec": {"accessModes": ["ReadWriteMany"]}}
+    reason, message = status.claim_problem(rwo, deploy)
+    assert reason == "ReadWriteOnceClaim" and "surge pod" in message and "cache" in message
+    assert status.claim_problem(rwx, deploy) is None
+    one = by_kind(builders.desired_children({**isvc, "spec": {**isvc["spec"], "rollout": {
+        "strategy": "ResourceAware"}}}))["Deployment"]
+    assert status.claim_problem(rwo, one) is None
+    st = status.desired_status(isvc, deployment=deploy, desired_deployment=deploy, now=T1, pods=[], claim=rwo)
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Degraded"]["reason"] == "ReadWriteOnceClaim" and conds["ModelCached"]["status"] == "False"
+    assert builders.model_claim(isvc) == "cache" and builders.model_claim(minimal(model={"uri": "pvc://s/m"})) == "s"

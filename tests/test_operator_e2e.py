@@ -155,7 +155,7 @@ def test_create_gives_children_with_content_and_owner(cluster):
                           emu.get(ISVC, NS, "e2e-create")["status"], 15, message="status")
     assert status["url"] == "http://e2e-create.default.svc.cluster.local:8000/v1"
     assert status["observedGeneration"] == 1
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded"}
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded", "ModelCached"}
     assert condition(emu, "e2e-create", "Ready")["status"] == "False"
     # kopf's bookkeeping stays where the docs say: an annotation under kvfleet.io/ and status.kopf
     meta = emu.get(ISVC, NS, "e2e-create")["metadata"]

@@ -83,7 +83,7 @@ def test_desired_status_is_degraded_with_the_pod_reason_until_rolled_out():
     live["status"].update(readyReplicas=1, availableReplicas=1)  # rolled out: an old pod's state is history
     st = status.desired_status(isvc(), deployment=live, desired_deployment=desired, now="t", pods=bad)
     assert {c["type"]: c["status"] for c in st["conditions"]} == {"Ready": "True", "Progressing": "False",
-                                                                 "Degraded": "False"}
+                                                                 "Degraded": "False", "ModelCached": "True"}
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,7 @@ def test_first_reconcile_creates_children_second_writes_nothing(kube_env):
     mark = len(emu.writes())
     out = reconcile.reconcile(kube, NS, "smollm2")
     assert out.applied == ["Deployment/smollm2"]  # progressDeadlineSeconds is ours: put back
-    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["progressDeadlineSeconds"] == 1200
+    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["progressDeadlineSeconds"] == 12030
     assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirst"
     mark = len(emu.writes())
     assert not reconcile.reconcile(kube, NS, "smollm2").wrote and operator_writes(emu, mark) == []
@@ -208,3 +208,17 @@ def test_unreachable_api_is_an_api_error():
         with pytest.raises(ApiError) as e:
             Kube(api).get("ConfigMap", NS, "x")
     assert e.value.status == 0
+
+
+def test_read_write_once_model_claim_with_surge_pods_is_reported(kube_env):
+    emu, kube = kube_env
+    emu.create("v1/persistentvolumeclaims", {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                                             "metadata": {"name": "cache", "namespace": NS},
+                                             "spec": {"accessModes": ["ReadWriteOnce"]}})
+    emu.create(ISVC, example(replicas=2, model={"uri": "hf://org/name", "download": {"claimName": "cache"}}))
+    reconcile.reconcile(kube, NS, "smollm2")
+    conds = {c["type"]: c for c in emu.get(ISVC, NS, "smollm2")["status"]["conditions"]}
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ReadWriteOnceClaim")
+    assert "2 replicas" in conds["Degraded"]["message"] and "ReadWriteOnce" in conds["ModelCached"]["message"]
+    events = [e for e in emu.list("v1/events", NS) if e.get("reason") == "ReadWriteOnceClaim"]
+    assert len(events) == 1 and events[0]["type"] == "Warning"

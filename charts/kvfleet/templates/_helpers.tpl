@@ -120,6 +120,11 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
+# The model volume's claim (download.claimName, pvc://): is it ReadWriteOnce while pods may run
+# on several nodes? Read, never listed.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 # Checking that spec.runtime.apiKeySecretRef names an existing Secret (read, never listed).
 - apiGroups: [""]
   resources: ["secrets"]
