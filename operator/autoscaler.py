@@ -68,6 +68,9 @@ class ServiceState:
     history: tuple[policy.Recommendation, ...] | None = None
     previous: policy.MetricsAggregate | None = None
     last_reason: str | None = None
+    tuning_held: str | None = None
+    """The last :func:`tuning.rollout_hold` reason (an Event when it changes to one that is not
+    ``RollingOut``)."""
     http: httpx.AsyncClient | None = None
     """The client for the pods' /metrics (the loop's shared one; None: one per read)."""
     changes: list[tuple[float, int, int]] = field(default_factory=list)
@@ -246,9 +249,16 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     rollout = False
     if tconfig is not None:
         tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
-        decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods)
+        deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, builders.names(isvc)["deployment"])
+        decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods,
+                               hold=tuning.rollout_hold(deployment))
         if decision.state != tstate:
             status_patch["engine"] = decision.state.to_status()
+        held = decision.held[0] if decision.held else None
+        if held != state.tuning_held and decision.held and held != "RollingOut":
+            logger.info("%s/%s: tuning held: %s", namespace, name, decision.held[1])
+            await _event(kube, isvc, "Normal", "TuningHeld", decision.held[1])
+        state.tuning_held = held
         for reason, message in decision.changes:
             logger.info("%s/%s: %s", namespace, name, message)
             await _event(kube, isvc, "Normal", reason, message)

@@ -2,7 +2,8 @@
 
 :func:`tune` chooses ``gpuMemoryUtilization`` (lowered at once after an out-of-memory restart,
 raised after sustained preemption pressure) and ``blockSize`` (from the mean sequence length)
-for the next rollout. Like :mod:`kvfleet.operator.policy`: no API calls, no clock, no I/O;
+for the next rollout, and :func:`rollout_hold` says when a rollout must wait (one at a time;
+never every pod at once). Like :mod:`kvfleet.operator.policy`: no API calls, no clock, no I/O;
 the time comes in as ``now`` and the tuner's memory (:class:`TuningState`, persisted in
 ``status.engine``) goes in and comes back out as a value.
 """
@@ -197,10 +198,49 @@ class TuningDecision:
     ``GpuMemoryLowered``, ``BlockSizeChanged``."""
     notes: tuple[str, ...] = ()
     """Why nothing changed, for logs."""
+    held: tuple[str, str] | None = None
+    """``(reason, message)``: why changes are held back so a roll causes no outage (:func:`rollout_hold`), if so."""
 
     @property
     def changed(self) -> bool:
         return bool(self.changes)
+
+
+def _int_or_percent(value: Any, total: int, round_up: bool) -> int:
+    """A rollingUpdate ``maxSurge`` (rounded up) / ``maxUnavailable`` (rounded down) as pods."""
+    if isinstance(value, str) and value.endswith("%"):
+        pods = float(value[:-1]) * total / 100
+        return int(-(-pods // 1)) if round_up else int(pods)
+    return int(value or 0)
+
+
+def rollout_hold(deployment: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """``(reason, message)``: why a tuning change must not roll the pods now (None: it may).
+
+    - the Deployment is still rolling out (the controller has not observed its generation, or
+      not every wanted pod is updated and available): one roll at a time, the next one only
+      after the last has landed (the cool-down ``min_interval`` then counts from the change);
+    - a roll would take every pod down at once: with ``maxSurge`` 0 no new pod starts before
+      an old one stops, so when ``replicas - maxUnavailable < 1`` (e.g. 1 replica with
+      ``rollout.strategy: ResourceAware``) the service would go dark while the new pod loads
+      (reason ``RollWouldTakeAllPods``; the other is ``RollingOut``).
+    """
+    if not deployment:
+        return "RollingOut", "the Deployment does not exist yet"
+    spec, st = deployment.get("spec") or {}, deployment.get("status") or {}
+    want = int(spec.get("replicas", 1))
+    gen, observed = (deployment.get("metadata") or {}).get("generation"), st.get("observedGeneration")
+    if (gen is not None and (observed is None or observed < gen)) or want and (
+            int(st.get("updatedReplicas") or 0) < want or int(st.get("availableReplicas") or 0) < want
+            or int(st.get("replicas") or 0) > want):
+        return "RollingOut", "the Deployment is still rolling out; the next tuning change waits for it"
+    ru = (spec.get("strategy") or {}).get("rollingUpdate") or {}
+    surge = _int_or_percent(ru.get("maxSurge", "25%"), want, round_up=True)
+    unavailable = _int_or_percent(ru.get("maxUnavailable", "25%"), want, round_up=False)
+    if want and surge == 0 and want - unavailable < 1:
+        return "RollWouldTakeAllPods", (f"{want} replica(s) with maxSurge 0 and maxUnavailable {unavailable}: rolling the pods would "
+                "take every one down at once (use rollout.strategy Availability, or more replicas)")
+    return None
 
 
 def tune(
@@ -211,6 +251,7 @@ def tune(
     spec_engine: Mapping[str, Any],
     metrics: MetricsAggregate | None,
     pods: Iterable[Mapping[str, Any]] = (),
+    hold: tuple[str, str] | None = None,
 ) -> TuningDecision:
     """Choose ``gpuMemoryUtilization`` and ``blockSize`` for the next rollout.
 
@@ -230,7 +271,9 @@ def tune(
 
     ``spec_engine`` gives the starting values (``gpuMemoryUtilization`` default 0.9,
     ``blockSize`` default 16) until the tuner has applied its own. ``now`` is seconds
-    since the epoch; ``pods`` are the pod dicts (their containerStatuses).
+    since the epoch; ``pods`` are the pod dicts (their containerStatuses). ``hold``
+    (:func:`rollout_hold`) holds every change but rule 1 (the pods crash anyway) and is
+    returned as the decision's ``held``.
     """
     if not config.enabled:
         return TuningDecision(state, notes=("tuning disabled",))
@@ -257,6 +300,9 @@ def tune(
         else:
             notes.append(f"{newest.reason} restart of {newest.pod}, but utilisation is already at min {lo:g}")
         return TuningDecision(state, tuple(changes), tuple(notes))
+
+    if hold is not None:
+        return TuningDecision(state, notes=(f"held: {hold[1]}",), held=hold)
 
     if gmu != gmu_clamped:  # bounds changed under us: apply them now.
         changes.append(("GpuMemoryBounded",

@@ -127,6 +127,15 @@ def add_pod(kube, runtimes, name, runtime: Runtime | None, *, ready=True, termin
         "containerStatuses": [cs]}}, subresource="status")
 
 
+def rolled_out(kube, name=NAME) -> None:
+    """Report the Deployment as the Deployment controller would once every pod is updated and available."""
+    d = kube.get("apps/v1/deployments", NS, name)
+    n = d["spec"]["replicas"]
+    kube.patch("apps/v1/deployments", NS, name, {"status": {
+        "observedGeneration": d["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+        "readyReplicas": n, "availableReplicas": n}}, subresource="status")
+
+
 def run(client, state, now=T0):
     return asyncio.run(autoscaler.step(client, NS, NAME, state, log, now=now))
 
@@ -297,17 +306,46 @@ def test_oom_restart_lowers_memory_utilisation_through_status_and_the_configmap(
     assert kube.get(ISVC, NS, NAME)["status"]["engine"]["gpuMemoryUtilization"] == 0.85
 
 
-def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster):
-    kube, client, events, runtimes = cluster
-    create_isvc(kube, client, tuning={"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0},
-                engine={"blockSize": 16, "maxNumSeqs": 4})
+def long_sequences() -> Runtime:
+    """A runtime whose 150 finished requests averaged 2000 tokens (block size 64 fits)."""
     rt = Runtime(waiting=0)
     rt.logger.log_engine_initialized(8192)
     from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
 
     rt.logger.record(None, IterationStats(finished_requests=[
         FinishedRequestStats("length", 10.0, 0.1, 1500, 500) for _ in range(150)]))
-    add_pod(kube, runtimes, "p0", rt)
+    return rt
+
+
+def test_a_tuning_roll_waits_for_the_last_and_never_takes_the_only_pod_down(cluster):
+    kube, client, events, runtimes = cluster
+    create_isvc(kube, client, tuning={"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0},
+                engine={"blockSize": 16, "maxNumSeqs": 4})
+    kube.patch(ISVC, NS, NAME, {"spec": {"rollout": {"strategy": "ResourceAware"}}})  # maxSurge 0, 1 replica
+    reconcile.reconcile(client, NS, NAME)
+    add_pod(kube, runtimes, "p0", long_sequences())
+    state = autoscaler.ServiceState()
+    run(client, state, now=T0)                        # the Deployment has not rolled out: wait, quietly
+    assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {}) and list(events) == []
+    rolled_out(kube)
+    for t in (T0 + 1, T0 + 2):                        # rolled out, but a roll would stop the only pod
+        run(client, state, now=t)
+    assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {})
+    (ev,) = events
+    assert ev[1] == "TuningHeld" and "maxSurge 0" in ev[2]
+    kube.patch(ISVC, NS, NAME, {"spec": {"rollout": {"strategy": "Availability"}}})  # a surge pod first
+    reconcile.reconcile(client, NS, NAME)
+    rolled_out(kube)
+    run(client, state, now=T0 + 3)
+    assert kube.get(ISVC, NS, NAME)["status"]["engine"]["blockSize"] == 64
+
+
+def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster):
+    kube, client, events, runtimes = cluster
+    create_isvc(kube, client, tuning={"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0},
+                engine={"blockSize": 16, "maxNumSeqs": 4})
+    add_pod(kube, runtimes, "p0", long_sequences())
+    rolled_out(kube)
     run(client, autoscaler.ServiceState(), now=T0)
     obj = kube.get(ISVC, NS, NAME)
     assert obj["status"]["engine"]["blockSize"] == 64  # mean 2000 tokens / 16 = 125 -> 64

@@ -7,7 +7,7 @@ import pytest
 
 from kvfleet.operator.policy import MetricsAggregate, PodMetrics, aggregate
 from kvfleet.operator.times import rfc3339
-from kvfleet.operator.tuning import TuningConfig, TuningState, choose_block_size, oom_restarts, tune
+from kvfleet.operator.tuning import TuningConfig, TuningState, choose_block_size, oom_restarts, rollout_hold, tune
 
 T0 = 1_800_000_000.0
 ENGINE = {"gpuMemoryUtilization": 0.8, "blockSize": 16}
@@ -194,3 +194,37 @@ def test_pressure_uses_the_fleet_rate():
     a = aggregate(T0, [PodMetrics("a", num_preemptions_total=0, kv_cache_usage=1.0)])
     b = aggregate(T0 + 10, [PodMetrics("a", num_preemptions_total=10, kv_cache_usage=1.0)], previous=a)
     assert b.preemption_rate == 1.0
+
+
+def deployment(replicas: int, surge, unavailable, *, updated=None, available=None, gen=2, observed=2) -> dict:
+    n = replicas
+    return {"metadata": {"generation": gen},
+            "spec": {"replicas": replicas, "strategy": {"rollingUpdate": {"maxSurge": surge,
+                                                                          "maxUnavailable": unavailable}}},
+            "status": {"observedGeneration": observed, "replicas": n, "updatedReplicas": n if updated is None
+                       else updated, "availableReplicas": n if available is None else available}}
+
+
+def test_rollout_hold_one_roll_at_a_time_and_never_every_pod_at_once():
+    assert rollout_hold(deployment(1, 1, 0)) is None                    # Availability: a surge pod first
+    assert rollout_hold(deployment(2, 0, 1)) is None                    # ResourceAware, 2 pods: one stays
+    assert rollout_hold(deployment(1, 0, 1))[0] == "RollWouldTakeAllPods"   # ResourceAware, 1 pod
+    assert rollout_hold(deployment(4, 0, "50%")) is None
+    assert rollout_hold(deployment(2, "0%", "100%"))[0] == "RollWouldTakeAllPods"
+    assert rollout_hold(deployment(2, 1, 0, updated=1))[0] == "RollingOut"  # the last roll has not landed
+    assert rollout_hold(deployment(2, 1, 0, available=1))[0] == "RollingOut"
+    assert rollout_hold(deployment(2, 1, 0, observed=1))[0] == "RollingOut"
+    assert rollout_hold(None)[0] == "RollingOut"
+
+
+def test_a_held_roll_waits_but_an_oom_is_acted_on_at_once():
+    cfg = config(minIntervalSeconds=0)
+    long_ = pressure(T0, rate=0, prompt=1500, gen=500, n=500)
+    hold = rollout_hold(deployment(1, 0, 1))
+    d = tune(cfg, TuningState(), now=T0, spec_engine=ENGINE, metrics=long_, hold=hold)
+    assert not d.changed and d.held == hold and d.state.block_size is None
+    d = tune(cfg, TuningState(), now=T0, spec_engine=ENGINE, metrics=long_, hold=None)
+    assert d.changed and d.state.block_size == 64 and d.held is None
+    d = tune(cfg, TuningState(), now=T0, spec_engine=ENGINE, metrics=None, hold=hold,
+             pods=[pod("p", "OOMKilled", T0 - 5)])
+    assert d.changes[0][0] == "GpuMemoryLowered"
