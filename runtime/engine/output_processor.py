@@ -194,7 +194,8 @@ class OutputProcessor:
         seq.finished_time = now
         seq.detokenizer.finish()
         request = seq.request
-        queue_time = (seq.first_scheduled_time - request.arrival_time) if seq.first_scheduled_time else 0.0
+        scheduled, first, last = seq.first_scheduled_time, seq.first_token_time, seq.last_token_time
+        queue_time = (scheduled - request.arrival_time) if scheduled else 0.0
         iteration.finished_requests.append(
             FinishedRequestStats(
                 finish_reason=reason,
@@ -202,6 +203,11 @@ class OutputProcessor:
                 queue_time=queue_time,
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_generation_tokens=request.num_output_tokens,
+                prefill_time=first - scheduled if scheduled and first else 0.0,
+                decode_time=last - first if first and last else 0.0,
+                inference_time=last - scheduled if scheduled and last else 0.0,
+                max_tokens=state.params.max_tokens,
+                n=state.params.n if state.finished else None,
             )
         )
 

@@ -21,6 +21,16 @@ class FinishedRequestStats:
     """Arrival to first scheduled, seconds (0 if never scheduled)."""
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float = 0.0
+    """First scheduled to first token, seconds (0 without a token)."""
+    decode_time: float = 0.0
+    """First token to last token, seconds."""
+    inference_time: float = 0.0
+    """First scheduled to last token, seconds (prefill + decode)."""
+    max_tokens: int | None = None
+    """The request's ``max_tokens``."""
+    n: int | None = None
+    """The user request's ``n``, on the stats of the sequence that finished it (None on the others)."""
 
 
 @dataclass
