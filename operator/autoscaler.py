@@ -205,12 +205,9 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
         status_patch["metrics"] = {"failedPods": None, "notReadyPods": None, **metrics.to_status()}
 
     if mode == "operator":
-        hpas = await asyncio.to_thread(kube.list_objects, "HorizontalPodAutoscaler", namespace)
-        foreign = policy.hpas_targeting([h for h in hpas if not reconcile.owned_by(h, isvc)], name)
+        foreign = await asyncio.to_thread(reconcile.foreign_scalers, kube, isvc)
         if foreign:
-            message = (f"HorizontalPodAutoscaler {', '.join(foreign)} also targets this InferenceService; "
-                       "the operator does not scale it while autoscaling.mode is operator (delete the HPA, "
-                       "or use autoscaling.mode: hpa)")
+            message = policy.conflict_message(foreign, mode)
             patch = _condition_patch(isvc, "False", "ConflictingAutoscaler", message)
             if patch:
                 await _event(kube, isvc, "Warning", "ConflictingAutoscaler", message)

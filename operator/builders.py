@@ -26,7 +26,16 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import crd, fetch, policy
+from kvfleet.operator import crd, policy
+from kvfleet.operator.crd import InvalidSpec
+from kvfleet.operator.weights import (
+    MODELS_DIR,
+    model_path_in_pod,
+    model_size_bytes,
+    parse_model_uri,
+    progress_deadline_seconds,
+    startup_seconds,
+)
 
 FIELD_MANAGER = "kvfleet-operator"
 """The one server-side-apply field manager of every write the operator makes."""
@@ -45,16 +54,8 @@ ANNOTATION_CONFIG_HASH = "kvfleet.io/config-hash"
 PORT = 8000
 CONFIG_DIR = "/etc/kvfleet"
 CONFIG_FILE = "config.yaml"
-MODELS_DIR = "/models"
 CACHE_DIR = "/cache"
 RUNTIME_UID = 1000
-
-DEFAULT_STARTUP_SECONDS = 600
-"""Startup probe budget when the model size is unknown, seconds."""
-STARTUP_BASE_SECONDS = 120
-STARTUP_SECONDS_PER_GIB = 20
-"""Startup budget from the model size: base + per GiB of weights (reading, placing on GPU,
-compiling kernels), seconds."""
 
 # spec.engine (camelCase) -> runtime EngineConfig field (snake_case)
 ENGINE_KEYS = {
@@ -71,15 +72,6 @@ ENGINE_KEYS = {
 
 TUNABLE_ENGINE_KEYS = ("blockSize", "gpuMemoryUtilization")
 """``status.engine`` keys the tuner (spec.tuning) may set; they override spec.engine."""
-
-
-class InvalidSpec(ValueError):
-    """A spec the schema accepts but that cannot be built (reason: a CamelCase word)."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 # ---------------------------------------------------------------------------------
@@ -157,69 +149,6 @@ def service_url(isvc: Mapping[str, Any]) -> str:
     """``http://<svc>.<ns>.svc.cluster.local:8000/v1``: the OpenAI base URL in the cluster."""
     ns = isvc["metadata"].get("namespace") or "default"
     return f"http://{names(isvc)['service']}.{ns}.svc.cluster.local:{PORT}/v1"
-
-
-def parse_model_uri(uri: str) -> dict[str, str | None]:
-    """Split a model URI.
-
-    Returns ``{"scheme": "hf"|"pvc"|"file", "repo", "revision", "claim", "path"}`` (unused keys None).
-
-    Raises:
-        InvalidSpec: unknown scheme or malformed URI (reason ``InvalidModelURI``).
-    """
-    out: dict[str, str | None] = {"scheme": None, "repo": None, "revision": None, "claim": None, "path": None}
-    if uri.startswith("hf://"):
-        rest = uri[len("hf://"):]
-        repo, _, revision = rest.partition("@")
-        if repo.count("/") != 1 or not all(repo.split("/")):
-            raise InvalidSpec("InvalidModelURI", f"hf:// URI must be hf://ORG/NAME[@REVISION], got {uri!r}")
-        out.update(scheme="hf", repo=repo, revision=revision or None)
-    elif uri.startswith("pvc://"):
-        claim, _, path = uri[len("pvc://"):].partition("/")
-        if not claim:
-            raise InvalidSpec("InvalidModelURI", f"pvc:// URI must be pvc://CLAIM[/PATH], got {uri!r}")
-        out.update(scheme="pvc", claim=claim, path=path.strip("/") or None)
-    elif uri.startswith("file:///"):
-        out.update(scheme="file", path="/" + uri[len("file:///"):].lstrip("/"))
-    else:
-        raise InvalidSpec("InvalidModelURI", f"model.uri scheme must be hf://, pvc:// or file:///, got {uri!r}")
-    return out
-
-
-def model_size_bytes(spec: Mapping[str, Any]) -> int | None:
-    """``spec.model.size`` in bytes (a Kubernetes quantity), or None when unset."""
-    size = spec.get("model", {}).get("size")
-    if size is None:
-        return None
-    from kubernetes.utils import parse_quantity
-
-    try:
-        return int(parse_quantity(size))
-    except ValueError as e:
-        raise InvalidSpec("InvalidModelSize", f"model.size {size!r}: {e}") from None
-
-
-def startup_seconds(spec: Mapping[str, Any]) -> int:
-    """Startup probe budget, seconds: ``runtime.startupTimeoutSeconds``, else
-    :data:`STARTUP_BASE_SECONDS` + :data:`STARTUP_SECONDS_PER_GIB` per GiB of
-    ``model.size``, else :data:`DEFAULT_STARTUP_SECONDS`."""
-    override = spec.get("runtime", {}).get("startupTimeoutSeconds")
-    if override:
-        return int(override)
-    size = model_size_bytes(spec)
-    if size is None:
-        return DEFAULT_STARTUP_SECONDS
-    return STARTUP_BASE_SECONDS + int(math.ceil(size / 2**30 * STARTUP_SECONDS_PER_GIB))
-
-
-def progress_deadline_seconds(spec: Mapping[str, Any]) -> int:
-    """The Deployment's ``progressDeadlineSeconds``: the startup budget, plus for ``hf://``
-    models the whole download budget (every attempt timing out, and the back-offs), plus 600 s."""
-    total = startup_seconds(spec) + 600
-    if spec["model"]["uri"].startswith("hf://"):
-        dl = spec["model"].get("download") or {}
-        total += int(math.ceil(fetch.budget_seconds(float(dl.get("timeoutSeconds", 3600)), int(dl.get("retries", 3)))))
-    return total
 
 
 def gpu_count(spec: Mapping[str, Any]) -> int:
@@ -301,21 +230,6 @@ def _engine_config_fields() -> list[str]:
     return list(EngineConfig.model_fields)
 
 
-def model_cache_dir(repo: str, revision: str | None) -> str:
-    """The cache directory name of ``hf://repo@revision`` (``ORG--NAME@REVISION``, ``main``
-    when unpinned): one per revision, so a new revision never rewrites files in use."""
-    return f"{repo}@{revision or 'main'}".replace("/", "--")
-
-
-def model_path_in_pod(model: Mapping[str, Any]) -> str:
-    """Where the runtime finds the weights inside the pod."""
-    if model["scheme"] == "hf":
-        return f"{MODELS_DIR}/{model_cache_dir(str(model['repo']), model['revision'])}"
-    if model["scheme"] == "pvc":
-        return f"{MODELS_DIR}/{model['path']}" if model["path"] else MODELS_DIR
-    return str(model["path"])
-
-
 def config_text(config: Mapping[str, Any]) -> str:
     """The config file as YAML (keys sorted, so the hash is stable)."""
     return yaml.safe_dump(dict(config), sort_keys=True, default_flow_style=False)
@@ -374,12 +288,15 @@ def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> di
     }
 
 
-def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int | None = None) -> dict[str, Any]:
+def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int | None = None,
+                     scaled_externally: bool = False) -> dict[str, Any]:
     """The Deployment of runtime pods.
 
     Args:
         config_hash: :func:`content_hash` of the ConfigMap data (pod-template annotation).
         replicas: override of ``spec.replicas`` (the autoscaler's decision), pods.
+        scaled_externally: an autoscaler targets the Deployment itself: leave ``replicas`` out
+            (the operator stops writing it, so the two do not fight).
 
     Raises:
         InvalidSpec: see :func:`gpu_count`, :func:`parse_model_uri`.
@@ -490,11 +407,12 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
 
     strategy = spec["rollout"]["strategy"]
     surge, unavailable = (1, 0) if strategy == "Availability" else (0, 1)
+    count = {} if scaled_externally else {"replicas": int(spec["replicas"] if replicas is None else replicas)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(isvc, names(isvc)["deployment"]),
         "spec": {
-            "replicas": int(spec["replicas"] if replicas is None else replicas),
+            **count,
             "selector": {"matchLabels": selector_labels(isvc)},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}},
@@ -546,20 +464,22 @@ def build_hpa(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
             "spec": hpa["spec"]}
 
 
-def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None) -> list[dict[str, Any]]:
+def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
+                     scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Every child the InferenceService should have, in apply order: ConfigMap, Service,
     Deployment, then the PodDisruptionBudget and the HorizontalPodAutoscaler when asked.
 
     Args:
         isvc: the InferenceService as a dict (``metadata.name``, ``metadata.uid`` required).
         replicas: override of ``spec.replicas`` for the Deployment, pods.
+        scaled_externally: see :func:`build_deployment`.
 
     Raises:
         InvalidSpec: the spec cannot be built (reason and message for a Degraded condition).
     """
     cm = build_configmap(isvc)
-    children = [cm, build_service(isvc),
-                build_deployment(isvc, config_hash=content_hash(cm["data"]), replicas=replicas)]
+    children = [cm, build_service(isvc), build_deployment(isvc, config_hash=content_hash(cm["data"]),
+                                                          replicas=replicas, scaled_externally=scaled_externally)]
     children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]
     return children
 

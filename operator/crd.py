@@ -30,6 +30,16 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 BLOCK_SIZES = [8, 16, 32, 64, 128]
 MODEL_URI_SCHEMES = ["hf://", "pvc://", "file:///"]
+class InvalidSpec(ValueError):
+    """A spec the schema accepts but that cannot be built (reason: a CamelCase word); the
+    status reports it as ``Degraded``."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-runtime:0.1.0"
 DEFAULT_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 """Files of an hf:// repository the init container fetches by default (not .bin/.pth/.onnx copies)."""

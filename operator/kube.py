@@ -29,6 +29,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     "Pod": ("v1", "pods"),
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),
     "Event": ("v1", "events"),

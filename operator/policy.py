@@ -9,7 +9,8 @@ writes their results.
 - :class:`AutoscalingConfig` (``spec.autoscaling``) + :func:`decide_scale` -> :class:`ScaleDecision`
   (mode ``operator``), the Kubernetes HPA algorithm on queue depth, KV cache usage and busy
   batch slots, with its stabilization windows and rate limit (docs/autoscaling.md);
-- :func:`build_hpa` / :data:`HPA_METRIC` (mode ``hpa``), :func:`hpas_targeting` (conflicts).
+- :func:`build_hpa` / :data:`HPA_METRIC` (mode ``hpa``); :func:`scalers_targeting` (HPAs and KEDA
+  ScaledObjects on the InferenceService or its Deployment: conflicts).
 
 Tuning (``spec.tuning``) is :mod:`kvfleet.operator.tuning`.
 """
@@ -460,14 +461,48 @@ def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None) 
     }
 
 
+def _target(ref: Mapping[str, Any], name: str, deployment: str | None) -> str | None:
+    """``"InferenceService"`` / ``"Deployment"`` when a ``scaleTargetRef`` points at the
+    InferenceService ``name`` or at its Deployment ``deployment``, else None. (A KEDA
+    ScaledObject's ref defaults to ``apps/v1`` ``Deployment``.)"""
+    kind = ref.get("kind") or "Deployment"
+    api = str(ref.get("apiVersion") or ("apps/v1" if kind == "Deployment" else "kvfleet.io/"))
+    if kind == "InferenceService" and ref.get("name") == name and api.startswith("kvfleet.io/"):
+        return "InferenceService"
+    if deployment and kind == "Deployment" and ref.get("name") == deployment and api.startswith("apps/"):
+        return "Deployment"
+    return None
+
+
 def hpas_targeting(hpas: Iterable[Mapping[str, Any]], name: str, *, own: str | None = None) -> list[str]:
     """Names of the HPAs (``autoscaling/v2`` dicts, one namespace) whose scaleTargetRef is
     the InferenceService ``name``; ``own`` (an HPA this operator manages) is left out."""
+    found = (label.split(" ", 1)[1] for label, _ in scalers_targeting(hpas, (), name))
+    return sorted(n for n in found if n != own)
+
+
+def scalers_targeting(hpas: Iterable[Mapping[str, Any]], scaled_objects: Iterable[Mapping[str, Any]],
+                      name: str, *, deployment: str | None = None) -> list[tuple[str, str]]:
+    """The autoscalers of one namespace that act on InferenceService ``name`` or (with
+    ``deployment``) on its Deployment directly: ``(f"{Kind} {name}", target kind)`` pairs,
+    sorted, for HorizontalPodAutoscalers and KEDA ScaledObjects (``keda.sh/v1alpha1``)."""
     out = []
-    for hpa in hpas:
-        ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
-        hpa_name = (hpa.get("metadata") or {}).get("name")
-        if (ref.get("kind") == "InferenceService" and ref.get("name") == name
-                and str(ref.get("apiVersion", "kvfleet.io/")).startswith("kvfleet.io/") and hpa_name != own):
-            out.append(hpa_name)
+    for kind, items in (("HorizontalPodAutoscaler", hpas), ("ScaledObject", scaled_objects)):
+        for obj in items:
+            target = _target((obj.get("spec") or {}).get("scaleTargetRef") or {}, name, deployment)
+            if target:
+                out.append((f"{kind} {(obj.get('metadata') or {}).get('name')}", target))
     return sorted(out)
+
+
+def conflict_message(scalers: Iterable[tuple[str, str]], mode: str) -> str:
+    """The ``ScalingActive=False`` / ``ConflictingAutoscaler`` message for foreign
+    :func:`scalers_targeting` results."""
+    scalers = list(scalers)
+    names = ", ".join(f"{s} (targets the {t})" for s, t in scalers)
+    if any(t == "Deployment" for _, t in scalers):
+        return (f"{names}: an autoscaler on the Deployment fights the operator over its replicas, so the "
+                "operator stopped writing them; point it at the InferenceService (its scale subresource) "
+                "or delete it")
+    return (f"{names} also scales this InferenceService; the operator does not scale it while "
+            f"autoscaling.mode is {mode} (delete it, or use autoscaling.mode: hpa)")

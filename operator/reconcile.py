@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import builders, crd
+from kvfleet.operator import builders, crd, policy
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, status_patch
@@ -115,9 +115,25 @@ def check_secrets(kube: Kube, isvc: Mapping[str, Any]) -> None:
             raise InvalidSpec("SecretKeyNotFound", f"Secret {ns}/{name} has no key {key!r}")
 
 
-def desired_objects(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
+def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Every desired child (:func:`builders.desired_children`), stamped."""
-    return [stamped(c) for c in builders.desired_children(isvc)]
+    return [stamped(c) for c in builders.desired_children(isvc, scaled_externally=scaled_externally)]
+
+
+def foreign_scalers(kube: Kube, isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The HPAs and KEDA ScaledObjects (not the operator's own HPA) that target the
+    InferenceService or its Deployment (:func:`policy.scalers_targeting`). A cluster without
+    KEDA (or without the right to list ScaledObjects) has none."""
+    ns = isvc["metadata"].get("namespace") or "default"
+    hpas = [h for h in kube.list_objects("HorizontalPodAutoscaler", ns) if not owned_by(h, isvc)]
+    try:
+        scaled = kube.list_objects("ScaledObject", ns)
+    except ApiError as e:
+        if e.status not in (403, 404):
+            raise
+        scaled = []
+    return policy.scalers_targeting(hpas, scaled, isvc["metadata"]["name"],
+                                    deployment=builders.names(isvc)["deployment"])
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -150,8 +166,14 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
         now = now or rfc3339()
         live_deployment = None
         desired_deployment = None
+        scalers = foreign_scalers(kube, isvc)
+        on_deployment = any(target == "Deployment" for _, target in scalers)
+        conflict = None
+        if on_deployment:
+            mode = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("mode") or "none"
+            conflict = policy.conflict_message(scalers, mode)
         try:
-            desired = desired_objects(isvc)
+            desired = desired_objects(isvc, scaled_externally=on_deployment)
             check_secrets(kube, isvc)
         except InvalidSpec as e:
             out.error = e
@@ -179,7 +201,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
         claim_name = builders.model_claim(isvc) if live_deployment else None
         claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
-                                error=out.error, pods=pods, claim=claim)
+                                error=out.error, pods=pods, claim=claim, scaling_conflict=conflict)
         patch = status_patch(isvc.get("status"), wanted)
         if patch:
             kube.patch_status(crd.KIND, namespace, name, patch)

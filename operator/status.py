@@ -83,7 +83,8 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
                    desired_deployment: Mapping[str, Any] | None, now: str,
                    error: InvalidSpec | None = None,
                    pods: list[Mapping[str, Any]] | None = None,
-                   claim: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   claim: Mapping[str, Any] | None = None,
+                   scaling_conflict: str | None = None) -> dict[str, Any]:
     """The status the operator owns, computed from the live Deployment.
 
     Args:
@@ -97,6 +98,8 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
             models they also give the ``ModelCached`` condition (:func:`model_cached`).
         claim: the live PersistentVolumeClaim of the model volume, if any (a ReadWriteOnce
             claim that pods on several nodes would mount: :func:`claim_problem`).
+        scaling_conflict: a message when a foreign autoscaler targets the Deployment itself
+            (-> ``ScalingActive=False``, reason ``ConflictingAutoscaler``).
 
     Returns:
         ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
@@ -144,8 +147,11 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
     conds: list[dict[str, Any]] = [dict(c) for c in old]
     cached = model_cached(isvc, pods, claim, desired_deployment or deployment,
                           available=prog["available"]) if prog["exists"] else None
+    extra = [("ModelCached", cached)] if cached else []
+    if scaling_conflict:
+        extra.append(("ScalingActive", ("False", "ConflictingAutoscaler", scaling_conflict)))
     for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
-                                             ("Degraded", degraded), *((("ModelCached", cached),) if cached else ())):
+                                             ("Degraded", degraded), *extra):
         conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
                               now=now, observed_generation=gen)
     status: dict[str, Any] = {

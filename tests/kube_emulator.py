@@ -59,6 +59,7 @@ RESOURCES: dict[str, tuple[str, bool, set[str], set[str]]] = {
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}, {"deploy"}),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}, {"pdb"}),
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True, {"status"}, {"hpa"}),
+    "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, {"status"}, {"so"}),
     "coordination.k8s.io/v1/leases": ("Lease", True, set(), set()),
     "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, set(), set()),
     "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, set(), set()),
@@ -299,6 +300,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
             new = copy.deepcopy(old)
             if replicas is not None:
                 new.setdefault("spec", {})["replicas"] = replicas
+                # like a real server: the updater co-owns spec.replicas (an applier that drops it keeps it)
+                manager = request.params.get("fieldManager") or request.headers.get("User-Agent", "scale")
+                self.ownership.setdefault(key, {}).setdefault(f"update:{manager}", set()).add(("spec", "replicas"))
         elif isinstance(body, list):  # JSON patch
             import jsonpatch
 

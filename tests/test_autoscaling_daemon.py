@@ -231,6 +231,24 @@ def test_a_foreign_hpa_stops_the_operator_autoscaler(cluster):
     assert condition(kube)["status"] == "True"
 
 
+def test_a_keda_scaled_object_on_the_deployment_stops_the_operator_autoscaler(cluster):
+    kube, client, events, runtimes = cluster
+    create_isvc(kube, client, autoscaling=OPERATOR)
+    add_pod(kube, runtimes, "p0", Runtime(waiting=9))
+    kube.create("keda.sh/v1alpha1/scaledobjects", {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "keda-so", "namespace": NS},
+        "spec": {"scaleTargetRef": {"name": NAME}, "triggers": [{"type": "cpu"}]}})  # kind defaults to Deployment
+    state = autoscaler.ServiceState()
+    run(client, state)
+    assert kube.get(ISVC, NS, NAME)["spec"]["replicas"] == 1
+    cond = condition(kube)
+    assert (cond["status"], cond["reason"]) == ("False", "ConflictingAutoscaler")
+    assert "ScaledObject keda-so (targets the Deployment)" in cond["message"]
+    reconcile.reconcile(client, NS, NAME)  # the reconcile says the same: no ping-pong of the condition
+    run(client, state, now=T0 + 1)
+    assert not reconcile.reconcile(client, NS, NAME).wrote and condition(kube) == cond
+
+
 def test_only_autoscaled_or_tuned_services_or_stale_conditions_are_indexed():
     assert autoscaler.wants_autoscaler({"autoscaling": {"mode": "operator"}})
     assert autoscaler.wants_autoscaler({"autoscaling": {"mode": "none"}, "tuning": {"enabled": True}})

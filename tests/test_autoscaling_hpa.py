@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvfleet.operator import builders, crd
-from kvfleet.operator.policy import HPA_METRIC, build_hpa, hpas_targeting
+from kvfleet.operator.policy import HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,3 +107,8 @@ def test_conflicting_hpa_detection():
     assert hpas_targeting([ours, other, deploy], "a") == ["a", "mine"]
     assert hpas_targeting([ours, other, deploy], "a", own="a") == ["mine"]
     assert hpas_targeting([ours, other], "b") == []
+    keda = {"metadata": {"name": "so"}, "spec": {"scaleTargetRef": {"name": "a"}}}  # KEDA: Deployment by default
+    assert scalers_targeting([other, deploy], [keda], "a", deployment="a") == [
+        ("HorizontalPodAutoscaler d", "Deployment"), ("HorizontalPodAutoscaler mine", "InferenceService"),
+        ("ScaledObject so", "Deployment")]
+    assert scalers_targeting([deploy], [keda], "a") == []  # without the Deployment's name: only the resource

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator import builders, crd, fetch, status
+from kvfleet.operator import builders, crd, fetch, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 
@@ -421,7 +421,7 @@ def test_each_revision_has_its_own_cache_dir_and_deadline_covers_the_download():
     assert budget == 4000 + 10 + 20 + 40
     assert deploy["spec"]["progressDeadlineSeconds"] >= budget + builders.startup_seconds(builders.effective_spec(isvc))
     pvc = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/m"})))["Deployment"]
-    assert pvc["spec"]["progressDeadlineSeconds"] == builders.DEFAULT_STARTUP_SECONDS + 600
+    assert pvc["spec"]["progressDeadlineSeconds"] == weights.DEFAULT_STARTUP_SECONDS + 600
 
 
 def test_replicas_sharing_a_volume_download_once(tmp_path):
@@ -450,7 +450,7 @@ def test_replicas_sharing_a_volume_download_once(tmp_path):
 def test_model_cached_condition_and_read_write_once_claim():
     isvc = minimal(model={"uri": "hf://org/name", "download": {"claimName": "cache"}})
     init = {"name": "fetch-model"}
-    pods = lambda *cs: [{"metadata": {"name": "p"}, "status": {"initContainerStatuses": list(cs)}}]  # noqa: E731
+    pods = lambda *cs: [{"metadata": {"name": "p"}, "status": {"initContainerStatuses": list(cs)}}]
     assert status.model_cached(isvc, []) == ("False", "Pending", "no pod has fetched hf://org/name yet")
     assert status.model_cached(isvc, pods({**init, "state": {"running": {}}}))[1] == "Downloading"
     assert status.model_cached(isvc, pods({**init, "state": {"terminated": {"exitCode": 0}}}))[:2] == (

@@ -222,3 +222,27 @@ def test_read_write_once_model_claim_with_surge_pods_is_reported(kube_env):
     assert "2 replicas" in conds["Degraded"]["message"] and "ReadWriteOnce" in conds["ModelCached"]["message"]
     events = [e for e in emu.list("v1/events", NS) if e.get("reason") == "ReadWriteOnceClaim"]
     assert len(events) == 1 and events[0]["type"] == "Warning"
+
+
+def test_an_hpa_on_the_deployment_gets_its_replicas_and_the_condition_says_so(kube_env):
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    emu.create("autoscaling/v2/horizontalpodautoscalers", {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "on-deploy", "namespace": NS},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smollm2"},
+                 "minReplicas": 1, "maxReplicas": 5}})
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"spec": {"replicas": 3}}, subresource="scale")  # the HPA
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.applied == ["Deployment/smollm2"]  # once: replicas is no longer the operator's
+    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["replicas"] == 3
+    cond = next(c for c in emu.get(ISVC, NS, "smollm2")["status"]["conditions"] if c["type"] == "ScalingActive")
+    assert (cond["status"], cond["reason"]) == ("False", "ConflictingAutoscaler")
+    assert "HorizontalPodAutoscaler on-deploy (targets the Deployment)" in cond["message"]
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"spec": {"replicas": 4}}, subresource="scale")
+    mark = len(emu.writes())
+    assert not reconcile.reconcile(kube, NS, "smollm2").wrote and operator_writes(emu, mark) == []
+    emu.delete("autoscaling/v2/horizontalpodautoscalers", NS, "on-deploy")  # the operator takes replicas back
+    reconcile.reconcile(kube, NS, "smollm2")
+    assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["replicas"] == 1

@@ -125,6 +125,11 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get"]
+# KEDA ScaledObjects are listed (never written) to find one that targets an InferenceService or
+# its Deployment: one scaler per target. Without this rule (or without KEDA) there are none.
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["list"]
 # Checking that spec.runtime.apiKeySecretRef names an existing Secret (read, never listed).
 - apiGroups: [""]
   resources: ["secrets"]
