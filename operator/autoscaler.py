@@ -202,7 +202,9 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
         metrics = None
     if metrics is not None:
         state.previous = metrics
-        status_patch["metrics"] = {"failedPods": None, "notReadyPods": None, **metrics.to_status()}
+        new_metrics = {"failedPods": None, "notReadyPods": None, **metrics.to_status()}
+        if policy.metrics_changed((isvc.get("status") or {}).get("metrics"), new_metrics):
+            status_patch["metrics"] = new_metrics
 
     if mode == "operator":
         foreign = await asyncio.to_thread(reconcile.foreign_scalers, kube, isvc)

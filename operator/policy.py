@@ -124,6 +124,29 @@ class MetricsAggregate:
         return out
 
 
+KV_USAGE_NOISE = 0.05
+"""A change of the mean KV cache usage (0-1) below this is noise: not worth a status write."""
+PREEMPTION_RATE_NOISE = 0.01
+"""Preemptions per second: a change below this (or below 20 %) is noise."""
+
+
+def metrics_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Whether ``status.metrics`` must be rewritten: ``new`` (:meth:`MetricsAggregate.to_status`)
+    differs from ``old`` (what is written) in a count or a pod list, or in KV usage or
+    preemption rate by more than noise. ``time`` is not compared, so an idle service (and one
+    whose load wanders within the noise) gets no writes; ``time`` says when it last changed."""
+    if not old:
+        return True
+    for key in ("podsRead", "queueDepth", "running", "failedPods", "notReadyPods"):
+        if old.get(key) != new.get(key):
+            return True
+    for key, noise, rel in (("kvCacheUsage", KV_USAGE_NOISE, 0.0), ("preemptionRate", PREEMPTION_RATE_NOISE, 0.2)):
+        a, b = float(old.get(key) or 0.0), float(new.get(key) or 0.0)  # None: not known yet
+        if abs(a - b) > max(noise, rel * max(abs(a), abs(b))):
+            return True
+    return False
+
+
 def _num(x: float) -> int | float:
     return int(x) if float(x).is_integer() else round(x, 4)
 

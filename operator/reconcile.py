@@ -52,11 +52,22 @@ def stamped(child: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _keyed(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(i, dict) and "name" in i for i in items)
+
+
 def is_subset(desired: Any, live: Any) -> bool:
-    """True when every field of ``desired`` has the same value in ``live`` (dicts may carry
-    extra keys, e.g. server defaults; lists must have the same length, item by item)."""
+    """True when every field of ``desired`` has the same value in ``live``: the fields the
+    operator owns, as server-side apply sees them. Dicts may carry extra keys (server defaults,
+    other managers' fields); lists of named objects (containers, env, volumes, volumeMounts,
+    ports, ...) are maps keyed by ``name``, so entries another manager added (a sidecar or an
+    env var from a mutating webhook) are not drift; other lists are atomic (same length, item
+    by item)."""
     if isinstance(desired, dict):
         return isinstance(live, dict) and all(k in live and is_subset(v, live[k]) for k, v in desired.items())
+    if isinstance(desired, list) and _keyed(desired) and isinstance(live, list):
+        by_name = {i.get("name"): i for i in live if isinstance(i, dict)}
+        return all(d["name"] in by_name and is_subset(d, by_name[d["name"]]) for d in desired)
     if isinstance(desired, list):
         return isinstance(live, list) and len(desired) == len(live) and all(
             is_subset(d, v) for d, v in zip(desired, live))

@@ -231,24 +231,6 @@ def test_a_foreign_hpa_stops_the_operator_autoscaler(cluster):
     assert condition(kube)["status"] == "True"
 
 
-def test_a_keda_scaled_object_on_the_deployment_stops_the_operator_autoscaler(cluster):
-    kube, client, events, runtimes = cluster
-    create_isvc(kube, client, autoscaling=OPERATOR)
-    add_pod(kube, runtimes, "p0", Runtime(waiting=9))
-    kube.create("keda.sh/v1alpha1/scaledobjects", {
-        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "keda-so", "namespace": NS},
-        "spec": {"scaleTargetRef": {"name": NAME}, "triggers": [{"type": "cpu"}]}})  # kind defaults to Deployment
-    state = autoscaler.ServiceState()
-    run(client, state)
-    assert kube.get(ISVC, NS, NAME)["spec"]["replicas"] == 1
-    cond = condition(kube)
-    assert (cond["status"], cond["reason"]) == ("False", "ConflictingAutoscaler")
-    assert "ScaledObject keda-so (targets the Deployment)" in cond["message"]
-    reconcile.reconcile(client, NS, NAME)  # the reconcile says the same: no ping-pong of the condition
-    run(client, state, now=T0 + 1)
-    assert not reconcile.reconcile(client, NS, NAME).wrote and condition(kube) == cond
-
-
 def test_only_autoscaled_or_tuned_services_or_stale_conditions_are_indexed():
     assert autoscaler.wants_autoscaler({"autoscaling": {"mode": "operator"}})
     assert autoscaler.wants_autoscaler({"autoscaling": {"mode": "none"}, "tuning": {"enabled": True}})
@@ -333,29 +315,6 @@ def long_sequences() -> Runtime:
     rt.logger.record(None, IterationStats(finished_requests=[
         FinishedRequestStats("length", 10.0, 0.1, 1500, 500) for _ in range(150)]))
     return rt
-
-
-def test_a_tuning_roll_waits_for_the_last_and_never_takes_the_only_pod_down(cluster):
-    kube, client, events, runtimes = cluster
-    create_isvc(kube, client, tuning={"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0},
-                engine={"blockSize": 16, "maxNumSeqs": 4})
-    kube.patch(ISVC, NS, NAME, {"spec": {"rollout": {"strategy": "ResourceAware"}}})  # maxSurge 0, 1 replica
-    reconcile.reconcile(client, NS, NAME)
-    add_pod(kube, runtimes, "p0", long_sequences())
-    state = autoscaler.ServiceState()
-    run(client, state, now=T0)                        # the Deployment has not rolled out: wait, quietly
-    assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {}) and list(events) == []
-    rolled_out(kube)
-    for t in (T0 + 1, T0 + 2):                        # rolled out, but a roll would stop the only pod
-        run(client, state, now=t)
-    assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {})
-    (ev,) = events
-    assert ev[1] == "TuningHeld" and "maxSurge 0" in ev[2]
-    kube.patch(ISVC, NS, NAME, {"spec": {"rollout": {"strategy": "Availability"}}})  # a surge pod first
-    reconcile.reconcile(client, NS, NAME)
-    rolled_out(kube)
-    run(client, state, now=T0 + 3)
-    assert kube.get(ISVC, NS, NAME)["status"]["engine"]["blockSize"] == 64
 
 
 def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster):

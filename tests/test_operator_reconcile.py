@@ -246,3 +246,36 @@ def test_an_hpa_on_the_deployment_gets_its_replicas_and_the_condition_says_so(ku
     emu.delete("autoscaling/v2/horizontalpodautoscalers", NS, "on-deploy")  # the operator takes replicas back
     reconcile.reconcile(kube, NS, "smollm2")
     assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["replicas"] == 1
+
+
+def test_fields_a_mutating_webhook_adds_are_not_drift(kube_env):
+    """A webhook that injects an env var, a sidecar and its volume: no re-apply, on any event."""
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    reconcile.reconcile(kube, NS, "smollm2")
+    live = emu.get("apps/v1/deployments", NS, "smollm2")
+    pod = live["spec"]["template"]["spec"]
+    pod["containers"][0]["env"].insert(0, {"name": "INJECTED_BY_WEBHOOK", "value": "1"})
+    pod["containers"][0]["volumeMounts"].append({"name": "istio-envoy", "mountPath": "/etc/istio"})
+    pod["containers"].append({"name": "istio-proxy", "image": "istio/proxyv2:1.22"})
+    pod["volumes"].append({"name": "istio-envoy", "emptyDir": {}})
+    live["spec"]["template"]["metadata"]["annotations"]["sidecar.istio.io/status"] = "injected"
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"spec": live["spec"]})
+    mark = len(emu.writes())
+    for _ in range(3):
+        assert not reconcile.reconcile(kube, NS, "smollm2").wrote
+    assert operator_writes(emu, mark) == []
+    # a field the operator owns is still put back
+    pod["containers"][0]["env"] = [e for e in pod["containers"][0]["env"] if e["name"] != "HF_HUB_OFFLINE"]
+    emu.patch("apps/v1/deployments", NS, "smollm2", {"spec": live["spec"]})
+    assert reconcile.reconcile(kube, NS, "smollm2").applied == ["Deployment/smollm2"]
+
+
+def test_is_subset_treats_named_lists_as_maps():
+    desired = {"containers": [{"name": "runtime", "env": [{"name": "A", "value": "1"}]}], "args": ["x", "y"]}
+    assert reconcile.is_subset(desired, {"containers": [{"name": "sidecar"}, {"name": "runtime", "env": [
+        {"name": "B", "value": "2"}, {"name": "A", "value": "1"}]}], "args": ["x", "y"]})
+    assert not reconcile.is_subset(desired, {"containers": [{"name": "runtime", "env": [{"name": "A", "value": "2"}]}],
+                                             "args": ["x", "y"]})
+    assert not reconcile.is_subset(desired, {"containers": [{"name": "runtime", "env": [{"name": "A", "value": "1"}]}],
+                                             "args": ["x", "y", "z"]})  # atomic lists: exactly
