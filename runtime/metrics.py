@@ -6,12 +6,13 @@ Inference Extension setups written for vLLM read them unchanged; the prefix is
 ``kvfleet:`` (and, with ``metrics_compat="vllm"``, additionally ``vllm:``). Every series is
 labelled ``model_name``. Counters end in ``_total``, histograms in ``_bucket``/``_sum``/``_count``
 (prometheus-client). Series: gauges ``num_requests_running``, ``num_requests_waiting``,
-``kv_cache_usage_perc`` (0-1), ``cache_config_info``; counters ``num_preemptions``,
-``prompt_tokens``, ``generation_tokens``, ``request_success{finished_reason}``,
-``prefix_cache_queries``, ``prefix_cache_hits``; histograms (seconds)
-``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
-``e2e_request_latency_seconds``, ``request_queue_time_seconds``, and (tokens)
-``request_prompt_tokens``, ``request_generation_tokens``. Meanings: docs/server.md, "Metrics".
+``kv_cache_usage_perc`` (0-1; under ``vllm:`` also as v0's ``gpu_cache_usage_perc``),
+``cache_config_info``; counters ``num_preemptions``, ``prompt_tokens``, ``generation_tokens``,
+``request_success{finished_reason}``, ``prefix_cache_queries``, ``prefix_cache_hits``;
+histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+``e2e_request_latency_seconds``, ``request_{queue,prefill,decode,inference}_time_seconds``,
+and (counts) ``request_prompt_tokens``, ``request_generation_tokens``, ``request_params_n``,
+``request_params_max_tokens``, ``iteration_tokens_total``. Meanings: docs/server.md, "Metrics".
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
-"""Seconds; ``e2e_request_latency_seconds`` and ``request_queue_time_seconds``."""
+"""Seconds; ``e2e_request_latency_seconds`` and ``request_{queue,prefill,decode,inference}_time_seconds``."""
+ITERATION_TOKENS_BUCKETS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""Tokens per engine step; ``iteration_tokens_total`` (a histogram despite its name, as vLLM's)."""
+N_BUCKETS: tuple[int, ...] = (1, 2, 5, 10, 20)
+"""``request_params_n``."""
 
 FINISH_REASONS = ("stop", "length", "abort")
 KVFLEET_PREFIX = "kvfleet:"
@@ -116,7 +121,8 @@ class PrometheusStatLogger(StatLoggerBase):
 
         def fan(cls, name: str, doc: str, **kw) -> _Fanout:
             return _Fanout(
-                [cls(p + name, doc, labelnames=labels, registry=self.registry, **kw).labels(model_name) for p in self.prefixes]
+                [cls(p + name, doc, labelnames=labels, registry=self.registry, **kw).labels(model_name)
+                 for p in self.prefixes]
             )
 
         self.gauge_running = fan(Gauge, "num_requests_running", "Number of requests in model execution batches.")
@@ -157,9 +163,28 @@ class PrometheusStatLogger(StatLoggerBase):
             Histogram, "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
             buckets=REQUEST_LATENCY_BUCKETS,
         )  # fmt: skip
+        self.histogram_phase_times = {
+            phase: fan(Histogram, f"request_{phase}_time_seconds",
+                       f"Histogram of time spent in {phase.upper()} phase for request.",
+                       buckets=REQUEST_LATENCY_BUCKETS)
+            for phase in ("prefill", "decode", "inference")
+        }  # fmt: skip
+        self.histogram_iteration_tokens = fan(
+            Histogram, "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )  # fmt: skip
+        self.histogram_n = fan(Histogram, "request_params_n", "Histogram of the n request parameter.",
+                               buckets=N_BUCKETS)  # fmt: skip
+        vllm_only = [p for p in self.prefixes if p == VLLM_PREFIX]
+        # Gateway API Inference Extension's endpoint picker reads v0's name by default.
+        self.gauge_gpu_cache_usage = _Fanout([
+            Gauge(p + "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", labelnames=labels,
+                  registry=self.registry).labels(model_name) for p in vllm_only
+        ])  # fmt: skip
         self._fan = fan
         self.histogram_prompt_tokens: _Fanout | None = None
         self.histogram_generation_tokens: _Fanout | None = None
+        self.histogram_max_tokens: _Fanout | None = None
         self.max_model_len: int | None = None
         self.cache_config_info: dict | None = None
         if max_model_len is not None:
@@ -178,6 +203,9 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self.histogram_generation_tokens = self._fan(
             Histogram, "request_generation_tokens", "Number of generation tokens processed.", buckets=buckets
+        )
+        self.histogram_max_tokens = self._fan(
+            Histogram, "request_params_max_tokens", "Histogram of the max_tokens request parameter.", buckets=buckets
         )
 
     def log_engine_initialized(self, max_model_len: int, cache_config_info: dict | None = None) -> None:
@@ -209,6 +237,7 @@ class PrometheusStatLogger(StatLoggerBase):
         self.gauge_waiting.set(num_waiting)
         if kv_cache_usage is not None:
             self.gauge_kv_cache_usage.set(kv_cache_usage)
+            self.gauge_gpu_cache_usage.set(kv_cache_usage)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         """Apply one engine step's statistics (either argument may be None)."""
@@ -223,6 +252,9 @@ class PrometheusStatLogger(StatLoggerBase):
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+        step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
+        if step_tokens:  # an abort's stats carry no step
+            self.histogram_iteration_tokens.observe(step_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
             self.histogram_ttft.observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
@@ -234,9 +266,16 @@ class PrometheusStatLogger(StatLoggerBase):
             child.inc()
             self.histogram_e2e.observe(fin.e2e_latency)
             self.histogram_queue_time.observe(fin.queue_time)
+            for phase, seconds in (("prefill", fin.prefill_time), ("decode", fin.decode_time),
+                                   ("inference", fin.inference_time)):  # fmt: skip
+                self.histogram_phase_times[phase].observe(seconds)
+            if fin.n is not None:
+                self.histogram_n.observe(fin.n)
             if self.histogram_prompt_tokens is not None and self.histogram_generation_tokens is not None:
                 self.histogram_prompt_tokens.observe(fin.num_prompt_tokens)
                 self.histogram_generation_tokens.observe(fin.num_generation_tokens)
+            if self.histogram_max_tokens is not None and fin.max_tokens is not None:
+                self.histogram_max_tokens.observe(fin.max_tokens)
 
 
 class _WithoutCreated:

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.runtime.metrics import (
+    ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
@@ -90,7 +91,8 @@ def test_vllm_compat_exports_the_same_series_under_vllm_names():
     f = families(lg)
     kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
     vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
-    assert kv == vl and len(kv) == 16
+    assert vl == kv | {"gpu_cache_usage_perc"} and len(kv) == 22  # v0's name, which GIE's picker reads
+    assert value(f, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75
     assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
     assert value(f, "vllm:kv_cache_usage_perc") == 0.75
     assert value(f, "vllm:request_success", "_total", finished_reason="length") == 1
@@ -106,3 +108,30 @@ def test_registries_are_independent_and_valid_before_any_step():
     assert value(fb, "kvfleet:num_requests_running") == 0
     # token histograms wait for max_model_len; nothing else is missing
     assert "kvfleet:request_prompt_tokens" not in fb and "kvfleet:time_to_first_token_seconds" in fb
+
+
+def test_vllm_request_phase_iteration_and_param_histograms():
+    """vLLM's request_{queue,prefill,decode,inference}_time_seconds, iteration_tokens_total (a
+    histogram), request_params_n (once per user request) and request_params_max_tokens."""
+    lg = PrometheusStatLogger("m", max_model_len=512)
+    fin = [FinishedRequestStats("stop", 1.5, 0.25, 20, 7, prefill_time=0.5, decode_time=0.75, inference_time=1.25,
+                                max_tokens=16, n=None),
+           FinishedRequestStats("length", 1.6, 0.25, 20, 16, prefill_time=0.5, decode_time=0.85, inference_time=1.35,
+                                max_tokens=16, n=2)]  # fmt: skip
+    lg.record(None, IterationStats(num_prompt_tokens=40, num_generation_tokens=2, finished_requests=fin))
+    lg.record(None, IterationStats(num_generation_tokens=2))
+    lg.record(None, IterationStats())  # an abort's stats: no step
+    f = families(lg)
+    assert value(f, "kvfleet:request_prefill_time_seconds", "_sum") == pytest.approx(1.0)
+    assert value(f, "kvfleet:request_decode_time_seconds", "_sum") == pytest.approx(1.6)
+    assert value(f, "kvfleet:request_inference_time_seconds", "_count") == 2
+    assert bucket_bounds(f, "kvfleet:request_decode_time_seconds") == list(REQUEST_LATENCY_BUCKETS)
+    assert value(f, "kvfleet:iteration_tokens_total", "_count") == 2
+    assert value(f, "kvfleet:iteration_tokens_total", "_bucket", le="64.0") == 2
+    assert value(f, "kvfleet:iteration_tokens_total", "_bucket", le="32.0") == 1
+    assert bucket_bounds(f, "kvfleet:iteration_tokens_total") == list(ITERATION_TOKENS_BUCKETS)
+    assert value(f, "kvfleet:request_params_n", "_count") == 1 and value(f, "kvfleet:request_params_n", "_sum") == 2
+    assert bucket_bounds(f, "kvfleet:request_params_n") == [1, 2, 5, 10, 20]
+    assert value(f, "kvfleet:request_params_max_tokens", "_sum") == 32
+    assert bucket_bounds(f, "kvfleet:request_params_max_tokens") == build_1_2_5_buckets(512)
+    assert "kvfleet:gpu_cache_usage_perc" not in f  # the alias is vllm:'s only
