@@ -425,7 +425,7 @@ def test_engine_rejection_is_400_and_does_not_disturb_the_request_it_collides_wi
     # The first request's forward pass is held (for at most 10 s) while the second arrives.
     with held_forward(client.engine, timeout=10) as gate:
         first = Call(client, "/v1/completions", body)
-        wait_until(lambda: client.state.pending == 1, "the first request to be submitted")
+        wait_until(lambda: client.state.admitted == 1, "the first request to be submitted")
         t0 = time.monotonic()
         err = assert_error(client.post("/v1/completions", json=body), 400)
         assert "already in use" in err["message"] and err["param"] == "request_id"
@@ -453,7 +453,7 @@ def test_queue_full_gives_429(start, reference):
         long = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
         try:
             a = Call(c, "/v1/completions", {**long, "request_id": "long-a"})
-            wait_until(lambda: engine.num_running == 1 and c.state.pending == 0, "request a to run")
+            wait_until(lambda: engine.num_running == 1 and c.state.admitted == 1, "request a to run")
             b = Call(c, "/v1/completions", {**long, "request_id": "long-b"})
             wait_until(lambda: engine.num_waiting == 1, "request b to wait")
             short = Call(c, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})  # 1 waits: accepted
@@ -475,26 +475,27 @@ def test_queue_full_gives_429(start, reference):
             assert call.result().json()["choices"][0]["finish_reason"] == "abort"
         assert short.result().status_code == 200, short.result().text
         assert short.result().json()["choices"][0]["text"] == reference.text("hi", 2)
-        assert (engine.num_waiting, engine.num_running, c.state.pending) == (0, 0, 0)
+        assert (engine.num_waiting, engine.num_running, c.state.admitted) == (0, 0, 0)
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
 def test_burst_beyond_the_queue_limit_gets_429_before_any_output(start, reference):
-    """Requests submitted but without output yet count as waiting, so a burst that arrives
-    within one engine step is bounded too: here the engine's first forward pass is held
-    while two requests arrive, so the scheduler has not even queued them all."""
-    with start(settings=ServerSettings(max_queue_len=2)) as c:
+    """A burst that arrives within one engine step is bounded by what will wait for a slot: with
+    max_num_seqs=2 and max_queue_len=2 the engine's first forward pass is held while four requests
+    arrive (two will run, two wait; the scheduler has not even queued them all): all four are
+    accepted, the fifth gets 429."""
+    with start(config=engine_config(max_num_seqs=2), settings=ServerSettings(max_queue_len=2)) as c:
         body = {"prompt": "hi", "max_tokens": 1, "temperature": 0}
         with held_forward(c.engine) as gate:  # released on the way out, whatever happened
-            burst = [Call(c, "/v1/completions", body) for _ in range(2)]
-            wait_until(lambda: c.state.pending == 2, "two submitted requests")
-            assert c.engine.num_waiting < 2  # only the server's own count is at the limit
+            burst = [Call(c, "/v1/completions", body) for _ in range(4)]
+            wait_until(lambda: c.state.admitted == 4, "four submitted requests")
+            assert c.engine.num_waiting < 4  # only the server's own count is at the limit
             err = assert_error(Call(c, "/v1/completions", body).result(timeout=30), 429)
             assert "2 requests are waiting" in err["message"]
             gate.set()
-        assert [call.result().status_code for call in burst] == [200, 200]
-        assert [call.result().json()["choices"][0]["text"] for call in burst] == [reference.text("hi", 1)] * 2
-        assert c.state.pending == 0
+        assert [call.result().status_code for call in burst] == [200] * 4
+        assert [call.result().json()["choices"][0]["text"] for call in burst] == [reference.text("hi", 1)] * 4
+        assert c.state.admitted == 0
         assert c.post("/v1/completions", json=body).status_code == 200
 
 

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
 
@@ -39,6 +40,9 @@ from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.worker.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+IDLE_WAIT = 0.5
+"""Seconds an idle engine loop sleeps between looks at its commands (and heartbeats)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -88,6 +92,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.dead_error: BaseException | None = None
+        self._heartbeat = time.monotonic()
+        """``time.monotonic()`` when the engine loop last went round (idle: every ``IDLE_WAIT`` s)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -111,6 +117,12 @@ class AsyncLLMEngine:
     def errored(self) -> bool:
         """True once the engine loop died of an exception (see ``dead_error``)."""
         return self.dead_error is not None
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine loop last went round: at most one step's duration (or
+        ``IDLE_WAIT``) while it works; it grows without bound when a step hangs."""
+        return time.monotonic() - self._heartbeat if self._thread is not None else 0.0
 
     @property
     def num_waiting(self) -> int:
@@ -138,6 +150,7 @@ class AsyncLLMEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
         self._thread.start()
 
@@ -241,13 +254,14 @@ class AsyncLLMEngine:
         with torch.inference_mode():
             try:
                 while not self._stopping:
+                    self._heartbeat = time.monotonic()
                     self._run_commands()
                     if self.engine.has_unfinished_requests():
                         outputs = self.engine.step()
                         if outputs:
                             self._dispatch(outputs)
                     else:
-                        self._wakeup.wait(1.0)
+                        self._wakeup.wait(IDLE_WAIT)
                         self._wakeup.clear()
             except BaseException as exc:  # the loop is dead: tell everyone
                 logger.exception("the engine loop died")

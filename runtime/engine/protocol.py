@@ -6,7 +6,7 @@ implements it. Torch-free: importing this module loads no model code.
 Contract: ``generate`` yields cumulative :class:`~kvfleet.runtime.engine.outputs.RequestOutput` s until
 one is ``finished`` (closing it early aborts the request), raises ``ValueError`` for invalid input
 before yielding anything; ``abort`` frees the request's KV blocks before it returns. The counts and
-``kv_cache_usage`` are live values, read from the event loop.
+``kv_cache_usage`` and ``heartbeat_age`` are live values, read from the event loop.
 """
 
 from __future__ import annotations
@@ -51,6 +51,10 @@ class EngineClient(Protocol):
     @property
     def dead_error(self) -> BaseException | None:
         """Why the engine loop died, or None."""
+
+    @property
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine loop last went round (a step, or an idle wake-up); 0 before start."""
 
     @property
     def num_waiting(self) -> int: ...

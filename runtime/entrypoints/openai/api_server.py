@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.protocol import EngineClient
+from kvfleet.runtime.entrypoints.openai import lifecycle
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, add_exception_handlers, validation_error
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
@@ -100,11 +101,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(_load(state, engine_factory or _default_engine_factory))
+        watchdog = asyncio.create_task(lifecycle.watch_engine(state))
         try:
             yield
         finally:
-            if not task.done():
-                task.cancel()
+            for t in (task, watchdog):
+                t.cancel()
             if state.engine is not None:
                 try:
                     await state.engine.shutdown()
@@ -118,6 +120,7 @@ def create_app(
     app.state.serving_chat = OpenAIServingChat(state)
     add_exception_handlers(app)
     app.include_router(router)
+    app.add_middleware(lifecycle.InFlight, state=state)
     return app
 
 
@@ -143,8 +146,7 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         # The reason on the ERROR line itself (a bad option such as a tensor_parallel_size that
         # does not divide the heads is a ValueError), the traceback after it.
         logger.exception("the engine failed to start: %s: %s", type(exc).__name__, exc)
-        if state.on_fatal is not None:
-            state.on_fatal()
+        lifecycle.report_fatal(state, exc)
 
 
 def _state(request: Request) -> ServerState:
@@ -179,16 +181,16 @@ async def health(request: Request):
     if state.engine_dead():
         error = state.load_error or (state.engine.dead_error if state.engine is not None else None)
         return JSONResponse({"status": "dead", "error": repr(error)}, status_code=503)
+    if (stalled := lifecycle.engine_stalled(state)) is not None:
+        return JSONResponse({"status": "stalled", "error": stalled}, status_code=503)
     return {"status": "loading" if state.loading else "ok"}
 
 
 @router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request):
-    state = _state(request)
-    if state.engine_dead():
-        return JSONResponse({"status": "dead"}, status_code=503)
-    if state.loading:
-        return JSONResponse({"status": "loading"}, status_code=503)
+    status = lifecycle.not_ready(_state(request))
+    if status is not None:
+        return JSONResponse({"status": status}, status_code=503)
     return {"status": "ready"}
 
 
@@ -341,12 +343,12 @@ def _lone_surrogate(value: Any) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvfleet serve``: parse options (:mod:`kvfleet.runtime.entrypoints.openai.serve_args`), load the
-    model in the background and serve until SIGINT/SIGTERM.
+    model in the background and serve until SIGINT/SIGTERM, which drains first
+    (:class:`~kvfleet.runtime.entrypoints.openai.lifecycle.DrainingServer`).
 
-    Returns: 0 after a clean shutdown, 1 when the engine failed to start. On SIGINT/SIGTERM
-    uvicorn (>= 0.29) re-raises the signal once the graceful shutdown is over, so the process
-    then ends *by that signal* (status 143 for SIGTERM in a shell, ``-15`` from
-    :mod:`subprocess`), after open streams finished and the engine stopped.
+    Returns: 0 after a clean shutdown, 1 when the engine failed to start or died. After a
+    signal, uvicorn re-raises it once the shutdown is over, so the process then ends *by that
+    signal* (status 143 for SIGTERM in a shell, ``-15`` from :mod:`subprocess`).
     """
     import uvicorn
 
@@ -358,17 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvfleet").setLevel(level)
     app = create_app(args.engine, args.server)
     state: ServerState = app.state.kvfleet
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.server.host,
-            port=args.server.port,
-            log_level=args.server.log_level,
-            # SIGTERM lets open streams finish for up to 30 s (the operator's pods get 60 s).
-            timeout_graceful_shutdown=30,
-            lifespan="on",
-        )
-    )
+    # The drain waits for the requests in flight; uvicorn's own graceful shutdown after it only
+    # has to see the last bytes out.
+    config = uvicorn.Config(app, host=args.server.host, port=args.server.port, log_level=args.server.log_level,
+                            timeout_graceful_shutdown=5, lifespan="on")  # fmt: skip
+    server = lifecycle.DrainingServer(config, state)
 
     def fatal() -> None:
         server.should_exit = True
@@ -376,4 +372,4 @@ def main(argv: list[str] | None = None) -> int:
     state.on_fatal = fatal
     logger.info("serving %s on http://%s:%d", state.model_name, args.server.host, args.server.port)
     server.run()
-    return 1 if state.load_error is not None else 0
+    return 1 if state.load_error is not None or (state.engine is not None and state.engine.errored) else 0

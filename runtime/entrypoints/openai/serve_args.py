@@ -11,7 +11,8 @@ Every option has three spellings, and the first one present wins:
    ``max-num-seqs: 64``), as the operator writes them into a ConfigMap.
 
 Engine options map 1:1 onto the fields of :class:`kvfleet.runtime.config.EngineConfig`;
-server options (host, port, API key, queue limit, metrics naming, body size limit, log level) onto
+server options (host, port, API key, queue limit, metrics naming, body size limit, shutdown and
+probe bounds, termination log, log level) onto
 :class:`ServerSettings`. ``kv_cache_memory`` and ``max_request_body_size`` also accept sizes
 with a unit (``2GiB``, ``512MiB``, ``1.5G``, ``800M``; binary and decimal units).
 """
@@ -55,6 +56,12 @@ class ServerSettings(BaseModel):
     """Largest request body the server reads, bytes (also ``32MiB``, ``8M``); a larger one is
     answered HTTP 413 without being read (``Content-Length`` checked first, chunked bodies
     counted as they arrive). Bounds the JSON parsing the event loop does for one request."""
+    shutdown_timeout: float = Field(30.0, ge=0)
+    """Seconds a SIGTERM waits for the requests in flight (vLLM's name); then their streams end."""
+    engine_iteration_timeout: float = Field(60.0, ge=1)
+    """``/health`` fails while one engine step (its heartbeat) is older than this, seconds."""
+    termination_log: str | None = None
+    """Where a fatal engine error is written for the kubelet; None: ``/dev/termination-log`` if it exists."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
 
@@ -82,6 +89,9 @@ _HELP = {
     "max_queue_len": "answer HTTP 429 while this many requests are waiting (default: unbounded)",
     "metrics_compat": "'vllm': also export the metrics under vLLM's names (vllm:...)",
     "max_request_body_size": "largest request body, bytes or with a unit (32MiB); larger ones get HTTP 413",
+    "shutdown_timeout": "seconds SIGTERM waits for requests in flight (new ones get 503) before the process exits",
+    "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
+    "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",
 }
 

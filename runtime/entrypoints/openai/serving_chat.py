@@ -117,7 +117,6 @@ class OpenAIServingChat(OpenAIServing):
             "messages",
         )
         params = checked(lambda: body.to_sampling_params(max_tokens))
-        self.check_queue(engine)
         req = _Chat(body, self.state.model_name, prompt_ids, LP.TokenText(engine.tokenizer))
         if body.request_id:
             req.request_id = body.request_id

@@ -143,7 +143,6 @@ class OpenAIServingCompletion(OpenAIServing):
         engine = self.state.require_engine()
         prompt_ids = await self._tokenize(engine, prompts)
         params = [self._sampling_params(body, ids, engine.max_model_len) for ids in prompt_ids]
-        self.check_queue(engine)
         req = _Completion(body, self.state.model_name, prompt_ids, LP.TokenText(engine.tokenizer))
         if body.request_id:
             req.request_id = body.request_id

@@ -36,6 +36,10 @@ from kvfleet.runtime.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
+KV_FULL = 0.9
+"""KV cache usage from which the scheduler's waiting requests count as waiting for memory (below
+it they wait at most for a step's token budget, or for the prompt their ``n`` siblings share)."""
+
 
 @dataclass
 class ServerState:
@@ -48,8 +52,13 @@ class ServerState:
     engine: EngineClient | None = None
     """The engine once loaded and started; None while loading."""
     load_error: BaseException | None = None
-    pending: int = 0
-    """Engine sequences submitted by this server that have not produced output yet."""
+    admitted: int = 0
+    """Engine sequences of the requests submitted and not yet ended (running, waiting for a slot,
+    or on their way into the scheduler)."""
+    in_flight: int = 0
+    """Generation requests being answered (:class:`~.lifecycle.InFlight`)."""
+    draining_since: float | None = None
+    """``time.monotonic()`` of the signal that started the drain; None while serving."""
     on_fatal: Callable[[], None] | None = None
     """Called when the model fails to load (``main`` makes uvicorn exit)."""
     started_at: float = field(default_factory=time.time)
@@ -200,10 +209,15 @@ class OpenAIServing:
         self.state = state
 
     def check_queue(self, engine: EngineClient) -> None:
+        """429 while ``max_queue_len`` sequences truly wait: the admitted ones beyond the
+        ``max_num_seqs`` slots, or, when the KV cache is full (:data:`KV_FULL`), the scheduler's
+        waiting ones. Sequences that merely have not been scheduled yet do not count."""
         limit = self.state.settings.max_queue_len
         if limit is None:
             return
-        waiting = max(engine.num_waiting, self.state.pending)
+        waiting = max(self.state.admitted - self.state.config.max_num_seqs, 0)
+        if engine.kv_cache_usage >= KV_FULL:
+            waiting = max(waiting, engine.num_waiting)
         if waiting >= limit:
             raise APIError(
                 429,
@@ -246,9 +260,11 @@ class OpenAIServing:
         requests: list[tuple[list[int], SamplingParams, str]],
         body: P.CompletionRequest | P.ChatCompletionRequest,
     ) -> Generation:
-        """Submit ``(prompt ids, params, request id)`` s, abort them if the client disconnects, and
-        wait for the first output. On any error the streams are closed before it propagates."""
-        sub = Submission(self.state, engine, http_request)
+        """Check the queue, submit ``(prompt ids, params, request id)`` s, abort them if the client
+        disconnects, and wait for the first output. On any error the streams are closed before it
+        propagates."""
+        self.check_queue(engine)
+        sub = Submission(self.state, engine, http_request, sum(sp.n for _, sp, _ in requests))
         merged = merge([sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user)
                         for ids, sp, rid in requests])  # fmt: skip
         sub.watch_disconnect()

@@ -37,10 +37,10 @@ def sse_error(body: P.ErrorResponse) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-class PendingCount(Protocol):
-    """Where the server counts engine sequences submitted without output yet (its ``ServerState``)."""
+class AdmittedCount(Protocol):
+    """Where the server counts the engine sequences of its live submissions (its ``ServerState``)."""
 
-    pending: int
+    admitted: int
 
 
 _BACKGROUND: set[asyncio.Task] = set()
@@ -49,9 +49,10 @@ _BACKGROUND: set[asyncio.Task] = set()
 
 class Submission:
     """The engine requests of one HTTP request: tracks which finished, aborts the rest, and
-    watches the client connection (a disconnect aborts at once)."""
+    watches the client connection (a disconnect aborts at once). Its ``num_seqs`` engine
+    sequences count in ``state.admitted`` from now until it is closed or the client left."""
 
-    def __init__(self, state: PendingCount, engine: EngineClient, http_request: Request):
+    def __init__(self, state: AdmittedCount, engine: EngineClient, http_request: Request, num_seqs: int):
         self.state = state
         self.engine = engine
         self.http_request = http_request
@@ -59,6 +60,13 @@ class Submission:
         self.finished: set[str] = set()
         self._watcher: asyncio.Task | None = None
         self.disconnected = False
+        self._admitted = num_seqs
+        state.admitted += num_seqs
+
+    def release(self) -> None:
+        """Stop counting this submission's sequences as admitted (idempotent)."""
+        self.state.admitted -= self._admitted
+        self._admitted = 0
 
     def watch_disconnect(self) -> None:
         async def watch() -> None:
@@ -71,6 +79,7 @@ class Submission:
                 pass
             self.disconnected = True
             logger.info("client disconnected: aborting %s", ", ".join(self.unfinished()) or "nothing")
+            self.release()  # also when the response never starts (and so never closes this)
             await self.abort_unfinished()
 
         self._watcher = asyncio.create_task(watch())
@@ -105,42 +114,34 @@ class Submission:
         if self._watcher is not None and not self.disconnected:
             self._watcher.cancel()
         self._watcher = None
+        self.release()
         await self.abort_unfinished()
 
     def stream(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's cumulative outputs of one prompt; marks the request finished and keeps
-        the server's pending count (queue back-pressure) up to date."""
+        """The engine's cumulative outputs of one prompt; marks the request finished."""
         self.request_ids.append(request_id)
         return self._stream(prompt_ids, params, request_id, priority=priority, tenant=tenant)
 
     async def _stream(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None
     ) -> AsyncIterator[RequestOutput]:
-        state = self.state
-        n = params.n
-        state.pending += n
-        counted = True
+        started = False
         try:
             async with aclosing(
                 self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant)
             ) as outputs:
                 async for out in outputs:
-                    if counted:
-                        state.pending -= n
-                        counted = False
+                    started = True
                     if out.finished:
                         self.finished.add(request_id)
                     yield out
             self.finished.add(request_id)
         except ValueError:
-            if counted:  # rejected before it was queued (e.g. its id is in use): not ours to abort
+            if not started:  # rejected before it was queued (e.g. its id is in use): not ours to abort
                 self.finished.add(request_id)
             raise
-        finally:
-            if counted:
-                state.pending -= n
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

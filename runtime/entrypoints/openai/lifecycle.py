@@ -1,0 +1,183 @@
+"""The server's life around the engine: drain on SIGTERM, a stuck or dead engine, the termination log.
+
+- :class:`DrainingServer` (uvicorn): the first SIGTERM/SIGINT starts a drain: ``/ready`` says 503,
+  new generation requests get a retryable 503, the ones in flight finish (at most
+  ``shutdown_timeout`` seconds, then the engine is shut down and their streams end with an error
+  event); after SIGTERM the listener stays open at least :data:`DRAIN_GRACE` seconds. Then uvicorn's
+  own shutdown; a second signal skips the drain.
+- :class:`InFlight` (ASGI middleware): counts generation requests in flight, refuses new ones while
+  draining.
+- :func:`engine_stalled`: the engine loop alive but its step heartbeat older than
+  ``engine_iteration_timeout`` (``/health`` fails).
+- :func:`report_fatal`: when the engine fails to load or (:func:`watch_engine`) its loop dies, the
+  reason goes to the termination log (:func:`write_termination_log`), ``on_fatal`` ends the process.
+Why these bounds hold: docs/server.md, "Shutdown, probes and the termination log".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvfleet.runtime.entrypoints.openai.errors import APIError
+
+if TYPE_CHECKING:
+    from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
+
+logger = logging.getLogger("kvfleet.server")
+
+DRAIN_GRACE = 2.0
+"""Seconds the listener stays open after SIGTERM even with nothing in flight (stale endpoints
+still send a few requests; they get a retryable 503 rather than a refused connection)."""
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+"""Kubernetes' ``terminationMessagePath`` default; written only where it exists (the kubelet mounts it)."""
+TERMINATION_LOG_LIMIT = 4096
+"""Kubernetes keeps at most 4096 bytes of a termination message."""
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def shutting_down_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica", code="shutting_down",
+                    headers={"Retry-After": "1"})  # fmt: skip
+
+
+class InFlight:
+    """ASGI middleware: ``state.in_flight`` counts the generation requests being answered (a stream
+    until its last byte); while ``state.draining`` a new one is answered 503 ``shutting_down``."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining_since is not None:
+            await shutting_down_error().response()(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
+def engine_stalled(state: ServerState) -> str | None:
+    """Why the engine counts as stuck (its loop alive, its heartbeat too old), or None."""
+    engine = state.engine
+    if engine is None or not engine.is_running:
+        return None
+    age, limit = engine.heartbeat_age, state.settings.engine_iteration_timeout
+    if age <= limit:
+        return None
+    return f"the engine loop made no progress for {age:.1f} s (engine_iteration_timeout {limit:g} s)"
+
+
+def not_ready(state: ServerState) -> str | None:
+    """Why ``/ready`` says 503 (``dead``, ``loading``, ``draining``, ``stalled``), or None."""
+    if state.engine_dead():
+        return "dead"
+    if state.loading:
+        return "loading"
+    if state.draining_since is not None:
+        return "draining"
+    return "stalled" if engine_stalled(state) else None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch.OutOfMemoryError (CUDA), MemoryError, or a CPU allocator failure (a RuntimeError)."""
+    if isinstance(exc, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(exc).__mro__):
+        return True
+    text = str(exc).lower()
+    return any(m in text for m in _OOM_MARKERS)
+
+
+def termination_message(exc: BaseException) -> str:
+    """One line for the kubelet: ``out of memory: ...`` first when it is one (the operator's tuner
+    looks for it), at most :data:`TERMINATION_LOG_LIMIT` bytes."""
+    head = "out of memory" if is_out_of_memory(exc) else "the engine died"
+    cls = type(exc)
+    text = f"{head}: {cls.__module__}.{cls.__qualname__}: {exc}".replace("\n", " ")
+    return text.encode("utf-8")[:TERMINATION_LOG_LIMIT].decode("utf-8", "ignore")
+
+
+def write_termination_log(path: str | None, exc: BaseException) -> bool:
+    """Write :func:`termination_message` to ``path`` (None: :data:`DEFAULT_TERMINATION_LOG`, only
+    if it exists). Returns whether it was written; never raises."""
+    if path is None:
+        path = DEFAULT_TERMINATION_LOG
+        if not os.path.exists(path):
+            return False
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(termination_message(exc))
+        return True
+    except OSError:
+        logger.warning("cannot write the termination log %s", path, exc_info=True)
+        return False
+
+
+def report_fatal(state: ServerState, error: BaseException) -> None:
+    """The engine failed to load or died: the reason to the termination log, then ``state.on_fatal``
+    (``main`` makes the process exit 1)."""
+    if write_termination_log(state.settings.termination_log, error):
+        logger.info("wrote the termination log: %s", termination_message(error)[:200])
+    if state.on_fatal is not None:
+        state.on_fatal()
+
+
+async def watch_engine(state: ServerState, interval: float = 0.25) -> None:
+    """Until the app stops: once the engine loop died, :func:`report_fatal` (a failed load is
+    reported where it fails)."""
+    while state.engine is None or state.engine.dead_error is None:
+        await asyncio.sleep(interval)
+    report_fatal(state, state.engine.dead_error)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, whose first SIGTERM/SIGINT drains (see the module docstring) before it shuts down."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._sigint = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.state.draining_since is not None or self.should_exit:
+            super().handle_exit(sig, frame)  # a second signal: uvicorn's shutdown now
+            return
+        captured = getattr(self, "_captured_signals", None)
+        if captured is not None:  # uvicorn re-raises it once shut down: the process ends by the signal
+            captured.append(sig)
+        self._sigint = sig == signal.SIGINT
+        self.state.draining_since = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        since = self.state.draining_since
+        if since is None:
+            return False
+        if counter % 10 == 0:
+            logger.info("draining: %d requests in flight", self.state.in_flight)
+        elapsed = time.monotonic() - since
+        grace = 0.0 if self._sigint else min(DRAIN_GRACE, self.state.settings.shutdown_timeout)
+        if self.state.in_flight == 0 and elapsed >= grace:
+            logger.info("drained in %.1f s", elapsed)
+            return True
+        if elapsed >= self.state.settings.shutdown_timeout:
+            logger.warning("shutdown_timeout (%g s) passed with %d requests in flight: stopping the engine",
+                           self.state.settings.shutdown_timeout, self.state.in_flight)  # fmt: skip
+            if self.state.engine is not None:
+                await self.state.engine.shutdown()  # their streams end with an error event
+            return True
+        return False
