@@ -58,7 +58,7 @@ class ServerSettings(BaseModel):
     counted as they arrive). Bounds the JSON parsing the event loop does for one request."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """Seconds a SIGTERM waits for the requests in flight (vLLM's name); then their streams end."""
-    engine_iteration_timeout: float = Field(60.0, ge=1)
+    engine_iteration_timeout: float = Field(120.0, ge=1)
     """``/health`` fails while one engine step (its heartbeat) is older than this, seconds."""
     termination_log: str | None = None
     """Where a fatal engine error is written for the kubelet; None: ``/dev/termination-log`` if it exists."""
