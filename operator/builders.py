@@ -495,17 +495,3 @@ def model_claim(isvc: Mapping[str, Any]) -> str | None:
     if model["scheme"] == "pvc":
         return model["claim"]
     return spec["model"]["download"].get("claimName") if model["scheme"] == "hf" else None
-
-
-def required_secrets(isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(secret name, key)`` pairs the pods need (API key, HF token); the reconcile checks
-    they exist, since the schema cannot."""
-    spec = effective_spec(isvc)
-    out = []
-    ref = spec["runtime"].get("apiKeySecretRef")
-    if ref:
-        out.append((ref["name"], ref.get("key") or "api-key"))
-    ref = spec["model"].get("hfTokenSecretRef")
-    if ref and spec["model"]["uri"].startswith("hf://"):
-        out.append((ref["name"], ref.get("key") or "token"))
-    return out

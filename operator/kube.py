@@ -25,7 +25,6 @@ from kvfleet.operator.builders import FIELD_MANAGER
 KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
     "Service": ("v1", "services"),
-    "Secret": ("v1", "secrets"),
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),

@@ -114,18 +114,6 @@ class Outcome:
         return bool(self.applied or self.deleted or self.status_patch)
 
 
-def check_secrets(kube: Kube, isvc: Mapping[str, Any]) -> None:
-    """Raise :class:`InvalidSpec` (``SecretNotFound`` / ``SecretKeyNotFound``) when a Secret
-    the pods need is missing: the pods would otherwise sit in CreateContainerConfigError."""
-    ns = isvc["metadata"].get("namespace") or "default"
-    for name, key in builders.required_secrets(isvc):
-        secret = kube.get("Secret", ns, name)
-        if secret is None:
-            raise InvalidSpec("SecretNotFound", f"Secret {ns}/{name} does not exist")
-        if key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
-            raise InvalidSpec("SecretKeyNotFound", f"Secret {ns}/{name} has no key {key!r}")
-
-
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Every desired child (:func:`builders.desired_children`), stamped."""
     return [stamped(c) for c in builders.desired_children(isvc, scaled_externally=scaled_externally)]
@@ -185,7 +173,6 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
             conflict = policy.conflict_message(scalers, mode)
         try:
             desired = desired_objects(isvc, scaled_externally=on_deployment)
-            check_secrets(kube, isvc)
         except InvalidSpec as e:
             out.error = e
             live_deployment = kube.get("Deployment", namespace, builders.names(isvc)["deployment"])

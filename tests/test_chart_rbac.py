@@ -181,6 +181,33 @@ def test_rbac_allows_every_request_the_operator_makes(helm_bin, tmp_path, mode):
     assert not denied, "denied by the chart's RBAC:\n" + "\n".join(sorted(set(denied)))
     # The walk really exercised the operator (the test cannot pass on silence).
     for must in [("watch", "kvfleet.io", "inferenceservices"), ("patch", "apps", "deployments"),
-                 ("patch", "kvfleet.io", "inferenceservices/status"), ("get", "", "secrets"),
+                 ("patch", "kvfleet.io", "inferenceservices/status"), ("watch", "", "pods"),
                  ("delete", "policy", "poddisruptionbudgets")]:
         assert must in seen, must
+    # Least privilege: an apiKeySecretRef Secret is never read (its absence shows in the pods).
+    assert not [s for s in seen if s[2] == "secrets"]
+    assert not [r for r in role["rules"] if "secrets" in r["resources"]]
+
+
+def docs_rbac_rules() -> set[tuple[str, str, frozenset]]:
+    """(apiGroup, resource, verbs) of each row of docs/operator.md's permissions table."""
+    text = (ROOT / "docs" / "operator.md").read_text()
+    section = text.split("## Permissions", 1)[1].split("\n## ", 1)[0]
+    out = set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[1].startswith("`"):
+            continue
+        group = "" if cells[0] == "core" else cells[0].strip("`")
+        verbs = frozenset(v.strip() for v in cells[2].split(","))
+        for resource in re.findall(r"`([^`]+)`", cells[1]):
+            out.add((group, resource, verbs))
+    return out
+
+
+def test_docs_rbac_table_equals_the_charts_cluster_role(helm_bin):
+    (role,) = [o for o in render(helm_bin) if o["kind"] == "ClusterRole"]
+    chart = {(g, r, frozenset(rule["verbs"])) for rule in role["rules"] for g in rule["apiGroups"]
+             for r in rule["resources"]}
+    docs = docs_rbac_rules()
+    assert docs == chart, f"only in docs: {sorted(docs - chart)}; only in the chart: {sorted(chart - docs)}"

@@ -181,7 +181,6 @@ def test_hf_revision_token_and_cache_claim():
     assert args["--revision"] == "v2" and args["--timeout"] == "60" and args["--retries"] == "5"
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
     assert {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}} in spec["volumes"]
-    assert builders.required_secrets(isvc) == [("hf", "token")]
 
 
 def test_pvc_and_file_models():

@@ -6,7 +6,6 @@ Every wait is bounded (``EmulatorThread.wait_for``); operator logs are printed o
 
 from __future__ import annotations
 
-import base64
 import os
 import signal
 import subprocess
@@ -238,20 +237,18 @@ def test_unchanged_resource_gets_no_writes(cluster):
 
 def test_invalid_spec_is_degraded_with_an_event_and_recovers(cluster):
     emu, op = cluster
-    emu.create(ISVC, manifest("e2e-secret", runtime={"apiKeySecretRef": {"name": "e2e-key"}}))
-    degraded = emu.wait_for(lambda: (c := condition(emu, "e2e-secret", "Degraded")) and c["status"] == "True"
+    emu.create(ISVC, manifest("e2e-invalid", engine={"extraArgs": {"no_such_option": 1}}))
+    degraded = emu.wait_for(lambda: (c := condition(emu, "e2e-invalid", "Degraded")) and c["status"] == "True"
                             and c, 30, message="Degraded=True")
-    assert degraded["reason"] == "SecretNotFound"
+    assert degraded["reason"] == "UnknownEngineArg"
     events = emu.wait_for(lambda: [e for e in emu.list(EVENTS, NS)
-                                   if e.get("involvedObject", {}).get("name") == "e2e-secret"
-                                   and e.get("reason") == "SecretNotFound"], 15, message="a Warning Event")
+                                   if e.get("involvedObject", {}).get("name") == "e2e-invalid"
+                                   and e.get("reason") == "UnknownEngineArg"], 15, message="a Warning Event")
     assert events[0]["type"] == "Warning"
-    assert emu.get(DEPLOY, NS, "e2e-secret") is None and op.alive()
-    emu.create("v1/secrets", {"apiVersion": "v1", "kind": "Secret",
-                              "metadata": {"name": "e2e-key", "namespace": NS},
-                              "data": {"api-key": base64.b64encode(b"s3cret").decode()}})
-    emu.wait_for(lambda: emu.get(DEPLOY, NS, "e2e-secret"), 45, message="the Deployment after the retry")
-    emu.wait_for(lambda: condition(emu, "e2e-secret", "Degraded")["status"] == "False", 15,
+    assert emu.get(DEPLOY, NS, "e2e-invalid") is None and op.alive()
+    emu.patch(ISVC, NS, "e2e-invalid", {"spec": {"engine": {"extraArgs": None}}})
+    emu.wait_for(lambda: emu.get(DEPLOY, NS, "e2e-invalid"), 45, message="the Deployment after the fix")
+    emu.wait_for(lambda: condition(emu, "e2e-invalid", "Degraded")["status"] == "False", 15,
                  message="Degraded=False")
 
 

@@ -130,10 +130,8 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["list"]
-# Checking that spec.runtime.apiKeySecretRef names an existing Secret (read, never listed).
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get"]
+# No Secrets: a missing apiKeySecretRef / hfTokenSecretRef Secret (or key) is learnt from the
+# pods' CreateContainerConfigError, so the operator never reads a Secret's value.
 # Events (core v1, which kopf posts): invalid specs, applied children, scaling and tuning
 # decisions.
 - apiGroups: [""]
