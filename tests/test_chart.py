@@ -239,9 +239,10 @@ EXPECTED_RULES = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list"},
-    ("", "secrets"): {"get"},
-    ("", "events"): {"create"},
+    ("", "pods"): {"get", "list", "watch"},               # watched: pod-level reasons
+    ("", "persistentvolumeclaims"): {"get"},              # the model volume's access modes
+    ("keda.sh", "scaledobjects"): {"list"},               # one scaler per target
+    ("", "events"): {"create"},                           # no secrets: learnt from the pods
 }
 
 
