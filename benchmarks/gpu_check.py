@@ -138,7 +138,8 @@ class Sizes:
             self.decode_batches = (1, 2)
             self.decode_contexts = (16, 48)
             self.prefill_shape = dict(heads=4, kv_heads=2, head_size=64)
-            self.prefill_cases = [("1 x 24 prompt", [(24, 24)]), ("chunk 8 after 16 cached + 2 decodes", [(24, 8), (9, 1), (5, 1)])]
+            self.prefill_cases = [("1 x 24 prompt", [(24, 24)]),
+                                  ("chunk 8 after 16 cached + 2 decodes", [(24, 8), (9, 1), (5, 1)])]
             self.cache_shapes = ((8, 2, 64),)
             self.iters = 2
         else:
@@ -271,7 +272,8 @@ def section_decode(torch, device, budget: Budget, sz: Sizes, peak_bw: float, rec
     num_tokens = min(need, limit_tokens)
     num_blocks = num_tokens // block_size
     log(f"  shape: {heads} heads / {kv_heads} kv heads, head_size {head_size}, {str(dtype)[6:]}, "
-        f"block_size {block_size}; cache {num_blocks} blocks ({2 * num_blocks * block_size * per_token / 2**30:.2f} GiB)")
+        f"block_size {block_size}; cache {num_blocks} blocks "
+        f"({2 * num_blocks * block_size * per_token / 2**30:.2f} GiB)")
     key_cache = torch.empty(num_blocks, block_size, kv_heads, head_size, dtype=dtype, device=device).normal_()
     value_cache = torch.empty_like(key_cache).normal_()
     log(f"  {'batch':>5s} {'context':>7s} {'splits':>6s} {'us/call':>9s} {'GB/s':>8s} {'of peak':>8s}")

@@ -223,8 +223,8 @@ def _paged_attention_kernel(
     if SLIDING:
         lo = tl.maximum(tl.minimum(in_window, tile_hi), tile_lo)
         m_i, l_i, acc = _attend_tiles(
-            m_i, l_i, acc, q, q_pos, tile_lo, lo, kv_start, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e, window,
-            stride_kb, stride_kt, stride_vb, stride_vt,
+            m_i, l_i, acc, q, q_pos, tile_lo, lo, kv_start, kv_end, bt_row, k_base, v_base, d, d_ok, scale_log2e,
+            window, stride_kb, stride_kt, stride_vb, stride_vt,
             BLOCK_SIZE, BLOCK_N, True, PRECISION, UPCAST, SLIDING, SOFTCAP,
         )
     mid = tl.maximum(tl.minimum(first_masked_tile, tile_hi), lo)
@@ -336,9 +336,9 @@ def launch_config(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: 
     ``sliding_window + block_q - 1``), not for the whole context.
 
     Decode-like batches (``max_query_len * group <= max(16, group)``): 16-row query tiles
-    (tl.dot's minimum; more when the GQA group is larger) and 64-key tiles, 4 warps; the context is split when the batch has too few
-    query blocks to fill the GPU. Prefill: 64-row query tiles, 64-key tiles (32 for head
-    sizes above 128), 8 warps for head size 128 and above. Untuned defaults: see
+    (tl.dot's minimum; more when the GQA group is larger) and 64-key tiles, 4 warps; the
+    context is split when the batch has too few query blocks to fill the GPU. Prefill: 64-row
+    query tiles, 64-key tiles (32 for head sizes above 128), 8 warps for head size 128 and above. Untuned defaults: see
     docs/performance.md.
     """
     group = num_heads // num_kv_heads

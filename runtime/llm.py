@@ -102,7 +102,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(
-                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts (give one, or one per prompt)"
+                    f"sampling_params: got {len(params_list)} for {len(prompt_list)} prompts "
+                    "(give one, or one per prompt)"
                 )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")

@@ -60,7 +60,8 @@ def format_level_table(runs: list[RunResult], roof: Roofline | None = None) -> s
     """Markdown table of one concurrency level with ratios to kvfleet."""
     ref = next((r for r in runs if r.system == "kvfleet" and not r.error), None)
     lines = [
-        "| system | output tok/s | p99 e2e (s) | mean TTFT (s) | wall (s) | kvfleet speed-up | kvfleet p99 / system p99 |",
+        "| system | output tok/s | p99 e2e (s) | mean TTFT (s) | wall (s) | kvfleet speed-up "
+        "| kvfleet p99 / system p99 |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
@@ -72,24 +73,28 @@ def format_level_table(runs: list[RunResult], roof: Roofline | None = None) -> s
         lat = f"{ref.p99_e2e_s / p99:.2f}" if ref and p99 else "-"
         note = f" ({r.error})" if r.error else ""
         lines.append(
-            f"| {SYSTEM_LABELS.get(r.system, r.system)}{note} | {tps:.1f} | {p99:.2f} | {r.report['mean_ttft_ms'] / 1e3:.2f} | {r.duration:.1f} | {speed} | {lat} |"
+            f"| {SYSTEM_LABELS.get(r.system, r.system)}{note} | {tps:.1f} | {p99:.2f} "
+            f"| {r.report['mean_ttft_ms'] / 1e3:.2f} | {r.duration:.1f} | {speed} | {lat} |"
         )
     if roof is not None:
         share = f"kvfleet at {ref.output_throughput / roof.output_tokens_per_s:.0%} of it" if ref else ""
         lines.append(
-            f"| compute roofline: {roof.gflop:.0f} GFLOP at {roof.peak_gflops_per_s:.0f} GFLOP/s | {roof.output_tokens_per_s:.1f} | | | {roof.seconds:.1f} | {share} | |"
+            f"| compute roofline: {roof.gflop:.0f} GFLOP at {roof.peak_gflops_per_s:.0f} GFLOP/s "
+            f"| {roof.output_tokens_per_s:.1f} | | | {roof.seconds:.1f} | {share} | |"
         )
     return "\n".join(lines)
 
 
 def format_kv_table(rows: list[dict]) -> str:
     lines = [
-        "| KV allocation | slots allocated | real tokens | share of slots holding real tokens | slots per sequence | max concurrent sequences in the budget |",
+        "| KV allocation | slots allocated | real tokens | share of slots holding real tokens | slots per sequence "
+        "| max concurrent sequences in the budget |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['scheme']} | {r['allocated_slots']} | {r['real_tokens']} | {r['utilization']:.1%} | {r['slots_per_seq']:.0f} | {r['max_concurrent_seqs']} |"
+            f"| {r['scheme']} | {r['allocated_slots']} | {r['real_tokens']} | {r['utilization']:.1%} "
+            f"| {r['slots_per_seq']:.0f} | {r['max_concurrent_seqs']} |"
         )
     return "\n".join(lines)
 
@@ -194,7 +199,8 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     started = datetime.now(UTC)
     print(
-        f"kvfleet bench compare on {cpu_description()}, torch {torch.__version__} with {torch.get_num_threads()} threads, "
+        f"kvfleet bench compare on {cpu_description()}, torch {torch.__version__} "
+        f"with {torch.get_num_threads()} threads, "
         f"{started:%Y-%m-%d %H:%M} UTC, kvfleet {source_revision() or 'outside git'}"
     )
 
@@ -236,13 +242,15 @@ def main(args) -> int:
             runs.append(run)
         by_level[c] = runs
         print(
-            f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: prompts {in_range[0]}-{in_range[1]} tokens "
-            f"(total {sum(wl.prompt_lens)}), outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n"
+            f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: "
+            f"prompts {in_range[0]}-{in_range[1]} tokens (total {sum(wl.prompt_lens)}), "
+            f"outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n"
         )
         print(format_level_table(runs, roofs[c]))
         waste = static_batch_flops(wl.prompt_lens, wl.output_lens, c, shape) / 1e9
         print(
-            f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roofs[c].gflop:.2f}x the workload's {roofs[c].gflop:.0f} GFLOP (padding and past-the-end tokens)"
+            f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roofs[c].gflop:.2f}x the workload's "
+            f"{roofs[c].gflop:.0f} GFLOP (padding and past-the-end tokens)"
         )
 
     max_len = args.max_model_len or int(getattr(hf_model.config, "max_position_embeddings", 0) or 2048)
@@ -252,8 +260,10 @@ def main(args) -> int:
     )
     kv_rows = kv_memory_report(kv_p, kv_o, args.block_size, max_len, shape.kv_bytes_per_token(4), budget, max(levels))
     print(
-        f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
-        f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = {budget // shape.kv_bytes_per_token(4)} token slots\n"
+        f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, "
+        f"prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
+        f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = "
+        f"{budget // shape.kv_bytes_per_token(4)} token slots\n"
     )
     print(format_kv_table(kv_rows))
 

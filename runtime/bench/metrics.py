@@ -245,7 +245,9 @@ _SECTIONS = (
 )
 
 
-def format_report(report: dict, percentiles: Sequence[float] = DEFAULT_PERCENTILES, title: str = "Serving Benchmark Result") -> str:
+def format_report(
+    report: dict, percentiles: Sequence[float] = DEFAULT_PERCENTILES, title: str = "Serving Benchmark Result"
+) -> str:
     """The report as text, in the layout of vLLM's benchmark output."""
     lines = [f"{' ' + title + ' ':=^50}"]
     for label, key, fmt in REPORT_LINES:

@@ -296,7 +296,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer path for building prompts and counting (default: --model if it is a path, else the default model's)",
+        help="tokenizer path for building prompts and counting "
+        "(default: --model if it is a path, else the default model's)",
     )
     p.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
@@ -380,7 +381,8 @@ def main(args) -> int:
     rate = args.request_rate
     print(
         f"Traffic request rate: {rate} req/s; burstiness {args.burstiness} "
-        f"({'Poisson process' if args.burstiness == 1.0 else 'gamma distribution'}); max concurrency: {args.max_concurrency}"
+        f"({'Poisson process' if args.burstiness == 1.0 else 'gamma distribution'}); "
+        f"max concurrency: {args.max_concurrency}"
     )
     results, duration = asyncio.run(
         run_benchmark(

@@ -133,7 +133,8 @@ def _pack_call(kwargs: dict[str, Any]) -> dict[str, Any]:
     msg: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key == METADATA_KWARG:
-            fields = {f.name: _to_device(getattr(value, f.name), torch.device("cpu")) for f in dataclasses.fields(value)}
+            cpu = torch.device("cpu")
+            fields = {f.name: _to_device(getattr(value, f.name), cpu) for f in dataclasses.fields(value)}
             fields["kv_caches"] = None
             value = dataclasses.replace(value, **fields)
         else:
@@ -194,7 +195,8 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
     # Ctrl+C reaches the whole process group: the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(name)s: %(message)s")
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     config = EngineConfig(**config_dict)
     tp = config.tensor_parallel_size

@@ -181,7 +181,8 @@ class ModelRunner:
         nb = math.ceil(num_tokens / self.block_size)
         shape = (nb, self.block_size, self.num_kv_heads, self.head_size)
         caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
         num_sample = min(self.config.max_num_seqs, num_tokens)
@@ -198,7 +199,8 @@ class ModelRunner:
         ids = torch.zeros((1, num_tokens), dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device).unsqueeze(0)
         keep = torch.arange(num_tokens - num_sample, num_tokens, device=self.device)
-        out = self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **{METADATA_KWARG: meta})
+        out = self.model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False,
+                         **{METADATA_KWARG: meta})
         logits = out.logits.float()
         torch.softmax(logits, dim=-1)  # the sampler's fp32 working set
         # A step with prompt logprobs: one chunk of fp32 logits, its log_softmax and the rank
@@ -226,16 +228,20 @@ class ModelRunner:
         """Allocate (zeroed) key and value caches of ``num_blocks`` blocks for every layer."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
+            "KV cache: %d blocks x %d tokens (%.1f MiB)",
+            num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
         )
 
     # ------------------------------------------------------------------ one step
-    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare_inputs(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Build the step's tensors (numpy on the host, then one copy each to the device).
 
         Returns:
@@ -339,7 +345,8 @@ class ModelRunner:
         mine = self.compute_logits(hidden[0][0, -1:])
         theirs = logits[0][0, -1:].float()
         if mine.shape != theirs.shape:
-            return f"{type(self.model).__name__}: LM head logits of shape {tuple(mine.shape)}, the model's {tuple(theirs.shape)}"
+            return (f"{type(self.model).__name__}: LM head logits of shape {tuple(mine.shape)}, "
+                    f"the model's {tuple(theirs.shape)}")
         if torch.allclose(mine, theirs, rtol=1e-3, atol=1e-4):
             return None
         scale = float((mine * theirs).sum() / (mine * mine).sum().clamp_min(1e-30))
@@ -419,7 +426,8 @@ class ModelRunner:
         scheduled = scheduler_output.scheduled
         sampling = [s for s in scheduled if s.sample]
         if not scheduled:
-            return ModelRunnerOutput(sampling, torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device))
+            empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+            return ModelRunnerOutput(sampling, empty)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
         rows = self._prompt_logprob_rows(scheduled)
         captured: list[torch.Tensor] = []

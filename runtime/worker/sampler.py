@@ -169,7 +169,8 @@ class Sampler:
             toks.update(r.output_token_ids)
             row_idx.extend([j] * len(toks))
             tok_idx.extend(toks)
-        seen[torch.tensor(row_idx, dtype=torch.long, device=dev), torch.tensor(tok_idx, dtype=torch.long, device=dev).clamp_(max=vocab - 1)] = True
+        rows = torch.tensor(row_idx, dtype=torch.long, device=dev)
+        seen[rows, torch.tensor(tok_idx, dtype=torch.long, device=dev).clamp_(max=vocab - 1)] = True
         idx = torch.tensor(rows, device=dev)
         sub = logits.index_select(0, idx)
         penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows], device=dev).unsqueeze(1)
@@ -183,7 +184,8 @@ class Sampler:
         for j, i in enumerate(rows):
             out = requests[i].output_token_ids
             if out:
-                counts[j].index_add_(0, torch.tensor(out, dtype=torch.long, device=dev), torch.ones(len(out), dtype=logits.dtype, device=dev))
+                ids = torch.tensor(out, dtype=torch.long, device=dev)
+                counts[j].index_add_(0, ids, torch.ones(len(out), dtype=logits.dtype, device=dev))
         freq = torch.tensor([requests[i].sampling_params.frequency_penalty for i in rows], device=dev).unsqueeze(1)
         pres = torch.tensor([requests[i].sampling_params.presence_penalty for i in rows], device=dev).unsqueeze(1)
         idx = torch.tensor(rows, device=dev)
