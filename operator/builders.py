@@ -70,6 +70,11 @@ ENGINE_KEYS = {
     "tensorParallelSize": "tensor_parallel_size",
 }
 
+SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
+                      "metrics_compat", "shutdown_timeout", "termination_log")
+"""``kvfleet serve`` server options (``ServerSettings``) that ``engine.extraArgs`` may set in the
+config file: all but ``host``, ``port`` (the pod's) and ``api_key`` (``apiKeySecretRef``)."""
+
 TUNABLE_ENGINE_KEYS = ("blockSize", "gpuMemoryUtilization")
 """``status.engine`` keys the tuner (spec.tuning) may set; they override spec.engine."""
 
@@ -189,8 +194,8 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
     runtime knows the key.
 
     Args:
-        known_keys: the runtime's accepted keys (default: ``EngineConfig.model_fields``);
-            extraArgs keys outside it raise.
+        known_keys: the runtime's accepted keys (default: ``EngineConfig.model_fields`` and
+            :data:`SERVER_CONFIG_KEYS`); extraArgs keys outside it raise.
 
     Raises:
         InvalidSpec: an ``engine.extraArgs`` key the runtime does not know
@@ -225,9 +230,10 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
 
 
 def _engine_config_fields() -> list[str]:
+    """Every key ``kvfleet serve --config`` accepts that the operator does not set itself."""
     from kvfleet.runtime.config import EngineConfig  # pydantic only, no torch
 
-    return list(EngineConfig.model_fields)
+    return [*EngineConfig.model_fields, *SERVER_CONFIG_KEYS]
 
 
 def config_text(config: Mapping[str, Any]) -> str:

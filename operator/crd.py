@@ -204,8 +204,10 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
     "tensorParallelSize": _int("GPUs one model replica is split over.", minimum=1, maximum=16, default=1),
     "extraArgs": {
         "type": "object",
-        "description": "Further runtime config keys, snake_case as in the runtime's config file "
-                       "(e.g. max_num_batched_tokens). Unknown keys make the resource Degraded.",
+        "description": "Further options of kvfleet serve's config file, snake_case: engine options "
+                       "(e.g. enable_chunked_prefill) and server options (max_queue_len, metrics_compat, "
+                       "shutdown_timeout, ...; not host, port, api_key). Unknown keys make the resource "
+                       "Degraded.",
         "additionalProperties": {"x-kubernetes-preserve-unknown-fields": True},
     },
 })
@@ -219,7 +221,9 @@ AUTOSCALING = _obj(
     {
         "mode": {"type": "string", "enum": ["none", "operator", "hpa"], "default": "none",
                  "description": "Who scales."},
-        "minReplicas": _int("Fewest replicas (0 allows scale to zero with mode operator).",
+        "minReplicas": _int("Fewest replicas (0 allows scale to zero with mode operator; with mode "
+                            "hpa it acts as 1, since an HPA cannot scale to zero without the "
+                            "HPAScaleToZero feature gate).",
                             minimum=0, default=1),
         "maxReplicas": _int("Most replicas (required unless mode is none).", minimum=1, maximum=1000),
         "targetQueueDepth": _num("Waiting requests per replica to aim for.", default=4,

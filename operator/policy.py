@@ -429,15 +429,23 @@ def _explain(why: str, metrics: MetricsAggregate | None, config: AutoscalingConf
 
 HPA_METRIC = "kvfleet_num_requests_waiting"
 """Name of the Pods metric (as the prometheus-adapter rule exposes it) the HPA scales on."""
+HPA_KV_METRIC = "kvfleet_kv_cache_usage_perc"
+"""The second Pods metric: KV cache usage (0-1) per pod, against ``targetKVCacheUsage``."""
+
+
+def _quantity(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{int(round(x * 1000))}m"
 
 
 def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``autoscaling/v2`` HorizontalPodAutoscaler for an InferenceService in mode ``hpa``.
 
     It targets the InferenceService's own scale subresource (``kvfleet.io/v1alpha1``,
-    kind ``InferenceService``), with a Pods metric on the queue depth
-    (:data:`HPA_METRIC`, average value ``targetQueueDepth``) and the spec's
-    stabilization windows as ``behavior``. The ownerReference points at the
+    kind ``InferenceService``), with two Pods metrics, the queue depth (:data:`HPA_METRIC`,
+    average value ``targetQueueDepth``) and the KV cache usage (:data:`HPA_KV_METRIC`, average
+    value ``targetKVCacheUsage``; the HPA takes the larger recommendation), and the spec's
+    stabilization windows as ``behavior``. ``minReplicas`` is at least 1: an HPA cannot scale
+    to zero without the HPAScaleToZero feature gate. The ownerReference points at the
     InferenceService (its uid when it has one). Raises ValueError on an invalid
     ``spec.autoscaling`` (see :meth:`AutoscalingConfig.from_spec`).
     """
@@ -453,8 +461,6 @@ def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None) 
     }
     if meta.get("uid"):
         owner["uid"] = meta["uid"]
-    target = cfg.target_queue_depth
-    avg = str(int(target)) if float(target).is_integer() else f"{int(round(target * 1000))}m"
     hpa_meta: dict[str, Any] = {"name": name, "ownerReferences": [owner]}
     if meta.get("namespace"):
         hpa_meta["namespace"] = meta["namespace"]
@@ -469,13 +475,10 @@ def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None) 
             # An HPA cannot go below 1 replica unless the HPAScaleToZero feature gate is on.
             "minReplicas": max(cfg.min_replicas, 1),
             "maxReplicas": cfg.max_replicas,
-            "metrics": [{
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": HPA_METRIC},
-                    "target": {"type": "AverageValue", "averageValue": avg},
-                },
-            }],
+            "metrics": [{"type": "Pods", "pods": {"metric": {"name": metric},
+                                                  "target": {"type": "AverageValue", "averageValue": _quantity(t)}}}
+                        for metric, t in ((HPA_METRIC, cfg.target_queue_depth),
+                                          (HPA_KV_METRIC, cfg.target_kv_cache_usage))],
             "behavior": {
                 "scaleUp": {"stabilizationWindowSeconds": int(cfg.scale_up_window)},
                 "scaleDown": {"stabilizationWindowSeconds": int(cfg.scale_down_window)},

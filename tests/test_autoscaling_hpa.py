@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvfleet.operator import builders, crd
-from kvfleet.operator.policy import HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
+from kvfleet.operator.policy import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +42,10 @@ def test_hpa_validates_and_targets_the_scale_subresource():
                                              "name": obj["metadata"]["name"]}
     scale = crd.crd()["spec"]["versions"][0]["subresources"]["scale"]
     assert scale["specReplicasPath"] == ".spec.replicas" and scale["labelSelectorPath"] == ".status.selector"
-    (metric,) = hpa["spec"]["metrics"]
+    metric, kv = hpa["spec"]["metrics"]
     assert metric == {"type": "Pods", "pods": {"metric": {"name": HPA_METRIC},
                                                "target": {"type": "AverageValue", "averageValue": "3"}}}
+    assert kv["pods"]["metric"]["name"] == HPA_KV_METRIC
     assert hpa["spec"]["behavior"] == {"scaleUp": {"stabilizationWindowSeconds": 0},
                                        "scaleDown": {"stabilizationWindowSeconds": 120}}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
@@ -112,3 +113,12 @@ def test_conflicting_hpa_detection():
         ("HorizontalPodAutoscaler d", "Deployment"), ("HorizontalPodAutoscaler mine", "InferenceService"),
         ("ScaledObject so", "Deployment")]
     assert scalers_targeting([deploy], [keda], "a") == []  # without the Deployment's name: only the resource
+
+
+def test_hpa_honours_the_kv_usage_target_and_min_replicas_zero_acts_as_one():
+    hpa = build_hpa({"metadata": {"name": "a"}, "spec": {"autoscaling": {
+        "mode": "hpa", "minReplicas": 0, "maxReplicas": 3, "targetQueueDepth": 2, "targetKVCacheUsage": 0.7}}})
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
+    assert targets == {HPA_METRIC: "2", HPA_KV_METRIC: "700m"}
+    assert hpa["spec"]["minReplicas"] == 1
+    assert "acts as 1" in crd.AUTOSCALING["properties"]["minReplicas"]["description"]

@@ -377,10 +377,10 @@ def test_prometheus_adapter_rule_configmap(helm_bin):
     cm = one(objs, "ConfigMap", "kvf-kvfleet-prometheus-adapter")
     config = yaml.safe_load(cm["data"]["config.yaml"])
     assert config == yaml.safe_load((CHART / "files" / "prometheus-adapter-rules.yaml").read_text())
-    (rule,) = config["rules"]
-    assert rule["name"]["as"] == "kvfleet_num_requests_waiting"
-    assert rule["seriesQuery"].startswith("kvfleet:num_requests_waiting{")
-    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+    assert [r["name"]["as"] for r in config["rules"]] == ["kvfleet_num_requests_waiting", "kvfleet_kv_cache_usage_perc"]
+    for rule in config["rules"]:
+        assert rule["seriesQuery"].startswith(rule["name"]["as"].replace("kvfleet_", "kvfleet:", 1) + "{")
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
     objs = render(helm_bin, "--set", "prometheusAdapter.rules.enabled=false")
     assert not [o for o in by_kind(objs, "ConfigMap") if o["metadata"]["name"].endswith("prometheus-adapter")]
 

@@ -44,9 +44,9 @@ def test_hpa_snippet_matches_the_adapter_rule_and_the_operator():
     ref = hpa["spec"]["scaleTargetRef"]
     assert ref["apiVersion"] == f"{c['spec']['group']}/{c['spec']['versions'][0]['name']}"
     assert ref["kind"] == c["spec"]["names"]["kind"]
-    (metric,) = hpa["spec"]["metrics"]
     rules = yaml.safe_load((CHART / "files" / "prometheus-adapter-rules.yaml").read_text())["rules"]
-    assert metric["pods"]["metric"]["name"] == rules[0]["name"]["as"] == policy.HPA_METRIC
+    assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [r["name"]["as"] for r in rules] == [
+        policy.HPA_METRIC, policy.HPA_KV_METRIC]
     # Same shape as the HPA the operator builds in mode hpa.
     built = policy.build_hpa({"metadata": {"name": ref["name"], "namespace": "default"},
                               "spec": {"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4,

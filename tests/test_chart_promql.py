@@ -55,17 +55,19 @@ def dashboard_exprs() -> list[str]:
 
 
 def adapter_exprs() -> list[str]:
-    """The adapter rule's queries, expanded the way prometheus-adapter expands them for
+    """The adapter rules' queries, expanded the way prometheus-adapter expands them for
     `GET .../namespaces/llm/pods/*/kvfleet_num_requests_waiting` (Go templates over << >>)."""
-    (rule,) = yaml.safe_load((FILES / "prometheus-adapter-rules.yaml").read_text())["rules"]
-    series = re.match(r"^([a-zA-Z_:][\w:]*)", rule["seriesQuery"]).group(1)
-    assert re.fullmatch(rule["name"]["matches"], series)
-    expanded = (rule["metricsQuery"]
-                .replace("<<.Series>>", series)
-                .replace("<<.LabelMatchers>>", 'namespace="llm",pod=~"llama-0|llama-1"')
-                .replace("<<.GroupBy>>", "pod"))
-    assert "<<" not in expanded, expanded
-    return [rule["seriesQuery"], expanded]
+    out = []
+    for rule in yaml.safe_load((FILES / "prometheus-adapter-rules.yaml").read_text())["rules"]:
+        series = re.match(r"^([a-zA-Z_:][\w:]*)", rule["seriesQuery"]).group(1)
+        assert re.fullmatch(rule["name"]["matches"], series)
+        expanded = (rule["metricsQuery"]
+                    .replace("<<.Series>>", series)
+                    .replace("<<.LabelMatchers>>", 'namespace="llm",pod=~"llama-0|llama-1"')
+                    .replace("<<.GroupBy>>", "pod"))
+        assert "<<" not in expanded, expanded
+        out += [rule["seriesQuery"], expanded]
+    return out
 
 
 def check_with_promtool(promtool: str, exprs: list[str], tmp_path: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,54 @@
+"""Config passthrough: ``engine.extraArgs`` takes every option ``kvfleet serve --config``
+accepts (engine and server options alike), except those the operator sets itself; the
+ConfigMap the operator writes is read back by the runtime's own option parser."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvfleet.operator import builders
+from kvfleet.operator.builders import InvalidSpec
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings, parse_serve_args
+
+ROOT = Path(__file__).resolve().parent.parent
+OWNED_BY_THE_OPERATOR = {"host", "port", "api_key"}  # the pod's address; apiKeySecretRef
+
+
+def isvc(**extra) -> dict:
+    obj = yaml.safe_load((ROOT / "examples/inferenceservice-minimal.yaml").read_text())
+    obj["metadata"].update(uid="u", namespace="default", generation=1)
+    obj["spec"].setdefault("engine", {})["extraArgs"] = extra
+    return copy.deepcopy(obj)
+
+
+def test_every_server_option_but_the_operators_own_passes_through():
+    assert set(builders.SERVER_CONFIG_KEYS) == set(ServerSettings.model_fields) - OWNED_BY_THE_OPERATOR
+
+
+def test_extra_args_reach_kvfleet_serve_through_the_config_file(tmp_path):
+    config = builders.engine_config(isvc(metrics_compat="vllm", max_queue_len=4, shutdown_timeout=45,
+                                         enable_chunked_prefill=True))
+    path = tmp_path / "config.yaml"
+    path.write_text(builders.config_text(config))
+    args = parse_serve_args(["--config", str(path)], environ={})
+    assert (args.server.metrics_compat, args.server.max_queue_len, args.server.shutdown_timeout) == ("vllm", 4, 45)
+    assert args.engine.enable_chunked_prefill is True
+
+
+@pytest.mark.parametrize("key", sorted(OWNED_BY_THE_OPERATOR) + ["no_such_option"])
+def test_what_the_operator_sets_or_the_runtime_lacks_is_refused(key):
+    with pytest.raises(InvalidSpec) as e:
+        builders.engine_config(isvc(**{key: 1}))
+    assert e.value.reason == "UnknownEngineArg"
+
+
+def test_typed_fields_still_win_over_extra_args():
+    with pytest.raises(InvalidSpec) as e:
+        builders.engine_config(isvc(block_size=32))
+    assert e.value.reason == "ConflictingEngineArg"
+    assert "block_size" in EngineConfig.model_fields
