@@ -57,6 +57,14 @@ CONFIG_FILE = "config.yaml"
 CACHE_DIR = "/cache"
 RUNTIME_UID = 1000
 
+PRESTOP_SECONDS = 10
+"""The runtime container's preStop sleep: time for the endpoint controllers, kube-proxy and
+ingresses to stop sending new requests before SIGTERM starts the drain, seconds."""
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+"""``kvfleet serve --shutdown-timeout``'s default, seconds."""
+SHUTDOWN_MARGIN_SECONDS = 10
+"""Grace after the drain: the server's short listener grace and the engine's exit, seconds."""
+
 # spec.engine (camelCase) -> runtime EngineConfig field (snake_case)
 ENGINE_KEYS = {
     "blockSize": "block_size",
@@ -154,6 +162,24 @@ def service_url(isvc: Mapping[str, Any]) -> str:
     """``http://<svc>.<ns>.svc.cluster.local:8000/v1``: the OpenAI base URL in the cluster."""
     ns = isvc["metadata"].get("namespace") or "default"
     return f"http://{names(isvc)['service']}.{ns}.svc.cluster.local:{PORT}/v1"
+
+
+def shutdown_timeout_seconds(spec: Mapping[str, Any]) -> float:
+    """The runtime's ``shutdown_timeout`` (``engine.extraArgs.shutdown_timeout``, else its
+    default :data:`DEFAULT_SHUTDOWN_TIMEOUT`): how long a SIGTERM waits for requests in flight."""
+    value = (spec.get("engine", {}).get("extraArgs") or {}).get("shutdown_timeout")
+    try:
+        return float(DEFAULT_SHUTDOWN_TIMEOUT if value is None else value)
+    except (TypeError, ValueError):
+        raise InvalidSpec("InvalidEngineArg", f"engine.extraArgs.shutdown_timeout must be seconds, "
+                                              f"got {value!r}") from None
+
+
+def termination_grace_seconds(spec: Mapping[str, Any]) -> int:
+    """The pod's ``terminationGracePeriodSeconds``: the preStop sleep, then the runtime's drain
+    (``shutdown_timeout``), then :data:`SHUTDOWN_MARGIN_SECONDS` for the listener's grace and
+    the engine's exit; the kubelet's SIGKILL never cuts a drain short."""
+    return int(PRESTOP_SECONDS + math.ceil(shutdown_timeout_seconds(spec)) + SHUTDOWN_MARGIN_SECONDS)
 
 
 def gpu_count(spec: Mapping[str, Any]) -> int:
@@ -288,6 +314,7 @@ def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> di
         "args": args,
         "env": env,
         "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR},
                          {"name": "cache", "mountPath": CACHE_DIR},
                          {"name": "tmp", "mountPath": "/tmp"}],
@@ -387,6 +414,10 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
                           "timeoutSeconds": 5, "failureThreshold": 6},
         "securityContext": _container_security(),
         "volumeMounts": mounts,
+        # Endpoints are removed while the pod sleeps; only then does SIGTERM start the drain.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SECONDS)]}}},
+        # The runtime writes a fatal reason (OOM) there; else the log tail is the message.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if resources:
         container["resources"] = resources
@@ -401,7 +432,7 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
     pod_spec: dict[str, Any] = {
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUNTIME_UID, "runAsGroup": RUNTIME_UID,
                             "fsGroup": RUNTIME_UID, "seccompProfile": {"type": "RuntimeDefault"}},
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "containers": [container],
         "volumes": volumes,
     }

@@ -52,3 +52,28 @@ def test_typed_fields_still_win_over_extra_args():
         builders.engine_config(isvc(block_size=32))
     assert e.value.reason == "ConflictingEngineArg"
     assert "block_size" in EngineConfig.model_fields
+
+
+def runtime_pod(**extra) -> dict:
+    deploy = next(c for c in builders.desired_children(isvc(**extra)) if c["kind"] == "Deployment")
+    return deploy["spec"]["template"]["spec"]
+
+
+def test_pod_drains_within_its_grace_period():
+    """preStop sleep first (endpoints go), then the runtime's drain bounded by shutdown_timeout,
+    all inside terminationGracePeriodSeconds; the default matches `kvfleet serve`'s own."""
+    assert builders.DEFAULT_SHUTDOWN_TIMEOUT == ServerSettings.model_fields["shutdown_timeout"].default
+    pod = runtime_pod()
+    (c,) = pod["containers"]
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", str(builders.PRESTOP_SECONDS)]}}
+    assert pod["terminationGracePeriodSeconds"] == builders.PRESTOP_SECONDS + 30 + builders.SHUTDOWN_MARGIN_SECONDS
+    assert runtime_pod(shutdown_timeout=120)["terminationGracePeriodSeconds"] == (
+        builders.PRESTOP_SECONDS + 120 + builders.SHUTDOWN_MARGIN_SECONDS)
+    with pytest.raises(InvalidSpec):
+        runtime_pod(shutdown_timeout="soon")
+
+
+def test_termination_messages_fall_back_to_the_logs():
+    pod = runtime_pod()
+    assert [c["terminationMessagePolicy"] for c in pod["containers"] + pod["initContainers"]] == [
+        "FallbackToLogsOnError", "FallbackToLogsOnError"]
