@@ -32,14 +32,14 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.runtime.entrypoints.openai.api_server import create_app
-from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.entrypoints.openai.api_server import create_app
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 
 MODEL = "SmolLM2-135M-Instruct"
 KV_CACHE = 32 * 1024**2
@@ -323,7 +323,8 @@ def test_api_key_guards_v1_routes_only(start, tok):
             ("post", "/reset_prefix_cache", None),
         ]:
             for headers in bad_headers:
-                r = getattr(c, method)(path, json=body, headers=headers) if body else getattr(c, method)(path, headers=headers)
+                call = getattr(c, method)
+                r = call(path, json=body, headers=headers) if body else call(path, headers=headers)
                 err = assert_error(r, 401)
                 assert err["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
             r = getattr(c, method)(path, json=body, headers=ok) if body else getattr(c, method)(path, headers=ok)
@@ -513,7 +514,8 @@ def test_explicit_nulls_mean_defaults(client, reference, tok):
     assert r.json()["choices"][0]["text"] == sampled
     # max_tokens null: up to max_model_len
     prompt = "hello " * 50
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": None, "ignore_eos": True, "temperature": 0})
+    body = {"prompt": prompt, "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == MAX_LEN - len(tok.encode(prompt))
     assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -523,7 +525,8 @@ def test_engine_request_error_is_500_not_a_silent_abort(client, reference, monke
     def exploding_update(self, *args, **kwargs):
         raise ValueError("detokenizer exploded")
 
-    monkeypatch.setattr(IncrementalDetokenizer, "update", exploding_update)  # the real engine, broken for these requests
+    # the real engine, broken for these requests
+    monkeypatch.setattr(IncrementalDetokenizer, "update", exploding_update)
     err = assert_error(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8}), 500)
     assert err["code"] == "internal_error" and "detokenizer exploded" in err["message"]
     events = sse_events(client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 8, "stream": True}))
@@ -559,7 +562,8 @@ def test_completion_usage_choices_and_logprobs(client, reference, tok):
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(5)]
     assert all(len(top) == 2 for top in lp["top_logprobs"])  # ranks <= 2
     # greedy: the sampled token is the most likely one
-    assert all(max(top.values()) == pytest.approx(x, abs=1e-6) for top, x in zip(lp["top_logprobs"], lp["token_logprobs"]))
+    assert all(max(top.values()) == pytest.approx(x, abs=1e-6)
+               for top, x in zip(lp["top_logprobs"], lp["token_logprobs"]))  # fmt: skip
 
     seen = sorted(seen, key=lambda req: req.request_id)
     assert {(req.tenant, req.priority) for req in seen} == {("team-a", 3)}
@@ -615,7 +619,8 @@ def test_chat_stream_framing_with_usage(client, reference):
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in body)
     assert usage_chunk["choices"] == []
     prompt_len = len(ref.prompt_token_ids)
-    assert usage_chunk["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 12, "total_tokens": prompt_len + 12}
+    want_usage = {"prompt_tokens": prompt_len, "completion_tokens": 12, "total_tokens": prompt_len + 12}
+    assert usage_chunk["usage"] == want_usage
     for idx in (0, 1):
         want = ref.outputs[idx]
         mine = [c["choices"][0] for c in body if c["choices"][0]["index"] == idx]

@@ -6,6 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfleet.runtime.core.sched.output import SchedulerStats
+from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
 from kvfleet.runtime.metrics import (
     ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
@@ -15,8 +17,6 @@ from kvfleet.runtime.metrics import (
     build_1_2_5_buckets,
     exposition,
 )
-from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
-from kvfleet.runtime.core.sched.output import SchedulerStats
 
 
 def families(logger: PrometheusStatLogger) -> dict:
@@ -32,14 +32,16 @@ def value(fams, name, suffix="", **labels):
 
 
 def bucket_bounds(fams, name):
-    return [float(s.labels["le"]) for s in fams[name].samples if s.name == name + "_bucket" and s.labels["le"] != "+Inf"]
+    return [float(s.labels["le"]) for s in fams[name].samples
+            if s.name == name + "_bucket" and s.labels["le"] != "+Inf"]  # fmt: skip
 
 
 def test_buckets_are_vllms():
     # vllm/v1/metrics/loggers.py
     assert len(TTFT_BUCKETS) == 22 and TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0
     assert len(ITL_BUCKETS) == 19 and ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80.0
-    assert len(REQUEST_LATENCY_BUCKETS) == 21 and REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
+    assert len(REQUEST_LATENCY_BUCKETS) == 21
+    assert REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
 
@@ -55,7 +57,8 @@ def test_record_updates_every_series():
                        finished_requests=[FinishedRequestStats("stop", 1.2, 0.1, 20, 7),
                                           FinishedRequestStats("abort", 0.4, 0.0, 20, 1)]),
     )  # fmt: skip
-    lg.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=10), IterationStats(num_generation_tokens=1))
+    lg.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=10),
+              IterationStats(num_generation_tokens=1))  # fmt: skip
     f = families(lg)
     assert value(f, "kvfleet:num_requests_running", model_name="m") == 1
     assert value(f, "kvfleet:num_requests_waiting") == 0
