@@ -1,0 +1,314 @@
+"""Where an engine step's time goes, and one-stream / 48-request throughput, A/B against a git revision.
+
+::
+
+    python benchmarks/step_profile.py phases [--concurrency 1 32] [--dtype float32 bfloat16] [--steps 40]
+    python benchmarks/step_profile.py bench [--baseline REV] [--rounds 2] [--dtype float32 bfloat16]
+
+``phases`` runs decode steps through ``LLMEngine`` at each concurrency (``C`` requests of
+128-token prompts, decoding) with timers around each part of ``LLMEngine.step``: the
+scheduler's ``schedule()``, the model runner's input preparation (``prepare_inputs``), the
+model's forward, the rest of ``execute_model``, the sampler, the scheduler's
+``update_from_output`` and the output side (detokenizer, ``RequestOutput``s, stats: the step's
+remainder). It prints the median of each per step, ms, and its share. ``--cprofile N`` also
+prints the top ``N`` functions of ``cProfile`` over the same steps (tottime).
+
+``bench`` measures two workloads, each in a fresh process per build and dtype, greedy with EOS
+ignored: one stream (a 128-token prompt, 256 new tokens; tok/s of the decode, first token
+excluded, and of the whole request) and 48 requests at once (prompts 16-400 tokens, outputs
+16-150, seed 0; output tok/s over the whole run). With ``--baseline REV`` it extracts the
+revision's ``runtime/`` and ``kernels/`` (``git archive``) into a temporary folder, runs the
+same measurement with that code (``PYTHONPATH`` puts it ahead of the editable install) and
+alternates old/new runs ``--rounds`` times, so machine noise hits both alike; it prints the best
+of the rounds for each and new/old.
+
+Both set ``OMP_WAIT_POLICY=PASSIVE`` as the engine does; torch uses its default threads
+(``torch.get_num_threads()``, printed) unless ``--threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PHASES = ("schedule", "prepare_inputs", "forward", "runner_other", "sampler", "update_from_output", "output")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def make_engine(dtype: str, max_num_seqs: int = 128):
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_num_seqs))
+
+
+def prompt(i: int, n: int, rng: random.Random | None = None) -> list[int]:
+    rng = rng or random.Random(i)
+    return [rng.randrange(100, 49152) for _ in range(n)]
+
+
+# ---------------------------------------------------------------------- phases
+class _Timer:
+    def __init__(self) -> None:
+        self.acc = dict.fromkeys(PHASES, 0.0)
+
+    def wrap(self, name: str, fn):
+        acc = self.acc
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] += time.perf_counter() - t0
+
+        return timed
+
+
+class _TimedSampler:
+    def __init__(self, sampler, timer: _Timer) -> None:
+        self._call = timer.wrap("sampler", sampler.__call__)
+        self._sampler = sampler
+
+    def __call__(self, *a, **k):
+        return self._call(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+
+def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int) -> dict:
+    import torch
+
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    eng = make_engine(dtype)
+    timer = _Timer()
+    runner = eng.runner
+    runner_acc = {"execute_model": 0.0}
+    sched = eng.scheduler
+    sched.schedule = timer.wrap("schedule", sched.schedule)
+    sched.update_from_output = timer.wrap("update_from_output", sched.update_from_output)
+    if hasattr(runner, "prepare_inputs"):
+        runner.prepare_inputs = timer.wrap("prepare_inputs", runner.prepare_inputs)
+    model = runner.model
+    model.forward = timer.wrap("forward", model.forward)
+    execute = runner.execute_model
+
+    def timed_execute(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return execute(*a, **k)
+        finally:
+            runner_acc["execute_model"] += time.perf_counter() - t0
+
+    runner.execute_model = timed_execute
+    eng.sampler = _TimedSampler(eng.sampler, timer)
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    for i in range(concurrency):
+        eng.add_request(f"r{i}", prompt(i, 128), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running) or sched.num_waiting:
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    rows: dict[str, list[float]] = {p: [] for p in (*PHASES, "step")}
+    prof = None
+    if cprofile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    for _ in range(steps):
+        for k in timer.acc:
+            timer.acc[k] = 0.0
+        runner_acc["execute_model"] = 0.0
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        eng.step()
+        if prof is not None:
+            prof.disable()
+        total = time.perf_counter() - t0
+        acc = timer.acc
+        acc["runner_other"] = runner_acc["execute_model"] - acc["prepare_inputs"] - acc["forward"]
+        acc["output"] = total - sum(acc[p] for p in PHASES if p != "output") - 0.0
+        for p in PHASES:
+            rows[p].append(acc[p] * 1e3)
+        rows["step"].append(total * 1e3)
+    med = {p: statistics.median(v) for p, v in rows.items()}
+    print(f"\n{dtype}, C={concurrency}, {steps} decode steps, torch threads {torch.get_num_threads()}, "
+          f"context ~{128 + 3}..{128 + 3 + steps}")
+    print("| phase | median ms | share of the median step |\n|---|---:|---:|")
+    for p in PHASES:
+        print(f"| {p} | {med[p]:.2f} | {100 * med[p] / med['step']:.1f}% |")
+    outside = med["step"] - med["forward"]
+    print(f"| **step** | **{med['step']:.2f}** | outside the forward: {outside:.2f} ms "
+          f"({100 * outside / med['step']:.1f}%) |")
+    if prof is not None:
+        import pstats
+
+        pstats.Stats(prof).sort_stats("tottime").print_stats(cprofile)
+    return {"dtype": dtype, "concurrency": concurrency, "median_ms": med}
+
+
+# ---------------------------------------------------------------------- throughput
+def workload_48() -> list[tuple[list[int], int]]:
+    rng = random.Random(0)
+    out = []
+    for i in range(48):
+        n = rng.randint(16, 400)
+        out.append((prompt(i, n, rng), rng.randint(16, 150)))
+    return out
+
+
+def run_bench(dtype: str) -> dict:
+    """One measurement in this process (the code on ``sys.path``): one stream, then 48 at once."""
+    import torch
+
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    eng = make_engine(dtype)
+    # Warm-up: one short request (first-call costs: allocator, oneDNN primitives).
+    eng.add_request("warm", prompt(999, 128), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.run_until_done()
+    # One stream: 128-token prompt, 256 new tokens.
+    eng.add_request("one", prompt(1, 128), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    t0 = time.perf_counter()
+    first = None
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+            if out.finished:
+                final = out
+    t1 = time.perf_counter()
+    n_out = len(final.outputs[0].token_ids)
+    one = {"tokens": n_out, "decode_tok_s": (n_out - 1) / (t1 - first), "e2e_tok_s": n_out / (t1 - t0),
+           "token_ids": final.outputs[0].token_ids}
+    # 48 requests at once.
+    work = workload_48()
+    for i, (p, m) in enumerate(work):
+        eng.add_request(f"b{i}", p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    t0 = time.perf_counter()
+    finals = eng.run_until_done()
+    dt = time.perf_counter() - t0
+    total_out = sum(len(o.outputs[0].token_ids) for o in finals.values())
+    many = {"prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": total_out, "seconds": dt,
+            "output_tok_s": total_out / dt,
+            "token_ids": {k: finals[k].outputs[0].token_ids for k in sorted(finals)}}
+    return {"dtype": dtype, "threads": torch.get_num_threads(), "one_stream": one, "batch48": many}
+
+
+def extract_baseline(rev: str) -> str:
+    root = tempfile.mkdtemp(prefix="kvfleet-step-baseline-")
+    pkg = os.path.join(root, "kvfleet")
+    os.makedirs(pkg)
+    archive = subprocess.run(["git", "-C", REPO, "archive", rev, "runtime", "kernels"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", pkg], input=archive, check=True)
+    return root
+
+
+def bench(args) -> None:
+    builds = [("new", None)]
+    if args.baseline:
+        builds.append(("old", extract_baseline(args.baseline)))
+    results: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for dtype in args.dtype:
+            order = builds if rnd % 2 == 0 else builds[::-1]
+            for name, path in order:
+                env = dict(os.environ)
+                if path:
+                    env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+                cmd = [sys.executable, os.path.abspath(__file__), "_one", "--dtype", dtype]
+                if args.threads:
+                    cmd += ["--threads", str(args.threads)]
+                t0 = time.time()
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.stderr.write(proc.stderr[-3000:])
+                    raise SystemExit(f"{name} {dtype} failed")
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                results.setdefault((name, dtype), []).append(res)
+                o, b = res["one_stream"], res["batch48"]
+                print(f"round {rnd} {name:3} {dtype:8}: one stream {o['decode_tok_s']:.1f} tok/s decode "
+                      f"({o['e2e_tok_s']:.1f} e2e), 48 at once {b['output_tok_s']:.1f} tok/s "
+                      f"({b['output_tokens']} tokens in {b['seconds']:.1f} s)  [{time.time() - t0:.0f} s, "
+                      f"load {os.getloadavg()[0]:.1f}]", flush=True)
+    print(f"\nCPU: {cpu_model()}, {os.cpu_count()} cores; best of {args.rounds} rounds")
+    print("| dtype | build | one stream decode tok/s | one stream e2e tok/s | 48 at once output tok/s |")
+    print("|---|---|---:|---:|---:|")
+    for dtype in args.dtype:
+        for name, _ in builds:
+            rs = results[(name, dtype)]
+            print(f"| {dtype} | {name} | {max(r['one_stream']['decode_tok_s'] for r in rs):.1f} | "
+                  f"{max(r['one_stream']['e2e_tok_s'] for r in rs):.1f} | "
+                  f"{max(r['batch48']['output_tok_s'] for r in rs):.1f} |")
+        if args.baseline:
+            new, old = results[("new", dtype)], results[("old", dtype)]
+            same = all(n["one_stream"]["token_ids"] == old[0]["one_stream"]["token_ids"]
+                       and n["batch48"]["token_ids"] == old[0]["batch48"]["token_ids"] for n in new)
+            r1 = max(r["one_stream"]["decode_tok_s"] for r in new) / max(r["one_stream"]["decode_tok_s"] for r in old)
+            r2 = max(r["batch48"]["output_tok_s"] for r in new) / max(r["batch48"]["output_tok_s"] for r in old)
+            print(f"| {dtype} | new/old | {r1:.2f}x | | {r2:.2f}x | same tokens: {same} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("phases")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--dtype", nargs="+", default=["float32"])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N")
+    p.add_argument("--threads", type=int, default=0)
+    b = sub.add_parser("bench")
+    b.add_argument("--baseline", default=None, metavar="REV")
+    b.add_argument("--rounds", type=int, default=2)
+    b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    b.add_argument("--threads", type=int, default=0)
+    o = sub.add_parser("_one")
+    o.add_argument("--dtype", default="float32")
+    o.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.cmd == "phases":
+        print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+        for dtype in args.dtype:
+            for c in args.concurrency:
+                profile_phases(dtype, c, args.steps, args.cprofile)
+    elif args.cmd == "bench":
+        bench(args)
+    else:
+        print(json.dumps(run_bench(args.dtype)))
+
+
+if __name__ == "__main__":
+    main()
