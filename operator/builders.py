@@ -106,7 +106,18 @@ def effective_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
     spec["autoscaling"].setdefault("scaleDown", {})
     spec["autoscaling"].setdefault("metrics", {})
     spec["tuning"].setdefault("gpuMemoryUtilization", {})
-    return crd.apply_defaults(spec, crd.SPEC)
+    spec = crd.apply_defaults(spec, crd.SPEC)
+    spec["runtime"].setdefault("image", crd.DEFAULT_IMAGE)
+    return spec
+
+
+def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:
+    """``isvc`` with ``spec.runtime.image`` set to ``image`` when it sets none (the operator's
+    default runtime image); a copy, unchanged when ``image`` is None or an image is set."""
+    out = copy.deepcopy(dict(isvc))
+    if image and not ((out.get("spec") or {}).get("runtime") or {}).get("image"):
+        out.setdefault("spec", {}).setdefault("runtime", {})["image"] = image
+    return out
 
 
 def effective_engine(isvc: Mapping[str, Any]) -> dict[str, Any]:

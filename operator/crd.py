@@ -156,7 +156,8 @@ RESOURCES = _obj("What one runtime pod requests (and is limited to).", {
 })
 
 RUNTIME = _obj("The runtime pods.", {
-    "image": _str("Runtime container image.", max_length=1024, default=DEFAULT_IMAGE),
+    "image": _str("Runtime container image (default: the operator's, env KVFLEET_RUNTIME_IMAGE, "
+                  "which the chart's runtimeImage value sets; else " + DEFAULT_IMAGE + ").", max_length=1024),
     "imagePullPolicy": {"type": "string", "description": "Image pull policy.",
                         "enum": ["Always", "IfNotPresent", "Never"], "default": "IfNotPresent"},
     "resources": RESOURCES,

@@ -57,9 +57,37 @@ def peering_identity() -> str:
     return f"{user}@{socket.gethostname()}/{now}/{secrets.token_hex(2)}"
 
 
+def cluster_problem(timeout: float = 5.0) -> str | None:
+    """Why there is no cluster to talk to (one line), or None: no in-cluster service account
+    and no usable kubeconfig, or an API server that does not answer ``GET /version``."""
+    import kubernetes
+    import urllib3
+
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    except kubernetes.config.ConfigException:
+        try:
+            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None,
+                                               client_configuration=config)
+        except (kubernetes.config.ConfigException, OSError, TypeError, ValueError) as e:
+            return ("no Kubernetes cluster: not in a pod, and no usable kubeconfig "
+                    f"(--kubeconfig FILE, $KUBECONFIG or ~/.kube/config): {str(e).splitlines()[0][:200]}")
+    config.retries = 0
+    try:
+        with kubernetes.client.ApiClient(config) as api:
+            kubernetes.client.VersionApi(api).get_code(_request_timeout=timeout)
+    except kubernetes.client.exceptions.ApiException:
+        return None  # it answered (401, 403, 404 on /version ...): the cluster is there
+    except (urllib3.exceptions.HTTPError, OSError) as e:
+        return f"cannot reach the Kubernetes API at {config.host}: {type(e).__name__}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``kvfleet operator``; returns when the operator stops (0), or 2 at once
-    for a ``--kubeconfig`` that does not exist."""
+    """Entry point of ``kvfleet operator``; returns when the operator stops (0), at once with
+    2 for a ``--kubeconfig`` that does not exist or no cluster configuration, or 1 for an API
+    server that does not answer (one line on stderr)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.kubeconfig:
         if not os.path.isfile(args.kubeconfig):
@@ -67,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvfleet operator: --kubeconfig {args.kubeconfig!r}: no such file", file=sys.stderr)
             return 2
         os.environ["KUBECONFIG"] = os.path.abspath(args.kubeconfig)
+    problem = cluster_problem()
+    if problem is not None:  # kopf would log the failed login and retry forever
+        print(f"kvfleet operator: {problem}", file=sys.stderr)
+        return 2 if problem.startswith("no Kubernetes cluster") else 1
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -114,8 +115,15 @@ class Outcome:
         return bool(self.applied or self.deleted or self.status_patch)
 
 
+RUNTIME_IMAGE_ENV = "KVFLEET_RUNTIME_IMAGE"
+"""The operator's default runtime image (the chart's ``runtimeImage``), for InferenceServices
+that set no ``spec.runtime.image``."""
+
+
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
-    """Every desired child (:func:`builders.desired_children`), stamped."""
+    """Every desired child (:func:`builders.desired_children`, with ``$KVFLEET_RUNTIME_IMAGE`` as
+    the default image), stamped."""
+    isvc = builders.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV))
     return [stamped(c) for c in builders.desired_children(isvc, scaled_externally=scaled_externally)]
 
 

@@ -519,3 +519,17 @@ def test_chart_app_version_is_the_package_version_and_the_default_runtime_tag():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"]
     assert crd.DEFAULT_IMAGE.rsplit(":", 1)[1] == chart["appVersion"]
+
+
+def test_runtime_image_value_is_the_operators_default_runtime_image(helm_bin):
+    def env(*args):
+        (c,) = one(render(helm_bin, *args), "Deployment")["spec"]["template"]["spec"]["containers"]
+        return {e["name"]: e.get("value") for e in c["env"]}["KVFLEET_RUNTIME_IMAGE"]
+
+    from kvfleet.operator import crd
+
+    assert env() == crd.DEFAULT_IMAGE  # the chart's appVersion: the same image the CRD documents
+    assert env("--set", "runtimeImage.repository=registry.example/kvfleet-runtime",
+               "--set", "runtimeImage.tag=dev") == "registry.example/kvfleet-runtime:dev"
+    digest = "sha256:" + "a" * 64
+    assert env("--set", f"runtimeImage.digest={digest}") == f"ghcr.io/kvfleet/kvfleet-runtime@{digest}"

@@ -106,3 +106,16 @@ def test_curl_examples_use_the_served_model_name(helm_bin):
     isvc = yaml.safe_load(textwrap.dedent(block))
     (model,) = re.findall(r'"model": "([^"]+)"', notes)
     assert model == _served_model_name(isvc)
+
+
+def test_readme_deploy_block_is_turnkey():
+    """README's deploy block: images pushed (or loaded), the chart pointed at them (the runtime
+    image too), the openai client installed before it is used, with the served model name."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Deploy on Kubernetes", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert "docker push" in block and "kind load docker-image" in block
+    assert "runtimeImage.repository=" in block and "image.repository=" in block
+    assert block.index("pip install openai") < block.index("from openai import OpenAI")
+    (model,) = re.findall(r'model="([^"]+)"', block)
+    isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
+    assert model == _served_model_name(isvc)

@@ -77,3 +77,9 @@ def test_termination_messages_fall_back_to_the_logs():
     pod = runtime_pod()
     assert [c["terminationMessagePolicy"] for c in pod["containers"] + pod["initContainers"]] == [
         "FallbackToLogsOnError", "FallbackToLogsOnError"]
+
+
+def test_the_minimal_example_is_not_best_effort():
+    (c,) = runtime_pod()["containers"]
+    requests = c["resources"]["requests"]
+    assert {"cpu", "memory"} <= set(requests) and c["resources"]["limits"]["memory"] == requests["memory"]

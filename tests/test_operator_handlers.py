@@ -80,3 +80,39 @@ def test_missing_kubeconfig_is_a_usage_error_not_an_endless_retry(tmp_path, caps
 
     assert main(["--kubeconfig", str(tmp_path / "nope.yaml"), "--standalone"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _run_operator(env_extra: dict, *args: str, timeout: float = 60):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-m", "kvfleet.runtime.cli", "operator", "--standalone", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_no_cluster_is_one_clear_line_not_an_endless_retry(tmp_path):
+    r = _run_operator({"HOME": str(tmp_path)})  # no service account, no ~/.kube/config
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("kvfleet operator: no Kubernetes cluster")
+
+
+def test_an_api_server_that_does_not_answer_is_one_clear_line(tmp_path):
+    from support import free_port
+
+    port = free_port()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: c, cluster: {{server: "http://127.0.0.1:{port}"}}}}]
+users: [{{name: u, user: {{}}}}]
+contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
+current-context: x
+""")
+    r = _run_operator({"HOME": str(tmp_path)}, "--kubeconfig", str(kubeconfig))
+    assert r.returncode == 1
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"kvfleet operator: cannot reach the Kubernetes API at http://127.0.0.1:{port}")

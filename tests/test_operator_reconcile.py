@@ -272,3 +272,20 @@ def test_is_subset_treats_named_lists_as_maps():
                                              "args": ["x", "y"]})
     assert not reconcile.is_subset(desired, {"containers": [{"name": "runtime", "env": [{"name": "A", "value": "1"}]}],
                                              "args": ["x", "y", "z"]})  # atomic lists: exactly
+
+
+def test_the_operators_default_runtime_image_applies_where_the_spec_sets_none(kube_env, monkeypatch):
+    emu, kube = kube_env
+    monkeypatch.setenv(reconcile.RUNTIME_IMAGE_ENV, "registry.example/kvfleet-runtime:dev")
+    emu.create(ISVC, example())
+    pinned = example(runtime={"image": "registry.example/pinned:1"})
+    pinned["metadata"]["name"] = "pinned"
+    emu.create(ISVC, pinned)
+    for name in ("smollm2", "pinned"):
+        reconcile.reconcile(kube, NS, name)
+    def images(name):
+        spec = emu.get("apps/v1/deployments", NS, name)["spec"]["template"]["spec"]
+        return {c["image"] for c in spec["containers"] + spec.get("initContainers", [])}
+    assert images("smollm2") == {"registry.example/kvfleet-runtime:dev"}
+    assert images("pinned") == {"registry.example/pinned:1"}
+    assert "image" not in (emu.get(ISVC, NS, "smollm2")["spec"].get("runtime") or {})  # nothing written to the spec

@@ -53,6 +53,15 @@ app.kubernetes.io/component: operator
 {{- end }}
 {{- end }}
 
+{{/* The default runtime image of InferenceServices (repository@digest, else repository:tag). */}}
+{{- define "kvfleet.runtimeImage" -}}
+{{- if .Values.runtimeImage.digest }}
+{{- printf "%s@%s" .Values.runtimeImage.repository .Values.runtimeImage.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.runtimeImage.repository (default .Chart.AppVersion .Values.runtimeImage.tag) }}
+{{- end }}
+{{- end }}
+
 {{/* "true" when the operator watches every namespace (no watchNamespaces given). */}}
 {{- define "kvfleet.clusterWide" -}}
 {{- if not .Values.operator.watchNamespaces }}true{{ end }}
