@@ -33,8 +33,8 @@ import kopf
 from kvfleet.operator import builders, crd, policy, reconcile, tuning
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
+from kvfleet.operator.status import autoscaler_off_message, set_condition
 from kvfleet.operator.status import event as status_event
-from kvfleet.operator.status import set_condition
 from kvfleet.operator.times import parse_datetime, rfc3339
 
 log = logging.getLogger(__name__)
@@ -114,13 +114,12 @@ def _condition_patch(isvc: Mapping[str, Any], status: str, reason: str, message:
 
 def _retire_patch(isvc: Mapping[str, Any], mode: str) -> dict[str, Any]:
     """``ScalingActive=False`` when the operator's autoscaler is off and the condition is
-    there from before ({} otherwise: nothing to write)."""
-    if not any(c.get("type") == CONDITION for c in (isvc.get("status") or {}).get("conditions") or []):
+    there from before ({} otherwise: nothing to write; a ``ConflictingAutoscaler`` there is the
+    reconcile's, about a scaler on the Deployment, and it clears that one)."""
+    current = next((c for c in (isvc.get("status") or {}).get("conditions") or [] if c.get("type") == CONDITION), None)
+    if current is None or current.get("reason") == "ConflictingAutoscaler":  # the reconcile's (a Deployment scaler)
         return {}
-    message = f"autoscaling.mode is {mode}: the operator's autoscaler does not scale this InferenceService"
-    if mode == "hpa":
-        message += f" (HorizontalPodAutoscaler {builders.names(isvc)['hpa']} does)"
-    return _condition_patch(isvc, "False", "OperatorAutoscalerOff", message)
+    return _condition_patch(isvc, "False", "OperatorAutoscalerOff", autoscaler_off_message(isvc, mode))
 
 
 async def _retire(kube: Kube, isvc: Mapping[str, Any], mode: str) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator import crd
-from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, selector_string, service_url
+from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, names, selector_string, service_url
 
 
 def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,
@@ -148,8 +148,12 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
     cached = model_cached(isvc, pods, claim, desired_deployment or deployment,
                           available=prog["available"]) if prog["exists"] else None
     extra = [("ModelCached", cached)] if cached else []
+    mode = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("mode") or "none"
+    was = next((c for c in old if c.get("type") == "ScalingActive"), {})
     if scaling_conflict:
         extra.append(("ScalingActive", ("False", "ConflictingAutoscaler", scaling_conflict)))
+    elif was.get("reason") == "ConflictingAutoscaler" and mode != "operator":  # the conflict is gone
+        extra.append(("ScalingActive", ("False", "OperatorAutoscalerOff", autoscaler_off_message(isvc, mode))))
     for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
                                              ("Degraded", degraded), *extra):
         conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
@@ -259,6 +263,14 @@ def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: s
         "reportingComponent": component, "reportingInstance": component,
         "firstTimestamp": now, "lastTimestamp": now, "count": 1,
     }
+
+
+def autoscaler_off_message(isvc: Mapping[str, Any], mode: str) -> str:
+    """The ``ScalingActive=False`` / ``OperatorAutoscalerOff`` message (mode ``none`` or ``hpa``)."""
+    message = f"autoscaling.mode is {mode}: the operator's autoscaler does not scale this InferenceService"
+    if mode == "hpa":
+        message += f" (HorizontalPodAutoscaler {names(isvc)['hpa']} does)"
+    return message
 
 
 def claim_problem(claim: Mapping[str, Any] | None,

@@ -94,3 +94,29 @@ def test_a_tuning_roll_waits_for_the_last_and_never_takes_the_only_pod_down(clus
     rolled_out(kube)
     run(client, state, now=T0 + 3)
     assert kube.get(ISVC, NS, NAME)["status"]["engine"]["blockSize"] == 64
+
+
+def test_a_deployment_scaler_in_mode_none_is_reported_once_and_cleared_once(cluster):
+    """The reconcile (ConflictingAutoscaler) and the loop (OperatorAutoscalerOff) never take
+    turns rewriting ScalingActive."""
+    kube, client, events, runtimes = cluster
+    create_isvc(kube, client)  # mode none
+    kube.create("autoscaling/v2/horizontalpodautoscalers", {
+        "apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "hpa", "namespace": NS},
+        "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": NAME},
+                 "minReplicas": 1, "maxReplicas": 3}})
+    reconcile.reconcile(client, NS, NAME)
+    assert condition(kube)["reason"] == "ConflictingAutoscaler"
+    assert autoscaler.tracked(kube.get(ISVC, NS, NAME)["spec"], kube.get(ISVC, NS, NAME)) is False
+    mark = len(kube.writes())
+    for t in range(3):
+        run(client, autoscaler.ServiceState(), now=T0 + t)
+        reconcile.reconcile(client, NS, NAME)
+    assert len(kube.writes()) == mark
+    kube.delete("autoscaling/v2/horizontalpodautoscalers", NS, "hpa")
+    reconcile.reconcile(client, NS, NAME)
+    assert condition(kube)["reason"] == "OperatorAutoscalerOff"
+    mark = len(kube.writes())
+    assert not autoscaler.needs_retire(kube.get(ISVC, NS, NAME))
+    run(client, autoscaler.ServiceState(), now=T0 + 5)
+    assert not reconcile.reconcile(client, NS, NAME).wrote and len(kube.writes()) == mark
