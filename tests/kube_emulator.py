@@ -10,7 +10,7 @@ as a real API server does:
 - status subresources: ``PATCH .../status`` changes only ``status``; a main-resource write
   of a resource with a status subresource leaves ``status`` alone;
 - the scale subresource of InferenceServices and Deployments (``GET``/``PATCH .../scale``
-  as an ``autoscaling/v1`` Scale);
+  as an ``autoscaling/v1`` Scale; the updater then co-owns ``spec.replicas``);
 - server-side apply (``application/apply-patch+yaml``): per-field-manager ownership of the
   applied fields, so a field the manager stops applying is removed (lists are atomic);
   an apply to a missing object creates it;
