@@ -238,8 +238,9 @@ def rollout_hold(deployment: Mapping[str, Any] | None) -> tuple[str, str] | None
     surge = _int_or_percent(ru.get("maxSurge", "25%"), want, round_up=True)
     unavailable = _int_or_percent(ru.get("maxUnavailable", "25%"), want, round_up=False)
     if want and surge == 0 and want - unavailable < 1:
-        return "RollWouldTakeAllPods", (f"{want} replica(s) with maxSurge 0 and maxUnavailable {unavailable}: rolling the pods would "
-                "take every one down at once (use rollout.strategy Availability, or more replicas)")
+        return "RollWouldTakeAllPods", (f"{want} replica(s) with maxSurge 0 and maxUnavailable {unavailable}: "
+                                        "rolling the pods would take every one down at once (use "
+                                        "rollout.strategy Availability, or more replicas)")
     return None
 
 

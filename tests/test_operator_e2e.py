@@ -6,6 +6,7 @@ Every wait is bounded (``EmulatorThread.wait_for``); operator logs are printed o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,10 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from kvfleet.operator import builders
 from kube_emulator import ISVC, EmulatorThread
 from support import free_port
+
+from kvfleet.operator import builders
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ class OperatorProcess:
                      "--health-port", str(self.health_port), *extra]
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 60) -> "OperatorProcess":
+    def start(self, timeout: float = 60) -> OperatorProcess:
         env = {**os.environ, "KVFLEET_PEERING_LIFETIME": "10"}
         self._fh = open(self.log, "a")
         self.proc = subprocess.Popen(self.args, stdout=self._fh, stderr=subprocess.STDOUT, env=env)
@@ -75,9 +76,10 @@ class OperatorProcess:
             self._fh.close()
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
+@contextlib.contextmanager
+def running_operator(tmp: Path):
+    """The emulator and a ``kvfleet operator --standalone`` process on it; the log tail is
+    printed at the end."""
     with EmulatorThread() as emu:
         op = OperatorProcess(emu.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", "--standalone")
         try:
@@ -86,6 +88,12 @@ def cluster(tmp_path_factory):
         finally:
             op.stop()
             print("---- operator log (tail) ----\n" + op.log.read_text()[-6000:])
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with running_operator(tmp_path_factory.mktemp("e2e")) as (emu, op):
+        yield emu, op
 
 
 def manifest(name: str, **spec) -> dict:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from kube_emulator import ISVC, EmulatorThread
-from test_operator_e2e import OperatorProcess, condition, manifest
+from kube_emulator import ISVC
+from test_operator_e2e import condition, manifest, running_operator
 
 from kvfleet.operator import builders, status
 
@@ -88,15 +88,8 @@ def test_desired_status_is_degraded_with_the_pod_reason_until_rolled_out():
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pods")
-    with EmulatorThread() as emu:
-        op = OperatorProcess(emu.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", "--standalone")
-        try:
-            op.start()
-            yield emu
-        finally:
-            op.stop()
-            print("---- operator log (tail) ----\n" + op.log.read_text()[-4000:])
+    with running_operator(tmp_path_factory.mktemp("pods")) as (emu, _):
+        yield emu
 
 
 @pytest.mark.slow
