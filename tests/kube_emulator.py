@@ -33,8 +33,9 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp.web
 import attrs
@@ -406,7 +407,7 @@ class EmulatorThread:
             self._ready.set()
             await self._stop.wait()
 
-    def __enter__(self) -> "EmulatorThread":
+    def __enter__(self) -> EmulatorThread:
         self._thread.start()
         if not self._ready.wait(30) or self._error:
             raise RuntimeError(f"the emulator did not start: {self._error!r}")

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -277,7 +277,7 @@ class TestKubelet:
 
     def _report(self, pod: FakePod) -> None:
         status = self._pod_status(pod)
-        comparable = lambda s: {**s, "containerStatuses": [{k: v for k, v in c.items() if k != "state"}  # noqa: E731
+        comparable = lambda s: {**s, "containerStatuses": [{k: v for k, v in c.items() if k != "state"}
                                                             for c in s["containerStatuses"]]}
         if comparable(status) != comparable(pod.reported):
             self._patch(self._path("v1", "pods", pod.name) + "/status", {"status": status})

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from kube_emulator import ISVC, EmulatorThread
 from kubelet import TestKubelet
 
@@ -96,7 +95,7 @@ class Load:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def start(self) -> "Load":
+    def start(self) -> Load:
         self._thread.start()
         return self
 

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from support import free_port
 
 from kvfleet.operator.metrics_source import (
     METRICS_PORT_ANNOTATION,
@@ -19,10 +20,9 @@ from kvfleet.operator.metrics_source import (
     pod_is_ready,
 )
 from kvfleet.operator.policy import AutoscalingConfig, decide_scale
-from kvfleet.runtime.metrics import PrometheusStatLogger, exposition
-from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
 from kvfleet.runtime.core.sched.output import SchedulerStats
-from support import free_port
+from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
+from kvfleet.runtime.metrics import PrometheusStatLogger, exposition
 
 
 def runtime_exposition(waiting=3, running=2, kv=0.5, preemptions=4, prefixes=("kvfleet:",), finished=()):
@@ -89,7 +89,7 @@ class _Server:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 time.sleep(outer.delay)
                 data = outer.body.encode()
                 self.send_response(outer.status)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kube_emulator import ISVC, EmulatorThread
 from test_autoscaling_daemon import NS, Runtime, add_pod
 from test_chart_rbac import start_operator, stop

@@ -23,12 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from support import free_port, prometheus_binary, serve_registry
 
 from kvfleet.operator.metrics_source import MetricsSourceError, PrometheusSource
 from kvfleet.operator.policy import HPA_METRIC
-from kvfleet.runtime.metrics import PrometheusStatLogger
 from kvfleet.runtime.core.sched.output import SchedulerStats
-from support import free_port, prometheus_binary, serve_registry
+from kvfleet.runtime.metrics import PrometheusStatLogger
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "kvfleet" / "files" / "prometheus-adapter-rules.yaml"

@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from kvfleet.runtime.metrics import PrometheusStatLogger
-from kvfleet.runtime.engine.stats import IterationStats
-from kvfleet.runtime.core.sched.output import SchedulerStats
 from support import free_port, prometheus_binary, serve_registry
+
+from kvfleet.runtime.core.sched.output import SchedulerStats
+from kvfleet.runtime.engine.stats import IterationStats
+from kvfleet.runtime.metrics import PrometheusStatLogger
 
 pytestmark = pytest.mark.slow
 

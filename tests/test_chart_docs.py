@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import copy
 import re
-import textwrap
 import subprocess
+import textwrap
 from pathlib import Path
 
 import kubernetes_validate

@@ -25,7 +25,6 @@ import attrs
 import httpx
 import pytest
 import yaml
-
 from kube_emulator import ISVC, EmulatorThread, KubeEmulator
 from support import free_port
 

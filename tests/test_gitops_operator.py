@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from kube_emulator import ISVC, EmulatorThread
 from test_chart_rbac import start_operator, stop
 

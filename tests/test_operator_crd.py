@@ -3,7 +3,6 @@ rejects bad specs through the OpenAPI schema (jsonschema) and the CEL rules (cel
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
