@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.kernels.testing import record_calls
-from kvfleet.runtime.worker import attention
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker import attention
 
 pytestmark = pytest.mark.slow
 

@@ -46,6 +46,7 @@ def two_layer_model(tmp_path_factory) -> Path:
 
 def test_truncate_gguf_keeps_the_first_layers_byte_for_byte(two_layer_model):
     import gguf
+
     from kvfleet.runtime.worker.model_loader import default_model_path
 
     src = gguf.GGUFReader(str(default_model_path()))

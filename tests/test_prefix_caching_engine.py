@@ -5,11 +5,11 @@ memory pressure (issue 5)."""
 from __future__ import annotations
 
 import pytest
+from support import record_schedules
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
-from support import record_schedules
 
 pytestmark = pytest.mark.slow
 

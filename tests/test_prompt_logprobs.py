@@ -26,15 +26,15 @@ import json
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from support import record_schedules
 
-from kvfleet.runtime.entrypoints.openai.api_server import create_app
-from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
 from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.entrypoints.openai.api_server import create_app
+from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
-from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
-from support import record_schedules
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 

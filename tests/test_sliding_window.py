@@ -96,8 +96,8 @@ def _engine_greedy(path, *, block_size: int = 4, max_num_batched_tokens: int = 1
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.llm import LLM
-    from kvfleet.runtime.worker.model_loader import load_model
     from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.worker.model_loader import load_model
 
     loaded = load_model(str(path), dtype="float32", device="cpu")
     engine = LLMEngine(EngineConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
@@ -374,8 +374,8 @@ def test_a_read_of_the_null_block_would_be_caught():
 
 def test_hybrid_and_full_attention_models_keep_every_block(models):
     from kvfleet.runtime.config import EngineConfig
-    from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.core.kv_cache_manager import uniform_sliding_window
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.worker.model_loader import load_model
 
     # The engines: only Mistral (one window on every layer) gives its scheduler a window to
