@@ -20,7 +20,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
@@ -32,6 +31,7 @@ from kvfleet.runtime.worker.attention import (
     probe_attention,
     register,
 )
+from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self._pin = self.device.type == "cuda"
+        windowed = any(w is not None for w in self.sliding_windows or ())
+        self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
+        """Persistent host state of the step's inputs (block-table rows), see :meth:`prepare_inputs`."""
 
     # ------------------------------------------------------------------ KV cache sizing
     @property
@@ -242,59 +245,16 @@ class ModelRunner:
     def prepare_inputs(
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Build the step's tensors (numpy on the host, then one copy each to the device).
+        """Build the step's tensors (numpy on the host, then one copy each to the device)
+        from the persistent :class:`~kvfleet.runtime.worker.input_batch.InputBatch` (block-table
+        rows updated incrementally as requests join and leave).
 
         Returns:
             ``(input_ids [1, T] int64, positions [1, T] int64, AttentionMetadata,
             logits_indices [S] int64)`` where ``logits_indices`` are the batch rows of the
             last token of every request with ``sample=True``, in scheduling order.
         """
-        bs = self.block_size
-        num_reqs = len(scheduled)
-        num_new = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
-        start = np.fromiter((s.start_pos for s in scheduled), dtype=np.int64, count=num_reqs)
-        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=qsl[1:])
-        total = int(qsl[-1])
-        seq_lens = start + num_new
-        nblocks = (seq_lens + bs - 1) // bs
-        block_tables = np.zeros((num_reqs, int(nblocks.max())), dtype=np.int64)
-        for i, s in enumerate(scheduled):
-            n = int(nblocks[i])
-            block_tables[i, :n] = s.block_ids[:n]
-        input_ids = np.fromiter(
-            (t for s in scheduled for t in s.token_ids), dtype=np.int64, count=total
-        )
-        req_idx = np.repeat(np.arange(num_reqs), num_new)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(start - qsl[:-1], num_new)
-        slot_mapping = block_tables[req_idx, positions // bs] * bs + positions % bs
-        sample = np.fromiter((s.sample for s in scheduled), dtype=bool, count=num_reqs)
-        logits_indices = qsl[1:][sample] - 1
-
-        dev = self.device
-
-        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.from_numpy(a).to(dtype)
-            if dev.type == "cpu":
-                return t
-            return (t.pin_memory() if self._pin else t).to(dev, non_blocking=True)
-
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(slot_mapping, torch.int64),
-            block_tables=to_dev(block_tables, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            query_start_loc=to_dev(qsl, torch.int32),
-            max_query_len=int(num_new.max()),
-            max_seq_len=int(seq_lens.max()),
-            kv_caches=self.kv_caches,
-            sliding_windows=self.sliding_windows,
-        )
-        return (
-            to_dev(input_ids, torch.int64).unsqueeze(0),
-            to_dev(positions, torch.int64).unsqueeze(0),
-            meta,
-            to_dev(logits_indices, torch.int64),
-        )
+        return self.input_batch.prepare(scheduled, self.kv_caches, self.sliding_windows, self.device, self._pin)
 
     @staticmethod
     def _prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int, int]]:
