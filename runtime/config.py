@@ -52,3 +52,9 @@ class EngineConfig(BaseModel):
     sharding, through transformers' ``tp_plan``); must divide the model's
     ``num_attention_heads`` and ``num_key_value_heads`` (checked when the engine starts, a
     ``ValueError`` naming this field). Single node only, see :mod:`kvfleet.runtime.worker.executor`."""
+    enforce_eager: bool = True
+    """Run the model eagerly (vLLM's ``--enforce-eager``). False: ``torch.compile`` the decoder
+    (inductor; frozen weights on CPU, CUDA graphs for decode batches on CUDA) during engine start,
+    before ``/ready`` (:mod:`kvfleet.runtime.worker.compilation`). Default True for now: the
+    compile warm-up (minutes on a shared 2-core CPU, docs/performance.md) is paid by every engine
+    construction; tensor parallelism always runs eagerly."""

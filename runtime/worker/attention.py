@@ -7,13 +7,20 @@ transformers model runs on the engine's packed, unpadded batch (``input_ids [1, 
 per-token ``position_ids``). No attention mask is built; the per-step
 :class:`AttentionMetadata` reaches the layers as the forward keyword ``kvfleet_attn``.
 Supported: causal attention, GQA/MQA, the module's ``scaling``, per-layer sliding windows
-(:func:`layer_sliding_windows`) and logit soft-capping. :func:`check_attention_support`
+(:func:`layer_sliding_windows`) and logit soft-capping. For the compiled forward
+(:mod:`kvfleet.runtime.worker.compilation`) the KV write and attention are one registered custom
+op, ``torch.ops.kvfleet.unified_attention(query, key, value, layer, scale, softcap)``, that
+reads the step's metadata from :func:`forward_context` (so a graph has no metadata inputs);
+the forward then passes ``kvfleet_op=True`` instead of ``kvfleet_attn``. :func:`check_attention_support`
 refuses other configs with a ValueError naming the field; :func:`probe_attention` refuses at
 load what only a forward call shows. Details: docs/engine.md, "How a step runs".
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,10 @@ ATTN_IMPLEMENTATION = "kvfleet_paged"
 
 METADATA_KWARG = "kvfleet_attn"
 """Keyword argument of the model's forward that carries :class:`AttentionMetadata`."""
+
+OP_KWARG = "kvfleet_op"
+"""Keyword argument (``True``) of the model's forward that routes every attention layer through
+the ``kvfleet::unified_attention`` custom op, which reads :func:`forward_context`."""
 
 
 @dataclass
@@ -57,6 +68,9 @@ class AttentionMetadata:
             layer has a window unless transformers passes ``sliding_window``.
         calls: number of attention-layer calls made with this metadata (the probe counts
             them).
+        num_actual_tokens: tokens of the step that are real; the rest of the batch (a CUDA
+            graph's padding up to its captured size) is neither written (``slot_mapping``
+            -1) nor attended. None: all of them.
 
     On the torch (CPU) attention path, :meth:`torch_plan` keeps one
     :class:`~kvfleet.kernels.reference.PagedAttentionPlan` per sliding window and cache
@@ -76,6 +90,7 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     sliding_windows: list[int | None] | None = None
     calls: int = 0
+    num_actual_tokens: int | None = None
 
     def torch_plan(self, key_cache: torch.Tensor, sliding_window: int | None) -> PagedAttentionPlan:
         """The step's :func:`~kvfleet.kernels.reference.plan_paged_attention_torch` for
@@ -268,6 +283,8 @@ def paged_attention_forward(
             keys and values of different head sizes (MLA).
     """
     meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
+    if meta is None and kwargs.get(OP_KWARG):
+        return _op_attention(module, query, key, value, scaling, kwargs)
     if meta is None:
         raise RuntimeError(
             f"attention implementation {ATTN_IMPLEMENTATION!r} needs the {METADATA_KWARG}= forward "
@@ -283,23 +300,36 @@ def paged_attention_forward(
             f"layer {layer}: key head size {key.shape[-1]} != value head size {value.shape[-1]} "
             "(multi-head latent attention?) is not implemented by kvfleet's paged attention"
         )
-    key_cache, value_cache = meta.kv_caches[layer]
     q = query[0].transpose(0, 1)  # [T, num_heads, head_size]
     k = key[0].transpose(0, 1)  # [T, num_kv_heads, head_size]
     v = value[0].transpose(0, 1)
+    return attend(meta, layer, q, k, v, scaling, sliding_window, softcap).unsqueeze(0), None
+
+
+def attend(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """Write layer ``layer``'s new keys/values (``[T, num_kv_heads, head_size]``) into its
+    cache and attend ``q`` (``[T, num_heads, head_size]``) over it; returns ``[T, num_heads,
+    head_size]``. Rows past ``meta.num_actual_tokens`` (padding) are written nowhere and come
+    back as zeros (CPU) or unspecified values (CUDA), never sampled."""
+    key_cache, value_cache = meta.kv_caches[layer]
     backend = meta.__dict__.get("_backend") or meta.__dict__.setdefault("_backend", select_backend(q.device))
     if backend == "torch":
         # The CPU path: the step's plan (gather chunks, block ids, masks) is computed once
         # and shared by all layers (see AttentionMetadata.torch_plan); the backend is
         # chosen once per step too.
         reshape_and_cache_torch(k, v, key_cache, value_cache, meta.slot_mapping)
+        n = meta.num_actual_tokens
+        qn = q if n is None or n == q.shape[0] else q[:n]
         out = paged_attention_torch(
-            q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scaling,
+            qn, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scaling,
             sliding_window=sliding_window, softcap=softcap, plan=meta.torch_plan(key_cache, sliding_window),
         )
-        return out.unsqueeze(0), None
+        if qn is not q:
+            out = torch.cat([out, out.new_zeros((q.shape[0] - n, *out.shape[1:]))])
+        return out
     reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-    out = paged_attention(
+    return paged_attention(
         q,
         key_cache,
         value_cache,
@@ -312,6 +342,61 @@ def paged_attention_forward(
         sliding_window=sliding_window,
         softcap=softcap,
     )
+
+
+_context = threading.local()
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Make ``meta`` the step's metadata for ``kvfleet::unified_attention`` calls made in this
+    thread inside the ``with`` block (vLLM v1's forward context): the compiled graph takes no
+    metadata input, so it neither guards nor recompiles on it."""
+    prev = getattr(_context, "meta", None)
+    _context.meta = meta
+    try:
+        yield meta
+    finally:
+        _context.meta = prev
+
+
+def get_forward_context() -> AttentionMetadata:
+    """The metadata set by :func:`forward_context`; RuntimeError outside one."""
+    meta = getattr(_context, "meta", None)
+    if meta is None:
+        raise RuntimeError("kvfleet::unified_attention called outside forward_context(): no attention metadata")
+    return meta
+
+
+@torch.library.custom_op("kvfleet::unified_attention", mutates_args=())
+def unified_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """Custom op: :func:`attend` for layer ``layer`` with the metadata of
+    :func:`forward_context`; ``query [T, num_heads, head_size]``, ``key``/``value`` ``[T,
+    num_kv_heads, head_size]``, ``softcap`` 0 for none; returns ``[T, num_heads, head_size]``.
+    Opaque to dynamo (one graph covers every layer); it writes the layer's KV cache, which is
+    not an argument (the cache lives in the forward context, like vLLM's ``unified_attention``)."""
+    meta = get_forward_context()
+    window = meta.sliding_windows[layer] if meta.sliding_windows is not None else None
+    out = attend(meta, layer, query, key, value, scale, window, softcap or None)
+    # A custom op's output may not alias its inputs.
+    return out.clone() if out.data_ptr() == query.data_ptr() else out
+
+
+@unified_attention.register_fake
+def _(query, key, value, layer, scale, softcap):
+    return torch.empty_like(query)
+
+
+def _op_attention(module, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
+    """The compiled forward's attention call (see :data:`OP_KWARG`); the layer's options were
+    checked by :func:`probe_attention` at load time."""
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    softcap = float(kwargs.get("softcap") or 0.0)
+    scale = float(scaling) if scaling is not None else float(q.shape[-1]) ** -0.5
+    out = torch.ops.kvfleet.unified_attention(q, k, v, module.layer_idx, scale, softcap)
     return out.unsqueeze(0), None
 
 

@@ -10,8 +10,10 @@ Prompt logprobs (vLLM's semantics, ``log_softmax`` of the raw float32 logits): t
 also runs on the prompt positions of requests that ask, in chunks of at most
 ``PROMPT_LOGPROBS_CHUNK_BYTES`` (:class:`PromptLogprobsTensors`). KV cache: per layer
 ``[num_blocks, block_size, num_kv_heads, head_size]`` keys and values in the model dtype;
-``num_blocks`` from :meth:`ModelRunner.determine_num_blocks`. Details: docs/engine.md,
-"How a step runs" and "Sampling semantics".
+``num_blocks`` from :meth:`ModelRunner.determine_num_blocks`. With ``enforce_eager=False`` the
+decoder runs compiled (:mod:`kvfleet.runtime.worker.compilation`, warmed up at the end of
+:meth:`ModelRunner.initialize_kv_cache`) and the LM head runs eagerly on its output. Details:
+docs/engine.md, "How a step runs", "Compiled forward" and "Sampling semantics".
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kvfleet.runtime.worker.attention import (
     probe_attention,
     register,
 )
+from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
 from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
 
@@ -127,6 +130,8 @@ class ModelRunner:
         refuses requests that ask for them)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.compiled: CompiledForward | None = None
+        """The compiled decoder (``enforce_eager=False``), built by :meth:`initialize_kv_cache`."""
         self._pin = self.device.type == "cuda"
         windowed = any(w is not None for w in self.sliding_windows or ())
         self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
@@ -240,6 +245,32 @@ class ModelRunner:
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
         )
+        settings = compile_settings(self.config, self.device, self.prompt_logprobs_error)
+        if settings is not None:
+            self.compiled = CompiledForward(self.model.get_decoder(), self.device, **settings)
+            self.compiled.warm_up(self._dummy_step)
+
+    def _dummy_step(self, num_seqs: int, num_tokens: int, full_width: bool = False) -> tuple:
+        """A throw-away step for warm-up: ``num_seqs`` sequences sharing ``num_tokens`` new
+        tokens over block 0, written nowhere (slots -1); ``full_width``: block tables as wide
+        as ``max_model_len`` needs (a CUDA graph's static width)."""
+        dev = self.device
+        per = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        max_len = self.config.max_model_len or self.model_max_len or num_tokens
+        width = math.ceil(max_len / self.block_size) if full_width else math.ceil(max(per) / self.block_size)
+        qsl = [0]
+        for n in per:
+            qsl.append(qsl[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((num_seqs, max(width, 1)), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(per, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            max_query_len=max(per), max_seq_len=max_len if full_width else max(per),
+            kv_caches=self.kv_caches, sliding_windows=self.sliding_windows,
+        )
+        positions = torch.cat([torch.arange(n, device=dev) for n in per]).unsqueeze(0)
+        return torch.zeros((1, num_tokens), dtype=torch.long, device=dev), positions, meta
 
     # ------------------------------------------------------------------ one step
     def prepare_inputs(
@@ -390,6 +421,10 @@ class ModelRunner:
             return ModelRunnerOutput(sampling, empty)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
         rows = self._prompt_logprob_rows(scheduled)
+        if self.compiled is not None:
+            hidden = self.compiled(input_ids, positions, meta)  # [T, hidden_size]
+            logits = self.compute_logits(hidden.index_select(0, logits_indices))
+            return ModelRunnerOutput(sampling, logits, self._prompt_logprobs(hidden, rows) if rows else {})
         captured: list[torch.Tensor] = []
         hook = None
         if rows:

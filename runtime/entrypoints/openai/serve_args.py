@@ -83,6 +83,7 @@ _HELP = {
     "scheduling_policy": "order of admission: fcfs, priority (request field), fair (per tenant = user field)",
     "enable_chunked_prefill": "split long prompts over several steps",
     "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism, one node",
+    "enforce_eager": "run the model eagerly; --no-enforce-eager compiles it (torch.compile) before /ready",
     "host": "address to listen on",
     "port": "TCP port to listen on",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/* routes",

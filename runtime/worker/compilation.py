@@ -1,0 +1,242 @@
+"""Compiled forward: ``torch.compile`` (inductor) of the decoder, one graph for every layer.
+
+:class:`CompiledForward` compiles the model's decoder (embeddings, layers, final norm; the LM
+head stays outside and runs on the sampled rows only) with ``fullgraph=True``. Attention and the
+KV write are the opaque custom op ``kvfleet::unified_attention``
+(:mod:`kvfleet.runtime.worker.attention`), which reads the step's metadata from
+``forward_context``: the graph's only inputs are ``input_ids [1, T]`` and ``positions [1, T]``,
+so it neither guards nor recompiles on the metadata. On CPU the weights are frozen
+(``freezing``: constant-folded, prepacked for oneDNN/AMX). The token count is dynamic
+(``mark_dynamic``, one graph for every ``T >= 2``); a one-token step is padded to two tokens (the
+padding token writes nowhere and is never sampled), so warm-up compiles a single graph. On
+CUDA, decode batches of the capture sizes replay CUDA graphs captured over the compiled graph
+(:class:`CudaGraphRunner`). Compiled C++ kernels are cached under ``$KVFLEET_CACHE_DIR/inductor``
+(``TORCHINDUCTOR_CACHE_DIR``); frozen graphs themselves are not cacheable (inductor bypasses its
+FX graph cache for their prepacked mkldnn weights). Details: docs/engine.md, "Compiled forward".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvfleet.runtime.worker.attention import OP_KWARG, AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+MIN_TOKENS = 2
+"""Smallest token count the graph runs: fewer are padded (``T = 1`` would be a second graph:
+dynamo specializes sizes 0 and 1)."""
+DEFAULT_CUDAGRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+"""Decode batch sizes captured as CUDA graphs (vLLM's capture-size idea; larger batches run the
+compiled graph directly). Capped at ``max_num_seqs``."""
+
+
+def configure_cache(root) -> str:
+    """Point inductor's cache at ``root/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set;
+    returns the folder used. Must run before the first compilation."""
+    path = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not path:
+        path = os.environ[INDUCTOR_CACHE_ENV] = str(root / "inductor")
+    return path
+
+
+def compile_settings(config, device: torch.device, logits_error: str | None) -> dict | None:
+    """:class:`CompiledForward` keyword arguments for this engine, or None to run eagerly:
+    ``enforce_eager``, tensor parallelism (its collectives run eagerly), or a model whose
+    logits the runner's LM head does not reproduce (``logits_error``, see
+    ``ModelRunner._check_compute_logits``). Points inductor's cache into ``$KVFLEET_CACHE_DIR``."""
+    if config.enforce_eager:
+        return None
+    if config.tensor_parallel_size > 1:
+        logger.warning("tensor_parallel_size=%d: the model runs eagerly (enforce_eager)", config.tensor_parallel_size)
+        return None
+    if logits_error is not None:
+        logger.warning("the model runs eagerly (enforce_eager): %s", logits_error)
+        return None
+    from kvfleet.runtime.worker.model_loader import cache_dir
+
+    logger.info("compiled forward: inductor cache %s", configure_cache(cache_dir()))
+    sizes = [s for s in DEFAULT_CUDAGRAPH_SIZES if s <= config.max_num_seqs] if device.type == "cuda" else []
+    return {"cudagraph_sizes": sizes}
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's process-wide counters: ``graphs`` compiled (``unique_graphs``) and frames
+    ``recompiles`` (a guard failed and the frame was compiled again)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"]["unique_graphs"]), "recompiles": int(counters["recompiles"].total())}
+
+
+class CompiledForward:
+    """The decoder's forward, compiled once, called as ``hidden = cf(input_ids, positions, meta)``.
+
+    Args:
+        decoder: the model's decoder (``model.get_decoder()``), switched to ``kvfleet_paged``.
+        device: where it runs (CPU: frozen weights; CUDA: CUDA graphs for decode batches).
+        cudagraph_sizes: decode batch sizes to capture on CUDA (ignored on CPU); empty: none.
+    """
+
+    def __init__(self, decoder: torch.nn.Module, device: torch.device, *, cudagraph_sizes=()) -> None:
+        self.decoder = decoder
+        self.device = device
+        options = {"freezing": True} if device.type == "cpu" else {}
+        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, options=options)
+        self.cudagraphs: CudaGraphRunner | None = None
+        if device.type == "cuda" and cudagraph_sizes:
+            self.cudagraphs = CudaGraphRunner(self._run_compiled, sorted(set(cudagraph_sizes)), device)
+        self.warmup_seconds = 0.0
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.decoder(input_ids=input_ids, position_ids=positions, use_cache=False, **{OP_KWARG: True})
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return hidden[0]
+
+    def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(input_ids, 1, min=MIN_TOKENS)
+        torch._dynamo.mark_dynamic(positions, 1, min=MIN_TOKENS)
+        return self._compiled(input_ids, positions)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden_size]`` of the step's ``T`` tokens (``input_ids`` and
+        ``positions`` of shape ``[1, T]``); writes the KV cache through ``meta``."""
+        num_tokens = input_ids.shape[1]
+        if self.cudagraphs is not None:
+            hidden = self.cudagraphs.run(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
+        if num_tokens < MIN_TOKENS:
+            pad = MIN_TOKENS - num_tokens
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+            positions = torch.nn.functional.pad(positions, (0, pad))
+            slots = torch.nn.functional.pad(meta.slot_mapping, (0, pad), value=-1)
+            meta = _replace(meta, slot_mapping=slots, num_actual_tokens=num_tokens)
+        with forward_context(meta):
+            hidden = self._run_compiled(input_ids, positions)
+        return hidden[:num_tokens]
+
+    def warm_up(self, make_step: Callable[[int, int], tuple]) -> float:
+        """Compile (and on CUDA capture) before the first request; returns the seconds taken.
+
+        ``make_step(num_seqs, num_tokens)`` builds a throw-away step ``(input_ids, positions,
+        meta)`` that writes nowhere (slots -1)."""
+        t0 = time.monotonic()
+        before = compile_counts()
+        for num_seqs, num_tokens in ((1, 16), (1, 1), (4, 4)):
+            self(*make_step(num_seqs, num_tokens))
+        if self.cudagraphs is not None:
+            self.cudagraphs.capture(make_step)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_seconds = time.monotonic() - t0
+        after = compile_counts()
+        logger.info("compiled forward: warm-up %.1f s (%d graph(s) compiled, %d recompile(s))",
+                    self.warmup_seconds, after["graphs"] - before["graphs"],
+                    after["recompiles"] - before["recompiles"])
+        return self.warmup_seconds
+
+
+def _replace(meta: AttentionMetadata, **changes) -> AttentionMetadata:
+    import dataclasses
+
+    return dataclasses.replace(meta, **changes)
+
+
+class CudaGraphRunner:
+    """CUDA graphs of the compiled forward for decode batches (one token per sequence) of the
+    capture sizes: a step of ``B`` decode sequences replays the graph of the smallest size
+    ``>= B`` after copying its inputs and metadata into the graph's static buffers; the padding
+    sequences have one token each, slot -1 (no write) and context length 1 over block 0 (read,
+    never sampled). Anything else (prefill, larger batches) returns None: the caller runs the
+    compiled graph directly.
+
+    Args:
+        forward: ``(input_ids [1, T], positions [1, T]) -> hidden [T, hidden]`` (the compiled
+            forward, called inside ``forward_context``).
+        sizes: sorted capture sizes.
+        device: the CUDA device.
+    """
+
+    def __init__(self, forward, sizes: list[int], device: torch.device) -> None:
+        self.forward = forward
+        self.sizes = sizes
+        self.device = device
+        self.graphs: dict[int, tuple] = {}
+        self.max_blocks = 0
+        self.replays = 0
+
+    def _buffers(self, meta: AttentionMetadata) -> None:
+        n = self.sizes[-1]
+        dev = self.device
+        self.max_blocks = meta.block_tables.shape[1]
+        self.input_ids = torch.zeros((1, n), dtype=torch.long, device=dev)
+        self.positions = torch.zeros((1, n), dtype=torch.long, device=dev)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev),
+            seq_lens=torch.ones((n,), dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            max_query_len=1,
+            max_seq_len=meta.max_seq_len,
+            kv_caches=meta.kv_caches,
+            sliding_windows=meta.sliding_windows,
+        )
+
+    def _views(self, size: int) -> tuple:
+        m = self.meta
+        meta = AttentionMetadata(
+            slot_mapping=m.slot_mapping[:size], block_tables=m.block_tables[:size], seq_lens=m.seq_lens[:size],
+            query_start_loc=m.query_start_loc[:size + 1], max_query_len=1, max_seq_len=m.max_seq_len,
+            kv_caches=m.kv_caches, sliding_windows=m.sliding_windows,
+        )
+        return self.input_ids[:, :size], self.positions[:, :size], meta
+
+    def capture(self, make_step) -> None:
+        """Capture every size, largest first, into one shared memory pool. ``make_step`` gives
+        a step whose ``block_tables`` width (the longest sequence's block count, here
+        ``max_model_len / block_size``) and ``max_seq_len`` hint the graphs keep."""
+        _, _, meta = make_step(1, 1, full_width=True)
+        self._buffers(meta)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            ids, pos, meta = self._views(size)
+            with forward_context(meta):
+                for _ in range(2):  # compile / autotune outside the capture
+                    self.forward(ids, pos)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.forward(ids, pos)
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Replay the graph for this decode step, or None when none fits."""
+        num = input_ids.shape[1]
+        if not self.graphs or meta.block_tables.shape[0] != num or meta.max_query_len != 1:
+            return None
+        size = next((s for s in self.sizes if s >= num and s in self.graphs), None)
+        if size is None or meta.block_tables.shape[1] > self.max_blocks:
+            return None
+        m = self.meta
+        self.input_ids[0, :num].copy_(input_ids[0], non_blocking=True)
+        self.positions[0, :num].copy_(positions[0], non_blocking=True)
+        m.slot_mapping[:num].copy_(meta.slot_mapping, non_blocking=True)
+        m.slot_mapping[num:size].fill_(-1)
+        width = meta.block_tables.shape[1]
+        m.block_tables[:num, :width].copy_(meta.block_tables, non_blocking=True)
+        m.block_tables[:num, width:].zero_()
+        m.block_tables[num:size].zero_()
+        m.seq_lens[:num].copy_(meta.seq_lens, non_blocking=True)
+        m.seq_lens[num:size].fill_(1)
+        # query_start_loc stays arange: one token per sequence, padding included.
+        graph, out = self.graphs[size]
+        graph.replay()
+        self.replays += 1
+        return out[:num]
