@@ -10,7 +10,10 @@ Run on any machine with one CUDA GPU (target: under 5 minutes)::
 Sections (each in its own try/except, skipped once ``--budget-s`` is used up): correctness
 (Triton vs the torch reference on the GPU over the test grid), decode timing (bandwidth as a
 fraction of peak), prefill timing (TFLOP/s), engine (``LLM`` on CUDA vs CPU, identical greedy
-token ids). ``--json`` writes per-section status, seconds, error and rows.
+token ids), compiled (``enforce_eager=False``: the compiled decoder with CUDA graphs for decode
+batches vs the eager engine on the same device: identical greedy tokens, warm-up seconds, graph
+replays, decode tok/s of both; ``--smoke``: on CPU with ``KVFLEET_COMPILE_BACKEND=eager``, dynamo
+and the custom op without inductor or CUDA graphs). ``--json`` writes per-section status, seconds, error and rows.
 Exit status: 0 when every section that ran passed, 1 when any failed, 2 without a CUDA device.
 Grid, shapes and formulas: docs/performance.md, "How to run the GPU check".
 """
@@ -433,6 +436,72 @@ def section_engine(torch, budget: Budget, max_tokens: int, rec: dict, model: str
     return ok
 
 
+def section_compiled(torch, budget: Budget, max_tokens: int, rec: dict, model: str | None = None,
+                     smoke: bool = False) -> bool:
+    """The compiled engine (``enforce_eager=False``) vs the eager one on the same device (CUDA;
+    CPU under ``smoke``), fp32, greedy: identical token ids; records the warm-up, the CUDA graph
+    replays (the decode steps that ran a captured graph) and each engine's decode tok/s."""
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.llm import LLM
+    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.worker.compilation import BACKEND_ENV, compile_counts
+
+    device = "cpu" if smoke else "cuda"
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers:",
+               "The quick brown fox", "Explain why the sky is blue.", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    torch.set_float32_matmul_precision("highest")
+    rec.update(device=device, dtype="float32", max_tokens=max_tokens, runs=[])
+    saved = os.environ.get(BACKEND_ENV)
+    if smoke:
+        os.environ[BACKEND_ENV] = "eager"
+    results = {}
+    try:
+        for mode in ("compiled", "eager"):
+            t0 = time.monotonic()
+            engine = LLMEngine(EngineConfig(model=model, device=device, dtype="float32", kv_cache_memory=512 * 2**20,
+                                            max_num_seqs=16, enforce_eager=mode == "eager"))
+            t1 = time.monotonic()
+            counts = compile_counts()
+            outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+            sync(torch, torch.device(device))
+            t2 = time.monotonic()
+            cf = engine.runner.compiled
+            graphs = cf.cudagraphs if cf is not None else None
+            run = dict(mode=mode, start_s=round(t1 - t0, 2), warmup_s=round(cf.warmup_seconds, 2) if cf else 0.0,
+                       generate_s=round(t2 - t1, 3), tok_s=round(len(prompts) * max_tokens / (t2 - t1), 1),
+                       captured_sizes=sorted(graphs.graphs) if graphs else [],
+                       graph_replays=graphs.replays if graphs else 0,
+                       recompiles_during_generate=compile_counts()["recompiles"] - counts["recompiles"])
+            log(f"  {mode}: start {run['start_s']} s (warm-up {run['warmup_s']} s), {run['tok_s']} tok/s, "
+                f"{run['graph_replays']} CUDA graph replays, {run['recompiles_during_generate']} recompiles")
+            rec["runs"].append(run)
+            results[mode] = [list(o.outputs[0].token_ids) for o in outs]
+            del engine
+            if budget.left() < 20 and mode == "compiled":
+                rec["cut_short"] = True
+                log("  (time budget: eager comparison run skipped)")
+                return False
+    finally:
+        if saved is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = saved
+    same = results["compiled"] == results["eager"]
+    rec["same_tokens"] = same
+    for p, a, b in zip(prompts, results["compiled"], results["eager"]):
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            log(f"  DIFFERENT from token {first}: {p!r}\n    compiled {a}\n    eager    {b}")
+    compiled_run = rec["runs"][0]
+    ok = same and compiled_run["recompiles_during_generate"] == 0
+    if not smoke:
+        ok = ok and compiled_run["graph_replays"] > 0
+    log(f"  greedy tokens {'identical' if same else 'DIFFER'} over {len(prompts)} prompts x {max_tokens}")
+    return ok
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -471,7 +540,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=280.0, help="overall time budget, seconds (default 280)")
     ap.add_argument("--quick", action="store_true", help="smaller timing grids")
     ap.add_argument("--skip-engine", action="store_true", help="kernels only")
-    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine"], action="append",
+    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine", "compiled"], action="append",
                     help="run only these sections (repeatable)")
     ap.add_argument("--engine-max-tokens", type=int, default=32)
     ap.add_argument("--engine-model", default=None,
@@ -538,7 +607,7 @@ def main(argv=None) -> int:
     sz = Sizes(args.smoke, args.quick)
     report["device"] = name
 
-    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine")}
+    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine", "compiled")}
     sections = [
         ("correctness", lambda: section_correctness(torch, device, budget, sz, recs["correctness"], args.shard),
          5 if args.smoke else 60),
@@ -547,12 +616,15 @@ def main(argv=None) -> int:
          5 if args.smoke else 20),
         ("engine", lambda: section_engine(torch, budget, args.engine_max_tokens, recs["engine"], args.engine_model,
                                           smoke=args.smoke), 5 if args.smoke else 60),
+        ("compiled", lambda: section_compiled(torch, budget, args.engine_max_tokens, recs["compiled"],
+                                              args.engine_model, smoke=args.smoke), 5 if args.smoke else 90),
     ]
     results = {}
     for sec, fn, min_left in sections:
         if args.only and sec not in args.only:
             continue
-        if sec == "engine" and (args.skip_engine or (args.smoke and not (args.only and "engine" in args.only))):
+        smoke_skip = args.smoke and not (args.only and sec in args.only)
+        if sec in ("engine", "compiled") and (args.skip_engine or smoke_skip):
             continue
         rec = recs[sec]
         report["sections"][sec] = rec

@@ -29,6 +29,9 @@ from kvfleet.runtime.worker.attention import OP_KWARG, AttentionMetadata, forwar
 logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+BACKEND_ENV = "KVFLEET_COMPILE_BACKEND"
+"""``torch.compile`` backend (default ``inductor``); ``eager`` traces with dynamo only (the custom
+op and graph capture without inductor's minutes of codegen: smoke checks)."""
 MIN_TOKENS = 2
 """Smallest token count the graph runs: fewer are padded (``T = 1`` would be a second graph:
 dynamo specializes sizes 0 and 1)."""
@@ -86,8 +89,10 @@ class CompiledForward:
     def __init__(self, decoder: torch.nn.Module, device: torch.device, *, cudagraph_sizes=()) -> None:
         self.decoder = decoder
         self.device = device
-        options = {"freezing": True} if device.type == "cpu" else {}
-        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, options=options)
+        self.backend = os.environ.get(BACKEND_ENV, "").strip() or "inductor"
+        options = {"freezing": True} if device.type == "cpu" and self.backend == "inductor" else None
+        self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=self.backend,
+                                       options=options)
         self.cudagraphs: CudaGraphRunner | None = None
         if device.type == "cuda" and cudagraph_sizes:
             self.cudagraphs = CudaGraphRunner(self._run_compiled, sorted(set(cudagraph_sizes)), device)
@@ -99,8 +104,8 @@ class CompiledForward:
         return hidden[0]
 
     def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.mark_dynamic(input_ids, 1, min=MIN_TOKENS)
-        torch._dynamo.mark_dynamic(positions, 1, min=MIN_TOKENS)
+        torch._dynamo.mark_dynamic(input_ids, 1)
+        torch._dynamo.mark_dynamic(positions, 1)
         return self._compiled(input_ids, positions)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
