@@ -33,6 +33,18 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
+def _plain_greedy(requests: list[Request]) -> bool:
+    """True when every request is greedy with no penalty, no logprobs and no ``min_tokens``
+    ban still in force: the sampled tokens are then the rows' argmax."""
+    for r in requests:
+        p = r.sampling_params
+        if (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                or (p.min_tokens and r.num_output_tokens < p.min_tokens)):
+            return False
+    return True
+
+
 @dataclass
 class SampleLogprobs:
     """Logprobs of one sampled token.
@@ -86,6 +98,10 @@ class Sampler:
         num_rows = len(requests)
         if num_rows == 0:
             return SamplerOutput([], [])
+        if _plain_greedy(requests):
+            # Every row greedy, no penalties, no logprobs, no min_tokens ban in force: the
+            # pipeline below would change nothing before its argmax.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * num_rows)
         dev = logits.device
         params = [r.sampling_params for r in requests]
         vocab = logits.shape[1]
