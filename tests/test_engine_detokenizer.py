@@ -78,3 +78,29 @@ def test_finish_releases_held_text_and_eos_is_not_text(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
     detok.update(tokenizer.encode("Hi") + [tokenizer.eos_token_id], 2, skip_last=True)
     assert detok.output_text == "Hi"
+
+
+def test_backend_decode_is_the_tokenizers_own(tokenizer):
+    """The detokenizer calls the Rust backend's decode directly only where that is exactly
+    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``."""
+    import random
+
+    from kvfleet.runtime.engine.detokenizer import _backend_decode
+
+    fast = _backend_decode(tokenizer)
+    assert fast is not None  # the default model's tokenizer takes the fast path
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    for _ in range(2000):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    class OwnDecode(type(tokenizer)):
+        def decode(self, *a, **k):
+            return "x"
+
+    own = object.__new__(OwnDecode)
+    assert _backend_decode(own) is None  # an overridden decode is always called
+    assert _backend_decode(object()) is None
