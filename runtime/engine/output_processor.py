@@ -239,19 +239,30 @@ class OutputProcessor:
                 errors.append(seq.error)
         first = state.seqs[0]
         seqs = state.seqs
-        metrics = RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            last_token_time=max((s.last_token_time for s in seqs if s.last_token_time), default=None),
-            finished_time=max((s.finished_time or 0 for s in state.seqs), default=None) if state.finished else None,
-        )
+        finished = state.finished
+        if len(seqs) == 1:  # the same values as the general case, without its generators
+            metrics = RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_scheduled_time=first.first_scheduled_time or None,
+                first_token_time=first.first_token_time or None,
+                last_token_time=first.last_token_time or None,
+                finished_time=(first.finished_time or 0) if finished else None,
+            )
+        else:
+            metrics = RequestMetrics(
+                arrival_time=state.arrival_time,
+                first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time),
+                                         default=None),
+                first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+                last_token_time=max((s.last_token_time for s in seqs if s.last_token_time), default=None),
+                finished_time=max((s.finished_time or 0 for s in seqs), default=None) if finished else None,
+            )
         out = RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
             prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
             num_cached_tokens=max(first.request.num_cached_tokens, 0),
             metrics=metrics,
