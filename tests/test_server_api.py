@@ -665,7 +665,7 @@ def test_metrics_exposition_and_vllm_compat(start, smollm2, tok):
                 assert prefix + name in before, prefix + name
         info = before["kvfleet:cache_config_info"].samples[0].labels
         assert info == {"model_name": MODEL, "block_size": "16", "num_blocks": str(KV_CACHE // bytes_per_block),
-                        "gpu_memory_utilization": "0.9"}  # fmt: skip
+                        "gpu_memory_utilization": "0.9", "cache_dtype": "float32", "quantization": "none"}  # fmt: skip
         assert not any(n.endswith("_created") for n in before)
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text

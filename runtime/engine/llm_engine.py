@@ -89,12 +89,19 @@ class LLMEngine:
         self.stat_loggers = list(stat_loggers or [])
         self.executor: MultiprocExecutor | None = None  # tensor parallelism: rank 0 drives the workers
         if config.tensor_parallel_size > 1:
+            if config.quantization is not None:  # before any worker starts
+                raise ValueError(f"--quantization {config.quantization}: not supported with tensor_parallel_size > 1 "
+                                 "(the tensor-parallel plan shards plain weights)")
             if loaded is not None:
                 raise ValueError("tensor_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
             self.executor = MultiprocExecutor.start(config)
             loaded = self.executor.loaded
         elif loaded is None:
-            loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device)
+            loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
+                                quantization=config.quantization)  # fmt: skip
+        if config.quantization != loaded.quantization:
+            raise ValueError(f"--quantization {config.quantization}: the engine was given a model loaded with "
+                             f"quantization={loaded.quantization} (load it with load_model(..., quantization=))")
         self.loaded = loaded
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
@@ -191,11 +198,15 @@ class LLMEngine:
 
     def cache_config_info(self) -> dict[str, str]:
         """KV cache settings for the metrics info gauge (values as strings, as Prometheus
-        ``Info`` labels need): ``block_size``, ``num_blocks``, ``gpu_memory_utilization``."""
+        ``Info`` labels need): ``block_size``, ``num_blocks``, ``gpu_memory_utilization``,
+        ``cache_dtype`` (the resolved dtype of the KV cache and weights, ``dtype auto`` resolved),
+        ``quantization`` (``none``, ``int8``, ``int4``)."""
         return {
             "block_size": str(self.config.block_size),
             "num_blocks": str(self.num_blocks),
             "gpu_memory_utilization": str(self.config.gpu_memory_utilization),
+            "cache_dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "quantization": self.loaded.quantization or "none",
         }
 
     def reset_prefix_cache(self) -> bool:

@@ -60,6 +60,11 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float = 0.0
+    quantization: str | None = None
+    """``int8`` / ``int4`` when the decoder's linear layers hold torchao weight-only tensors
+    (:mod:`kvfleet.runtime.worker.quantization`), else None."""
+    weight_bytes: int = 0
+    """Bytes of the parameters and buffers as stored (quantized weights counted as stored)."""
 
 
 def cache_dir() -> Path:
@@ -102,8 +107,41 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
+_NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""/proc/cpuinfo flags of native bf16 matmul (Intel AMX, AVX512-BF16 on Intel and AMD Zen 4+)."""
+
+
+def cpu_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX-BF16 or AVX512-BF16).
+
+    torch's own CPU feature checks first (``torch.cpu._is_amx_tile_supported`` /
+    ``_is_avx512_bf16_supported``, cpuinfo-based, private), then ``/proc/cpuinfo`` flags
+    (:data:`_NATIVE_BF16_FLAGS`); ``cpuinfo`` overrides the file's text (tests).
+    Without native support bf16 matmuls are emulated and slower than fp32.
+    """
+    if cpuinfo is None:
+        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+            fn = getattr(torch.cpu, probe, None)
+            try:
+                if fn is not None and fn():
+                    return True
+            except Exception:  # private API: absent or failing on some builds
+                pass
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return any(f in flags for f in _NATIVE_BF16_FLAGS)
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` -> float32 on CPU, bfloat16 on a CUDA device that supports it (else float16);
+    """``auto`` -> bfloat16 on a CPU with native bf16 matmul (:func:`cpu_native_bf16`), else
+    float32 on CPU; bfloat16 on a CUDA device that supports it (else float16);
     ``float32`` / ``float16`` / ``bfloat16`` as named.
 
     Raises:
@@ -114,7 +152,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        return torch.bfloat16 if cpu_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
@@ -242,6 +280,7 @@ def load_model(
     device: str = "auto",
     cache_root: Path | None = None,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
 
@@ -254,6 +293,8 @@ def load_model(
         tensor_parallel_size: above 1, load this rank's shard with transformers' tensor-parallel
             plan (``torch.distributed`` must be initialised by
             :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's).
+        quantization: ``int8`` / ``int4``: quantize the decoder's linear layers after loading
+            (:func:`kvfleet.runtime.worker.quantization.quantize_model`); None: as loaded.
 
     Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention, or ``eager`` for
         architectures without sdpa support such as Gemma 2 (the engine switches it to its
@@ -263,15 +304,23 @@ def load_model(
         FileNotFoundError: local model path missing; ValueError: bad dtype/device, or a model
         whose config uses an attention feature the paged attention does not implement
         (:func:`kvfleet.runtime.worker.attention.check_attention_support`; checked on the config,
-        before any weight is read); OSError from transformers when a hub id cannot be resolved.
+        before any weight is read), or a ``quantization`` the model, device or dtype does not
+        support (the message starts with ``--quantization``; unknown methods and
+        device/dtype/tensor-parallel combinations are refused before any weight is read);
+        OSError from transformers when a hub id cannot be resolved.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvfleet.runtime.worker.attention import check_attention_support
+    from kvfleet.runtime.worker.quantization import check_quantization, quantize_model, weight_bytes
 
     t0 = time.monotonic()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if dtype == "auto":
+        logger.info("dtype auto -> %s on %s%s", str(torch_dtype).removeprefix("torch."), dev.type,
+                    " (native bf16 matmul)" if dev.type == "cpu" and torch_dtype == torch.bfloat16 else "")
+    check_quantization(quantization, dev, torch_dtype, tensor_parallel_size)
     path, name = resolve_model_path(model, cache_root)
     hf_config = AutoConfig.from_pretrained(path)
     check_attention_support(hf_config)
@@ -286,9 +335,12 @@ def load_model(
         hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)
+    if quantization is not None:
+        quantize_model(hf_model, quantization)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)
     elapsed = time.monotonic() - t0
-    logger.info("loaded %s (%s, %s, %s) in %.1f s", name, path, torch_dtype, dev, elapsed)
-    return LoadedModel(
-        model=hf_model, tokenizer=tok, name=name, source=path, device=dev, dtype=torch_dtype, load_seconds=elapsed
-    )
+    nbytes = weight_bytes(hf_model)
+    logger.info("loaded %s (%s, %s, %s%s, weights %.1f MiB) in %.1f s", name, path, torch_dtype, dev,
+                f", quantization {quantization}" if quantization else "", nbytes / 2**20, elapsed)
+    return LoadedModel(model=hf_model, tokenizer=tok, name=name, source=path, device=dev, dtype=torch_dtype,
+                       load_seconds=elapsed, quantization=quantization, weight_bytes=nbytes)

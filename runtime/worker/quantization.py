@@ -1,0 +1,178 @@
+"""Weight-only quantization of a loaded model (``--quantization int8|int4``) through torchao.
+
+The decoder's ``nn.Linear`` layers (attention q/k/v/o and the MLP projections) get torchao
+weight-only tensors; activations, the KV cache, the embedding, norms and the LM head stay in
+the model dtype, and logits are float32 as always. The LM head is left alone: with tied
+embeddings (SmolLM2, most small models) quantizing it would need a second, untied copy of
+the embedding matrix, and it is the layer whose rounding moves the logits most directly
+(measured in docs/performance.md, "Weight-only quantization").
+
+- ``int8``: torchao ``Int8WeightOnlyConfig`` (symmetric, per output channel), CPU and CUDA.
+- ``int4``: torchao's CPU int4 tensor, ``torchao.prototype.quantization.int4``
+  (``PrototypeInt4WeightOnlyConfig``: asymmetric, groupwise, packed for
+  ``aten._weight_int4pack_mm_for_cpu``); the group size is the largest of 128, 64, 32 that
+  divides every quantized layer's ``in_features`` (64 for SmolLM2, whose hidden size is 576).
+  CPU only.
+
+Every refusal is a ``ValueError`` whose message starts with ``--quantization`` (an engine
+start-up error: ``kvfleet serve`` logs it on one line and exits 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("int8", "int4")
+"""Values of ``--quantization`` (``EngineConfig.quantization``); None: the model dtype."""
+INT4_GROUP_SIZES = (128, 64, 32)
+"""Group sizes torchao's CPU int4 kernel takes, the coarsest (fewest scale bytes) first."""
+
+
+@dataclass(frozen=True)
+class QuantizationInfo:
+    """What :func:`quantize_model` did.
+
+    Attributes:
+        method: ``int8`` or ``int4``.
+        num_layers: linear layers quantized.
+        group_size: int4 group size (None for int8, which is per output channel).
+        weight_bytes_before / weight_bytes_after: bytes of every parameter and buffer of the
+            model, before and after (see :func:`weight_bytes`).
+    """
+
+    method: str
+    num_layers: int
+    group_size: int | None
+    weight_bytes_before: int
+    weight_bytes_after: int
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a torchao tensor subclass counts its inner tensors (qdata, scales)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        names, _ = flatten()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names if getattr(t, n, None) is not None)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, tied tensors counted once, quantized weights
+    as what they store (int8 / packed int4 data plus scales and zero points)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += _tensor_bytes(t)
+    return total
+
+
+def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """The ``nn.Linear`` layers :func:`quantize_model` quantizes: every one but the output
+    embedding (the LM head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {name: mod for name, mod in model.named_modules()
+            if isinstance(mod, torch.nn.Linear) and mod is not head}  # fmt: skip
+
+
+def int4_group_size(model: torch.nn.Module) -> int:
+    """The largest of :data:`INT4_GROUP_SIZES` that divides every decoder linear's ``in_features``.
+
+    Raises:
+        ValueError: (``--quantization int4: ...``) none does.
+    """
+    widths = {m.in_features for m in decoder_linears(model).values()}
+    for g in INT4_GROUP_SIZES:
+        if all(w % g == 0 for w in widths):
+            return g
+    raise ValueError(
+        f"--quantization int4: the model's linear input sizes {sorted(widths)} are not all "
+        f"multiples of one of the int4 group sizes {INT4_GROUP_SIZES}; use --quantization int8"
+    )
+
+
+def check_quantization(
+    method: str | None, device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1
+) -> None:
+    """Refuse what :func:`quantize_model` cannot do, before any weight is read.
+
+    Raises:
+        ValueError: starting with ``--quantization``: an unknown method, torchao missing,
+            tensor parallelism, int4 on a device other than the CPU, or a dtype the kernel lacks.
+    """
+    if method is None:
+        return
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); got {method!r}")
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - a dependency of kvfleet
+        raise ValueError(f"--quantization {method}: needs torchao (pip install 'torchao==0.18.*'): {exc}") from None
+    if tensor_parallel_size > 1:
+        raise ValueError(
+            f"--quantization {method}: not supported with tensor_parallel_size > 1 "
+            "(the tensor-parallel plan shards plain weights)"
+        )
+    if method == "int4" and device.type != "cpu":
+        raise ValueError(
+            f"--quantization int4: only on the CPU (torchao's int4 CPU kernel); device is "
+            f"{device.type}; use --quantization int8 there"
+        )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"--quantization {method}: unsupported dtype {dtype}")
+
+
+def torchao_config(method: str, group_size: int | None = None):
+    """The torchao config for ``method`` (inductor settings left alone: torchao's
+    ``set_inductor_config`` would change process-wide compile settings)."""
+    if method == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+    return PrototypeInt4WeightOnlyConfig(group_size=group_size or 128, set_inductor_config=False)
+
+
+def linear_filter(model: torch.nn.Module) -> Callable[[torch.nn.Module, str], bool]:
+    """``quantize_``'s ``filter_fn``: the layers of :func:`decoder_linears`."""
+    chosen = {id(m) for m in decoder_linears(model).values()}
+    return lambda mod, _fqn: id(mod) in chosen
+
+
+def quantize_model(model: torch.nn.Module, method: str) -> QuantizationInfo:
+    """Quantize ``model``'s decoder linears in place with torchao (see the module docstring).
+
+    Raises:
+        ValueError: starting with ``--quantization``: no linear layer to quantize, or (int4)
+            no group size fits the model.
+    """
+    from torchao.quantization import quantize_
+
+    layers = decoder_linears(model)
+    if not layers:
+        raise ValueError(
+            f"--quantization {method}: the model has no nn.Linear layers to quantize ({type(model).__name__})"
+        )
+    group = int4_group_size(model) if method == "int4" else None
+    before = weight_bytes(model)
+    quantize_(model, torchao_config(method, group), filter_fn=linear_filter(model))
+    after = weight_bytes(model)
+    info = QuantizationInfo(method, len(layers), group, before, after)
+    logger.info(
+        "quantized %d linear layers to %s%s (weights %.1f MiB -> %.1f MiB)",
+        info.num_layers,
+        method,
+        f" (group size {group})" if group else "",
+        before / 2**20,
+        after / 2**20,
+    )
+    return info
