@@ -212,13 +212,12 @@ def run_workload(base: str, workload: list[dict], mode: str, timeout: float = 60
     """Run ``workload``: ``throughput`` = all at once, ``stream`` = one after another."""
     t0 = time.perf_counter()
     if mode == "throughput":
-        with ThreadPoolExecutor(max_workers=len(workload)) as pool:
-            results = list(
-                pool.map(
-                    lambda r: complete(base, r["prompt_token_ids"], r["max_tokens"], timeout),
-                    workload,
-                )
-            )
+        pool = ThreadPoolExecutor(max_workers=len(workload))
+        try:
+            futures = [pool.submit(complete, base, r["prompt_token_ids"], r["max_tokens"], timeout) for r in workload]
+            results = [f.result() for f in futures]
+        finally:  # on an interrupt, do not wait here for requests in flight: the server stops next
+            pool.shutdown(wait=False, cancel_futures=True)
     else:
         results = [complete(base, r["prompt_token_ids"], r["max_tokens"], timeout) for r in workload]
     return time.perf_counter() - t0, results
@@ -300,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="start, 4 tokens, stop")
     parser.add_argument("-o", "--output", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
+
+    def _terminate(signum, _frame):  # SIGTERM (e.g. from `timeout`): stop the server first
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
     if args.smoke:
         return smoke(args)
     if not args.workload:
