@@ -76,6 +76,8 @@ ENGINE_KEYS = {
     "schedulingPolicy": "scheduling_policy",
     "dtype": "dtype",
     "tensorParallelSize": "tensor_parallel_size",
+    "quantization": "quantization",
+    "enforceEager": "enforce_eager",
 }
 
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",

@@ -203,6 +203,10 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
     "dtype": {"type": "string", "description": "Weights and activations dtype.",
               "enum": ["auto", "float32", "float16", "bfloat16"]},
     "tensorParallelSize": _int("GPUs one model replica is split over.", minimum=1, maximum=16, default=1),
+    "quantization": {"type": "string", "description": "Weight-only quantization of the linear layers "
+                     "(torchao): int8 (CPU and GPU) or int4 (CPU); unset: weights in dtype.",
+                     "enum": ["int8", "int4"]},
+    "enforceEager": _bool("Run the model eagerly, without torch.compile (kvfleet serve --enforce-eager)."),
     "extraArgs": {
         "type": "object",
         "description": "Further options of kvfleet serve's config file, snake_case: engine options "

@@ -266,6 +266,18 @@ def test_extra_args_pass_through_and_unknown_ones_are_invalid():
     assert e.value.reason == "ConflictingEngineArg"
 
 
+def test_quantization_and_enforce_eager_reach_the_engine_config():
+    from kvfleet.runtime.config import EngineConfig
+
+    cm = by_kind(builders.desired_children(minimal(engine={"quantization": "int4", "enforceEager": False})))["ConfigMap"]
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["quantization"] == "int4" and config["enforce_eager"] is False
+    engine = EngineConfig.model_validate({k: v for k, v in config.items() if k in EngineConfig.model_fields})
+    assert engine.quantization == "int4" and engine.enforce_eager is False
+    unset = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])
+    assert "quantization" not in unset and "enforce_eager" not in unset  # the runtime's defaults
+
+
 def test_tuned_values_from_status_only_when_tuning_is_enabled():
     tuned = minimal(engine={"blockSize": 16}, tuning={"enabled": True})
     tuned["status"] = {"engine": {"blockSize": 32, "gpuMemoryUtilization": 0.85}}

@@ -134,7 +134,10 @@ def test_crd_shape():
     assert set(s["tuning"]["properties"]) >= {"enabled", "gpuMemoryUtilization", "blockSizes", "minIntervalSeconds"}
     assert set(s["engine"]["properties"]) >= {"blockSize", "gpuMemoryUtilization", "maxNumSeqs",
                                               "maxNumBatchedTokens", "maxModelLen", "enablePrefixCaching",
-                                              "schedulingPolicy", "dtype", "tensorParallelSize", "extraArgs"}
+                                              "schedulingPolicy", "dtype", "tensorParallelSize", "extraArgs",
+                                              "quantization", "enforceEager"}
+    assert s["engine"]["properties"]["quantization"]["enum"] == ["int8", "int4"]
+    assert s["engine"]["properties"]["enforceEager"]["type"] == "boolean"
 
 
 def _structural_violations(schema: dict[str, Any], path: str = "") -> list[str]:
@@ -227,6 +230,8 @@ def test_other_cel_rules(obj, message):
     _with("spec.autoscaling", {"mode": "sometimes", "maxReplicas": 2}),
     _with("spec.rollout", {"strategy": "Yolo"}),
     _with("spec.engine.tensorParallelSize", 0),
+    _with("spec.engine.quantization", "awq"),
+    _with("spec.engine.enforceEager", "yes"),
     _with("spec.replicas", -1),
     _with("spec.runtime", {"resources": {"memory": "lots"}}),
     _with("spec.model.uri", "hf://just-a-name"),
