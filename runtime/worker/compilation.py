@@ -12,7 +12,7 @@ padding token writes nowhere and is never sampled), so warm-up compiles a single
 CUDA, decode batches of the capture sizes replay CUDA graphs captured over the compiled graph
 (:class:`CudaGraphRunner`). Compiled C++ kernels are cached under ``$KVFLEET_CACHE_DIR/inductor``
 (``TORCHINDUCTOR_CACHE_DIR``); frozen graphs themselves are not cacheable (inductor bypasses its
-FX graph cache for their prepacked mkldnn weights). Details: docs/engine.md, "Compiled forward".
+FX graph cache for their prepacked mkldnn weights). Details: docs/performance.md, "Compiled forward".
 """
 
 from __future__ import annotations
@@ -126,11 +126,13 @@ class CompiledForward:
             hidden = self._run_compiled(input_ids, positions)
         return hidden[:num_tokens]
 
+    @torch.inference_mode()
     def warm_up(self, make_step: Callable[[int, int], tuple]) -> float:
         """Compile (and on CUDA capture) before the first request; returns the seconds taken.
 
         ``make_step(num_seqs, num_tokens)`` builds a throw-away step ``(input_ids, positions,
-        meta)`` that writes nowhere (slots -1)."""
+        meta)`` that writes nowhere (slots -1). Under ``inference_mode`` as the engine's steps
+        (a graph compiled with grad mode on would not serve them: a guard on it)."""
         t0 = time.monotonic()
         before = compile_counts()
         for num_seqs, num_tokens in ((1, 16), (1, 1), (4, 4)):

@@ -13,7 +13,7 @@ also runs on the prompt positions of requests that ask, in chunks of at most
 ``num_blocks`` from :meth:`ModelRunner.determine_num_blocks`. With ``enforce_eager=False`` the
 decoder runs compiled (:mod:`kvfleet.runtime.worker.compilation`, warmed up at the end of
 :meth:`ModelRunner.initialize_kv_cache`) and the LM head runs eagerly on its output. Details:
-docs/engine.md, "How a step runs", "Compiled forward" and "Sampling semantics".
+docs/engine.md, "How a step runs" and "Sampling semantics"; docs/performance.md, "Compiled forward".
 """
 
 from __future__ import annotations
