@@ -88,9 +88,12 @@ def test_a_paused_operator_does_not_scale_until_the_higher_peer_is_gone(tmp_path
                          message=f"the operator autoscaling\n{log.read_text()[-3000:]}")
             # A live peer with a higher priority appears: kopf pauses, and so does the loop.
             emu.patch(PEERING, None, "kvfleet-operator", {"status": {"boss": peer(200)}})
-            # (The loop reads the peering object before it starts any iteration, so from the
-            # patch on it starts none; one in flight still sees no queue.)
+            # (The loop reads the peering object before it starts any iteration, reusing a "not
+            # paused" answer for PEERING_TTL; once it logs the pause it has cancelled the
+            # iterations in flight and starts none.)
             emu.wait_for(lambda: "Pausing operations" in log.read_text(), message=f"kopf pausing\n{log.read_text()[-3000:]}")
+            emu.wait_for(lambda: "autoscaler paused" in log.read_text(), message=f"loop pausing\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)  # an API call of a cancelled iteration that was already on the wire
             mark = len(emu.writes())
             rt.set(waiting=9)  # would scale to 4
             time.sleep(5.0)  # five intervals (KVFLEET_AUTOSCALER_INTERVAL=1)
