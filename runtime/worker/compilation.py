@@ -35,16 +35,21 @@ op and graph capture without inductor's minutes of codegen: smoke checks)."""
 MIN_TOKENS = 2
 """Smallest token count the graph runs: fewer are padded (``T = 1`` would be a second graph:
 dynamo specializes sizes 0 and 1)."""
-DEFAULT_CUDAGRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_CUDAGRAPH_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 """Decode batch sizes captured as CUDA graphs (vLLM's capture-size idea; larger batches run the
-compiled graph directly). Capped at ``max_num_seqs``."""
+compiled graph directly). Capped at ``max_num_seqs`` (at least 2). No size 1: it would compile a
+second graph (``MIN_TOKENS``); one decode sequence replays the size-2 graph with one padding row."""
 
 
 def configure_cache(root) -> str:
-    """Point inductor's cache at ``root/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` is set;
+    """Point inductor's cache at ``root/inductor`` unless ``TORCHINDUCTOR_CACHE_DIR`` names
+    another folder than inductor's default (a value inductor wrote itself: its ``cache_dir()``
+    stores the default in the variable the first time anything asks, e.g. torchao's import);
     returns the folder used. Must run before the first compilation."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     path = os.environ.get(INDUCTOR_CACHE_ENV)
-    if not path:
+    if not path or os.path.abspath(path) == os.path.abspath(default_cache_dir()):
         path = os.environ[INDUCTOR_CACHE_ENV] = str(root / "inductor")
     return path
 
@@ -65,7 +70,7 @@ def compile_settings(config, device: torch.device, logits_error: str | None) -> 
     from kvfleet.runtime.worker.model_loader import cache_dir
 
     logger.info("compiled forward: inductor cache %s", configure_cache(cache_dir()))
-    sizes = [s for s in DEFAULT_CUDAGRAPH_SIZES if s <= config.max_num_seqs] if device.type == "cuda" else []
+    sizes = [s for s in DEFAULT_CUDAGRAPH_SIZES if s <= max(2, config.max_num_seqs)] if device.type == "cuda" else []
     return {"cudagraph_sizes": sizes}
 
 
