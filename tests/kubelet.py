@@ -20,6 +20,12 @@ For every Deployment it keeps ``spec.replicas`` pods whose pod-template hash
 * the Deployment's status (replicas, readyReplicas, availableReplicas, updatedReplicas,
   observedGeneration, Available condition) follows.
 
+With ``rollout="surge"`` a template change rolls like the Deployment controller does under the
+template's ``maxSurge`` / ``maxUnavailable`` (integers): new pods first, an old pod stops only
+while enough others are ready; a stopping pod leaves :meth:`ready_pods` (the endpoints) at once,
+sleeps its container's ``preStop`` (``prestop_seconds`` overrides), gets SIGTERM (the runtime
+drains), and is killed after ``terminationGracePeriodSeconds``.
+
 Not a real kubelet: no probes beyond /ready, no resources, no init containers, no
 volumes except the config file. The model is whatever ``config_overrides`` leaves: the
 closed-loop test drops ``model`` so every process serves the embedded default.
@@ -61,6 +67,7 @@ class FakePod:
     log_path: Path
     started: float
     ready_at: float | None = None
+    terminating: bool = False
     restarts: int = 0
     last_terminated: dict[str, Any] | None = None
     reported: dict[str, Any] = field(default_factory=dict)
@@ -85,7 +92,8 @@ class TestKubelet:
 
     def __init__(self, api: str, namespace: str, workdir: Path, *, serve_args: Sequence[str] = (),
                  config_overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
-                 poll: float = 0.5, log: Callable[[str], None] = print):
+                 poll: float = 0.5, log: Callable[[str], None] = print, rollout: str = "recreate",
+                 prestop_seconds: float | None = None):
         self.api = api.rstrip("/")
         self.namespace = namespace
         self.workdir = Path(workdir)
@@ -95,6 +103,8 @@ class TestKubelet:
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **dict(env or {})}
         self.poll = poll
         self.log = log
+        self.rollout = rollout
+        self.prestop_seconds = prestop_seconds
         self.pods: dict[str, FakePod] = {}
         self.events: list[tuple[float, str, str]] = []
         """``(monotonic time, what, pod)``: started, ready, deleted, exited."""
@@ -175,28 +185,37 @@ class TestKubelet:
         mine = [p for p in self.pods.values() if p.deployment == name]
 
         for pod in mine:
-            self._check_process(pod, template)
+            if not pod.terminating:
+                self._check_process(pod, template)
+            elif pod.process.poll() is not None:
+                self._delete(pod, "rolled")
 
         # Stale template first, then not-ready, then the youngest: that is what goes.
+        mine = [p for p in mine if not p.terminating]
         current = [p for p in mine if p.template_hash == thash]
-        for pod in [p for p in mine if p.template_hash != thash]:
-            self._delete(pod, "template changed")
-        excess = len(current) - want
-        if excess > 0:
-            for pod in sorted(current, key=lambda p: (p.ready_at is not None, -p.started))[:excess]:
-                self._delete(pod, "scaled down")
-                current.remove(pod)
-        for _ in range(want - len(current)):
-            current.append(self._create(dep, thash))
+        stale = [p for p in mine if p.template_hash != thash]
+        if self.rollout == "surge" and stale:
+            self._roll(dep, thash, want, current, stale)
+        else:
+            for pod in stale:
+                self._delete(pod, "template changed")
+            excess = len(current) - want
+            if excess > 0:
+                for pod in sorted(current, key=lambda p: (p.ready_at is not None, -p.started))[:excess]:
+                    self._delete(pod, "scaled down")
+                    current.remove(pod)
+            for _ in range(want - len(current)):
+                current.append(self._create(dep, thash))
 
-        ready = sum(1 for p in current if p.ready_at is not None)
+        alive = current + [p for p in stale if p.name in self.pods and not p.terminating]
+        ready = sum(1 for p in alive if p.ready_at is not None)
         status = {
             "observedGeneration": dep["metadata"].get("generation", 1),
-            "replicas": len(current),
+            "replicas": len(alive),
             "updatedReplicas": len(current),
             "readyReplicas": ready,
             "availableReplicas": ready,
-            "unavailableReplicas": len(current) - ready,
+            "unavailableReplicas": len(alive) - ready,
             "conditions": [{"type": "Available", "status": "True" if ready >= want else "False",
                             "reason": "MinimumReplicasAvailable" if ready >= want else "MinimumReplicasUnavailable"}],
         }
@@ -204,6 +223,43 @@ class TestKubelet:
             self._patch(self._path("apps/v1", "deployments", name) + "/status", {"status": status})
 
     # ---- pods and processes -----------------------------------------------------------
+
+    def _roll(self, dep: Mapping[str, Any], thash: str, want: int, current: list[FakePod],
+              stale: list[FakePod]) -> None:
+        """One step of a rolling update under the Deployment's maxSurge / maxUnavailable."""
+        ru = ((dep.get("spec") or {}).get("strategy") or {}).get("rollingUpdate") or {}
+        surge, unavailable = int(ru.get("maxSurge", 1)), int(ru.get("maxUnavailable", 0))
+        while len(current) < want and len(current) + len(stale) < want + surge:
+            current.append(self._create(dep, thash))
+        ready = sum(1 for p in current + stale if p.ready_at is not None)
+        for pod in sorted(stale, key=lambda p: p.ready_at is not None):
+            if pod.ready_at is None or ready - 1 >= want - unavailable:
+                ready -= pod.ready_at is not None
+                self._terminate(pod, (dep.get("spec") or {}).get("template") or {})
+
+    def _terminate(self, pod: FakePod, template: Mapping[str, Any]) -> None:
+        """Graceful pod deletion in the background: out of the endpoints at once, preStop,
+        SIGTERM, SIGKILL after the grace period; the next pass deletes the Pod object."""
+        spec = template.get("spec") or {}
+        hook = ((spec.get("containers") or [{}])[0].get("lifecycle") or {}).get("preStop") or {}
+        command = (hook.get("exec") or {}).get("command") or []
+        prestop = self.prestop_seconds if self.prestop_seconds is not None else (
+            float(command[1]) if command[:1] == ["sleep"] else 0.0)
+        grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        pod.terminating = True
+        self.events.append((time.monotonic(), "terminating", pod.name))
+
+        def run() -> None:
+            time.sleep(prestop)
+            pod.process.terminate()
+            try:
+                pod.process.wait(timeout=max(1.0, grace - prestop))
+            except subprocess.TimeoutExpired:
+                pod.process.kill()
+                pod.process.wait(timeout=10)
+            self.events.append((time.monotonic(), "exited after SIGTERM", pod.name))
+
+        threading.Thread(target=run, name=f"terminate {pod.name}", daemon=True).start()
 
     def _config_text(self, template: Mapping[str, Any]) -> str:
         volumes = (template.get("spec") or {}).get("volumes") or []
@@ -327,5 +383,5 @@ class TestKubelet:
     # ---- for tests ---------------------------------------------------------------------
 
     def ready_pods(self, deployment: str | None = None) -> list[FakePod]:
-        return [p for p in list(self.pods.values())
-                if p.ready_at is not None and (deployment is None or p.deployment == deployment)]
+        return [p for p in list(self.pods.values()) if p.ready_at is not None and not p.terminating
+                and (deployment is None or p.deployment == deployment)]
