@@ -1,0 +1,143 @@
+"""The compiled forward (``enforce_eager=False``, issue 14): the same greedy tokens as the eager
+path over a workload that mixes prefill and decode, chunks prefills, hits the prefix cache and
+preempts; and no recompilation across a sweep of batch sizes once warmed up. One compiled
+engine for the module (its warm-up compiles one graph: minutes on a loaded 2-core CPU)."""
+
+from __future__ import annotations
+
+import pytest
+from support import record_schedules
+
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.compilation import compile_counts
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a prime number larger than ten.",
+    "Why is the sky blue?",
+    "Give me a synonym for happy.",
+    "What is 7 times 8?",
+    "Who wrote Hamlet?",
+    "What colour is grass?",
+    "Translate 'thank you' into Spanish.",
+]
+# 8 requests of ~105 prompt tokens (96 shared) + 64 outputs need 6 shared + 8 x 5 blocks of 16 at once: 30 preempt.
+CONFIG = dict(num_blocks=30, max_num_batched_tokens=64, enable_prefix_caching=True, max_num_seqs=8)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.preemptions = 0
+
+    def record(self, scheduler_stats, iteration_stats) -> None:
+        self.preemptions += scheduler_stats.num_preemptions
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    system = tokenizer("You are a careful assistant. Answer in one short sentence. " * 12,
+                       add_special_tokens=False)["input_ids"][:96]
+    return [system + tokenizer(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+
+
+def run(eng: LLMEngine, batch: list[list[int]], params=GREEDY) -> tuple[list[list[int]], int]:
+    for i, p in enumerate(batch):
+        eng.add_request(f"r{i}-{id(batch)}", p, params)
+    final, cached = {}, 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = list(out.outputs[0].token_ids)
+                cached += out.num_cached_tokens or 0
+    return [final[k] for k in sorted(final, key=lambda r: int(r[1:].split("-")[0]))], cached
+
+
+@pytest.fixture(scope="module")
+def compiled(smollm2):
+    recorder = Recorder()
+    eng = LLMEngine(EngineConfig(enforce_eager=False, **CONFIG), [recorder], loaded=smollm2)
+    assert eng.runner.compiled is not None and eng.runner.compiled.warmup_seconds > 0
+    return eng, recorder
+
+
+def test_compiled_matches_eager_greedy(smollm2, compiled):
+    compiled, compiled_rec = compiled
+    batch = prompts(smollm2.tokenizer)
+    eager_rec = Recorder()
+    eager = LLMEngine(EngineConfig(enforce_eager=True, **CONFIG), [eager_rec], loaded=smollm2)
+    assert eager.runner.compiled is None
+    expected, eager_cached = run(eager, batch)
+    before = compile_counts()
+    schedules = record_schedules(compiled)
+    got, cached = run(compiled, batch)
+    assert got == expected
+    assert compile_counts() == before  # the workload compiled nothing new
+    steps = [out.scheduled for out in schedules]
+    assert any(not sr.sample for step in steps for sr in step), "no prefill was chunked"
+    assert any({sr.num_new_tokens == 1 for sr in step} == {True, False} for step in steps), "no mixed step"
+    assert cached > 0 and eager_cached > 0  # the shared system prompt came from the prefix cache
+    assert compiled_rec.preemptions > 0 and eager_rec.preemptions > 0
+
+
+def test_no_recompile_across_batch_sizes(smollm2, compiled):
+    compiled, _ = compiled
+    tok = smollm2.tokenizer
+    base = tok("Count to ten:", add_special_tokens=False)["input_ids"]
+    run(compiled, [base], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm
+    before = compile_counts()
+    for n in (1, 2, 3, 5, 8):
+        batch = [base + [100 + i] * (i + 1) for i in range(n)]
+        outs, _ = run(compiled, batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert [len(o) for o in outs] == [3] * n
+    assert compile_counts() == before, f"recompiled: {before} -> {compile_counts()}"
+
+
+def test_cuda_graph_buffers_pad_a_decode_batch_on_cpu():
+    """The CUDA graph runner's CPU-safe part: a decode step of 3 fills the size-4 graph's static
+    buffers (the padding row writes nowhere, has context 1 over block 0, one query token) and
+    gets the graph's output rows back; prefill steps, and wider tables, are not replayed."""
+    import torch
+
+    from kvfleet.runtime.worker.attention import AttentionMetadata
+    from kvfleet.runtime.worker.compilation import CudaGraphRunner
+
+    runner = CudaGraphRunner(forward=None, sizes=[2, 4], device=torch.device("cpu"))
+    caches = [(torch.zeros(8, 16, 1, 4), torch.zeros(8, 16, 1, 4))]
+
+    def meta(lens, width, qsl=None):
+        n = len(lens)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([10 + i for i in range(n)]), block_tables=torch.full((n, width), 5, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl or list(range(n + 1)), dtype=torch.int32),
+            max_query_len=1 if qsl is None else 2, max_seq_len=max(lens), kv_caches=caches)
+
+    runner._buffers(meta([64], 4))
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    out = torch.arange(4.0).unsqueeze(1)
+    runner.graphs = {2: (Graph(), out[:2]), 4: (Graph(), out)}
+    step = meta([17, 3, 40], 3)
+    got = runner.run(torch.tensor([[7, 8, 9]]), torch.tensor([[16, 2, 39]]), step)
+    assert got.tolist() == [[0.0], [1.0], [2.0]] and Graph.replays == 1 and runner.replays == 1
+    m = runner.meta
+    assert runner.input_ids[0, :3].tolist() == [7, 8, 9] and runner.positions[0, :3].tolist() == [16, 2, 39]
+    assert m.slot_mapping[:4].tolist() == [10, 11, 12, -1]
+    assert m.seq_lens[:4].tolist() == [17, 3, 40, 1]
+    assert m.block_tables[:4].tolist() == [[5, 5, 5, 0]] * 3 + [[0, 0, 0, 0]]
+    assert m.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
+    assert runner.run(torch.zeros((1, 3), dtype=torch.long), torch.zeros((1, 3), dtype=torch.long),
+                      meta([5, 4], 1, qsl=[0, 2, 3])) is None  # a prefill step
+    assert runner.run(torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long),
+                      meta([5], 9)) is None  # a table wider than the captured one
+    assert runner.run(torch.zeros((1, 5), dtype=torch.long), torch.zeros((1, 5), dtype=torch.long),
+                      meta([5] * 5, 1)) is None  # more sequences than the largest size
