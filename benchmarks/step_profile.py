@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,8 +76,9 @@ class _Timer:
     def __init__(self) -> None:
         self.acc = dict.fromkeys(PHASES, 0.0)
 
-    def wrap(self, name: str, fn):
-        acc = self.acc
+    def wrap(self, name: str, fn, acc: dict | None = None):
+        """``fn`` that adds its wall time to ``acc[name]`` (default: this timer's phases)."""
+        acc = self.acc if acc is None else acc
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -100,7 +102,7 @@ class _TimedSampler:
         return getattr(self._sampler, name)
 
 
-def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int) -> dict:
+def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub_forward: bool = False) -> dict:
     import torch
 
     from kvfleet.runtime.sampling_params import SamplingParams
@@ -115,17 +117,22 @@ def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int) -> d
     if hasattr(runner, "prepare_inputs"):
         runner.prepare_inputs = timer.wrap("prepare_inputs", runner.prepare_inputs)
     model = runner.model
-    model.forward = timer.wrap("forward", model.forward)
-    execute = runner.execute_model
+    if stub_forward:
+        # No model math: logits of the right shape (fixed values), so the step's time is the
+        # host work around the forward alone (less noisy on a shared machine).
+        vocab = runner.vocab_size
+        cache: dict[int, torch.Tensor] = {}
 
-    def timed_execute(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return execute(*a, **k)
-        finally:
-            runner_acc["execute_model"] += time.perf_counter() - t0
+        def stub(*, logits_to_keep, **_):
+            n = int(logits_to_keep.shape[0])
+            if n not in cache:
+                cache[n] = torch.randn((1, n, vocab), generator=torch.Generator().manual_seed(n))
+            return types.SimpleNamespace(logits=cache[n].clone())
 
-    runner.execute_model = timed_execute
+        model.forward = timer.wrap("forward", stub)
+    else:
+        model.forward = timer.wrap("forward", model.forward)
+    runner.execute_model = timer.wrap("execute_model", runner.execute_model, runner_acc)
     eng.sampler = _TimedSampler(eng.sampler, timer)
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for i in range(concurrency):
@@ -158,7 +165,8 @@ def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int) -> d
             rows[p].append(acc[p] * 1e3)
         rows["step"].append(total * 1e3)
     med = {p: statistics.median(v) for p, v in rows.items()}
-    print(f"\n{dtype}, C={concurrency}, {steps} decode steps, torch threads {torch.get_num_threads()}, "
+    stub = ", forward stubbed (host work only)" if stub_forward else ""
+    print(f"\n{dtype}, C={concurrency}, {steps} decode steps{stub}, torch threads {torch.get_num_threads()}, "
           f"context ~{128 + 3}..{128 + 3 + steps}")
     print("| phase | median ms | share of the median step |\n|---|---:|---:|")
     for p in PHASES:
@@ -223,6 +231,11 @@ def run_bench(dtype: str) -> dict:
 
 
 def extract_baseline(rev: str) -> str:
+    """``runtime/`` and ``kernels/`` of git revision ``rev`` as an importable ``kvfleet`` in a
+    temporary folder (put it first on ``PYTHONPATH``); returns the folder. A folder that
+    already holds ``kvfleet/runtime`` is used as it is."""
+    if os.path.isdir(os.path.join(rev, "kvfleet", "runtime")):
+        return rev
     root = tempfile.mkdtemp(prefix="kvfleet-step-baseline-")
     pkg = os.path.join(root, "kvfleet")
     os.makedirs(pkg)
@@ -232,8 +245,17 @@ def extract_baseline(rev: str) -> str:
     return root
 
 
+def _env_with(path: str | None) -> dict:
+    """The environment of a measuring subprocess: ``path`` (an extracted revision) first on
+    ``PYTHONPATH``, no empty entry (the repository root would shadow the stdlib's operator)."""
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def bench(args) -> None:
-    builds = [("new", None)]
+    builds = [("new", extract_baseline(args.new) if args.new else None)]
     if args.baseline:
         builds.append(("old", extract_baseline(args.baseline)))
     results: dict[tuple[str, str], list[dict]] = {}
@@ -241,9 +263,7 @@ def bench(args) -> None:
         for dtype in args.dtype:
             order = builds if rnd % 2 == 0 else builds[::-1]
             for name, path in order:
-                env = dict(os.environ)
-                if path:
-                    env["PYTHONPATH"] = path + os.pathsep + env.get("PYTHONPATH", "")
+                env = _env_with(path)
                 cmd = [sys.executable, os.path.abspath(__file__), "_one", "--dtype", dtype]
                 if args.threads:
                     cmd += ["--threads", str(args.threads)]
@@ -286,8 +306,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--cprofile", type=int, default=0, metavar="N")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--baseline", default=None, metavar="REV", help="profile REV's code first (own process)")
+    p.add_argument("--stub-forward", action="store_true",
+                   help="replace the model's forward by fixed logits: time the host work alone")
     b = sub.add_parser("bench")
     b.add_argument("--baseline", default=None, metavar="REV")
+    b.add_argument("--new", default=None, metavar="REV", help="measure REV's code as 'new' (default: the working tree)")
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     b.add_argument("--threads", type=int, default=0)
@@ -300,10 +324,20 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
     if args.cmd == "phases":
+        if args.baseline:
+            # The same profile with the baseline's code first, in its own process.
+            env = dict(os.environ)
+            env = _env_with(extract_baseline(args.baseline))
+            argv = list(sys.argv[1:])
+            i = argv.index("--baseline")
+            del argv[i:i + 2]
+            print(f"===== baseline {args.baseline}", flush=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv], env=env, check=True)
+            print("===== current tree", flush=True)
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         for dtype in args.dtype:
             for c in args.concurrency:
-                profile_phases(dtype, c, args.steps, args.cprofile)
+                profile_phases(dtype, c, args.steps, args.cprofile, args.stub_forward)
     elif args.cmd == "bench":
         bench(args)
     else:
