@@ -14,6 +14,7 @@ import os
 
 import pytest
 from support import record_schedules
+from test_prefix_caching_engine import QUESTIONS  # the same 8 short questions
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -23,16 +24,6 @@ from kvfleet.runtime.worker.compilation import BACKEND_ENV, compile_counts
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a prime number larger than ten.",
-    "Why is the sky blue?",
-    "Give me a synonym for happy.",
-    "What is 7 times 8?",
-    "Who wrote Hamlet?",
-    "What colour is grass?",
-    "Translate 'thank you' into Spanish.",
-]
 # 8 requests of ~105 prompt tokens (96 shared) + 64 outputs need 6 shared + 8 x 5 blocks of 16 at once: 30 preempt.
 CONFIG = dict(num_blocks=30, max_num_batched_tokens=64, enable_prefix_caching=True, max_num_seqs=8)
 
