@@ -8,8 +8,8 @@ from contextlib import aclosing
 
 import pytest
 
-from kvfleet.runtime.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.async_llm import AsyncLLMEngine, EngineDeadError
 from kvfleet.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

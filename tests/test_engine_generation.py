@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import record_schedules
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
-from support import record_schedules
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvfleet.runtime.core.request import Request
-from kvfleet.runtime.worker.sampler import Sampler, step_seed
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.sampler import Sampler, step_seed
 
 VOCAB = 8
 PROBS = [0.5, 0.3, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0]

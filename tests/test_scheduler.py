@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.request import Request, RequestStatus
-from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.core.sched.scheduler import Scheduler
+from kvfleet.runtime.sampling_params import SamplingParams
 
 EOS = 0
 
@@ -761,7 +761,7 @@ def test_window_prefix_hit_needs_only_the_last_window_of_blocks():
 
 def test_freed_window_blocks_stay_cached_and_evictable():
     s = make_scheduler(num_blocks=16, block_size=4, sliding_window=4, max_num_batched_tokens=8, max_model_len=64)
-    kv, pool = s.kv_cache_manager, s.kv_cache_manager.block_pool
+    pool = s.kv_cache_manager.block_pool
     r = FakeRunner(s)
     a = make_request("a", [600 + i for i in range(24)], max_tokens=8, ignore_eos=True)
     s.add_request(a)

@@ -241,7 +241,7 @@ def test_32_concurrent_streaming_clients(server):
         while not stop_polling.is_set():
             try:
                 seen_running.append(metric(server.metrics(), "kvfleet:num_requests_running"))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
             time.sleep(0.05)
 
@@ -411,9 +411,9 @@ def test_engine_loop_death_turns_health_and_requests_to_503(smollm2):
     liveness probe restarts the pod) and requests get a 503 error body, not a hang."""
     from fastapi.testclient import TestClient
 
-    from kvfleet.runtime.entrypoints.openai.api_server import create_app
-    from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
     from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
+    from kvfleet.runtime.entrypoints.openai.api_server import create_app
     from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 
     engines = []

@@ -201,7 +201,7 @@ class Call:
     def _run(self, live: LiveServer, path: str, body: dict) -> None:
         try:
             self.response = httpx.post(live.base + path, json=body, timeout=300)
-        except BaseException as exc:  # noqa: BLE001 - reported by result()
+        except BaseException as exc:
             self.error = exc
 
     def result(self, timeout: float = 300) -> httpx.Response:
