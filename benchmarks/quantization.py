@@ -152,15 +152,17 @@ def agreement(tokens: list[list[int]], ref: list[list[int]]) -> tuple[float, flo
 def print_table(rows: list[dict]) -> None:
     """The markdown table; agreement is against the bf16 row (else the first)."""
     ref = next((r["greedy"] for r in rows if r["variant"] == "bf16"), rows[0]["greedy"])
-    print("| variant | weights MiB | token agreement with bf16 | common prefix (tokens) | perplexity | "
-          "one stream tok/s | requests at once: output tok/s |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    fp32 = next((r["greedy"] for r in rows if r["variant"] == "fp32"), ref)
+    print("| variant | weights MiB | token agreement with bf16 | common prefix (tokens) | agreement with fp32 | "
+          "perplexity | one stream tok/s | requests at once: output tok/s |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         share, prefix = agreement(r["greedy"], ref)
         r["agreement_with_bf16"], r["common_prefix"] = share, prefix
         thr = f"{r['throughput_tok_s']:.1f} ({r['throughput_requests']})" if "throughput_tok_s" in r else "-"
         print(f"| {r['variant']} | {r['weight_bytes'] / 2**20:.0f} | {share:.0%} | {prefix:.1f} of "
-              f"{len(r['greedy'][0])} | {r['perplexity']:.2f} | {r['one_stream_tok_s']:.1f} | {thr} |")  # fmt: skip
+              f"{len(r['greedy'][0])} | {agreement(r['greedy'], fp32)[0]:.0%} | "
+              f"{r['perplexity']:.2f} | {r['one_stream_tok_s']:.1f} | {thr} |")  # fmt: skip
 
 
 def main() -> int:
