@@ -54,11 +54,14 @@ class QuantizationInfo:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor holds; a torchao tensor subclass counts its inner tensors (qdata, scales)."""
+    """Bytes a tensor holds; a tensor subclass (torchao's qdata/scales, a tensor-parallel DTensor's
+    local shard) counts its inner tensors. Non-tensor attributes (a DTensor's device mesh) count 0."""
+    if not isinstance(t, torch.Tensor):
+        return 0
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         names, _ = flatten()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names if getattr(t, n, None) is not None)
+        return sum(_tensor_bytes(getattr(t, n, None)) for n in names)
     return t.numel() * t.element_size()
 
 
