@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 """Default KV cache budget on CPU, bytes (2 GiB: ~37k tokens of SmolLM2-135M in fp32)."""
@@ -59,9 +59,27 @@ class EngineConfig(BaseModel):
     sharding, through transformers' ``tp_plan``); must divide the model's
     ``num_attention_heads`` and ``num_key_value_heads`` (checked when the engine starts, a
     ``ValueError`` naming this field). Single node only, see :mod:`kvfleet.runtime.worker.executor`."""
+    compile_sizes: list[int] | None = None
+    """Token counts the compiled forward (``enforce_eager=False``) also compiles as static graphs
+    (vLLM's ``compile_sizes``): a step of ``T <= max(compile_sizes)`` tokens is padded to the
+    smallest size ``>= T`` and runs that graph; larger steps run the one dynamic-shape graph.
+    None: ``[1, 2, 4, 8]`` on CPU (static shapes let inductor prepack the fp32 matmuls), ``[]`` on
+    CUDA (CUDA graphs cover decode there). Each size adds one graph to the warm-up. Accepts a
+    comma-separated string (``"1,2,4"``) from the CLI or environment."""
     enforce_eager: bool = True
     """Run the model eagerly (vLLM's ``--enforce-eager``). False: ``torch.compile`` the decoder
     (inductor; frozen weights on CPU, CUDA graphs for decode batches on CUDA) during engine start,
     before ``/ready`` (:mod:`kvfleet.runtime.worker.compilation`). Default True for now: the
     compile warm-up (minutes on a shared 2-core CPU, docs/performance.md) is paid by every engine
     construction; tensor parallelism always runs eagerly."""
+
+    @field_validator("compile_sizes", mode="before")
+    @classmethod
+    def _parse_compile_sizes(cls, value):
+        """``"1,2,4"`` (CLI, environment) -> ``[1, 2, 4]``; sizes must be positive."""
+        if isinstance(value, str):
+            value = [int(x) for x in value.replace(" ", "").split(",") if x]
+        if value is not None and any(int(x) < 1 for x in value):
+            raise ValueError(f"compile_sizes must be positive token counts, got {value}")
+        return value
+

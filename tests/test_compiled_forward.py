@@ -60,11 +60,14 @@ def compiled(smollm2):
     os.environ[BACKEND_ENV] = saved or "eager"
     try:
         recorder = Recorder()
-        eng = LLMEngine(EngineConfig(enforce_eager=False, **CONFIG), [recorder], loaded=smollm2)
+        # Static graphs for 1 and 4 tokens (two of the CPU default's 1, 2, 4, 8: the same
+        # mechanism at half the warm-up) beside the dynamic graph for 5 tokens and more.
+        eng = LLMEngine(EngineConfig(enforce_eager=False, compile_sizes="1,4", **CONFIG), [recorder], loaded=smollm2)
     finally:
         if saved is None:
             os.environ.pop(BACKEND_ENV)
     assert eng.runner.compiled is not None and eng.runner.compiled.warmup_seconds > 0
+    assert eng.runner.compiled.compile_sizes == [1, 4] and eng.runner.compiled.dynamic_min == 5
     return eng, recorder
 
 
@@ -98,6 +101,28 @@ def test_no_recompile_across_batch_sizes(smollm2, compiled):
         outs, _ = run(compiled, batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert [len(o) for o in outs] == [3] * n
     assert compile_counts() == before, f"recompiled: {before} -> {compile_counts()}"
+
+
+def test_padded_sizes_and_compile_sizes_option():
+    """A step runs at the smallest static size that fits, else on the dynamic graph whose guard
+    starts above the largest static size; the option parses the CLI's comma-separated form and
+    refuses non-positive sizes with the field's name."""
+    import torch
+    from pydantic import ValidationError
+
+    from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
+
+    cf = CompiledForward(torch.nn.Identity(), torch.device("cpu"), compile_sizes=[4, 1, 2, 8])
+    assert [cf.padded_size(t) for t in (1, 2, 3, 5, 8, 9, 300)] == [1, 2, 4, 8, 8, 9, 300]
+    dynamic_only = CompiledForward(torch.nn.Identity(), torch.device("cpu"))
+    assert [dynamic_only.padded_size(t) for t in (1, 2, 7)] == [2, 2, 7]
+    assert EngineConfig(compile_sizes="1, 2,16").compile_sizes == [1, 2, 16]
+    with pytest.raises(ValidationError, match="compile_sizes"):
+        EngineConfig(compile_sizes="0,4")
+    cpu = compile_settings(EngineConfig(enforce_eager=False), torch.device("cpu"), None)
+    assert cpu["compile_sizes"] == (1, 2, 4, 8) and cpu["cudagraph_sizes"] == []
+    assert compile_settings(EngineConfig(enforce_eager=False, compile_sizes=[]), torch.device("cpu"),
+                            None)["compile_sizes"] == []
 
 
 def test_cuda_graph_buffers_pad_a_decode_batch_on_cpu():

@@ -6,11 +6,13 @@ KV write are the opaque custom op ``kvfleet::unified_attention``
 (:mod:`kvfleet.runtime.worker.attention`), which reads the step's metadata from
 ``forward_context``: the graph's only inputs are ``input_ids [1, T]`` and ``positions [1, T]``,
 so it neither guards nor recompiles on the metadata. On CPU the weights are frozen
-(``freezing``: constant-folded, prepacked for oneDNN/AMX). The token count is dynamic
-(``mark_dynamic``, one graph for every ``T >= 2``); a one-token step is padded to two tokens (the
-padding token writes nowhere and is never sampled), so warm-up compiles a single graph. On
-CUDA, decode batches of the capture sizes replay CUDA graphs captured over the compiled graph
-(:class:`CudaGraphRunner`). Compiled C++ kernels are cached under ``$KVFLEET_CACHE_DIR/inductor``
+(``freezing``: constant-folded, prepacked for oneDNN/AMX). Token counts: static graphs for the
+``compile_sizes`` (vLLM's name; default 1, 2, 4, 8 on CPU, where inductor prepacks fp32 matmuls
+only for static shapes) and one dynamic-shape graph (``mark_dynamic`` with ``min`` above the
+largest size) for the rest; a step is padded up to the smallest size that fits (padding tokens
+write nowhere and are never sampled), so warm-up compiles ``len(compile_sizes) + 1`` graphs and
+nothing after. On CUDA, decode batches of the capture sizes replay CUDA graphs captured over the
+compiled graph (:class:`CudaGraphRunner`). Compiled C++ kernels are cached under ``$KVFLEET_CACHE_DIR/inductor``
 (``TORCHINDUCTOR_CACHE_DIR``); frozen graphs themselves are not cacheable (inductor bypasses its
 FX graph cache for their prepacked mkldnn weights). Details: docs/performance.md, "Compiled forward".
 """
@@ -32,13 +34,18 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 BACKEND_ENV = "KVFLEET_COMPILE_BACKEND"
 """``torch.compile`` backend (default ``inductor``); ``eager`` traces with dynamo only (the custom
 op and graph capture without inductor's minutes of codegen: smoke checks)."""
-MIN_TOKENS = 2
-"""Smallest token count the graph runs: fewer are padded (``T = 1`` would be a second graph:
-dynamo specializes sizes 0 and 1)."""
+MIN_DYNAMIC_TOKENS = 2
+"""Smallest token count the dynamic graph runs (dynamo specializes sizes 0 and 1): without a
+static size 1, a one-token step is padded to two."""
+MAX_TOKENS = 2**20
+"""The dynamic graph's largest token count (far above any ``max_num_batched_tokens``)."""
+DEFAULT_CPU_COMPILE_SIZES = (1, 2, 4, 8)
+"""Static graph sizes on CPU when ``EngineConfig.compile_sizes`` is None: the decode batches of a
+few streams, where prepacked matmuls pay most (docs/performance.md, "Compiled forward")."""
 DEFAULT_CUDAGRAPH_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 """Decode batch sizes captured as CUDA graphs (vLLM's capture-size idea; larger batches run the
-compiled graph directly). Capped at ``max_num_seqs`` (at least 2). No size 1: it would compile a
-second graph (``MIN_TOKENS``); one decode sequence replays the size-2 graph with one padding row."""
+compiled graph directly). Capped at ``max_num_seqs`` (at least 2). No size 1: one decode sequence
+replays the size-2 graph with one padding row."""
 
 
 def configure_cache(root) -> str:
@@ -71,7 +78,10 @@ def compile_settings(config, device: torch.device, logits_error: str | None) -> 
 
     logger.info("compiled forward: inductor cache %s", configure_cache(cache_dir()))
     sizes = [s for s in DEFAULT_CUDAGRAPH_SIZES if s <= max(2, config.max_num_seqs)] if device.type == "cuda" else []
-    return {"cudagraph_sizes": sizes}
+    compile_sizes = config.compile_sizes
+    if compile_sizes is None:
+        compile_sizes = DEFAULT_CPU_COMPILE_SIZES if device.type == "cpu" else ()
+    return {"cudagraph_sizes": sizes, "compile_sizes": compile_sizes}
 
 
 def compile_counts() -> dict[str, int]:
@@ -89,13 +99,25 @@ class CompiledForward:
         decoder: the model's decoder (``model.get_decoder()``), switched to ``kvfleet_paged``.
         device: where it runs (CPU: frozen weights; CUDA: CUDA graphs for decode batches).
         cudagraph_sizes: decode batch sizes to capture on CUDA (ignored on CPU); empty: none.
+        compile_sizes: token counts compiled as static graphs (steps are padded up to the
+            smallest that fits); larger steps run the dynamic graph. Empty: the dynamic graph only.
     """
 
-    def __init__(self, decoder: torch.nn.Module, device: torch.device, *, cudagraph_sizes=()) -> None:
+    def __init__(self, decoder: torch.nn.Module, device: torch.device, *, cudagraph_sizes=(),
+                 compile_sizes=()) -> None:
         self.decoder = decoder
         self.device = device
         self.backend = os.environ.get(BACKEND_ENV, "").strip() or "inductor"
+        self.compile_sizes = sorted(set(int(s) for s in compile_sizes))
+        self.dynamic_min = max([MIN_DYNAMIC_TOKENS - 1, *self.compile_sizes]) + 1
+        """The dynamic graph's smallest token count (its guard): every static graph's guard
+        (``T == size``) excludes it, so dynamo never runs a static step on the dynamic graph."""
         options = {"freezing": True} if device.type == "cpu" and self.backend == "inductor" else None
+        # One frame, one cache entry per static size plus the dynamic one: room for all of them.
+        limit = len(self.compile_sizes) + 2
+        for name in ("recompile_limit", "cache_size_limit"):
+            if getattr(torch._dynamo.config, name, limit) < limit:
+                setattr(torch._dynamo.config, name, limit)
         self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=self.backend,
                                        options=options)
         self.cudagraphs: CudaGraphRunner | None = None
@@ -109,9 +131,21 @@ class CompiledForward:
         return hidden[0]
 
     def _run_compiled(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        torch._dynamo.mark_dynamic(input_ids, 1)
-        torch._dynamo.mark_dynamic(positions, 1)
+        """The graph for this token count: static when it is a compile size, else dynamic
+        (the count must be ``>= dynamic_min``: :meth:`padded_size` says what to pad to)."""
+        if input_ids.shape[1] >= self.dynamic_min:
+            # An explicit max: torch 2.13's value ranges fail on min without max.
+            torch._dynamo.mark_dynamic(input_ids, 1, min=self.dynamic_min, max=MAX_TOKENS)
+            torch._dynamo.mark_dynamic(positions, 1, min=self.dynamic_min, max=MAX_TOKENS)
         return self._compiled(input_ids, positions)
+
+    def padded_size(self, num_tokens: int) -> int:
+        """The token count a step of ``num_tokens`` runs at: the smallest compile size ``>=``
+        it, else ``max(num_tokens, dynamic_min)``."""
+        for size in self.compile_sizes:
+            if size >= num_tokens:
+                return size
+        return max(num_tokens, self.dynamic_min)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden_size]`` of the step's ``T`` tokens (``input_ids`` and
@@ -121,8 +155,9 @@ class CompiledForward:
             hidden = self.cudagraphs.run(input_ids, positions, meta)
             if hidden is not None:
                 return hidden
-        if num_tokens < MIN_TOKENS:
-            pad = MIN_TOKENS - num_tokens
+        padded = self.padded_size(num_tokens)
+        if padded > num_tokens:
+            pad = padded - num_tokens
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             positions = torch.nn.functional.pad(positions, (0, pad))
             slots = torch.nn.functional.pad(meta.slot_mapping, (0, pad), value=-1)
@@ -140,8 +175,8 @@ class CompiledForward:
         (a graph compiled with grad mode on would not serve them: a guard on it)."""
         t0 = time.monotonic()
         before = compile_counts()
-        for num_seqs, num_tokens in ((1, 16), (1, 1), (4, 4)):
-            self(*make_step(num_seqs, num_tokens))
+        for num_tokens in [max(16, self.dynamic_min), *self.compile_sizes]:
+            self(*make_step(min(num_tokens, 4), num_tokens))
         if self.cudagraphs is not None:
             self.cudagraphs.capture(make_step)
         if self.device.type == "cuda":
