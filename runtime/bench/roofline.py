@@ -4,7 +4,8 @@
 - :func:`workload_flops` / :func:`static_batch_flops`: FLOPs of a workload, exact or as
   static padded batching computes it; :func:`measure_matmul_flops`: this machine's matmul
   FLOP/s on the model's own weights; :func:`roofline`: the resulting compute bound
-  (:class:`Roofline`, output tokens/s).
+  (:class:`Roofline`, output tokens/s); :func:`measure_memory_bandwidth`: this machine's
+  memory read bandwidth (the bound of one decode stream: weight bytes per token / bandwidth).
 - :func:`kv_memory_report`: the share of KV slots holding real tokens under paged allocation,
   per-request ``max_model_len`` reservation and static padded batches.
 
@@ -143,6 +144,24 @@ def measure_matmul_flops(weights, tokens: int, min_seconds: float = 0.5, repeats
                 if dt >= min_seconds:
                     break
             best = max(best, n * flops / dt)
+    return best
+
+
+def measure_memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Memory read bandwidth, bytes/s: the best of ``repeats`` ``sum()`` passes over an fp32
+    tensor of ``nbytes`` (far larger than the caches), with torch's threads. A decode step of
+    one stream reads every weight once, so ``bandwidth / weight bytes`` bounds its tokens/s
+    (the STREAM benchmark's idea, with a read-only kernel)."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = 0.0
+    with torch.inference_mode():
+        x.sum()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            x.sum()
+            best = max(best, nbytes / (time.perf_counter() - t0))
     return best
 
 
