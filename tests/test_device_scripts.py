@@ -76,12 +76,28 @@ def test_truncate_gguf_refuses_more_layers_than_the_model_has(tmp_path):
     assert "--layers 31: the model has 30 layers" in r.stderr
 
 
-def test_summarize_merges_shards_and_reports_a_killed_one(tmp_path):
+@pytest.fixture(scope="module")
+def run_sh(tmp_path_factory, two_layer_model):
+    """run.sh end to end in smoke mode, once for the module: ``(completed process, OUT, WORK_DIR)``."""
+    tmp = tmp_path_factory.mktemp("run_sh")
+    out, work = tmp / "out", tmp / "work"
+    r = subprocess.run(
+        ["bash", str(DEVICE / "run.sh")], capture_output=True, text=True, timeout=900, cwd=tmp,
+        env=env(OUT=str(out), WORK_DIR=str(work), PYTHON=sys.executable, SITE=str(tmp / "site"), SHARDS="2",
+                WHEELS_DIR=str(tmp / "no-wheels"), ENGINE_MODEL=str(two_layer_model),
+                KVFLEET_CACHE_DIR=str(tmp / "cache"), GPU_CHECK_EXTRA_ARGS="--smoke --engine-max-tokens 3"),
+    )
+    return r, out, work
+
+
+@pytest.mark.slow
+def test_summarize_merges_shards_and_reports_a_killed_one(tmp_path, run_sh):
+    """On the shard files of run.sh's two real ``gpu_check.py --smoke`` correctness processes."""
+    _, _, work = run_sh
     for k in (0, 1):
-        r = subprocess.run([sys.executable, str(GPU_CHECK), "--smoke", "--only", "correctness", "--shard", f"{k}/2",
-                            "--json", str(tmp_path / f"correctness.{k}.json")], capture_output=True, text=True,
-                           timeout=300, env=env())
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        src = work / f"correctness.{k}.json"
+        assert src.is_file(), f"run.sh left no {src.name}"
+        (tmp_path / src.name).write_text(src.read_text())
     (tmp_path / "shards").write_text("2")
     summarize = load("summarize")
     merged = summarize.merge(tmp_path)
@@ -106,14 +122,9 @@ def test_summarize_merges_shards_and_reports_a_killed_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_run_sh_smoke_end_to_end(tmp_path, two_layer_model):
-    out = tmp_path / "out"
-    r = subprocess.run(
-        ["bash", str(DEVICE / "run.sh")], capture_output=True, text=True, timeout=900, cwd=tmp_path,
-        env=env(OUT=str(out), PYTHON=sys.executable, SITE=str(tmp_path / "site"), SHARDS="2",
-                WHEELS_DIR=str(tmp_path / "no-wheels"), ENGINE_MODEL=str(two_layer_model),
-                KVFLEET_CACHE_DIR=str(tmp_path / "cache"), GPU_CHECK_EXTRA_ARGS="--smoke --engine-max-tokens 3"),
-    )
+def test_run_sh_smoke_end_to_end(run_sh):
+    r, out, _ = run_sh
+    tmp_path = out.parent
     assert r.returncode == 0, r.stdout[-6000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] is True

@@ -18,7 +18,7 @@
 #
 # Environment (defaults): OUT (/tmp/gpu_check_out), PYTHON (python3), SITE (/tmp/site),
 # RUN_BUDGET_S (480: seconds from the start of this script to the end of the last section),
-# SHARDS (8), WHEELS_DIR (.whl), GPU_CHECK_EXTRA_ARGS (none; --smoke runs it all on CPU under the Triton
+# SHARDS (8), WORK_DIR (the per-section files; default a temporary folder, removed), WHEELS_DIR (.whl), GPU_CHECK_EXTRA_ARGS (none; --smoke runs it all on CPU under the Triton
 # interpreter, which is how this script is tested without a GPU), ENGINE_MODEL (the .gguf in
 # .whl/model/, else gpu_check's default model).
 set -u -o pipefail
@@ -32,7 +32,8 @@ RUN_BUDGET_S=${RUN_BUDGET_S:-480}
 SHARDS=${SHARDS:-8}
 WHEELS=${WHEELS_DIR:-.whl}
 read -r -a EXTRA <<< "${GPU_CHECK_EXTRA_ARGS:-}"
-W=$(mktemp -d /tmp/gpu_check.XXXXXX)   # per-process logs and JSON, merged into $OUT at the end
+W=${WORK_DIR:-$(mktemp -d /tmp/gpu_check.XXXXXX)}   # per-process logs and JSON, merged into $OUT at the end
+mkdir -p "$W"
 mkdir -p "$OUT"
 
 main() {
@@ -114,7 +115,7 @@ rc=$?
 for s in correctness engine decode prefill; do   # the merged files are in summary.json; keep the raw ones too
   [ -f "$W/$s.json" ] && cp "$W/$s.json" "$OUT/$s.json"
 done
-rm -rf "$W"
+[ -n "${WORK_DIR:-}" ] || rm -rf "$W"   # a WORK_DIR given is kept (the tests read its shard files)
 echo "run.sh: exit $rc after $SECONDS s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 return $rc
 }

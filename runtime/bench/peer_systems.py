@@ -172,8 +172,8 @@ def serve(name: str, ctx: Context, max_num_seqs: int, max_model_len: int, startu
     argv, env = server_command(name, ctx, port, max_num_seqs, max_model_len)
     log_path = ctx.log_dir / f"serve-{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONSAFEPATH": "1", **env})  # the checkout's operator/
     base = f"http://{HOST}:{port}"
     try:
         deadline = time.monotonic() + startup_timeout

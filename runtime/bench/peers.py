@@ -140,7 +140,7 @@ def run_offline(name: str, ctx: ps.Context, workloads: dict[str, Path], timeout:
         try:
             with open(log, "w") as f:
                 proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                      env={**os.environ, **env}, cwd=ctx.root)
+                                      env={**os.environ, "PYTHONSAFEPATH": "1", **env}, cwd=ctx.root)
             doc = json.loads(out.read_text()) if out.exists() else {"error": f"exit {proc.returncode}, no result"}
         except subprocess.TimeoutExpired:
             doc = {"error": f"timed out after {timeout:.0f} s (log {log})"}
