@@ -1,7 +1,7 @@
-"""The ``kvfleet`` command: ``kvfleet serve``, ``kvfleet operator``, ``kvfleet bench``.
+"""The ``kvfleet`` command: ``kvfleet serve``, ``kvfleet operator``, ``kvfleet bench``, ``kvfleet router``.
 
 Each subcommand owns its options; this module only dispatches, so that
-``kvfleet operator`` never imports torch and ``kvfleet serve`` never imports kopf.
+``kvfleet operator`` and ``kvfleet router`` never import torch and ``kvfleet serve`` never imports kopf.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ _SUBCOMMANDS = {
     "serve": ("kvfleet.runtime.entrypoints.openai.api_server", "Run the OpenAI-compatible inference server."),
     "operator": ("kvfleet.operator.main", "Run the Kubernetes operator (kopf)."),
     "bench": ("kvfleet.runtime.bench.cli", "Serving benchmarks: `bench serve`, `bench compare`."),
+    "router": ("kvfleet.runtime.router.app", "Route requests over replicas (prefix affinity, failover, hold)."),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: kvfleet {serve,operator,bench} [options]", "", "commands:"]
+    lines = ["usage: kvfleet {serve,operator,bench,router} [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in _SUBCOMMANDS.items()]
     lines.append("\nRun `kvfleet COMMAND --help` for a command's options.")
     return "\n".join(lines)

@@ -81,6 +81,14 @@ def test_core_imports_without_torch_in_a_fresh_interpreter():
     assert "torch" not in loaded and "transformers" not in loaded
 
 
+def test_router_imports_without_torch_in_a_fresh_interpreter():
+    # kvfleet router is a pure proxy: no engine, no worker, no torch/transformers/numpy
+    router_modules = sorted(m for m in MODULES if m.startswith("kvfleet.runtime.router"))
+    assert len(router_modules) > 5
+    loaded = _fresh_import(*router_modules)
+    assert not loaded, loaded
+
+
 def test_operator_imports_without_torch_in_a_fresh_interpreter():
     operator_modules = sorted(m for m in MODULES if m.startswith("kvfleet.operator"))
     assert len(operator_modules) > 5
@@ -109,6 +117,10 @@ def test_operator_uses_only_torch_free_runtime_modules():
         ("kvfleet.runtime.worker", ("kvfleet.runtime.engine", "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench",
                                     "kvfleet.operator")),
         ("kvfleet.runtime.engine", ("kvfleet.runtime.entrypoints", "kvfleet.runtime.bench", "kvfleet.operator")),
+        # the router is a pure proxy: nothing of kvfleet outside itself (no engine, worker, entrypoints, torch)
+        ("kvfleet.runtime.router", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.entrypoints",
+                                    "kvfleet.runtime.core", "kvfleet.runtime.bench", "kvfleet.runtime.metrics",
+                                    "kvfleet.runtime.llm", "kvfleet.kernels", "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],

@@ -1,0 +1,134 @@
+"""The router's HTTP app (``kvfleet router``) and its ``main``.
+
+Routes: ``/v1/{path}`` (every method; :class:`~.proxy.Forwarder`), ``/health`` (liveness:
+the process serves), ``/ready`` (200 once the endpoint source has been read, even with no
+replica ready: the router must accept requests to hold them while replicas scale from zero; the
+body lists the endpoint counts), ``/metrics`` (:mod:`.metrics`). The lifespan owns the HTTP
+clients, the probe loop and the endpoint source (static list or EndpointSlice watch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvfleet.runtime.router.endpoints import EndpointPool
+from kvfleet.runtime.router.hold import PendingQueue
+from kvfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvfleet.runtime.router.picker import Picker
+from kvfleet.runtime.router.probe import Prober
+from kvfleet.runtime.router.proxy import Forwarder, error_response
+from kvfleet.runtime.router.settings import RouterSettings, parse_args
+
+logger = logging.getLogger("kvfleet.router")
+
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+class RouterState:
+    """Everything one router app holds (``app.state.router``)."""
+
+    def __init__(self, settings: RouterSettings):
+        self.settings = settings
+        self.pool = EndpointPool(eject_base=settings.eject_base_seconds, eject_max=settings.eject_max_seconds)
+        self.pending = PendingQueue(settings.max_pending, settings.pending_timeout)
+        self.pool.on_available(self.pending.notify)
+        self.picker = Picker(settings.routing_algorithm, load_factor=settings.load_factor,
+                             virtual_nodes=settings.virtual_nodes)
+        self.metrics = RouterMetrics()
+        self.source_ready = asyncio.Event()
+        self.forwarder: Forwarder | None = None
+        self.prober: Prober | None = None
+
+
+def create_app(settings: RouterSettings) -> Starlette:
+    """Build the router app for ``settings``; endpoints and probes start with its lifespan."""
+    state = RouterState(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=None, pool=None)
+        proxy_client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        probe_client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        prober = Prober(state.pool, probe_client, interval=settings.probe_interval,
+                        urgent=lambda: len(state.pending) > 0)
+        state.prober = prober
+        state.forwarder = Forwarder(state.pool, state.pending, state.picker, state.metrics, proxy_client,
+                                    prefix_chars=settings.prefix_chars, on_hold=prober.kick)
+        tasks = [asyncio.create_task(prober.run())]
+        if settings.endpoints:
+            state.pool.set_urls(settings.endpoints)
+            state.source_ready.set()
+        else:
+            from kvfleet.runtime.router.endpointslices import watch_endpoint_slices
+
+            tasks.append(asyncio.create_task(watch_endpoint_slices(
+                state.pool, settings.kube_service, settings.kube_namespace, settings.kube_port,
+                on_synced=state.source_ready.set)))
+        try:
+            yield
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await proxy_client.aclose()
+            await probe_client.aclose()
+
+    async def proxy(request: Request) -> Response:
+        if settings.api_key is not None:
+            auth = request.headers.get("authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
+                state.metrics.requests.labels("", "unauthorized").inc()
+                return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                      "invalid_request_error", "invalid_api_key")
+        body = await request.body()
+        assert state.forwarder is not None
+        return await state.forwarder.forward(request.method, request.url.path, request.scope.get("query_string", b""),
+                                             request.headers.raw, body)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        eps = list(state.pool)
+        body = {"endpoints": len(eps), "available": len(state.pool.available()), "pending": len(state.pending)}
+        return JSONResponse(body, status_code=200 if state.source_ready.is_set() else 503)
+
+    async def metrics(request: Request) -> Response:
+        in_flight = state.forwarder.in_flight if state.forwarder else 0
+        return Response(state.metrics.exposition(state.pool, len(state.pending), in_flight),
+                        media_type=CONTENT_TYPE)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/{path:path}", proxy, methods=METHODS),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.router = state
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvfleet router [options]``; returns the exit status."""
+    import uvicorn
+
+    settings = parse_args(list(argv or []))
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    return 0

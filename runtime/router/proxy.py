@@ -1,0 +1,211 @@
+"""Forwarding one request: pick a replica, fail over before the first byte, stream the answer.
+
+:meth:`Forwarder.forward` takes the method, path, query, headers and body of a ``/v1/*``
+request and returns an ASGI response. The steps:
+
+1. Prefix key (:mod:`.prefix_key`) of the JSON body; a body that is not JSON is forwarded as is
+   (the replica answers its 400) and routed by least load.
+2. While no replica is available, hold (:mod:`.hold`): 429 when the hold queue is full, 503 past
+   ``--pending-timeout`` (OpenAI error bodies).
+3. Pick (:mod:`.picker`) among the available replicas this request has not tried; send.
+   A connect error, or a connection closed before any response, or an HTTP 503 answer, is a
+   failure *before the first byte*: the replica is ejected (back-off, :mod:`.endpoints`) and the
+   request goes to the next replica. Nothing reached the client yet, so this can never show the
+   client a second generation. When every replica failed with 503, the last 503 is passed on;
+   when they failed to connect, the request is held again (same deadline) until one is back.
+4. Any other answer is passed through, status and headers as the replica sent them (minus
+   hop-by-hop headers, plus ``x-kvfleet-replica``), the body chunk by chunk as it arrives
+   (:class:`UpstreamResponse`). A replica failing after that is passed on as it is: the client's
+   stream is cut (the connection closes without the final chunk), never retried.
+5. A client that disconnects closes the upstream stream at once, so the replica aborts the
+   request (``kvfleet serve`` frees its KV blocks on disconnect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import httpx
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from kvfleet.runtime.router.endpoints import Endpoint, EndpointPool
+from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueFull
+from kvfleet.runtime.router.metrics import RouterMetrics
+from kvfleet.runtime.router.picker import Picker
+from kvfleet.runtime.router.prefix_key import prefix_key
+
+logger = logging.getLogger("kvfleet.router")
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
+    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+})  # fmt: skip
+"""Request/response headers never forwarded (RFC 9110 7.6.1; host and content-length are re-derived)."""
+REPLICA_HEADER = "x-kvfleet-replica"
+
+
+def error_response(status: int, message: str, type_: str, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class UpstreamResponse(Response):
+    """The replica's answer streamed to the client chunk by chunk (``aiter_raw``: bytes as they
+    arrive, content encoding untouched), racing a listener for the client's disconnect: whichever
+    ends first ends the other, and the upstream response is always closed (which closes its
+    connection when the body was not read to the end, so the replica sees the disconnect)."""
+
+    def __init__(self, upstream: httpx.Response, endpoint: Endpoint, on_done):
+        self.upstream = upstream
+        self.endpoint = endpoint
+        self.on_done = on_done  # (endpoint, outcome) -> None
+        self.status_code = upstream.status_code
+        self.background = None
+        skip = (HOP_BY_HOP - {b"content-length"}) | {b"date", b"server"}  # uvicorn writes its own
+        raw = [(k.lower(), v) for k, v in upstream.headers.raw if k.lower() not in skip]
+        raw.append((REPLICA_HEADER.encode(), endpoint.url.encode()))
+        self.raw_headers = raw
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.upstream.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _disconnected(receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        outcome = "success" if self.status_code < 400 else "error_status"
+        pump = asyncio.ensure_future(self._pump(send))
+        listen = asyncio.ensure_future(self._disconnected(receive))
+        try:
+            done, _ = await asyncio.wait({pump, listen}, return_when=asyncio.FIRST_COMPLETED)
+            if pump in done:
+                exc = pump.exception()
+                if isinstance(exc, httpx.HTTPError):
+                    outcome = "stream_error"
+                    raise exc  # the server closes the connection: the client's stream is cut
+                if isinstance(exc, OSError):
+                    outcome = "client_disconnect"
+                elif exc is not None:
+                    raise exc
+            else:
+                outcome = "client_disconnect"
+        except asyncio.CancelledError:
+            outcome = "client_disconnect"
+            raise
+        finally:
+            for task in (pump, listen):
+                task.cancel()
+            await asyncio.gather(pump, listen, return_exceptions=True)
+            await self.upstream.aclose()
+            self.on_done(self.endpoint, outcome)
+
+
+class Forwarder:
+    """The request path (see the module docstring).
+
+    Args:
+        pool, pending, picker, metrics: the router's state.
+        client: the proxy's HTTP client (no read timeout: generations are long).
+        prefix_chars: characters of the prompt the prefix key covers.
+        on_hold: called when a request starts waiting (the prober then probes at once).
+    """
+
+    def __init__(self, pool: EndpointPool, pending: PendingQueue, picker: Picker, metrics: RouterMetrics,
+                 client: httpx.AsyncClient, *, prefix_chars: int = 256, on_hold=lambda: None):
+        self.pool = pool
+        self.pending = pending
+        self.picker = picker
+        self.metrics = metrics
+        self.client = client
+        self.prefix_chars = prefix_chars
+        self.on_hold = on_hold
+        self.in_flight = 0
+
+    def _done(self, ep: Endpoint, outcome: str) -> None:
+        ep.in_flight -= 1
+        self.in_flight -= 1
+        self.metrics.requests.labels(ep.url, outcome).inc()
+
+    async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
+                      body: bytes) -> Response:
+        key = None
+        if body and method == "POST":
+            try:
+                key = prefix_key(path, json.loads(body), self.prefix_chars)
+            except ValueError:
+                key = None
+        fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+        target = path + ("?" + query.decode("latin-1") if query else "")
+        tried: set[str] = set()
+        deadline: float | None = None
+        last_503: httpx.Response | None = None
+        while True:
+            candidates = self.pool.available(exclude=tried)
+            if not candidates:
+                if last_503 is not None:
+                    return self._passthrough_error(last_503)
+                try:
+                    self.on_hold()
+                    deadline = await self.pending.hold(lambda: bool(self.pool.available()), deadline)
+                except QueueFull:
+                    self.metrics.requests.labels("", "rejected").inc()
+                    return error_response(429, f"the router holds {self.pending.max_pending} requests already "
+                                          "(--max-pending); retry later", "rate_limit_error", "too_many_pending")
+                except PendingTimeout:
+                    self.metrics.requests.labels("", "timeout").inc()
+                    return error_response(503, f"no replica became ready within {self.pending.pending_timeout:g} s "
+                                          "(--pending-timeout)", "service_unavailable", "no_ready_replica",
+                                          headers={"Retry-After": "5"})
+                tried.clear()
+                continue
+            decision = self.picker.pick([e.candidate() for e in candidates], key, ring_keys=self.pool.urls())
+            self.metrics.decisions.labels(decision.decision).inc()
+            ep = self.pool.get(decision.key)
+            assert ep is not None
+            tried.add(ep.url)
+            ep.in_flight += 1
+            self.in_flight += 1
+            request = self.client.build_request(method, ep.url + target, headers=fwd_headers, content=body)
+            t0 = time.perf_counter()
+            try:
+                upstream = await self.client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+                # nothing was answered: the replica is gone (or restarting); try the next one
+                self._failed(ep, f"{type(exc).__name__}: {exc}")
+                continue
+            except httpx.HTTPError as exc:
+                self._done(ep, "upstream_error")
+                self.pool.eject(ep)
+                return error_response(502, f"replica {ep.url} failed before answering: {type(exc).__name__}",
+                                      "server_error", "upstream_error")
+            self.metrics.upstream_latency.labels(ep.url).observe(time.perf_counter() - t0)
+            if upstream.status_code == 503:
+                await upstream.aread()
+                await upstream.aclose()
+                last_503 = upstream
+                self._failed(ep, "HTTP 503")
+                continue
+            self.pool.succeeded(ep)
+            return UpstreamResponse(upstream, ep, self._done)
+
+    def _failed(self, ep: Endpoint, why: str) -> None:
+        self._done(ep, "retried")
+        backoff = self.pool.eject(ep)
+        logger.warning("replica %s failed before the first byte (%s): ejected for %.1f s, trying another",
+                       ep.url, why, backoff)
+
+    @staticmethod
+    def _passthrough_error(upstream: httpx.Response) -> Response:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower().encode() not in HOP_BY_HOP}
+        return Response(upstream.content, status_code=upstream.status_code, headers=headers)

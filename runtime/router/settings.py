@@ -1,0 +1,109 @@
+"""Options of ``kvfleet router`` (command line; every option also as ``KVFLEET_ROUTER_<NAME>``).
+
+Endpoints come from ``--endpoints URL,...`` (static) or ``--kube-service NAME`` (the
+EndpointSlices of that Service, ready addresses only; :mod:`.endpointslices`). Meanings and
+defaults: docs/routing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvfleet.runtime.router.picker import ALGORITHMS
+from kvfleet.runtime.router.prefix_key import DEFAULT_PREFIX_CHARS
+
+ENV_PREFIX = "KVFLEET_ROUTER_"
+
+
+class RouterSettings(BaseModel):
+    """Every option of ``kvfleet router``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+    endpoints: list[str] = Field(default_factory=list)
+    """Static replica base URLs (``http://127.0.0.1:8000``)."""
+    kube_service: str | None = None
+    """Watch this Service's EndpointSlices instead (in ``kube_namespace``)."""
+    kube_namespace: str | None = None
+    """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
+    kube_port: str = "http"
+    """Port of the EndpointSlices to use: its name, or its number."""
+    routing_algorithm: Literal["prefix-hash", "least-load", "round-robin"] = "prefix-hash"
+    prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
+    load_factor: float = Field(1.25, ge=1.0)
+    virtual_nodes: int = Field(100, ge=1, le=10000)
+    max_pending: int = Field(1024, ge=0)
+    pending_timeout: float = Field(300.0, gt=0)
+    probe_interval: float = Field(1.0, gt=0)
+    eject_base_seconds: float = Field(1.0, gt=0)
+    eject_max_seconds: float = Field(30.0, gt=0)
+    connect_timeout: float = Field(3.0, gt=0)
+    api_key: str | None = None
+    """When set, the router itself checks ``Authorization: Bearer KEY`` on ``/v1/*``."""
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RouterSettings:
+        if bool(self.endpoints) == bool(self.kube_service):
+            raise ValueError("give exactly one of --endpoints and --kube-service")
+        return self
+
+
+_HELP = {
+    "endpoints": "comma-separated replica base URLs (static endpoints)",
+    "kube_service": "Service whose EndpointSlices list the replicas (ready addresses only)",
+    "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
+    "kube_port": "EndpointSlice port to use, by name or number (default http)",
+    "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), least-load, or round-robin",
+    "prefix_chars": "characters of the prompt the prefix key covers",
+    "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
+    "virtual_nodes": "hash ring points per replica",
+    "max_pending": "most requests held while no replica is ready; one more gets HTTP 429",
+    "pending_timeout": "seconds a request is held at most; then HTTP 503",
+    "probe_interval": "seconds between /ready + /metrics probes of each replica",
+    "eject_base_seconds": "first ejection of a failed replica, seconds (doubles per failure)",
+    "eject_max_seconds": "longest ejection, seconds",
+    "connect_timeout": "seconds to connect to a replica before trying another",
+    "api_key": "check 'Authorization: Bearer KEY' at the router (it is passed on to the replicas either way)",
+    "host": "address to listen on",
+    "port": "TCP port to listen on",
+    "log_level": "log level",
+}
+
+
+def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> RouterSettings:
+    """Settings from ``argv`` over ``KVFLEET_ROUTER_*`` environment variables.
+
+    Raises: SystemExit(2) with a message on invalid options (argparse's convention).
+    """
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(prog="kvfleet router", description=(
+        "Route OpenAI requests over kvfleet serve replicas: prefix affinity (CHWBL) with least load, "
+        "failover, and a hold queue while no replica is ready. Options also as " + ENV_PREFIX + "<NAME>."))
+    for name in RouterSettings.model_fields:
+        flag = "--" + name.replace("_", "-")
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": _HELP.get(name)}
+        if name == "routing_algorithm":
+            kw["choices"] = list(ALGORITHMS)
+        parser.add_argument(flag, **kw)
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items()}
+    values: dict[str, object] = {}
+    for name in RouterSettings.model_fields:
+        env = environ.get(ENV_PREFIX + name.upper())
+        if name in given:
+            values[name] = given[name]
+        elif env:
+            values[name] = env
+    if isinstance(values.get("endpoints"), str):
+        values["endpoints"] = [u.strip() for u in str(values["endpoints"]).split(",") if u.strip()]
+    try:
+        return RouterSettings(**values)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
