@@ -26,14 +26,15 @@ def free_port() -> int:
 
 
 def start_serve(args: list[str], log: Path, env: dict[str, str] | None = None,
-                timeout: float = 300) -> tuple[subprocess.Popen, str]:
+                timeout: float = 300, port: int | None = None) -> tuple[subprocess.Popen, str]:
     """Start ``kvfleet serve --host 127.0.0.1 --port <free> *args`` as a subprocess (output to
     ``log``; ``env`` added to this process's environment with the hub offline) and wait until
     ``GET /ready`` answers 200. Returns ``(process, base_url)``; fails the test, with the log's
-    tail, when the server exits or is not ready within ``timeout`` seconds."""
+    tail, when the server exits or is not ready within ``timeout`` seconds. ``port``: listen there
+    instead of a free port (a restart at the same address)."""
     import httpx
 
-    port = free_port()
+    port = port or free_port()
     cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false",
                 **(env or {})}

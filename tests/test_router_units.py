@@ -81,10 +81,11 @@ def test_unavailable_home_spills_and_comes_back():
     assert p.pick(cands, "k", ring_keys=KEYS).key == home
 
 
-def test_least_load_uses_in_flight_plus_waiting_then_kv_usage():
+def test_least_load_uses_max_of_in_flight_and_reported_then_kv_usage():
     p = Picker("least-load")
-    cands = [Candidate(KEYS[0], in_flight=1), Candidate(KEYS[1], waiting=3), Candidate(KEYS[2], in_flight=1,
+    cands = [Candidate(KEYS[0], in_flight=1), Candidate(KEYS[1], queued=3), Candidate(KEYS[2], in_flight=1,
              kv_cache_usage=0.1), Candidate(KEYS[3], in_flight=1, kv_cache_usage=0.5)]
+    assert Candidate("x", in_flight=2, queued=1).load == 2  # own requests are in the replica's count too
     assert p.pick(cands, "ignored") == type(p.pick(cands, None))(KEYS[0], FALLBACK)
     # no prefix key under prefix-hash: least load, a fallback
     assert Picker().pick(cands, None).key == KEYS[0]

@@ -39,7 +39,7 @@ class Endpoint:
     """Clock time (``time.monotonic``) until which it gets no requests."""
 
     def candidate(self) -> Candidate:
-        return Candidate(self.url, self.in_flight, self.waiting, self.kv_cache_usage)
+        return Candidate(self.url, self.in_flight, self.running + self.waiting, self.kv_cache_usage)
 
 
 class EndpointPool:

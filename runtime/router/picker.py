@@ -10,10 +10,11 @@ point is the *affinity* endpoint: picking it is a ``hit``; walking past it becau
 ``spill`` (a hot prefix spreads instead of melting one replica); a request without a prefix key
 (or with ``least-load``) is routed by least load, a ``fallback``.
 
-Load of an endpoint (:attr:`Candidate.load`): the requests this router has in flight to it, plus
-the requests waiting in its own queue as its last ``/metrics`` scrape said
-(``num_requests_waiting``: other routers' and direct traffic). Ties in least load go to the lower
-``kv_cache_usage_perc``, then round robin.
+Load of an endpoint (:attr:`Candidate.load`): the larger of the requests this router has in flight
+to it (exact and immediate) and the requests the replica itself reported at its last ``/metrics``
+scrape, ``num_requests_running + num_requests_waiting`` (which also counts other routers' and
+direct traffic, but is up to one probe interval old; the maximum never counts this router's own
+requests twice). Ties in least load go to the lower ``kv_cache_usage_perc``, then round robin.
 """
 
 from __future__ import annotations
@@ -39,18 +40,18 @@ class Candidate:
     Attributes:
         key: stable identity on the hash ring (the endpoint's base URL).
         in_flight: requests this router has sent to it and not finished.
-        waiting: its ``num_requests_waiting`` at the last scrape (0 when unknown).
+        queued: its ``num_requests_running + num_requests_waiting`` at the last scrape (0 when unknown).
         kv_cache_usage: its ``kv_cache_usage_perc`` at the last scrape, 0..1 (0 when unknown).
     """
 
     key: str
     in_flight: int = 0
-    waiting: float = 0.0
+    queued: float = 0.0
     kv_cache_usage: float = 0.0
 
     @property
     def load(self) -> float:
-        return self.in_flight + self.waiting
+        return max(self.in_flight, self.queued)
 
 
 @dataclass(frozen=True)
