@@ -62,6 +62,10 @@ RESOURCES: dict[str, tuple[str, bool, set[str], set[str]]] = {
     "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True, {"status"}, {"hpa"}),
     "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, {"status"}, {"so"}),
     "coordination.k8s.io/v1/leases": ("Lease", True, set(), set()),
+    "discovery.k8s.io/v1/endpointslices": ("EndpointSlice", True, set(), set()),
+    "v1/serviceaccounts": ("ServiceAccount", True, set(), {"sa"}),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, set(), set()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set(), set()),
     "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, set(), set()),
     "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, set(), set()),
 }
