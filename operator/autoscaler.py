@@ -30,9 +30,10 @@ from typing import Any
 import httpx
 import kopf
 
-from kvfleet.operator import builders, crd, policy, reconcile, tuning
+from kvfleet.operator import builders, crd, policy, reconcile, router, tuning
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
+from kvfleet.operator.router_load import read_router_load
 from kvfleet.operator.status import autoscaler_off_message, set_condition
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import parse_datetime, rfc3339
@@ -220,8 +221,14 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
             if state.history is None:  # first look since (re)start: the down window starts now
                 state.history = (policy.Recommendation(now, current),)
             max_num_seqs = builders.effective_engine(isvc).get("maxNumSeqs") or DEFAULT_MAX_NUM_SEQS
+            routers = None
+            if router.enabled(isvc):  # wake from zero on held requests; never 0 with requests in flight
+                router_pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace,
+                                                      router.selector_labels(isvc))
+                routers = await read_router_load(state.http, router_pods)
             decision = policy.decide_scale(config, now=now, current=current, ready=ready, metrics=metrics,
-                                           history=state.history, max_num_seqs=int(max_num_seqs))
+                                           history=state.history, max_num_seqs=int(max_num_seqs),
+                                           router=routers)
             state.history = decision.history
             if decision.changed:
                 await asyncio.to_thread(kube.scale, crd.KIND, namespace, name, decision.replicas)

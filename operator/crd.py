@@ -301,6 +301,46 @@ DISRUPTION = _obj(
         "message": "set at most one of disruption.minAvailable and disruption.maxUnavailable"}]},
 )
 
+ROUTER = _obj(
+    "The fleet's request path: kvfleet router in front of the runtime pods (prefix-aware routing with "
+    "bounded loads, failover, and holding requests while no replica is ready, which lets autoscaling "
+    "wake a service from zero replicas). status.url points at the router when enabled. docs/routing.md.",
+    {
+        "enabled": _bool("Run the router (a Deployment and Service <name>-router).", default=False),
+        "replicas": _int("Router pods.", minimum=1, maximum=100, default=1),
+        "algorithm": {"type": "string", "enum": ["prefix-hash", "least-load", "round-robin"],
+                      "default": "prefix-hash",
+                      "description": "prefix-hash: consistent hashing with bounded loads on the prompt prefix, "
+                                     "over least load; least-load; round-robin (for comparison)."},
+        "prefixChars": _int("Characters of the prompt the prefix key covers.", minimum=1, maximum=65536,
+                            default=256),
+        "loadFactor": _num("CHWBL bound: a replica takes at most ceil(loadFactor x mean load) before its "
+                           "prefixes spill to the next replica.", minimum=1, maximum=10, default=1.25),
+        "maxPending": _int("Most requests held while no replica is ready (one more: HTTP 429).",
+                           minimum=0, maximum=1000000, default=1024),
+        "pendingTimeoutSeconds": _int("Longest a request is held (then HTTP 503); cover pod start and "
+                                      "model load when scaling from zero.", minimum=1, maximum=86400,
+                                      default=300),
+        "image": _str("Router image (default: the runtime image, which contains kvfleet router).",
+                      max_length=1024),
+        "resources": _opaque("Resources of the router container (core ResourceRequirements; default: "
+                             "requests cpu 100m, memory 128Mi; limit memory 512Mi)."),
+        "inferencePool": _obj(
+            "Gateway API Inference Extension: an InferencePool (inference.networking.k8s.io/v1) over the "
+            "runtime pods on port 8000, for gateways with an endpoint picker; the runtime then also "
+            "exports vLLM's metric names.",
+            {
+                "enabled": _bool("Create the InferencePool <name>.", default=False),
+                "endpointPickerRef": _obj("The endpoint picker Service of the cluster's GIE install.", {
+                    "name": _str("Service name of the endpoint picker."),
+                    "port": _int("Its gRPC port.", minimum=1, maximum=65535, default=9002),
+                    "failureMode": {"type": "string", "enum": ["FailOpen", "FailClose"],
+                                    "description": "What the gateway does when the picker does not answer."},
+                }, required=["name"]),
+            }),
+    },
+)
+
 SPEC = _obj("Desired state of an InferenceService.", {
     "model": MODEL,
     "runtime": RUNTIME,
@@ -311,6 +351,7 @@ SPEC = _obj("Desired state of an InferenceService.", {
     "tuning": TUNING,
     "rollout": ROLLOUT,
     "disruption": DISRUPTION,
+    "router": ROUTER,
 }, required=["model"])
 
 CONDITION = _obj("A kstatus condition.", {

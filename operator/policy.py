@@ -269,7 +269,7 @@ class ScaleDecision:
     reason: str
     """CamelCase reason for the Event: ``ScaledUp``, ``ScaledDown``, ``Stable``,
     ``MetricsUnavailable``, ``PodsStarting``, ``ScaleUpStabilized``, ``ScaleDownStabilized``,
-    ``ScaledToZero``, ``Bounded``."""
+    ``ScaledToZero``, ``Bounded``, ``ScaledFromZero``, ``RequestsInFlight``."""
     message: str
     recommendation: int | None
     """This round's raw recommendation (after bounds), None when metrics were unusable."""
@@ -315,6 +315,21 @@ def raw_recommendation(
     return rec, why
 
 
+@dataclass(frozen=True)
+class RouterLoad:
+    """What the InferenceService's routers report (``kvfleet:router_pending_requests`` and
+    ``kvfleet:router_in_flight_requests``, summed over the router pods read)."""
+
+    pending: float
+    """Requests held because no runtime replica is ready."""
+    in_flight: float
+    """Requests sent to a replica and not finished."""
+
+    @property
+    def busy(self) -> bool:
+        return self.pending > 0 or self.in_flight > 0
+
+
 def decide_scale(
     config: AutoscalingConfig,
     *,
@@ -324,6 +339,7 @@ def decide_scale(
     metrics: MetricsAggregate | None,
     history: Sequence[Recommendation] = (),
     max_num_seqs: int | None = None,
+    router: RouterLoad | None = None,
 ) -> ScaleDecision:
     """Decide the replica count of one InferenceService (mode ``operator``).
 
@@ -332,8 +348,11 @@ def decide_scale(
     means the last scale-up is still starting). ``metrics``: this round's read (None: the
     source failed as a whole). ``history``: the ``history`` of the previous decision (empty
     after an operator restart: seed it with ``Recommendation(now, current)`` to keep the
-    scale-down window honest). Raises nothing for any input that ``AutoscalingConfig``
-    accepted.
+    scale-down window honest). ``router``: the routers' pending and in-flight requests (None:
+    no router, or none could be read): at 0 replicas with requests pending the service scales to
+    1 at once (``ScaledFromZero``, no window: a client is waiting), and it is never scaled to 0
+    while the routers have requests pending or in flight (``RequestsInFlight``). Raises nothing
+    for any input that ``AutoscalingConfig`` accepted.
     """
     horizon = now - max(config.scale_up_window, config.scale_down_window)
     history = tuple(r for r in history if r.time >= horizon)
@@ -351,6 +370,14 @@ def decide_scale(
 
     def hold(reason: str, message: str, target: int | None = None) -> ScaleDecision:
         return ScaleDecision(current if target is None else target, current, reason, message, None, history, inputs)
+
+    if router is not None:
+        inputs.update(routerPending=_num(router.pending), routerInFlight=_num(router.in_flight))
+        if current == 0 and router.pending > 0 and config.max_replicas >= 1:
+            history = history + (Recommendation(now, 1),)
+            return ScaleDecision(1, 0, "ScaledFromZero",
+                                 f"0 -> 1 replicas: the router holds {_num(router.pending)} request(s) "
+                                 "and no replica is running", 1, history, inputs)
 
     if metrics is None or not metrics.pods:
         if current > 0:
@@ -382,6 +409,10 @@ def decide_scale(
     stabilized = min(max(current, up), down)
     # Bounds beat stabilization (a lowered maxReplicas acts at once).
     stabilized = min(max(stabilized, config.min_replicas), config.max_replicas)
+    if stabilized == 0 and current > 0 and router is not None and router.busy:
+        inputs.update(stabilized=stabilized)
+        return hold("RequestsInFlight", f"holding {current} replicas: the router has {_num(router.pending)} "
+                    f"request(s) pending and {_num(router.in_flight)} in flight; not scaling to 0")
     inputs.update(stabilized=stabilized)
 
     if stabilized > current:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import builders, crd, policy
+from kvfleet.operator import builders, crd, gie, policy, router
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, status_patch
@@ -123,8 +123,38 @@ that set no ``spec.runtime.image``."""
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Every desired child (:func:`builders.desired_children`, with ``$KVFLEET_RUNTIME_IMAGE`` as
     the default image), stamped."""
-    isvc = builders.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV))
-    return [stamped(c) for c in builders.desired_children(isvc, scaled_externally=scaled_externally)]
+    isvc = gie.with_pool_metrics(builders.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
+    children = builders.desired_children(isvc, scaled_externally=scaled_externally)
+    children += router.desired_children(isvc)  # spec.router: the router's RBAC, Deployment, Service
+    pool = gie.build_inference_pool(isvc)
+    return [stamped(c) for c in (children + ([pool] if pool else []))]
+
+
+def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mapping[str, Any]]) -> list[str]:
+    """Delete the router's children (router turned off) and the InferencePool (pool turned off)
+    that this InferenceService owns; ``["Kind/name", ...]`` deleted. One GET each while off."""
+    ns = isvc["metadata"].get("namespace") or "default"
+    wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
+    deleted: list[str] = []
+    candidates = [] if router.enabled(isvc) else [(k, router.name(isvc)) for k in ("Deployment",)]
+    if not gie.enabled(isvc):
+        candidates.append((gie.KIND, isvc["metadata"]["name"]))
+    for kind, child in candidates:
+        if (kind, child) in wanted:
+            continue
+        try:
+            live = kube.get(kind, ns, child)
+        except ApiError as e:
+            if e.status in (403, 404):  # no InferencePool CRD in this cluster: nothing to prune
+                continue
+            raise
+        if live is None or not owned_by(live, isvc):
+            continue
+        kinds = router.KINDS if kind == "Deployment" else (kind,)
+        for k in kinds:  # the router's Deployment stands for all its children
+            kube.delete(k, ns, child)
+            deleted.append(f"{k}/{child}")
+    return deleted
 
 
 def foreign_scalers(kube: Kube, isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -203,6 +233,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                 if live is not None and owned_by(live, isvc):
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
+            out.deleted += prune_request_path(kube, isvc, desired)
         pods = kube.list_objects("Pod", namespace, builders.selector_labels(isvc)) if live_deployment else []
         claim_name = builders.model_claim(isvc) if live_deployment else None
         claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None

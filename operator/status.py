@@ -15,8 +15,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd
-from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, names, selector_string, service_url
+from kvfleet.operator import crd, router
+from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, names, selector_string
 
 
 def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,
@@ -154,6 +154,9 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         extra.append(("ScalingActive", ("False", "ConflictingAutoscaler", scaling_conflict)))
     elif was.get("reason") == "ConflictingAutoscaler" and mode != "operator":  # the conflict is gone
         extra.append(("ScalingActive", ("False", "OperatorAutoscalerOff", autoscaler_off_message(isvc, mode))))
+    from_zero = router.scale_from_zero_condition(isvc)  # minReplicas 0: does anything wake it?
+    if from_zero is not None:
+        extra.append(("ScaleFromZero", from_zero))
     for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
                                              ("Degraded", degraded), *extra):
         conds = set_condition(conds, type=type_, status=status, reason=reason, message=message,
@@ -163,7 +166,7 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         "readyReplicas": prog["ready"],
         "updatedReplicas": prog["updated"],
         "selector": selector_string(isvc),
-        "url": service_url(isvc),
+        "url": router.status_url(isvc),  # the router's Service when spec.router.enabled
         "conditions": conds,
     }
     if gen is not None:

@@ -1,0 +1,58 @@
+"""The Gateway API Inference Extension's ``InferencePool`` over the runtime pods (pure builder).
+
+GIE (kubernetes-sigs/gateway-api-inference-extension, API group
+``inference.networking.k8s.io``, version ``v1``, checked against release v1.6.0) lets a Gateway
+route to model-server pods through an endpoint picker (EPP) that reads each pod's
+``vllm:`` metrics. With ``spec.router.inferencePool.enabled`` the operator emits an
+``InferencePool`` that selects the runtime pods (their selector labels) on port 8000, optionally
+naming the cluster's endpoint picker Service (``endpointPickerRef``); the runtime then also exports
+the vLLM metric names (``metrics_compat: vllm``, put into ``engine.extraArgs`` by :func:`with_pool_metrics`)
+that the GIE model-server protocol reads (``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc``). tests/golden/ holds the published CRD the object is validated against.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from kvfleet.operator import builders
+from kvfleet.operator import router as router_children
+
+GROUP = "inference.networking.k8s.io"
+VERSION = "v1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferencePool"
+
+
+def enabled(isvc: Mapping[str, Any]) -> bool:
+    return bool(router_children.router_spec(isvc)["inferencePool"].get("enabled"))
+
+
+def build_inference_pool(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``InferencePool`` named like the InferenceService, or None when not enabled."""
+    if not enabled(isvc):
+        return None
+    pool = router_children.router_spec(isvc)["inferencePool"]
+    spec: dict[str, Any] = {"selector": {"matchLabels": builders.selector_labels(isvc)},
+                            "targetPorts": [{"number": builders.PORT}]}
+    epp = pool.get("endpointPickerRef")
+    if epp:
+        ref: dict[str, Any] = {"name": epp["name"], "port": {"number": int(epp.get("port", 9002))}}
+        if epp.get("failureMode"):
+            ref["failureMode"] = epp["failureMode"]
+        spec["endpointPickerRef"] = ref
+    meta = {"name": isvc["metadata"]["name"], "namespace": isvc["metadata"].get("namespace") or "default",
+            "labels": builders.labels(isvc), "ownerReferences": [builders.owner_reference(isvc)]}
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": spec}
+
+
+def with_pool_metrics(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``isvc`` (a copy) whose runtime also exports the ``vllm:`` names when the pool is enabled
+    (``engine.extraArgs.metrics_compat: vllm``, unless the user set ``metrics_compat``)."""
+    out = copy.deepcopy(dict(isvc))
+    if enabled(out):
+        extra = out.setdefault("spec", {}).setdefault("engine", {}).setdefault("extraArgs", {})
+        extra.setdefault("metrics_compat", "vllm")
+    return out

@@ -1,0 +1,176 @@
+"""The router's children of an InferenceService (``spec.router``): pure builders.
+
+With ``spec.router.enabled`` the operator runs ``kvfleet router`` in front of the runtime pods:
+a ServiceAccount, a Role that may only ``get``/``list``/``watch`` EndpointSlices in the
+namespace (what the router's watch needs, nothing else), a RoleBinding, the router Deployment
+(``kvfleet router --kube-service <runtime Service>``, from the runtime image) and its ClusterIP
+Service ``<name>-router`` on port 8000; ``status.url`` then points at that Service. All are
+owned by the InferenceService (ownerReferences). :func:`scale_from_zero_condition` is the
+``ScaleFromZero`` status condition that makes ``minReplicas: 0`` without a router an explicit,
+visible choice. Routing itself: docs/routing.md.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from kvfleet.operator import builders, crd
+
+COMPONENT = "router"
+PORT = 8000
+"""The router's container port and Service port (the same as the runtime's: only the host of
+the OpenAI base URL changes when the router is turned on)."""
+KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service")
+DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+
+
+def router_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.router`` with the CRD's defaults applied (``{"enabled": False, ...}`` when absent)."""
+    raw = dict(((isvc.get("spec") or {}).get("router")) or {})
+    raw.setdefault("inferencePool", {})
+    return crd.apply_defaults(raw, crd.ROUTER)
+
+
+def enabled(isvc: Mapping[str, Any]) -> bool:
+    return bool(router_spec(isvc).get("enabled"))
+
+
+def name(isvc: Mapping[str, Any]) -> str:
+    """Name of every router child: ``<InferenceService>-router``."""
+    return f"{isvc['metadata']['name']}-router"
+
+
+def selector_labels(isvc: Mapping[str, Any]) -> dict[str, str]:
+    return {builders.LABEL_NAME: builders.APP_NAME, builders.LABEL_INSTANCE: isvc["metadata"]["name"],
+            builders.LABEL_COMPONENT: COMPONENT}
+
+
+def _meta(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    labels = {**builders.labels(isvc), builders.LABEL_COMPONENT: COMPONENT}
+    return {"name": name(isvc), "namespace": isvc["metadata"].get("namespace") or "default",
+            "labels": labels, "ownerReferences": [builders.owner_reference(isvc)]}
+
+
+def url(isvc: Mapping[str, Any]) -> str:
+    """``http://<name>-router.<ns>.svc.cluster.local:8000/v1``."""
+    ns = isvc["metadata"].get("namespace") or "default"
+    return f"http://{name(isvc)}.{ns}.svc.cluster.local:{PORT}/v1"
+
+
+def status_url(isvc: Mapping[str, Any]) -> str:
+    """The OpenAI base URL clients should use: the router's when enabled, else the runtime Service's."""
+    return url(isvc) if enabled(isvc) else builders.service_url(isvc)
+
+
+def router_args(isvc: Mapping[str, Any]) -> list[str]:
+    """``kvfleet router`` arguments for the Deployment."""
+    r = router_spec(isvc)
+    return ["router", "--host", "0.0.0.0", "--port", str(PORT),
+            "--kube-service", builders.names(isvc)["service"], "--kube-port", "http",
+            "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
+            "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
+            "--pending-timeout", str(r["pendingTimeoutSeconds"])]
+
+
+def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(isvc)}
+
+
+def build_role(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """Least privilege for the router's watch: EndpointSlices, read only, this namespace."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(isvc),
+            "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                       "verbs": ["get", "list", "watch"]}]}
+
+
+def build_role_binding(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    meta = _meta(isvc)
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": meta["name"]},
+            "subjects": [{"kind": "ServiceAccount", "name": meta["name"], "namespace": meta["namespace"]}]}
+
+
+def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """The router Deployment (``spec.router.replicas`` pods; the runtime image unless
+    ``spec.router.image``)."""
+    spec = builders.effective_spec(isvc)
+    r = router_spec(isvc)
+    runtime = spec["runtime"]
+    probe = lambda path, period: {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+                                  "timeoutSeconds": 2, "failureThreshold": 3}
+    container: dict[str, Any] = {
+        "name": "router",
+        "image": r.get("image") or runtime["image"],
+        "imagePullPolicy": runtime.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["kvfleet"],
+        "args": router_args(isvc),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "readinessProbe": probe("/ready", 5),
+        "livenessProbe": probe("/health", 10),
+        "resources": copy.deepcopy(r.get("resources") or DEFAULT_RESOURCES),
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": name(isvc),
+        "automountServiceAccountToken": True,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": builders.RUNTIME_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }
+    if runtime.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = copy.deepcopy(runtime["imagePullSecrets"])
+    meta = _meta(isvc)
+    pod_labels = {**meta["labels"]}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+        "spec": {
+            "replicas": int(r["replicas"]),
+            "selector": {"matchLabels": selector_labels(isvc)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": pod_labels,
+                                      "annotations": {"prometheus.io/scrape": "true",
+                                                      "prometheus.io/port": str(PORT)}},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def build_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(isvc),
+            "spec": {"type": "ClusterIP", "selector": selector_labels(isvc),
+                     "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP",
+                                "appProtocol": "http"}]}}
+
+
+def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The router's children in apply order (RBAC first), or ``[]`` when the router is off.
+
+    Raises:
+        InvalidSpec: as :func:`builders.owner_reference` (no uid).
+    """
+    if not enabled(isvc):
+        return []
+    return [build_service_account(isvc), build_role(isvc), build_role_binding(isvc), build_deployment(isvc),
+            build_service(isvc)]
+
+
+def scale_from_zero_condition(isvc: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    """``(status, reason, message)`` of the ``ScaleFromZero`` condition, for services the
+    operator may scale to zero (autoscaling mode ``operator``, ``minReplicas: 0``); None otherwise.
+
+    With the router: True, ``RouterHoldsRequests``. Without: False, ``NoRouter``: at zero replicas
+    nothing receives a request, so nothing can wake the service; a documented, visible choice
+    (e.g. for batch services scaled up by hand), not a silent trap.
+    """
+    auto = (isvc.get("spec") or {}).get("autoscaling") or {}
+    if auto.get("mode") != "operator" or int(auto.get("minReplicas", 1)) != 0:
+        return None
+    if enabled(isvc):
+        return ("True", "RouterHoldsRequests",
+                "at 0 replicas the router holds requests and the autoscaler scales to 1 on them")
+    return ("False", "NoRouter",
+            "minReplicas is 0 without spec.router.enabled: once at 0 replicas, requests fail and nothing "
+            "scales the service up again; enable the router to wake it on requests")
