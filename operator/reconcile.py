@@ -124,6 +124,7 @@ def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False)
     """Every desired child (:func:`builders.desired_children`, with ``$KVFLEET_RUNTIME_IMAGE`` as
     the default image), stamped."""
     isvc = gie.with_pool_metrics(builders.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
+    isvc = router.with_default_image(isvc, os.environ.get(router.IMAGE_ENV))
     children = builders.desired_children(isvc, scaled_externally=scaled_externally)
     children += router.desired_children(isvc)  # spec.router: the router's RBAC, Deployment, Service
     pool = gie.build_inference_pool(isvc)

@@ -26,6 +26,20 @@ KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service")
 DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 
 
+IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
+"""The operator's default router image (the chart's ``router.image``); unset: the runtime image."""
+
+
+def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:
+    """``isvc`` (a copy) with ``spec.router.image`` set to ``image`` when the router is enabled
+    and sets none."""
+    out = copy.deepcopy(dict(isvc))
+    router = (out.get("spec") or {}).get("router") or {}
+    if image and router.get("enabled") and not router.get("image"):
+        out["spec"]["router"] = {**router, "image": image}
+    return out
+
+
 def router_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """``spec.router`` with the CRD's defaults applied (``{"enabled": False, ...}`` when absent)."""
     raw = dict(((isvc.get("spec") or {}).get("router")) or {})

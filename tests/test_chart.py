@@ -235,14 +235,20 @@ EXPECTED_RULES = {
     ("kvfleet.io", "inferenceservices/status"): {"get", "patch"},
     ("kvfleet.io", "inferenceservices/scale"): {"patch"},
     ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
-    ("", "services"): {"get", "list", "watch", "create", "patch"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},  # delete: spec.router turned off
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"get", "list", "watch"},               # watched: pod-level reasons
     ("", "persistentvolumeclaims"): {"get"},              # the model volume's access modes
     ("keda.sh", "scaledobjects"): {"list"},               # one scaler per target
     ("", "events"): {"create"},                           # no secrets: learnt from the pods
+    # spec.router: the router's own RBAC, and what its Role grants (RBAC escalation check)
+    ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
+    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},  # GIE
 }
 
 

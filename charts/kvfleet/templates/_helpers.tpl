@@ -146,6 +146,29 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# spec.router: the router's ServiceAccount, Role and RoleBinding, applied like the other
+# children; with its Deployment and Service deleted when spec.router.enabled is turned off.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["delete"]
+# The router's Role grants read access to EndpointSlices; the API server lets the operator
+# grant only what it holds itself (RBAC escalation check), so it holds exactly that.
+- apiGroups: ["discovery.k8s.io"]
+  resources: ["endpointslices"]
+  verbs: ["get", "list", "watch"]
+# spec.router.inferencePool: the Gateway API Inference Extension's InferencePool.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end }}
 
 {{/* kopf peering: the operator replicas' heartbeats in the peering object's status. */}}
