@@ -373,8 +373,11 @@ def decide_scale(
 
     if router is not None:
         inputs.update(routerPending=_num(router.pending), routerInFlight=_num(router.in_flight))
-        if current == 0 and router.pending > 0 and config.max_replicas >= 1:
+        if router.busy and config.max_replicas >= 1:
+            # Work at the router needs one replica: remembered, so that the scale-down window to 0
+            # runs from the last moment the routers had a request, not from the last busy scrape.
             history = history + (Recommendation(now, 1),)
+        if current == 0 and router.pending > 0 and config.max_replicas >= 1:
             return ScaleDecision(1, 0, "ScaledFromZero",
                                  f"0 -> 1 replicas: the router holds {_num(router.pending)} request(s) "
                                  "and no replica is running", 1, history, inputs)

@@ -82,7 +82,8 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
     """``kvfleet router`` arguments for the Deployment."""
     r = router_spec(isvc)
     return ["router", "--host", "0.0.0.0", "--port", str(PORT),
-            "--kube-service", builders.names(isvc)["service"], "--kube-port", "http",
+            "--kube-service", builders.names(isvc)["service"],
+            "--kube-namespace", isvc["metadata"].get("namespace") or "default", "--kube-port", "http",
             "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
             "--pending-timeout", str(r["pendingTimeoutSeconds"])]

@@ -26,6 +26,12 @@ while enough others are ready; a stopping pod leaves :meth:`ready_pods` (the end
 sleeps its container's ``preStop`` (``prestop_seconds`` overrides), gets SIGTERM (the runtime
 drains), and is killed after ``terminationGracePeriodSeconds``.
 
+A pod whose container runs ``kvfleet router`` (args starting with ``router``, as the operator's
+router Deployment) runs that command instead, with ``--host``/``--port`` set to the loopback port
+and ``KUBECONFIG`` pointing at the API (``kubeconfig``). As the EndpointSlice controller would,
+every pod selected by a Service of the namespace gets an EndpointSlice ``<service>-<pod>``
+(address 127.0.0.1, the pod's own port, ``conditions.ready``), deleted with the pod.
+
 Not a real kubelet: no probes beyond /ready, no resources, no init containers, no
 volumes except the config file. The model is whatever ``config_overrides`` leaves: the
 closed-loop test drops ``model`` so every process serves the embedded default.
@@ -93,7 +99,7 @@ class TestKubelet:
     def __init__(self, api: str, namespace: str, workdir: Path, *, serve_args: Sequence[str] = (),
                  config_overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
                  poll: float = 0.5, log: Callable[[str], None] = print, rollout: str = "recreate",
-                 prestop_seconds: float | None = None):
+                 prestop_seconds: float | None = None, kubeconfig: Path | None = None):
         self.api = api.rstrip("/")
         self.namespace = namespace
         self.workdir = Path(workdir)
@@ -105,6 +111,10 @@ class TestKubelet:
         self.log = log
         self.rollout = rollout
         self.prestop_seconds = prestop_seconds
+        self.kubeconfig = kubeconfig
+        self.pod_labels: dict[str, dict[str, str]] = {}
+        self.slices: dict[str, bool] = {}
+        """EndpointSlices this kubelet wrote: name -> the endpoint's ready condition."""
         self.pods: dict[str, FakePod] = {}
         self.events: list[tuple[float, str, str]] = []
         """``(monotonic time, what, pod)``: started, ready, deleted, exited."""
@@ -175,6 +185,39 @@ class TestKubelet:
             self._sync_deployment(dep)
         for pod in [p for p in self.pods.values() if p.deployment not in wanted]:
             self._delete(pod, "deployment gone")
+        self._sync_endpoint_slices()
+
+    def _sync_endpoint_slices(self) -> None:
+        services = (self._get(self._path("v1", "services")) or {}).get("items") or []
+        want: dict[str, tuple[str, FakePod, bool]] = {}
+        for svc in services:
+            selector = (svc.get("spec") or {}).get("selector") or {}
+            if not selector:
+                continue
+            for pod in list(self.pods.values()):
+                labels = self.pod_labels.get(pod.name, {})
+                if all(labels.get(k) == v for k, v in selector.items()):
+                    ready = pod.ready_at is not None and not pod.terminating
+                    want[f"{svc['metadata']['name']}-{pod.name}"] = (svc["metadata"]["name"], pod, ready)
+        for name, (service, pod, ready) in want.items():
+            if self.slices.get(name) == ready:
+                continue
+            endpoints = [{"addresses": ["127.0.0.1"], "conditions": {"ready": ready, "terminating": pod.terminating}}]
+            if name in self.slices:
+                self._patch(self._path("discovery.k8s.io/v1", "endpointslices", name), {"endpoints": endpoints})
+            else:
+                body = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                        "metadata": {"name": name, "namespace": self.namespace,
+                                     "labels": {"kubernetes.io/service-name": service}},
+                        "addressType": "IPv4", "ports": [{"name": "http", "port": pod.port, "protocol": "TCP"}],
+                        "endpoints": endpoints}
+                self._client.post(self._path("discovery.k8s.io/v1", "endpointslices"), json=body).raise_for_status()
+            self.slices[name] = ready
+        for name in [n for n in self.slices if n not in want]:
+            r = self._client.delete(self._path("discovery.k8s.io/v1", "endpointslices", name))
+            if r.status_code not in (200, 202, 404):
+                r.raise_for_status()
+            del self.slices[name]
 
     def _sync_deployment(self, dep: Mapping[str, Any]) -> None:
         name = dep["metadata"]["name"]
@@ -283,8 +326,19 @@ class TestKubelet:
         log_path = self.workdir / f"{name}.log"
         cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--config", str(config_path),
                "--host", "127.0.0.1", "--port", str(port), *self.serve_args]
+        env = self.env
+        args = (((template.get("spec") or {}).get("containers") or [{}])[0]).get("args") or []
+        if args[:1] == ["router"]:  # the operator's router Deployment: kvfleet router, on this port
+            flags = list(args[1:])
+            for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
+                if flag in flags:
+                    flags[flags.index(flag) + 1] = value
+                else:
+                    flags += [flag, value]
+            cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "router", *flags]
+            env = {**self.env, **({"KUBECONFIG": str(self.kubeconfig)} if self.kubeconfig else {})}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         return proc, log_path
 
@@ -297,6 +351,7 @@ class TestKubelet:
         pod = FakePod(name, dep_name, thash, port, proc, log_path, time.monotonic())
         self.pods[name] = pod
         meta = template.get("metadata") or {}
+        self.pod_labels[name] = dict(meta.get("labels") or {})
         body = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {

@@ -182,6 +182,18 @@ def test_policy_never_scales_to_zero_with_requests_in_flight():
     quiet = policy.decide_scale(cfg, now=1000.0, current=1, ready=1, metrics=metrics,
                                 router=policy.RouterLoad(pending=0, in_flight=0))
     assert quiet.replicas == 0
+    # with a scale-down window, it runs from the last moment the router had work
+    windowed = policy.AutoscalingConfig.from_spec({"mode": "operator", "minReplicas": 0, "maxReplicas": 3,
+                                                   "scaleDown": {"stabilizationWindowSeconds": 10}})
+    d = policy.decide_scale(windowed, now=1000.0, current=1, ready=1, metrics=metrics,
+                            history=(policy.Recommendation(980.0, 1),), router=policy.RouterLoad(0, 1))
+    for t in (1005.0, 1009.5):
+        d = policy.decide_scale(windowed, now=t, current=1, ready=1, metrics=metrics, history=d.history,
+                                router=policy.RouterLoad(0, 0))
+        assert d.replicas == 1, (t, d.reason)
+    d = policy.decide_scale(windowed, now=1010.5, current=1, ready=1, metrics=metrics, history=d.history,
+                            router=policy.RouterLoad(0, 0))
+    assert (d.replicas, d.reason) == (0, "ScaledToZero")
 
 
 def test_parse_router_load():
