@@ -47,6 +47,8 @@ class PendingQueue:
         Raises: QueueFull, PendingTimeout.
         """
         loop = asyncio.get_running_loop()
+        if available():  # e.g. an ejection ran out between the caller's look and this call
+            return deadline if deadline is not None else loop.time() + self.pending_timeout
         if deadline is None:
             if len(self._waiters) >= self.max_pending:
                 raise QueueFull()

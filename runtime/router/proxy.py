@@ -189,6 +189,9 @@ class Forwarder:
                 self.pool.eject(ep)
                 return error_response(502, f"replica {ep.url} failed before answering: {type(exc).__name__}",
                                       "server_error", "upstream_error")
+            except BaseException:  # cancelled (server shutdown) or a bug: keep the counts true
+                self._done(ep, "upstream_error")
+                raise
             self.metrics.upstream_latency.labels(ep.url).observe(time.perf_counter() - t0)
             if upstream.status_code == 503:
                 await upstream.aread()
