@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -75,9 +76,13 @@ def prompts(workload: str, n: int, prefixes: int, prefix_words: int, seed: int) 
     systems = [f"[desk {seed}-{i}] " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
                for i in range(prefixes)]
     out = []
+    # shared-prefix: every prefix equally often, in random order (a fixed i % prefixes order would
+    # hand round robin perfect affinity whenever the prefix count is a multiple of the replicas)
+    order = [i % prefixes for i in range(n)]
+    rng.shuffle(order)
     for i in range(n):
         if workload == "shared-prefix":
-            system = systems[i % prefixes]
+            system = systems[order[i]]
         else:
             system = f"[{seed}-{i}] " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
         out.append([{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: what now?"}])
@@ -86,16 +91,19 @@ def prompts(workload: str, n: int, prefixes: int, prefix_words: int, seed: int) 
 
 async def one(http: httpx.AsyncClient, base: str, messages: list[dict], max_tokens: int) -> tuple[float, int]:
     body = {"model": "SmolLM2-135M-Instruct", "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     async with http.stream("POST", base + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
-                tokens += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                ttft = time.perf_counter() - t0
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
     return (ttft if ttft is not None else time.perf_counter() - t0), tokens
 
 
@@ -149,6 +157,7 @@ def overhead(replica: str, router: str, n: int) -> dict:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the replicas in `finally` too
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--requests", type=int, default=48)

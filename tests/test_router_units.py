@@ -81,11 +81,11 @@ def test_unavailable_home_spills_and_comes_back():
     assert p.pick(cands, "k", ring_keys=KEYS).key == home
 
 
-def test_least_load_uses_max_of_in_flight_and_reported_then_kv_usage():
+def test_least_load_uses_own_in_flight_plus_foreign_then_kv_usage():
     p = Picker("least-load")
-    cands = [Candidate(KEYS[0], in_flight=1), Candidate(KEYS[1], queued=3), Candidate(KEYS[2], in_flight=1,
+    cands = [Candidate(KEYS[0], in_flight=1), Candidate(KEYS[1], foreign=3), Candidate(KEYS[2], in_flight=1,
              kv_cache_usage=0.1), Candidate(KEYS[3], in_flight=1, kv_cache_usage=0.5)]
-    assert Candidate("x", in_flight=2, queued=1).load == 2  # own requests are in the replica's count too
+    assert Candidate("x", in_flight=2, foreign=1).load == 3
     assert p.pick(cands, "ignored") == type(p.pick(cands, None))(KEYS[0], FALLBACK)
     # no prefix key under prefix-hash: least load, a fallback
     assert Picker().pick(cands, None).key == KEYS[0]
@@ -163,6 +163,12 @@ def test_ejection_backs_off_exponentially_and_resets():
     pool.set_probe(KEYS[0], True, waiting=2, kv_cache_usage=0.5)
     assert [e.url for e in pool.available()] == [KEYS[0]] and woken == [1]
     ep = pool.get(KEYS[0])
+    # foreign load: the replica's own count minus this router's share when it was scraped
+    ep.in_flight = 1
+    pool.set_probe(KEYS[0], True, waiting=1, running=2)
+    assert ep.foreign == 2 and ep.candidate().load == 3
+    ep.in_flight = 0  # our request finished since: not counted twice
+    assert ep.candidate().load == 2
     assert [pool.eject(ep) for _ in range(4)] == [1.0, 2.0, 4.0, 5.0]
     assert pool.available() == []
     now[0] += 5.0

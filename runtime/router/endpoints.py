@@ -33,13 +33,15 @@ class Endpoint:
     """``num_requests_running`` at the last scrape."""
     kv_cache_usage: float = 0.0
     """``kv_cache_usage_perc`` (0..1) at the last scrape."""
+    foreign: float = 0.0
+    """``running + waiting`` at the last scrape minus this router's in-flight requests then."""
     failures: int = 0
     """Consecutive request-path failures."""
     ejected_until: float = 0.0
     """Clock time (``time.monotonic``) until which it gets no requests."""
 
     def candidate(self) -> Candidate:
-        return Candidate(self.url, self.in_flight, self.running + self.waiting, self.kv_cache_usage)
+        return Candidate(self.url, self.in_flight, self.foreign, self.kv_cache_usage)
 
 
 class EndpointPool:
@@ -127,6 +129,8 @@ class EndpointPool:
             ep.running = running
         if kv_cache_usage is not None:
             ep.kv_cache_usage = kv_cache_usage
+        if waiting is not None or running is not None:
+            ep.foreign = max(0.0, ep.running + ep.waiting - ep.in_flight)
         if ready and not was_available and not self.is_ejected(ep):
             self._notify()
 

@@ -10,11 +10,12 @@ point is the *affinity* endpoint: picking it is a ``hit``; walking past it becau
 ``spill`` (a hot prefix spreads instead of melting one replica); a request without a prefix key
 (or with ``least-load``) is routed by least load, a ``fallback``.
 
-Load of an endpoint (:attr:`Candidate.load`): the larger of the requests this router has in flight
-to it (exact and immediate) and the requests the replica itself reported at its last ``/metrics``
-scrape, ``num_requests_running + num_requests_waiting`` (which also counts other routers' and
-direct traffic, but is up to one probe interval old; the maximum never counts this router's own
-requests twice). Ties in least load go to the lower ``kv_cache_usage_perc``, then round robin.
+Load of an endpoint (:attr:`Candidate.load`): the requests this router has in flight to it (exact
+and immediate) plus the *foreign* requests its last ``/metrics`` scrape showed: its
+``num_requests_running + num_requests_waiting`` minus what this router had in flight to it at that
+moment (other router replicas' and direct traffic). Subtracting the router's own share at scrape
+time keeps a scrape up to one probe interval old from counting requests that have finished since.
+Ties in least load go to the lower ``kv_cache_usage_perc``, then round robin.
 """
 
 from __future__ import annotations
@@ -40,18 +41,18 @@ class Candidate:
     Attributes:
         key: stable identity on the hash ring (the endpoint's base URL).
         in_flight: requests this router has sent to it and not finished.
-        queued: its ``num_requests_running + num_requests_waiting`` at the last scrape (0 when unknown).
+        foreign: requests at the replica not sent by this router, as of the last scrape (0 when unknown).
         kv_cache_usage: its ``kv_cache_usage_perc`` at the last scrape, 0..1 (0 when unknown).
     """
 
     key: str
     in_flight: int = 0
-    queued: float = 0.0
+    foreign: float = 0.0
     kv_cache_usage: float = 0.0
 
     @property
     def load(self) -> float:
-        return max(self.in_flight, self.queued)
+        return self.in_flight + self.foreign
 
 
 @dataclass(frozen=True)
