@@ -50,6 +50,11 @@ class RouterState:
         self.prober: Prober | None = None
 
 
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def create_app(settings: RouterSettings) -> Starlette:
     """Build the router app for ``settings``; endpoints and probes start with its lifespan."""
     state = RouterState(settings)
@@ -95,8 +100,20 @@ def create_app(settings: RouterSettings) -> Starlette:
                                       "invalid_request_error", "invalid_api_key")
         body = await request.body()
         assert state.forwarder is not None
-        return await state.forwarder.forward(request.method, request.url.path, request.scope.get("query_string", b""),
-                                             request.headers.raw, body)
+        forward = asyncio.ensure_future(state.forwarder.forward(
+            request.method, request.url.path, request.scope.get("query_string", b""), request.headers.raw, body))
+        # A client that goes away before the answer starts (e.g. while its request is held) gives up
+        # its place at once; once forward() returns, UpstreamResponse watches for the disconnect.
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        done, _ = await asyncio.wait({forward, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if forward in done:
+            gone.cancel()
+            return forward.result()
+        forward.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await forward
+        state.metrics.requests.labels("", "client_disconnect").inc()
+        return Response(status_code=499)  # nobody reads it
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
