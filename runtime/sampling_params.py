@@ -3,12 +3,76 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 MAX_LOGPROBS = 20
 """Most top log-probabilities per token (``logprobs``, ``prompt_logprobs``): vLLM's default
 ``max_logprobs`` and OpenAI's limit."""
+
+
+class StructuredOutputError(ValueError):
+    """A structured-output spec the grammar library cannot compile (bad JSON schema, regex,
+    grammar, or an unsupported feature of one); the message is the library's, after a short
+    prefix naming the kind of spec. Raised by the engine before the request is queued."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of ``json``
+    (a JSON schema, dict or string), ``json_object`` (any JSON object), ``regex``, ``choice``
+    (one of these strings), ``grammar`` (EBNF as xgrammar / llama.cpp's GBNF, or Lark) or
+    ``structural_tag`` (an xgrammar structural tag as a JSON string; tool calling builds them).
+
+    ``disable_any_whitespace`` (default True here): JSON is generated with fixed separators
+    (``", "`` / ``": "``, one line), so a model cannot loop on whitespace forever (the known
+    JSON-mode failure); False allows any whitespace between JSON tokens (vLLM's default).
+
+    Raises:
+        ValueError: none or several kinds given, or one of the wrong type.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """``json``, ``json_object``, ``regex``, ``choice``, ``grammar`` or ``structural_tag``."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None)
+
+    def key(self) -> tuple[str, str, bool]:
+        """The compiled-grammar cache key: kind, the spec as canonical text, whitespace mode."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        elif isinstance(value, tuple):
+            value = json.dumps(list(value))
+        return self.kind, str(value), self.disable_any_whitespace
 
 
 @dataclass
@@ -60,12 +124,28 @@ class SamplingParams:
     the raw logits (no temperature or penalties), as vLLM's default. vLLM's -1 (the whole
     vocabulary) is refused: it is over the limit of 20 (vLLM's default ``max_logprobs``)."""
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Grammar-constrained decoding: each sampled token keeps the output a prefix of the
+    spec's language (masks applied before penalties and temperature); the sequence stops when
+    the grammar is complete and its stop token is sampled. See docs/server.md."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> bias added to its logit before sampling (OpenAI semantics: -100..100;
+    -100 effectively bans a token, 100 makes it near certain)."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's extra: only these token ids may be sampled (with EOS not among them, a
+    sequence ends only on ``max_tokens`` or a stop string)."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM's extra: words never generated: the last token of each word's tokenization (with
+    and without a leading space) is banned whenever the output ends with the tokens before it."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """``bad_words`` tokenized (filled by the engine when it prepares the request)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -106,6 +186,19 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))
+                    and not isinstance(b, bool) and math.isfinite(b) and -100 <= b <= 100
+                    for t, b in self.logit_bias.items()):
+                bad("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0 or value > MAX_LOGPROBS):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Protocol
 
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -43,6 +44,16 @@ _FINISH_REASON = {
 }
 
 
+class GrammarState(Protocol):
+    """The grammar matcher of one constrained sequence, as the scheduler sees it (implemented by
+    :class:`kvfleet.runtime.structured_output.grammar.Grammar`; torch-free here)."""
+
+    def accept_token(self, token: int) -> bool:
+        """Advance by the sampled ``token``; True when the sequence must stop: the grammar
+        terminated (its stop token was accepted) or rejected the token."""
+        ...
+
+
 class Request:
     """One sequence being generated.
 
@@ -66,6 +77,9 @@ class Request:
             step (or finished), so that it
             reuses the leader's prompt blocks from the prefix cache instead of computing
             them again; then the scheduler sets it back to None. None otherwise.
+        structured_output: the sequence's grammar matcher (``n > 1``: one per sequence), advanced
+            by the scheduler with each token it appends; None when unconstrained. Preemption by
+            recompute keeps the output tokens, so the matcher state stays valid.
     """
 
     def __init__(
@@ -99,6 +113,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_prompt_logprobs_done = 0
         self.prompt_leader = prompt_leader
+        self.structured_output: GrammarState | None = None
         # Prefix-cache accounting: counted once per successful schedule from WAITING.
         self.num_cached_tokens = -1
 

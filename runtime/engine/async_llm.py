@@ -182,7 +182,8 @@ class AsyncLLMEngine:
 
         Raises:
             ValueError: invalid input (naming the parameter) or a ``request_id`` in use,
-                before anything is yielded.
+                before anything is yielded; ``StructuredOutputError`` (a ValueError) when its
+                grammar does not compile (awaited here, off the engine loop, before queueing).
             EngineDeadError: the engine is not running or died.
 
         Closing the iterator early (client gone) aborts the request.
@@ -193,6 +194,12 @@ class AsyncLLMEngine:
         prepared = self.engine.prepare_request(
             request_id, prompt, sampling_params, priority=priority, tenant=tenant
         )
+        if prepared.grammar is not None:
+            # Compiled on the grammar thread pool; only this request waits (StructuredOutputError: 400).
+            await asyncio.shield(asyncio.wrap_future(prepared.grammar))  # a cancelled wait keeps the shared compile
+            self._check_alive()
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream()
         self._streams[request_id] = stream
         try:

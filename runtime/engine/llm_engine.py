@@ -5,6 +5,7 @@ One :meth:`LLMEngine.step` is one iteration of continuous batching::
     scheduler.schedule()            which requests, which tokens, which blocks
     runner.execute_model()          one forward pass over the packed batch -> logits [S, V]
                                     (and the prompt logprobs of requests that asked for them)
+    grammar bitmask                 constrained rows: tokens their grammar forbids -> -inf
     sampler(logits)                 one token per sampling request
     scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
     output_processor                detokenize, finish on a stop string, logprobs, RequestOutput per
@@ -26,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,7 @@ from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestStat
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.structured_output.manager import StructuredOutputManager
 from kvfleet.runtime.worker.executor import MultiprocExecutor
 from kvfleet.runtime.worker.model_loader import LoadedModel, load_model
 from kvfleet.runtime.worker.model_runner import ModelRunner
@@ -50,9 +53,11 @@ logger = logging.getLogger(__name__)
 @dataclass
 class PreparedRequest:
     """A validated, tokenized request, ready for :meth:`LLMEngine.add_prepared` (the async
-    engine validates in the caller's thread and adds in the engine thread)."""
+    engine validates in the caller's thread and adds in the engine thread). ``grammar``: the
+    future of its compiled grammar (structured outputs), None when unconstrained."""
 
     state: RequestState
+    grammar: Future | None = None
 
 
 class LLMEngine:
@@ -127,6 +132,8 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size,
+                                                         [self.eos_token_id, *self._extra_eos_ids])  # fmt: skip
         self.num_steps = 0
 
     # ------------------------------------------------------------------ setup helpers
@@ -176,6 +183,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step after
         it (a step raises ``TensorParallelError``); with ``tensor_parallel_size=1`` a no-op."""
+        self.structured_output.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -233,7 +241,9 @@ class LLMEngine:
                 vocabulary, or longer than ``max_model_len`` / the whole KV cache),
                 ``sampling_params`` (wrong type), ``prompt_logprobs`` (asked of a model whose
                 logits the runner cannot reproduce, see ``ModelRunner.prompt_logprobs_error``),
-                ``priority`` (not an int).
+                ``priority`` (not an int), ``logit_bias`` / ``allowed_token_ids`` (token ids out of
+                the vocabulary). A structured-output spec starts compiling here (``grammar``);
+                its errors come from :meth:`add_prepared`.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -268,7 +278,7 @@ class LLMEngine:
                 f"prompt is {len(prompt_ids)} tokens, longer than max_model_len ({self.max_model_len})"
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        params = sampling_params
+        params = sampling_params = self._check_token_controls(sampling_params)
         if self._extra_eos_ids and not params.ignore_eos:
             params = params.clone(stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
         state = RequestState(request_id, prompt_text, prompt_ids, sampling_params, arrival, priority)
@@ -298,7 +308,27 @@ class LLMEngine:
                 prompt_leader=state.seqs[0].request if i else None,
             )
             state.seqs.append(self.output_processor.new_sequence(request, i, child_params))
-        return PreparedRequest(state)
+        spec = params.structured_outputs
+        return PreparedRequest(state, self.structured_output.grammar_init(spec) if spec is not None else None)
+
+    def _check_token_controls(self, params: SamplingParams) -> SamplingParams:
+        """``logit_bias`` / ``allowed_token_ids`` in the vocabulary (ValueError naming the field);
+        ``bad_words`` tokenized into ``bad_words_token_ids`` (each word with and without a leading
+        space, as vLLM)."""
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids",
+                                                                         params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if not params.bad_words:
+            return params
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return params.clone(bad_words_token_ids=seqs)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request made by :meth:`prepare_request`.
@@ -306,10 +336,16 @@ class LLMEngine:
         Raises:
             ValueError: ``request_id`` already in use (or a child id ``{id}-{i}`` of it), or
                 the scheduler rejects the prompt (``prompt ...``).
+            StructuredOutputError: (a ValueError) its grammar did not compile. This waits for
+                the compile; the async engine awaits ``prepared.grammar`` before, on the event loop.
         """
         state = prepared.state
         if self.output_processor.in_use(state):
             raise ValueError(f"request_id {state.request_id!r} is already in use")
+        if prepared.grammar is not None:
+            compiled = prepared.grammar.result()
+            for seq in state.seqs:  # one matcher per sequence (n > 1 included)
+                seq.request.structured_output = self.structured_output.new_grammar(compiled)
         added: list[str] = []
         try:
             for seq in state.seqs:
@@ -429,6 +465,8 @@ class LLMEngine:
                     proc.abort_sequence(state, seq, exc, time.monotonic(), iteration)
                     touched[state.request_id] = state
             requests = [s.request for s in sampling]
+            if any(r.structured_output is not None for r in requests):  # before penalties and temperature
+                self.structured_output.apply_bitmask(logits, requests)
             sampled = self.sampler(logits, requests)
             tokens = {r.request_id: t for r, t in zip(requests, sampled.token_ids)}
             logprobs = {r.request_id: lp for r, lp in zip(requests, sampled.logprobs) if lp is not None}

@@ -1,7 +1,10 @@
 """Batched sampling: logits processing, greedy/random sampling, logprobs.
 
-On ``logits [S, vocab_size]`` float32 (one row per request that samples), in order:
-``repetition_penalty`` over prompt + output tokens (CTRL, Keskar et al. 2019: positive logits
+On ``logits [S, vocab_size]`` float32 (one row per request that samples; the rows of
+constrained requests already masked by their grammar, :mod:`kvfleet.runtime.structured_output`),
+in order: the token controls (``allowed_token_ids``: every other token ``-inf``; ``bad_words``:
+a word's last token ``-inf`` when the output ends with the tokens before it; ``logit_bias``
+added, OpenAI's semantics), ``repetition_penalty`` over prompt + output tokens (CTRL, Keskar et al. 2019: positive logits
 divided, negative multiplied); ``frequency_penalty`` / ``presence_penalty`` over output
 tokens (OpenAI API: ``logit -= f * count + p * (count > 0)``); ``min_tokens`` (EOS unless
 ``ignore_eos``, and ``stop_token_ids``, get ``-inf``); then greedy rows ``argmax``, others
@@ -40,9 +43,39 @@ def _plain_greedy(requests: list[Request]) -> bool:
         p = r.sampling_params
         if (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
                 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                or (p.min_tokens and r.num_output_tokens < p.min_tokens)):
+                or (p.min_tokens and r.num_output_tokens < p.min_tokens) or _has_token_controls(p)):
             return False
     return True
+
+
+def _has_token_controls(p) -> bool:
+    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
+
+
+def apply_token_controls(logits: torch.Tensor, requests: list[Request]) -> None:
+    """``allowed_token_ids``, ``bad_words`` and ``logit_bias`` of each row, in place (``logits``
+    ``[S, vocab_size]``, row ``i`` for ``requests[i]``)."""
+    vocab = logits.shape[1]
+    for i, r in enumerate(requests):
+        p = r.sampling_params
+        if not _has_token_controls(p):
+            continue
+        row = logits[i]
+        if p.allowed_token_ids:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=row.device)
+            allowed = row.index_select(0, keep)
+            row.fill_(float("-inf")).index_copy_(0, keep, allowed)
+        if p.bad_words_token_ids:
+            out = r.output_token_ids
+            banned = [ids[-1] for ids in p.bad_words_token_ids
+                      if ids[-1] < vocab and (len(ids) == 1 or out[len(out) - len(ids) + 1:] == ids[:-1])]
+            if banned:
+                row[banned] = float("-inf")
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            if ids:
+                bias = torch.tensor([float(p.logit_bias[t]) for t in ids], dtype=row.dtype, device=row.device)
+                row.index_add_(0, torch.tensor(ids, dtype=torch.long, device=row.device), bias)
 
 
 @dataclass
@@ -105,6 +138,10 @@ class Sampler:
         dev = logits.device
         params = [r.sampling_params for r in requests]
         vocab = logits.shape[1]
+
+        # 0. Token controls (allowed_token_ids, bad_words, logit_bias).
+        if any(_has_token_controls(p) for p in params):
+            apply_token_controls(logits, requests)
 
         # 1. Penalties.
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]

@@ -309,7 +309,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Append each sampled token and finish requests that are done.
 
-        A request finishes (its blocks freed at once) on its EOS token (unless
+        A request finishes (its blocks freed at once) when its grammar (``structured_output``)
+        accepts its stop token, on its EOS token (unless
         ``ignore_eos``) or one of its ``stop_token_ids`` -- both only after ``min_tokens``
         -- or when it reaches ``max_tokens`` or ``max_model_len``. With a sliding window,
         every scheduled request still running frees the blocks that fell out of its window
@@ -340,6 +341,9 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
         num_out = request.num_output_tokens
+        grammar = request.structured_output
+        if grammar is not None and grammar.accept_token(token):
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete (its stop token accepted)
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == request.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding (structured outputs) through xgrammar: see :mod:`.manager`."""
