@@ -3,7 +3,7 @@
 ``create_app`` builds the app: its lifespan loads the engine in the background (``/ready`` is 503
 meanwhile), probes (``/health`` liveness, ``/ready`` readiness), ``/metrics``, the API key check,
 and one thin route per endpoint that parses the body and delegates to its serving class
-(:mod:`.serving_completion`, :mod:`.serving_chat`). Errors are always OpenAI's shape
+(:mod:`.serving_completion`, :mod:`.serving_chat`, :mod:`.serving_tokenize`). Errors are always OpenAI's shape
 (:mod:`.errors`). The engine is reached only through
 :class:`~kvfleet.runtime.engine.protocol.EngineClient`. ``main`` is ``kvfleet serve``.
 Routes, status codes and the reasons behind them: docs/server.md.
@@ -35,6 +35,7 @@ from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
+from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 
@@ -118,6 +119,7 @@ def create_app(
     app.state.kvfleet = state
     app.state.serving_completion = OpenAIServingCompletion(state)
     app.state.serving_chat = OpenAIServingChat(state)
+    app.state.serving_tokenize = OpenAIServingTokenization(state, app.state.serving_chat)
     add_exception_handlers(app)
     app.include_router(router)
     app.add_middleware(lifecycle.InFlight, state=state)
@@ -256,6 +258,18 @@ async def chat_completions(request: Request):
     body = await _parse_body(request, P.ChatCompletionRequest)
     serving: OpenAIServingChat = request.app.state.serving_chat
     return await serving.create_chat_completion(body, request)
+
+
+@router.post("/tokenize", dependencies=_AUTH)
+async def tokenize(request: Request):
+    body = await _parse_body(request, P.TokenizeRequest)
+    return (await request.app.state.serving_tokenize.tokenize(body)).model_dump(exclude_none=True)
+
+
+@router.post("/detokenize", dependencies=_AUTH)
+async def detokenize(request: Request):
+    body = await _parse_body(request, P.DetokenizeRequest)
+    return (await request.app.state.serving_tokenize.detokenize(body)).model_dump()
 
 
 # ----------------------------------------------------------------------------- request bodies

@@ -4,15 +4,17 @@ The shapes follow OpenAI's public API reference for ``/v1/completions``,
 ``/v1/chat/completions`` and ``/v1/models`` (https://platform.openai.com/docs/api-reference)
 plus vLLM's sampling extras (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``priority``, ``prompt_logprobs``), so that the official ``openai`` client and clients written for vLLM work
-unchanged.
+``priority``, ``prompt_logprobs``, ``bad_words``, ``allowed_token_ids``, ``structured_outputs`` and the
+older ``guided_*`` names), so that the official ``openai`` client and clients written for vLLM work
+unchanged. Structured-output fields become a ``StructuredOutputsParams`` in :mod:`.structured_outputs`;
+tools in :mod:`.tool_calls`.
 
 Request models validate *types* strictly (``"max_tokens": "5"`` or ``"n": 1.5`` is an
 error, not a coercion) and ignore unknown fields, as vLLM does. Value ranges
 (``temperature >= 0``, ``0 < top_p <= 1``, ...) are checked by
 :class:`kvfleet.runtime.sampling_params.SamplingParams`, built by ``to_sampling_params``;
-features the engine does not have (``suffix``, ``best_of != n``, ``logit_bias``,
-tools, image inputs) raise :class:`UnsupportedFeature` from ``check_supported``.
+features the engine does not have (``suffix``, ``best_of != n``, image inputs) raise
+:class:`UnsupportedFeature` from ``check_supported``.
 """
 
 from __future__ import annotations
@@ -124,6 +126,17 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = None
     """vLLM's extra: top log-probabilities per prompt token (0-20; 0: the prompt token's
     only), returned as ``prompt_logprobs`` (on each completions choice; on the chat response)."""
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    response_format: dict[str, Any] | None = None
+    """OpenAI's ``text`` / ``json_object`` / ``json_schema`` (vLLM accepts it on completions too)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's extra: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``
+    (plus ``disable_any_whitespace``)."""
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _common_checks(self) -> None:
         if self.n > MAX_N:
@@ -134,8 +147,14 @@ class _SamplingFields(_Request):
         if self.stream and plp is not None and (plp > 0 or plp == -1):
             # vLLM's rule: streamed responses have no place for them.
             raise ProtocolError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
-        if self.logit_bias:
-            raise UnsupportedFeature("logit_bias is not supported", "logit_bias")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ProtocolError("logit_bias keys must be token ids (integers, as JSON strings)", "logit_bias") from None
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         stop = self.stop
@@ -157,6 +176,9 @@ class _SamplingFields(_Request):
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
         )
         return kw
 
@@ -260,6 +282,10 @@ class ChatMessage(_Request):
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant message's calls: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
 
     def text(self) -> str | None:
         """The content as one string (text parts joined by newlines).
@@ -290,8 +316,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    """``none``, ``auto`` (the default with tools), ``required`` or ``{"type": "function",
+    "function": {"name": ...}}``; checked in :mod:`.tool_calls`."""
+    parallel_tool_calls: bool | None = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -301,10 +329,6 @@ class ChatCompletionRequest(_SamplingFields):
         self._common_checks()
         if not self.messages:
             raise ProtocolError("messages must not be empty", "messages")
-        if self.tools:
-            raise UnsupportedFeature("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise UnsupportedFeature("response_format other than text is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -321,8 +345,9 @@ class ChatCompletionRequest(_SamplingFields):
         out = []
         for m in self.messages:
             d: dict[str, Any] = {"role": m.role, "content": m.text() or ""}
-            if m.name is not None:
-                d["name"] = m.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    d[key] = getattr(m, key)
             out.append(d)
         return out
 
@@ -469,10 +494,13 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """A chat chunk's ``delta``: only the keys that are not None (``{}`` on a choice's last chunk)."""
+    """A chat chunk's ``delta``: only the keys that are not None (``{}`` on a choice's last chunk).
+    ``tool_calls``: OpenAI's streamed calls, ``{"index", "id", "type", "function": {"name",
+    "arguments"}}`` first, then ``{"index", "function": {"arguments": fragment}}``."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -521,3 +549,36 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered as
+    ``/v1/chat/completions`` renders them (``tools`` included), so that ``count`` equals that
+    request's ``usage.prompt_tokens``. ``add_special_tokens`` defaults to True for a prompt and
+    False for messages (the chat template adds them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvfleet.runtime.config import EngineConfig
 
@@ -63,6 +63,17 @@ class ServerSettings(BaseModel):
     termination_log: str | None = None
     """Where a fatal engine error is written for the kubelet; None: ``/dev/termination-log`` if it exists."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    tool_call_parser: Literal["hermes"] | None = None
+    """How ``tool_choice: auto`` output is read into ``tool_calls`` (vLLM's ``--tool-call-parser``);
+    ``hermes``: ``<tool_call>{json}</tool_call>``. None: ``auto`` is refused."""
+    enable_auto_tool_choice: bool = False
+    """Allow ``tool_choice: auto`` (the default when a request has tools); needs ``tool_call_parser``."""
+
+    @model_validator(mode="after")
+    def _auto_needs_parser(self) -> ServerSettings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser (e.g. --tool-call-parser hermes)")
+        return self
 
 
 _HELP = {
@@ -95,6 +106,8 @@ _HELP = {
     "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
     "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",
+    "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes (<tool_call>{json}</tool_call>)",
+    "enable_auto_tool_choice": "allow tool_choice auto (the default with tools); needs --tool-call-parser",
 }
 
 

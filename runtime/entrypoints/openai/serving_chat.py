@@ -3,7 +3,9 @@
 The messages (OpenAI's roles only, text content only) are rendered with the tokenizer's chat
 template and tokenized on the tokenizer thread (``chat_template_kwargs`` reach the template, but
 may not set the server's own arguments), then submitted as one engine request with ``n`` choices.
-Streams open with one ``{"role": "assistant", "content": ""}`` delta per choice.
+Streams open with one ``{"role": "assistant", "content": ""}`` delta per choice. Structured
+outputs: :mod:`.structured_outputs`; tools (prompt, grammar, parsing, streamed ``tool_calls``
+deltas, ``finish_reason: tool_calls``): :mod:`.tool_calls` and :mod:`.tool_parsers`.
 """
 
 from __future__ import annotations
@@ -27,10 +29,18 @@ from kvfleet.runtime.entrypoints.openai.serving_engine import (
     resolve_max_tokens,
     usage,
 )
+from kvfleet.runtime.entrypoints.openai.structured_outputs import structured_outputs_of
+from kvfleet.runtime.entrypoints.openai.tool_calls import (
+    ToolSetup,
+    prepare_messages,
+    resolve_tools,
+    template_renders_tools,
+)
+from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, HermesToolParser, tool_calls_body
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-     "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message", "conversation"}
+     "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message", "conversation", "tools"}
 )  # fmt: skip
 """apply_chat_template arguments the server sets itself (a request may pass others, e.g.
 ``enable_thinking``, through ``chat_template_kwargs``)."""
@@ -47,6 +57,7 @@ class _Chat:
     model: str
     prompt_ids: list[int]
     detok: LP.TokenText
+    tools: ToolSetup | None = None
     request_id: str = field(default_factory=lambda: P.random_id("chatcmpl"))
     created: int = field(default_factory=P.now)
 
@@ -61,9 +72,8 @@ class _Chat:
         """The JSON body (on a worker thread: prompt_logprobs and logprobs of long sequences make big bodies)."""
         outputs = sorted(final.outputs, key=lambda c: c.index) if final else []
         choices = [
-            P.ChatCompletionResponseChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                                           logprobs=self.logprobs(c, 0), finish_reason=c.finish_reason,
-                                           stop_reason=c.stop_reason)
+            P.ChatCompletionResponseChoice(index=c.index, message=self.message(c), logprobs=self.logprobs(c, 0),
+                                           finish_reason=self.finish_reason(c), stop_reason=c.stop_reason)
             for c in outputs
         ]  # fmt: skip
         resp = P.ChatCompletionResponse(
@@ -74,12 +84,34 @@ class _Chat:
         return body_response(resp)
 
 
+    @property
+    def parses_tools(self) -> bool:
+        return self.tools is not None and self.tools.parser is not None
+
+    def message(self, c: CompletionOutput) -> P.ChatResponseMessage:
+        if not self.parses_tools:
+            return P.ChatResponseMessage(content=c.text)
+        parsed = HermesToolParser.parse(c.text)
+        calls = parsed.calls if self.tools.parallel else parsed.calls[:1]  # type: ignore[union-attr]
+        return P.ChatResponseMessage(content=parsed.content, tool_calls=tool_calls_body(calls))
+
+    def finish_reason(self, c: CompletionOutput, made_calls: bool | None = None) -> str | None:
+        """``tool_calls`` when the choice stopped after making calls, else the engine's reason."""
+        if c.finish_reason != "stop" or not self.parses_tools:
+            return c.finish_reason
+        if made_calls is None:
+            made_calls = bool(HermesToolParser.parse(c.text).calls)
+        return "tool_calls" if made_calls else c.finish_reason
+
+
 class _ChatStream(StreamWriter):
     def __init__(self, req: _Chat):
         super().__init__(P.ChatCompletionStreamResponse, request_id=req.request_id, created=req.created,
                          model=req.model, n=req.body.n, prompt_lens=[len(req.prompt_ids)],
                          include_usage=req.body.include_usage)  # fmt: skip
         self.req = req
+        self.parsers: dict[int, HermesStreamParser] = {}
+        self.texts: dict[int, str] = {}
 
     def opening(self) -> list[P.ChatCompletionStreamChoice]:  # type: ignore[override]
         return [P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(role="assistant", content=""))
@@ -88,12 +120,29 @@ class _ChatStream(StreamWriter):
     def logprobs(self, c: CompletionOutput, idx: int, k0: int) -> P.ChatChoiceLogprobs | None:
         return self.req.logprobs(c, k0)
 
-    def delta(self, idx: int, text: str, lp: P.ChatChoiceLogprobs | None) -> P.ChatCompletionStreamChoice:
-        return P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(content=text), logprobs=lp)
+    def delta(self, idx: int, text: str, lp: P.ChatChoiceLogprobs | None) -> P.ChatCompletionStreamChoice | None:
+        if not self.req.parses_tools:
+            return P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(content=text), logprobs=lp)
+        self.texts[idx] = self.texts.get(idx, "") + text
+        content, calls = self.parsers.setdefault(idx, HermesStreamParser()).feed(self.texts[idx])
+        return self._tool_delta(idx, content, calls, lp)
 
-    def finish(self, idx: int, c: CompletionOutput) -> P.ChatCompletionStreamChoice:
-        return P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(), finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason)  # fmt: skip
+    def _tool_delta(self, idx: int, content: str, calls: list, lp=None) -> P.ChatCompletionStreamChoice | None:
+        calls = [d for d in calls if self.req.tools.parallel or d["index"] == 0]  # type: ignore[union-attr]
+        if not content and not calls and lp is None:
+            return None
+        return P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(content=content or None,
+                                                                            tool_calls=calls or None), logprobs=lp)
+
+    def finish(self, idx: int, c: CompletionOutput) -> list[P.ChatCompletionStreamChoice]:
+        made_calls = None
+        chunks = []
+        if self.req.parses_tools:
+            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(c.text)
+            chunks = [ch for ch in [self._tool_delta(idx, content, calls)] if ch is not None]
+        return chunks + [P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(),
+                                                      finish_reason=self.req.finish_reason(c, made_calls),
+                                                      stop_reason=c.stop_reason)]  # fmt: skip
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -102,13 +151,16 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: P.ChatCompletionRequest, http_request: Request) -> Response:
         self.state.check_model(body.model)
         checked(body.check_supported)
-        messages = checked(body.template_messages)
-        for i, m in enumerate(messages):
-            if m["role"] not in _CHAT_ROLES:
-                raise APIError(400, f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m['role']!r}",
-                               param="messages", code="invalid_value")  # fmt: skip
+        settings = self.state.settings
+        tools = checked(lambda: resolve_tools(body, settings.tool_call_parser, settings.enable_auto_tool_choice))
+        spec, spec_param = checked(lambda: structured_outputs_of(body))
+        if tools is not None and tools.grammar() is not None:
+            if spec is not None:
+                raise APIError(400, f"{spec_param} cannot be combined with tool_choice {tools.choice!r}",
+                               param=spec_param, code="invalid_value")  # fmt: skip
+            spec, spec_param = tools.grammar(), "tools"
         engine = self.state.require_engine()
-        prompt_ids = await self._render(engine, body, messages)
+        prompt_ids = await self.prompt_ids(engine, body, body.tools)
         max_tokens = resolve_max_tokens(
             body.requested_max_tokens(),
             len(prompt_ids),
@@ -117,18 +169,26 @@ class OpenAIServingChat(OpenAIServing):
             "messages",
         )
         params = checked(lambda: body.to_sampling_params(max_tokens))
-        req = _Chat(body, self.state.model_name, prompt_ids, LP.TokenText(engine.tokenizer))
+        if spec is not None:
+            params = params.clone(structured_outputs=spec)
+        req = _Chat(body, self.state.model_name, prompt_ids, LP.TokenText(engine.tokenizer), tools)
         if body.request_id:
             req.request_id = body.request_id
-        gen = await self.submit(engine, http_request, [(prompt_ids, params, req.request_id)], body)
+        gen = await self.submit(engine, http_request, [(prompt_ids, params, req.request_id)], body, spec_param)
         if not body.stream:
             final = (await self.collect(gen)).get(0)
             return await asyncio.to_thread(req.response, final)  # off the event loop: /health keeps answering
         return self.stream_response(gen, _ChatStream(req))
 
-    async def _render(self, engine: EngineClient, body: P.ChatCompletionRequest,
-                      messages: list[dict[str, Any]]) -> list[int]:  # fmt: skip
-        """The prompt's token ids: the chat template applied and tokenized on the tokenizer thread."""
+    async def prompt_ids(self, engine: EngineClient, body: P.ChatCompletionRequest,
+                         tools: list[dict[str, Any]] | None, add_special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids: the messages (with ``tools``, see :mod:`.tool_calls`) through the
+        chat template, tokenized on the tokenizer thread (``/tokenize`` uses it too)."""
+        messages = checked(body.template_messages)
+        for i, m in enumerate(messages):
+            if m["role"] not in _CHAT_ROLES:
+                raise APIError(400, f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m['role']!r}",
+                               param="messages", code="invalid_value")  # fmt: skip
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
@@ -138,6 +198,11 @@ class OpenAIServingChat(OpenAIServing):
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs",
                            code="invalid_value")  # fmt: skip
+
+        native = template_renders_tools(tokenizer.chat_template)
+        messages = prepare_messages(messages, tools, native)
+        if tools and native:
+            extra_kwargs["tools"] = tools
 
         def render_and_tokenize() -> list[int]:  # on the tokenizer thread
             try:
@@ -155,6 +220,6 @@ class OpenAIServingChat(OpenAIServing):
                 raise APIError(400, "chat_template_kwargs must not change the template's output type",
                                param="chat_template_kwargs", code="invalid_value")  # fmt: skip
             self.check_prompt_bound(text, engine.max_model_len, "messages")
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         return await self.on_tokenizer_thread(render_and_tokenize)

@@ -5,6 +5,8 @@ prompt + ``max_tokens`` within ``max_model_len``), tokenized on the tokenizer th
 as one engine request each, ``{id}-{i}``; choice ``c`` of prompt ``i`` is index ``i * n + c``.
 ``echo`` prepends the prompt text (token-id prompts decoded, only then) and, with ``logprobs``,
 its logprobs (built once per prompt); ``echo`` with ``max_tokens: 0`` returns the prompt only.
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) as on chat:
+:mod:`.structured_outputs`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kvfleet.runtime.entrypoints.openai.serving_engine import (
     resolve_max_tokens,
     usage,
 )
+from kvfleet.runtime.entrypoints.openai.structured_outputs import structured_outputs_of
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -140,16 +143,19 @@ class OpenAIServingCompletion(OpenAIServing):
         self.state.check_model(body.model)
         checked(body.check_supported)
         prompts = checked(body.prompts)
+        spec, spec_param = checked(lambda: structured_outputs_of(body))
         engine = self.state.require_engine()
         prompt_ids = await self._tokenize(engine, prompts)
         params = [self._sampling_params(body, ids, engine.max_model_len) for ids in prompt_ids]
+        if spec is not None:
+            params = [sp.clone(structured_outputs=spec) for sp in params]
         req = _Completion(body, self.state.model_name, prompt_ids, LP.TokenText(engine.tokenizer))
         if body.request_id:
             req.request_id = body.request_id
         if body.echo:
             req.prompt_texts = await self._prompt_texts(engine, prompts, prompt_ids)
         requests = [(ids, sp, f"{req.request_id}-{i}") for i, (ids, sp) in enumerate(zip(prompt_ids, params))]
-        gen = await self.submit(engine, http_request, requests, body)
+        gen = await self.submit(engine, http_request, requests, body, spec_param)
         if not body.stream:
             final = await self.collect(gen)
             return await asyncio.to_thread(req.response, final)  # off the event loop: /health keeps answering

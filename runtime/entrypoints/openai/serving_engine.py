@@ -30,9 +30,10 @@ from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, engine_error, raise_for_error
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.entrypoints.openai.streaming import SSE_DONE, Submission, merge, sse_chunk, sse_error
+from kvfleet.runtime.entrypoints.openai.structured_outputs import grammar_error
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound
 from kvfleet.runtime.metrics import PrometheusStatLogger
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputError
 
 T = TypeVar("T")
 
@@ -150,8 +151,9 @@ StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
 class StreamWriter(ABC):
     """The chunks of one streamed request. Choice ``c`` of prompt ``i`` is index ``i * n + c.index``.
 
-    Each new piece of a choice is one chunk of ``delta(index, text, logprobs)`` and its end one of
-    ``finish(index, output)``; ``logprobs(output, index, first_new_token)`` gives the new tokens'
+    Each new piece of a choice is one chunk of ``delta(index, text, logprobs)`` (None: nothing to
+    send yet) and its end the chunk(s) of ``finish(index, output)``; ``logprobs(output, index,
+    first_new_token)`` gives the new tokens'
     logprobs (None: not requested). ``opening()`` choices are sent first, one chunk each;
     ``echo(prompt index, index, output)`` gives ``(text, logprobs)`` sent as a choice's first chunk
     (None: no echo); with ``echo_only`` the choice's own tokens are not sent, only its end."""
@@ -181,10 +183,10 @@ class StreamWriter(ABC):
         return None
 
     @abstractmethod
-    def delta(self, idx: int, text: str, lp: Any) -> StreamChoice: ...
+    def delta(self, idx: int, text: str, lp: Any) -> StreamChoice | None: ...
 
     @abstractmethod
-    def finish(self, idx: int, c: CompletionOutput) -> StreamChoice: ...
+    def finish(self, idx: int, c: CompletionOutput) -> StreamChoice | list[StreamChoice]: ...
 
     def event(self, choices: list[Any], usage: P.UsageInfo | None = None) -> str:
         """One chunk of ``choices`` as an SSE event."""
@@ -259,10 +261,11 @@ class OpenAIServing:
         http_request: Request,
         requests: list[tuple[list[int], SamplingParams, str]],
         body: P.CompletionRequest | P.ChatCompletionRequest,
+        grammar_param: str | None = None,
     ) -> Generation:
         """Check the queue, submit ``(prompt ids, params, request id)`` s, abort them if the client
         disconnects, and wait for the first output. On any error the streams are closed before it
-        propagates."""
+        propagates; a grammar that does not compile is a 400 naming ``grammar_param``."""
         self.check_queue(engine)
         sub = Submission(self.state, engine, http_request, sum(sp.n for _, sp, _ in requests))
         merged = merge([sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user)
@@ -275,6 +278,8 @@ class OpenAIServing:
                 return Generation(sub, merged, None)
             except APIError:
                 raise
+            except StructuredOutputError as exc:
+                raise grammar_error(exc, grammar_param) from None
             except Exception as exc:
                 raise self.engine_error(exc) from None
         except BaseException:
@@ -335,11 +340,15 @@ class OpenAIServing:
                     delta = c.text[t0:]
                     lp = w.logprobs(c, idx, k0) if len(c.token_ids) > k0 else None
                     if (delta or lp is not None) and not w.echo_only:
-                        yield w.event([w.delta(idx, delta, lp)])
+                        choice = w.delta(idx, delta, lp)
+                        if choice is not None:
+                            yield w.event([choice])
                     sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(idx)
-                        yield w.event([w.finish(idx, c)])
+                        end = w.finish(idx, c)
+                        for choice in end if isinstance(end, list) else [end]:
+                            yield w.event([choice])
                 try:
                     item = await gen.merged.__anext__()
                 except StopAsyncIteration:
