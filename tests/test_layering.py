@@ -121,6 +121,10 @@ def test_operator_uses_only_torch_free_runtime_modules():
         ("kvfleet.runtime.router", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.entrypoints",
                                     "kvfleet.runtime.core", "kvfleet.runtime.bench", "kvfleet.runtime.metrics",
                                     "kvfleet.runtime.llm", "kvfleet.kernels", "kvfleet.operator")),
+        # grammars and masks: below the engine and beside the worker
+        ("kvfleet.runtime.structured_output", ("kvfleet.runtime.engine", "kvfleet.runtime.worker",
+                                               "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench",
+                                               "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],

@@ -376,7 +376,11 @@ BAD_COMPLETIONS = [
     (b'{"prompt": "hi", "prompt_logprobs": 21}', 400, "prompt_logprobs"),
     (b'{"prompt": "hi", "suffix": "x"}', 400, "suffix"),
     (b'{"prompt": "hi", "best_of": 3}', 400, "best_of"),
-    (b'{"prompt": "hi", "logit_bias": {"5": 1.0}}', 400, "logit_bias"),
+    (b'{"prompt": "hi", "logit_bias": {"x": 1.0}}', 400, "logit_bias"),  # keys are token ids
+    (b'{"prompt": "hi", "logit_bias": {"5": 101}}', 400, "logit_bias"),  # OpenAI's range: [-100, 100]
+    (b'{"prompt": "hi", "logit_bias": {"99999": 1}}', 400, "logit_bias"),  # vocabulary: 49152
+    (b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}}',
+     400, "response_format"),
     (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),
     (b'{"prompt": "", "max_tokens": 2}', 400, "prompt"),
     (b'{"prompt": [], "max_tokens": 2}', 400, "prompt"),
@@ -404,6 +408,8 @@ BAD_CHATS = [
     ({"messages": HI, "top_logprobs": 3}, 400, "top_logprobs"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # auto: off
+    ({"messages": HI, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
     ({"messages": HI, "presence_penalty": 3}, 400, "presence_penalty"),
     ({"messages": HI, "stop": 5}, 400, "stop"),
     ({"messages": [{"role": "user", "content": "hello " * 100}]}, 400, "messages"),  # > 64 tokens
