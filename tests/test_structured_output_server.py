@@ -26,8 +26,8 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("so") / "server.log"
-    # 48 blocks of 16 tokens: twelve concurrent requests outgrow it (preemption by recompute).
-    proc, base = start_serve(["--dtype", "float32", "--num-blocks", "48", "--log-level", "warning",
+    # 32 blocks of 16 tokens: twelve concurrent requests outgrow it (preemption by recompute).
+    proc, base = start_serve(["--dtype", "float32", "--num-blocks", "32", "--log-level", "warning",
                               "--tool-call-parser", "hermes", "--enable-auto-tool-choice"], log)  # fmt: skip
     yield base
     stop_serve(proc)
@@ -215,7 +215,7 @@ def test_logit_bias_bad_words_allowed_token_ids_and_tokenize(server, client):
     base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     toks = httpx.post(server + "/tokenize", json={"prompt": base.choices[0].text, "return_token_strs": True}).json()
     first = toks["tokens"][0]
-    assert toks["count"] == len(toks["tokens"]) == len(toks["token_strs"]) and toks["max_model_len"] == 768
+    assert toks["count"] == len(toks["tokens"]) == len(toks["token_strs"]) and toks["max_model_len"] == 512
     assert httpx.post(server + "/detokenize", json={"tokens": toks["tokens"]}).json() == {
         "prompt": base.choices[0].text}
     banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
