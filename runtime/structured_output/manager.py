@@ -24,6 +24,7 @@ tokenizer's) and the engine's EOS ids as the grammar's stop tokens.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -42,19 +43,20 @@ class StructuredOutputManager:
         tokenizer: the model's Hugging Face tokenizer.
         vocab_size: width of the logits (the model's vocabulary size).
         stop_token_ids: tokens that end a complete grammar (EOS and the model's other EOS ids).
-        max_workers: compile threads (each compile also uses up to ``compile_threads`` of
-            xgrammar's own threads).
+        max_workers: compile threads (default: half the CPUs, 1 to 4, as vLLM sizes its pool);
+            each compile also uses up to ``compile_threads`` of xgrammar's own threads.
         cache_size: compiled grammars kept (least recently used dropped first).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *, max_workers: int = 1,
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *, max_workers: int | None = None,
                  compile_threads: int = 2, cache_size: int = 256) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = [t for t in stop_token_ids if t is not None]
         self.compile_threads = compile_threads
         self.cache_size = cache_size
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvfleet-grammar")
+        workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvfleet-grammar")
         self._compiler: xgr.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._cache: collections.OrderedDict[tuple, Future] = collections.OrderedDict()

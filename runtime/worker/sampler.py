@@ -4,8 +4,8 @@ On ``logits [S, vocab_size]`` float32 (one row per request that samples; the row
 constrained requests already masked by their grammar, :mod:`kvfleet.runtime.structured_output`),
 in order: the token controls (``allowed_token_ids``: every other token ``-inf``; ``bad_words``:
 a word's last token ``-inf`` when the output ends with the tokens before it; ``logit_bias``
-added, OpenAI's semantics), ``repetition_penalty`` over prompt + output tokens (CTRL, Keskar et al. 2019: positive logits
-divided, negative multiplied); ``frequency_penalty`` / ``presence_penalty`` over output
+added, OpenAI's semantics), ``repetition_penalty`` over prompt + output tokens (CTRL, Keskar et
+al. 2019: positive logits divided, negative multiplied); ``frequency_penalty`` / ``presence_penalty`` over output
 tokens (OpenAI API: ``logit -= f * count + p * (count > 0)``); ``min_tokens`` (EOS unless
 ``ignore_eos``, and ``stop_token_ids``, get ``-inf``); then greedy rows ``argmax``, others
 temperature, ``top_k``, ``top_p`` (Holtzman et al. 2019), ``min_p`` (Nguyen et al. 2024) and an

@@ -83,7 +83,6 @@ class _Chat:
         )  # fmt: skip
         return body_response(resp)
 
-
     @property
     def parses_tools(self) -> bool:
         return self.tools is not None and self.tools.parser is not None
