@@ -81,7 +81,8 @@ ENGINE_KEYS = {
 }
 
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
-                      "metrics_compat", "shutdown_timeout", "termination_log")
+                      "metrics_compat", "shutdown_timeout", "termination_log", "tool_call_parser",
+                      "enable_auto_tool_choice")
 """``kvfleet serve`` server options (``ServerSettings``) that ``engine.extraArgs`` may set in the
 config file: all but ``host``, ``port`` (the pod's) and ``api_key`` (``apiKeySecretRef``)."""
 

@@ -131,6 +131,13 @@ def test_cache_masks_and_matcher(manager, smollm2):
         assert grammar.accept_token(t) is False
     assert grammar.accept_token(tok.eos_token_id) is True  # complete + stop token: the sequence stops
 
+    # A number with bounds: the matcher accepts 1.5 and refuses 3 and -1 (what the mask forbids).
+    import xgrammar as xgr
+
+    bounded = manager.grammar_init(StructuredOutputsParams(json={"type": "number", "minimum": 1, "maximum": 2}))
+    accepts = [xgr.GrammarMatcher(bounded.result(timeout=60)).accept_string(t) for t in ("1.5", "3", "-1")]
+    assert accepts == [True, False, False]
+
 
 # ----------------------------------------------------------------------------- token controls
 
