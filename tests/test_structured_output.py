@@ -230,3 +230,41 @@ def test_engine_schema_outputs_are_valid_under_preemption_and_n3(smollm2):
     assert cut.finish_reason == "length" and alone.text.startswith(cut.text)
     with pytest.raises(StructuredOutputError, match="invalid regex"):
         roomy.generate([prompt], SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")), use_tqdm=False)
+
+
+# ----------------------------------------------------------------------------- tools in the prompt
+
+TOOLS_TEMPLATE = (
+    "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} city={{ c.function.arguments.city }}{% endfor %}"
+    "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+)
+"""A chat template that renders tools (as Qwen2.5's does, reading ``arguments`` as a mapping)."""
+
+
+def test_tools_reach_a_tools_template_natively_and_others_through_the_fallback_prompt(smollm2):
+    from kvfleet.runtime.entrypoints.openai.tool_calls import (
+        FALLBACK_TOOL_PROMPT,
+        prepare_messages,
+        template_renders_tools,
+    )
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call-1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "content": '{"temp_c": 21}', "tool_call_id": "call-1"}]  # fmt: skip
+    assert template_renders_tools(TOOLS_TEMPLATE) and not template_renders_tools(smollm2.tokenizer.chat_template)
+    native = smollm2.tokenizer.apply_chat_template(prepare_messages(messages, tools, True), tools=tools,
+                                                   chat_template=TOOLS_TEMPLATE, tokenize=False)  # fmt: skip
+    # (transformers renders with trim_blocks: the newline after a block tag goes)
+    assert native == 'TOOL get_weather\n<user>Weather?<assistant>CALL get_weather city=Paris<tool>{"temp_c": 21} (call-1)'
+    fallback = prepare_messages(messages, tools, False)
+    assert fallback[0]["role"] == "system" and fallback[0]["content"].startswith(FALLBACK_TOOL_PROMPT[:40])
+    assert json.dumps(tools[0]) in fallback[0]["content"]
+    assert fallback[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": '
+                                                          '{"city": "Paris"}}\n</tool_call>'}
+    assert fallback[3] == {"role": "user", "content": '<tool_response>\n{"temp_c": 21}\n</tool_response>'}
+    smollm2.tokenizer.apply_chat_template(fallback, tokenize=False)  # the default template renders it

@@ -45,8 +45,10 @@ def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
 
 
 def _from_structured_outputs(so: dict[str, Any]) -> StructuredOutputsParams:
+    # vLLM's disable_fallback / disable_additional_properties change nothing here (one backend; no
+    # properties the schema does not name are ever generated); whitespace_pattern is refused.
     unknown = sorted(set(so) - set(_SO_KEYS) - {"disable_any_whitespace", "disable_fallback",
-                                                "disable_additional_properties", "whitespace_pattern"})
+                                                "disable_additional_properties"})
     if unknown:
         raise P.UnsupportedFeature(f"structured_outputs.{unknown[0]} is not supported "
                                    f"(json, regex, choice, grammar, json_object)", "structured_outputs")  # fmt: skip
