@@ -35,6 +35,10 @@ from kvfleet.runtime.core.request import Request
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_output.grammar import Grammar, compile_spec
 
+XGRAMMAR_CACHE_BYTES = 512 * 1024**2
+"""Bound of xgrammar's own compiler cache (vLLM's ``VLLM_XGRAMMAR_CACHE_MB`` default, 512 MiB):
+unbounded, every distinct schema a client sends would stay in memory."""
+
 
 class StructuredOutputManager:
     """Grammar compilation, its cache, and the per-step bitmask.
@@ -72,7 +76,8 @@ class StructuredOutputManager:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)  # fmt: skip
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads,
+                                                     cache_limit_bytes=XGRAMMAR_CACHE_BYTES)  # fmt: skip
             return self._compiler
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
