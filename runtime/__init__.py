@@ -8,9 +8,10 @@ Public Python API (shaped like vLLM's)::
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
+from kvfleet.runtime.lora_request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "AsyncLLMEngine", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "AsyncLLMEngine", "EngineConfig", "LoRARequest"]
 
 
 def __getattr__(name: str):

@@ -3,12 +3,52 @@ config file the operator writes (a ConfigMap) and the server."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 """Default KV cache budget on CPU, bytes (2 GiB: ~37k tokens of SmolLM2-135M in fp32)."""
+
+
+class LoRAModulePath(BaseModel):
+    """One adapter of ``--lora-modules`` (vLLM's ``LoRAModulePath``): ``name=path`` or the JSON
+    form ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    name: str = Field(min_length=1)
+    """The name clients put in a request's ``model`` field (and /v1/models lists)."""
+    path: str = Field(min_length=1)
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    base_model_name: str | None = None
+    """The base model the adapter belongs to (/v1/models' ``parent``); default: the served model."""
+
+    @classmethod
+    def parse(cls, value) -> LoRAModulePath:
+        """``"name=path"``, a JSON object string, a mapping, or a LoRAModulePath.
+
+        Raises:
+            ValueError: none of these, naming the expected forms."""
+        if isinstance(value, LoRAModulePath):
+            return value
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"lora_modules: {value!r} is not valid JSON: {exc}") from None
+            else:
+                name, sep, path = text.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora_modules: {value!r} is neither name=path nor a JSON object "
+                                     '{"name": ..., "path": ..., "base_model_name": ...}')
+                return cls(name=name.strip(), path=path.strip())
+        if isinstance(value, dict):
+            return cls.model_validate(value)
+        raise ValueError(f"lora_modules: an entry must be name=path or a JSON object, got {type(value).__name__}")
 
 
 class EngineConfig(BaseModel):
@@ -83,3 +123,46 @@ class EngineConfig(BaseModel):
             raise ValueError(f"compile_sizes must be positive token counts, got {value}")
         return value
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (vLLM's ``--enable-lora``): requests name an adapter in ``model``; see
+    docs/lora.md and :mod:`kvfleet.runtime.worker.lora_manager`."""
+    lora_modules: list[LoRAModulePath] = Field(default_factory=list)
+    """Adapters loaded at start (``--lora-modules name=path ...``, or the JSON form); needs
+    ``enable_lora``. Also a comma-separated list or a JSON list in ``KVFLEET_LORA_MODULES``."""
+    max_loras: int = Field(1, ge=1)
+    """Most distinct adapters in one engine step (GPU/CPU slots of stacked adapter weights)."""
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    """Largest adapter rank accepted (the slots' width); a higher-rank adapter is refused."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """Adapters kept loaded in host memory (LRU; the others are re-read from disk when asked
+    for); None: ``max_loras``. Must be ``>= max_loras``."""
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value):
+        if value is None:
+            return []
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"not a valid JSON list: {exc}") from None
+            elif text.startswith("{"):
+                value = [text]
+            else:
+                value = [v for v in text.replace(",", " ").split() if v]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [LoRAModulePath.parse(v) for v in value]
+
+    def model_post_init(self, __context) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: give --enable-lora to serve LoRA adapters")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names = [m.name for m in self.lora_modules]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"lora_modules: adapter name(s) given twice: {', '.join(dupes)}")

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.lora_request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -76,6 +77,7 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for all prompts together (continuous batching).
 
@@ -86,6 +88,10 @@ class LLM:
                 ``SamplingParams()``.
             use_tqdm: show a progress bar of finished prompts.
             priority: optional priority per prompt (``priority`` scheduling policy).
+            lora_request: the LoRA adapter (needs ``enable_lora=True``) for all prompts or one per
+                prompt (None: the base model): a loaded adapter's name, or a
+                :class:`~kvfleet.runtime.lora_request.LoRARequest` whose ``lora_path`` is loaded
+                under its ``lora_name`` when that name is not loaded yet (as vLLM's ``LLM``).
 
         Returns: one finished :class:`RequestOutput` per prompt, in the order of ``prompts``.
 
@@ -108,12 +114,12 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
         engine = self.llm_engine
+        loras = self._lora_names(lora_request, len(prompt_list))
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             rid = f"llm-{next(self._ids)}"
-            prepared.append(
-                engine.prepare_request(rid, prompt, params, priority=0 if priority is None else priority[i])
-            )
+            prepared.append(engine.prepare_request(rid, prompt, params, priority=0 if priority is None else priority[i],
+                                                   lora_name=loras[i]))  # fmt: skip
         order = [p.state.request_id for p in prepared]
         added: list[str] = []
         final: dict[str, RequestOutput] = {}
@@ -183,6 +189,22 @@ class LLM:
             # The template already spells out the special tokens (vLLM tokenizes the same way).
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _lora_names(self, lora_request, n: int) -> list[str | None]:
+        """One adapter name (or None) per prompt; LoRARequests not loaded yet are loaded."""
+        if lora_request is None or isinstance(lora_request, (str, LoRARequest)):
+            lora_request = [lora_request] * n
+        lora_request = list(lora_request)
+        if len(lora_request) != n:
+            raise ValueError(f"lora_request: got {len(lora_request)} for {n} prompts (give one, or one per prompt)")
+        names = []
+        for lr in lora_request:
+            if isinstance(lr, LoRARequest):
+                if lr.lora_name not in self.llm_engine.loras:
+                    self.llm_engine.add_lora(lr.lora_name, lr.lora_path, lr.base_model_name)
+                lr = lr.lora_name
+            names.append(lr)
+        return names
 
     @staticmethod
     def _normalize_prompts(prompts) -> list:

@@ -111,9 +111,13 @@ class KVCacheManager:
         hashes = request.block_hashes
         bs = self.block_size
         extra = (request.cache_salt,) if request.cache_salt else ()
+        # A LoRA adapter changes every layer's K/V: its id seeds the chain (the first block's
+        # hash; every later one hashes its parent), so no block is shared across adapters.
+        first = (*extra, ("lora", request.lora_int_id)) if request.lora_int_id else extra
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs), extra))
+            keys = extra if i else first
+            hashes.append(hash_block_tokens(parent, request.token_ids_slice(i * bs, (i + 1) * bs), keys))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes ``request``'s tokens.

@@ -80,6 +80,9 @@ class Request:
         structured_output: the sequence's grammar matcher (``n > 1``: one per sequence), advanced
             by the scheduler with each token it appends; None when unconstrained. Preemption by
             recompute keeps the output tokens, so the matcher state stays valid.
+        lora_name / lora_int_id: the LoRA adapter it runs with (``lora_int_id`` unique per
+            adapter load, see :class:`kvfleet.runtime.lora_request.LoRARequest`); None / 0: the
+            base model. The id seeds the prefix-cache hash chain and counts against ``max_loras``.
     """
 
     def __init__(
@@ -94,6 +97,8 @@ class Request:
         tenant: str | None = None,
         cache_salt: str | None = None,
         prompt_leader: Request | None = None,
+        lora_name: str | None = None,
+        lora_int_id: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
@@ -114,6 +119,8 @@ class Request:
         self.num_prompt_logprobs_done = 0
         self.prompt_leader = prompt_leader
         self.structured_output: GrammarState | None = None
+        self.lora_name = lora_name
+        self.lora_int_id = lora_int_id
         # Prefix-cache accounting: counted once per successful schedule from WAITING.
         self.num_cached_tokens = -1
 

@@ -25,6 +25,7 @@ import os
 # region wait for a descheduled spinner: decode steps measured 10-20x slower here.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import itertools
 import logging
 import time
 from concurrent.futures import Future
@@ -40,6 +41,7 @@ from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestState
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
+from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_output.manager import StructuredOutputManager
 from kvfleet.runtime.worker.executor import MultiprocExecutor
@@ -48,6 +50,9 @@ from kvfleet.runtime.worker.model_runner import ModelRunner
 from kvfleet.runtime.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
+
+_LORA_IDS = itertools.count(1)
+"""``lora_int_id`` s, unique in the process (engines sharing a model share its adapter slots)."""
 
 
 @dataclass
@@ -93,6 +98,12 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.stat_loggers = list(stat_loggers or [])
         self.executor: MultiprocExecutor | None = None  # tensor parallelism: rank 0 drives the workers
+        if config.enable_lora and config.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora: not supported with tensor_parallel_size > 1 (the adapters' stacked "
+                             "slots are not sharded over the ranks)")
+        if config.enable_lora and not config.enforce_eager:
+            raise ValueError("--enable-lora needs --enforce-eager: the compiled decoder graph does not read the "
+                             "step's per-token adapter indices")
         if config.tensor_parallel_size > 1:
             if config.quantization is not None:  # before any worker starts
                 raise ValueError(f"--quantization {config.quantization}: not supported with tensor_parallel_size > 1 "
@@ -135,6 +146,46 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                          [self.eos_token_id, *self._extra_eos_ids])  # fmt: skip
         self.num_steps = 0
+        self.loras: dict[str, LoRARequest] = {}
+        """Loaded LoRA adapters by name (``enable_lora``); see :meth:`add_lora`."""
+        for module in config.lora_modules:
+            self.add_lora(module.name, module.path, module.base_model_name)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Load a PEFT LoRA adapter that requests may then name (vLLM's ``add_lora``).
+
+        Raises:
+            LoRALoadError: LoRA is off, the name is in use (or is the base model's), or the
+                checkpoint cannot be served (:mod:`kvfleet.runtime.worker.lora_checkpoint`)."""
+        if self.runner.lora is None:
+            raise LoRALoadError("LoRA adapters need --enable-lora")
+        if not isinstance(lora_name, str) or not lora_name:
+            raise LoRALoadError("lora_name must be a non-empty string")
+        if lora_name in self.loras or lora_name == self.model_name:
+            raise LoRALoadError(f"lora_name {lora_name!r} is already in use (a loaded adapter or the base model)")
+        lora = LoRARequest(lora_name, next(_LORA_IDS), str(lora_path), base_model_name or self.model_name)
+        self.runner.lora.add(lora)
+        self.loras[lora_name] = lora
+        return lora
+
+    def remove_lora(self, lora_name: str) -> list[RequestOutput]:
+        """Unload an adapter; its unfinished requests are aborted (their final outputs returned).
+
+        Raises:
+            LoRANotFoundError: no adapter of that name."""
+        lora = self.loras.get(lora_name)
+        if lora is None or self.runner.lora is None:
+            raise LoRANotFoundError(f"The lora adapter '{lora_name}' cannot be found.")
+        ids = [rid for rid, (_, seq) in self.output_processor.seqs.items() if seq.request.lora_int_id == lora.lora_int_id]
+        outputs = self.abort_request(ids)
+        del self.loras[lora_name]
+        self.runner.lora.remove(lora.lora_int_id)
+        return outputs
+
+    def lora_info(self) -> dict[str, str]:
+        """``max_lora`` for the ``lora_requests_info`` gauge (empty with LoRA off)."""
+        return {"max_lora": str(self.config.max_loras)} if self.config.enable_lora else {}
 
     # ------------------------------------------------------------------ setup helpers
     def _resolve_max_model_len(self, num_blocks: int) -> int:
@@ -231,6 +282,7 @@ class LLMEngine:
         priority: int = 0,
         tenant: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request without touching engine state (thread-safe as
         far as the tokenizer is).
@@ -244,7 +296,13 @@ class LLMEngine:
                 ``priority`` (not an int), ``logit_bias`` / ``allowed_token_ids`` (token ids out of
                 the vocabulary). A structured-output spec starts compiling here (``grammar``);
                 its errors come from :meth:`add_prepared`.
+            LoRANotFoundError: ``lora_name`` is not a loaded adapter.
         """
+        lora = None
+        if lora_name is not None:
+            lora = self.loras.get(lora_name)
+            if lora is None:
+                raise LoRANotFoundError(f"The model `{lora_name}` does not exist (no LoRA adapter of that name).")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if sampling_params is None:
@@ -306,6 +364,8 @@ class LLMEngine:
                 priority=priority,
                 tenant=tenant,
                 prompt_leader=state.seqs[0].request if i else None,
+                lora_name=lora.lora_name if lora else None,
+                lora_int_id=lora.lora_int_id if lora else 0,
             )
             state.seqs.append(self.output_processor.new_sequence(request, i, child_params))
         spec = params.structured_outputs
@@ -365,6 +425,7 @@ class LLMEngine:
         priority: int = 0,
         tenant: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Validate, tokenize and queue a request (``n > 1`` fans out into child requests
         ``"{request_id}-{i}"``, with seeds ``seed + i`` when seeded).
@@ -377,6 +438,7 @@ class LLMEngine:
             priority: lower runs first under the ``priority`` policy.
             tenant: fairness group under the ``fair`` policy.
             arrival_time: ``time.monotonic()`` seconds; default now.
+            lora_name: a loaded LoRA adapter (:meth:`add_lora`); None: the base model.
 
         Raises:
             ValueError: naming the bad parameter (see :meth:`prepare_request`); the engine
@@ -384,7 +446,8 @@ class LLMEngine:
         """
         self.add_prepared(
             self.prepare_request(
-                request_id, prompt, sampling_params, priority=priority, tenant=tenant, arrival_time=arrival_time
+                request_id, prompt, sampling_params, priority=priority, tenant=tenant, arrival_time=arrival_time,
+                lora_name=lora_name,
             )
         )
 

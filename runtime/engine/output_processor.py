@@ -208,6 +208,7 @@ class OutputProcessor:
                 inference_time=last - scheduled if scheduled and last else 0.0,
                 max_tokens=state.params.max_tokens,
                 n=state.params.n if state.finished else None,
+                lora_name=request.lora_name,
             )
         )
 

@@ -31,6 +31,8 @@ class FinishedRequestStats:
     """The request's ``max_tokens``."""
     n: int | None = None
     """The user request's ``n``, on the stats of the sequence that finished it (None on the others)."""
+    lora_name: str | None = None
+    """The LoRA adapter it ran with (None: the base model)."""
 
 
 @dataclass

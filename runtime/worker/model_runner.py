@@ -14,10 +14,13 @@ also runs on the prompt positions of requests that ask, in chunks of at most
 decoder runs compiled (:mod:`kvfleet.runtime.worker.compilation`, warmed up at the end of
 :meth:`ModelRunner.initialize_kv_cache`) and the LM head runs eagerly on its output. Details:
 docs/engine.md, "How a step runs" and "Sampling semantics"; docs/performance.md, "Compiled forward".
+With ``enable_lora`` the decoder's linear layers take per-token LoRA deltas
+(:mod:`kvfleet.runtime.worker.lora_manager`, docs/lora.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -132,6 +135,12 @@ class ModelRunner:
         self.num_blocks = 0
         self.compiled: CompiledForward | None = None
         """The compiled decoder (``enforce_eager=False``), built by :meth:`initialize_kv_cache`."""
+        self.lora = None
+        """The LoRA adapters (``enable_lora``): :class:`~kvfleet.runtime.worker.lora_manager.LoRAManager`."""
+        if config.enable_lora:
+            from kvfleet.runtime.worker.lora_manager import shared_lora_manager
+
+            self.lora = shared_lora_manager(self.model, config, self.device, self.dtype)
         self._pin = self.device.type == "cuda"
         windowed = any(w is not None for w in self.sliding_windows or ())
         self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
@@ -433,13 +442,14 @@ class ModelRunner:
 
             hook = self.model.get_decoder().register_forward_hook(keep_hidden)
         try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                logits_to_keep=logits_indices,
-                use_cache=False,
-                **{METADATA_KWARG: meta},
-            )
+            with self.lora.step(scheduled) if self.lora is not None else contextlib.nullcontext():
+                out = self.model(
+                    input_ids=input_ids,
+                    position_ids=positions,
+                    logits_to_keep=logits_indices,
+                    use_cache=False,
+                    **{METADATA_KWARG: meta},
+                )
         finally:
             if hook is not None:
                 hook.remove()

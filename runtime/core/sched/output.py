@@ -77,3 +77,7 @@ class SchedulerStats:
     """Delta, tokens: prompt tokens looked up in the prefix cache (once per scheduled request)."""
     prefix_cache_hits: int = 0
     """Delta, tokens: of those, tokens found cached."""
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """With LoRA enabled: adapter name -> running requests using it (vLLM's scheduler stat)."""
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    """With LoRA enabled: adapter name -> waiting requests asking for it."""

@@ -9,7 +9,9 @@ block, the victim (lowest priority, then latest arrival) is preempted by recompu
 al. 2023, PagedAttention, section 4.5) and goes back to the head of the waiting queue. With
 a uniform sliding window, block needs count at most
 :func:`~kvfleet.runtime.core.kv_cache_manager.max_num_blocks_per_request`; with ``n > 1`` and
-prefix caching, a sequence waits for its ``prompt_leader`` to compute the prompt.
+prefix caching, a sequence waits for its ``prompt_leader`` to compute the prompt. With LoRA
+(``enable_lora``) no more than ``max_loras`` distinct adapters run at once: a waiting request
+of another adapter is passed over (it keeps its place) until one of them has no running request.
 Shape of vLLM v1 (``vllm/v1/core/sched/scheduler.py``) and nano-vllm; no tensors. Admission
 rule, sliding windows, parallel sampling: docs/scheduling.md.
 """
@@ -69,6 +71,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._stats = SchedulerStats()
+        self.max_loras: int | None = config.max_loras if config.enable_lora else None
+        """Most distinct LoRA adapters among the running requests (None: LoRA off)."""
 
     # -- requests in and out ------------------------------------------------------
     @property
@@ -184,8 +188,9 @@ class Scheduler:
         # No admission in a step that had to preempt for memory: memory is short.
         admit = not preempted
         reserved: int | None = None  # blocks the running requests need up to their next token
+        loras = None if self.max_loras is None else {r.lora_int_id for r in self.running if r.lora_int_id}
         while admit and len(self.waiting) and budget > 0:
-            request = self._next_waiting(scheduled)
+            request = self._next_waiting(scheduled, loras)
             if request is None:
                 break  # only siblings waiting for their leader's prompt
             if len(self.running) >= self.max_num_seqs:
@@ -219,6 +224,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             self.running.append(request)
+            if loras is not None and request.lora_int_id:
+                loras.add(request.lora_int_id)
             if reserved is not None:
                 reserved += self._num_lookahead_blocks(request)
             scheduled[request.request_id] = ScheduledRequest(
@@ -245,17 +252,25 @@ class Scheduler:
                 out.num_decode_tokens += sr.num_new_tokens
         return out
 
-    def _next_waiting(self, scheduled: dict[str, ScheduledRequest]) -> Request | None:
+    def _next_waiting(self, scheduled: dict[str, ScheduledRequest], loras: set[int] | None = None) -> Request | None:
         """The first waiting request, in policy order, that may be admitted now: not a
-        sibling still waiting for its ``prompt_leader`` (see :meth:`_waits_for_leader`).
-        None when every waiting request is such a sibling. The siblings keep their places."""
+        sibling still waiting for its ``prompt_leader`` (see :meth:`_waits_for_leader`), and
+        with LoRA on (``loras``: the adapter ids running), not of a new adapter when
+        ``max_loras`` adapters already run. None when no waiting request may be admitted.
+        The requests passed over keep their places."""
         head = self.waiting.peek()
-        if not self._waits_for_leader(head, scheduled):
+        if not self._waits_for_leader(head, scheduled) and not self._lora_blocked(head, loras):
             return head
         for request in self.waiting:
-            if not self._waits_for_leader(request, scheduled):
+            if not self._waits_for_leader(request, scheduled) and not self._lora_blocked(request, loras):
                 return request
         return None
+
+    def _lora_blocked(self, request: Request, loras: set[int] | None) -> bool:
+        """True when admitting ``request`` would run more than ``max_loras`` distinct adapters."""
+        if loras is None or not request.lora_int_id or request.lora_int_id in loras:
+            return False
+        return len(loras) >= self.max_loras  # type: ignore[operator]
 
     def _waits_for_leader(self, request: Request, scheduled: dict[str, ScheduledRequest]) -> bool:
         """True while ``request`` (a later sequence of an ``n > 1`` request) must wait for
@@ -363,6 +378,12 @@ class Scheduler:
         stats.num_running_reqs = len(self.running)
         stats.num_waiting_reqs = len(self.waiting)
         stats.kv_cache_usage = self.kv_cache_manager.usage
+        if self.max_loras is not None:
+            for counts, requests in ((stats.running_lora_adapters, self.running),
+                                     (stats.waiting_lora_adapters, self.waiting)):  # fmt: skip
+                for r in requests:
+                    if r.lora_name:
+                        counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
         self._stats = SchedulerStats()
         return stats
 
