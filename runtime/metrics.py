@@ -12,7 +12,11 @@ labelled ``model_name``. Counters end in ``_total``, histograms in ``_bucket``/`
 histograms (seconds) ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
 ``e2e_request_latency_seconds``, ``request_{queue,prefill,decode,inference}_time_seconds``,
 and (counts) ``request_prompt_tokens``, ``request_generation_tokens``, ``request_params_n``,
-``request_params_max_tokens``, ``iteration_tokens_total``. Meanings: docs/server.md, "Metrics".
+``request_params_max_tokens``, ``iteration_tokens_total``. With LoRA (:meth:`PrometheusStatLogger.log_lora_config`):
+vLLM's ``lora_requests_info`` gauge (labels ``running_lora_adapters``, ``waiting_lora_adapters``:
+comma-separated adapter names, ``max_lora``; value: the wall-clock time of the last step; only the
+current label set is kept) and ``kvfleet:lora_requests_total{lora_name}`` (finished requests per
+adapter, ``kvfleet:`` only). Meanings: docs/server.md, "Metrics"; docs/lora.md.
 """
 
 from __future__ import annotations
@@ -189,6 +193,27 @@ class PrometheusStatLogger(StatLoggerBase):
         self.cache_config_info: dict | None = None
         if max_model_len is not None:
             self._make_token_histograms(max_model_len)
+        self.max_lora: str | None = None
+        self._lora_info: list[Gauge] = []
+        self._lora_requests: Counter | None = None
+
+    def log_lora_config(self, lora_info: dict[str, str]) -> None:
+        """Create the LoRA series (``lora_info``: ``{"max_lora": "4"}``; empty: LoRA off, nothing made)."""
+        if not lora_info or self.max_lora is not None:
+            return
+        self.max_lora = str(lora_info["max_lora"])
+        self._lora_info = [Gauge(p + "lora_requests_info", "Running stats on lora requests.",
+                                 labelnames=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                 registry=self.registry) for p in self.prefixes]  # fmt: skip
+        self._lora_requests = Counter(KVFLEET_PREFIX + "lora_requests", "Finished requests per LoRA adapter.",
+                                      labelnames=["model_name", "lora_name"], registry=self.registry)
+        self._set_lora_info({}, {})
+
+    def _set_lora_info(self, running: dict[str, int], waiting: dict[str, int]) -> None:
+        for gauge in self._lora_info:
+            gauge.clear()
+            gauge.labels(max_lora=self.max_lora, waiting_lora_adapters=",".join(waiting),
+                         running_lora_adapters=",".join(running)).set_to_current_time()  # fmt: skip
 
     def _success_child(self, reason: str) -> _Fanout:
         return _Fanout([c.labels(self.model_name, reason) for c in self._request_success])
@@ -248,6 +273,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.counter_preemptions.inc(scheduler_stats.num_preemptions)
             self.counter_prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries)
             self.counter_prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
+            if self._lora_info:
+                self._set_lora_info(scheduler_stats.running_lora_adapters, scheduler_stats.waiting_lora_adapters)
         if iteration_stats is None:
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -271,6 +298,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 self.histogram_phase_times[phase].observe(seconds)
             if fin.n is not None:
                 self.histogram_n.observe(fin.n)
+            if fin.lora_name and self._lora_requests is not None:
+                self._lora_requests.labels(self.model_name, fin.lora_name).inc()
             if self.histogram_prompt_tokens is not None and self.histogram_generation_tokens is not None:
                 self.histogram_prompt_tokens.observe(fin.num_prompt_tokens)
                 self.histogram_generation_tokens.observe(fin.num_generation_tokens)

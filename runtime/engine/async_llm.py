@@ -36,6 +36,7 @@ import torch
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.lora_request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.worker.model_loader import LoadedModel
 
@@ -174,8 +175,10 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         tenant: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its cumulative outputs until it finishes.
+        """Submit a request and yield its cumulative outputs until it finishes (``lora_name``:
+        a loaded LoRA adapter, None: the base model).
 
         Consecutive outputs produced while the consumer was busy are coalesced (each
         output is cumulative, so only the latest matters).
@@ -192,7 +195,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prepared = self.engine.prepare_request(
-            request_id, prompt, sampling_params, priority=priority, tenant=tenant
+            request_id, prompt, sampling_params, priority=priority, tenant=tenant, lora_name=lora_name
         )
         if prepared.grammar is not None:
             # Compiled on the grammar thread pool; only this request waits (StructuredOutputError: 400).
@@ -231,6 +234,23 @@ class AsyncLLMEngine:
         if not self.is_running:
             return
         await self._call(self.engine.abort_request, [request_id])
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded LoRA adapters (read from the event loop: a copy of the engine's dict)."""
+        return list(dict(self.engine.loras).values())
+
+    def lora_info(self) -> dict[str, str]:
+        return self.engine.lora_info()
+
+    async def add_lora(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Load an adapter (in the engine thread, between steps). Raises LoRALoadError (see
+        :meth:`LLMEngine.add_lora <kvfleet.runtime.engine.llm_engine.LLMEngine.add_lora>`)."""
+        return await self._call(self.engine.add_lora, lora_name, lora_path, base_model_name)
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter; its requests end aborted. Raises LoRANotFoundError."""
+        await self._call(self.engine.remove_lora, lora_name)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop unreferenced prefix-cache blocks (in the engine thread)."""
@@ -287,7 +307,7 @@ class AsyncLLMEngine:
             except Exception as exc:
                 _resolve(future, exc=exc)
                 continue
-            if fn == self.engine.abort_request and result:
+            if fn in (self.engine.abort_request, self.engine.remove_lora) and result:
                 self._dispatch(result)
             _resolve(future, result)
 

@@ -177,7 +177,8 @@ class LLMEngine:
         lora = self.loras.get(lora_name)
         if lora is None or self.runner.lora is None:
             raise LoRANotFoundError(f"The lora adapter '{lora_name}' cannot be found.")
-        ids = [rid for rid, (_, seq) in self.output_processor.seqs.items() if seq.request.lora_int_id == lora.lora_int_id]
+        ids = [rid for rid, (_, seq) in self.output_processor.seqs.items()
+               if seq.request.lora_int_id == lora.lora_int_id]
         outputs = self.abort_request(ids)
         del self.loras[lora_name]
         self.runner.lora.remove(lora.lora_int_id)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.lora_request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -80,9 +81,23 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         tenant: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    # -- LoRA adapters (docs/lora.md)
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters (empty with LoRA off)."""
+
+    def lora_info(self) -> dict[str, str]:
+        """``{"max_lora": ...}`` with LoRA on, else empty (the ``lora_requests_info`` gauge)."""
+
+    async def add_lora(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Load a PEFT adapter; raises ``LoRALoadError`` (a ValueError) saying why not."""
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter (its requests end aborted); raises ``LoRANotFoundError``."""
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached KV block; whether the reset happened."""

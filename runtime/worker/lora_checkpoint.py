@@ -87,7 +87,7 @@ def read_lora_config(path: Path) -> dict:
         raise LoRALoadError(f"lora_path {str(path)!r}: peft_type {peft_type} is not supported (only LORA)")
     if cfg.get("use_dora"):
         raise LoRALoadError(f"lora_path {str(path)!r}: DoRA adapters (use_dora) are not supported: their per-layer "
-                            "magnitude vector rescales the merged weight, which the batched low-rank matmuls cannot add")
+                            "magnitude vector rescales the merged weight, which batched low-rank matmuls cannot add")
     for key in ("modules_to_save", "trainable_token_indices", "target_parameters", "layer_replication"):
         if cfg.get(key):
             raise LoRALoadError(f"lora_path {str(path)!r}: {key} is not supported: it replaces base-model weights "
@@ -161,8 +161,9 @@ def load_lora_weights(path: str | Path, targets: dict[str, tuple[int, int]], max
         in_f, out_f = targets[module]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
             raise LoRALoadError(
-                f"lora_path {str(path)!r}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, the base "
-                f"layer needs [r, {in_f}] and [{out_f}, r] (an adapter of another model?)")
+                f"lora_path {str(path)!r}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                f"the base layer needs [r, {in_f}] and [{out_f}, r] (an adapter of another model?)"
+            )
         if r > max_lora_rank:
             raise LoRALoadError(f"lora_path {str(path)!r}: rank {r} of {module!r} is over --max-lora-rank "
                                 f"({max_lora_rank}); raise --max-lora-rank to serve it")

@@ -36,6 +36,7 @@ from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
 from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from kvfleet.runtime.entrypoints.openai.serving_lora import lora_model_cards, lora_router
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 
@@ -122,6 +123,7 @@ def create_app(
     app.state.serving_tokenize = OpenAIServingTokenization(state, app.state.serving_chat)
     add_exception_handlers(app)
     app.include_router(router)
+    app.include_router(lora_router(_AUTH, _parse_body))
     app.add_middleware(lifecycle.InFlight, state=state)
     return app
 
@@ -132,6 +134,8 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         t0 = time.monotonic()
         engine = await asyncio.to_thread(factory, state.config, [state.stat_logger])
         state.stat_logger.log_engine_initialized(engine.max_model_len, engine.cache_config_info())
+        if state.config.enable_lora:
+            state.stat_logger.log_lora_config(engine.lora_info())
         try:
             state.prompt_bound = await asyncio.to_thread(prompt_length_bound, engine.tokenizer)
         except Exception:  # only a shortcut: without it prompts are just tokenized
@@ -235,7 +239,8 @@ def _model_card(state: ServerState) -> P.ModelCard:
 
 @router.api_route("/v1/models", methods=["GET", "HEAD"], dependencies=_AUTH)
 async def models(request: Request):
-    return P.ModelList(data=[_model_card(_state(request))]).model_dump()
+    state = _state(request)
+    return P.ModelList(data=[_model_card(state), *lora_model_cards(state)]).model_dump()
 
 
 @router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"], dependencies=_AUTH)  # ids may hold "/"
@@ -243,7 +248,8 @@ async def retrieve_model(request: Request, model_id: str):
     """OpenAI's "retrieve model" (``client.models.retrieve``); unknown id: 404 as OpenAI."""
     state = _state(request)
     state.check_model(model_id)
-    return _model_card(state).model_dump()
+    cards = [c for c in lora_model_cards(state) if c.id == model_id]
+    return (cards[0] if cards else _model_card(state)).model_dump()
 
 
 @router.post("/v1/completions", dependencies=_AUTH)

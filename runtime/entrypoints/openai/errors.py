@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.entrypoints.openai import protocol as P
+from kvfleet.runtime.lora_request import LoRANotFoundError
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -109,6 +110,8 @@ _REQUEST_FIELDS = frozenset(P.CompletionRequest.model_fields) | frozenset(P.Chat
 def engine_error(exc: BaseException, *, engine_dead: bool) -> APIError:
     """What generation raised, as an answer: the engine's input errors (ValueError) 400, a dead
     engine 503, anything else 500."""
+    if isinstance(exc, LoRANotFoundError):  # an adapter unloaded while the request was on its way
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):  # the engine's messages start with the field they refuse
         first = str(exc).split(" ", 1)[0]
         return APIError(400, str(exc), param=first if first in _REQUEST_FIELDS else None, code="invalid_value")

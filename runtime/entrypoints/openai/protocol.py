@@ -582,3 +582,17 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and ignored)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

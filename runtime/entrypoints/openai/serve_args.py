@@ -63,6 +63,9 @@ class ServerSettings(BaseModel):
     termination_log: str | None = None
     """Where a fatal engine error is written for the kubelet; None: ``/dev/termination-log`` if it exists."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    allow_runtime_lora_updating: bool = False
+    """Serve ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (docs/lora.md); also set by
+    vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``."""
     tool_call_parser: Literal["hermes"] | None = None
     """How ``tool_choice: auto`` output is read into ``tool_calls`` (vLLM's ``--tool-call-parser``);
     ``hermes``: ``<tool_call>{json}</tool_call>``. None: ``auto`` is refused."""
@@ -108,7 +111,16 @@ _HELP = {
     "log_level": "log level of the server",
     "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes (<tool_call>{json}</tool_call>)",
     "enable_auto_tool_choice": "allow tool_choice auto (the default with tools); needs --tool-call-parser",
+    "enable_lora": "serve LoRA adapters (a request names one in its model field)",
+    "lora_modules": "LoRA adapters to load at start: name=path ... or JSON {\"name\",\"path\",\"base_model_name\"}",
+    "max_loras": "most distinct LoRA adapters in one engine step",
+    "max_lora_rank": "largest LoRA rank accepted",
+    "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
+    "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
+
+ENV_ALIASES = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+"""vLLM's environment variables read when kvfleet's own is unset."""
 
 
 def option_names() -> list[str]:
@@ -154,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         help_ = f"{_HELP.get(name, name)} (env {env_var(name)})"
         if _is_bool(name):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+        elif name == "lora_modules":  # vLLM's repeatable, multi-valued option
+            parser.add_argument(flag, dest=name, nargs="+", action="extend", metavar="NAME=PATH", help=help_)
         else:
             choices = _choices(name)
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
@@ -245,6 +259,8 @@ def resolve(
             values[name], sources[name] = cli[name], "cli"
         elif environ.get(env_var(name), "").strip() != "":
             values[name], sources[name] = environ[env_var(name)].strip(), "env"
+        elif name in ENV_ALIASES and environ.get(ENV_ALIASES[name], "").strip() != "":
+            values[name], sources[name] = environ[ENV_ALIASES[name]].strip(), "env"
         elif name in file_values:
             values[name], sources[name] = file_values[name], "file"
     for name in _SIZE_OPTIONS:

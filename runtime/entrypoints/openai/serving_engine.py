@@ -82,14 +82,19 @@ class ServerState:
         return e is not None and (e.errored or not e.is_running)
 
     def check_model(self, requested: str | None) -> None:
-        """404 unless ``requested`` is None or the served model's name."""
-        if requested is not None and requested != self.model_name:
+        """404 unless ``requested`` is None, the served model's name or a loaded LoRA adapter's."""
+        if requested is not None and requested != self.model_name and not self.is_lora(requested):
             raise APIError(
                 404,
                 f"The model `{requested}` does not exist. Served model: `{self.model_name}`.",
                 param="model",
                 code="model_not_found",
             )
+
+    def is_lora(self, name: str) -> bool:
+        """Whether ``name`` is a loaded LoRA adapter (False with LoRA off or while loading)."""
+        return (self.config.enable_lora and self.engine is not None
+                and any(lora.lora_name == name for lora in self.engine.list_loras()))  # fmt: skip
 
     def require_engine(self) -> EngineClient:
         if self.engine_dead():
@@ -268,6 +273,8 @@ class OpenAIServing:
         propagates; a grammar that does not compile is a 400 naming ``grammar_param``."""
         self.check_queue(engine)
         sub = Submission(self.state, engine, http_request, sum(sp.n for _, sp, _ in requests))
+        if self.state.is_lora(body.model or ""):  # the adapter the request's model names
+            sub.lora_name = body.model
         merged = merge([sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user)
                         for ids, sp, rid in requests])  # fmt: skip
         sub.watch_disconnect()

@@ -62,6 +62,8 @@ class Submission:
         self.disconnected = False
         self._admitted = num_seqs
         state.admitted += num_seqs
+        self.lora_name: str | None = None
+        """The LoRA adapter the request names (None: the base model)."""
 
     def release(self) -> None:
         """Stop counting this submission's sequences as admitted (idempotent)."""
@@ -130,7 +132,8 @@ class Submission:
         started = False
         try:
             async with aclosing(
-                self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant)
+                self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant,
+                                     **({"lora_name": self.lora_name} if self.lora_name else {}))
             ) as outputs:
                 async for out in outputs:
                     started = True

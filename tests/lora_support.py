@@ -1,0 +1,69 @@
+"""Random PEFT LoRA adapters of the default model, made in the test (no download), and the
+greedy tokens of PEFT's merged model for them (the reference the engine must match)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(path: Path, seed: int, prompts: list[list[int]], max_tokens: int, *, r: int = 8,
+                 alpha: int = 16, use_rslora: bool = False) -> list[list[int]]:
+    """Save a rank-``r`` LoRA adapter over every attention and MLP projection of a fresh copy of
+    the default model (fp32, CPU) to ``path`` with PEFT, its A and B drawn from ``seed`` (B
+    non-zero, so that it changes the outputs); return the greedy tokens of PEFT's merged model
+    (``merge_and_unload``) for each prompt (``max_tokens`` each, EOS ignored)."""
+    from peft import LoraConfig, get_peft_model
+
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    base = load_model(None, dtype="float32", device="cpu")
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, use_rslora=use_rslora,
+                        init_lora_weights=False, lora_dropout=0.0)
+    model = get_peft_model(base.model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    model.save_pretrained(str(path))
+    merged = model.merge_and_unload().eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            res = merged.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                  do_sample=False, pad_token_id=0)
+            out.append(res[0, len(ids):].tolist())
+    return out
+
+
+def edit_config(src: Path, dst: Path, **changes) -> Path:
+    """A copy of adapter folder ``src`` at ``dst`` whose adapter_config.json has ``changes``."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def double_rank(src: Path, dst: Path) -> Path:
+    """A copy of adapter ``src`` at ``dst`` with twice its rank (each A and B stacked twice)."""
+    from safetensors.torch import load_file, save_file
+
+    edit_config(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    doubled = {k: torch.cat([t, t], dim=0 if "lora_A" in k else 1).contiguous() for k, t in tensors.items()}
+    save_file(doubled, str(dst / "adapter_model.safetensors"))
+    cfg["r"] = cfg["r"] * 2
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
