@@ -67,3 +67,14 @@ def double_rank(src: Path, dst: Path) -> Path:
     cfg["r"] = cfg["r"] * 2
     (dst / "adapter_config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def scaled_b(src: Path, dst: Path, factor: float) -> Path:
+    """A copy of adapter ``src`` at ``dst`` with every lora_B times ``factor`` (another adapter, no model load)."""
+    from safetensors.torch import load_file, save_file
+
+    edit_config(src, dst)
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    save_file({k: (t * factor if "lora_B" in k else t).contiguous() for k, t in tensors.items()},
+              str(dst / "adapter_model.safetensors"))
+    return dst
