@@ -60,11 +60,14 @@ def lora_bgmv_triton(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lor
     """``y += `` each token's adapter delta (see the module docstring); returns ``y``.
 
     Raises:
-        ValueError: shapes that do not match (:func:`kvfleet.kernels.lora.check_lora_args`), or
+        ValueError: shapes that do not match (as :func:`kvfleet.kernels.lora.check_lora_args`), or
             ``y`` / the slot tensors without unit stride on their last dimension."""
-    from kvfleet.kernels.lora import check_lora_args
-
-    check_lora_args(x, y, lora_a, lora_b, token_slots)
+    if (x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3 or x.shape[0] != y.shape[0]
+            or lora_a.shape[:2] != lora_b.shape[:2] or lora_a.shape[2] != x.shape[1] or lora_b.shape[2] != y.shape[1]
+            or token_slots.shape != (x.shape[0],)):
+        raise ValueError(f"lora_bgmv_triton: x {tuple(x.shape)}, y {tuple(y.shape)}, lora_a {tuple(lora_a.shape)}, "
+                         f"lora_b {tuple(lora_b.shape)}, token_slots {tuple(token_slots.shape)} do not match "
+                         "(see kvfleet.kernels.lora.check_lora_args)")
     num_tokens, in_f = x.shape
     out_f = y.shape[1]
     rank = lora_a.shape[1]
