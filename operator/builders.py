@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import crd, policy
+from kvfleet.operator import adapters, crd, policy
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import (
     MODELS_DIR,
@@ -82,7 +82,7 @@ ENGINE_KEYS = {
 
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
                       "metrics_compat", "shutdown_timeout", "termination_log", "tool_call_parser",
-                      "enable_auto_tool_choice")
+                      "enable_auto_tool_choice", "allow_runtime_lora_updating")
 """``kvfleet serve`` server options (``ServerSettings``) that ``engine.extraArgs`` may set in the
 config file: all but ``host``, ``port`` (the pod's) and ``api_key`` (``apiKeySecretRef``)."""
 
@@ -249,6 +249,7 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
     served = spec["model"].get("servedModelName") or (model["repo"] if model["scheme"] == "hf"
                                                       else isvc["metadata"]["name"])
     config["served_model_name"] = served
+    config.update(adapters.engine_keys(isvc))  # LoRA adapters: see kvfleet.operator.adapters
     for camel, snake in ENGINE_KEYS.items():
         if engine.get(camel) is None:
             continue
@@ -381,6 +382,7 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
     if key_ref:
         env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}})
+    env += adapters.pod_env(isvc)
     env += copy.deepcopy(rt.get("env") or [])
 
     mounts = [
@@ -529,7 +531,9 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
         InvalidSpec: the spec cannot be built (reason and message for a Degraded condition).
     """
     cm = build_configmap(isvc)
-    children = [cm, build_service(isvc), build_deployment(isvc, config_hash=content_hash(cm["data"]),
+    extra = ([adapters.build_configmap(isvc, _meta(isvc, adapters.configmap_name(isvc)))]
+             if adapters.declared(isvc) else [])
+    children = [cm, *extra, build_service(isvc), build_deployment(isvc, config_hash=content_hash(cm["data"]),
                                                           replicas=replicas, scaled_externally=scaled_externally)]
     children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]
     return children

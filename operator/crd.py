@@ -144,6 +144,16 @@ MODEL = _obj(
                                              "safetensors, configs, tokenizer files and chat templates; "
                                              "add e.g. *.gguf for a GGUF repository."},
         }),
+        "adapters": {"type": "array", "maxItems": 256, "x-kubernetes-list-type": "map",
+                     "x-kubernetes-list-map-keys": ["name"],
+                     "description": "LoRA adapters (PEFT format) served beside the base model; a request picks one "
+                                    "by its model field. Declaring the list (even empty) enables LoRA; adding or "
+                                    "removing an adapter does not restart pods (see docs/lora.md).",
+                     "items": _obj("One LoRA adapter.", {
+                         "name": _str("The model name clients send for this adapter.", max_length=128),
+                         "uri": _str("hf://ORG/NAME[@REVISION], file:///PATH, or pvc://CLAIM/PATH on the model "
+                                     "volume's claim.", max_length=1024),
+                     }, required=["name", "uri"])},
     },
     required=["uri"],
 )
@@ -375,6 +385,12 @@ STATUS = _obj(
         "url": _str("OpenAI base URL inside the cluster.", max_length=1024),
         "conditions": {"type": "array", "items": CONDITION,
                        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        "adapters": {"type": "array", "description": "LoRA adapters: on how many ready pods each is loaded.",
+                     "items": _obj("One adapter's state.", {
+                         "name": _str("The adapter's name.", max_length=128),
+                         "loadedReplicas": _int("Ready pods that serve it.", minimum=0),
+                         "readyReplicas": _int("Ready pods.", minimum=0),
+                     })},
         "engine": _obj("Engine values in effect (the spec's, or the tuner's).",
                        {"blockSize": _int("Tokens per KV block.", enum=BLOCK_SIZES),
                         "gpuMemoryUtilization": _num("Memory fraction.")},

@@ -19,10 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import builders, crd, gie, policy, router
+from kvfleet.operator import adapters, builders, crd, gie, policy, router
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
-from kvfleet.operator.status import desired_status, status_patch
+from kvfleet.operator.status import desired_status, set_condition, status_patch
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
 
@@ -240,6 +240,13 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
         claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
                                 error=out.error, pods=pods, claim=claim, scaling_conflict=conflict)
+        if out.error is None and adapters.declared(isvc):  # LoRA adapters onto the running ready pods
+            synced = adapters.sync_pods(isvc, pods)
+            wanted["adapters"] = synced["adapters"]
+            status_, reason, message = synced["condition"]
+            wanted["conditions"] = set_condition(wanted["conditions"], type=adapters.CONDITION, status=status_,
+                                                 reason=reason, message=message, now=now,
+                                                 observed_generation=(isvc.get("metadata") or {}).get("generation"))
         patch = status_patch(isvc.get("status"), wanted)
         if patch:
             kube.patch_status(crd.KIND, namespace, name, patch)

@@ -42,6 +42,7 @@ from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestStat
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
+from kvfleet.runtime.lora_source import resolve_lora_path
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.structured_output.manager import StructuredOutputManager
 from kvfleet.runtime.worker.executor import MultiprocExecutor
@@ -153,7 +154,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> LoRARequest:
-        """Load a PEFT LoRA adapter that requests may then name (vLLM's ``add_lora``).
+        """Load a PEFT LoRA adapter that requests may then name (vLLM's ``add_lora``); ``lora_path``
+        is a folder, ``file:///PATH`` or ``hf://ORG/NAME[@REV]`` (:mod:`kvfleet.runtime.lora_source`).
 
         Raises:
             LoRALoadError: LoRA is off, the name is in use (or is the base model's), or the
@@ -164,7 +166,8 @@ class LLMEngine:
             raise LoRALoadError("lora_name must be a non-empty string")
         if lora_name in self.loras or lora_name == self.model_name:
             raise LoRALoadError(f"lora_name {lora_name!r} is already in use (a loaded adapter or the base model)")
-        lora = LoRARequest(lora_name, next(_LORA_IDS), str(lora_path), base_model_name or self.model_name)
+        lora_path = resolve_lora_path(str(lora_path))  # hf:// and file:// URIs: a local folder
+        lora = LoRARequest(lora_name, next(_LORA_IDS), lora_path, base_model_name or self.model_name)
         self.runner.lora.add(lora)
         self.loras[lora_name] = lora
         return lora

@@ -4,7 +4,8 @@
   and ``root`` the adapter's folder (:func:`lora_model_cards`); a request names an adapter in its
   ``model`` field (:meth:`ServerState.check_model <.serving_engine.ServerState.check_model>`
   accepts adapter names, :func:`lora_for` picks the adapter).
-- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``POST
+- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` (a folder, ``file:///PATH`` or
+  ``hf://ORG/NAME[@REV]``, fetched first: :mod:`kvfleet.runtime.lora_source`) and ``POST
   /v1/unload_lora_adapter`` ``{"lora_name"}``, answered with vLLM's plain-text ``Success: ...``
   lines, only when runtime updating is allowed: ``--allow-runtime-lora-updating``,
   ``KVFLEET_ALLOW_RUNTIME_LORA_UPDATING=true`` or vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
@@ -15,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -25,6 +27,7 @@ from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError
 from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError
+from kvfleet.runtime.lora_source import resolve_lora_path
 
 
 def lora_model_cards(state: ServerState) -> list[P.ModelCard]:
@@ -68,8 +71,9 @@ def lora_router(auth: Sequence[Any], parse_body: Callable[[Request, type], Await
         if any(lora.lora_name == body.lora_name for lora in engine.list_loras()):
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name",
                            code="invalid_value")
-        try:
-            await engine.add_lora(body.lora_name, body.lora_path)
+        try:  # an hf:// adapter downloads here, off the engine thread
+            path = await asyncio.to_thread(resolve_lora_path, body.lora_path)
+            await engine.add_lora(body.lora_name, path)
         except LoRALoadError as exc:
             raise APIError(400, str(exc), param="lora_path", code="invalid_value") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
