@@ -33,7 +33,7 @@ every pod selected by a Service of the namespace gets an EndpointSlice ``<servic
 (address 127.0.0.1, the pod's own port, ``conditions.ready``), deleted with the pod.
 
 Not a real kubelet: no probes beyond /ready, no resources, no init containers, no
-volumes except the config file. The model is whatever ``config_overrides`` leaves: the
+volumes except the config file, no env except entries from a ConfigMap key. The model is whatever ``config_overrides`` leaves: the
 closed-loop test drops ``model`` so every process serves the embedded default.
 """
 
@@ -326,7 +326,7 @@ class TestKubelet:
         log_path = self.workdir / f"{name}.log"
         cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--config", str(config_path),
                "--host", "127.0.0.1", "--port", str(port), *self.serve_args]
-        env = self.env
+        env = {**self.env, **self._cm_env(template)}
         args = (((template.get("spec") or {}).get("containers") or [{}])[0]).get("args") or []
         if args[:1] == ["router"]:  # the operator's router Deployment: kvfleet router, on this port
             flags = list(args[1:])
@@ -341,6 +341,21 @@ class TestKubelet:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         return proc, log_path
+
+    def _cm_env(self, template: Mapping[str, Any]) -> dict[str, str]:
+        """The runtime container's env entries read from a ConfigMap key (``valueFrom.configMapKeyRef``),
+        resolved at process start as the kubelet does at container start (other env entries name pod
+        paths and are left out)."""
+        out: dict[str, str] = {}
+        for c in ((template.get("spec") or {}).get("containers") or [])[:1]:
+            for e in c.get("env") or []:
+                ref = (e.get("valueFrom") or {}).get("configMapKeyRef")
+                if ref:
+                    cm = self._get(self._path("v1", "configmaps", ref["name"])) or {}
+                    value = (cm.get("data") or {}).get(ref["key"])
+                    if value is not None:
+                        out[e["name"]] = value
+        return out
 
     def _create(self, dep: Mapping[str, Any], thash: str) -> FakePod:
         dep_name = dep["metadata"]["name"]
