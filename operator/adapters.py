@@ -25,6 +25,7 @@ Invalid adapters raise :class:`~kvfleet.operator.crd.InvalidSpec` (reasons ``Inv
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -37,8 +38,9 @@ CONFIGMAP_KEY = "lora_modules"
 ENV_NAME = "KVFLEET_LORA_MODULES"
 CONDITION = "AdaptersLoaded"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-TIMEOUT = 120.0
-"""Seconds one load call may take (an hf:// adapter downloads first)."""
+TIMEOUT = float(os.environ.get("KVFLEET_ADAPTER_LOAD_TIMEOUT", "120"))
+"""Seconds one load call may take (an hf:// adapter downloads first); the chart's
+``operator.adapterLoadTimeoutSeconds``."""
 
 
 def declared(isvc: Mapping[str, Any]) -> bool:
