@@ -78,3 +78,29 @@ def scaled_b(src: Path, dst: Path, factor: float) -> Path:
     save_file({k: (t * factor if "lora_B" in k else t).contiguous() for k, t in tensors.items()},
               str(dst / "adapter_model.safetensors"))
     return dst
+
+
+SMOLLM2_SHAPES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (576, 192), "self_attn.v_proj": (576, 192),
+                  "self_attn.o_proj": (576, 576), "mlp.gate_proj": (576, 1536), "mlp.up_proj": (576, 1536),
+                  "mlp.down_proj": (1536, 576)}
+"""``(in_features, out_features)`` of the default model's projections (30 layers)."""
+
+
+def random_adapter(path: Path, seed: int, r: int = 8) -> Path:
+    """A rank-``r`` adapter of the default model in PEFT's file layout from random tensors, without
+    loading the model or PEFT (for the HTTP and operator tests; tests/test_lora_engine.py checks
+    real PEFT output)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(30):
+        for mod, (d_in, d_out) in SMOLLM2_SHAPES.items():
+            key = f"base_model.model.model.layers.{layer}.{mod}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, d_in, generator=gen) / d_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r, generator=gen) * 0.05
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+                                                          "target_modules": TARGETS, "bias": "none"}))
+    return path

@@ -136,3 +136,17 @@ def test_lora_refuses_what_it_cannot_run():
         EngineConfig(lora_modules=["a=/x"])
     with pytest.raises(ValueError, match="max_cpu_loras"):
         EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_lora_over_an_int8_quantized_base(setup):
+    """The base layers stay torchao-quantized under their LoRALinear; the adapter still applies."""
+    from kvfleet.runtime.worker.lora_layers import LoRALinear
+
+    _, prompts, refs, root, _ = setup
+    llm = LLM(quantization="int8", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              kv_cache_memory=2**24, lora_modules=[f"a1={root / 'a1'}"])
+    layers = [m for m in llm.llm_engine.loaded.model.modules() if isinstance(m, LoRALinear)]
+    assert len(layers) == 30 * 7 and all(type(m.base_layer.weight).__name__ == "Int8Tensor" for m in layers)
+    out = tokens(llm.generate([prompts[0]] * 2, GREEDY, lora_request=["a1", None], use_tqdm=False))
+    assert out[0] != out[1]
+    assert out[0][:2] == refs["a1"][0][:2]  # int8 rounding may move later tokens

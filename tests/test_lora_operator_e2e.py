@@ -13,7 +13,7 @@ import httpx
 import pytest
 from kube_emulator import ISVC
 from kubelet import TestKubelet
-from lora_support import make_adapter, scaled_b
+from lora_support import random_adapter, scaled_b
 from test_operator_e2e import running_operator
 
 from kvfleet.operator import builders
@@ -59,7 +59,7 @@ def test_the_adapter_list_never_changes_the_pod_template():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_new_adapter_reaches_the_running_pod_without_a_restart(tmp_path):
-    make_adapter(tmp_path / "a1", 21, [], 0)
+    random_adapter(tmp_path / "a1", 21)
     scaled_b(tmp_path / "a1", tmp_path / "a2", -2.0)
     with running_operator(tmp_path) as (emu, _op):
         kubelet = TestKubelet(emu.url, NS, tmp_path / "kubelet", config_overrides={"model": None},

@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from lora_support import double_rank, make_adapter, scaled_b
+from lora_support import double_rank, random_adapter, scaled_b
 from prometheus_client.parser import text_string_to_metric_families
 from support import start_serve, stop_serve
 
@@ -23,7 +23,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-server")
-    make_adapter(root / "a1", 11, [], 0)
+    random_adapter(root / "a1", 11)
     scaled_b(root / "a1", root / "a2", -2.0)
     double_rank(root / "a1", root / "r16")
     args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a1={root / 'a1'}",
