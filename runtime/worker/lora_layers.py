@@ -96,12 +96,11 @@ class LoRALinear(torch.nn.Module):
         ctx = get_lora_context()
         if ctx is None:
             return y
-        x2 = x.reshape(-1, self.in_features)
-        y2 = y.reshape(-1, self.out_features)
-        if y2.data_ptr() != y.data_ptr() or not y.is_contiguous():  # a copy: write back through y
+        if not y.is_contiguous():
             y = y.contiguous()
-            y2 = y.view(-1, self.out_features)
-        add_lora(x2, y2, self.lora_a, self.lora_b, ctx.token_slots, ctx.mask)
+        # The deltas are added in place into a [T, out] view of the base output.
+        add_lora(x.reshape(-1, self.in_features), y.view(-1, self.out_features), self.lora_a, self.lora_b,
+                 ctx.token_slots, ctx.mask)
         return y
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
