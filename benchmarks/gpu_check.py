@@ -13,7 +13,9 @@ fraction of peak), prefill timing (TFLOP/s), engine (``LLM`` on CUDA vs CPU, ide
 token ids), compiled (``enforce_eager=False``: the compiled decoder with CUDA graphs for decode
 batches vs the eager engine on the same device: identical greedy tokens, warm-up seconds, graph
 replays, decode tok/s of both; ``--smoke``: on CPU with ``KVFLEET_COMPILE_BACKEND=eager``, dynamo
-and the custom op without inductor or CUDA graphs). ``--json`` writes per-section status, seconds, error and rows.
+and the custom op without inductor or CUDA graphs), lora (the Triton batched-LoRA kernels vs the torch
+oracle and their time vs the stacked torch path; in ``--smoke`` only with ``--only lora``).
+``--json`` writes per-section status, seconds, error and rows.
 Exit status: 0 when every section that ran passed, 1 when any failed, 2 without a CUDA device.
 Grid, shapes and formulas: docs/performance.md, "How to run the GPU check".
 """
@@ -240,6 +242,48 @@ def section_prefill(torch, device, budget: Budget, sz: Sizes, peak_flops: float 
 # --------------------------------------------------------------------------- main
 
 
+def section_lora(torch, device, budget: Budget, sz: Sizes, rec: dict) -> bool:
+    """Batched LoRA (issue 17): the Triton BGMV kernels vs the per-token torch oracle on the device,
+    mixed slots (-1 = base) over 4 slots of rank 16, fp16 and bf16; then their time vs the stacked
+    torch path (:func:`kvfleet.kernels.lora.lora_stacked_torch`) at decode and prefill sizes."""
+    from kvfleet.kernels.lora import lora_bgmv_torch, lora_stacked_torch, slot_mask
+    from kvfleet.kernels.triton_lora import lora_bgmv_triton
+
+    shapes = [(5, 40, 24)] if sz.smoke else [(1, 4096, 4096), (64, 4096, 1024), (512, 4096, 14336)]
+    dtypes = (torch.float16,) if sz.smoke else (torch.float16, torch.bfloat16)
+    slots_n, rank = 4, (4 if sz.smoke else 16)
+    ok, rows = True, []
+    for dtype in dtypes:
+        for t, d_in, d_out in shapes:
+            if budget.left() < 5:
+                break
+            g = torch.Generator(device="cpu").manual_seed(t)
+            x = torch.randn(t, d_in, generator=g).to(device, dtype)
+            y = torch.randn(t, d_out, generator=g).to(device, dtype)
+            a = (torch.randn(slots_n, rank, d_in, generator=g) / d_in**0.5).to(device, dtype)
+            b = (torch.randn(slots_n, rank, d_out, generator=g) * 0.1).to(device, dtype)
+            slots = torch.tensor([(i * 7) % (slots_n + 1) - 1 for i in range(t)], device=device)
+            ref = lora_bgmv_torch(x, y.clone(), a, b, slots).float()
+            got = lora_bgmv_triton(x, y.clone(), a, b, slots).float()
+            err = float((got - ref).abs().max())
+            good = err <= 2e-2 * max(1.0, float(ref.abs().max()))
+            ok &= good
+            mask = slot_mask(slots, slots_n, rank, dtype)
+            iters = sz.iters or 20
+            args = (x, y, a, b, slots, mask)
+            t_tri = cuda_time(torch, lambda p=args: lora_bgmv_triton(p[0], p[1].clone(), p[2], p[3], p[4]),
+                              iters=iters, warmup=1)
+            t_stk = cuda_time(torch, lambda p=args: lora_stacked_torch(p[0], p[1].clone(), p[2], p[3], p[5]),
+                              iters=iters, warmup=1)
+            row = dict(dtype=str(dtype).removeprefix("torch."), tokens=t, d_in=d_in, d_out=d_out, max_abs_err=err,
+                       ok=good, triton_us=t_tri * 1e6, stacked_torch_us=t_stk * 1e6)
+            rows.append(row)
+            log(f"  lora {row['dtype']} T={t} {d_in}->{d_out}: err {err:.2e} {'ok' if good else 'MISMATCH'}; "
+                f"triton {t_tri * 1e6:.1f} us, stacked torch {t_stk * 1e6:.1f} us")
+    rec["rows"] = rows
+    return ok and bool(rows)
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         k, n = (int(x) for x in text.split("/"))
@@ -275,7 +319,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=280.0, help="overall time budget, seconds (default 280)")
     ap.add_argument("--quick", action="store_true", help="smaller timing grids")
     ap.add_argument("--skip-engine", action="store_true", help="kernels only")
-    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine", "compiled"], action="append",
+    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine", "compiled", "lora"],
+                    action="append",
                     help="run only these sections (repeatable)")
     ap.add_argument("--engine-max-tokens", type=int, default=32)
     ap.add_argument("--engine-model", default=None,
@@ -342,7 +387,7 @@ def main(argv=None) -> int:
     sz = Sizes(args.smoke, args.quick)
     report["device"] = name
 
-    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine", "compiled")}
+    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine", "compiled", "lora")}
     sections = [
         ("correctness", lambda: section_correctness(torch, device, budget, sz, recs["correctness"], args.shard),
          5 if args.smoke else 60),
@@ -353,13 +398,14 @@ def main(argv=None) -> int:
                                           smoke=args.smoke), 5 if args.smoke else 60),
         ("compiled", lambda: section_compiled(torch, budget, args.engine_max_tokens, recs["compiled"],
                                               args.engine_model, smoke=args.smoke), 5 if args.smoke else 90),
+        ("lora", lambda: section_lora(torch, device, budget, sz, recs["lora"]), 5 if args.smoke else 15),
     ]
     results = {}
     for sec, fn, min_left in sections:
         if args.only and sec not in args.only:
             continue
         smoke_skip = args.smoke and not (args.only and sec in args.only)
-        if sec in ("engine", "compiled") and (args.skip_engine or smoke_skip):
+        if sec in ("engine", "compiled") and (args.skip_engine or smoke_skip) or sec == "lora" and smoke_skip:
             continue
         rec = recs[sec]
         report["sections"][sec] = rec
