@@ -1,12 +1,15 @@
 """LoRA adapters of an InferenceService (``spec.model.adapters: [{name, uri}]``): pod config that
 never rolls the pods, and the load/unload calls that bring running pods in line.
 
-- Declaring ``spec.model.adapters`` (even ``[]``) turns on ``enable_lora`` and runtime adapter
-  updating in the pods' config file, and gives the runtime container the environment variable
-  ``KVFLEET_LORA_MODULES`` from the ConfigMap ``NAME-adapters`` (key ``lora_modules``, a JSON list
-  of ``{"name", "path"}``). The pod template names the ConfigMap, never its content, so adding or
-  removing an adapter leaves the template (and its hash) alone: no pod restarts; a new pod reads
-  the current list at start and loads every adapter before ``/ready``.
+- Declaring ``spec.model.adapters`` (even ``[]``) turns on ``enable_lora`` (and
+  ``skip_failed_lora_modules``) in the pods' config file and runtime adapter updating
+  (``KVFLEET_ALLOW_RUNTIME_LORA_UPDATING``), and gives the runtime container the environment
+  variable ``KVFLEET_LORA_MODULES`` from the key ``lora_modules`` of the ``NAME-config`` ConfigMap
+  (a JSON list of ``{"name", "path"}``). That key is left out of the config hash the pod template
+  carries (:func:`hashed_data`) and the template names the key, never its content, so adding or
+  removing an adapter leaves the template alone: no pod restarts; a new pod reads
+  the current list at start and loads every adapter before ``/ready`` (one that fails is skipped,
+  ``skip_failed_lora_modules``, and reported by the next sync: a bad entry never keeps pods down).
 - ``uri``: ``hf://ORG/NAME[@REV]`` (the runtime fetches it, :mod:`kvfleet.runtime.lora_source`),
   ``file:///PATH`` (in the image), or ``pvc://CLAIM/PATH`` on the claim the model volume already
   mounts (a ``pvc://`` model, or ``model.download.claimName``): mounting another claim would change
@@ -46,10 +49,6 @@ TIMEOUT = float(os.environ.get("KVFLEET_ADAPTER_LOAD_TIMEOUT", "120"))
 def declared(isvc: Mapping[str, Any]) -> bool:
     """Whether ``spec.model.adapters`` is set (an empty list counts)."""
     return isinstance(((isvc.get("spec") or {}).get("model") or {}).get("adapters"), list)
-
-
-def configmap_name(isvc: Mapping[str, Any]) -> str:
-    return f"{isvc['metadata']['name']}-adapters"
 
 
 def _model_claim(spec: Mapping[str, Any]) -> str | None:
@@ -101,23 +100,33 @@ def desired_adapters(isvc: Mapping[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def build_configmap(isvc: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``NAME-adapters`` ConfigMap (``meta``: the operator's child metadata for that name)."""
+def configmap_data(isvc: Mapping[str, Any]) -> dict[str, str]:
+    """The ``lora_modules`` key of the ``NAME-config`` ConfigMap (none when not declared)."""
+    if not declared(isvc):
+        return {}
     modules = [{"name": a["name"], "path": a["path"]} for a in desired_adapters(isvc)]
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta),
-            "data": {CONFIGMAP_KEY: json.dumps(modules, sort_keys=True)}}
+    return {CONFIGMAP_KEY: json.dumps(modules, sort_keys=True)}
 
 
-def pod_env(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The runtime container's env entry reading the adapter list (none when not declared)."""
+def hashed_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The ConfigMap data the pod template's config hash covers: all but the adapter list."""
+    return {k: v for k, v in data.items() if k != CONFIGMAP_KEY}
+
+
+def pod_env(isvc: Mapping[str, Any], configmap: str) -> list[dict[str, Any]]:
+    """The runtime container's env entries (none when not declared): the adapter list from the
+    ``configmap`` key, and runtime adapter updating on."""
     if not declared(isvc):
         return []
-    return [{"name": ENV_NAME, "valueFrom": {"configMapKeyRef": {"name": configmap_name(isvc), "key": CONFIGMAP_KEY}}}]
+    return [{"name": ENV_NAME, "valueFrom": {"configMapKeyRef": {"name": configmap, "key": CONFIGMAP_KEY}}},
+            {"name": "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}]
 
 
 def engine_keys(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """Keys of the pods' config file when adapters are declared (fixed: no restart as they change)."""
-    return {"enable_lora": True, "allow_runtime_lora_updating": True} if declared(isvc) else {}
+    if not declared(isvc):
+        return {}
+    return {"enable_lora": True, "skip_failed_lora_modules": True}
 
 
 def pod_base_url(pod: Mapping[str, Any]) -> str:

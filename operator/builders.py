@@ -6,7 +6,8 @@ children are tested exhaustively without a cluster (``tests/golden/``).
 each with a controller ownerReference to it and the labels of :func:`labels`:
 
 - ConfigMap ``NAME-config``: ``config.yaml``, the runtime's engine config
-  (:class:`kvfleet.runtime.config.EngineConfig` field names);
+  (:class:`kvfleet.runtime.config.EngineConfig` field names), and ``lora_modules`` when LoRA
+  adapters are declared (:mod:`kvfleet.operator.adapters`; not in the config hash);
 - Service ``NAME`` (port 8000, ``http``) and Deployment ``NAME`` (the runtime pods; the pod
   template carries the config hash, so a config change rolls them);
 - PodDisruptionBudget ``NAME`` when ``spec.disruption`` sets a field, and
@@ -293,10 +294,11 @@ def _meta(isvc: Mapping[str, Any], name: str) -> dict[str, Any]:
 
 
 def build_configmap(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """The ConfigMap holding ``config.yaml``."""
+    """The ConfigMap holding ``config.yaml`` (and, with LoRA adapters declared, their list under
+    ``lora_modules``: :mod:`kvfleet.operator.adapters`)."""
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": _meta(isvc, names(isvc)["configmap"]),
-            "data": {CONFIG_FILE: config_text(engine_config(isvc))}}
+            "data": {CONFIG_FILE: config_text(engine_config(isvc)), **adapters.configmap_data(isvc)}}
 
 
 # ---------------------------------------------------------------------------------
@@ -382,7 +384,7 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
     if key_ref:
         env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}})
-    env += adapters.pod_env(isvc)
+    env += adapters.pod_env(isvc, names(isvc)["configmap"])
     env += copy.deepcopy(rt.get("env") or [])
 
     mounts = [
@@ -531,9 +533,8 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
         InvalidSpec: the spec cannot be built (reason and message for a Degraded condition).
     """
     cm = build_configmap(isvc)
-    extra = ([adapters.build_configmap(isvc, _meta(isvc, adapters.configmap_name(isvc)))]
-             if adapters.declared(isvc) else [])
-    children = [cm, *extra, build_service(isvc), build_deployment(isvc, config_hash=content_hash(cm["data"]),
+    config_hash = content_hash(adapters.hashed_data(cm["data"]))  # the LoRA adapter list never rolls pods
+    children = [cm, build_service(isvc), build_deployment(isvc, config_hash=config_hash,
                                                           replicas=replicas, scaled_externally=scaled_externally)]
     children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]
     return children

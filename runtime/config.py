@@ -137,6 +137,11 @@ class EngineConfig(BaseModel):
     """Adapters kept loaded in host memory (LRU; the others are re-read from disk when asked
     for); None: ``max_loras``. Must be ``>= max_loras``."""
 
+    skip_failed_lora_modules: bool = False
+    """A ``lora_modules`` entry that cannot be loaded at start is logged and skipped instead of
+    stopping the start (the operator sets it: one bad adapter in the list must not keep new pods
+    from serving the others)."""
+
     @field_validator("lora_modules", mode="before")
     @classmethod
     def _parse_lora_modules(cls, value):

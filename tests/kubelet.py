@@ -33,7 +33,7 @@ every pod selected by a Service of the namespace gets an EndpointSlice ``<servic
 (address 127.0.0.1, the pod's own port, ``conditions.ready``), deleted with the pod.
 
 Not a real kubelet: no probes beyond /ready, no resources, no init containers, no
-volumes except the config file, no env except entries from a ConfigMap key. The model is whatever ``config_overrides`` leaves: the
+volumes except the config file, no env naming a pod path. The model is whatever ``config_overrides`` leaves: the
 closed-loop test drops ``model`` so every process serves the embedded default.
 """
 
@@ -343,12 +343,14 @@ class TestKubelet:
         return proc, log_path
 
     def _cm_env(self, template: Mapping[str, Any]) -> dict[str, str]:
-        """The runtime container's env entries read from a ConfigMap key (``valueFrom.configMapKeyRef``),
-        resolved at process start as the kubelet does at container start (other env entries name pod
-        paths and are left out)."""
+        """The runtime container's env entries: plain values, and values read from a ConfigMap key
+        (``valueFrom.configMapKeyRef``) resolved at process start as the kubelet does at container
+        start. Values that are absolute paths (pod paths: HOME, cache folders) are left out."""
         out: dict[str, str] = {}
         for c in ((template.get("spec") or {}).get("containers") or [])[:1]:
             for e in c.get("env") or []:
+                if isinstance(e.get("value"), str) and not e["value"].startswith("/"):
+                    out[e["name"]] = e["value"]
                 ref = (e.get("valueFrom") or {}).get("configMapKeyRef")
                 if ref:
                     cm = self._get(self._path("v1", "configmaps", ref["name"])) or {}

@@ -125,6 +125,13 @@ def test_bad_adapters_are_refused_naming_why(setup, tmp_path):
     with pytest.raises(LoRALoadError, match="over --max-lora-rank"):
         LLMEngine(EngineConfig(enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=2**24,
                                lora_modules=[f"big={tmp_path / 'r16'}"]), loaded=engine.loaded)
+    # ... unless told to skip what fails (the operator's pods): the others are served.
+    tolerant = LLMEngine(EngineConfig(enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=2**24,
+                                      skip_failed_lora_modules=True,
+                                      lora_modules=[f"big={tmp_path / 'r16'}", f"a9={root / 'a1'}"]),
+                         loaded=engine.loaded)
+    assert set(tolerant.loras) == {"a9"} and "over --max-lora-rank" in tolerant.lora_load_errors["big"]
+    tolerant.remove_lora("a9")
 
 
 def test_lora_refuses_what_it_cannot_run():

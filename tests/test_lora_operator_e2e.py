@@ -37,14 +37,14 @@ def test_the_adapter_list_never_changes_the_pod_template():
     t0, c0 = template([])
     t1, c1 = template([{"name": "a", "uri": "hf://org/a@v1"}, {"name": "b", "uri": "file:///ad/b"}])
     assert t0 == t1
-    cms = {c["metadata"]["name"]: c for c in c1 if c["kind"] == "ConfigMap"}
-    assert cms[f"{NAME}-adapters"]["data"]["lora_modules"] == (
-        '[{"name": "a", "path": "hf://org/a@v1"}, {"name": "b", "path": "/ad/b"}]')
-    config = cms[f"{NAME}-config"]["data"]["config.yaml"]
-    assert "enable_lora: true" in config and "allow_runtime_lora_updating: true" in config
+    cm = next(c for c in c1 if c["kind"] == "ConfigMap")
+    assert cm["data"]["lora_modules"] == '[{"name": "a", "path": "hf://org/a@v1"}, {"name": "b", "path": "/ad/b"}]'
+    config = cm["data"]["config.yaml"]
+    assert "enable_lora: true" in config and "skip_failed_lora_modules: true" in config
     env = {e["name"]: e for e in t1["spec"]["containers"][0]["env"]}
-    assert env["KVFLEET_LORA_MODULES"]["valueFrom"]["configMapKeyRef"] == {"name": f"{NAME}-adapters",
+    assert env["KVFLEET_LORA_MODULES"]["valueFrom"]["configMapKeyRef"] == {"name": f"{NAME}-config",
                                                                            "key": "lora_modules"}
+    assert env["KVFLEET_ALLOW_RUNTIME_LORA_UPDATING"]["value"] == "true"
     for bad, reason in (([{"name": "a", "uri": "s3://x"}], "InvalidAdapterURI"),
                         ([{"name": "a", "uri": "file:///x"}, {"name": "a", "uri": "file:///y"}], "InvalidAdapter"),
                         ([{"name": "a", "uri": "pvc://other/x"}], "AdapterClaimNotMounted")):

@@ -149,8 +149,16 @@ class LLMEngine:
         self.num_steps = 0
         self.loras: dict[str, LoRARequest] = {}
         """Loaded LoRA adapters by name (``enable_lora``); see :meth:`add_lora`."""
+        self.lora_load_errors: dict[str, str] = {}
+        """``lora_modules`` entries skipped at start (``skip_failed_lora_modules``): name -> why."""
         for module in config.lora_modules:
-            self.add_lora(module.name, module.path, module.base_model_name)
+            try:
+                self.add_lora(module.name, module.path, module.base_model_name)
+            except LoRALoadError as exc:
+                if not config.skip_failed_lora_modules:
+                    raise
+                logger.error("LoRA adapter %s skipped: %s", module.name, exc)
+                self.lora_load_errors[module.name] = str(exc)
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_name: str, lora_path: str, base_model_name: str | None = None) -> LoRARequest:

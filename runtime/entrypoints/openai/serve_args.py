@@ -116,6 +116,7 @@ _HELP = {
     "max_loras": "most distinct LoRA adapters in one engine step",
     "max_lora_rank": "largest LoRA rank accepted",
     "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
+    "skip_failed_lora_modules": "log and skip --lora-modules entries that cannot be loaded (instead of failing)",
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 
