@@ -35,8 +35,8 @@ from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
-from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.serving_lora import lora_model_cards, lora_router
+from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 
