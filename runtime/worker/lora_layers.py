@@ -81,6 +81,9 @@ class LoRALinear(torch.nn.Module):
                                                    device=device), persistent=False)  # fmt: skip
         self.register_buffer("lora_b", torch.zeros((max_loras, max_rank, self.out_features), dtype=dtype,
                                                    device=device), persistent=False)  # fmt: skip
+        # [max_loras * max_rank, in / out] views of the slots (set_slot writes through them).
+        self._a_flat = self.lora_a.view(max_loras * max_rank, self.in_features)
+        self._b_flat = self.lora_b.view(max_loras * max_rank, self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -99,8 +102,16 @@ class LoRALinear(torch.nn.Module):
         if not y.is_contiguous():
             y = y.contiguous()
         # The deltas are added in place into a [T, out] view of the base output.
-        add_lora(x.reshape(-1, self.in_features), y.view(-1, self.out_features), self.lora_a, self.lora_b,
-                 ctx.token_slots, ctx.mask)
+        x2, y2 = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        if ctx.mask is None:  # CUDA: the Triton kernels (kvfleet.kernels.lora.add_lora dispatches)
+            add_lora(x2, y2, self.lora_a, self.lora_b, ctx.token_slots, None)
+            return y
+        # CPU: kvfleet.kernels.lora.lora_stacked_torch inlined over the flat views (a step runs this
+        # once per adapted layer, so every Python call saved counts on small decode batches).
+        kr = ctx.mask.shape[1]
+        shrink = torch.mm(x2, self._a_flat[:kr].t())
+        shrink.mul_(ctx.mask)
+        y2.addmm_(shrink, self._b_flat[:kr])
         return y
 
     def set_slot(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvfleet.kernels import select_backend
 from kvfleet.kernels.lora import slot_mask
 from kvfleet.runtime.core.sched.output import ScheduledRequest
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
@@ -166,7 +167,7 @@ class LoRAManager:
         token_slots = torch.repeat_interleave(torch.tensor(per_request, dtype=torch.long),
                                               torch.tensor(counts, dtype=torch.long)).to(self.device)
         mask = None
-        if self.device.type != "cuda":
+        if select_backend(self.device) != "triton":  # the torch path (CPU) takes the mask
             mask = slot_mask(token_slots, max(per_request) + 1, self.max_lora_rank, self.dtype)
         return LoRAStepContext(token_slots=token_slots, mask=mask)
 
