@@ -183,3 +183,12 @@ def test_serve_options_take_vllm_spellings():
     assert not parse_serve_args([], environ={}).server.allow_runtime_lora_updating
     with pytest.raises(SystemExit):
         parse_serve_args(["--enable-lora", "--lora-modules", "no-equals-sign"], environ={})
+
+
+def test_lora_paths_file_uris_and_bad_hub_uris():
+    from kvfleet.runtime.lora_source import resolve_lora_path
+
+    assert resolve_lora_path("/adapters/a") == "/adapters/a"
+    assert resolve_lora_path("file:///adapters/a") == "/adapters/a"
+    with pytest.raises(LoRALoadError, match="hf://ORG/NAME"):
+        resolve_lora_path("hf://no-org-part")
