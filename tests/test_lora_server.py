@@ -41,6 +41,7 @@ def client(base: str) -> openai.AsyncOpenAI:
 
 async def complete(c: openai.AsyncOpenAI, model: str) -> str:
     out = await c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.model == model  # a response names the adapter it was asked for, as vLLM's
     return out.choices[0].text
 
 
@@ -70,7 +71,7 @@ def test_adapters_listed_served_loaded_and_unloaded(server):
     assert r.status_code == 200 and "removed successfully" in r.text
     with pytest.raises(openai.NotFoundError) as err:
         asyncio.run(complete(client(base), "a2"))
-    assert err.value.code == "model_not_found"
+    assert err.value.code == "model_not_found" and "`a1`" in err.value.message  # the 404 lists the adapters
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"})
     assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
 

@@ -92,8 +92,11 @@ class UpstreamResponse(Response):
             if pump in done:
                 exc = pump.exception()
                 if isinstance(exc, httpx.HTTPError):
+                    # Returning with the body unfinished makes the server close the connection:
+                    # the client's stream is cut (never a second generation), without a traceback.
                     outcome = "stream_error"
-                    raise exc  # the server closes the connection: the client's stream is cut
+                    logger.warning("replica %s failed mid-stream (%s: %s): the client's stream is cut",
+                                   self.endpoint.url, type(exc).__name__, exc)
                 if isinstance(exc, OSError):
                     outcome = "client_disconnect"
                 elif exc is not None:

@@ -281,7 +281,10 @@ def resolve(
             built = model.model_validate(vals)
         except ValidationError as exc:
             for err in exc.errors():
-                name = str(err["loc"][0]) if err["loc"] else "?"
+                if not err["loc"]:  # a rule over several options (a model validator): its message names them
+                    problems.append(str(err["msg"]).removeprefix("Value error, "))
+                    continue
+                name = str(err["loc"][0])
                 where = {"cli": f"--{name.replace('_', '-')}", "env": env_var(name), "file": f"config key {name}"}
                 problems.append(f"{where.get(sources.get(name, ''), name)}={vals.get(name)!r}: {err['msg']}")
             continue

@@ -84,12 +84,21 @@ class ServerState:
     def check_model(self, requested: str | None) -> None:
         """404 unless ``requested`` is None, the served model's name or a loaded LoRA adapter's."""
         if requested is not None and requested != self.model_name and not self.is_lora(requested):
+            adapters = [lora.lora_name for lora in self.engine.list_loras()] if (
+                self.config.enable_lora and self.engine is not None) else []
+            served = ", ".join(f"`{n}`" for n in [self.model_name, *adapters])
             raise APIError(
                 404,
-                f"The model `{requested}` does not exist. Served model: `{self.model_name}`.",
+                f"The model `{requested}` does not exist. Served model{'s' if adapters else ''}: {served}.",
                 param="model",
                 code="model_not_found",
             )
+
+    def response_model(self, requested: str | None) -> str:
+        """The ``model`` a response names: the LoRA adapter the request asked for (as vLLM
+        answers), else the served model's name."""
+        return requested if requested is not None and requested != self.model_name and self.is_lora(requested) \
+            else self.model_name
 
     def is_lora(self, name: str) -> bool:
         """Whether ``name`` is a loaded LoRA adapter (False with LoRA off or while loading)."""

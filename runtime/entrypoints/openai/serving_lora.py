@@ -68,6 +68,9 @@ def lora_router(auth: Sequence[Any], parse_body: Callable[[Request, type], Await
         state = _updating_state(request)
         body = await parse_body(request, P.LoadLoRAAdapterRequest)
         engine = state.require_engine()
+        if body.lora_name == state.model_name:
+            raise APIError(400, f"'{body.lora_name}' is the served model's name; an adapter needs another name.",
+                           param="lora_name", code="invalid_value")
         if any(lora.lora_name == body.lora_name for lora in engine.list_loras()):
             raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name",
                            code="invalid_value")
