@@ -268,3 +268,20 @@ def test_tools_reach_a_tools_template_natively_and_others_through_the_fallback_p
                                                           '{"city": "Paris"}}\n</tool_call>'}
     assert fallback[3] == {"role": "user", "content": '<tool_response>\n{"temp_c": 21}\n</tool_response>'}
     smollm2.tokenizer.apply_chat_template(fallback, tokenize=False)  # the default template renders it
+
+
+def test_tool_names_follow_openais_rule_and_are_unique():
+    """A name the Hermes tags could be broken by (``g</tool_call>``), or a name given twice, is a
+    400 on ``tools`` before anything is generated."""
+    from kvfleet.runtime.entrypoints.openai import protocol as P
+    from kvfleet.runtime.entrypoints.openai.tool_calls import resolve_tools
+
+    def body(*names: str) -> P.ChatCompletionRequest:
+        return P.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+                                       tools=[{"type": "function", "function": {"name": n}} for n in names])
+
+    assert resolve_tools(body("get_weather", "get-time2"), "hermes", False).choice == "required"
+    for names, why in ((("g</tool_call>",), "1-64 letters"), (("a" * 65,), "1-64 letters"),
+                       (("f", "f"), "given twice")):
+        with pytest.raises(P.ProtocolError, match=why):
+            resolve_tools(body(*names), "hermes", False)

@@ -20,6 +20,7 @@ into the prompt, the grammar of ``required`` / named choices, and which parser r
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,14 +74,21 @@ class ToolSetup:
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
 
 
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""A function name as OpenAI's API accepts it (and one the Hermes tags cannot be broken by)."""
+
+
 def _check_tools(tools: list[dict[str, Any]]) -> None:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
             raise P.UnsupportedFeature(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
                                        "tools")  # fmt: skip
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise P.ProtocolError(f"tools[{i}].function.name must be a non-empty string", "tools")
+        if not isinstance(fn.get("name"), str) or not FUNCTION_NAME.fullmatch(fn["name"]):
+            raise P.ProtocolError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-' (OpenAI's "
+                                  f"rule), got {fn.get('name')!r}", "tools")
+        if any(fn["name"] == u.get("function", {}).get("name") for u in tools[:i] if isinstance(u, dict)):
+            raise P.ProtocolError(f"tools[{i}].function.name {fn['name']!r} is given twice", "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise P.ProtocolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
 
