@@ -213,3 +213,15 @@ def test_settings_need_one_endpoint_source():
     for argv in ([], ["--endpoints", "http://a:1", "--kube-service", "s"], ["--endpoints", "x", "--max-pending", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(argv, environ={})
+
+
+def test_min_capacity_keeps_a_lightly_loaded_owner_from_spilling():
+    """Three prefixes in flight on their owner and none elsewhere: the paper's bound
+    (ceil(1.25 x 4 / 3) = 2) spills the fourth request; a floor of 4 keeps it on the owner."""
+    ring_owner = Picker().pick([Candidate(k) for k in KEYS], "hot prefix").key
+    loaded = [Candidate(k, in_flight=3 if k == ring_owner else 0) for k in KEYS]
+    assert Picker(min_capacity=1).pick(loaded, "hot prefix").decision == SPILL
+    kept = Picker(min_capacity=4).pick(loaded, "hot prefix")
+    assert (kept.key, kept.decision) == (ring_owner, HIT)
+    assert capacity(3, 3, 1.25, min_capacity=4) == 4 and capacity(30, 3, 1.25, min_capacity=4) == 13
+    assert parse_args(["--endpoints", "http://a:1"], environ={}).min_capacity == 4

@@ -43,7 +43,7 @@ class RouterState:
         self.pending = PendingQueue(settings.max_pending, settings.pending_timeout)
         self.pool.on_available(self.pending.notify)
         self.picker = Picker(settings.routing_algorithm, load_factor=settings.load_factor,
-                             virtual_nodes=settings.virtual_nodes)
+                             virtual_nodes=settings.virtual_nodes, min_capacity=settings.min_capacity)
         self.metrics = RouterMetrics()
         self.source_ready = asyncio.Event()
         self.forwarder: Forwarder | None = None

@@ -5,7 +5,8 @@ CHWBL is Mirrokni, Thorup and Zadimoghaddam, "Consistent Hashing with Bounded Lo
 2018), as KubeAI applies it to LLM prefix caching: every endpoint owns ``virtual_nodes`` points
 on a 64-bit hash ring; a request's prefix key hashes to a point and walks clockwise to the first
 endpoint whose load after taking the request stays within ``ceil(load_factor * (total + 1) / n)``
-(the paper's capacity, with ``total`` the load of all ``n`` candidates). The owner of the first
+(the paper's capacity, with ``total`` the load of all ``n`` candidates; never below
+``min_capacity``). The owner of the first
 point is the *affinity* endpoint: picking it is a ``hit``; walking past it because it is full is a
 ``spill`` (a hot prefix spreads instead of melting one replica); a request without a prefix key
 (or with ``least-load``) is routed by least load, a ``fallback``.
@@ -109,10 +110,12 @@ class HashRing:
                     return
 
 
-def capacity(total_load: float, n: int, load_factor: float) -> int:
+def capacity(total_load: float, n: int, load_factor: float, min_capacity: int = 1) -> int:
     """CHWBL's bound: the most load one of ``n`` endpoints may carry once the new request is
-    placed, ``ceil(load_factor * (total_load + 1) / n)`` (at least 1)."""
-    return max(1, math.ceil(load_factor * (total_load + 1) / n))
+    placed, ``ceil(load_factor * (total_load + 1) / n)``, and never below ``min_capacity``
+    (kvfleet's floor: a continuous-batching replica takes a few more requests almost for free, so
+    spilling a prefix at a handful in flight would only lose its cache hits)."""
+    return max(1, min_capacity, math.ceil(load_factor * (total_load + 1) / n))
 
 
 class Picker:
@@ -123,15 +126,19 @@ class Picker:
         load_factor: CHWBL's ``c`` (> 1; 1.25 as KubeAI's default): how far above the mean load
             one endpoint may go before its prefixes spill to the next endpoint on the ring.
         virtual_nodes: ring points per endpoint.
+        min_capacity: an endpoint with fewer requests than this in flight never spills (1: the
+            paper's bound alone).
     """
 
-    def __init__(self, algorithm: str = "prefix-hash", *, load_factor: float = 1.25, virtual_nodes: int = 100):
+    def __init__(self, algorithm: str = "prefix-hash", *, load_factor: float = 1.25, virtual_nodes: int = 100,
+                 min_capacity: int = 1):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown routing algorithm {algorithm!r}; one of {', '.join(ALGORITHMS)}")
         if load_factor < 1:
             raise ValueError("load_factor must be >= 1")
         self.algorithm = algorithm
         self.load_factor = load_factor
+        self.min_capacity = min_capacity
         self.ring = HashRing(virtual_nodes)
         self._rr = itertools.count()
 
@@ -161,7 +168,7 @@ class Picker:
     def _chwbl(self, candidates: Sequence[Candidate], prefix_key: str, ring_keys: Sequence[str]) -> Decision:
         self.ring.update(ring_keys)
         by_key = {c.key: c for c in candidates}
-        bound = capacity(sum(c.load for c in candidates), len(candidates), self.load_factor)
+        bound = capacity(sum(c.load for c in candidates), len(candidates), self.load_factor, self.min_capacity)
         first = True
         for key in self.ring.walk(hash64(prefix_key)):
             cand = by_key.get(key)

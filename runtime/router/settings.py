@@ -37,6 +37,7 @@ class RouterSettings(BaseModel):
     routing_algorithm: Literal["prefix-hash", "least-load", "round-robin"] = "prefix-hash"
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
     load_factor: float = Field(1.25, ge=1.0)
+    min_capacity: int = Field(4, ge=1)
     virtual_nodes: int = Field(100, ge=1, le=10000)
     max_pending: int = Field(1024, ge=0)
     pending_timeout: float = Field(300.0, gt=0)
@@ -63,6 +64,7 @@ _HELP = {
     "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), least-load, or round-robin",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
+    "min_capacity": "a replica with fewer requests than this in flight never spills its prefixes (floor of the bound)",
     "virtual_nodes": "hash ring points per replica",
     "max_pending": "most requests held while no replica is ready; one more gets HTTP 429",
     "pending_timeout": "seconds a request is held at most; then HTTP 503",
