@@ -15,22 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from kvfleet.runtime.bench.compare import cpu_description
 
 
 def build(mode: str, args) -> dict:
@@ -94,7 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="measurement rounds, the modes interleaved in each")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    print(f"CPU: {cpu_model()}; load average {os.getloadavg()}", flush=True)
+    print(f"CPU: {cpu_description()}; load average {os.getloadavg()}", flush=True)
     runs = [build(m, args) for m in args.mode]
     for i in range(args.rounds):
         for run in runs:
@@ -106,7 +97,7 @@ def main(argv=None) -> int:
         print(f"one stream: greedy tokens agree on the first {same} of {len(a)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cpu=cpu_model(), argv=sys.argv[1:], runs=recs), f, indent=1)
+            json.dump(dict(cpu=cpu_description(), argv=sys.argv[1:], runs=recs), f, indent=1)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,15 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+from kvfleet.runtime.bench.compare import cpu_description
 
 
 def write_adapter(path: Path, targets: dict[str, tuple[int, int]], rank: int, seed: int) -> None:
@@ -88,7 +79,7 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     common = dict(dtype="float32", device="cpu", max_num_seqs=a.concurrency, kv_cache_memory=512 * 2**20,
                   enable_prefix_caching=False)
-    results: dict = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "args": vars(a), "runs": {}}
+    results: dict = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "args": vars(a), "runs": {}}
 
     base = LLM.from_engine(LLMEngine(EngineConfig(**common), loaded=loaded))  # before the layers are wrapped
     run(base, prompts[:2], SamplingParams(max_tokens=2), None)  # warm-up

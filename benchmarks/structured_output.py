@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from kvfleet.runtime.bench.compare import cpu_description
 
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 64}
 
@@ -43,14 +44,6 @@ def person_schema(tag: str) -> dict:
         "required": [f"name_{tag}", "age", "role", "tags", "address"]}  # fmt: skip
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def decode_steps(engine, batch: int, tokens: int, constrained: bool, ids: iter) -> dict:
@@ -117,7 +110,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(dtype=args.dtype, max_num_seqs=max(args.batch)))
     ids = itertools.count()
     rng = random.Random()
-    result: dict = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
+    result: dict = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "load_avg": os.getloadavg(),
                     "dtype": args.dtype, "tokens": args.tokens, "ttft_ms": {}, "decode": {}}  # fmt: skip
     spec = StructuredOutputsParams(json=person_schema(f"{rng.randrange(10**9)}"))
     result["ttft_ms"]["first_with_tokenizer_info"] = ttft(engine, spec, "t0")
