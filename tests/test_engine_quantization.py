@@ -2,7 +2,10 @@
 
 A quantized engine gives the greedy tokens of the same model quantized by torchao directly
 (``quantize_`` with torchao's own config) and run by plain transformers ``generate``: the
-library's own quantized reference. Start-up errors name ``--quantization``.
+library's own quantized reference. Where kvfleet's AVX2 kernels run (``kernels/cpu_woq``: also
+the LM head, int8, and int4 with torchao's tinygemm parameters), the reference quantizes the
+same way with torchao and computes with torchao's kernels (int8) or torchao's dequantization
+(int4). Start-up errors name ``--quantization``.
 """
 
 from __future__ import annotations
@@ -30,19 +33,46 @@ PROMPTS = [
 ]
 
 
-def _torchao_reference(method: str) -> list[list[int]]:
-    """A plain copy of the default model, quantized with torchao's own config (decoder linears,
-    not the LM head), greedy ``generate`` one prompt at a time."""
+def _tinygemm_dequantized(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """torchao's int4 tinygemm quantization of ``weight``, dequantized by torchao."""
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _dequantize_affine_tinygemm,
+        _quantize_affine_tinygemm,
+    )
+
+    block = [1, group_size]
+    scale, zero = _choose_qparams_affine_tinygemm(weight, MappingType.ASYMMETRIC, block, torch.int32, 0, 15, 1e-6,
+                                                  None, weight.dtype)
+    qdata = _quantize_affine_tinygemm(weight, block, scale, zero, torch.int32, 0, 15)
+    return _dequantize_affine_tinygemm(qdata, block, scale, zero, torch.int32, 0, 15)
+
+
+def _torchao_reference(method: str, kernels: bool) -> list[list[int]]:
+    """A plain copy of the default model, quantized with torchao (decoder linears; with
+    ``kernels``, kvfleet's AVX2 path, also the LM head as an untied int8 copy), greedy
+    ``generate`` one prompt at a time."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     ref = ml.load_model(None, dtype="float32", device="cpu")
+    model = ref.model
+    if kernels:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn == "lm_head")
     if method == "int8":
         config = Int8WeightOnlyConfig()
+    elif kernels:
+        config = None
+        with torch.no_grad():
+            for mod in q.decoder_linears(model).values():
+                mod.weight.copy_(_tinygemm_dequantized(mod.weight.detach(), 64))
     else:
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
         config = PrototypeInt4WeightOnlyConfig(group_size=64)  # SmolLM2: hidden size 576 = 9 x 64
-    quantize_(ref.model, config, filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and fqn != "lm_head")
+    if config is not None:
+        quantize_(model, config, filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and fqn != "lm_head")
     expected = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -64,17 +94,27 @@ def test_quantized_engine_matches_torchao_reference(smollm2, method):
     assert len(layers) == 7 * loaded.model.config.num_hidden_layers  # q, k, v, o, gate, up, down
     assert all(type(m.weight).__name__ != "Parameter" or type(m.weight.data) is not torch.Tensor
                for m in layers.values())  # fmt: skip
-    assert type(loaded.model.get_output_embeddings().weight.data) is torch.Tensor  # the LM head stays fp32
+    kernels = q.use_cpu_kernels(loaded.model)
+    head = loaded.model.get_output_embeddings()
+    if kernels:  # the LM head is an untied int8 copy; the input embedding stays fp32
+        from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+
+        assert isinstance(head, Int8Linear) and head.weight.dtype == torch.int8
+        assert all(isinstance(m, Int8Linear if method == "int8" else Int4Linear) for m in layers.values())
+        assert loaded.model.get_input_embeddings().weight.dtype == torch.float32
+    else:
+        assert type(head.weight.data) is torch.Tensor  # the LM head stays fp32
     # Weight bytes: decoder linears 4 -> ~1 (int8) or ~0.6 (int4) bytes per weight; the tied
-    # embedding (28M of the 135M parameters) stays fp32.
+    # embedding (28M of the 135M parameters) stays fp32 (plus its int8 copy with the kernels).
     fp32 = q.weight_bytes(smollm2.model)
-    assert loaded.weight_bytes < (0.45 if method == "int8" else 0.38) * fp32, (loaded.weight_bytes, fp32)
+    bound = (0.45 if method == "int8" else 0.38) + (0.06 if kernels else 0.0)
+    assert loaded.weight_bytes < bound * fp32, (loaded.weight_bytes, fp32)
     info = engine.cache_config_info()
     assert info["quantization"] == method and info["cache_dtype"] == "float32"
     # Mixed prefill/decode steps (64-token chunks): the paged engine against plain transformers.
     outs = LLM.from_engine(engine).generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                                             use_tqdm=False)  # fmt: skip
-    assert [o.outputs[0].token_ids for o in outs] == _torchao_reference(method)
+    assert [o.outputs[0].token_ids for o in outs] == _torchao_reference(method, kernels)
 
 
 def test_unknown_quantization_is_refused_naming_the_option():

@@ -46,3 +46,15 @@ def test_runtime_exports_its_public_api():
     for name in runtime.__all__:
         assert getattr(runtime, name) is not None, name
     assert {"LLM", "SamplingParams", "LLMEngine", "AsyncLLMEngine", "EngineConfig"} <= set(runtime.__all__)
+
+
+def test_the_wheel_ships_the_c_source_the_cpu_kernels_build(tmp_path):
+    """``kvfleet.kernels.cpu_woq`` compiles ``cpu_woq.c`` at run time: a non-editable install
+    (the Docker image's ``uv pip install /src``) must contain it."""
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("kvfleet-*.whl")
+    assert "kvfleet/kernels/cpu_woq.c" in zipfile.ZipFile(wheel).namelist()

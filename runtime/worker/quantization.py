@@ -14,6 +14,14 @@ the embedding matrix, and it is the layer whose rounding moves the logits most d
   divides every quantized layer's ``in_features`` (64 for SmolLM2, whose hidden size is 576).
   CPU only.
 
+On an x86-64 CPU with AVX2 and FMA and a C compiler, the layers then run kvfleet's own kernels
+(:mod:`kvfleet.kernels.cpu_woq`, through :mod:`kvfleet.runtime.worker.woq_linear`): torch's
+CPU int8/int4 kernels are vectorised for AVX-512 only and ran slower than fp32 on AVX2. There the
+LM head is quantized too (int8, an untied copy: the embedding lookups keep the model dtype), since
+at one stream it is a fifth of the bytes read per token. ``KVFLEET_CPU_WOQ=0`` keeps torchao's
+kernels (and the LM head unquantized) for comparison. int4 on that path takes torchao's
+tinygemm parameters (the same as its CPU int4 tensor) and packs them for the kernel.
+
 Every refusal is a ``ValueError`` whose message starts with ``--quantization`` (an engine
 start-up error: ``kvfleet serve`` logs it on one line and exits 1).
 """
@@ -21,6 +29,7 @@ start-up error: ``kvfleet serve`` logs it on one line and exits 1).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
 """Values of ``--quantization`` (``EngineConfig.quantization``); None: the model dtype."""
+CPU_WOQ_ENV = "KVFLEET_CPU_WOQ"
+"""``0`` turns kvfleet's AVX2 kernels off (torchao's kernels, LM head unquantized)."""
 INT4_GROUP_SIZES = (128, 64, 32)
 """Group sizes torchao's CPU int4 kernel takes, the coarsest (fewest scale bytes) first."""
 
@@ -44,6 +55,8 @@ class QuantizationInfo:
         group_size: int4 group size (None for int8, which is per output channel).
         weight_bytes_before / weight_bytes_after: bytes of every parameter and buffer of the
             model, before and after (see :func:`weight_bytes`).
+        kernel: ``kvfleet-avx2`` (:mod:`kvfleet.kernels.cpu_woq`) or ``torchao``.
+        lm_head: whether the LM head was quantized (int8; only with ``kvfleet-avx2``).
     """
 
     method: str
@@ -51,6 +64,8 @@ class QuantizationInfo:
     group_size: int | None
     weight_bytes_before: int
     weight_bytes_after: int
+    kernel: str = "torchao"
+    lm_head: bool = False
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -167,15 +182,38 @@ def quantize_model(model: torch.nn.Module, method: str) -> QuantizationInfo:
         )
     group = int4_group_size(model) if method == "int4" else None
     before = weight_bytes(model)
-    quantize_(model, torchao_config(method, group), filter_fn=linear_filter(model))
+    kernel = "kvfleet-avx2" if use_cpu_kernels(model) else "torchao"
+    if method == "int8" or kernel == "torchao":
+        quantize_(model, torchao_config(method, group), filter_fn=linear_filter(model))
+    lm_head = False
+    if kernel == "kvfleet-avx2":
+        from kvfleet.runtime.worker.woq_linear import convert_model
+
+        lm_head = model.get_output_embeddings() is not None
+        convert_model(model, layers, method, group, lm_head)
     after = weight_bytes(model)
-    info = QuantizationInfo(method, len(layers), group, before, after)
+    info = QuantizationInfo(method, len(layers), group, before, after, kernel, lm_head)
     logger.info(
-        "quantized %d linear layers to %s%s (weights %.1f MiB -> %.1f MiB)",
+        "quantized %d linear layers to %s%s%s with %s kernels (weights %.1f MiB -> %.1f MiB)",
         info.num_layers,
         method,
         f" (group size {group})" if group else "",
+        " and the LM head to int8" if lm_head else "",
+        kernel,
         before / 2**20,
         after / 2**20,
     )
     return info
+
+
+def use_cpu_kernels(model: torch.nn.Module) -> bool:
+    """Whether :func:`quantize_model` uses kvfleet's AVX2 kernels: the model is on the CPU, the
+    kernels build here (:func:`kvfleet.kernels.cpu_woq.available`) and ``KVFLEET_CPU_WOQ`` is not 0."""
+    if os.environ.get(CPU_WOQ_ENV, "").strip() == "0":
+        return False
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        return False
+    from kvfleet.kernels import cpu_woq
+
+    return cpu_woq.available()  # built under $KVFLEET_CACHE_DIR/kernels

@@ -1,0 +1,123 @@
+/* kvfleet CPU kernels: weight-only quantized linear layers (int8, int4) for x86-64 AVX2 + FMA.
+ *
+ * Contract (kernels/cpu_woq.py builds this file with the system C compiler, loads it with
+ * ctypes and checks every argument before a call; nothing here validates):
+ *
+ *   y[m, n] = sum_k x[m, k] * dequant(w)[n, k] + bias[n]      (bias may be NULL)
+ *
+ *   x:    [M, K] float32, row-major, rows `ldx` floats apart
+ *   y:    [M, N] float32, row-major, contiguous
+ *   int8: w [N, K] int8 row-major; dequant(w)[n, k] = w[n, k] * scale[n]  (symmetric, per channel)
+ *   int4: w [N, K/2] uint8; per row, block b of 32 weights (k = 32b .. 32b+31) is 16 bytes:
+ *         byte j holds k = 32b + j in its low nibble and k = 32b + 16 + j in its high nibble;
+ *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
+ *         (a multiple of 32), scale and shift [N, K / G] float32 (shift = -zero_point * scale).
+ *   K is a multiple of 32 (int4) or 8 (int8).
+ *
+ * Decode steps (M = a few rows) are bound by reading the weights: each weight is loaded once,
+ * widened to float32 in registers and used for up to 4 rows of x at a time (the rows of x stay
+ * in L1). Output channels are split over the OpenMP threads (libgomp: the same runtime torch's
+ * wheels bundle, so the process keeps one thread pool).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stddef.h>
+
+/* Weights below which one thread does the whole layer (waking a second thread costs more). */
+#define PARALLEL_MIN_WEIGHTS (1 << 16)
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __m256 widen_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* Rows m0 .. m0+R-1 (R <= 4) of output channel n, int8 weights. */
+static inline void int8_rows(const float *x, int64_t ldx, int64_t K, const int8_t *wn, float s,
+                             float b, float *y, int64_t N, int64_t n, int64_t m0, int R) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = widen_i8(wn + k), w1 = widen_i8(wn + k + 8);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + (m0 + r) * ldx + k;
+            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[r]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 w0 = widen_i8(wn + k);
+        for (int r = 0; r < R; r++)
+            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (m0 + r) * ldx + k), a0[r]);
+    }
+    for (int r = 0; r < R; r++)
+        y[(m0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) * s + b;
+}
+
+void kv_woq_int8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
+                        int64_t N, const float *scale, const float *bias, float *y) {
+    #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *wn = w + n * K;
+        float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            int8_rows(x, ldx, K, wn, scale[n], b, y, N, n, m0, R);
+        }
+    }
+}
+
+/* 32 int4 weights (16 bytes) widened to four float vectors, dequantized: q * s + t. */
+static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);                       /* k = j      (j = 0..15) */
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);    /* k = 16 + j */
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, t);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, t);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, t);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, t);
+}
+
+static inline void int4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *wn, const float *sn,
+                             const float *tn, int64_t G, float b, float *y, int64_t N, int64_t n,
+                             int64_t m0, int R) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; k += 32) {
+        int64_t g = k / G;
+        __m256 wv[4];
+        widen_i4(wn + k / 2, _mm256_set1_ps(sn[g]), _mm256_set1_ps(tn[g]), wv);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + (m0 + r) * ldx + k;
+            a0[r] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), a0[r]);
+            a1[r] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), a1[r]);
+            a0[r] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), a0[r]);
+            a1[r] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[(m0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + b;
+}
+
+void kv_woq_int4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
+                        int64_t N, const float *scale, const float *shift, int64_t G,
+                        const float *bias, float *y) {
+    int64_t groups = K / G;
+    #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wn = w + n * (K / 2);
+        float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            int4_rows(x, ldx, K, wn, scale + n * groups, shift + n * groups, G, b, y, N, n, m0, R);
+        }
+    }
+}

@@ -1,0 +1,282 @@
+"""Weight-only quantized linear layers on x86-64 CPUs with AVX2 + FMA: int8 (per output channel)
+and int4 (groupwise, asymmetric), as the custom ops ``kvfleet::woq_int8_linear`` and
+``kvfleet::woq_int4_linear``.
+
+Why our own kernel: torch's CPU kernels for weight-only int8/int4 (``aten._weight_int8pack_mm``,
+``aten._weight_int4pack_mm_for_cpu``, ``torch._int_mm``) are vectorised for AVX-512; on an AVX2
+machine they ran 5-10x slower than the fp32 matmul they replace (docs/performance.md,
+"Weight-only quantization"), and torchao 0.18's wheels carry no x86 low-bit kernels. A decode
+step is bound by reading weights, so the kernel reads each weight once, widens it to float32 in
+registers and uses it for up to four rows of ``x`` (``kernels/cpu_woq.c`` states the layouts).
+
+Build: :func:`load` compiles ``cpu_woq.c`` with the system C compiler (``$CC``, else ``cc`` /
+``gcc``; ``-O3 -mavx2 -mfma -fopenmp``) into ``<cache>/kernels/cpu_woq-<hash>.so`` (the hash
+covers the source and the flags; the build is written to a temporary name and renamed, so
+concurrent processes do not see half a file) and loads it with ``ctypes``; about a second,
+once per cache folder. :func:`available` says whether this machine can use it: Linux x86-64,
+AVX2 and FMA in ``/proc/cpuinfo``, a compiler, and a build that succeeded. Callers fall back
+to torch/torchao's kernels when it is False.
+
+Shapes and dtypes (the ops check them and raise ``ValueError``):
+
+- ``int8_linear(x [..., K] float, qdata [N, K] int8, scale [N] float32, bias [N] | None)``
+  -> ``[..., N]`` in ``x.dtype``: ``x @ (qdata * scale[:, None]).T + bias``.
+- ``int4_linear(x [..., K], packed [N, K/2] uint8, scale [N, K/G], shift [N, K/G], G, bias)``
+  -> ``x @ W.T + bias`` with ``W[n, k] = q[n, k] * scale[n, k//G] + shift[n, k//G]``,
+  ``q = unpack_int4(packed)`` in 0..15, ``G`` a multiple of 32 dividing ``K``.
+  :func:`pack_int4` makes ``packed`` from ``q [N, K]`` (uint8 0..15).
+
+Computed in float32 (``x`` is converted when it is bf16/fp16); the sums run in a different
+order than a BLAS matmul, so results match ``x @ W.T`` to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_woq.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def cpu_supported(cpuinfo: str | None = None) -> bool:
+    """Linux x86-64 with the ``avx2`` and ``fma`` flags (``/proc/cpuinfo``, or ``cpuinfo``)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx2" in flags and "fma" in flags
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _default_root() -> Path:
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
+
+
+def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
+    """Build (once per cache folder) and load the kernels; None when this machine cannot
+    (see :func:`available`; the reason is logged once and kept in :func:`unavailable_reason`)."""
+    global _lib, _error
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        if not cpu_supported():
+            _error = "the CPU lacks AVX2/FMA (or is not Linux x86-64)"
+            return None
+        cc = _compiler()
+        if cc is None:
+            _error = "no C compiler ($CC, cc or gcc) to build kernels/cpu_woq.c"
+            logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
+            return None
+        source = SOURCE.read_bytes()
+        digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+        folder = (cache_root or _default_root()) / "kernels"
+        target = folder / f"cpu_woq-{digest}.so"
+        try:
+            if not target.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+                os.close(fd)
+                run = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+                if run.returncode != 0:
+                    os.unlink(tmp)
+                    raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+                os.replace(tmp, target)
+            lib = ctypes.CDLL(str(target))
+        except OSError as exc:
+            _error = f"building or loading {target.name} failed: {exc}"
+            logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
+            return None
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.kv_woq_int8_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
+        lib.kv_woq_int4_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, p]
+        lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = None
+        _lib = lib
+        return lib
+
+
+def available(cache_root: Path | None = None) -> bool:
+    """Whether the kernels run on this machine (builds them on first call)."""
+    return load(cache_root) is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None when it has not or it succeeded)."""
+    return _error
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, wdtype: torch.dtype, K: int, N: int, bias) -> None:
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError("kvfleet woq kernels run on CPU tensors only")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be floating point, got {x.dtype}")
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {K}")
+    if w.dtype != wdtype or not w.is_contiguous():
+        raise ValueError(f"weight must be a contiguous {wdtype} tensor, got {w.dtype}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32):
+        raise ValueError(f"bias must be float32 [{N}], got {bias.dtype} {tuple(bias.shape)}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2.contiguous()
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"kvfleet woq kernels unavailable: {_error}")
+    return lib
+
+
+def int8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (qdata * scale[:, None]).T + bias`` (see the module docstring); ``x`` [..., K].
+    Under ``torch.compile`` it is the opaque op ``kvfleet::woq_int8_linear``; eagerly a plain
+    call (a custom op's Python dispatch costs tens of microseconds a call)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvfleet.woq_int8_linear(x, qdata, scale, bias)
+    return _int8_linear(x, qdata, scale, bias)
+
+
+def _int8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    N, K = qdata.shape
+    _check(x, qdata, torch.int8, K, N, bias)
+    if scale.shape != (N,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"scale must be contiguous float32 [{N}], got {scale.dtype} {tuple(scale.shape)}")
+    x2 = _rows(x)
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    if x2.shape[0]:
+        _lib_or_raise().kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N,
+                                          scale.data_ptr(), _ptr(bias), y.data_ptr())
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for groupwise int4 ``W`` (see the module docstring); ``x`` [..., K].
+    ``kvfleet::woq_int4_linear`` under ``torch.compile``, a plain call eagerly."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvfleet.woq_int4_linear(x, packed, scale, shift, group_size, bias)
+    return _int4_linear(x, packed, scale, shift, group_size, bias)
+
+
+def _int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    N, half = packed.shape
+    K = 2 * half
+    _check(x, packed, torch.uint8, K, N, bias)
+    if group_size % 32 or K % group_size:
+        raise ValueError(f"group_size must be a multiple of 32 dividing K={K}, got {group_size}")
+    for name, t in (("scale", scale), ("shift", shift)):
+        if t.shape != (N, K // group_size) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 [{N}, {K // group_size}], got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    x2 = _rows(x)
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    if x2.shape[0]:
+        _lib_or_raise().kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], K, K, packed.data_ptr(), N, scale.data_ptr(),
+                                          shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def _int8_fake(x, qdata, scale, bias):
+    return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
+def _int4_fake(x, packed, scale, shift, group_size, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+torch.library.custom_op("kvfleet::woq_int8_linear", _int8_linear, mutates_args=()).register_fake(_int8_fake)
+torch.library.custom_op("kvfleet::woq_int4_linear", _int4_linear, mutates_args=()).register_fake(_int4_fake)
+
+
+def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`int8_linear` without the argument checks or the op dispatch, for a layer whose
+    weights were checked once (``kvfleet.runtime.worker.woq_linear``); call :func:`load` first."""
+    N, K = qdata.shape
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    _lib.kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
+                            None if bias is None else bias.data_ptr(), y.data_ptr())
+    y = y.view(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                          group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`int4_linear` without the argument checks or the op dispatch (see
+    :func:`int8_linear_unchecked`)."""
+    N, half = packed.shape
+    K = 2 * half
+    x2 = x.reshape(-1, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    _lib.kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], K, K, packed.data_ptr(), N, scale.data_ptr(),
+                            shift.data_ptr(), group_size, None if bias is None else bias.data_ptr(), y.data_ptr())
+    y = y.view(*x.shape[:-1], N)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` (integers 0..15, K a multiple of 32) -> ``[N, K/2]`` uint8 in the kernel's
+    layout: per block of 32, byte ``j`` = ``q[32b + j] | q[32b + 16 + j] << 4``.
+
+    Raises: ValueError: K not a multiple of 32, or values outside 0..15."""
+    N, K = q.shape
+    if K % 32:
+        raise ValueError(f"K={K} is not a multiple of 32")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("int4 values must lie in 0..15")
+    blocks = q.to(torch.uint8).reshape(N, K // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[N, K/2]`` uint8 -> ``[N, K]`` uint8 in 0..15."""
+    N, half = packed.shape
+    blocks = packed.reshape(N, half // 16, 16)
+    return torch.stack([blocks & 0x0F, blocks >> 4], dim=2).reshape(N, 2 * half)

@@ -1,0 +1,152 @@
+"""Linear layers that run kvfleet's AVX2 weight-only kernels (:mod:`kvfleet.kernels.cpu_woq`).
+
+:func:`convert_model` swaps a model's linear layers for :class:`Int8Linear` / :class:`Int4Linear`
+(subclasses of ``nn.Linear``, so code that finds layers by type or name, LoRA included, keeps
+working). The quantization itself is torchao's:
+
+- ``int8``: the layer already holds torchao's ``Int8WeightOnlyConfig`` tensor (symmetric, per
+  output channel); :class:`Int8Linear` keeps its ``qdata`` (as ``weight``) and ``scale``.
+- ``int4``: the float weight is quantized with torchao's tinygemm parameter choice (the one its
+  CPU int4 tensor uses: asymmetric, groupwise, ``W = (q - 8) * scale + zero``); the 4-bit values
+  are packed in the kernel's layout. ``weight`` is then the packed ``[N, K/2]`` uint8 buffer.
+- The LM head (``lm_head=True``) becomes an :class:`Int8Linear` over an untied int8 copy of the
+  output embedding (the input embedding stays in the model dtype for the lookups): decode at a
+  few rows reads it once per token, 4x fewer bytes than fp32.
+
+Rows: a step of at most :data:`MAX_KERNEL_ROWS` rows runs the kernel (decode); a larger one
+(prefill, large batches, where the matmul is compute-bound) dequantizes the weight and runs
+torch's matmul. Activations may be fp32, bf16 or fp16; the kernel computes in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvfleet.kernels import cpu_woq
+
+MAX_KERNEL_ROWS = 32
+"""Rows (tokens) up to which the kernel runs; above, dequantize + torch matmul (measured on an
+AVX2 EPYC: the kernel is faster up to ~32 rows, docs/performance.md)."""
+
+
+def _shell(cls, linear: torch.nn.Linear) -> torch.nn.Linear:
+    new = cls.__new__(cls)
+    torch.nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    return new
+
+
+class Int8Linear(torch.nn.Linear):
+    """``nn.Linear`` over int8 weights, per-output-channel scales (see the module docstring).
+
+    Buffers: ``weight [N, K]`` int8 (torchao's ``qdata``), ``qscale [N]`` float32, ``bias32 [N]``
+    float32 or None."""
+
+    @classmethod
+    def from_torchao(cls, linear: torch.nn.Linear) -> Int8Linear:
+        """From a layer holding torchao's ``Int8Tensor`` weight."""
+        w = linear.weight
+        new = _shell(cls, linear)
+        new.register_buffer("weight", w.qdata.contiguous(), persistent=False)
+        new.register_buffer("qscale", w.scale.reshape(-1).float().contiguous(), persistent=False)
+        bias = linear.bias
+        new.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        return new
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        """Quantize a float ``weight [N, K]`` symmetrically per output channel (torchao's
+        ``Int8WeightOnlyConfig`` numerics); the float weight is not kept."""
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+            if bias is not None:
+                lin.bias.copy_(bias)
+        holder = torch.nn.Sequential(lin)
+        quantize_(holder, Int8WeightOnlyConfig(set_inductor_config=False))
+        return cls.from_torchao(holder[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvfleet.woq_int8_linear(x, self.weight, self.qscale, self.bias32)
+        if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
+            return cpu_woq.int8_linear_unchecked(x, self.weight, self.qscale, self.bias32)
+        y = torch.nn.functional.linear(x, self.weight.to(x.dtype)) * self.qscale.to(x.dtype)
+        return y if self.bias32 is None else y + self.bias32.to(x.dtype)
+
+
+class Int4Linear(torch.nn.Linear):
+    """``nn.Linear`` over groupwise int4 weights (see the module docstring).
+
+    Buffers: ``weight [N, K/2]`` uint8 (packed, :func:`kvfleet.kernels.cpu_woq.pack_int4`),
+    ``qscale`` and ``qshift [N, K/G]`` float32, ``bias32 [N]`` float32 or None; ``group_size``."""
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, group_size: int) -> Int4Linear:
+        """Quantize ``linear``'s float weight with torchao's tinygemm parameters (groups of
+        ``group_size`` along K)."""
+        from torchao.quantization.quant_primitives import (
+            MappingType,
+            _choose_qparams_affine_tinygemm,
+            _quantize_affine_tinygemm,
+        )
+
+        w = linear.weight.detach().float()
+        block = [1, group_size]
+        scale, zero = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, block, torch.int32, 0, 15, 1e-6,
+                                                      None, w.dtype)
+        q = _quantize_affine_tinygemm(w, block, scale, zero, torch.int32, 0, 15)
+        scale = scale.reshape(w.shape[0], -1).float()
+        zero = zero.reshape(w.shape[0], -1).float()
+        new = _shell(cls, linear)
+        new.group_size = group_size
+        new.register_buffer("weight", cpu_woq.pack_int4(q), persistent=False)
+        new.register_buffer("qscale", scale.contiguous(), persistent=False)
+        new.register_buffer("qshift", (zero - 8 * scale).contiguous(), persistent=False)
+        bias = linear.bias
+        new.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        return new
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight ``[N, K]`` the kernel computes with."""
+        q = cpu_woq.unpack_int4(self.weight).float()
+        g = self.group_size
+        return q * self.qscale.repeat_interleave(g, 1) + self.qshift.repeat_interleave(g, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvfleet.woq_int4_linear(x, self.weight, self.qscale, self.qshift, self.group_size,
+                                                     self.bias32)
+        if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
+            return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
+                                                 self.bias32)
+        y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
+        return y if self.bias32 is None else y + self.bias32.to(x.dtype)
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def convert_model(model: torch.nn.Module, layers: dict[str, torch.nn.Linear], method: str,
+                  group_size: int | None, lm_head: bool) -> int:
+    """Swap ``layers`` (name -> layer of ``model``) for the kernel's layers, and the LM head
+    when ``lm_head``; returns the number of layers swapped. ``int8`` layers must already hold
+    torchao ``Int8Tensor`` weights; ``int4`` layers hold float weights."""
+    for name, linear in layers.items():
+        new = Int8Linear.from_torchao(linear) if method == "int8" else Int4Linear.from_linear(linear, group_size)
+        _replace(model, name, new)
+    count = len(layers)
+    if lm_head:
+        head = model.get_output_embeddings()
+        name = next(n for n, m in model.named_modules() if m is head)
+        _replace(model, name, Int8Linear.from_float(head.weight.detach(), head.bias))
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.config.tie_word_embeddings = False  # the head is its own (int8) copy now
+        count += 1
+    return count

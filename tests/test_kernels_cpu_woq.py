@@ -1,0 +1,155 @@
+"""kvfleet's AVX2 weight-only kernels (``kernels/cpu_woq``) and the layers that run them
+(``runtime/worker/woq_linear``): against float64 references, torchao's quantization, the
+layouts, the checks, and ``torch.compile``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet.kernels import cpu_woq
+
+pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason=f"AVX2 kernels: {cpu_woq.unavailable_reason()}")
+
+SHAPES = [(192, 576), (1536, 576), (576, 1536), (33, 64), (7, 96)]
+
+
+def _int4_reference(q: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group: int) -> torch.Tensor:
+    return q.double() * scale.double().repeat_interleave(group, 1) + shift.double().repeat_interleave(group, 1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_and_int4_match_float64(rows, shape):
+    gen = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    N, K = shape
+    x = torch.randn(rows, K, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    s8 = torch.rand(N, generator=gen) * 0.02
+    ref8 = x.double() @ (q8.double() * s8.double()[:, None]).T
+    tol = 1e-6 * K ** 0.5 * ref8.abs().max().item() + 1e-6
+    assert (cpu_woq.int8_linear(x, q8, s8, None).double() - ref8).abs().max() < tol
+    assert (cpu_woq.int8_linear(x, q8, s8, bias).double() - ref8 - bias.double()).abs().max() < tol
+    if K % 32:
+        return
+    group = 64 if K % 64 == 0 else 32
+    q4 = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(N, K // group, generator=gen) * 0.05
+    shift = torch.randn(N, K // group, generator=gen) * 0.1
+    ref4 = x.double() @ _int4_reference(q4, scale, shift, group).T + bias.double()
+    got = cpu_woq.int4_linear(x, cpu_woq.pack_int4(q4), scale, shift, group, bias)
+    assert (got.double() - ref4).abs().max() < 1e-6 * K ** 0.5 * ref4.abs().max().item() + 1e-6
+
+
+def test_bf16_activations_and_leading_dims():
+    x = torch.randn(2, 3, 64).bfloat16()
+    q8 = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    s8 = torch.rand(16) * 0.01
+    y = cpu_woq.int8_linear(x, q8, s8, None)
+    assert y.shape == (2, 3, 16) and y.dtype == torch.bfloat16
+    ref = x.float() @ (q8.float() * s8[:, None]).T
+    assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(cpu_woq.int8_linear_unchecked(x, q8, s8, None), y)
+    assert cpu_woq.int8_linear(x[:0], q8, s8, None).shape == (0, 3, 16)
+
+
+def test_pack_int4_layout_and_round_trip():
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    packed = cpu_woq.pack_int4(q)
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    # Byte j of a 32-block holds k = j (low nibble) and k = 16 + j (high nibble).
+    assert packed[0, 0].item() == q[0, 0].item() | (q[0, 16].item() << 4)
+    assert packed[0, 16].item() == q[0, 32].item() | (q[0, 48].item() << 4)
+    rand = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
+    assert torch.equal(cpu_woq.unpack_int4(cpu_woq.pack_int4(rand)), rand)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_woq.pack_int4(torch.zeros(2, 48, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_woq.pack_int4(torch.full((1, 32), 16, dtype=torch.int32))
+
+
+def test_bad_arguments_raise_value_errors():
+    x = torch.randn(2, 64)
+    q8 = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    s8 = torch.rand(8)
+    with pytest.raises(ValueError, match="input features"):
+        cpu_woq.int8_linear(torch.randn(2, 32), q8, s8, None)
+    with pytest.raises(ValueError, match="contiguous torch.int8"):
+        cpu_woq.int8_linear(x, q8.float(), s8, None)
+    with pytest.raises(ValueError, match="scale"):
+        cpu_woq.int8_linear(x, q8, torch.rand(4), None)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_woq.int8_linear(x, q8, s8, torch.rand(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="floating point"):
+        cpu_woq.int8_linear(x.long(), q8, s8, None)
+    packed = cpu_woq.pack_int4(torch.zeros(8, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="group_size"):
+        cpu_woq.int4_linear(x, packed, torch.rand(8, 4), torch.rand(8, 4), 16, None)
+    with pytest.raises(ValueError, match="shift"):
+        cpu_woq.int4_linear(x, packed, torch.rand(8, 2), torch.rand(8, 3), 32, None)
+
+
+def test_cpu_flags_and_a_missing_compiler(monkeypatch):
+    assert cpu_woq.cpu_supported("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
+    assert not cpu_woq.cpu_supported("processor\t: 0\nflags\t\t: fpu sse2 avx f16c\n")
+    assert not cpu_woq.cpu_supported("")
+    monkeypatch.setattr(cpu_woq, "_lib", None)
+    monkeypatch.setattr(cpu_woq, "_error", None)
+    monkeypatch.setattr(cpu_woq, "_compiler", lambda: None)
+    assert cpu_woq.load() is None and not cpu_woq.available()
+    assert "no C compiler" in cpu_woq.unavailable_reason()
+
+
+def test_layers_match_torchao_quantization():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _dequantize_affine_tinygemm,
+        _quantize_affine_tinygemm,
+    )
+
+    from kvfleet.runtime.worker.woq_linear import MAX_KERNEL_ROWS, Int4Linear, Int8Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(576, 192)
+    ref8 = torch.nn.Sequential(torch.nn.Linear(576, 192))
+    ref8.load_state_dict({"0." + k: v for k, v in lin.state_dict().items()})
+    quantize_(ref8, Int8WeightOnlyConfig(set_inductor_config=False))
+    mine8 = Int8Linear.from_float(lin.weight.detach(), lin.bias.detach())
+    assert mine8.weight.dtype == torch.int8 and torch.equal(mine8.weight, ref8[0].weight.qdata)
+    w = lin.weight.detach()
+    scale, zero = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, [1, 64], torch.int32, 0, 15, 1e-6,
+                                                  None, w.dtype)
+    q = _quantize_affine_tinygemm(w, [1, 64], scale, zero, torch.int32, 0, 15)
+    dq = _dequantize_affine_tinygemm(q, [1, 64], scale, zero, torch.int32, 0, 15)
+    mine4 = Int4Linear.from_linear(lin, 64)
+    assert torch.allclose(mine4.dequantized(), dq, atol=1e-6)
+    assert mine4.weight.shape == (192, 288) and mine4.weight.dtype == torch.uint8
+    with torch.no_grad():
+        for rows in (1, 7, MAX_KERNEL_ROWS + 5):  # the last one runs dequantize + torch matmul
+            x = torch.randn(rows, 576)
+            assert torch.allclose(mine8(x), ref8(x), rtol=1e-5, atol=1e-5)
+            assert torch.allclose(mine4(x), x @ dq.T + lin.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_compile_to_the_custom_ops():
+    from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(Int8Linear.from_float(torch.randn(64, 96)),
+                                Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), 32))  # fmt: skip
+    x = torch.randn(3, 96)
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
+    code = graphs[0].code
+    assert "kvfleet.woq_int8_linear" in code and "kvfleet.woq_int4_linear" in code
