@@ -121,3 +121,23 @@ void kv_woq_int4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const
         }
     }
 }
+
+/* out [N, K] float32 = dequant(w): the int4 weight as floats, for steps of many rows, where
+ * torch's matmul on the dequantized weight is compute-bound and beats re-widening per row. */
+void kv_woq_int4_dequant(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
+                         int64_t G, float *out) {
+    int64_t groups = K / G;
+    #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k += 32) {
+            int64_t g = n * groups + k / G;
+            __m256 wv[4];
+            widen_i4(w + n * (K / 2) + k / 2, _mm256_set1_ps(scale[g]), _mm256_set1_ps(shift[g]), wv);
+            float *o = out + n * K + k;
+            _mm256_storeu_ps(o, wv[0]);
+            _mm256_storeu_ps(o + 8, wv[1]);
+            _mm256_storeu_ps(o + 16, wv[2]);
+            _mm256_storeu_ps(o + 24, wv[3]);
+        }
+    }
+}

@@ -118,7 +118,8 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.kv_woq_int8_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
         lib.kv_woq_int4_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, p]
-        lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = None
+        lib.kv_woq_int4_dequant.argtypes = [p, i64, i64, p, p, i64, p]
+        lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = lib.kv_woq_int4_dequant.restype = None
         _lib = lib
         return lib
 
@@ -259,6 +260,16 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
                             shift.data_ptr(), group_size, None if bias is None else bias.data_ptr(), y.data_ptr())
     y = y.view(*x.shape[:-1], N)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight of an int4 layer (``q * scale + shift`` per group), for
+    steps with many rows (unchecked, like :func:`int4_linear_unchecked`)."""
+    N, half = packed.shape
+    out = torch.empty((N, 2 * half), dtype=torch.float32)
+    _lib.kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(), group_size,
+                             out.data_ptr())
+    return out
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

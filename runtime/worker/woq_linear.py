@@ -112,7 +112,7 @@ class Int4Linear(torch.nn.Linear):
         return new
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight ``[N, K]`` the kernel computes with."""
+        """The float32 weight ``[N, K]`` the kernel computes with (torch ops: the reference)."""
         q = cpu_woq.unpack_int4(self.weight).float()
         g = self.group_size
         return q * self.qscale.repeat_interleave(g, 1) + self.qshift.repeat_interleave(g, 1)
@@ -124,7 +124,8 @@ class Int4Linear(torch.nn.Linear):
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
-        y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
+        y = torch.nn.functional.linear(x, cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift,
+                                                                  self.group_size).to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
