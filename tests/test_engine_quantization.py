@@ -66,11 +66,11 @@ def _torchao_reference(method: str, kernels: bool) -> list[list[int]]:
         config = None
         with torch.no_grad():
             for mod in q.decoder_linears(model).values():
-                mod.weight.copy_(_tinygemm_dequantized(mod.weight.detach(), 64))
+                mod.weight.copy_(_tinygemm_dequantized(mod.weight.detach(), 32))
     else:
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
-        config = PrototypeInt4WeightOnlyConfig(group_size=64)  # SmolLM2: hidden size 576 = 9 x 64
+        config = PrototypeInt4WeightOnlyConfig(group_size=32)  # quantization.INT4_GROUP_SIZES
     if config is not None:
         quantize_(model, config, filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and fqn != "lm_head")
     expected = []

@@ -10,8 +10,8 @@ the embedding matrix, and it is the layer whose rounding moves the logits most d
 - ``int8``: torchao ``Int8WeightOnlyConfig`` (symmetric, per output channel), CPU and CUDA.
 - ``int4``: torchao's CPU int4 tensor, ``torchao.prototype.quantization.int4``
   (``PrototypeInt4WeightOnlyConfig``: asymmetric, groupwise, packed for
-  ``aten._weight_int4pack_mm_for_cpu``); the group size is the largest of 128, 64, 32 that
-  divides every quantized layer's ``in_features`` (64 for SmolLM2, whose hidden size is 576).
+  ``aten._weight_int4pack_mm_for_cpu``) in groups of 32 input features (the finest group the
+  kernels take: on SmolLM2, perplexity 9.00 against fp32's 9.00, where groups of 64 gave 20.9).
   CPU only.
 
 On an x86-64 CPU with AVX2 and FMA and a C compiler, the layers then run kvfleet's own kernels
@@ -41,8 +41,11 @@ QUANTIZATIONS = ("int8", "int4")
 """Values of ``--quantization`` (``EngineConfig.quantization``); None: the model dtype."""
 CPU_WOQ_ENV = "KVFLEET_CPU_WOQ"
 """``0`` turns kvfleet's AVX2 kernels off (torchao's kernels, LM head unquantized)."""
-INT4_GROUP_SIZES = (128, 64, 32)
-"""Group sizes torchao's CPU int4 kernel takes, the coarsest (fewest scale bytes) first."""
+INT4_GROUP_SIZES = (32,)
+"""int4 group sizes, in order of preference. torchao's CPU int4 kernel also takes 64 and 128
+(fewer scale bytes: 0.625 or 0.56 bytes per weight instead of 0.75), but measured on the default
+model (docs/performance.md, "Weight-only quantization") groups of 64 raised the perplexity of
+the fixed text from 9.00 (fp32) to 20.9 and groups of 32 kept it at 9.00."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
 
 
 def int4_group_size(model: torch.nn.Module) -> int:
-    """The largest of :data:`INT4_GROUP_SIZES` that divides every decoder linear's ``in_features``.
+    """The first of :data:`INT4_GROUP_SIZES` that divides every decoder linear's ``in_features``.
 
     Raises:
         ValueError: (``--quantization int4: ...``) none does.
