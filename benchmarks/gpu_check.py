@@ -51,8 +51,9 @@ __all__ = ["GPU_PEAKS", "Budget", "Sizes", "cuda_time", "log", "lookup_peaks", "
 
 
 def section_correctness(torch, device, budget: Budget, sz: Sizes, rec: dict, shard: tuple[int, int] = (0, 1)) -> bool:
-    """Triton kernels vs the torch reference. ``shard=(k, n)`` runs grid cases ``i % n == k``
-    (the shuffled-blocks and reshape_and_cache checks run in shard 0 only)."""
+    """Triton kernels vs the torch reference. ``shard=(k, n)`` runs cases ``i % n == k``: the
+    grid's batches, then the shuffled-blocks, sliding-window/soft-cap and reshape_and_cache
+    cases, numbered on from the grid's, so that every shard gets its share of them."""
     from kvfleet.kernels import paged_attention_torch, reshape_and_cache_torch
     from kvfleet.kernels.testing import TOLERANCES, make_paged_batch
     from kvfleet.kernels.triton_attention import paged_attention_triton
@@ -77,12 +78,17 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes, rec: dict, sha
     shard_k, shard_n = shard
     rec.update(shard=f"{shard_k}/{shard_n}", cut_short=False)
     case = -1
+
+    def mine() -> bool:  # the next case: this shard's?
+        nonlocal case
+        case += 1
+        return case % shard_n == shard_k
+
     for bs in sz.grid_block_sizes:
         for head_size in sz.grid_head_sizes:
             for h, kvh in sz.grid_heads:
                 for dtype in dtypes:
-                    case += 1
-                    if case % shard_n != shard_k:
+                    if not mine():
                         continue
                     if budget.left() < (5 if sz.smoke else 60):
                         if not rec["cut_short"]:
@@ -95,20 +101,21 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes, rec: dict, sha
                     for splits in sz.split_options:
                         out = paged_attention_triton(*b.attn_args, num_splits=splits, max_seq_len=b.max_seq_len)
                         check(f"attn bs={bs} d={head_size} h={h}/{kvh} {dtype} splits={splits}", out, ref, dtype)
-    if shard_k != 0:
-        return _report_correctness(torch, device, rec, checks, failures)
     # shuffled blocks: identical output
-    shuffle_dtype = torch.float16 if sz.smoke else torch.bfloat16
-    a = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype=shuffle_dtype, device=device, shuffle=False, seed=5)
-    b = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
-                         dtype=shuffle_dtype, device=device, shuffle=True, seed=5)
-    checks += 1
-    if not torch.equal(paged_attention_triton(*a.attn_args), paged_attention_triton(*b.attn_args)):
-        failures.append("shuffled physical blocks changed the output")
+    if mine():
+        shuffle_dtype = torch.float16 if sz.smoke else torch.bfloat16
+        a = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                             dtype=shuffle_dtype, device=device, shuffle=False, seed=5)
+        b = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                             dtype=shuffle_dtype, device=device, shuffle=True, seed=5)
+        checks += 1
+        if not torch.equal(paged_attention_triton(*a.attn_args), paged_attention_triton(*b.attn_args)):
+            failures.append("shuffled physical blocks changed the output")
     # sliding window (Mistral/Gemma-style local layers) and logit soft-capping (Gemma 2)
     for window, softcap in ((7, None), (100, None), (None, 30.0), (33, 50.0)):
         for dtype in dtypes:
+            if not mine():
+                continue
             b = make_paged_batch(seq_mix(16), num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
                                  dtype=dtype, device=device, seed=11)
             ref = paged_attention_torch(*b.attn_args, sliding_window=window, softcap=softcap)
@@ -119,6 +126,8 @@ def section_correctness(torch, device, budget: Budget, sz: Sizes, rec: dict, sha
     # reshape_and_cache, slot -1 untouched
     for dtype in dtypes:
         for bs, kvh, d in sz.cache_shapes:
+            if not mine():
+                continue
             b = make_paged_batch([(bs + 1, bs + 1), (40, 7), (3, 1)], num_heads=kvh, num_kv_heads=kvh, head_size=d,
                                  block_size=bs, dtype=dtype, device=device)
             slots = b.slot_mapping.clone()
