@@ -6,7 +6,7 @@ test kubelet (tests/kubelet.py) running the operator's router Deployment as a re
 An InferenceService with ``spec.router.enabled`` and ``minReplicas: 0`` sits at 0 replicas; a
 request sent to the router is held, the operator scales to 1 on the router's pending metric
 (Event ScaledFromZero), the runtime pod comes up, the router's endpoints follow it, the request
-gets its 200; with no more requests it scales back to 0 after the (10 s) window and the router's
+gets its 200; with no more requests it scales back to 0 after the (6 s) window and the router's
 endpoints follow the pod going away.
 """
 
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NS = "llm"
 NAME = "smollm2"
-DOWN_WINDOW = 10
+DOWN_WINDOW = 6  # seconds; the assertion below allows the 1 s metric interval and polling
 
 
 def manifest() -> dict:
