@@ -60,6 +60,28 @@ def smollm2():
     return load_model(None, dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def smollm2_two_layers(smollm2, tmp_path_factory):
+    """The default model cut to its first two decoder layers (real weights, embedding, final norm
+    and LM head), saved as a checkpoint and loaded as the engine loads any model. For tests whose
+    cost grows with the layer count while every layer runs the same code at the same shapes:
+    the Triton interpreter (tests/test_kernels_engine_triton.py) and dynamo's tracing and guards
+    (tests/test_compiled_forward.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    path = tmp_path_factory.mktemp("smollm2-first2")
+    cut = AutoModelForCausalLM.from_pretrained(smollm2.source, num_hidden_layers=2, dtype=torch.float32)
+    cut.save_pretrained(path)
+    smollm2.tokenizer.save_pretrained(path)
+    del cut
+    loaded = load_model(str(path), dtype="float32", device="cpu")
+    assert loaded.model.config.num_hidden_layers == 2
+    return loaded
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op torch thread while a module runs, restored afterwards. On the 2 cores
