@@ -4,7 +4,10 @@ preempts; and no recompilation across a sweep of batch sizes once warmed up. One
 engine for the module. Its backend is ``KVFLEET_COMPILE_BACKEND`` when set, else ``eager``
 (dynamo's graph, guards and recompiles, with the custom op's fake implementation; 20-90 s):
 inductor's warm-up of the one graph took 6-17 min on the loaded 2-core CI machine and
-``aot_eager`` 7 min, past pytest's timeout. Run
+``aot_eager`` 7 min, past pytest's timeout. The engines run the default model cut to its first
+two decoder layers (conftest's ``smollm2_two_layers``): every layer is the same code at the
+same shapes, and dynamo's tracing and guards cost per layer (over all 30 layers the warm-up
+took 31 s and the comparison 41 s on CI). Run
 ``KVFLEET_COMPILE_BACKEND=inductor pytest tests/test_compiled_forward.py --timeout 3600`` for the
 real thing (docs/performance.md, "Compiled forward")."""
 
@@ -23,7 +26,9 @@ from kvfleet.runtime.worker.compilation import BACKEND_ENV, compile_counts
 
 pytestmark = pytest.mark.slow
 
-GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+# logprobs=0: the sampled token's log-probability, compared too (a two-layer cut's greedy tokens
+# barely depend on the context, its log-probabilities do)
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)
 # 8 requests of ~105 prompt tokens (96 shared) + 64 outputs need 6 shared + 8 x 5 blocks of 16 at once: 30 preempt.
 CONFIG = dict(num_blocks=30, max_num_batched_tokens=64, enable_prefix_caching=True, max_num_seqs=8)
 
@@ -42,27 +47,32 @@ def prompts(tokenizer) -> list[list[int]]:
     return [system + tokenizer(q, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
 
 
-def run(eng: LLMEngine, batch: list[list[int]], params=GREEDY) -> tuple[list[list[int]], int]:
+def run(eng: LLMEngine, batch: list[list[int]], params=GREEDY) -> tuple[list[list[int]], int, list[list[float]]]:
+    """Token ids per request, prompt tokens from the cache, and (with ``logprobs``) each sampled
+    token's log-probability per request."""
     for i, p in enumerate(batch):
         eng.add_request(f"r{i}-{id(batch)}", p, params)
     final, cached = {}, 0
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
-                final[out.request_id] = list(out.outputs[0].token_ids)
+                c = out.outputs[0]
+                final[out.request_id] = (list(c.token_ids), [e[t].logprob for t, e in zip(c.token_ids, c.logprobs or [])])
                 cached += out.num_cached_tokens or 0
-    return [final[k] for k in sorted(final, key=lambda r: int(r[1:].split("-")[0]))], cached
+    order = sorted(final, key=lambda r: int(r[1:].split("-")[0]))
+    return [final[k][0] for k in order], cached, [final[k][1] for k in order]
 
 
 @pytest.fixture(scope="module")
-def compiled(smollm2):
+def compiled(smollm2_two_layers):
     saved = os.environ.get(BACKEND_ENV)
     os.environ[BACKEND_ENV] = saved or "eager"
     try:
         recorder = Recorder()
         # Static graphs for 1 and 4 tokens (two of the CPU default's 1, 2, 4, 8: the same
         # mechanism at half the warm-up) beside the dynamic graph for 5 tokens and more.
-        eng = LLMEngine(EngineConfig(enforce_eager=False, compile_sizes="1,4", **CONFIG), [recorder], loaded=smollm2)
+        eng = LLMEngine(EngineConfig(enforce_eager=False, compile_sizes="1,4", **CONFIG), [recorder],
+                        loaded=smollm2_two_layers)
     finally:
         if saved is None:
             os.environ.pop(BACKEND_ENV)
@@ -71,17 +81,21 @@ def compiled(smollm2):
     return eng, recorder
 
 
-def test_compiled_matches_eager_greedy(smollm2, compiled):
+def test_compiled_matches_eager_greedy(smollm2_two_layers, compiled):
     compiled, compiled_rec = compiled
-    batch = prompts(smollm2.tokenizer)
+    batch = prompts(smollm2_two_layers.tokenizer)
     eager_rec = Recorder()
-    eager = LLMEngine(EngineConfig(enforce_eager=True, **CONFIG), [eager_rec], loaded=smollm2)
+    eager = LLMEngine(EngineConfig(enforce_eager=True, **CONFIG), [eager_rec], loaded=smollm2_two_layers)
     assert eager.runner.compiled is None
-    expected, eager_cached = run(eager, batch)
+    expected, eager_cached, expected_lp = run(eager, batch)
     before = compile_counts()
     schedules = record_schedules(compiled)
-    got, cached = run(compiled, batch)
+    got, cached, got_lp = run(compiled, batch)
     assert got == expected
+    assert all(len(a) == len(b) == 64 for a, b in zip(got_lp, expected_lp))
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    print(f"\ncompiled vs eager: max logprob difference {worst:.1e}")
+    assert worst <= 1e-4, worst
     assert compile_counts() == before  # the workload compiled nothing new
     steps = [out.scheduled for out in schedules]
     assert any(not sr.sample for step in steps for sr in step), "no prefill was chunked"
@@ -90,15 +104,15 @@ def test_compiled_matches_eager_greedy(smollm2, compiled):
     assert compiled_rec.preemptions > 0 and eager_rec.preemptions > 0
 
 
-def test_no_recompile_across_batch_sizes(smollm2, compiled):
+def test_no_recompile_across_batch_sizes(smollm2_two_layers, compiled):
     compiled, _ = compiled
-    tok = smollm2.tokenizer
+    tok = smollm2_two_layers.tokenizer
     base = tok("Count to ten:", add_special_tokens=False)["input_ids"]
     run(compiled, [base], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm
     before = compile_counts()
     for n in (1, 2, 3, 5, 8):
         batch = [base + [100 + i] * (i + 1) for i in range(n)]
-        outs, _ = run(compiled, batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        outs, _, _ = run(compiled, batch, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert [len(o) for o in outs] == [3] * n
     assert compile_counts() == before, f"recompiled: {before} -> {compile_counts()}"
 
