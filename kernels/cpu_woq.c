@@ -61,8 +61,39 @@ static inline void int8_rows(const float *x, int64_t ldx, int64_t K, const int8_
         y[(m0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) * s + b;
 }
 
+/* One row of x against output channels n .. n+3: eight independent FMA chains (a single row
+ * against a single channel has two, and the FMA latency, not memory, would set the pace). */
+static inline void int8_m1_n4(const float *x, int64_t K, const int8_t *w, const float *scale,
+                              const float *bias, float *y, int64_t n) {
+    __m256 a[4][2];
+    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
+    const int8_t *w0 = w + n * K;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int j = 0; j < 4; j++) {
+            a[j][0] = _mm256_fmadd_ps(widen_i8(w0 + j * K + k), x0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(widen_i8(w0 + j * K + k + 8), x1, a[j][1]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 x0 = _mm256_loadu_ps(x + k);
+        for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(widen_i8(w0 + j * K + k), x0, a[j][0]);
+    }
+    for (int j = 0; j < 4; j++)
+        y[n + j] = hsum(_mm256_add_ps(a[j][0], a[j][1])) * scale[n + j] + (bias ? bias[n + j] : 0.0f);
+}
+
 void kv_woq_int8_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w,
                         int64_t N, const float *scale, const float *bias, float *y) {
+    if (M == 1) {
+        int64_t blocks = N / 4;
+        #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+        for (int64_t b = 0; b < blocks; b++) int8_m1_n4(x, K, w, scale, bias, y, 4 * b);
+        for (int64_t n = 4 * blocks; n < N; n++)
+            int8_rows(x, ldx, K, w + n * K, scale[n], bias ? bias[n] : 0.0f, y, N, n, 0, 1);
+        return;
+    }
     #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *wn = w + n * K;
@@ -107,10 +138,44 @@ static inline void int4_rows(const float *x, int64_t ldx, int64_t K, const uint8
         y[(m0 + r) * N + n] = hsum(_mm256_add_ps(a0[r], a1[r])) + b;
 }
 
+/* One row of x against output channels n .. n+3 (eight FMA chains, as int8_m1_n4). */
+static inline void int4_m1_n4(const float *x, int64_t K, const uint8_t *w, const float *scale,
+                              const float *shift, int64_t G, const float *bias, float *y, int64_t n) {
+    int64_t groups = K / G;
+    __m256 a[4][2];
+    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+        int64_t g = k / G;
+        for (int j = 0; j < 4; j++) {
+            int64_t row = n + j;
+            __m256 wv[4];
+            widen_i4(w + row * (K / 2) + k / 2, _mm256_set1_ps(scale[row * groups + g]),
+                     _mm256_set1_ps(shift[row * groups + g]), wv);
+            a[j][0] = _mm256_fmadd_ps(wv[0], x0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(wv[1], x1, a[j][1]);
+            a[j][0] = _mm256_fmadd_ps(wv[2], x2, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(wv[3], x3, a[j][1]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        y[n + j] = hsum(_mm256_add_ps(a[j][0], a[j][1])) + (bias ? bias[n + j] : 0.0f);
+}
+
 void kv_woq_int4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w,
                         int64_t N, const float *scale, const float *shift, int64_t G,
                         const float *bias, float *y) {
     int64_t groups = K / G;
+    if (M == 1) {
+        int64_t blocks = N / 4;
+        #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+        for (int64_t b = 0; b < blocks; b++) int4_m1_n4(x, K, w, scale, shift, G, bias, y, 4 * b);
+        for (int64_t n = 4 * blocks; n < N; n++)
+            int4_rows(x, ldx, K, w + n * (K / 2), scale + n * groups, shift + n * groups, G,
+                      bias ? bias[n] : 0.0f, y, N, n, 0, 1);
+        return;
+    }
     #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wn = w + n * (K / 2);
