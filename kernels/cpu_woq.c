@@ -23,8 +23,12 @@
 #include <stdint.h>
 #include <stddef.h>
 
-/* Weights below which one thread does the whole layer (waking a second thread costs more). */
-#define PARALLEL_MIN_WEIGHTS (1 << 16)
+/* Weights below which one thread does the whole layer: waking a sleeping OpenMP thread
+ * (OMP_WAIT_POLICY=PASSIVE, the engine's default) costs tens of microseconds, more than a
+ * small layer takes on one core. Set by kv_woq_set_parallel_min (cpu_woq.py). */
+static int64_t PARALLEL_MIN_WEIGHTS = 1 << 16;
+
+void kv_woq_set_parallel_min(int64_t weights) { PARALLEL_MIN_WEIGHTS = weights; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
