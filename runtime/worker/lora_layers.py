@@ -62,7 +62,8 @@ class LoRALinear(torch.nn.Module):
     """A linear layer plus per-token LoRA deltas from stacked slots.
 
     Args:
-        base_layer: the model's ``nn.Linear`` (its weight may be a torchao quantized tensor).
+        base_layer: the model's ``nn.Linear`` (its weight may be a torchao quantized tensor, or it is an
+            ``Int8Linear`` / ``Int4Linear`` of :mod:`kvfleet.runtime.worker.woq_linear`).
         max_loras: slots (adapters one step may use).
         max_rank: slot width (``max_lora_rank``).
 
