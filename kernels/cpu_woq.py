@@ -167,6 +167,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2.contiguous()
 
 
+def _as_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's float32 ``[rows, N]`` output shaped and typed like ``x`` (``[..., N]``)."""
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def _lib_or_raise() -> ctypes.CDLL:
     lib = load()
     if lib is None:
@@ -193,7 +199,7 @@ def _int8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias
     if x2.shape[0]:
         _lib_or_raise().kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N,
                                           scale.data_ptr(), _ptr(bias), y.data_ptr())
-    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    return _as_input(y, x)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
@@ -221,7 +227,7 @@ def _int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shi
     if x2.shape[0]:
         _lib_or_raise().kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], K, K, packed.data_ptr(), N, scale.data_ptr(),
                                           shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
-    return y.to(x.dtype).reshape(*x.shape[:-1], N)
+    return _as_input(y, x)
 
 
 def _int8_fake(x, qdata, scale, bias):
@@ -241,16 +247,11 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
     """:func:`int8_linear` without the argument checks or the op dispatch, for a layer whose
     weights were checked once (``kvfleet.runtime.worker.woq_linear``); call :func:`load` first."""
     N, K = qdata.shape
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
     _lib.kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr())
-    y = y.view(*x.shape[:-1], N)
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+                            _ptr(bias), y.data_ptr())
+    return _as_input(y, x)
 
 
 def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
@@ -258,17 +259,11 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     """:func:`int4_linear` without the argument checks or the op dispatch (see
     :func:`int8_linear_unchecked`)."""
     N, half = packed.shape
-    K = 2 * half
-    x2 = x.reshape(-1, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
-    _lib.kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], K, K, packed.data_ptr(), N, scale.data_ptr(),
-                            shift.data_ptr(), group_size, None if bias is None else bias.data_ptr(), y.data_ptr())
-    y = y.view(*x.shape[:-1], N)
-    return y if x.dtype == torch.float32 else y.to(x.dtype)
+    _lib.kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], 2 * half, 2 * half, packed.data_ptr(), N, scale.data_ptr(),
+                            shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
+    return _as_input(y, x)
 
 
 def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int) -> torch.Tensor:
