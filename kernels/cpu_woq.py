@@ -47,8 +47,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_woq.c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
+"""The library's C files (one ``.so``); ``cpu_gemv.h`` holds the arithmetic both share."""
+HEADERS = (Path(__file__).with_name("cpu_gemv.h"),)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
 CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
 PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
 PARALLEL_MIN_WEIGHTS = 1 << 16
@@ -103,7 +105,7 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
             _error = "no C compiler ($CC, cc or gcc) to build kernels/cpu_woq.c"
             logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
             return None
-        source = SOURCE.read_bytes()
+        source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
         digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
         folder = (cache_root or _default_root()) / "kernels"
         target = folder / f"cpu_woq-{digest}.so"
@@ -112,7 +114,8 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
                 folder.mkdir(parents=True, exist_ok=True)
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
                 os.close(fd)
-                run = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+                run = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
+                                     text=True)
                 if run.returncode != 0:
                     os.unlink(tmp)
                     raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
@@ -129,6 +132,9 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
         lib.kv_woq_set_parallel_min.argtypes = [i64]
         lib.kv_woq_set_parallel_min(int(os.environ.get(PARALLEL_MIN_ENV, "") or PARALLEL_MIN_WEIGHTS))
         lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = lib.kv_woq_int4_dequant.restype = None
+        lib.kv_pool_start.argtypes, lib.kv_pool_start.restype = [i64, i64], i64
+        lib.kv_decode_profile.argtypes, lib.kv_decode_profile.restype = [p], None
+        lib.kv_decode.argtypes, lib.kv_decode.restype = [p, i64, p, p, p, p, p, i64, p, p, p], i64
         _lib = lib
         return lib
 

@@ -36,7 +36,9 @@ from kvfleet.runtime.worker.attention import (
     probe_attention,
     register,
 )
+from kvfleet.runtime.worker import cpu_decode
 from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
+from kvfleet.runtime.worker.cpu_decode import CpuDecodePath
 from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
 
@@ -134,6 +136,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.compiled: CompiledForward | None = None
+        self.cpu_decode: CpuDecodePath | None = None
+        """The fused CPU decode path (:mod:`kvfleet.runtime.worker.cpu_decode`), built by
+        :meth:`initialize_kv_cache` when the model and machine allow it; it runs the steps whose
+        sequences each have one new token."""
         """The compiled decoder (``enforce_eager=False``), built by :meth:`initialize_kv_cache`."""
         self.lora = None
         """The LoRA adapters (``enable_lora``): :class:`~kvfleet.runtime.worker.lora_manager.LoRAManager`."""
@@ -254,6 +260,7 @@ class ModelRunner:
             "KV cache: %d blocks x %d tokens (%.1f MiB)",
             num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
         )
+        self.cpu_decode = cpu_decode.build(self)
         settings = compile_settings(self.config, self.device, self.prompt_logprobs_error)
         if settings is not None:
             self.compiled = CompiledForward(self.model.get_decoder(), self.device, **settings)
@@ -430,6 +437,10 @@ class ModelRunner:
             return ModelRunnerOutput(sampling, empty)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
         rows = self._prompt_logprob_rows(scheduled)
+        if self.cpu_decode is not None and self.cpu_decode.applies(
+            input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None
+        ):
+            return ModelRunnerOutput(sampling, self.cpu_decode.execute(input_ids, positions, meta, logits_indices))
         if self.compiled is not None:
             hidden = self.compiled(input_ids, positions, meta)  # [T, hidden_size]
             logits = self.compute_logits(hidden.index_select(0, logits_indices))

@@ -1,0 +1,443 @@
+/* kvfleet CPU kernels: one decode step of a Llama-family decoder in one call, x86-64 AVX2 + FMA.
+ *
+ * Contract (kernels/cpu_decoder.py builds the kv_decoder description once from the model's
+ * tensors, checks every shape, and calls kv_decode once per decode step; nothing here validates):
+ *
+ *   x [M, H] float32     in: the M rows' token embeddings; out: the residual stream after the
+ *                        last layer (overwritten)
+ *   out [M, H] float32   the final RMSNorm of x (the LM head's input)
+ *   logits [M, V]        the LM head on out, when the decoder has a head (else NULL)
+ *   cos, sin [M, D]      each row's rotary embedding (transformers' rotary module output:
+ *                        rotate-half convention, attention scaling included), D = head size
+ *   slots [M] int64      cache slot of each row's new key/value (block * block_size + offset;
+ *                        -1: not written)
+ *   block_tables [M, W] int32 (rows `bt_stride` apart), seq_lens [M] int32: each row is one
+ *                        sequence with one new token; it attends over positions 0 .. len - 1
+ *   caches               per layer [num_blocks, block_size, KVH, D] float32 keys and values
+ *
+ * Per layer: h = rmsnorm(x); q|k|v = h Wqkv^T; rotary on q and k; k, v written at the slot;
+ * attention of each query head over its KV head's cached positions (grouped-query attention,
+ * online softmax, Milakov & Gimelshein 2018); x += attn Wo^T; h = rmsnorm(x);
+ * x += (silu(h Wg^T) * h Wu^T) Wd^T. The weights are kv_matrix (cpu_gemv.h: fp32, int8, int4);
+ * gate_up holds the I gate rows, then the I up rows.
+ *
+ * Threads: a pool of its own (pthreads), not OpenMP. Each parallel phase is a set of tasks
+ * (a run of output channels, or one (row, query head) pair) that the calling thread and the helpers claim
+ * with one atomic counter, so the caller never waits for a helper that is asleep or
+ * descheduled: it does the tasks itself, and waits only for a task a helper has claimed. A
+ * helper spins `spin_us` after its last task (a decode step's phases come microseconds apart),
+ * then sleeps on a futex; the caller wakes it when it publishes a phase. A forked child has no
+ * helpers and runs every task on its calling thread.
+ */
+#define _GNU_SOURCE
+#include "cpu_gemv.h"
+
+#include <limits.h>
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define KV_MAX_THREADS 64
+#define KV_MAX_ROWS 64
+#define KV_MAX_HEAD 256     /* head size */
+#define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
+
+/* ------------------------------------------------------------------ thread pool */
+
+typedef void (*kv_task_fn)(const void *ctx, int64_t task);
+typedef struct { kv_task_fn fn; const void *ctx; int64_t total; } kv_phase;
+
+static struct {
+    int helpers;
+    _Atomic uint64_t counter;   /* phase sequence << 32 | next unclaimed task */
+    _Atomic int64_t done;       /* tasks of the current phase finished */
+    kv_phase phase[2];          /* by sequence parity */
+    _Atomic uint32_t wake;      /* futex word */
+    _Atomic int sleepers;
+    int64_t spin_ns;
+    pthread_mutex_t lock;       /* one kv_decode at a time (the pool and scratch are global) */
+    float *scratch;
+    int64_t scratch_floats;
+} P = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 200000};
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline uint32_t seq_of(uint64_t c) { return (uint32_t)(c >> 32); }
+
+/* Claim and run tasks of phase `seq` until none is left or the phase has moved on. The phase's
+ * description is read before the claim; a successful claim proves it was still current (it is
+ * rewritten only after all its tasks are done), so a stale read is never acted on. */
+static void run_tasks(uint32_t seq) {
+    const kv_phase *ph = &P.phase[seq & 1];
+    kv_task_fn fn = __atomic_load_n(&ph->fn, __ATOMIC_RELAXED);
+    const void *ctx = __atomic_load_n(&ph->ctx, __ATOMIC_RELAXED);
+    int64_t total = __atomic_load_n(&ph->total, __ATOMIC_RELAXED);
+    uint64_t c = atomic_load(&P.counter);
+    for (;;) {
+        if (seq_of(c) != seq || (int64_t)(uint32_t)c >= total) return;
+        if (atomic_compare_exchange_weak(&P.counter, &c, c + 1)) {
+            fn(ctx, (int64_t)(uint32_t)c);
+            atomic_fetch_add(&P.done, 1);
+            c = atomic_load(&P.counter);
+        }
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint32_t seen = seq_of(atomic_load(&P.counter));
+    for (;;) {
+        uint32_t seq = seq_of(atomic_load(&P.counter));
+        if (seq != seen) {
+            seen = seq;
+            run_tasks(seq);
+            continue;
+        }
+        int64_t t0 = now_ns();
+        unsigned spins = 0;
+        while (seq_of(atomic_load(&P.counter)) == seen) {
+            _mm_pause();
+            if ((++spins & 63) == 0 && now_ns() - t0 > P.spin_ns) {
+                uint32_t w = atomic_load(&P.wake);
+                atomic_fetch_add(&P.sleepers, 1);
+                if (seq_of(atomic_load(&P.counter)) == seen)
+                    syscall(SYS_futex, &P.wake, FUTEX_WAIT_PRIVATE, w, NULL, NULL, 0);
+                atomic_fetch_sub(&P.sleepers, 1);
+                t0 = now_ns();
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Start helpers up to `threads` - 1 (never fewer than already run); spin_us as described above.
+ * Returns the number of helpers running. */
+int64_t kv_pool_start(int64_t threads, int64_t spin_us) {
+    pthread_mutex_lock(&P.lock);
+    P.spin_ns = spin_us * 1000;
+    while (P.helpers < threads - 1 && P.helpers < KV_MAX_THREADS - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, NULL) != 0) break;
+        pthread_detach(t);
+        P.helpers++;
+    }
+    int64_t n = P.helpers;
+    pthread_mutex_unlock(&P.lock);
+    return n;
+}
+
+static void kv_parallel(kv_task_fn fn, const void *ctx, int64_t total) {
+    if (P.helpers == 0 || total <= 1) {
+        for (int64_t i = 0; i < total; i++) fn(ctx, i);
+        return;
+    }
+    uint32_t seq = seq_of(atomic_load(&P.counter)) + 1;
+    kv_phase *ph = &P.phase[seq & 1];
+    __atomic_store_n(&ph->fn, fn, __ATOMIC_RELAXED);
+    __atomic_store_n(&ph->ctx, ctx, __ATOMIC_RELAXED);
+    __atomic_store_n(&ph->total, total, __ATOMIC_RELAXED);
+    atomic_store(&P.done, 0);
+    atomic_store(&P.counter, (uint64_t)seq << 32);
+    if (atomic_load(&P.sleepers) > 0) {
+        atomic_fetch_add(&P.wake, 1);
+        syscall(SYS_futex, &P.wake, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    }
+    run_tasks(seq);
+    while (atomic_load(&P.done) < total) _mm_pause();
+}
+
+/* exp(x) for 8 floats: range reduction by ln 2 and Cephes' degree-6 polynomial for expf
+ * (relative error ~2e-7 over the clamped range -87.3 .. 88.3). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* ------------------------------------------------------------------ the decoder */
+
+typedef struct {
+    const float *input_norm, *post_norm;   /* [H] RMSNorm weights */
+    kv_matrix qkv;                         /* [(QH + 2 KVH) D, H]: q rows, then k, then v */
+    kv_matrix o;                           /* [H, QH D] */
+    kv_matrix gate_up;                     /* [2 I, H]: gate rows, then up rows */
+    kv_matrix down;                        /* [H, I] */
+    float *k_cache, *v_cache;              /* [num_blocks, block_size, KVH, D] */
+} kv_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
+    double eps, scale;                     /* RMSNorm epsilon; softmax scale */
+    const kv_layer *layers;
+    const float *final_norm;               /* [H] */
+    const kv_matrix *head;                 /* LM head [V, H], or NULL */
+} kv_decoder;
+
+typedef struct {
+    const kv_decoder *d;
+    const kv_layer *L;
+    int64_t M;
+    float *x, *h, *qkv, *attn, *act, *logits;
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *block_tables, *seq_lens;
+    int64_t bt_stride;
+    int64_t span;           /* output channels per task in the current phase (see spans()) */
+} kv_step;
+
+static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float *out) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= H; k += 8) { __m256 v = _mm256_loadu_ps(x + k); acc = _mm256_fmadd_ps(v, v, acc); }
+    float ss = hsum(acc);
+    for (; k < H; k++) ss += x[k] * x[k];
+    float r = 1.0f / sqrtf(ss / (float)H + eps);
+    for (k = 0; k < H; k++) out[k] = w[k] * (x[k] * r);
+}
+
+static void norm_rows(const kv_step *s, const float *w, float *out) {
+    const int64_t H = s->d->hidden;
+    for (int64_t m = 0; m < s->M; m++) rmsnorm(s->x + m * H, w, H, (float)s->d->eps, out + m * H);
+}
+
+static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 * d->num_kv_heads) * d->head_size; }
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Tasks for N output channels: about four per thread, each a multiple of KV_CHUNK channels, so
+ * that each thread streams long runs of weights (the prefetcher's and DRAM's best case) while a
+ * late thread's share can still be taken over. Sets s->span. */
+static int64_t spans(kv_step *s, int64_t N) {
+    int64_t parts = 4 * (P.helpers + 1), span = (N + parts - 1) / parts;
+    s->span = span = (span + KV_CHUNK - 1) / KV_CHUNK * KV_CHUNK;
+    return (N + span - 1) / span;
+}
+
+static void task_qkv(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const int64_t N = qkv_width(s->d), n0 = t * s->span;
+    kv_matrix_rows(&s->L->qkv, s->h, s->d->hidden, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
+}
+
+/* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream. */
+static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t) {
+    const int64_t H = s->d->hidden, end = min64((t + 1) * s->span, H);
+    float tmp[KV_MAX_ROWS * KV_CHUNK];
+    for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
+        const int64_t n1 = min64(n0 + KV_CHUNK, end);
+        kv_matrix_rows(w, a, w->K, s->M, n0, n1, tmp, KV_CHUNK);
+        for (int64_t m = 0; m < s->M; m++)
+            for (int64_t n = n0; n < n1; n++) s->x[m * H + n] += tmp[m * KV_CHUNK + n - n0];
+    }
+}
+
+static void task_o(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    add_rows(s, &s->L->o, s->attn, t);
+}
+
+static void task_down(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    add_rows(s, &s->L->down, s->act, t);
+}
+
+static void task_mlp(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const int64_t I = s->d->intermediate, end = min64((t + 1) * s->span, I);
+    float g[KV_MAX_ROWS * KV_CHUNK], u[KV_MAX_ROWS * KV_CHUNK];
+    for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK) {
+        const int64_t j1 = min64(j0 + KV_CHUNK, end);
+        kv_matrix_rows(&s->L->gate_up, s->h, s->d->hidden, s->M, j0, j1, g, KV_CHUNK);
+        kv_matrix_rows(&s->L->gate_up, s->h, s->d->hidden, s->M, I + j0, I + j1, u, KV_CHUNK);
+        for (int64_t m = 0; m < s->M; m++) {
+            int64_t j = j0;
+            for (; j + 8 <= j1; j += 8) {   /* silu(a) * u = a / (1 + exp(-a)) * u */
+                __m256 a = _mm256_loadu_ps(g + m * KV_CHUNK + j - j0);
+                __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+                _mm256_storeu_ps(s->act + m * I + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                                   _mm256_loadu_ps(u + m * KV_CHUNK + j - j0)));
+            }
+            for (; j < j1; j++) {
+                float a = g[m * KV_CHUNK + j - j0];
+                s->act[m * I + j] = a / (1.0f + expf(-a)) * u[m * KV_CHUNK + j - j0];
+            }
+        }
+    }
+}
+
+static void task_head(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const kv_matrix *w = s->d->head;
+    const int64_t n0 = t * s->span;
+    kv_matrix_rows(w, s->h, s->d->hidden, s->M, n0, min64(n0 + s->span, w->N), s->logits + n0, w->N);
+}
+
+/* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
+static void rope(float *x, const float *c, const float *s, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = x[i], b = x[i + h];
+        x[i] = a * c[i] - b * s[i];
+        x[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < D; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    return hsum(acc);
+}
+
+/* Serial, before the attention phase: rotary on each row's new keys, and its keys and values
+ * into the cache (so that every query head's task reads a complete cache). */
+static void write_kv(const kv_step *s) {
+    const kv_decoder *d = s->d;
+    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size;
+    for (int64_t i = 0; i < s->M; i++) {
+        float *row = s->qkv + i * qkv_width(d);
+        for (int64_t g = 0; g < KVH; g++) {
+            float *k = row + (QH + g) * D, *v = row + (QH + KVH + g) * D;
+            rope(k, s->cos + i * D, s->sin + i * D, D);
+            if (s->slots[i] >= 0) {
+                memcpy(s->L->k_cache + (s->slots[i] * KVH + g) * D, k, D * sizeof(float));
+                memcpy(s->L->v_cache + (s->slots[i] * KVH + g) * D, v, D * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Row i, query head h: rotary on the query, then attention over its KV head's cached positions,
+ * a block at a time (online softmax: Milakov & Gimelshein 2018, "Online normalizer calculation
+ * for softmax"). */
+static void task_attention(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const kv_decoder *d = s->d;
+    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
+    const int64_t i = t / QH, h = t % QH, g = h / (QH / KVH), stride = KVH * D;
+    float *q = s->qkv + i * qkv_width(d) + h * D;
+    rope(q, s->cos + i * D, s->sin + i * D, D);
+    const float *kc = s->L->k_cache, *vc = s->L->v_cache;
+    const int64_t len = s->seq_lens[i];
+    const int32_t *bt = s->block_tables + i * s->bt_stride;
+    const float scale = (float)d->scale;
+    float mx = -INFINITY, sum = 0.0f, acc[KV_MAX_HEAD], sc[bs + 8];
+    memset(acc, 0, D * sizeof(float));
+    for (int64_t p0 = 0; p0 < len; p0 += bs) {
+        const int64_t n = len - p0 < bs ? len - p0 : bs;
+        const int64_t base = ((int64_t)bt[p0 / bs] * bs * KVH + g) * D;   /* position p0, KV head g */
+        float bmax = -INFINITY;
+        for (int64_t p = 0; p < n; p++) {
+            sc[p] = dot(q, kc + base + p * stride, D) * scale;
+            bmax = sc[p] > bmax ? sc[p] : bmax;
+        }
+        if (bmax > mx) {   /* rescale what was summed under the old maximum */
+            float corr = expf(mx - bmax);
+            sum *= corr;
+            for (int64_t e = 0; e < D; e++) acc[e] *= corr;
+            mx = bmax;
+        }
+        __m256 vmx = _mm256_set1_ps(mx);
+        for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
+        for (int64_t p = 0; p < n; p++) {
+            sum += sc[p];
+            const float *vp = vc + base + p * stride;
+            __m256 w = _mm256_set1_ps(sc[p]);
+            for (int64_t e = 0; e < D; e += 8)
+                _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(acc + e)));
+        }
+    }
+    float *out = s->attn + (i * QH + h) * D, r = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t e = 0; e < D; e++) out[e] = acc[e] * r;
+}
+
+/* Nanoseconds spent per phase since the last kv_decode_profile call, and the steps:
+ * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, steps]. */
+enum { PROF_NORM, PROF_QKV, PROF_ATTN, PROF_O, PROF_MLP, PROF_DOWN, PROF_HEAD, PROF_STEPS, PROF_N };
+static int64_t PROF[PROF_N];
+
+void kv_decode_profile(int64_t *out) {
+    pthread_mutex_lock(&P.lock);
+    memcpy(out, PROF, sizeof PROF);
+    memset(PROF, 0, sizeof PROF);
+    pthread_mutex_unlock(&P.lock);
+}
+
+static inline void timed(int which, int64_t *t) {
+    int64_t now = now_ns();
+    PROF[which] += now - *t;
+    *t = now;
+}
+
+/* One decode step over M <= 64 rows (see the contract at the top). Returns 0, or -1 when M is
+ * out of range or scratch memory could not be allocated. */
+int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, const float *sin,
+                  const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                  float *out, float *logits) {
+    if (M < 1 || M > KV_MAX_ROWS) return -1;
+    const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
+    const int64_t need = M * (H + qkv_width(d) + QD + I);
+    pthread_mutex_lock(&P.lock);
+    if (P.scratch_floats < need) {
+        free(P.scratch);
+        P.scratch = malloc(need * sizeof(float));
+        P.scratch_floats = P.scratch ? need : 0;
+        if (!P.scratch) {
+            pthread_mutex_unlock(&P.lock);
+            return -1;
+        }
+    }
+    kv_step s = {.d = d, .M = M, .x = x, .h = P.scratch, .cos = cos, .sin = sin, .slots = slots,
+                 .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits};
+    s.qkv = s.h + M * H;
+    s.attn = s.qkv + M * qkv_width(d);
+    s.act = s.attn + M * QD;
+    int64_t t = now_ns();
+    for (int64_t l = 0; l < d->num_layers; l++) {
+        s.L = &d->layers[l];
+        norm_rows(&s, s.L->input_norm, s.h);
+        timed(PROF_NORM, &t);
+        kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
+        timed(PROF_QKV, &t);
+        write_kv(&s);
+        kv_parallel(task_attention, &s, M * d->num_heads);
+        timed(PROF_ATTN, &t);
+        kv_parallel(task_o, &s, spans(&s, H));
+        timed(PROF_O, &t);
+        norm_rows(&s, s.L->post_norm, s.h);
+        timed(PROF_NORM, &t);
+        kv_parallel(task_mlp, &s, spans(&s, I));
+        timed(PROF_MLP, &t);
+        kv_parallel(task_down, &s, spans(&s, H));
+        timed(PROF_DOWN, &t);
+    }
+    norm_rows(&s, d->final_norm, out);
+    timed(PROF_NORM, &t);
+    if (d->head && logits) {
+        s.h = out;
+        kv_parallel(task_head, &s, spans(&s, d->head->N));
+        timed(PROF_HEAD, &t);
+    }
+    PROF[PROF_STEPS]++;
+    pthread_mutex_unlock(&P.lock);
+    return 0;
+}

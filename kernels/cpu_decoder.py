@@ -1,0 +1,240 @@
+"""The fused CPU decoder: one decode step of a Llama-family decoder in one C call
+(``kernels/cpu_decoder.c``, built into the same library as :mod:`kvfleet.kernels.cpu_woq`).
+
+Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
+and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
+weight reading (docs/performance.md, "Fused CPU decoder"). The C step runs every layer (RMSNorm,
+fused q|k|v, rotary, KV-cache write, grouped-query paged attention, o, fused gate|up with SiLU,
+down), the final norm and the LM head, with its own thread pool whose helpers spin briefly
+between phases and sleep between steps.
+
+:class:`DecoderWeights` describes the model (built once; it keeps every tensor it points to
+alive, and the tensors must not move or be resized while it is used); :meth:`FusedDecoder.step`
+runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``D`` head size,
+``I`` MLP width, ``V`` vocabulary):
+
+- :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``int8`` (``w [N, K]`` int8, ``scale [N]``)
+  or ``int4`` (``w [N, K/2]`` uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`,
+  ``scale``/``shift [N, K/G]``); ``bias [N]`` float32 or None.
+- per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
+  ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
+  caches ``[num_blocks, block_size, KVH, D]`` float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.kernels import cpu_woq
+
+MAX_ROWS = 64
+"""Most rows (sequences) one step takes (``KV_MAX_ROWS`` in the C file)."""
+SPIN_ENV = "KVFLEET_CPU_SPIN_US"
+SPIN_US = 200
+"""Microseconds a helper thread spins after its last task before it sleeps
+(``$KVFLEET_CPU_SPIN_US`` overrides). The phases of a step come microseconds apart; between
+steps (scheduler, sampler: milliseconds) the helpers sleep, so a CPU shared with other
+processes loses at most this much per step."""
+
+PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
+"""The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
+_FORMATS = {"fp32": 0, "int8": 1, "int4": 2}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("w", _ptr), ("scale", _ptr), ("shift", _ptr),
+                ("group", _i64), ("bias", _ptr)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Matrix), ("o", _Matrix),
+                ("gate_up", _Matrix), ("down", _Matrix), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
+                ("scale", ctypes.c_double), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
+                ("head", ctypes.POINTER(_Matrix))]
+
+
+@dataclass
+class Linear:
+    """One linear layer's weights (see the module docstring for the layouts)."""
+
+    fmt: str
+    w: torch.Tensor
+    scale: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    group: int = 0
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, K)``: output and input features."""
+        n, k = self.w.shape
+        return n, 2 * k if self.fmt == "int4" else k
+
+    def check(self, name: str, n: int, k: int) -> None:
+        """ValueError unless this is a valid ``[n, k]`` layer in its format."""
+        if self.fmt not in _FORMATS:
+            raise ValueError(f"{name}: unknown format {self.fmt!r}")
+        dtype = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8}[self.fmt]
+        if self.w.dtype != dtype or not self.w.is_contiguous() or self.w.device.type != "cpu":
+            raise ValueError(f"{name}: weight must be a contiguous CPU {dtype} tensor, got {self.w.dtype}")
+        if self.shape != (n, k):
+            raise ValueError(f"{name}: weight is {self.shape}, expected {(n, k)}")
+        if k % (32 if self.fmt == "int4" else 8):
+            raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
+        wanted = {"fp32": {}, "int8": {"scale": (n,)},
+                  "int4": {"scale": (n, k // max(self.group, 1)), "shift": (n, k // max(self.group, 1))}}[self.fmt]
+        if self.fmt == "int4" and (self.group % 32 or k % self.group):
+            raise ValueError(f"{name}: int4 group size {self.group} must be a multiple of 32 dividing {k}")
+        for field, shape in {**wanted, **({"bias": (n,)} if self.bias is not None else {})}.items():
+            t = getattr(self, field)
+            if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"{name}: {field} must be a contiguous float32 {shape} tensor")
+
+    def struct(self) -> _Matrix:
+        n, k = self.shape
+        return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
+                       self.group, _data(self.bias))
+
+
+def _data(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class Layer:
+    """One decoder layer: norms ``[H]`` float32, the four linear layers, its KV caches."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass
+class DecoderWeights:
+    """The whole decoder. ``eps``: RMSNorm epsilon; ``scale``: the softmax scale (usually
+    ``D ** -0.5``); ``head``: the LM head ``[V, H]`` or None (then :meth:`FusedDecoder.step`
+    returns no logits)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    eps: float
+    scale: float
+    layers: list[Layer]
+    final_norm: torch.Tensor
+    head: Linear | None
+
+
+class FusedDecoder:
+    """A checked :class:`DecoderWeights` bound to the C library.
+
+    Raises:
+        ValueError: a tensor of the wrong shape, dtype or layout, or a model the C step does not
+            cover (head size not a multiple of 8 or over 256, query heads not a multiple of the
+            KV heads, KV caches not float32 ``[blocks, block_size, KVH, D]``).
+        RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_woq.available`).
+    """
+
+    def __init__(self, weights: DecoderWeights, threads: int | None = None) -> None:
+        lib = cpu_woq.load()
+        if lib is None:
+            raise RuntimeError(f"kvfleet CPU kernels unavailable: {cpu_woq.unavailable_reason()}")
+        w = weights
+        QH, KVH, D = w.num_heads, w.num_kv_heads, w.head_size
+        if D % 8 or D > 256 or QH % KVH or not w.layers:
+            raise ValueError(f"unsupported attention geometry: {QH} query heads, {KVH} KV heads, head size {D}")
+        H = w.final_norm.shape[0]
+        I = w.layers[0].gate_up.shape[0] // 2
+        block_size = w.layers[0].k_cache.shape[1]
+        for i, layer in enumerate(w.layers):
+            layer.qkv.check(f"layer {i} qkv", (QH + 2 * KVH) * D, H)
+            layer.o.check(f"layer {i} o", H, QH * D)
+            layer.gate_up.check(f"layer {i} gate_up", 2 * I, H)
+            layer.down.check(f"layer {i} down", H, I)
+            for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
+                if t.shape != (H,) or t.dtype != torch.float32 or not t.is_contiguous():
+                    raise ValueError(f"layer {i} {name} must be a contiguous float32 [{H}] tensor")
+            for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
+                if (t.dim() != 4 or t.shape[1:] != (block_size, KVH, D) or t.dtype != torch.float32
+                        or not t.is_contiguous()):
+                    raise ValueError(f"layer {i} {name} must be float32 [blocks, {block_size}, {KVH}, {D}]")
+        if w.final_norm.dtype != torch.float32 or not w.final_norm.is_contiguous():
+            raise ValueError("final_norm must be a contiguous float32 tensor")
+        if w.head is not None:
+            w.head.check("head", w.head.shape[0], H)
+        self.weights = w
+        self.hidden, self.vocab_size = H, (w.head.shape[0] if w.head is not None else 0)
+        self._layers = (_Layer * len(w.layers))(*[
+            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv.struct(), layer.o.struct(),
+                   layer.gate_up.struct(), layer.down.struct(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+            for layer in w.layers])
+        self._head = w.head.struct() if w.head is not None else None
+        self._struct = _Decoder(len(w.layers), H, QH, KVH, D, I, block_size, w.eps, w.scale, self._layers,
+                                w.final_norm.data_ptr(),
+                                ctypes.pointer(self._head) if self._head is not None else None)
+        self._lib = lib
+        spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
+        lib.kv_pool_start(threads or torch.get_num_threads(), spin)
+
+    def profile(self) -> dict[str, float]:
+        """Milliseconds per step spent in each phase of the C step since the last call (the
+        process's fused decoders together), and ``steps``; resets the counters."""
+        raw = (ctypes.c_int64 * len(PROFILE_PHASES))()
+        self._lib.kv_decode_profile(ctypes.addressof(raw))
+        steps = raw[-1]
+        return {name: (raw[i] / 1e6 / steps if steps else 0.0) for i, name in enumerate(PROFILE_PHASES[:-1])} | {
+            "steps": steps}
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step: each of the ``M`` rows is one sequence with one new token.
+
+        Args:
+            x: ``[M, H]`` float32 token embeddings (overwritten: the residual stream).
+            cos, sin: ``[M, D]`` float32 rotary embeddings of each row's position.
+            slots: ``[M]`` int64 cache slot of each row's new key/value (-1: not written).
+            block_tables: ``[M, W]`` int32 block ids of each sequence.
+            seq_lens: ``[M]`` int32 positions each row attends over (its own included).
+
+        Returns:
+            ``(hidden [M, H] float32, logits [M, V] float32 or None)``: the final norm's output
+            and the LM head's (None without a head).
+
+        Raises:
+            ValueError: ``M`` outside 1..64 or an argument of the wrong shape or dtype.
+        """
+        M = x.shape[0]
+        D = self.weights.head_size
+        if not 1 <= M <= MAX_ROWS:
+            raise ValueError(f"a fused decode step takes 1..{MAX_ROWS} rows, got {M}")
+        for name, t, shape, dtype in (("x", x, (M, self.hidden), torch.float32), ("cos", cos, (M, D), torch.float32),
+                                      ("sin", sin, (M, D), torch.float32), ("slots", slots, (M,), torch.int64),
+                                      ("seq_lens", seq_lens, (M,), torch.int32)):
+            if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} {shape} tensor, got {t.dtype} {tuple(t.shape)}")
+        if block_tables.dim() != 2 or block_tables.shape[0] != M or block_tables.dtype != torch.int32 \
+                or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables must be int32 [{M}, W] with contiguous rows")
+        out = torch.empty((M, self.hidden), dtype=torch.float32)
+        logits = torch.empty((M, self.vocab_size), dtype=torch.float32) if self._head is not None else None
+        rc = self._lib.kv_decode(ctypes.addressof(self._struct), M, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                 slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                 seq_lens.data_ptr(), out.data_ptr(), _data(logits))
+        if rc != 0:
+            raise MemoryError("kv_decode could not allocate its scratch memory")
+        return out, logits

@@ -1,0 +1,237 @@
+/* kvfleet CPU kernels: the dot-product building blocks of the weight-only quantized linear
+ * layers (cpu_woq.c) and of the fused decoder (cpu_decoder.c), x86-64 AVX2 + FMA.
+ *
+ * Every helper computes raw sums (no scale, no bias) of rows of x (float32, rows `ldx` floats
+ * apart, K inputs) against weight rows in one of three formats:
+ *
+ *   fp32: w [N, K] float32, row-major
+ *   int8: w [N, K] int8 row-major; dequant(w)[n, k] = w[n, k] * scale[n]  (the caller scales)
+ *   int4: w [N, K/2] uint8; per row, block b of 32 weights (k = 32b .. 32b+31) is 16 bytes:
+ *         byte j holds k = 32b + j in its low nibble and k = 32b + 16 + j in its high nibble;
+ *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
+ *         (a multiple of 32); the int4 helpers apply scale and shift themselves.
+ *
+ * K is a multiple of 32 (int4) or 8 (fp32, int8). A decode step is bound by reading weights:
+ * each weight is loaded once, widened to float32 in registers and used for up to 4 rows of x.
+ * At one row the _m1_n4 helpers work on four output channels at once (eight independent FMA
+ * chains: with one channel the FMA latency, not memory, would set the pace).
+ */
+#ifndef KVFLEET_CPU_GEMV_H
+#define KVFLEET_CPU_GEMV_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stddef.h>
+
+enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __m256 widen_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* 32 int4 weights (16 bytes) widened to four float vectors, dequantized: q * s + t. */
+static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4]) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);                       /* k = j      (j = 0..15) */
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);    /* k = 16 + j */
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, t);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, t);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, t);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, t);
+}
+
+/* R <= 4 rows of x against one weight row: out[r] = sum_k x[r, k] * w[k]. */
+static inline void f32_rows(const float *x, int64_t ldx, int64_t K, const float *wn, int R, float out[4]) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = _mm256_loadu_ps(wn + k), w1 = _mm256_loadu_ps(wn + k + 8);
+        for (int r = 0; r < R; r++) {
+            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 w0 = _mm256_loadu_ps(wn + k);
+        for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+static inline void i8_rows(const float *x, int64_t ldx, int64_t K, const int8_t *wn, int R, float out[4]) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = widen_i8(wn + k), w1 = widen_i8(wn + k + 8);
+        for (int r = 0; r < R; r++) {
+            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
+            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 w0 = widen_i8(wn + k);
+        for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* int4 row n: wn its packed bytes, sn / tn its K/G scales and shifts. */
+static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *wn, const float *sn,
+                           const float *tn, int64_t G, int R, float out[4]) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; k += 32) {
+        int64_t g = k / G;
+        __m256 wv[4];
+        widen_i4(wn + k / 2, _mm256_set1_ps(sn[g]), _mm256_set1_ps(tn[g]), wv);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * ldx + k;
+            a0[r] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), a0[r]);
+            a1[r] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), a1[r]);
+            a0[r] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), a0[r]);
+            a1[r] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* One row of x against weight rows w, w + K, w + 2K, w + 3K (fp32). */
+static inline void f32_m1_n4(const float *x, int64_t K, const float *w, float out[4]) {
+    __m256 a[4][2];
+    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int j = 0; j < 4; j++) {
+            a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k), x0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k + 8), x1, a[j][1]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 x0 = _mm256_loadu_ps(x + k);
+        for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k), x0, a[j][0]);
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));
+}
+
+static inline void i8_m1_n4(const float *x, int64_t K, const int8_t *w, float out[4]) {
+    __m256 a[4][2];
+    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int j = 0; j < 4; j++) {
+            a[j][0] = _mm256_fmadd_ps(widen_i8(w + j * K + k), x0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(widen_i8(w + j * K + k + 8), x1, a[j][1]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        __m256 x0 = _mm256_loadu_ps(x + k);
+        for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(widen_i8(w + j * K + k), x0, a[j][0]);
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));
+}
+
+/* int4 rows n .. n+3: w their packed bytes (K/2 per row), s / t their scales and shifts. */
+static inline void i4_m1_n4(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t,
+                            int64_t G, float out[4]) {
+    int64_t groups = K / G;
+    __m256 a[4][2];
+    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; k += 32) {
+        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
+        int64_t g = k / G;
+        for (int j = 0; j < 4; j++) {
+            __m256 wv[4];
+            widen_i4(w + j * (K / 2) + k / 2, _mm256_set1_ps(s[j * groups + g]), _mm256_set1_ps(t[j * groups + g]),
+                     wv);
+            a[j][0] = _mm256_fmadd_ps(wv[0], x0, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(wv[1], x1, a[j][1]);
+            a[j][0] = _mm256_fmadd_ps(wv[2], x2, a[j][0]);
+            a[j][1] = _mm256_fmadd_ps(wv[3], x3, a[j][1]);
+        }
+    }
+    for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));
+}
+
+/* A linear layer's weights in one of the formats above. */
+typedef struct {
+    int64_t fmt;            /* KV_FP32, KV_INT8 or KV_INT4 */
+    int64_t N, K;
+    const void *w;          /* float [N, K] / int8 [N, K] / uint8 [N, K/2] */
+    const float *scale;     /* int8: [N]; int4: [N, K/G]; fp32: NULL */
+    const float *shift;     /* int4: [N, K/G]; else NULL */
+    int64_t group;          /* int4 group size G */
+    const float *bias;      /* [N] or NULL */
+} kv_matrix;
+
+/* Software prefetch of `bytes` from p, one cache line at a time (addresses past the end of the
+ * weights are harmless: a prefetch never faults). */
+static inline void prefetch_span(const void *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* Prefetch rows n .. n + count - 1 of m (weights, and int4 scales and shifts). */
+static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
+    const int64_t K = m->K;
+    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_INT8 ? K : K / 2;
+    prefetch_span((const char *)m->w + n * row, count * row);
+    if (m->fmt == KV_INT4) {
+        prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
+        prefetch_span(m->shift + n * (K / m->group), count * (K / m->group) * 4);
+    }
+}
+
+/* y[m * ldy + (n - n0)] = x[m, :] . dequant(w)[n, :] + bias[n] for m < M, n0 <= n < n1;
+ * n0 and n1 - n0 multiples of 4 unless n1 == N. The weights are read from memory once, in order,
+ * and the rows eight ahead (within n0 .. n1) are prefetched while one group is computed: short rows (a few hundred bytes)
+ * read four at a time are too short for the hardware prefetcher, and without this one core
+ * streamed int8 weights at 6.4 GB/s instead of 14.8 (EPYC, docs/performance.md). */
+static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ldx, int64_t M, int64_t n0,
+                                  int64_t n1, float *y, int64_t ldy) {
+    const int64_t K = m->K, G = m->group, groups = m->fmt == KV_INT4 ? K / G : 0;
+    float out[4];
+    int64_t n = n0;
+    prefetch_rows(m, n0, n1 - n0 < 8 ? n1 - n0 : 8);
+    if (M == 1) {
+        for (; n + 4 <= n1; n += 4) {
+            if (n + 8 < n1) prefetch_rows(m, n + 8, n1 - n - 8 < 4 ? n1 - n - 8 : 4);
+            if (m->fmt == KV_FP32) f32_m1_n4(x, K, (const float *)m->w + n * K, out);
+            else if (m->fmt == KV_INT8) i8_m1_n4(x, K, (const int8_t *)m->w + n * K, out);
+            else i4_m1_n4(x, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups, m->shift + n * groups,
+                          G, out);
+            for (int j = 0; j < 4; j++) {
+                float v = m->fmt == KV_INT8 ? out[j] * m->scale[n + j] : out[j];
+                y[n + j - n0] = v + (m->bias ? m->bias[n + j] : 0.0f);
+            }
+        }
+    }
+    for (; n < n1; n++) {
+        float b = m->bias ? m->bias[n] : 0.0f;
+        if (n + 8 < n1) prefetch_rows(m, n + 8, 1);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            const float *xr = x + m0 * ldx;
+            if (m->fmt == KV_FP32) f32_rows(xr, ldx, K, (const float *)m->w + n * K, R, out);
+            else if (m->fmt == KV_INT8) i8_rows(xr, ldx, K, (const int8_t *)m->w + n * K, R, out);
+            else i4_rows(xr, ldx, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups,
+                         m->shift + n * groups, G, R, out);
+            for (int r = 0; r < R; r++)
+                y[(m0 + r) * ldy + n - n0] = (m->fmt == KV_INT8 ? out[r] * m->scale[n] : out[r]) + b;
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,192 @@
+"""The fused CPU decode path: decode steps of a Llama-family model in one C call
+(:mod:`kvfleet.kernels.cpu_decoder`) instead of transformers' modules.
+
+:func:`build` decides once, after the KV caches exist, whether an engine can use it, and returns
+a :class:`CpuDecodePath` or None (the reason is logged). It can when all of these hold:
+
+- the model runs on the CPU in float32, the AVX2 kernels are available, ``$KVFLEET_CPU_DECODER``
+  is not ``0``;
+- no tensor parallelism and no LoRA;
+- the model is a Llama, Mistral or Qwen2 decoder with SiLU gating, no sliding window, no q/k
+  norms, rotary embeddings over the whole head, and linear layers that are plain float32
+  ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
+  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU).
+
+Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
+into one tensor, and the modules' own weights become views of it, so the transformers path that
+still runs prefill and mixed steps reads the same memory. Models shared by several engines are
+fused once.
+
+:meth:`CpuDecodePath.applies` says whether a step qualifies: every scheduled sequence has exactly
+one new token (decode, or a one-token prompt chunk), at most
+:data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` of them, and no prompt logprobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvfleet.kernels import cpu_woq
+from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear
+from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+
+logger = logging.getLogger(__name__)
+
+ENV = "KVFLEET_CPU_DECODER"
+"""``0`` turns the fused decode path off (every step runs transformers' modules)."""
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+_FUSED_ATTR = "_kvfleet_fused"
+
+
+def _linear(module: torch.nn.Module) -> Linear | None:
+    """The layer's weights in a format the C step reads, or None."""
+    if isinstance(module, Int8Linear):
+        return Linear("int8", module.weight, module.qscale, bias=module.bias32)
+    if isinstance(module, Int4Linear):
+        return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
+    if type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter:
+        w = module.weight.detach()
+        bias = module.bias.detach().float().contiguous() if module.bias is not None else None
+        if w.dtype == torch.float32 and w.is_contiguous():
+            return Linear("fp32", w, bias=bias)
+    return None
+
+
+def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
+    """One :class:`Linear` over ``modules`` stacked along the output features; the modules'
+    weights (and int8/int4 scales) become views of it. None when a module's format is not one
+    the C step reads or the formats differ."""
+    parts = [_linear(m) for m in modules]
+    if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) != 1:
+        return None
+    fmt, group = parts[0].fmt, parts[0].group
+    w = torch.cat([p.w for p in parts])
+    scale = torch.cat([p.scale for p in parts]) if fmt != "fp32" else None
+    shift = torch.cat([p.shift for p in parts]) if fmt == "int4" else None
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.shape[0]) for p in parts])
+    start = 0
+    for module, part in zip(modules, parts):
+        end = start + part.w.shape[0]
+        if fmt == "fp32":
+            module.weight = torch.nn.Parameter(w[start:end], requires_grad=False)
+        else:
+            module.weight, module.qscale = w[start:end], scale[start:end]
+            if fmt == "int4":
+                module.qshift = shift[start:end]
+        start = end
+    return Linear(fmt, w, scale, shift, group, bias)
+
+
+def _fused_layer(layer: torch.nn.Module) -> tuple[Linear, Linear] | None:
+    """``(qkv, gate_up)`` of a decoder layer, fused on first use and kept on the layer."""
+    cached = getattr(layer, _FUSED_ATTR, None)
+    attn, mlp = layer.self_attn, layer.mlp
+    if cached is not None and cached[0].w.data_ptr() == attn.q_proj.weight.data_ptr() \
+            and cached[1].w.data_ptr() == mlp.gate_proj.weight.data_ptr():
+        return cached
+    qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if qkv is not None else None
+    if gate_up is None:
+        return None
+    object.__setattr__(layer, _FUSED_ATTR, (qkv, gate_up))
+    return qkv, gate_up
+
+
+def _unsupported(runner) -> str | None:
+    """Why this engine cannot take the fused path (None: it can)."""
+    cfg = runner.hf_config
+    if os.environ.get(ENV, "") == "0":
+        return f"${ENV}=0"
+    if runner.device.type != "cpu" or runner.dtype != torch.float32:
+        return f"it runs {runner.dtype} on {runner.device.type}, not float32 on the CPU"
+    if runner.tp_size > 1 or runner.lora is not None:
+        return "tensor parallelism or LoRA is on"
+    if getattr(cfg, "model_type", None) not in MODEL_TYPES or getattr(cfg, "hidden_act", None) != "silu":
+        return f"model type {getattr(cfg, 'model_type', None)!r} / activation {getattr(cfg, 'hidden_act', None)!r}"
+    if any(w is not None for w in runner.sliding_windows or ()):
+        return "a layer has a sliding window"
+    if runner._logit_scale != 1.0 or getattr(cfg, "final_logit_softcapping", None):
+        return "the model scales or caps its logits"
+    if not cpu_woq.available():
+        return f"the CPU kernels are unavailable ({cpu_woq.unavailable_reason()})"
+    decoder = runner.model.get_decoder()
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(decoder, name):
+            return f"the decoder has no {name}"
+    layer = decoder.layers[0]
+    attn = layer.self_attn
+    if any(hasattr(attn, n) for n in ("q_norm", "k_norm")) or not hasattr(attn, "scaling"):
+        return "its attention has q/k norms or no fixed scaling"
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return "its rotary embedding covers part of the head"
+    return None
+
+
+class CpuDecodePath:
+    """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
+
+    def __init__(self, runner, fused: FusedDecoder, head_in_c: bool) -> None:
+        decoder = runner.model.get_decoder()
+        self._embed = decoder.embed_tokens
+        self._rotary = decoder.rotary_emb
+        self._fused = fused
+        self._head_in_c = head_in_c
+        self._compute_logits = runner.compute_logits
+
+    @staticmethod
+    def applies(num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool) -> bool:
+        """Whether a step with these properties runs fused: one token per sequence, at most
+        ``MAX_ROWS`` of them, no prompt logprobs, no padding rows."""
+        return num_tokens == num_seqs <= MAX_ROWS and not prompt_logprobs and not padded
+
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor
+                ) -> torch.Tensor:
+        """Logits ``[S, V]`` float32 of the rows ``logits_indices`` for a step that
+        :meth:`applies`; writes every row's key and value into the caches."""
+        x = self._embed(input_ids[0]).float().contiguous()
+        cos, sin = self._rotary(x.unsqueeze(0), positions)
+        hidden, logits = self._fused.step(
+            x, cos[0].float().contiguous(), sin[0].float().contiguous(), meta.slot_mapping.contiguous(),
+            meta.block_tables, meta.seq_lens.contiguous(),
+        )
+        if logits is None:
+            return self._compute_logits(hidden.index_select(0, logits_indices))
+        return logits if logits_indices.numel() == logits.shape[0] else logits.index_select(0, logits_indices)
+
+
+def build(runner) -> CpuDecodePath | None:
+    """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`
+    whose KV caches exist), or None with the reason logged at INFO."""
+    reason = _unsupported(runner)
+    decoder = runner.model.get_decoder() if reason is None else None
+    layers = []
+    if decoder is not None:
+        for i, layer in enumerate(decoder.layers):
+            fused = _fused_layer(layer)
+            o, down = _linear(layer.self_attn.o_proj), _linear(layer.mlp.down_proj)
+            if fused is None or o is None or down is None:
+                reason = f"layer {i}'s linear layers are not float32, kvfleet int8 or kvfleet int4"
+                break
+            k_cache, v_cache = runner.kv_caches[i]
+            layers.append(Layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                                fused[0], o, fused[1], down, k_cache, v_cache))
+    if reason is not None:
+        logger.info("fused CPU decode: off (%s)", reason)
+        return None
+    head = _linear(runner.model.get_output_embeddings())
+    eps = float(getattr(runner.hf_config, "rms_norm_eps", 1e-6))
+    weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
+                             float(decoder.layers[0].self_attn.scaling), layers, decoder.norm.weight.detach(), head)
+    try:
+        fused = FusedDecoder(weights)
+    except (ValueError, RuntimeError) as exc:
+        logger.info("fused CPU decode: off (%s)", exc)
+        return None
+    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s)", len(layers), layers[0].qkv.fmt,
+                head.fmt if head is not None else "in torch")
+    return CpuDecodePath(runner, fused, head is not None)
