@@ -159,13 +159,13 @@ class FusedDecoder:
         if D % 8 or D > 256 or QH % KVH or not w.layers:
             raise ValueError(f"unsupported attention geometry: {QH} query heads, {KVH} KV heads, head size {D}")
         H = w.final_norm.shape[0]
-        I = w.layers[0].gate_up.shape[0] // 2
+        inter = w.layers[0].gate_up.shape[0] // 2
         block_size = w.layers[0].k_cache.shape[1]
         for i, layer in enumerate(w.layers):
             layer.qkv.check(f"layer {i} qkv", (QH + 2 * KVH) * D, H)
             layer.o.check(f"layer {i} o", H, QH * D)
-            layer.gate_up.check(f"layer {i} gate_up", 2 * I, H)
-            layer.down.check(f"layer {i} down", H, I)
+            layer.gate_up.check(f"layer {i} gate_up", 2 * inter, H)
+            layer.down.check(f"layer {i} down", H, inter)
             for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
                 if t.shape != (H,) or t.dtype != torch.float32 or not t.is_contiguous():
                     raise ValueError(f"layer {i} {name} must be a contiguous float32 [{H}] tensor")
@@ -184,7 +184,7 @@ class FusedDecoder:
                    layer.gate_up.struct(), layer.down.struct(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
             for layer in w.layers])
         self._head = w.head.struct() if w.head is not None else None
-        self._struct = _Decoder(len(w.layers), H, QH, KVH, D, I, block_size, w.eps, w.scale, self._layers,
+        self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None)
         self._lib = lib

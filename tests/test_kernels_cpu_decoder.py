@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernel
 
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear  # noqa: E402
 
-H, QH, KVH, D, I, V, BS, BLOCKS = 128, 6, 2, 64, 320, 300, 16, 40
+H, QH, KVH, D, FF, V, BS, BLOCKS = 128, 6, 2, 64, 320, 300, 16, 40
 
 
 def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) -> tuple[Linear, torch.Tensor]:
@@ -40,8 +40,8 @@ def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False):
     for _ in range(layers):
         qkv, qkv_ref = _linear(fmt, (QH + 2 * KVH) * D, H, gen, bias)
         o, o_ref = _linear(fmt, H, QH * D, gen)
-        gu, gu_ref = _linear(fmt, 2 * I, H, gen)
-        down, down_ref = _linear(fmt, H, I, gen)
+        gu, gu_ref = _linear(fmt, 2 * FF, H, gen)
+        down, down_ref = _linear(fmt, H, FF, gen)
         n1, n2 = 1 + 0.1 * torch.randn(H, generator=gen), 1 + 0.1 * torch.randn(H, generator=gen)
         kc, vc = torch.randn(BLOCKS, BS, KVH, D, generator=gen), torch.randn(BLOCKS, BS, KVH, D, generator=gen)
         built.append(Layer(n1, n2, qkv, o, gu, down, kc, vc))
@@ -87,7 +87,7 @@ def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens):
             out.append(torch.einsum("hn,nhd->hd", p, vals).reshape(-1))
         x = x + torch.stack(out) @ wo.T
         gu = norm(x, n2) @ wgu.T
-        x = x + (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]) @ wd.T
+        x = x + (torch.nn.functional.silu(gu[:, :FF]) * gu[:, FF:]) @ wd.T
     hidden = norm(x, weights.final_norm)
     return hidden, hidden @ head_ref.T
 

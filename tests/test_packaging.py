@@ -49,12 +49,17 @@ def test_runtime_exports_its_public_api():
 
 
 def test_the_wheel_ships_the_c_source_the_cpu_kernels_build(tmp_path):
-    """``kvfleet.kernels.cpu_woq`` compiles ``cpu_woq.c`` at run time: a non-editable install
-    (the Docker image's ``uv pip install /src``) must contain it."""
+    """``kvfleet.kernels.cpu_woq`` compiles ``cpu_woq.c`` and ``cpu_decoder.c`` (with the header
+    ``cpu_gemv.h``) at run time: a non-editable install (the Docker image's ``uv pip install /src``)
+    must contain every one, exactly the files the build reads."""
     import zipfile
 
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvfleet-*.whl")
-    assert "kvfleet/kernels/cpu_woq.c" in zipfile.ZipFile(wheel).namelist()
+    from kvfleet.kernels import cpu_woq
+
+    names = zipfile.ZipFile(wheel).namelist()
+    for source in (*cpu_woq.SOURCES, *cpu_woq.HEADERS):
+        assert f"kvfleet/kernels/{source.name}" in names

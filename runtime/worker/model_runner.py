@@ -29,6 +29,7 @@ import torch
 
 from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput
+from kvfleet.runtime.worker import cpu_decode
 from kvfleet.runtime.worker.attention import (
     METADATA_KWARG,
     AttentionMetadata,
@@ -36,7 +37,6 @@ from kvfleet.runtime.worker.attention import (
     probe_attention,
     register,
 )
-from kvfleet.runtime.worker import cpu_decode
 from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
 from kvfleet.runtime.worker.cpu_decode import CpuDecodePath
 from kvfleet.runtime.worker.input_batch import InputBatch
