@@ -26,6 +26,18 @@ from kvfleet.runtime.worker.compilation import BACKEND_ENV, compile_counts
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True, scope="module")
+def no_fused_decode():
+    """The fused CPU decode path (kvfleet.runtime.worker.cpu_decode) would run the decode steps;
+    off here (before the module's engines are built), so every step of these engines goes
+    through the compiled graph or the eager modules."""
+    from kvfleet.runtime.worker import cpu_decode
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_decode.ENV, "0")
+        yield
+
 # logprobs=0: the sampled token's log-probability, compared too (a two-layer cut's greedy tokens
 # barely depend on the context, its log-probabilities do)
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0)

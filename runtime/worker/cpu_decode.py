@@ -6,7 +6,8 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 
 - the model runs on the CPU in float32, the AVX2 kernels are available, ``$KVFLEET_CPU_DECODER``
   is not ``0``;
-- no tensor parallelism and no LoRA;
+- no tensor parallelism, no LoRA, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
+  not ``triton``);
 - the model is a Llama, Mistral or Qwen2 decoder with SiLU gating, no sliding window, no q/k
   norms, rotary embeddings over the whole head, and linear layers that are plain float32
   ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
@@ -29,7 +30,7 @@ import os
 
 import torch
 
-from kvfleet.kernels import cpu_woq
+from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear
 from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
 
@@ -106,6 +107,8 @@ def _unsupported(runner) -> str | None:
         return f"it runs {runner.dtype} on {runner.device.type}, not float32 on the CPU"
     if runner.tp_size > 1 or runner.lora is not None:
         return "tensor parallelism or LoRA is on"
+    if select_backend(runner.device) != "torch":
+        return f"${BACKEND_ENV} selects the {select_backend(runner.device)} attention kernels"
     if getattr(cfg, "model_type", None) not in MODEL_TYPES or getattr(cfg, "hidden_act", None) != "silu":
         return f"model type {getattr(cfg, 'model_type', None)!r} / activation {getattr(cfg, 'hidden_act', None)!r}"
     if any(w is not None for w in runner.sliding_windows or ()):
