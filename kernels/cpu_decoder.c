@@ -22,7 +22,7 @@
  * gate_up holds the I gate rows, then the I up rows.
  *
  * Threads: a pool of its own (pthreads), not OpenMP. Each parallel phase is a set of tasks
- * (a run of output channels, or one (row, query head) pair) that the calling thread and the helpers claim
+ * (a run of output channels, or one split of one sequence's KV head) that the calling thread and the helpers claim
  * with one atomic counter, so the caller never waits for a helper that is asleep or
  * descheduled: it does the tasks itself, and waits only for a task a helper has claimed. A
  * helper spins `spin_us` after its last task (a decode step's phases come microseconds apart),
@@ -45,7 +45,7 @@
 
 #define KV_MAX_THREADS 64
 #define KV_MAX_ROWS 64
-#define KV_MAX_HEAD 256     /* head size */
+#define KV_MAX_SPLITS 8     /* attention splits per sequence */
 #define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
 
 /* ------------------------------------------------------------------ thread pool */
@@ -198,6 +198,8 @@ typedef struct {
     const kv_layer *L;
     int64_t M;
     float *x, *h, *qkv, *attn, *act, *logits;
+    float *partial;         /* [M, QH, splits, 2 + D]: per split, max, sum and weighted values */
+    int64_t splits;
     const float *cos, *sin;
     const int64_t *slots;
     const int32_t *block_tables, *seq_lens;
@@ -308,16 +310,18 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return hsum(acc);
 }
 
-/* Serial, before the attention phase: rotary on each row's new keys, and its keys and values
- * into the cache (so that every query head's task reads a complete cache). */
+/* Serial, before the attention phase: rotary on each row's new queries and keys, and its keys
+ * and values into the cache (so that every attention task reads a complete cache). */
 static void write_kv(const kv_step *s) {
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size;
     for (int64_t i = 0; i < s->M; i++) {
         float *row = s->qkv + i * qkv_width(d);
+        const float *c = s->cos + i * D, *sn = s->sin + i * D;
+        for (int64_t h = 0; h < QH; h++) rope(row + h * D, c, sn, D);
         for (int64_t g = 0; g < KVH; g++) {
             float *k = row + (QH + g) * D, *v = row + (QH + KVH + g) * D;
-            rope(k, s->cos + i * D, s->sin + i * D, D);
+            rope(k, c, sn, D);
             if (s->slots[i] >= 0) {
                 memcpy(s->L->k_cache + (s->slots[i] * KVH + g) * D, k, D * sizeof(float));
                 memcpy(s->L->v_cache + (s->slots[i] * KVH + g) * D, v, D * sizeof(float));
@@ -326,48 +330,86 @@ static void write_kv(const kv_step *s) {
     }
 }
 
-/* Row i, query head h: rotary on the query, then attention over its KV head's cached positions,
- * a block at a time (online softmax: Milakov & Gimelshein 2018, "Online normalizer calculation
- * for softmax"). */
+/* Partial attention of row i, KV head g, over the cache blocks of split `part` of `s->splits`:
+ * for each of the group's query heads, the running maximum, the sum of exp(score - maximum) and
+ * the exp-weighted sum of values (online softmax: Milakov & Gimelshein 2018, "Online normalizer
+ * calculation for softmax"), stored in s->partial for merge_attention. Splitting a sequence's
+ * positions (Flash-Decoding's split-K) gives the threads work when one sequence has few KV
+ * heads; a task reads each key and value once for all the query heads that share it. */
 static void task_attention(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
-    const int64_t i = t / QH, h = t % QH, g = h / (QH / KVH), stride = KVH * D;
-    float *q = s->qkv + i * qkv_width(d) + h * D;
-    rope(q, s->cos + i * D, s->sin + i * D, D);
+    const int64_t G = QH / KVH, S = s->splits, stride = KVH * D;
+    const int64_t i = t / (KVH * S), g = t / S % KVH, part = t % S;
+    const int64_t len = s->seq_lens[i], blocks = (len + bs - 1) / bs;
+    const int64_t b0 = blocks * part / S, b1 = blocks * (part + 1) / S;
+    const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
     const float *kc = s->L->k_cache, *vc = s->L->v_cache;
-    const int64_t len = s->seq_lens[i];
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const float scale = (float)d->scale;
-    float mx = -INFINITY, sum = 0.0f, acc[KV_MAX_HEAD], sc[bs + 8];
-    memset(acc, 0, D * sizeof(float));
-    for (int64_t p0 = 0; p0 < len; p0 += bs) {
-        const int64_t n = len - p0 < bs ? len - p0 : bs;
-        const int64_t base = ((int64_t)bt[p0 / bs] * bs * KVH + g) * D;   /* position p0, KV head g */
-        float bmax = -INFINITY;
-        for (int64_t p = 0; p < n; p++) {
-            sc[p] = dot(q, kc + base + p * stride, D) * scale;
-            bmax = sc[p] > bmax ? sc[p] : bmax;
-        }
-        if (bmax > mx) {   /* rescale what was summed under the old maximum */
-            float corr = expf(mx - bmax);
-            sum *= corr;
-            for (int64_t e = 0; e < D; e++) acc[e] *= corr;
-            mx = bmax;
-        }
-        __m256 vmx = _mm256_set1_ps(mx);
-        for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
-        for (int64_t p = 0; p < n; p++) {
-            sum += sc[p];
-            const float *vp = vc + base + p * stride;
-            __m256 w = _mm256_set1_ps(sc[p]);
-            for (int64_t e = 0; e < D; e += 8)
-                _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(acc + e)));
+    float *out = s->partial + ((i * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
+    for (int64_t j = 0; j < G; j++) {
+        float *o = out + j * S * (D + 2);
+        o[0] = -INFINITY;
+        o[1] = 0.0f;
+        memset(o + 2, 0, D * sizeof(float));
+    }
+    float sc[bs + 8];
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+        const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
+        for (int64_t j = 0; j < G; j++) {
+            const float *q = q0 + j * D;
+            float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
+            for (int64_t p = 0; p < n; p++) {
+                sc[p] = dot(q, kc + base + p * stride, D) * scale;
+                bmax = sc[p] > bmax ? sc[p] : bmax;
+            }
+            if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
+                float corr = expf(o[0] - bmax);
+                o[1] *= corr;
+                for (int64_t e = 0; e < D; e++) acc[e] *= corr;
+                o[0] = bmax;
+            }
+            __m256 vmx = _mm256_set1_ps(o[0]);
+            for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
+            for (int64_t p = 0; p < n; p++) {
+                o[1] += sc[p];
+                const float *vp = vc + base + p * stride;
+                __m256 w = _mm256_set1_ps(sc[p]);
+                for (int64_t e = 0; e < D; e += 8)
+                    _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(acc + e)));
+            }
         }
     }
-    float *out = s->attn + (i * QH + h) * D, r = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t e = 0; e < D; e++) out[e] = acc[e] * r;
+}
+
+/* Serial: each query head's output from its splits' partials (rescaled to the largest maximum). */
+static void merge_attention(const kv_step *s) {
+    const int64_t QH = s->d->num_heads, D = s->d->head_size, S = s->splits;
+    for (int64_t r = 0; r < s->M * QH; r++) {
+        const float *p = s->partial + r * S * (D + 2);
+        float mx = -INFINITY, sum = 0.0f, *out = s->attn + r * D;
+        for (int64_t k = 0; k < S; k++) mx = p[k * (D + 2)] > mx ? p[k * (D + 2)] : mx;
+        memset(out, 0, D * sizeof(float));
+        for (int64_t k = 0; k < S; k++) {
+            const float *o = p + k * (D + 2);
+            if (o[1] == 0.0f) continue;   /* an empty split */
+            float w = expf(o[0] - mx);
+            sum += o[1] * w;
+            for (int64_t e = 0; e < D; e++) out[e] += o[2 + e] * w;
+        }
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t e = 0; e < D; e++) out[e] *= inv;
+    }
+}
+
+/* Splits per sequence: enough attention tasks for about four per thread, at most KV_MAX_SPLITS. */
+static int64_t attention_splits(const kv_decoder *d, int64_t M) {
+    int64_t want = 4 * (P.helpers + 1), per = M * d->num_kv_heads;
+    int64_t S = (want + per - 1) / per;
+    return S < 1 ? 1 : S > KV_MAX_SPLITS ? KV_MAX_SPLITS : S;
 }
 
 /* Nanoseconds spent per phase since the last kv_decode_profile call, and the steps:
@@ -395,7 +437,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
                   float *out, float *logits) {
     if (M < 1 || M > KV_MAX_ROWS) return -1;
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
-    const int64_t need = M * (H + qkv_width(d) + QD + I);
+    const int64_t splits = attention_splits(d, M);
+    const int64_t need = M * (H + qkv_width(d) + QD + I + d->num_heads * splits * (d->head_size + 2));
     pthread_mutex_lock(&P.lock);
     if (P.scratch_floats < need) {
         free(P.scratch);
@@ -411,6 +454,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     s.qkv = s.h + M * H;
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;
+    s.partial = s.act + M * I;
+    s.splits = splits;
     int64_t t = now_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
@@ -419,7 +464,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
         kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
         timed(PROF_QKV, &t);
         write_kv(&s);
-        kv_parallel(task_attention, &s, M * d->num_heads);
+        kv_parallel(task_attention, &s, M * d->num_kv_heads * splits);
+        merge_attention(&s);
         timed(PROF_ATTN, &t);
         kv_parallel(task_o, &s, spans(&s, H));
         timed(PROF_O, &t);

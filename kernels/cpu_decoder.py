@@ -145,7 +145,7 @@ class FusedDecoder:
 
     Raises:
         ValueError: a tensor of the wrong shape, dtype or layout, or a model the C step does not
-            cover (head size not a multiple of 8 or over 256, query heads not a multiple of the
+            cover (head size not a multiple of 8, query heads not a multiple of the
             KV heads, KV caches not float32 ``[blocks, block_size, KVH, D]``).
         RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_woq.available`).
     """
@@ -156,7 +156,7 @@ class FusedDecoder:
             raise RuntimeError(f"kvfleet CPU kernels unavailable: {cpu_woq.unavailable_reason()}")
         w = weights
         QH, KVH, D = w.num_heads, w.num_kv_heads, w.head_size
-        if D % 8 or D > 256 or QH % KVH or not w.layers:
+        if D % 8 or QH % KVH or not w.layers:
             raise ValueError(f"unsupported attention geometry: {QH} query heads, {KVH} KV heads, head size {D}")
         H = w.final_norm.shape[0]
         inter = w.layers[0].gate_up.shape[0] // 2

@@ -7,14 +7,16 @@ Why our own kernel: torch's CPU kernels for weight-only int8/int4 (``aten._weigh
 machine they ran 5-10x slower than the fp32 matmul they replace (docs/performance.md,
 "Weight-only quantization"), and torchao 0.18's wheels carry no x86 low-bit kernels. A decode
 step is bound by reading weights, so the kernel reads each weight once, widens it to float32 in
-registers and uses it for up to four rows of ``x`` (``kernels/cpu_woq.c`` states the layouts).
+registers and uses it for up to four rows of ``x`` (``kernels/cpu_gemv.h`` states the layouts).
 
-Build: :func:`load` compiles ``cpu_woq.c`` with the system C compiler (``$CC``, else ``cc`` /
-``gcc``; ``-O3 -mavx2 -mfma -fopenmp``) into ``<cache>/kernels/cpu_woq-<hash>.so`` (the hash
-covers the source and the flags; the build is written to a temporary name and renamed, so
-concurrent processes do not see half a file) and loads it with ``ctypes``; about a second,
-once per cache folder. :func:`available` says whether this machine can use it: Linux x86-64,
-AVX2 and FMA in ``/proc/cpuinfo``, a compiler, and a build that succeeded. Callers fall back
+Build: :func:`load` compiles ``cpu_woq.c`` and ``cpu_decoder.c`` (the fused decode step of
+:mod:`kvfleet.kernels.cpu_decoder`; both include ``cpu_gemv.h``) with the system C compiler
+(``$CC``, else ``cc`` / ``gcc``; ``-O3 -mavx2 -mfma -fopenmp -pthread``) into one
+``<cache>/kernels/cpu_woq-<hash>.so`` (the hash covers the sources, the header and the
+flags; the build is written to a temporary name and renamed, so concurrent processes do not
+see half a file) and loads it with ``ctypes``; about a second, once per cache folder.
+:func:`available` says whether this machine can use it: Linux x86-64, AVX2 and FMA in
+``/proc/cpuinfo``, a compiler, and a build that succeeded. Callers fall back
 to torch/torchao's kernels when it is False.
 
 Shapes and dtypes (the ops check them and raise ``ValueError``):
