@@ -34,6 +34,9 @@ def generate(smollm2, **config):
 
 def test_one_plan_per_step_and_same_outputs_as_per_layer_planning(smollm2, monkeypatch):
     monkeypatch.delenv("KVFLEET_ATTENTION_BACKEND", raising=False)
+    # The transformers path on every step: the fused CPU decode path would run the decode
+    # steps without the model's forward (kvfleet.runtime.worker.cpu_decode).
+    monkeypatch.setenv("KVFLEET_CPU_DECODER", "0")
     plans = record_calls(monkeypatch, attention, "plan_paged_attention_torch")
     forwards = []
     hook = smollm2.model.register_forward_pre_hook(lambda _m, _a: forwards.append(1))
