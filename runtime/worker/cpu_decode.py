@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any, Protocol
 
 import torch
 
@@ -40,6 +41,27 @@ ENV = "KVFLEET_CPU_DECODER"
 """``0`` turns the fused decode path off (every step runs transformers' modules)."""
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 _FUSED_ATTR = "_kvfleet_fused"
+
+
+class Runner(Protocol):
+    """What this module reads of :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`."""
+
+    model: torch.nn.Module
+    hf_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    tp_size: int
+    lora: object | None
+    sliding_windows: list[int | None] | None
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+    @property
+    def logit_scale(self) -> float: ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
 
 def _linear(module: torch.nn.Module) -> Linear | None:
@@ -98,7 +120,7 @@ def _fused_layer(layer: torch.nn.Module) -> tuple[Linear, Linear] | None:
     return qkv, gate_up
 
 
-def _unsupported(runner) -> str | None:
+def _unsupported(runner: Runner) -> str | None:
     """Why this engine cannot take the fused path (None: it can)."""
     cfg = runner.hf_config
     if os.environ.get(ENV, "") == "0":
@@ -113,7 +135,7 @@ def _unsupported(runner) -> str | None:
         return f"model type {getattr(cfg, 'model_type', None)!r} / activation {getattr(cfg, 'hidden_act', None)!r}"
     if any(w is not None for w in runner.sliding_windows or ()):
         return "a layer has a sliding window"
-    if runner._logit_scale != 1.0 or getattr(cfg, "final_logit_softcapping", None):
+    if runner.logit_scale != 1.0 or getattr(cfg, "final_logit_softcapping", None):
         return "the model scales or caps its logits"
     if not cpu_woq.available():
         return f"the CPU kernels are unavailable ({cpu_woq.unavailable_reason()})"
@@ -133,12 +155,11 @@ def _unsupported(runner) -> str | None:
 class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
-    def __init__(self, runner, fused: FusedDecoder, head_in_c: bool) -> None:
+    def __init__(self, runner: Runner, fused: FusedDecoder) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
         self._fused = fused
-        self._head_in_c = head_in_c
         self._compute_logits = runner.compute_logits
 
     @staticmethod
@@ -162,7 +183,7 @@ class CpuDecodePath:
         return logits if logits_indices.numel() == logits.shape[0] else logits.index_select(0, logits_indices)
 
 
-def build(runner) -> CpuDecodePath | None:
+def build(runner: Runner) -> CpuDecodePath | None:
     """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`
     whose KV caches exist), or None with the reason logged at INFO."""
     reason = _unsupported(runner)
@@ -192,4 +213,4 @@ def build(runner) -> CpuDecodePath | None:
         return None
     logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s)", len(layers), layers[0].qkv.fmt,
                 head.fmt if head is not None else "in torch")
-    return CpuDecodePath(runner, fused, head is not None)
+    return CpuDecodePath(runner, fused)

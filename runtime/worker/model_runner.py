@@ -152,6 +152,12 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
         """Persistent host state of the step's inputs (block-table rows), see :meth:`prepare_inputs`."""
 
+    @property
+    def logit_scale(self) -> float:
+        """The constant factor the model's forward applies to the LM head's logits (1.0 for
+        most models; see :meth:`_check_compute_logits`)."""
+        return self._logit_scale
+
     # ------------------------------------------------------------------ KV cache sizing
     @property
     def bytes_per_block(self) -> int:
