@@ -49,42 +49,29 @@ static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4])
     out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, t);
 }
 
-/* R <= 4 rows of x against one weight row: out[r] = sum_k x[r, k] * w[k]. */
-static inline void f32_rows(const float *x, int64_t ldx, int64_t K, const float *wn, int R, float out[4]) {
-    __m256 a0[4], a1[4];
-    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 w0 = _mm256_loadu_ps(wn + k), w1 = _mm256_loadu_ps(wn + k + 8);
-        for (int r = 0; r < R; r++) {
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);
-        }
+/* R <= 4 rows of x against one weight row: out[r] = sum_k x[r, k] * w[k]. One body for fp32 and
+ * int8 weights; LOAD turns 8 weights at p into a float vector. */
+#define KV_DEFINE_ROWS(NAME, T, LOAD)                                                                   \
+    static inline void NAME(const float *x, int64_t ldx, int64_t K, const T *wn, int R, float out[4]) { \
+        __m256 a0[4], a1[4];                                                                            \
+        for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }       \
+        int64_t k = 0;                                                                                  \
+        for (; k + 16 <= K; k += 16) {                                                                  \
+            __m256 w0 = LOAD(wn + k), w1 = LOAD(wn + k + 8);                                            \
+            for (int r = 0; r < R; r++) {                                                               \
+                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);                   \
+                a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);               \
+            }                                                                                           \
+        }                                                                                               \
+        for (; k + 8 <= K; k += 8) {                                                                    \
+            __m256 w0 = LOAD(wn + k);                                                                   \
+            for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]); \
+        }                                                                                               \
+        for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));                         \
     }
-    for (; k + 8 <= K; k += 8) {
-        __m256 w0 = _mm256_loadu_ps(wn + k);
-        for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
-}
 
-static inline void i8_rows(const float *x, int64_t ldx, int64_t K, const int8_t *wn, int R, float out[4]) {
-    __m256 a0[4], a1[4];
-    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 w0 = widen_i8(wn + k), w1 = widen_i8(wn + k + 8);
-        for (int r = 0; r < R; r++) {
-            a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
-            a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);
-        }
-    }
-    for (; k + 8 <= K; k += 8) {
-        __m256 w0 = widen_i8(wn + k);
-        for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
-}
+KV_DEFINE_ROWS(f32_rows, float, _mm256_loadu_ps)
+KV_DEFINE_ROWS(i8_rows, int8_t, widen_i8)
 
 /* int4 row n: wn its packed bytes, sn / tn its K/G scales and shifts. */
 static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *wn, const float *sn,
@@ -106,42 +93,28 @@ static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t
     for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
-/* One row of x against weight rows w, w + K, w + 2K, w + 3K (fp32). */
-static inline void f32_m1_n4(const float *x, int64_t K, const float *w, float out[4]) {
-    __m256 a[4][2];
-    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        for (int j = 0; j < 4; j++) {
-            a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k), x0, a[j][0]);
-            a[j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k + 8), x1, a[j][1]);
-        }
+/* One row of x against weight rows w, w + K, w + 2K, w + 3K (fp32 or int8, LOAD as above). */
+#define KV_DEFINE_M1_N4(NAME, T, LOAD)                                                                  \
+    static inline void NAME(const float *x, int64_t K, const T *w, float out[4]) {                      \
+        __m256 a[4][2];                                                                                 \
+        for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }   \
+        int64_t k = 0;                                                                                  \
+        for (; k + 16 <= K; k += 16) {                                                                  \
+            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);                        \
+            for (int j = 0; j < 4; j++) {                                                               \
+                a[j][0] = _mm256_fmadd_ps(LOAD(w + j * K + k), x0, a[j][0]);                            \
+                a[j][1] = _mm256_fmadd_ps(LOAD(w + j * K + k + 8), x1, a[j][1]);                        \
+            }                                                                                           \
+        }                                                                                               \
+        for (; k + 8 <= K; k += 8) {                                                                    \
+            __m256 x0 = _mm256_loadu_ps(x + k);                                                         \
+            for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(LOAD(w + j * K + k), x0, a[j][0]);   \
+        }                                                                                               \
+        for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));                     \
     }
-    for (; k + 8 <= K; k += 8) {
-        __m256 x0 = _mm256_loadu_ps(x + k);
-        for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + j * K + k), x0, a[j][0]);
-    }
-    for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));
-}
 
-static inline void i8_m1_n4(const float *x, int64_t K, const int8_t *w, float out[4]) {
-    __m256 a[4][2];
-    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        for (int j = 0; j < 4; j++) {
-            a[j][0] = _mm256_fmadd_ps(widen_i8(w + j * K + k), x0, a[j][0]);
-            a[j][1] = _mm256_fmadd_ps(widen_i8(w + j * K + k + 8), x1, a[j][1]);
-        }
-    }
-    for (; k + 8 <= K; k += 8) {
-        __m256 x0 = _mm256_loadu_ps(x + k);
-        for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(widen_i8(w + j * K + k), x0, a[j][0]);
-    }
-    for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));
-}
+KV_DEFINE_M1_N4(f32_m1_n4, float, _mm256_loadu_ps)
+KV_DEFINE_M1_N4(i8_m1_n4, int8_t, widen_i8)
 
 /* int4 rows n .. n+3: w their packed bytes (K/2 per row), s / t their scales and shifts. */
 static inline void i4_m1_n4(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t,
