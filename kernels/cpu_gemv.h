@@ -13,8 +13,10 @@
  *
  * K is a multiple of 32 (int4) or 8 (fp32, int8). A decode step is bound by reading weights:
  * each weight is loaded once, widened to float32 in registers and used for up to 4 rows of x.
- * At one row the _m1_n4 helpers work on four output channels at once (eight independent FMA
- * chains: with one channel the FMA latency, not memory, would set the pace).
+ * At one row (the _m1 helpers) each weight row is summed front to back with four independent
+ * FMA chains, so a thread reads its weights as one sequential stream; reading four rows at once
+ * (four streams a few hundred bytes apart) defeated the hardware prefetcher and halved the rate
+ * (docs/performance.md, "One sequential stream per thread").
  */
 #ifndef KVFLEET_CPU_GEMV_H
 #define KVFLEET_CPU_GEMV_H
@@ -37,16 +39,24 @@ static inline __m256 widen_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* 32 int4 weights (16 bytes) widened to four float vectors, dequantized: q * s + t. */
+/* 32 int4 weights (16 bytes) widened to four float vectors, dequantized: q * s + t (out[i] holds
+ * k = 8i .. 8i + 7). The 16 bytes are broadcast to both 128-bit lanes and one in-lane byte
+ * shuffle puts byte j in dword j (lane 0: bytes 0-3, lane 1: bytes 4-7; then 8-15), so each byte's
+ * low nibble (k = j) and high nibble (k = 16 + j) come out with an and and a shift. Two shuffles
+ * per 32 weights: the per-8-weight byte-to-dword widening (vpmovzxbd) kept the shuffle port
+ * busy and held one core to ~7 G weights/s (EPYC, docs/performance.md). */
 static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4]) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(bytes, mask);                       /* k = j      (j = 0..15) */
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);    /* k = 16 + j */
-    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, t);
-    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, t);
-    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, t);
-    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, t);
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i lo_idx = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i hi_idx = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                            12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    __m256i a = _mm256_shuffle_epi8(bytes, lo_idx), b = _mm256_shuffle_epi8(bytes, hi_idx);
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), s, t);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, mask)), s, t);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), s, t);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s, t);
 }
 
 /* R <= 4 rows of x against one weight row: out[r] = sum_k x[r, k] * w[k]. One body for fp32 and
@@ -79,9 +89,8 @@ static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t
     __m256 a0[4], a1[4];
     for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
     for (int64_t k = 0; k < K; k += 32) {
-        int64_t g = k / G;
         __m256 wv[4];
-        widen_i4(wn + k / 2, _mm256_set1_ps(sn[g]), _mm256_set1_ps(tn[g]), wv);
+        widen_i4(wn + k / 2, _mm256_set1_ps(sn[k / G]), _mm256_set1_ps(tn[k / G]), wv);
         for (int r = 0; r < R; r++) {
             const float *xr = x + r * ldx + k;
             a0[r] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), a0[r]);
@@ -93,50 +102,41 @@ static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t
     for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
-/* One row of x against weight rows w, w + K, w + 2K, w + 3K (fp32 or int8, LOAD as above). */
-#define KV_DEFINE_M1_N4(NAME, T, LOAD)                                                                  \
-    static inline void NAME(const float *x, int64_t K, const T *w, float out[4]) {                      \
-        __m256 a[4][2];                                                                                 \
-        for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }   \
+/* One row of x against one weight row (fp32 or int8, LOAD as above): four accumulators over k,
+ * so the row is read front to back and consecutive rows make one sequential stream. */
+#define KV_DEFINE_M1(NAME, T, LOAD, PF)                                                                 \
+    static inline float NAME(const float *x, int64_t K, const T *w) {                                   \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                     \
         int64_t k = 0;                                                                                  \
-        for (; k + 16 <= K; k += 16) {                                                                  \
-            __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);                        \
-            for (int j = 0; j < 4; j++) {                                                               \
-                a[j][0] = _mm256_fmadd_ps(LOAD(w + j * K + k), x0, a[j][0]);                            \
-                a[j][1] = _mm256_fmadd_ps(LOAD(w + j * K + k + 8), x1, a[j][1]);                        \
-            }                                                                                           \
+        for (; k + 32 <= K; k += 32) {                                                                  \
+            if (PF) _mm_prefetch((const char *)(w + k) + PF, _MM_HINT_T0);                              \
+            a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);                              \
+            a1 = _mm256_fmadd_ps(LOAD(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);                      \
+            a2 = _mm256_fmadd_ps(LOAD(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);                    \
+            a3 = _mm256_fmadd_ps(LOAD(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);                    \
         }                                                                                               \
-        for (; k + 8 <= K; k += 8) {                                                                    \
-            __m256 x0 = _mm256_loadu_ps(x + k);                                                         \
-            for (int j = 0; j < 4; j++) a[j][0] = _mm256_fmadd_ps(LOAD(w + j * K + k), x0, a[j][0]);   \
-        }                                                                                               \
-        for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));                     \
+        for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);      \
+        return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                       \
     }
 
-KV_DEFINE_M1_N4(f32_m1_n4, float, _mm256_loadu_ps)
-KV_DEFINE_M1_N4(i8_m1_n4, int8_t, widen_i8)
+KV_DEFINE_M1(f32_m1, float, _mm256_loadu_ps, 0)
+KV_DEFINE_M1(i8_m1, int8_t, widen_i8, 4096)
 
-/* int4 rows n .. n+3: w their packed bytes (K/2 per row), s / t their scales and shifts. */
-static inline void i4_m1_n4(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t,
-                            int64_t G, float out[4]) {
-    int64_t groups = K / G;
-    __m256 a[4][2];
-    for (int j = 0; j < 4; j++) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
-    for (int64_t k = 0; k < K; k += 32) {
-        __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
-        int64_t g = k / G;
-        for (int j = 0; j < 4; j++) {
+/* One row of x against int4 row w (K/2 packed bytes), s / t its K/G scales and shifts. */
+static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t, int64_t G) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t g0 = 0; g0 < K; g0 += G, s++, t++) {
+        __m256 sv = _mm256_set1_ps(*s), tv = _mm256_set1_ps(*t);
+        for (int64_t k = g0; k < g0 + G; k += 32) {
             __m256 wv[4];
-            widen_i4(w + j * (K / 2) + k / 2, _mm256_set1_ps(s[j * groups + g]), _mm256_set1_ps(t[j * groups + g]),
-                     wv);
-            a[j][0] = _mm256_fmadd_ps(wv[0], x0, a[j][0]);
-            a[j][1] = _mm256_fmadd_ps(wv[1], x1, a[j][1]);
-            a[j][0] = _mm256_fmadd_ps(wv[2], x2, a[j][0]);
-            a[j][1] = _mm256_fmadd_ps(wv[3], x3, a[j][1]);
+            widen_i4(w + k / 2, sv, tv, wv);
+            a0 = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(x + k + 24), a3);
         }
     }
-    for (int j = 0; j < 4; j++) out[j] = hsum(_mm256_add_ps(a[j][0], a[j][1]));
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
 /* A linear layer's weights in one of the formats above. */
@@ -167,11 +167,11 @@ static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
     }
 }
 
-/* y[m * ldy + (n - n0)] = x[m, :] . dequant(w)[n, :] + bias[n] for m < M, n0 <= n < n1;
- * n0 and n1 - n0 multiples of 4 unless n1 == N. The weights are read from memory once, in order,
- * and the rows eight ahead (within n0 .. n1) are prefetched while one group is computed: short rows (a few hundred bytes)
- * read four at a time are too short for the hardware prefetcher, and without this one core
- * streamed int8 weights at 6.4 GB/s instead of 14.8 (EPYC, docs/performance.md). */
+/* y[m * ldy + (n - n0)] = x[m, :] . dequant(w)[n, :] + bias[n] for m < M, n0 <= n < n1. The
+ * weights are read from memory once, in order, row after row. Short quantized rows (a few hundred
+ * bytes) are prefetched ahead in software: without it one core streamed int8 weights at about
+ * half the rate (EPYC, docs/performance.md). With several rows of x, each weight row is used for
+ * up to four of them at a time (from L1 after the first). */
 static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ldx, int64_t M, int64_t n0,
                                   int64_t n1, float *y, int64_t ldy) {
     const int64_t K = m->K, G = m->group, groups = m->fmt == KV_INT4 ? K / G : 0;
@@ -179,17 +179,28 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
     int64_t n = n0;
     prefetch_rows(m, n0, n1 - n0 < 8 ? n1 - n0 : 8);
     if (M == 1) {
-        for (; n + 4 <= n1; n += 4) {
-            if (n + 8 < n1) prefetch_rows(m, n + 8, n1 - n - 8 < 4 ? n1 - n - 8 : 4);
-            if (m->fmt == KV_FP32) f32_m1_n4(x, K, (const float *)m->w + n * K, out);
-            else if (m->fmt == KV_INT8) i8_m1_n4(x, K, (const int8_t *)m->w + n * K, out);
-            else i4_m1_n4(x, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups, m->shift + n * groups,
-                          G, out);
-            for (int j = 0; j < 4; j++) {
-                float v = m->fmt == KV_INT8 ? out[j] * m->scale[n + j] : out[j];
-                y[n + j - n0] = v + (m->bias ? m->bias[n + j] : 0.0f);
+        /* One weight row at a time, so a thread's weights are one front-to-back stream. The
+         * quantized rows (a few hundred bytes) are prefetched ~4 KiB ahead (int8 inside i8_m1;
+         * int4 row by row, its weights only: the hardware prefetcher follows the small scale and
+         * shift streams); fp32 rows are long enough for the hardware prefetcher, which software
+         * prefetch only disturbed. */
+        const float *bias = m->bias;
+        if (m->fmt == KV_FP32) {
+            const float *w = (const float *)m->w;
+            for (; n < n1; n++) y[n - n0] = f32_m1(x, K, w + n * K) + (bias ? bias[n] : 0.0f);
+        } else if (m->fmt == KV_INT8) {
+            const int8_t *w = (const int8_t *)m->w;
+            for (; n < n1; n++) y[n - n0] = i8_m1(x, K, w + n * K) * m->scale[n] + (bias ? bias[n] : 0.0f);
+        } else {
+            const uint8_t *w = (const uint8_t *)m->w;
+            const int64_t half = K / 2, ahead = 4096 / half + 1;
+            for (; n < n1; n++) {
+                prefetch_span(w + (n + ahead) * half, half);
+                y[n - n0] = i4_m1(x, K, w + n * half, m->scale + n * groups, m->shift + n * groups, G)
+                            + (bias ? bias[n] : 0.0f);
             }
         }
+        return;
     }
     for (; n < n1; n++) {
         float b = m->bias ? m->bias[n] : 0.0f;
