@@ -305,9 +305,14 @@ static void rope(float *x, const float *c, const float *s, int64_t D) {
 }
 
 static inline float dot(const float *a, const float *b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < D; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    return hsum(acc);
+    __m256 acc = _mm256_setzero_ps(), acc2 = acc;   /* two FMA chains: D / 8 in one is latency-bound */
+    int64_t k = 0;
+    for (; k + 16 <= D; k += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc2);
+    }
+    if (k < D) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
+    return hsum(_mm256_add_ps(acc, acc2));
 }
 
 /* Serial, before the attention phase: rotary on each row's new queries and keys, and its keys
@@ -327,6 +332,24 @@ static void write_kv(const kv_step *s) {
                 memcpy(s->L->v_cache + (s->slots[i] * KVH + g) * D, v, D * sizeof(float));
             }
         }
+    }
+}
+
+/* acc[0 .. D) += sum_p w[p] * v[p * stride + e] over the n positions of one block. Called with
+ * D = 64 and 128 as constants, so the accumulators stay in registers for the whole block
+ * (instead of a load and a store per position and 8 values). */
+static inline void accumulate_values(float *acc, const float *w, const float *v, int64_t stride, int64_t n,
+                                     int64_t D) {
+    for (int64_t e0 = 0; e0 < D; e0 += 64) {
+        const int64_t width = D - e0 < 64 ? D - e0 : 64;
+        __m256 a[8];
+        for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_loadu_ps(acc + e0 + 8 * e);
+        for (int64_t p = 0; p < n; p++) {
+            const __m256 wp = _mm256_set1_ps(w[p]);
+            const float *vp = v + p * stride + e0;
+            for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * e), a[e]);
+        }
+        for (int64_t e = 0; e < width / 8; e++) _mm256_storeu_ps(acc + e0 + 8 * e, a[e]);
     }
 }
 
@@ -374,13 +397,10 @@ static void task_attention(const void *ctx, int64_t t) {
             }
             __m256 vmx = _mm256_set1_ps(o[0]);
             for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
-            for (int64_t p = 0; p < n; p++) {
-                o[1] += sc[p];
-                const float *vp = vc + base + p * stride;
-                __m256 w = _mm256_set1_ps(sc[p]);
-                for (int64_t e = 0; e < D; e += 8)
-                    _mm256_storeu_ps(acc + e, _mm256_fmadd_ps(w, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(acc + e)));
-            }
+            for (int64_t p = 0; p < n; p++) o[1] += sc[p];
+            if (D == 64) accumulate_values(acc, sc, vc + base, stride, n, 64);
+            else if (D == 128) accumulate_values(acc, sc, vc + base, stride, n, 128);
+            else accumulate_values(acc, sc, vc + base, stride, n, D);
         }
     }
 }
