@@ -83,6 +83,32 @@ static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4])
 KV_DEFINE_ROWS(f32_rows, float, _mm256_loadu_ps)
 KV_DEFINE_ROWS(i8_rows, int8_t, widen_i8)
 
+/* Four rows of x against two weight rows w0, w1 (fp32 or int8): out[j][r] = x[r, :] . w_j. Each x
+ * vector loaded serves two weight rows (eight accumulators), where the one-row form loads an x
+ * vector per multiply-add and was bound by loads. */
+#define KV_DEFINE_TILE(NAME, T, LOAD)                                                                   \
+    static inline void NAME(const float *x, int64_t ldx, int64_t K, const T *w0, const T *w1,           \
+                            float out[2][4]) {                                                          \
+        __m256 a[2][4];                                                                                 \
+        for (int r = 0; r < 4; r++) { a[0][r] = _mm256_setzero_ps(); a[1][r] = _mm256_setzero_ps(); }   \
+        for (int64_t k = 0; k < K; k += 8) {                                                            \
+            if (((k * (int64_t)sizeof(T)) & 63) == 0) {   /* each row's stream, a line at a time */     \
+                _mm_prefetch((const char *)(w0 + k) + 4096, _MM_HINT_T0);                               \
+                _mm_prefetch((const char *)(w1 + k) + 4096, _MM_HINT_T0);                               \
+            }                                                                                           \
+            __m256 v0 = LOAD(w0 + k), v1 = LOAD(w1 + k);                                                \
+            for (int r = 0; r < 4; r++) {                                                               \
+                __m256 xr = _mm256_loadu_ps(x + r * ldx + k);                                           \
+                a[0][r] = _mm256_fmadd_ps(v0, xr, a[0][r]);                                             \
+                a[1][r] = _mm256_fmadd_ps(v1, xr, a[1][r]);                                             \
+            }                                                                                           \
+        }                                                                                               \
+        for (int r = 0; r < 4; r++) { out[0][r] = hsum(a[0][r]); out[1][r] = hsum(a[1][r]); }           \
+    }
+
+KV_DEFINE_TILE(f32_tile, float, _mm256_loadu_ps)
+KV_DEFINE_TILE(i8_tile, int8_t, widen_i8)
+
 /* int4 row n: wn its packed bytes, sn / tn its K/G scales and shifts. */
 static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *wn, const float *sn,
                            const float *tn, int64_t G, int R, float out[4]) {
@@ -202,16 +228,49 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
         }
         return;
     }
+    if (M >= 4 && m->fmt != KV_INT4) {   /* pairs of weight rows against groups of four x rows */
+        float tile[2][4];
+        for (; n + 2 <= n1; n += 2) {
+            for (int64_t m0 = 0; m0 + 4 <= M; m0 += 4) {
+                if (m->fmt == KV_FP32)
+                    f32_tile(x + m0 * ldx, ldx, K, (const float *)m->w + n * K, (const float *)m->w + (n + 1) * K, tile);
+                else
+                    i8_tile(x + m0 * ldx, ldx, K, (const int8_t *)m->w + n * K, (const int8_t *)m->w + (n + 1) * K,
+                            tile);
+                for (int j = 0; j < 2; j++) {
+                    float sc = m->fmt == KV_INT8 ? m->scale[n + j] : 1.0f, b = m->bias ? m->bias[n + j] : 0.0f;
+                    for (int r = 0; r < 4; r++) y[(m0 + r) * ldy + n + j - n0] = tile[j][r] * sc + b;
+                }
+            }
+            if (M % 4) {   /* the last 1-3 rows of x, one weight row at a time */
+                const int64_t m0 = M - M % 4;
+                for (int64_t j = n; j < n + 2; j++) {
+                    float b = m->bias ? m->bias[j] : 0.0f;
+                    if (m->fmt == KV_FP32) f32_rows(x + m0 * ldx, ldx, K, (const float *)m->w + j * K, (int)(M % 4), out);
+                    else i8_rows(x + m0 * ldx, ldx, K, (const int8_t *)m->w + j * K, (int)(M % 4), out);
+                    for (int r = 0; r < M % 4; r++)
+                        y[(m0 + r) * ldy + j - n0] = (m->fmt == KV_INT8 ? out[r] * m->scale[j] : out[r]) + b;
+                }
+            }
+        }
+    }
     for (; n < n1; n++) {
         float b = m->bias ? m->bias[n] : 0.0f;
         if (n + 8 < n1) prefetch_rows(m, n + 8, 1);
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             int R = (int)(M - m0 < 4 ? M - m0 : 4);
             const float *xr = x + m0 * ldx;
-            if (m->fmt == KV_FP32) f32_rows(xr, ldx, K, (const float *)m->w + n * K, R, out);
-            else if (m->fmt == KV_INT8) i8_rows(xr, ldx, K, (const int8_t *)m->w + n * K, R, out);
-            else i4_rows(xr, ldx, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups,
-                         m->shift + n * groups, G, R, out);
+            /* R as a constant (4, or the 1-3 left), so the accumulators stay in registers */
+#define KV_ROWS_CALL(RC)                                                                                 \
+    if (m->fmt == KV_FP32) f32_rows(xr, ldx, K, (const float *)m->w + n * K, RC, out);                   \
+    else if (m->fmt == KV_INT8) i8_rows(xr, ldx, K, (const int8_t *)m->w + n * K, RC, out);              \
+    else i4_rows(xr, ldx, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups, m->shift + n * groups, \
+                 G, RC, out);
+            if (R == 4) { KV_ROWS_CALL(4) }
+            else if (R == 3) { KV_ROWS_CALL(3) }
+            else if (R == 2) { KV_ROWS_CALL(2) }
+            else { KV_ROWS_CALL(1) }
+#undef KV_ROWS_CALL
             for (int r = 0; r < R; r++)
                 y[(m0 + r) * ldy + n - n0] = (m->fmt == KV_INT8 ? out[r] * m->scale[n] : out[r]) + b;
         }
