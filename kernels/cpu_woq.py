@@ -274,11 +274,14 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     return _as_input(y, x)
 
 
-def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 ``[N, K]`` weight of an int4 layer (``q * scale + shift`` per group), for
-    steps with many rows (unchecked, like :func:`int4_linear_unchecked`)."""
+    steps with many rows (unchecked, like :func:`int4_linear_unchecked`), written into ``out``
+    (a contiguous float32 ``[N, K]`` tensor) when given."""
     N, half = packed.shape
-    out = torch.empty((N, 2 * half), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((N, 2 * half), dtype=torch.float32)
     _lib.kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(), group_size,
                              out.data_ptr())
     return out

@@ -14,11 +14,14 @@ working). The quantization itself is torchao's:
   few rows reads it once per token, 4x fewer bytes than fp32.
 
 Rows: a step of at most :data:`MAX_KERNEL_ROWS` rows runs the kernel (decode); a larger one
-(prefill, large batches, where the matmul is compute-bound) dequantizes the weight and runs
-torch's matmul. Activations may be fp32, bf16 or fp16; the kernel computes in fp32.
+(prefill, large batches, where the matmul is compute-bound) dequantizes the weight into a
+per-thread float32 scratch buffer (:func:`dequant_scratch`) and runs torch's matmul.
+Activations may be fp32, bf16 or fp16; the kernel computes in fp32.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -27,6 +30,22 @@ from kvfleet.kernels import cpu_woq
 MAX_KERNEL_ROWS = 32
 """Rows (tokens) up to which the kernel runs; above, dequantize + torch matmul (measured on an
 AVX2 EPYC: the kernel is faster up to ~32 rows, docs/performance.md)."""
+
+
+_scratch = threading.local()
+
+
+def dequant_scratch(rows: int, cols: int) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` view of this thread's dequantization buffer (grown, never
+    shrunk; the largest layer's weight). One buffer for every layer: a fresh ``torch.empty`` of
+    a whole weight per layer per prefill came from new pages (mmap-sized allocations), and
+    faulting them in cost more than the dequantization (0.7 s to the first token of a 128-token
+    int4 prompt against 0.2 s warm, docs/performance.md). Overwritten by the next layer: the
+    caller uses it before the next call."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _scratch.buf = torch.empty(rows * cols, dtype=torch.float32)
+    return buf[: rows * cols].view(rows, cols)
 
 
 def _shell(cls, linear: torch.nn.Linear) -> torch.nn.Linear:
@@ -74,7 +93,8 @@ class Int8Linear(torch.nn.Linear):
             return torch.ops.kvfleet.woq_int8_linear(x, self.weight, self.qscale, self.bias32)
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int8_linear_unchecked(x, self.weight, self.qscale, self.bias32)
-        y = torch.nn.functional.linear(x, self.weight.to(x.dtype)) * self.qscale.to(x.dtype)
+        w = dequant_scratch(*self.weight.shape).copy_(self.weight)  # int8 values as floats
+        y = torch.nn.functional.linear(x, w.to(x.dtype)) * self.qscale.to(x.dtype)
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
@@ -124,8 +144,9 @@ class Int4Linear(torch.nn.Linear):
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
-        y = torch.nn.functional.linear(x, cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift,
-                                                                  self.group_size).to(x.dtype))
+        w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,
+                                    out=dequant_scratch(self.weight.shape[0], 2 * self.weight.shape[1]))
+        y = torch.nn.functional.linear(x, w.to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
