@@ -44,7 +44,8 @@ def dequant_scratch(rows: int, cols: int) -> torch.Tensor:
     caller uses it before the next call."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < rows * cols:
-        buf = _scratch.buf = torch.empty(rows * cols, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _scratch.buf = torch.empty(rows * cols, dtype=torch.float32)
     return buf[: rows * cols].view(rows, cols)
 
 
