@@ -230,6 +230,7 @@ def test_hold_bound_429_and_pending_timeout_503(tmp_path):
                 time.sleep(0.05)
             over = httpx.post(base + "/v1/completions", json={"prompt": "y"}, timeout=30)
             assert over.status_code == 429 and over.json()["error"]["type"] == "rate_limit_error"
+            assert over.headers["retry-after"] == "5"
             late = held.result()
         assert late.status_code == 503
         assert late.json()["error"]["code"] == "no_ready_replica" and "pending-timeout" in late.json()["error"]["message"]

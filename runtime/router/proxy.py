@@ -164,7 +164,8 @@ class Forwarder:
                 except QueueFull:
                     self.metrics.requests.labels("", "rejected").inc()
                     return error_response(429, f"the router holds {self.pending.max_pending} requests already "
-                                          "(--max-pending); retry later", "rate_limit_error", "too_many_pending")
+                                          "(--max-pending); retry later", "rate_limit_error", "too_many_pending",
+                                          headers={"Retry-After": "5"})
                 except PendingTimeout:
                     self.metrics.requests.labels("", "timeout").inc()
                     return error_response(503, f"no replica became ready within {self.pending.pending_timeout:g} s "
