@@ -83,6 +83,15 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
 
 
 @pytest.mark.slow
+def test_best_limits_keeps_each_limits_better_measurement():
+    from kvfleet.runtime.bench.peers import best_limits
+
+    start = {"bandwidth_gb_s": 17.2, "threads": 2, "matmul_float32_512_gflop_s": 74.6}
+    end = {"bandwidth_gb_s": 20.5, "threads": 2, "matmul_float32_512_gflop_s": 71.0}
+    assert best_limits(start, end) == {"bandwidth_gb_s": 20.5, "threads": 2, "matmul_float32_512_gflop_s": 74.6}
+    assert best_limits(start, {}) == start and best_limits({}, {}) == {}
+
+
 def test_peer_offline_runs_kvfleet_in_its_own_process(tmp_path):
     workload = [{"prompt_token_ids": list(range(100, 140)), "max_tokens": 5},
                 {"prompt_token_ids": list(range(200, 230)), "max_tokens": 3}]

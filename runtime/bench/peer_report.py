@@ -87,7 +87,8 @@ def format_tables(doc: dict) -> str:
     if lim:
         lines.append(f"limits: memory read {lim['bandwidth_gb_s']} GB/s; matmul GFLOP/s fp32 "
                      f"{lim['matmul_float32_512_gflop_s']} (512 rows) / {lim['matmul_float32_32_gflop_s']} (32), "
-                     f"bf16 {lim['matmul_bfloat16_512_gflop_s']} / {lim['matmul_bfloat16_32_gflop_s']}")
+                     f"bf16 {lim['matmul_bfloat16_512_gflop_s']} / {lim['matmul_bfloat16_32_gflop_s']}"
+                     + (" (the better of before and after the offline runs)" if doc.get("limits_end") else ""))
     lines += ["", "| system | dtype | throughput, output tok/s | share of roofline | one stream, tok/s | "
               "share of bandwidth bound | notes |", "|---|---|---:|---:|---:|---:|---|"]
     offline = doc.get("offline") or {}
