@@ -123,6 +123,24 @@ def test_step_matches_the_float64_reference(fmt, M):
     torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("head_size", [32, 128])
+def test_other_head_sizes_match_the_reference(head_size, monkeypatch):
+    """The attention accumulators are specialised for D = 64 and 128; 32 takes the generic
+    width. The module's geometry constants are read at call time, so the test resizes them."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "D", head_size)
+    weights, ref, head_ref = _model("fp32")
+    x, cos, sin, slots, tables, lens = _inputs(3)
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    hidden, logits = FusedDecoder(weights, threads=2).step(x.clone(), cos, sin, slots, tables, lens)
+    for layer, (kc, vc) in zip(weights.layers, caches):
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens)
+    torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
+
+
 def test_the_step_writes_each_rows_key_and_value_at_its_slot():
     weights, _, _ = _model("fp32", layers=1)
     x, cos, sin, slots, tables, lens = _inputs(2)
