@@ -82,7 +82,6 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
     assert "| kvfleet | 1 | 18.0 | 80 / 120 | 50.0 / 60.0 | 0 |" in text
 
 
-@pytest.mark.slow
 def test_best_limits_keeps_each_limits_better_measurement():
     from kvfleet.runtime.bench.peers import best_limits
 
@@ -92,6 +91,7 @@ def test_best_limits_keeps_each_limits_better_measurement():
     assert best_limits(start, {}) == start and best_limits({}, {}) == {}
 
 
+@pytest.mark.slow
 def test_peer_offline_runs_kvfleet_in_its_own_process(tmp_path):
     workload = [{"prompt_token_ids": list(range(100, 140)), "max_tokens": 5},
                 {"prompt_token_ids": list(range(200, 230)), "max_tokens": 3}]

@@ -135,3 +135,20 @@ def test_logprobs_are_processed_and_ranked():
     assert lp.logprob == pytest.approx(ref[out.token_ids[0]].item())
     assert lp.top_ids == [] and lp.rank == int((ref > ref[out.token_ids[0]]).sum()) + 1
     assert out.logprobs is not None and sampler(logits.clone(), [req(SamplingParams())]).logprobs == [None]
+
+
+def test_min_tokens_counts_as_a_ban_only_when_there_is_a_token_to_ban():
+    from kvfleet.runtime.worker.sampler import _plain_greedy
+
+    def greedy(**kw):
+        return SamplingParams(temperature=0.0, min_tokens=4, **kw)
+
+    # kvfleet bench's requests: ignore_eos, no stop tokens: nothing to ban, the argmax fast path.
+    assert _plain_greedy([req(greedy(ignore_eos=True), eos=7)])
+    assert not _plain_greedy([req(greedy(), eos=7)])  # EOS is banned
+    assert not _plain_greedy([req(greedy(ignore_eos=True, stop_token_ids=[5]), eos=7)])
+    assert _plain_greedy([req(greedy(), output=(1, 2, 3, 4), eos=7)])  # min_tokens reached
+    # And the fast path gives the argmax the full pipeline gives: the banned token stays banned.
+    logits = torch.tensor([[0.0, 1.0, 5.0, 0.5]])
+    assert Sampler(torch.device("cpu"))(logits.clone(), [req(greedy(), eos=2)]).token_ids == [1]
+    assert Sampler(torch.device("cpu"))(logits.clone(), [req(greedy(ignore_eos=True), eos=2)]).token_ids == [2]

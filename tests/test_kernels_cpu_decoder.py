@@ -138,6 +138,7 @@ def test_other_head_sizes_match_the_reference(head_size, monkeypatch):
         layer.k_cache.copy_(kc)
         layer.v_cache.copy_(vc)
     expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens)
+    torch.testing.assert_close(hidden.double(), expect_hidden, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
 
 

@@ -43,14 +43,15 @@ def _plain_greedy(requests: list[Request]) -> bool:
         p = r.sampling_params
         if (p.temperature != 0.0 or p.logprobs is not None or p.repetition_penalty != 1.0
                 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                or _min_tokens_bans(p, r) or _has_token_controls(p)):
+                or _min_tokens_bans(r) or _has_token_controls(p)):
             return False
     return True
 
 
-def _min_tokens_bans(p, r: Request) -> bool:
+def _min_tokens_bans(r: Request) -> bool:
     """Whether ``min_tokens`` bans a token this step: output still short, and a stop token or
-    (without ``ignore_eos``) an EOS token to ban."""
+    (without ``ignore_eos``) an EOS token to ban (the ban of step 2 in :class:`Sampler`)."""
+    p = r.sampling_params
     return bool(p.min_tokens and r.num_output_tokens < p.min_tokens
                 and (p.stop_token_ids or (not p.ignore_eos and r.eos_token_id is not None)))
 

@@ -39,9 +39,11 @@ def dequant_scratch(rows: int, cols: int) -> torch.Tensor:
     """A float32 ``[rows, cols]`` view of this thread's dequantization buffer (grown, never
     shrunk; the largest layer's weight). One buffer for every layer: a fresh ``torch.empty`` of
     a whole weight per layer per prefill came from new pages (mmap-sized allocations), and
-    faulting them in cost more than the dequantization (0.7 s to the first token of a 128-token
-    int4 prompt against 0.2 s warm, docs/performance.md). Overwritten by the next layer: the
-    caller uses it before the next call."""
+    faulting them in cost more than the dequantization (the first token of a 128-token int4
+    prompt: 0.70 s with fresh tensors, 0.45 s with the buffer; docs/performance.md). Overwritten
+    by the next layer: the caller uses it before the next call.
+
+    Made with inference mode off, so it can be written in and out of inference mode."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < rows * cols:
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
