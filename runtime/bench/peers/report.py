@@ -1,6 +1,6 @@
 """The report of ``kvfleet bench peers``: shares of the physical limits, tables, the plot.
 
-:func:`shares` turns a run document (:mod:`kvfleet.runtime.bench.peers`) into each system's share
+:func:`shares` turns a run document (:mod:`kvfleet.runtime.bench.peers.runner`) into each system's share
 of this machine's limits:
 
 - throughput: measured output tok/s / the compute roofline's, where the roofline is the
@@ -31,7 +31,7 @@ def _weight_bytes(name: str, run: dict, doc: dict) -> float | None:
     dtype = str(run.get("dtype", ""))
     params = doc.get("num_parameters") or 0
     if name == "llama.cpp":
-        from kvfleet.runtime.bench.peer_systems import default_gguf
+        from kvfleet.runtime.bench.peers.systems import default_gguf
 
         try:
             return float(default_gguf().stat().st_size)

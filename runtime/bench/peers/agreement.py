@@ -1,6 +1,9 @@
-"""Compare peer results (JSON objects printed by vllm_offline.py / llama_server.py) side by side.
+"""Peer result files side by side, with their greedy-token agreement (stdlib only).
 
-    python benchmarks/peers/compare.py /tmp/peers-vllm-bf16.json /tmp/peers-llama.json
+The files are the JSON objects an offline run of :mod:`.vllm_offline` or :mod:`.llama_server`
+prints (with each request's output token ids)::
+
+    python -m kvfleet.runtime.bench.peers.agreement /tmp/peers-vllm-bf16.json /tmp/peers-llama.json
 
 Prints one row per file: system, mode, dtype, requests, wall seconds, output tok/s, and the
 greedy-token agreement with the FIRST file (same workload): requests whose output ids match

@@ -1,11 +1,13 @@
 """vLLM (CPU build) as a benchmark peer: offline ``LLM.generate`` over a workload.
 
-Run with the vLLM venv's python (setup.sh makes ``.peers/vllm``); it never imports kvfleet::
+Run by path with the vLLM venv's python (``benchmarks/peers/setup.sh`` makes ``.peers/vllm``); it
+never imports kvfleet, which ships it as a file of ``kvfleet.runtime.bench.peers`` for
+``kvfleet bench peers`` to start. By hand, from a checkout::
 
-    .peers/vllm/bin/python benchmarks/peers/vllm_offline.py --workload /tmp/peers-w16.json \\
+    .peers/vllm/bin/python runtime/bench/peers/vllm_offline.py --workload /tmp/peers-w16.json \\
         --model ~/.cache/kvfleet/gguf/<converted checkpoint> --dtype bfloat16 --mode throughput
 
-The workload is a JSON list of ``{prompt_token_ids, max_tokens}`` (workload.py); every request
+The workload is a JSON list of ``{prompt_token_ids, max_tokens}`` (``workload.py``); every request
 is greedy with EOS ignored. ``throughput`` hands all requests to one ``LLM.generate`` call;
 ``stream`` runs them one at a time. ``--kv-cache-gib`` sets ``VLLM_CPU_KVCACHE_SPACE``. Prints
 one JSON object: versions, dtype, wall seconds, prompt/output token counts, output tok/s and

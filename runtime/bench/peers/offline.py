@@ -1,17 +1,18 @@
 """One offline run of kvfleet or transformers over a peers workload, in its own process.
 
-``kvfleet bench peers`` (:mod:`kvfleet.runtime.bench.peers`) starts this module once per system
-and mode, as it starts ``benchmarks/peers/vllm_offline.py`` in vLLM's virtualenv and
-``benchmarks/peers/llama_server.py`` for llama.cpp, so every system gets a fresh process::
+``kvfleet bench peers`` (:mod:`kvfleet.runtime.bench.peers.runner`) starts this module once per
+system and mode, as it starts :mod:`~kvfleet.runtime.bench.peers.vllm_offline` in vLLM's
+virtualenv and :mod:`~kvfleet.runtime.bench.peers.llama_server` for llama.cpp, so every system
+gets a fresh process::
 
-    python -m kvfleet.runtime.bench.peer_offline --system kvfleet --workload W.json \\
+    python -m kvfleet.runtime.bench.peers.offline --system kvfleet --workload W.json \\
         --mode throughput --dtype float32 [--quantization int4] [--compiled] -o OUT.json
 
-The workload is a JSON list of ``{prompt_token_ids, max_tokens}`` (``benchmarks/peers/workload.py``
-writes it). Every request is greedy with EOS ignored, so each system produces exactly
-``max_tokens``. ``throughput``: every request at once (kvfleet: all in flight; transformers:
-``generate()`` on left-padded static batches of ``--hf-batch``); ``stream``: one request at a
-time. Prints one JSON object in the shape of ``vllm_offline.py``'s (``system``, ``mode``,
+The workload is a JSON list of ``{prompt_token_ids, max_tokens}``
+(:mod:`~kvfleet.runtime.bench.peers.workload` writes it). Every request is greedy with EOS
+ignored, so each system produces exactly ``max_tokens``. ``throughput``: every request at once
+(kvfleet: all in flight; transformers: ``generate()`` on left-padded static batches of
+``--hf-batch``); ``stream``: one request at a time. Prints one JSON object in the shape of ``vllm_offline.py``'s (``system``, ``mode``,
 ``versions``, ``dtype``, ``load_s``, ``wall_s``, ``output_tokens``, ``output_tok_s``, ``e2e_s``,
 ...) and exits 1 with ``{"error": ...}`` when the run fails.
 """
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> dict:
     """The run's result document (see the module docstring)."""
     import torch
 
-    from kvfleet.runtime.bench.compare import cpu_description
+    from kvfleet.runtime.bench.machine import cpu_description
     from kvfleet.runtime.bench.datasets import Workload
     from kvfleet.runtime.bench.systems import run_hf_static, run_kvfleet
     from kvfleet.runtime.config import EngineConfig
