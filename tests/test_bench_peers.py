@@ -148,12 +148,11 @@ def test_the_wheel_ships_every_file_kvfleet_bench_peers_runs(tmp_path):
 
 
 def test_the_command_and_the_workload_script_draw_the_same_workload(tmp_path):
-    from types import SimpleNamespace as NS
-
     from kvfleet.runtime.bench.peers.runner import write_workloads
-    from kvfleet.runtime.bench.peers.workload import main as workload_main, parse_span
+    from kvfleet.runtime.bench.peers.workload import main as workload_main
+    from kvfleet.runtime.bench.peers.workload import parse_span
 
-    args = NS(requests=5, prompt_len=parse_span("16-64"), output_len=parse_span("4-8"), stream_prompt_len=12,
+    args = SimpleNamespace(requests=5, prompt_len=parse_span("16-64"), output_len=parse_span("4-8"), stream_prompt_len=12,
               stream_tokens=7)
     paths = write_workloads(args, tmp_path, 49152)
     assert workload_main(["--requests", "5", "--prompt-len", "16-64", "--max-tokens", "4-8",

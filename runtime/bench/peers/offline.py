@@ -12,9 +12,9 @@ The workload is a JSON list of ``{prompt_token_ids, max_tokens}``
 (:mod:`~kvfleet.runtime.bench.peers.workload` writes it). Every request is greedy with EOS
 ignored, so each system produces exactly ``max_tokens``. ``throughput``: every request at once
 (kvfleet: all in flight; transformers: ``generate()`` on left-padded static batches of
-``--hf-batch``); ``stream``: one request at a time. Prints one JSON object in the shape of ``vllm_offline.py``'s (``system``, ``mode``,
-``versions``, ``dtype``, ``load_s``, ``wall_s``, ``output_tokens``, ``output_tok_s``, ``e2e_s``,
-...) and exits 1 with ``{"error": ...}`` when the run fails.
+``--hf-batch``); ``stream``: one request at a time. Prints one JSON object in the shape of
+``vllm_offline.py``'s (``system``, ``mode``, ``versions``, ``dtype``, ``load_s``, ``wall_s``,
+``output_tokens``, ``output_tok_s``, ``e2e_s``, ...) and exits 1 with ``{"error": ...}`` when the run fails.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def run(args: argparse.Namespace) -> dict:
     """The run's result document (see the module docstring)."""
     import torch
 
-    from kvfleet.runtime.bench.machine import cpu_description
     from kvfleet.runtime.bench.datasets import Workload
+    from kvfleet.runtime.bench.machine import cpu_description
     from kvfleet.runtime.bench.systems import run_hf_static, run_kvfleet
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
