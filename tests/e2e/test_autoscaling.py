@@ -22,8 +22,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kube_emulator import ISVC, EmulatorThread
-from kubelet import TestKubelet
+from support.kube_emulator import ISVC, EmulatorThread
+from support.kubelet import TestKubelet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kube_emulator import ISVC, EmulatorThread
-from test_autoscaling_daemon import NS, Runtime, add_pod
-from test_chart_rbac import start_operator, stop
+from support.autoscaler_cluster import NS, Runtime, add_pod
+from support.kube_emulator import ISVC, EmulatorThread
+from support.operator_process import start_operator, stop_operator
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_autoscaled_and_tuned_services_have_no_finalizer_and_delete_without_the_
             for name in ("auto", "tuned"):
                 assert "kvfleet.io/finalizer" not in (emu.get(ISVC, NS, name)["metadata"].get("finalizers") or [])
         finally:
-            stop(proc)
+            stop_operator(proc)
             for r in runtimes:
                 r.close()
             print(log.read_text()[-3000:])
@@ -105,6 +105,6 @@ def test_a_paused_operator_does_not_scale_until_the_higher_peer_is_gone(tmp_path
             emu.wait_for(lambda: replicas(emu, "auto") == 4, message=f"the scale-up after resuming\n{log.read_text()[-3000:]}")
             assert "autoscaler resumed" in log.read_text()
         finally:
-            stop(proc)
+            stop_operator(proc)
             rt.close()
             print(log.read_text()[-3000:])

@@ -11,7 +11,7 @@ import sys
 
 import httpx
 import pytest
-from support import start_serve, stop_serve
+from support.serve import start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 

@@ -13,24 +13,19 @@ ClusterRole in namespaced mode.
 from __future__ import annotations
 
 import base64
-import os
 import re
-import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import attrs
-import httpx
 import pytest
 import yaml
-from kube_emulator import ISVC, EmulatorThread, KubeEmulator
-from support import free_port
+from support.kube_emulator import ISVC, EmulatorThread, KubeEmulator
+from support.operator_process import start_operator, stop_operator
+from support.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kvfleet"
 NS = "default"
 OPERATOR_AGENTS = ("OpenAPI-Generator", "kopf")
@@ -46,38 +41,6 @@ class RecordingEmulator(KubeEmulator):
         self.request_log.append((raw_request.method, raw_request.path, dict(raw_request.query),
                                  raw_request.headers.get("User-Agent", "")))
         return await super().__call__(raw_request)
-
-
-def start_operator(kubeconfig: Path, log: Path, *args: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    exe = Path(sys.executable).with_name("kvfleet")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvfleet.runtime.cli"]
-    proc = subprocess.Popen([*cmd, "operator", "--kubeconfig", str(kubeconfig), "--health-port", str(port), *args],
-                            stdout=log.open("a"), stderr=subprocess.STDOUT,
-                            # the autoscaler loop every second, so that its requests happen in the test
-                            env={**os.environ, "KVFLEET_AUTOSCALER_INTERVAL": "1"})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"operator exited:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                time.sleep(1.0)
-                return proc, port
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise AssertionError(f"operator not healthy:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def attributes(method: str, path: str, query: dict) -> tuple[str, str, str, str | None, str | None] | None:
@@ -160,7 +123,7 @@ def test_rbac_allows_every_request_the_operator_makes(helm_bin, tmp_path, mode):
         try:
             life_cycle(emu)
         finally:
-            stop(proc)
+            stop_operator(proc)
         requests = [r for r in emu.emulator.request_log if r[3].startswith(OPERATOR_AGENTS)]
 
     seen, denied = set(), []

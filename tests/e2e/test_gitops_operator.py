@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import copy
 import time
-from pathlib import Path
 
 import pytest
 import yaml
-from kube_emulator import ISVC, EmulatorThread
-from test_chart_rbac import start_operator, stop
+from support.kube_emulator import ISVC, EmulatorThread
+from support.operator_process import start_operator, stop_operator
+from support.paths import ROOT
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 
 
@@ -42,7 +41,7 @@ def test_operator_leaves_the_spec_alone_and_docs_list_its_metadata(tmp_path):
             time.sleep(2.0)
             live = emu.get(ISVC, NS, "chat")
         finally:
-            stop(proc)
+            stop_operator(proc)
             print(log.read_text()[-3000:])
 
     assert live["spec"] == applied["spec"], "the operator changed the spec"

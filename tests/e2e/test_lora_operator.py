@@ -11,10 +11,10 @@ import copy
 
 import httpx
 import pytest
-from kube_emulator import ISVC
-from kubelet import TestKubelet
-from lora_support import random_adapter, scaled_b
-from test_operator_e2e import running_operator
+from support.kube_emulator import ISVC
+from support.kubelet import TestKubelet
+from support.lora import random_adapter, scaled_b
+from support.operator_process import running_operator
 
 from kvfleet.operator import builders
 from kvfleet.operator.crd import InvalidSpec

@@ -10,9 +10,9 @@ import asyncio
 import httpx
 import openai
 import pytest
-from lora_support import double_rank, random_adapter, scaled_b
 from prometheus_client.parser import text_string_to_metric_families
-from support import start_serve, stop_serve
+from support.lora import double_rank, random_adapter, scaled_b
+from support.serve import start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 

@@ -6,106 +6,27 @@ Every wait is bounded (``EmulatorThread.wait_for``); operator logs are printed o
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from kube_emulator import ISVC, EmulatorThread
-from support import free_port
+from support.kube_emulator import ISVC, EmulatorThread
+from support.operator_process import OperatorProcess, condition, manifest, running_operator
 
 from kvfleet.operator import builders
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 DEPLOY, CM, SVC, EVENTS = "apps/v1/deployments", "v1/configmaps", "v1/services", "v1/events"
 OPERATOR_AGENTS = ("OpenAPI-Generator", "kopf")
-
-
-def kvfleet_command() -> list[str]:
-    exe = Path(sys.executable).with_name("kvfleet")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "kvfleet.runtime.cli"]
-
-
-class OperatorProcess:
-    """``kvfleet operator`` in a subprocess, logging to a file."""
-
-    def __init__(self, kubeconfig: Path, log: Path, *extra: str):
-        self.health_port = free_port()
-        self.log = log
-        self.args = [*kvfleet_command(), "operator", "--kubeconfig", str(kubeconfig),
-                     "--health-port", str(self.health_port), *extra]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 60) -> OperatorProcess:
-        env = {**os.environ, "KVFLEET_PEERING_LIFETIME": "10"}
-        self._fh = open(self.log, "a")
-        self.proc = subprocess.Popen(self.args, stdout=self._fh, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"operator exited:\n{self.log.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.health_port}/healthz", timeout=1).status_code == 200:
-                    time.sleep(1.0)  # watch-streams start right after the probe server
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"operator not healthy in {timeout} s:\n{self.log.read_text()[-4000:]}")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if getattr(self, "_fh", None):
-            self._fh.close()
-
-
-@contextlib.contextmanager
-def running_operator(tmp: Path):
-    """The emulator and a ``kvfleet operator --standalone`` process on it; the log tail is
-    printed at the end."""
-    with EmulatorThread() as emu:
-        op = OperatorProcess(emu.write_kubeconfig(tmp / "kubeconfig"), tmp / "operator.log", "--standalone")
-        try:
-            op.start()
-            yield emu, op
-        finally:
-            op.stop()
-            print("---- operator log (tail) ----\n" + op.log.read_text()[-6000:])
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with running_operator(tmp_path_factory.mktemp("e2e")) as (emu, op):
         yield emu, op
-
-
-def manifest(name: str, **spec) -> dict:
-    obj = yaml.safe_load((ROOT / "examples/inferenceservice-minimal.yaml").read_text())
-    obj["metadata"]["name"] = name
-    obj["spec"].update(spec)
-    return obj
-
-
-def condition(emu: EmulatorThread, name: str, type_: str) -> dict | None:
-    isvc = emu.get(ISVC, NS, name) or {}
-    return next((c for c in (isvc.get("status") or {}).get("conditions") or [] if c["type"] == type_), None)
 
 
 def operator_writes(emu: EmulatorThread, since: int, needle: str) -> list:

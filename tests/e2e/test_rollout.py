@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from kube_emulator import ISVC
-from kubelet import TestKubelet
-from test_operator_e2e import running_operator
+from support.kube_emulator import ISVC
+from support.kubelet import TestKubelet
+from support.operator_process import running_operator
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, start_serve, stop_serve
+from support.serve import free_port, start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 

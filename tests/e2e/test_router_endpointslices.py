@@ -9,8 +9,8 @@ import sys
 
 import httpx
 import pytest
-from kube_emulator import EmulatorThread
-from support import free_port
+from support.kube_emulator import EmulatorThread
+from support.serve import free_port
 
 pytestmark = pytest.mark.slow
 

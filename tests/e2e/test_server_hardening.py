@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from support import start_serve, stop_serve
+from support.serve import start_serve, stop_serve
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.async_llm import AsyncLLMEngine

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from support import start_serve, stop_serve
+from support.serve import start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 

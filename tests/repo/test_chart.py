@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kvfleet"
 K8S_VERSION = "1.35.0"  # the kubectl the project installs is v1.35
 

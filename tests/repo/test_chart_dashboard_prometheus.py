@@ -16,12 +16,13 @@ import re
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from support import free_port, prometheus_binary, serve_registry
+from support.paths import ROOT
+from support.prometheus import prometheus_binary, serve_registry
+from support.serve import free_port
 
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.engine.stats import IterationStats
@@ -29,7 +30,6 @@ from kvfleet.runtime.metrics import PrometheusStatLogger
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "charts" / "kvfleet" / "files" / "grafana-dashboard.json"
 NAMESPACE, ISVC = "llm", "chat"
 PODS = {"chat-0": (3, 0.5), "chat-1": (7, 0.9)}  # pod -> (waiting, KV usage)

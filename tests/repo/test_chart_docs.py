@@ -9,12 +9,11 @@ import copy
 import re
 import subprocess
 import textwrap
-from pathlib import Path
 
 import kubernetes_validate
 import yaml
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "deploy.md"
 CHART = ROOT / "charts" / "kvfleet"
 

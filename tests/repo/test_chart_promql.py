@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 FILES = ROOT / "charts" / "kvfleet" / "files"
 
 # Grafana's variables, as Grafana substitutes them before the query reaches Prometheus.

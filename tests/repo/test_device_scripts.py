@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICE = ROOT / "benchmarks" / "device"
 GPU_CHECK = ROOT / "benchmarks" / "gpu_check.py"
 

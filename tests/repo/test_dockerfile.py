@@ -25,8 +25,8 @@ import dockerfile
 import pytest
 import yaml
 from docker.utils.build import exclude_paths
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 NAMED_BUILD_CONTEXTS = {"model"}  # `--build-context model=DIR`, documented in the Dockerfile header
 

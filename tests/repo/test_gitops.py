@@ -15,8 +15,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 LUA_FILE = ROOT / "charts" / "kvfleet" / "files" / "argocd-health.lua"
 KUSTOMIZE = ROOT / "examples" / "kustomize"
 GITOPS_DOC = ROOT / "docs" / "gitops.md"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support.paths import ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
 def load():

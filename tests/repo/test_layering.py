@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # tests/repo/ -> the repository
 FOLDERS = {"runtime": "kvfleet.runtime", "operator": "kvfleet.operator", "kernels": "kvfleet.kernels"}
 
 

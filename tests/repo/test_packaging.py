@@ -6,9 +6,9 @@ import importlib
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
+
 FOLDERS = {"runtime": "kvfleet.runtime", "operator": "kvfleet.operator", "kernels": "kvfleet.kernels"}
 
 

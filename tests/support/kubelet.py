@@ -53,7 +53,8 @@ from typing import Any
 
 import httpx
 import yaml
-from support import free_port
+
+from support.serve import free_port
 
 CONFIG_HASH_ANNOTATION = "kvfleet.io/config-hash"
 METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"

@@ -1,16 +1,16 @@
 """kvfleet.kernels.cpu_features on recorded /proc/cpuinfo flag sets (tests/data/cpuinfo/)."""
 
-from pathlib import Path
 
 import pytest
+from support.paths import DATA
 
 from kvfleet.kernels import cpu_features as cf
 
-DATA = Path(__file__).parent / "data" / "cpuinfo"
+CPUINFO = DATA / "cpuinfo"
 
 
 def recorded(name: str) -> cf.CpuFeatures:
-    return cf.CpuFeatures.from_cpuinfo((DATA / name).read_text())
+    return cf.CpuFeatures.from_cpuinfo((CPUINFO / name).read_text())
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_levels_of_recorded_machines(name, level, native_bf16, int8_dot):
 def test_below_the_floor_and_off_x86():
     assert cf.CpuFeatures.from_cpuinfo("flags\t: fpu sse2 avx fma f16c\n").isa_level is None
     assert cf.CpuFeatures.from_cpuinfo("").isa_level is None
-    zen4 = (DATA / "avx512bf16_epyc_zen4.txt").read_text()
+    zen4 = (CPUINFO / "avx512bf16_epyc_zen4.txt").read_text()
     arm = cf.CpuFeatures.from_cpuinfo(zen4, x86_64=False)
     assert arm.isa_level is None and not arm.native_bf16 and arm.int8_dot is None
 

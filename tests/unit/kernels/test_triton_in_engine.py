@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import record_schedules
+from support.schedules import record_schedules
 
 from kvfleet.kernels import BACKEND_ENV
 from kvfleet.kernels.testing import record_calls, triton_kernels

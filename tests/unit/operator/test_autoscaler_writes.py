@@ -1,13 +1,12 @@
 """The autoscaler writes nothing it need not and fights no one (against the emulator, as
-tests/test_autoscaling_daemon.py): a KEDA ScaledObject on the Deployment stops it; an idle
+tests/unit/operator/test_autoscaler.py): a KEDA ScaledObject on the Deployment stops it; an idle
 service gets no status writes; a tuning roll waits for the last one and never stops every pod.
 """
 
 from __future__ import annotations
 
-import test_autoscaling_daemon
-from kube_emulator import ISVC
-from test_autoscaling_daemon import (
+import support.autoscaler_cluster as autoscaler_cluster
+from support.autoscaler_cluster import (
     NAME,
     NS,
     OPERATOR,
@@ -20,10 +19,11 @@ from test_autoscaling_daemon import (
     rolled_out,
     run,
 )
+from support.kube_emulator import ISVC
 
 from kvfleet.operator import autoscaler, policy, reconcile
 
-cluster = test_autoscaling_daemon.cluster  # the emulator fixture
+cluster = autoscaler_cluster.cluster  # the emulator fixture
 
 def test_a_keda_scaled_object_on_the_deployment_stops_the_operator_autoscaler(cluster):
     kube, client, events, runtimes = cluster

@@ -1,7 +1,7 @@
 """Pure builders: children and status of an InferenceService, without a cluster.
 
-Golden files under tests/golden/ show the children of every example; regenerate with
-``KVFLEET_UPDATE_GOLDEN=1 pytest tests/test_operator_builders.py``.
+Golden files under tests/data/golden/ show the children of every example; regenerate with
+``KVFLEET_UPDATE_GOLDEN=1 pytest tests/unit/operator/test_builders.py``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from support.paths import GOLDEN, ROOT
 
 from kvfleet.operator import builders, crd, fetch, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = Path(__file__).resolve().parent / "golden"
 EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
 K8S_VERSION = "1.30.0"
 UID = "0b7f1c1e-5a8e-4a4b-9c33-6c3d2b1a0f00"

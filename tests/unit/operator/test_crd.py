@@ -6,84 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import celpy
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from celpy import celtypes
+from support.crd_admission import CEL_ENV, admit, cel_errors, schema_errors
+from support.paths import ROOT
 
 from kvfleet.operator import crd
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
 K8S_VERSION = "1.30.0"
 
 
 def load(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
-
-
-# --------------------------------------------------------------------- CEL evaluation
-
-
-def to_cel(value: Any, schema: dict[str, Any]) -> Any:
-    """Convert JSON to CEL values the way the API server types them from the schema
-    (a ``number`` is a double even when written as 1)."""
-    t = schema.get("type")
-    if isinstance(value, bool):
-        return celtypes.BoolType(value)
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
-        return celtypes.MapType({celtypes.StringType(k): to_cel(v, props.get(k, extra)) for k, v in value.items()})
-    if isinstance(value, list):
-        return celtypes.ListType([to_cel(v, schema.get("items", {})) for v in value])
-    if t == "number":
-        return celtypes.DoubleType(float(value))
-    if isinstance(value, int):
-        return celtypes.IntType(value)
-    if isinstance(value, float):
-        return celtypes.DoubleType(value)
-    if isinstance(value, str):
-        return celtypes.StringType(value)
-    raise TypeError(value)
-
-
-_ENV = celpy.Environment()
-
-
-def cel_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
-    """Evaluate every x-kubernetes-validations rule that applies to ``value``; the messages
-    of the rules that do not hold."""
-    out = []
-    for rule in schema.get("x-kubernetes-validations", []):
-        prog = _ENV.program(_ENV.compile(rule["rule"]))
-        result = prog.evaluate({"self": to_cel(value, schema)})
-        if result is not True and result != celtypes.BoolType(True):
-            out.append(f"{path or '<root>'}: {rule['message']}")
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            sub_schema = schema.get("properties", {}).get(key)
-            if sub_schema is None and isinstance(schema.get("additionalProperties"), dict):
-                sub_schema = schema["additionalProperties"]
-            if sub_schema is not None:
-                out += cel_errors(sub, sub_schema, f"{path}.{key}")
-    elif isinstance(value, list) and "items" in schema:
-        for i, sub in enumerate(value):
-            out += cel_errors(sub, schema["items"], f"{path}[{i}]")
-    return out
-
-
-def schema_errors(obj: dict[str, Any]) -> list[str]:
-    validator = jsonschema.Draft4Validator(crd.OPENAPI_SCHEMA)
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-
-
-def admit(obj: dict[str, Any]) -> list[str]:
-    """What the API server does on create: default, then OpenAPI schema, then CEL."""
-    obj = crd.apply_defaults(obj)
-    return schema_errors(obj) + cel_errors(obj, crd.OPENAPI_SCHEMA)
 
 
 # --------------------------------------------------------------------- the file
@@ -267,7 +203,7 @@ def test_every_cel_rule_compiles_and_has_a_message():
     rules = _all_rules(crd.OPENAPI_SCHEMA)
     assert len(rules) == 7  # uri scheme, blockSize, gpuMemoryUtilization, 2 autoscaling, tuning, disruption
     for rule in rules:
-        _ENV.compile(rule)  # raises on a syntax error
+        CEL_ENV.compile(rule)  # raises on a syntax error
 
     def messages(schema):
         out = [("message" in r) for r in schema.get("x-kubernetes-validations", [])]

@@ -5,17 +5,16 @@ ConfigMap the operator writes is read back by the runtime's own option parser.""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import yaml
+from support.paths import ROOT
 
 from kvfleet.operator import builders
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings, parse_serve_args
 
-ROOT = Path(__file__).resolve().parent.parent
 OWNED_BY_THE_OPERATOR = {"host", "port", "api_key"}  # the pod's address; apiKeySecretRef
 
 

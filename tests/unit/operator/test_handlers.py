@@ -101,7 +101,7 @@ def test_no_cluster_is_one_clear_line_not_an_endless_retry(tmp_path):
 
 
 def test_an_api_server_that_does_not_answer_is_one_clear_line(tmp_path):
-    from support import free_port
+    from support.serve import free_port
 
     port = free_port()
     kubeconfig = tmp_path / "kubeconfig"

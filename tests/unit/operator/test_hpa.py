@@ -6,17 +6,16 @@ with the queue-depth Pods metric."""
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from support.paths import ROOT
 
 from kvfleet.operator import builders, crd
 from kvfleet.operator.policy import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
-ROOT = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.33"
 
 

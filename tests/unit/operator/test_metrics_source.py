@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from support import free_port
+from support.serve import free_port
 
 from kvfleet.operator.metrics_source import (
     METRICS_PORT_ANNOTATION,

@@ -18,19 +18,19 @@ import asyncio
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from support import free_port, prometheus_binary, serve_registry
+from support.paths import ROOT
+from support.prometheus import prometheus_binary, serve_registry
+from support.serve import free_port
 
 from kvfleet.operator.metrics_source import MetricsSourceError, PrometheusSource
 from kvfleet.operator.policy import HPA_METRIC
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.metrics import PrometheusStatLogger
 
-ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "charts" / "kvfleet" / "files" / "prometheus-adapter-rules.yaml"
 NAMESPACE = "llm"
 PODS = {"llama-0": (3, 0.5), "llama-1": (7, 0.9)}  # pod -> (waiting, KV usage)

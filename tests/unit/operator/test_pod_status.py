@@ -1,55 +1,19 @@
 """Pod-level reasons: why a runtime pod will not become ready, in the status at once.
 
-Pure tests of :func:`status.pod_problem` / :func:`status.desired_status`, and end to end:
-``kvfleet operator`` as a process against the emulator, with Pod objects in the states a
-kubelet reports (image pull back-off, crash loop, unschedulable, a failing ``fetch-model``
-init container, a missing Secret): within 30 s ``Ready=False`` / ``Degraded=True`` with the
-reason and message, and one Warning Event.
+Pure tests of :func:`status.pod_problem` / :func:`status.desired_status` on Pod objects in the
+states a kubelet reports (support/pod_states.py; the operator process reporting them:
+tests/e2e/test_operator_pods.py).
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from kube_emulator import ISVC
-from test_operator_e2e import condition, manifest, running_operator
+from support.operator_process import manifest
+from support.pod_states import CASES, pod, waiting
 
 from kvfleet.operator import builders, status
 
 NS = "default"
-
-
-def pod(name: str = "p-1", **st) -> dict:
-    return {"metadata": {"name": name}, "status": st}
-
-
-def waiting(reason: str, message: str = "", name: str = "runtime", last: dict | None = None) -> dict:
-    cs = {"name": name, "image": "img:1", "state": {"waiting": {"reason": reason, "message": message}}}
-    if last:
-        cs["lastState"] = {"terminated": last}
-    return cs
-
-
-CASES = [
-    (pod(containerStatuses=[waiting("ImagePullBackOff", 'Back-off pulling image "img:1"')]),
-     "ImagePullBackOff", 'Back-off pulling image "img:1"'),
-    (pod(containerStatuses=[waiting("CrashLoopBackOff", "back-off 5m0s", last={
-        "exitCode": 1, "reason": "Error", "message": "ValueError: tensor_parallel_size 3 does not divide 9"})]),
-     "CrashLoopBackOff", "ValueError: tensor_parallel_size 3 does not divide 9"),
-    (pod(containerStatuses=[waiting("CrashLoopBackOff", last={"exitCode": 137, "reason": "OOMKilled"})]),
-     "CrashLoopBackOff", "OOMKilled with exit code 137"),
-    (pod(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                      "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]),
-     "Unschedulable", "3 Insufficient nvidia.com/gpu"),
-    (pod(initContainerStatuses=[waiting("CrashLoopBackOff", name="fetch-model", last={
-        "exitCode": 1, "message": "attempt 3/3: failed with exit code 1"})]),
-     "ModelFetchFailed", "init container fetch-model failed: attempt 3/3"),
-    (pod(containerStatuses=[waiting("CreateContainerConfigError", 'secret "hf" not found')]),
-     "SecretNotFound", 'secret "hf" not found'),
-    (pod(containerStatuses=[waiting("CreateContainerConfigError", "couldn't find key token in Secret default/hf")]),
-     "SecretKeyNotFound", "couldn't find key token"),
-]
 
 
 @pytest.mark.parametrize(("p", "reason", "needle"), CASES, ids=[c[1] for c in CASES])
@@ -84,34 +48,3 @@ def test_desired_status_is_degraded_with_the_pod_reason_until_rolled_out():
     st = status.desired_status(isvc(), deployment=live, desired_deployment=desired, now="t", pods=bad)
     assert {c["type"]: c["status"] for c in st["conditions"]} == {"Ready": "True", "Progressing": "False",
                                                                  "Degraded": "False", "ModelCached": "True"}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with running_operator(tmp_path_factory.mktemp("pods")) as (emu, _):
-        yield emu
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("p", "reason", "needle"), [CASES[0], CASES[1], CASES[3], CASES[4], CASES[5]],
-                         ids=["image", "crashloop", "unschedulable", "fetch", "secret"])
-def test_operator_reports_pod_reason_within_30s_with_an_event(cluster, p, reason, needle):
-    emu = cluster
-    name = f"pods-{reason.lower()}"
-    emu.create(ISVC, manifest(name))
-    deploy = emu.wait_for(lambda: emu.get("apps/v1/deployments", NS, name), 30, message="the Deployment")
-    labels = deploy["spec"]["template"]["metadata"]["labels"]
-    t0 = time.monotonic()
-    emu.create("v1/pods", {"apiVersion": "v1", "kind": "Pod",
-                           "metadata": {"name": f"{name}-abc", "namespace": NS, "labels": labels},
-                           "spec": {"containers": [{"name": "runtime", "image": "img:1"}]},
-                           "status": {"phase": "Pending", **p["status"]}})
-    degraded = emu.wait_for(lambda: (c := condition(emu, name, "Degraded")) and c["status"] == "True" and c,
-                            30, message=f"Degraded={reason}")
-    assert time.monotonic() - t0 < 30
-    assert degraded["reason"] == reason and needle in degraded["message"]
-    ready = condition(emu, name, "Ready")
-    assert (ready["status"], ready["reason"]) == ("False", reason)
-    events = emu.wait_for(lambda: [e for e in emu.list("v1/events", NS) if e.get("reason") == reason
-                                   and e["involvedObject"]["name"] == name], 15, message="the Warning Event")
-    assert len(events) == 1 and events[0]["type"] == "Warning" and needle in events[0]["message"]

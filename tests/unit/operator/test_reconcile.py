@@ -3,17 +3,15 @@ what it writes, when it writes nothing, and how it handles drift and bad specs."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import kubernetes
 import pytest
 import yaml
-from kube_emulator import ISVC, EmulatorThread
+from support.kube_emulator import ISVC, EmulatorThread
+from support.paths import ROOT
 
 from kvfleet.operator import builders, reconcile
 from kvfleet.operator.kube import ApiError, Kube
 
-ROOT = Path(__file__).resolve().parent.parent
 NS = "default"
 OPERATOR_UA = "OpenAPI-Generator"
 

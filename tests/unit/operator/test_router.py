@@ -1,24 +1,23 @@
 """spec.router and spec.router.inferencePool: the router's children (pure builders), the status
 URL and ScaleFromZero condition, wake from zero in the scaling policy, the routers' metrics, and
-the InferencePool validated against the published GIE CRD (tests/golden/)."""
+the InferencePool validated against the published GIE CRD (tests/data/golden/)."""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from test_operator_crd import admit, cel_errors
+from support.crd_admission import admit, cel_errors
+from support.paths import GOLDEN
 
 from kvfleet.operator import builders, crd, gie, policy, reconcile, router
 from kvfleet.operator.router_load import parse_router_load
 from kvfleet.operator.status import desired_status
 
-ROOT = Path(__file__).resolve().parents[1]
-GIE_CRD = ROOT / "tests" / "golden" / "gie-inferencepools-v1.6.0.yaml"
+GIE_CRD = GOLDEN / "gie-inferencepools-v1.6.0.yaml"
 UID = "0b7f1c1e-5a8e-4a4b-9c33-6c3d2b1a0f00"
 
 

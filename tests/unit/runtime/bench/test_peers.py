@@ -13,11 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from support.paths import ROOT
 
 from kvfleet.runtime.bench import peer_systems as ps
 from kvfleet.runtime.bench.peer_report import format_tables, shares
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=49152)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import record_schedules
+from support.schedules import record_schedules
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine

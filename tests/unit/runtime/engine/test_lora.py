@@ -6,7 +6,7 @@ adapter; bad checkpoints and ranks over --max-lora-rank are refused naming why."
 from __future__ import annotations
 
 import pytest
-from lora_support import double_rank, edit_config, make_adapter
+from support.lora import double_rank, edit_config, make_adapter
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine

@@ -10,7 +10,8 @@ log-probability, within 1e-4 (:class:`Seq`): a wrong cached block moves them far
 from __future__ import annotations
 
 import pytest
-from support import record_schedules
+from support.engine_workload import QUESTIONS
+from support.schedules import record_schedules
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -19,18 +20,6 @@ from kvfleet.runtime.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a prime number larger than ten.",
-    "Why is the sky blue?",
-    "Give me a synonym for happy.",
-    "What is 7 times 8?",
-    "Who wrote Hamlet?",
-    "What colour is grass?",
-    "Translate 'thank you' into Spanish.",
-]
-
 
 class Recorder:
     def __init__(self) -> None:

@@ -26,7 +26,7 @@ import json
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from support import record_schedules
+from support.schedules import record_schedules
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.async_llm import AsyncLLMEngine
@@ -412,14 +412,14 @@ def test_official_openai_client_reads_echo_and_prompt_logprobs(client, smollm2, 
 
 
 def _tiny_config(name: str):
-    """Tiny random configs (tests/test_sliding_window.py's sizes) of models whose forward
+    """Tiny random configs (support/tiny_models.py's sizes) of models whose forward
     changes the LM head's output: Gemma 2 soft-caps it (tanh(x / cap) * cap), Granite divides
     it by ``logits_scaling``, Cohere multiplies it by ``logit_scale``."""
-    from test_sliding_window import COMMON, _configs
+    from support.tiny_models import COMMON, configs
     from transformers import CohereConfig, GraniteConfig
 
     if name == "gemma2":
-        config = _configs()["gemma2"]
+        config = configs()["gemma2"]
         assert config.final_logit_softcapping == 3.0
         return config
     if name == "granite":
@@ -432,12 +432,12 @@ def test_models_that_change_the_lm_head_output(tmp_path, name):
     # The prompt logprobs repeat what the model's forward does after its LM head (the
     # soft-cap from the config; a constant factor fitted at load), against the model's own
     # eager transformers forward.
-    from test_sliding_window import PROMPTS as TOKEN_PROMPTS
-    from test_sliding_window import _build
+    from support.tiny_models import PROMPTS as TOKEN_PROMPTS
+    from support.tiny_models import build
 
     from kvfleet.runtime.worker.model_loader import load_model
 
-    ref = _build(_tiny_config(name), tmp_path)
+    ref = build(_tiny_config(name), tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     engine = LLMEngine(EngineConfig(block_size=4, max_num_batched_tokens=8, kv_cache_memory=4 * 2**20), loaded=loaded)
     assert engine.runner.prompt_logprobs_error is None

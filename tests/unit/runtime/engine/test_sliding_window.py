@@ -26,55 +26,9 @@ import json
 
 import pytest
 import torch
+from support.tiny_models import COMMON, GEN, PROMPTS, VOCAB, build, configs
 
 from kvfleet.kernels import BACKEND_ENV
-
-VOCAB = 96
-GEN = 10
-# Token-id prompts (29, 21 and 12 tokens) longer than the window of 8.
-PROMPTS = [[(7 * i + 3) % (VOCAB - 2) + 2 for i in range(29)], [(5 * i + 11) % (VOCAB - 2) + 2 for i in range(21)],
-           [(3 * i + 1) % (VOCAB - 2) + 2 for i in range(12)]]
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
-              bos_token_id=0, eos_token_id=1, pad_token_id=1)
-
-
-def _configs():
-    from transformers import Gemma2Config, MistralConfig, Qwen2Config
-
-    return {
-        "mistral": MistralConfig(sliding_window=8, **COMMON),
-        "qwen2": Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **COMMON),
-        "gemma2": Gemma2Config(sliding_window=8, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                               final_logit_softcapping=3.0, **COMMON),
-    }
-
-
-def _save_tokenizer(path) -> None:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tok = Tokenizer(WordLevel(vocab, unk_token="</s>"))
-    tok.pre_tokenizer = WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>").save_pretrained(
-        path)
-
-
-def _build(config, path, seed: int = 0):
-    """A randomly initialised model of ``config`` saved (with a tokenizer) at ``path``; returns
-    the eager-attention transformers model that serves as the reference."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = copy.deepcopy(config)
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    model.save_pretrained(path)
-    _save_tokenizer(path)
-    return model
 
 
 def _hf_greedy(model, prompts=PROMPTS, n: int = GEN) -> list[list[int]]:
@@ -112,9 +66,9 @@ def models(tmp_path_factory):
     """name -> (checkpoint dir, eager reference model, the same weights' reference tokens
     without the feature under test)."""
     out = {}
-    for name, config in _configs().items():
+    for name, config in configs().items():
         path = tmp_path_factory.mktemp(name)
-        ref = _build(config, path)
+        ref = build(config, path)
         plain = copy.deepcopy(config)
         plain.sliding_window = None
         if name == "gemma2":  # every layer full, and no attention soft-capping
@@ -135,7 +89,7 @@ def models(tmp_path_factory):
 def test_layer_windows_follow_the_config():
     from kvfleet.runtime.worker.attention import check_attention_support, layer_sliding_windows
 
-    cfgs = _configs()
+    cfgs = configs()
     assert layer_sliding_windows(cfgs["mistral"]) == [8, 8]
     assert layer_sliding_windows(cfgs["qwen2"]) == [None, 8]
     assert check_attention_support(cfgs["gemma2"]) == [8, None]
@@ -202,7 +156,7 @@ def test_unsupported_attention_config_is_refused_at_load(tmp_path, cls, kwargs, 
 def test_unknown_layer_type_is_refused(tmp_path):
     from kvfleet.runtime.worker.model_loader import load_model
 
-    config = _configs()["qwen2"].to_dict()
+    config = configs()["qwen2"].to_dict()
     config["layer_types"] = ["full_attention", "linear_attention"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"layer_types\[1\]='linear_attention'"):
@@ -221,7 +175,7 @@ def test_attention_sinks_are_refused_when_the_engine_starts(tmp_path):
     config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
                           num_experts_per_tok=2, sliding_window=8, max_position_embeddings=256)
-    _build(config, tmp_path)
+    build(config, tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="s_aux"):
         LLMEngine(EngineConfig(block_size=4, kv_cache_memory=2**20), loaded=loaded)

@@ -188,7 +188,7 @@ def _chat(tok, text: str) -> list[int]:
 
 @pytest.mark.slow
 def test_engine_schema_outputs_are_valid_under_preemption_and_n3(smollm2):
-    from support import record_schedules
+    from support.schedules import record_schedules
 
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine

@@ -8,7 +8,7 @@ quantized engines of tests/test_engine_quantization.py run it over all 30 layers
 from __future__ import annotations
 
 import pytest
-from test_compiled_forward import CONFIG, Recorder, prompts, run
+from support.engine_workload import CONFIG, Recorder, prompts, run
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq
 from kvfleet.kernels.cpu_decoder import FusedDecoder

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import free_port, start_serve
+from support.serve import free_port, start_serve
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -123,11 +123,11 @@ def test_operator_configmap_carries_tensor_parallel_size(tmp_path):
     """The operator writes ``engine.tensorParallelSize`` into the runtime's config file now
     that EngineConfig knows the key, and ``kvfleet serve --config`` reads it back."""
     import yaml
+    from support.paths import ROOT
 
     from kvfleet.operator import builders, crd
 
-    root = Path(__file__).resolve().parent.parent
-    isvc = yaml.safe_load((root / "examples/inferenceservice-gpu-tp2.yaml").read_text())
+    isvc = yaml.safe_load((ROOT / "examples/inferenceservice-gpu-tp2.yaml").read_text())
     isvc["metadata"].update(uid="0000", generation=1)
     cm = next(c for c in builders.desired_children(crd.apply_defaults(isvc)) if c["kind"] == "ConfigMap")
     config_file = tmp_path / "config.yaml"
