@@ -5,23 +5,19 @@ CPU with the real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks spl
 The TP engine runs 3 real processes (this one is rank 0, the driver worker; two workers)
 over gloo, with transformers' own tensor-parallel plan for Llama. Its greedy tokens and
 prompt logprobs are compared with the ``tensor_parallel_size=1`` engine's, through
-continuous batching (requests added while others decode), and through ``kvfleet serve``.
-The fault tests kill real processes: a dead worker must be an engine error (not a hang),
-and neither a stopped nor a killed server may leave workers behind.
+continuous batching (requests added while others decode). The fault tests kill real
+processes: a dead worker must be an engine error (not a hang). Through ``kvfleet serve``:
+tests/e2e/test_tensor_parallel_serve.py.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
-from support.serve import free_port, start_serve
+from support.procfs import children, running, worker_pids
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -42,23 +38,6 @@ MAX_TOKENS = 8
 
 def _config(tp: int, **kw) -> EngineConfig:
     return EngineConfig(tensor_parallel_size=tp, device="cpu", dtype="float32", kv_cache_memory=KV_CACHE_MEMORY, **kw)
-
-
-def _running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        out.extend(int(c) for c in children)
-    return out
 
 
 def _generate_staggered(engine: LLMEngine, params: SamplingParams) -> tuple[dict[str, list[int]], int, dict]:
@@ -106,10 +85,10 @@ def test_heads_must_divide(smollm2):
 
 
 def test_engine_refuses_tp2_before_starting_any_process():
-    before = set(_children(os.getpid()))
+    before = set(children(os.getpid()))
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide .*num_attention_heads \(9\)"):
         LLMEngine(_config(2))
-    assert set(_children(os.getpid())) == before
+    assert set(children(os.getpid())) == before
 
 
 def test_engine_refuses_a_shared_model_and_a_single_cuda_device(smollm2):
@@ -187,7 +166,7 @@ def test_tp3_prompt_logprobs_equal_tp1(tp_engine, smollm2):
 def test_dead_worker_is_an_engine_error_and_shutdown_reaps_all(tp_engine):
     """Runs last on the module's TP engine (it kills a worker)."""
     procs = list(tp_engine.executor.procs)
-    assert all(_running(p.pid) for p in procs)
+    assert all(running(p.pid) for p in procs)
     tp_engine.add_request("x", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=50))
     tp_engine.step()
     os.kill(procs[1].pid, signal.SIGKILL)
@@ -196,7 +175,7 @@ def test_dead_worker_is_an_engine_error_and_shutdown_reaps_all(tp_engine):
             tp_engine.step()
     tp_engine.shutdown()
     assert all(p.poll() is not None for p in procs)
-    assert not any(_running(p.pid) for p in procs)
+    assert not any(running(p.pid) for p in procs)
     tp_engine.abort_request("x")
     tp_engine.add_request("y", PROMPTS[1], SamplingParams(max_tokens=1))
     with pytest.raises(TensorParallelError, match="shut down"):
@@ -228,7 +207,7 @@ def test_failure_on_the_driver_alone_is_an_error_not_a_hang():
         t0 = time.monotonic()
         engine.shutdown()
         assert time.monotonic() - t0 < 8  # terminated at once, no 10 s wait for a stop
-        assert not any(_running(p.pid) for p in procs)
+        assert not any(running(p.pid) for p in procs)
     finally:
         engine.shutdown()
 
@@ -241,76 +220,5 @@ def test_failed_start_stops_the_workers():
 
     with pytest.raises(ValueError, match=r"max_model_len \(100000\) is longer than the model's context"):
         LLMEngine(_config(3, max_model_len=100_000))
-    assert _worker_pids(os.getpid()) == []
+    assert worker_pids(os.getpid()) == []
     assert not dist.is_initialized()
-
-
-def _worker_pids(pid: int) -> list[int]:
-    """The tensor-parallel workers among ``pid``'s children."""
-    found = []
-    for child in _children(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:
-            continue
-        if b"kvfleet.runtime.worker.executor" in cmdline:
-            found.append(child)
-    return found
-
-
-def _start_server(log: Path) -> tuple[subprocess.Popen, str]:
-    return start_serve(["--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32",
-                        "--kv-cache-memory", "32MiB", "--log-level", "info"], log)
-
-
-def _wait_gone(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(_running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(_running(p) for p in pids)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_kvfleet_serve_tp3_answers_and_leaves_no_workers(sig, smollm2, tmp_path):
-    """``kvfleet serve --tensor-parallel-size 3`` answers as the tp=1 engine does. After
-    SIGTERM (graceful: the engine stops its workers) and after SIGKILL (no clean-up code runs
-    in the server; its workers notice their parent is gone) no worker is left."""
-    log = tmp_path / "server.log"
-    proc, base = _start_server(log)
-    try:
-        pids = _worker_pids(proc.pid)
-        assert len(pids) == 2 and all(_running(p) for p in pids)
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
-        resp = httpx.post(base + "/v1/completions", json=body, timeout=120)
-        assert resp.status_code == 200, resp.text
-        ref_engine = LLMEngine(_config(1), loaded=smollm2)
-        ref_engine.add_request("ref", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
-        assert resp.json()["choices"][0]["text"] == ref_engine.run_until_done()["ref"].outputs[0].text
-        proc.send_signal(sig)
-        code = proc.wait(60)
-        assert _wait_gone(pids, 30), f"workers {pids} outlived the server:\n{log.read_text()}"
-        if sig == signal.SIGTERM:  # uvicorn re-raises the signal after its graceful shutdown
-            assert code == -signal.SIGTERM, log.read_text()
-            # the engine sent the stop message: both workers exited by themselves, with status 0
-            assert "tensor-parallel workers stopped (exit codes [0, 0])" in log.read_text()
-            assert "worker failed" not in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.mark.slow
-def test_kvfleet_serve_tp2_exits_1_naming_the_option(tmp_path):
-    """``kvfleet serve --tensor-parallel-size 2`` on the default model (9 heads): status 1, the
-    reason on the server's ERROR line, no worker started."""
-    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port()),
-           "--tensor-parallel-size", "2", "--device", "cpu", "--kv-cache-memory", "32MiB"]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
-    expected = "the engine failed to start: ValueError: tensor_parallel_size (2) must divide"
-    assert errors and expected in errors[0], errors
-    assert "workers pids" not in proc.stderr  # no worker was started (runtime/worker/executor.py logs them)
