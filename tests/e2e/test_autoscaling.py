@@ -1,6 +1,6 @@
 """Closed loop, end to end, on this machine: the kmock Kubernetes emulator
-(tests/kube_emulator.py) over real HTTP, ``kvfleet operator`` as a real process pointed at
-it, and the test kubelet (tests/kubelet.py) that turns the Deployment's replicas into real
+(tests/support/kube_emulator.py) over real HTTP, ``kvfleet operator`` as a real process pointed at
+it, and the test kubelet (tests/support/kubelet.py) that turns the Deployment's replicas into real
 ``kvfleet serve`` processes with the default model (max_num_seqs 2, so requests queue).
 
 A load generator keeps more requests in flight than one replica runs at once: the operator

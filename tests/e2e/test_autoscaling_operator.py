@@ -1,5 +1,5 @@
 """The autoscaler inside a real ``kvfleet operator`` process against the Kubernetes emulator
-(tests/kube_emulator.py, real HTTP), with pods whose /metrics serve the runtime's real
+(tests/support/kube_emulator.py, real HTTP), with pods whose /metrics serve the runtime's real
 exposition (no model needed):
 
 - autoscaled and tuned InferenceServices carry no finalizer, so deleting them completes

@@ -1,6 +1,6 @@
 """The chart's RBAC covers every request the real operator makes.
 
-`kvfleet operator` runs as a process against the Kubernetes emulator (tests/kube_emulator.py),
+`kvfleet operator` runs as a process against the Kubernetes emulator (tests/support/kube_emulator.py),
 which here also records every HTTP request. The test walks an InferenceService through its
 life (create with an API-key Secret and a PodDisruptionBudget, drop the PDB, delete), then
 maps each request the operator sent (kopf's and the kubernetes client's, by User-Agent) to

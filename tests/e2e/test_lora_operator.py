@@ -1,59 +1,20 @@
 """LoRA adapters through the operator (issue 17): ``kvfleet operator`` on the emulator, a real
-``kvfleet serve`` pod from tests/kubelet.py. The pod starts with the declared adapter (read from the
+``kvfleet serve`` pod from tests/support/kubelet.py. The pod starts with the declared adapter (read from the
 adapters ConfigMap); adding an adapter to the spec loads it on the running pod without a restart
 (same pod, same process, same pod-template hash); removing one unloads it; ``status.adapters`` and
-the ``AdaptersLoaded`` condition follow, with a reason when an adapter fails to load. Also the pure
-builder side: a different adapter list gives the same pod template."""
+the ``AdaptersLoaded`` condition follow, with a reason when an adapter fails to load. The pure
+builder side: tests/unit/operator/test_adapters.py."""
 
 from __future__ import annotations
-
-import copy
 
 import httpx
 import pytest
 from support.kube_emulator import ISVC
 from support.kubelet import TestKubelet
-from support.lora import random_adapter, scaled_b
+from support.lora import lora_isvc, random_adapter, scaled_b
 from support.operator_process import running_operator
 
-from kvfleet.operator import builders
-from kvfleet.operator.crd import InvalidSpec
-
 NS, NAME, MODEL = "default", "lora-svc", "smollm2"
-
-
-def isvc(adapters: list[dict]) -> dict:
-    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": NAME, "namespace": NS, "uid": "u-1", "generation": 1},
-            "spec": {"model": {"uri": "file:///models/smollm2.gguf", "servedModelName": MODEL, "adapters": adapters},
-                     "engine": {"maxModelLen": 256, "extraArgs": {"kv_cache_memory": "64MiB", "max_lora_rank": 8}}}}
-
-
-def test_the_adapter_list_never_changes_the_pod_template():
-    def template(adapters):
-        children = builders.desired_children(isvc(adapters))
-        return next(c for c in children if c["kind"] == "Deployment")["spec"]["template"], children
-
-    t0, c0 = template([])
-    t1, c1 = template([{"name": "a", "uri": "hf://org/a@v1"}, {"name": "b", "uri": "file:///ad/b"}])
-    assert t0 == t1
-    cm = next(c for c in c1 if c["kind"] == "ConfigMap")
-    assert cm["data"]["lora_modules"] == '[{"name": "a", "path": "hf://org/a@v1"}, {"name": "b", "path": "/ad/b"}]'
-    config = cm["data"]["config.yaml"]
-    assert "enable_lora: true" in config and "skip_failed_lora_modules: true" in config
-    env = {e["name"]: e for e in t1["spec"]["containers"][0]["env"]}
-    assert env["KVFLEET_LORA_MODULES"]["valueFrom"]["configMapKeyRef"] == {"name": f"{NAME}-config",
-                                                                           "key": "lora_modules"}
-    assert env["KVFLEET_ALLOW_RUNTIME_LORA_UPDATING"]["value"] == "true"
-    for bad, reason in (([{"name": "a", "uri": "s3://x"}], "InvalidAdapterURI"),
-                        ([{"name": "a", "uri": "file:///x"}, {"name": "a", "uri": "file:///y"}], "InvalidAdapter"),
-                        ([{"name": "a", "uri": "pvc://other/x"}], "AdapterClaimNotMounted")):
-        with pytest.raises(InvalidSpec) as err:
-            builders.desired_children(isvc(bad))
-        assert err.value.reason == reason
-    plain = copy.deepcopy(isvc([]))
-    del plain["spec"]["model"]["adapters"]
-    assert "KVFLEET_LORA_MODULES" not in str(builders.desired_children(plain))
 
 
 @pytest.mark.slow
@@ -65,7 +26,7 @@ def test_a_new_adapter_reaches_the_running_pod_without_a_restart(tmp_path):
         kubelet = TestKubelet(emu.url, NS, tmp_path / "kubelet", config_overrides={"model": None},
                               env={"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"})
         with kubelet:
-            body = isvc([{"name": "a1", "uri": f"file://{tmp_path / 'a1'}"}])
+            body = lora_isvc([{"name": "a1", "uri": f"file://{tmp_path / 'a1'}"}])
             del body["metadata"]["uid"], body["metadata"]["generation"]
             emu.create(ISVC, body)
             pod = emu.wait_for(lambda: kubelet.ready_pods(NAME) and kubelet.ready_pods(NAME)[0], 300,

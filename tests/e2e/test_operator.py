@@ -1,5 +1,5 @@
 """End to end: ``kvfleet operator`` as a real process against the Kubernetes emulator
-(kmock + tests/kube_emulator.py) over real HTTP, pointed at it by a kubeconfig file.
+(kmock + tests/support/kube_emulator.py) over real HTTP, pointed at it by a kubeconfig file.
 
 Every wait is bounded (``EmulatorThread.wait_for``); operator logs are printed on failure.
 """

@@ -1,4 +1,4 @@
-"""Rolling updates under load: ``kvfleet operator`` (a process) on the emulator, tests/kubelet.py
+"""Rolling updates under load: ``kvfleet operator`` (a process) on the emulator, tests/support/kubelet.py
 rolling real ``kvfleet serve`` processes as the Deployment controller does (``rollout="surge"``),
 the pod's own preStop sleep (the operator's 10 s, not shortened) and grace period, and 16
 streaming clients over the ready pods only (the Service's endpoints) while the spec changes.

@@ -1,5 +1,5 @@
 """Closed loop, wake from zero: the kmock emulator, ``kvfleet operator`` as a process, and the
-test kubelet (tests/kubelet.py) running the operator's router Deployment as a real
+test kubelet (tests/support/kubelet.py) running the operator's router Deployment as a real
 ``kvfleet router`` (watching the EndpointSlices the kubelet writes) and the runtime pods as real
 ``kvfleet serve`` processes.
 

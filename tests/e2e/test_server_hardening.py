@@ -2,7 +2,7 @@
 engine, the termination log on out-of-memory.
 
 Bursts, drains and the load-time OOM run against `kvfleet serve` as a subprocess with the default
-model (tests/support.py); the hung engine and the mid-run OOM against the real AsyncLLMEngine in
+model (tests/support/serve.py); the hung engine and the mid-run OOM against the real AsyncLLMEngine in
 process, whose forward pass a test holds or breaks.
 """
 

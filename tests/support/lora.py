@@ -88,7 +88,7 @@ SMOLLM2_SHAPES = {"self_attn.q_proj": (576, 576), "self_attn.k_proj": (576, 192)
 
 def random_adapter(path: Path, seed: int, r: int = 8) -> Path:
     """A rank-``r`` adapter of the default model in PEFT's file layout from random tensors, without
-    loading the model or PEFT (for the HTTP and operator tests; tests/test_lora_engine.py checks
+    loading the model or PEFT (for the HTTP and operator tests; tests/unit/runtime/engine/test_lora.py checks
     real PEFT output)."""
     from safetensors.torch import save_file
 
@@ -104,3 +104,12 @@ def random_adapter(path: Path, seed: int, r: int = 8) -> Path:
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
                                                           "target_modules": TARGETS, "bias": "none"}))
     return path
+
+
+def lora_isvc(adapters: list[dict]) -> dict:
+    """The InferenceService ``lora-svc`` (namespace ``default``) of the default model, served as
+    ``smollm2``, with ``adapters`` as ``spec.model.adapters``."""
+    return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "lora-svc", "namespace": "default", "uid": "u-1", "generation": 1},
+            "spec": {"model": {"uri": "file:///models/smollm2.gguf", "servedModelName": "smollm2", "adapters": adapters},
+                     "engine": {"maxModelLen": 256, "extraArgs": {"kv_cache_memory": "64MiB", "max_lora_rank": 8}}}}

@@ -1,5 +1,5 @@
 """The router's pure parts: CHWBL picking, prefix keys, the hold queue, ejection back-off,
-EndpointSlice parsing, settings (no servers; the proxy itself: tests/test_router_e2e.py)."""
+EndpointSlice parsing, settings (no servers; the proxy itself: tests/e2e/test_router.py)."""
 
 from __future__ import annotations
 

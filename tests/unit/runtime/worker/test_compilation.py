@@ -8,7 +8,7 @@ inductor's warm-up of the one graph took 6-17 min on the loaded 2-core CI machin
 two decoder layers (conftest's ``smollm2_two_layers``): every layer is the same code at the
 same shapes, and dynamo's tracing and guards cost per layer (over all 30 layers the warm-up
 took 31 s and the comparison 41 s on CI). Run
-``KVFLEET_COMPILE_BACKEND=inductor pytest tests/test_compiled_forward.py --timeout 3600`` for the
+``KVFLEET_COMPILE_BACKEND=inductor pytest tests/unit/runtime/worker/test_compilation.py --timeout 3600`` for the
 real thing (docs/performance.md, "Compiled forward")."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ greedy tokens and log-probabilities (within 1e-4) as transformers' modules over 
 chunks prefills, mixes prefill and decode, hits the prefix cache and preempts; decode steps run
 fused and the others do not; and the path is off where it does not apply. The engines run the
 default model cut to its first two decoder layers (conftest's ``smollm2_two_layers``); the
-quantized engines of tests/test_engine_quantization.py run it over all 30 layers."""
+quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers."""
 
 from __future__ import annotations
 

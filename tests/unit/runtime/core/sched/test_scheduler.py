@@ -110,7 +110,7 @@ def test_stop_conditions_eos_stop_ids_min_tokens_length():
 # -- admission: no admit/preempt thrash ------------------------------------------------------
 @pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
 def test_low_priority_request_is_not_admitted_only_to_be_preempted(policy):
-    # The workload of tests/test_prompt_logprobs.py's preemption test, without the model:
+    # The workload of tests/unit/runtime/engine/test_prompt_logprobs.py's preemption test, without the model:
     # 12 blocks of 16 tokens; A (121-token prompt, 60 out) needs all 12 blocks by its end,
     # B (60-token prompt, 8 out, priority 1: the victim) does not fit beside it. Before the
     # admission rule, B was admitted whenever 2 blocks were free (a 31-token chunk beside

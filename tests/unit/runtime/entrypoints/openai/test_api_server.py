@@ -17,7 +17,7 @@ framing, usage counts, 429 back-pressure, the API key, the probes, /metrics and
 - engine faults are provoked by breaking the real engine (its model runner raising, its
   detokenizer raising for one request), never by a fake engine.
 
-tests/test_server_e2e.py checks the same server as a subprocess with the official client.
+tests/e2e/test_server.py checks the same server as a subprocess with the official client.
 """
 
 from __future__ import annotations
