@@ -131,3 +131,22 @@ def test_parse_size():
 def test_server_settings_defaults():
     s = ServerSettings()
     assert (s.host, s.port, s.api_key, s.max_queue_len, s.metrics_compat) == ("0.0.0.0", 8000, None, None, "none")
+
+
+def test_serve_options_take_vllm_spellings():
+    from kvfleet.runtime.entrypoints.openai.serve_args import parse_serve_args
+
+    args = parse_serve_args(["--enable-lora", "--max-loras", "4", "--max-lora-rank", "8", "--max-cpu-loras", "8",
+                             "--lora-modules", "a=/ad/a", "b=/ad/b", "--lora-modules",
+                             '{"name": "c", "path": "/ad/c", "base_model_name": "base"}'],
+                            environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    e = args.engine
+    assert (e.enable_lora, e.max_loras, e.max_lora_rank, e.max_cpu_loras) == (True, 4, 8, 8)
+    assert [(m.name, m.path, m.base_model_name) for m in e.lora_modules] == [
+        ("a", "/ad/a", None), ("b", "/ad/b", None), ("c", "/ad/c", "base")]
+    assert args.server.allow_runtime_lora_updating
+    env = {"KVFLEET_ENABLE_LORA": "true", "KVFLEET_LORA_MODULES": '[{"name": "x", "path": "/p"}]'}
+    assert parse_serve_args([], environ=env).engine.lora_modules[0].name == "x"
+    assert not parse_serve_args([], environ={}).server.allow_runtime_lora_updating
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--enable-lora", "--lora-modules", "no-equals-sign"], environ={})
