@@ -152,3 +152,23 @@ def test_min_tokens_counts_as_a_ban_only_when_there_is_a_token_to_ban():
     logits = torch.tensor([[0.0, 1.0, 5.0, 0.5]])
     assert Sampler(torch.device("cpu"))(logits.clone(), [req(greedy(), eos=2)]).token_ids == [1]
     assert Sampler(torch.device("cpu"))(logits.clone(), [req(greedy(ignore_eos=True), eos=2)]).token_ids == [2]
+
+
+# ----------------------------------------------------------------------------- token controls
+def test_logit_bias_allowed_token_ids_and_bad_words_in_the_sampler():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0 + 1e-9, 1e-9, 1e-9, 1e-9, 1e-9]])).repeat(4, 1)
+    params = [
+        SamplingParams(temperature=0, logit_bias={0: -100}),
+        SamplingParams(temperature=0, logit_bias={5: 100}),
+        SamplingParams(temperature=0, allowed_token_ids=[2, 6]),
+        SamplingParams(temperature=0, bad_words_token_ids=[[0], [9, 1]]),
+    ]
+    reqs = [Request(str(i), [1], p) for i, p in enumerate(params)]
+    reqs[3].output_token_ids = [9]  # the output ends with the first token of [9, 1]: token 1 banned too
+    out = Sampler(torch.device("cpu"))(logits.clone(), reqs)
+    assert out.token_ids == [1, 5, 2, 2]
+    for bad in ({0: 101}, {-1: 1}, {0: math.inf}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
