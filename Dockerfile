@@ -119,7 +119,7 @@ CMD ["--model", "/opt/kvfleet/model", "--host", "0.0.0.0", "--port", "8000"]
 # operator: `kvfleet operator` (kopf). No torch, no CUDA.
 FROM python:${PYTHON_VERSION}-slim AS operator
 # The distributions `kvfleet operator` imports (kvfleet.operator and the torch-free parts of
-# kvfleet.runtime it uses: cli, config). tests/test_dockerfile.py checks this list against
+# kvfleet.runtime it uses: cli, config). tests/repo/test_dockerfile.py checks this list against
 # the operator's imports, and that `kvfleet operator --help` runs with nothing else.
 ARG OPERATOR_DEPS="kopf kubernetes pyyaml httpx prometheus-client pydantic urllib3"
 LABEL org.opencontainers.image.title="kvfleet-operator" \

@@ -1,7 +1,7 @@
 """Pure builders: an InferenceService dict in, its children (Kubernetes object dicts) out.
 
 No API calls, no clocks, no randomness: the same input gives the same output, so the
-children are tested exhaustively without a cluster (``tests/golden/``).
+children are tested exhaustively without a cluster (``tests/data/golden/``).
 :func:`desired_children` gives every child of InferenceService ``NAME`` (namespace ``NS``),
 each with a controller ownerReference to it and the labels of :func:`labels`:
 

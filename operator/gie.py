@@ -8,7 +8,7 @@ route to model-server pods through an endpoint picker (EPP) that reads each pod'
 naming the cluster's endpoint picker Service (``endpointPickerRef``); the runtime then also exports
 the vLLM metric names (``metrics_compat: vllm``, put into ``engine.extraArgs`` by :func:`with_pool_metrics`)
 that the GIE model-server protocol reads (``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``). tests/golden/ holds the published CRD the object is validated against.
+``vllm:kv_cache_usage_perc``). tests/data/golden/ holds the published CRD the object is validated against.
 """
 
 from __future__ import annotations
