@@ -150,7 +150,7 @@ def pod_changed(body: kopf.Body, namespace: str, memo: Any, logger: logging.Logg
 @kopf.on.probe(id="inferenceservices")
 def probe_reconciles(**_: Any) -> int:
     """Liveness probe payload: the number of InferenceServices this process has locked so far."""
-    return len(reconcile._locks)
+    return reconcile.locked_count()
 
 
 # The autoscaler's kopf handlers (its index, its loop's start-up and clean-up), registered

@@ -184,6 +184,12 @@ def lock_for(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
+def locked_count() -> int:
+    """How many InferenceServices this process has taken a reconcile lock for so far."""
+    with _locks_guard:
+        return len(_locks)
+
+
 def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) -> Outcome:
     """Bring the children and status of InferenceService ``namespace/name`` in line.
 

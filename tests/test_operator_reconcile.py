@@ -289,3 +289,11 @@ def test_the_operators_default_runtime_image_applies_where_the_spec_sets_none(ku
     assert images("smollm2") == {"registry.example/kvfleet-runtime:dev"}
     assert images("pinned") == {"registry.example/pinned:1"}
     assert "image" not in (emu.get(ISVC, NS, "smollm2")["spec"].get("runtime") or {})  # nothing written to the spec
+
+
+def test_one_lock_per_resource_and_the_count_the_probe_reports():
+    before = reconcile.locked_count()
+    a = reconcile.lock_for("ns-lock-test", "a")
+    assert reconcile.lock_for("ns-lock-test", "a") is a
+    assert reconcile.lock_for("ns-lock-test", "b") is not a
+    assert reconcile.locked_count() == before + 2
