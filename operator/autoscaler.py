@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import kopf
 
-from kvfleet.operator import builders, crd, policy, reconcile, router, tuning
+from kvfleet.operator import builders, crd, hpa, pod_metrics, policy, reconcile, router, tuning
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
 from kvfleet.operator.router_load import read_router_load
@@ -67,7 +67,7 @@ class ServiceState:
     when the operator pauses, and on restart)."""
 
     history: tuple[policy.Recommendation, ...] | None = None
-    previous: policy.MetricsAggregate | None = None
+    previous: pod_metrics.MetricsAggregate | None = None
     last_reason: str | None = None
     tuning_held: str | None = None
     """The last :func:`tuning.rollout_hold` reason (an Event when it changes to one that is not
@@ -194,7 +194,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
 
     now = time.time() if now is None else now
     pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, builders.selector_labels(isvc))
-    metrics: policy.MetricsAggregate | None
+    metrics: pod_metrics.MetricsAggregate | None
     try:
         metrics = await source.read(pods, now=now, previous=state.previous)
     except MetricsSourceError as e:
@@ -203,13 +203,13 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     if metrics is not None:
         state.previous = metrics
         new_metrics = {"failedPods": None, "notReadyPods": None, **metrics.to_status()}
-        if policy.metrics_changed((isvc.get("status") or {}).get("metrics"), new_metrics):
+        if pod_metrics.metrics_changed((isvc.get("status") or {}).get("metrics"), new_metrics):
             status_patch["metrics"] = new_metrics
 
     if mode == "operator":
         foreign = await asyncio.to_thread(reconcile.foreign_scalers, kube, isvc)
         if foreign:
-            message = policy.conflict_message(foreign, mode)
+            message = hpa.conflict_message(foreign, mode)
             patch = _condition_patch(isvc, "False", "ConflictingAutoscaler", message)
             if patch:
                 await _event(kube, isvc, "Warning", "ConflictingAutoscaler", message)

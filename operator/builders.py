@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, crd, policy
+from kvfleet.operator import adapters, crd, hpa
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import (
     MODELS_DIR,
@@ -503,7 +503,7 @@ def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def build_hpa(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The HorizontalPodAutoscaler (:func:`policy.build_hpa`'s spec) in mode ``hpa``, else None.
+    """The HorizontalPodAutoscaler (:func:`hpa.build_hpa`'s spec) in mode ``hpa``, else None.
 
     Raises:
         InvalidSpec: an invalid ``spec.autoscaling`` (reason ``InvalidAutoscaling``).
@@ -512,11 +512,11 @@ def build_hpa(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
     if spec["autoscaling"].get("mode") != "hpa":
         return None
     try:
-        hpa = policy.build_hpa({**isvc, "spec": spec})
+        built = hpa.build_hpa({**isvc, "spec": spec})
     except ValueError as e:
         raise InvalidSpec("InvalidAutoscaling", str(e)) from None
-    return {"apiVersion": hpa["apiVersion"], "kind": hpa["kind"], "metadata": _meta(isvc, names(isvc)["hpa"]),
-            "spec": hpa["spec"]}
+    return {"apiVersion": built["apiVersion"], "kind": built["kind"], "metadata": _meta(isvc, names(isvc)["hpa"]),
+            "spec": built["spec"]}
 
 
 def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import adapters, builders, crd, gie, policy, router
+from kvfleet.operator import adapters, builders, crd, gie, hpa, router
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
@@ -160,7 +160,7 @@ def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mappin
 
 def foreign_scalers(kube: Kube, isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The HPAs and KEDA ScaledObjects (not the operator's own HPA) that target the
-    InferenceService or its Deployment (:func:`policy.scalers_targeting`). A cluster without
+    InferenceService or its Deployment (:func:`hpa.scalers_targeting`). A cluster without
     KEDA (or without the right to list ScaledObjects) has none."""
     ns = isvc["metadata"].get("namespace") or "default"
     hpas = [h for h in kube.list_objects("HorizontalPodAutoscaler", ns) if not owned_by(h, isvc)]
@@ -170,7 +170,7 @@ def foreign_scalers(kube: Kube, isvc: Mapping[str, Any]) -> list[tuple[str, str]
         if e.status not in (403, 404):
             raise
         scaled = []
-    return policy.scalers_targeting(hpas, scaled, isvc["metadata"]["name"],
+    return hpa.scalers_targeting(hpas, scaled, isvc["metadata"]["name"],
                                     deployment=builders.names(isvc)["deployment"])
 
 
@@ -215,7 +215,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
         conflict = None
         if on_deployment:
             mode = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("mode") or "none"
-            conflict = policy.conflict_message(scalers, mode)
+            conflict = hpa.conflict_message(scalers, mode)
         try:
             desired = desired_objects(isvc, scaled_externally=on_deployment)
         except InvalidSpec as e:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvfleet.operator import builders, crd
-from kvfleet.operator.policy import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
+from kvfleet.operator.hpa import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,8 +25,8 @@ import pytest
 import yaml
 from support import free_port, prometheus_binary, serve_registry
 
+from kvfleet.operator.hpa import HPA_METRIC
 from kvfleet.operator.metrics_source import MetricsSourceError, PrometheusSource
-from kvfleet.operator.policy import HPA_METRIC
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.metrics import PrometheusStatLogger
 

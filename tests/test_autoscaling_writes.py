@@ -21,7 +21,7 @@ from test_autoscaling_daemon import (
     run,
 )
 
-from kvfleet.operator import autoscaler, policy, reconcile
+from kvfleet.operator import autoscaler, pod_metrics, reconcile
 
 cluster = test_autoscaling_daemon.cluster  # the emulator fixture
 
@@ -66,11 +66,11 @@ def test_an_idle_service_gets_no_status_writes(cluster):
 
 def test_metrics_changed_ignores_time_and_noise():
     old = {"time": "a", "podsRead": 1, "queueDepth": 0, "running": 0, "kvCacheUsage": 0.1, "preemptionRate": 0.0}
-    assert not policy.metrics_changed(old, {**old, "time": "b", "kvCacheUsage": 0.14, "preemptionRate": 0.005})
-    assert policy.metrics_changed(old, {**old, "kvCacheUsage": 0.2})
-    assert policy.metrics_changed(old, {**old, "queueDepth": 1})
-    assert policy.metrics_changed(old, {**old, "failedPods": ["p: timeout"]})
-    assert policy.metrics_changed(None, old) and not policy.metrics_changed(old, {**old, "preemptionRate": None})
+    assert not pod_metrics.metrics_changed(old, {**old, "time": "b", "kvCacheUsage": 0.14, "preemptionRate": 0.005})
+    assert pod_metrics.metrics_changed(old, {**old, "kvCacheUsage": 0.2})
+    assert pod_metrics.metrics_changed(old, {**old, "queueDepth": 1})
+    assert pod_metrics.metrics_changed(old, {**old, "failedPods": ["p: timeout"]})
+    assert pod_metrics.metrics_changed(None, old) and not pod_metrics.metrics_changed(old, {**old, "preemptionRate": None})
 
 
 def test_a_tuning_roll_waits_for_the_last_and_never_takes_the_only_pod_down(cluster):

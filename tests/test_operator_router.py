@@ -13,7 +13,7 @@ import pytest
 import yaml
 from test_operator_crd import admit, cel_errors
 
-from kvfleet.operator import builders, crd, gie, policy, reconcile, router
+from kvfleet.operator import builders, crd, gie, pod_metrics, policy, reconcile, router
 from kvfleet.operator.router_load import parse_router_load
 from kvfleet.operator.status import desired_status
 
@@ -160,7 +160,7 @@ def test_crd_rejects_bad_router_values():
 def test_policy_wakes_from_zero_on_pending_requests_at_once():
     cfg = policy.AutoscalingConfig.from_spec({"mode": "operator", "minReplicas": 0, "maxReplicas": 3,
                                               "scaleUp": {"stabilizationWindowSeconds": 600}})
-    empty = policy.aggregate(1000.0, [])
+    empty = pod_metrics.aggregate(1000.0, [])
     d = policy.decide_scale(cfg, now=1000.0, current=0, ready=0, metrics=empty,
                             router=policy.RouterLoad(pending=2, in_flight=0))
     assert (d.replicas, d.reason) == (1, "ScaledFromZero") and "2 request" in d.message
@@ -173,7 +173,7 @@ def test_policy_wakes_from_zero_on_pending_requests_at_once():
 def test_policy_never_scales_to_zero_with_requests_in_flight():
     cfg = policy.AutoscalingConfig.from_spec({"mode": "operator", "minReplicas": 0, "maxReplicas": 3,
                                               "scaleDown": {"stabilizationWindowSeconds": 0}})
-    metrics = policy.aggregate(1000.0, [policy.PodMetrics("p-1")])  # an idle replica
+    metrics = pod_metrics.aggregate(1000.0, [pod_metrics.PodMetrics("p-1")])  # an idle replica
     down = policy.decide_scale(cfg, now=1000.0, current=1, ready=1, metrics=metrics)
     assert (down.replicas, down.reason) == (0, "ScaledToZero")
     busy = policy.decide_scale(cfg, now=1000.0, current=1, ready=1, metrics=metrics,
