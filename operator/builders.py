@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, crd, hpa
+from kvfleet.operator import adapters, crd, crd_schema, hpa
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import (
     MODELS_DIR,
@@ -110,8 +110,8 @@ def effective_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
     spec["autoscaling"].setdefault("scaleDown", {})
     spec["autoscaling"].setdefault("metrics", {})
     spec["tuning"].setdefault("gpuMemoryUtilization", {})
-    spec = crd.apply_defaults(spec, crd.SPEC)
-    spec["runtime"].setdefault("image", crd.DEFAULT_IMAGE)
+    spec = crd.apply_defaults(spec, crd_schema.SPEC)
+    spec["runtime"].setdefault("image", crd_schema.DEFAULT_IMAGE)
     return spec
 
 

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import builders, crd
+from kvfleet.operator import builders, crd, crd_schema
 
 COMPONENT = "router"
 PORT = 8000
@@ -44,7 +44,7 @@ def router_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """``spec.router`` with the CRD's defaults applied (``{"enabled": False, ...}`` when absent)."""
     raw = dict(((isvc.get("spec") or {}).get("router")) or {})
     raw.setdefault("inferencePool", {})
-    return crd.apply_defaults(raw, crd.ROUTER)
+    return crd.apply_defaults(raw, crd_schema.ROUTER)
 
 
 def enabled(isvc: Mapping[str, Any]) -> bool:

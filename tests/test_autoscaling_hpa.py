@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator import builders, crd
+from kvfleet.operator import builders, crd, crd_schema
 from kvfleet.operator.hpa import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
@@ -121,4 +121,4 @@ def test_hpa_honours_the_kv_usage_target_and_min_replicas_zero_acts_as_one():
     targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
     assert targets == {HPA_METRIC: "2", HPA_KV_METRIC: "700m"}
     assert hpa["spec"]["minReplicas"] == 1
-    assert "acts as 1" in crd.AUTOSCALING["properties"]["minReplicas"]["description"]
+    assert "acts as 1" in crd_schema.AUTOSCALING["properties"]["minReplicas"]["description"]

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator import builders, crd, fetch, status, weights
+from kvfleet.operator import builders, crd, crd_schema, fetch, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 
@@ -164,7 +164,7 @@ def test_hf_model_is_fetched_by_an_init_container():
                     "--dest": "/models/HuggingFaceTB--SmolLM2-135M-Instruct@main",
                     "--timeout": "3600", "--retries": "3", "--allow-pattern": "*.jinja"}
     patterns = [b for a, b in zip(init["args"], init["args"][1:]) if a == "--allow-pattern"]
-    assert patterns == list(crd.DEFAULT_ALLOW_PATTERNS) and "*.safetensors" in patterns
+    assert patterns == list(crd_schema.DEFAULT_ALLOW_PATTERNS) and "*.safetensors" in patterns
     assert {"name": "models", "emptyDir": {}} in spec["volumes"]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
     config = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])

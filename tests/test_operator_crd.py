@@ -13,7 +13,7 @@ import pytest
 import yaml
 from celpy import celtypes
 
-from kvfleet.operator import crd
+from kvfleet.operator import crd, crd_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
@@ -76,14 +76,14 @@ def cel_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def schema_errors(obj: dict[str, Any]) -> list[str]:
-    validator = jsonschema.Draft4Validator(crd.OPENAPI_SCHEMA)
+    validator = jsonschema.Draft4Validator(crd_schema.OPENAPI_SCHEMA)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
 
 
 def admit(obj: dict[str, Any]) -> list[str]:
     """What the API server does on create: default, then OpenAPI schema, then CEL."""
     obj = crd.apply_defaults(obj)
-    return schema_errors(obj) + cel_errors(obj, crd.OPENAPI_SCHEMA)
+    return schema_errors(obj) + cel_errors(obj, crd_schema.OPENAPI_SCHEMA)
 
 
 # --------------------------------------------------------------------- the file
@@ -159,7 +159,7 @@ def _structural_violations(schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def test_schema_is_structural():
-    assert _structural_violations(crd.OPENAPI_SCHEMA) == []
+    assert _structural_violations(crd_schema.OPENAPI_SCHEMA) == []
 
 
 # --------------------------------------------------------------------- admission
@@ -202,7 +202,7 @@ BAD_BY_CEL_AND_SCHEMA = [
 @pytest.mark.parametrize("path,value,message", BAD_BY_CEL_AND_SCHEMA)
 def test_bad_values_are_rejected_by_cel_and_by_schema(path, value, message):
     obj = crd.apply_defaults(_with(path, value))
-    cel = cel_errors(obj, crd.OPENAPI_SCHEMA)
+    cel = cel_errors(obj, crd_schema.OPENAPI_SCHEMA)
     assert any(message in e for e in cel), cel
     assert schema_errors(obj), "the OpenAPI schema should reject it too"
 
@@ -264,7 +264,7 @@ def _all_rules(schema: dict[str, Any]) -> list[str]:
 
 
 def test_every_cel_rule_compiles_and_has_a_message():
-    rules = _all_rules(crd.OPENAPI_SCHEMA)
+    rules = _all_rules(crd_schema.OPENAPI_SCHEMA)
     assert len(rules) == 7  # uri scheme, blockSize, gpuMemoryUtilization, 2 autoscaling, tuning, disruption
     for rule in rules:
         _ENV.compile(rule)  # raises on a syntax error
@@ -274,4 +274,4 @@ def test_every_cel_rule_compiles_and_has_a_message():
         for sub in schema.get("properties", {}).values():
             out += messages(sub)
         return out
-    assert all(messages(crd.OPENAPI_SCHEMA))
+    assert all(messages(crd_schema.OPENAPI_SCHEMA))
