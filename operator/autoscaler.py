@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import kopf
 
-from kvfleet.operator import builders, crd, hpa, pod_metrics, policy, reconcile, router, tuning
+from kvfleet.operator import builders, crd, hpa, pod_metrics, policy, reconcile, router, service_spec, tuning
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
 from kvfleet.operator.router_load import read_router_load
@@ -93,7 +93,7 @@ async def _event(kube: Kube, body: Mapping[str, Any], type_: str, reason: str, m
         message = f"{message}; inputs {json.dumps(inputs, sort_keys=True, separators=(',', ':'))}"
     meta = body.get("metadata") or {}
     namespace = meta.get("namespace") or "default"
-    event = status_event(body, type_, reason, message, rfc3339(), builders.FIELD_MANAGER)
+    event = status_event(body, type_, reason, message, rfc3339(), service_spec.FIELD_MANAGER)
     try:
         await asyncio.to_thread(kube.create, event)
     except ApiError as e:
@@ -143,7 +143,7 @@ def needs_retire(body: Mapping[str, Any]) -> bool:
     it was switched while the operator was down): the loop visits it once more to set
     ``ScalingActive=False``, reason ``OperatorAutoscalerOff``."""
     try:
-        mode = builders.effective_spec(body)["autoscaling"].get("mode", "none")
+        mode = service_spec.effective_spec(body)["autoscaling"].get("mode", "none")
     except (TypeError, AttributeError, KeyError, ValueError):  # a malformed spec: the reconcile reports it
         return False
     return bool(_retire_patch(body, mode))
@@ -170,7 +170,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
     if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
         return DEFAULT_INTERVAL
-    spec = builders.effective_spec(isvc)
+    spec = service_spec.effective_spec(isvc)
     interval = interval_seconds(spec)
     auto, tuning_spec = spec["autoscaling"], spec["tuning"]
     mode = auto.get("mode", "none")
@@ -193,7 +193,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
         return interval
 
     now = time.time() if now is None else now
-    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, builders.selector_labels(isvc))
+    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, service_spec.selector_labels(isvc))
     metrics: pod_metrics.MetricsAggregate | None
     try:
         metrics = await source.read(pods, now=now, previous=state.previous)
@@ -254,7 +254,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     rollout = False
     if tconfig is not None:
         tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
-        deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, builders.names(isvc)["deployment"])
+        deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, service_spec.names(isvc)["deployment"])
         decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods,
                                hold=tuning.rollout_hold(deployment))
         if decision.state != tstate:

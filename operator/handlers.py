@@ -19,8 +19,8 @@ from typing import Any
 import kopf
 
 from kvfleet.operator import builders, crd, reconcile
-from kvfleet.operator.builders import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.kube import ApiError, Kube, make_kube
+from kvfleet.operator.service_spec import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
 
 DIFFBASE_PREFIX = "kvfleet.io"
 DIFFBASE_KEY = "last-handled-configuration"

@@ -20,7 +20,7 @@ import yaml
 from kube_emulator import ISVC, EmulatorThread
 from support import free_port
 
-from kvfleet.operator import autoscaler, builders, reconcile
+from kvfleet.operator import autoscaler, builders, reconcile, service_spec
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.metrics_source import METRICS_PORT_ANNOTATION
 from kvfleet.runtime.core.sched.output import SchedulerStats
@@ -115,7 +115,7 @@ def add_pod(kube, runtimes, name, runtime: Runtime | None, *, ready=True, termin
     port = runtime.port if runtime else free_port()
     if runtime:
         runtimes.append(runtime)
-    kube.create("v1/pods", {"metadata": {"name": name, "namespace": NS, "labels": builders.labels(isvc),
+    kube.create("v1/pods", {"metadata": {"name": name, "namespace": NS, "labels": service_spec.labels(isvc),
                                          "annotations": {METRICS_PORT_ANNOTATION: str(port)}},
                             "spec": {"containers": [{"name": "runtime", "image": "x"}]}})
     cs = {"name": "runtime", "ready": ready, "restartCount": 1 if terminated else 0}
@@ -298,7 +298,7 @@ def test_oom_restart_lowers_memory_utilisation_through_status_and_the_configmap(
     cm = yaml.safe_load(kube.get("v1/configmaps", NS, f"{NAME}-config")["data"]["config.yaml"])
     assert cm["gpu_memory_utilization"] == 0.85
     deploy = kube.get("apps/v1/deployments", NS, NAME)
-    assert deploy["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH] == \
+    assert deploy["spec"]["template"]["metadata"]["annotations"][service_spec.ANNOTATION_CONFIG_HASH] == \
         builders.content_hash(kube.get("v1/configmaps", NS, f"{NAME}-config")["data"])
     assert [e[1] for e in events] == ["GpuMemoryLowered"]
     # The same termination seen again: no second lowering.

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator import builders, crd, crd_schema
+from kvfleet.operator import builders, crd, crd_schema, service_spec
 from kvfleet.operator.hpa import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
@@ -49,8 +49,8 @@ def test_hpa_validates_and_targets_the_scale_subresource():
     assert hpa["spec"]["behavior"] == {"scaleUp": {"stabilizationWindowSeconds": 0},
                                        "scaleDown": {"stabilizationWindowSeconds": 120}}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
-    assert hpa["metadata"]["ownerReferences"] == [builders.owner_reference(obj)]
-    assert hpa["metadata"]["labels"] == builders.labels(obj)
+    assert hpa["metadata"]["ownerReferences"] == [service_spec.owner_reference(obj)]
+    assert hpa["metadata"]["labels"] == service_spec.labels(obj)
     assert hpa["metadata"]["namespace"] == "default"
 
 

@@ -78,11 +78,11 @@ def test_names_in_the_doc_are_what_helm_install_kvfleet_creates(helm_bin):
 
 
 def test_label_used_to_list_children_is_set_by_the_operator():
-    from kvfleet.operator import builders
+    from kvfleet.operator import service_spec
 
     (label,) = set(re.findall(r"-l ([\w./-]+)=smollm2", text()))
     isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
-    assert builders.labels(isvc)[label] == "smollm2"
+    assert service_spec.labels(isvc)[label] == "smollm2"
 
 
 def _served_model_name(isvc: dict) -> str:

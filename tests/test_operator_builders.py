@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfleet.operator import builders, crd, crd_schema, fetch, status, weights
+from kvfleet.operator import builders, crd, crd_schema, fetch, service_spec, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 
@@ -430,7 +430,7 @@ def test_each_revision_has_its_own_cache_dir_and_deadline_covers_the_download():
     deploy = by_kind(builders.desired_children(isvc))["Deployment"]
     budget = fetch.budget_seconds(1000, 4)
     assert budget == 4000 + 10 + 20 + 40
-    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + builders.startup_seconds(builders.effective_spec(isvc))
+    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + weights.startup_seconds(service_spec.effective_spec(isvc))
     pvc = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/m"})))["Deployment"]
     assert pvc["spec"]["progressDeadlineSeconds"] == weights.DEFAULT_STARTUP_SECONDS + 600
 

@@ -20,7 +20,7 @@ import yaml
 from kube_emulator import ISVC, EmulatorThread
 from support import free_port
 
-from kvfleet.operator import builders
+from kvfleet.operator import builders, service_spec
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def mark_available(emu: EmulatorThread, name: str) -> None:
 
 
 def config_hash(deploy: dict) -> str:
-    return deploy["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    return deploy["spec"]["template"]["metadata"]["annotations"][service_spec.ANNOTATION_CONFIG_HASH]
 
 
 def test_health_endpoint(cluster):

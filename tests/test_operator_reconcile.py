@@ -10,7 +10,7 @@ import pytest
 import yaml
 from kube_emulator import ISVC, EmulatorThread
 
-from kvfleet.operator import builders, reconcile
+from kvfleet.operator import builders, reconcile, service_spec
 from kvfleet.operator.kube import ApiError, Kube
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_block_size_change_rolls_config_and_hash(kube_env):
     cm = emu.get("v1/configmaps", NS, "smollm2-config")
     assert yaml.safe_load(cm["data"]["config.yaml"])["block_size"] == 32
     after = emu.get("apps/v1/deployments", NS, "smollm2")
-    h = lambda d: d["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    h = lambda d: d["spec"]["template"]["metadata"]["annotations"][service_spec.ANNOTATION_CONFIG_HASH]
     assert h(after) != h(before) and h(after) == builders.content_hash(cm["data"])
 
 
@@ -170,7 +170,7 @@ def test_ready_when_deployment_available_for_current_generation(kube_env):
     assert ready["status"] == "True" and ready["observedGeneration"] == isvc["metadata"]["generation"]
     assert isvc["status"]["readyReplicas"] == 2
     scale = emu.get(ISVC, NS, "smollm2", "scale")
-    assert scale["status"] == {"replicas": 2, "selector": builders.selector_string(isvc)}
+    assert scale["status"] == {"replicas": 2, "selector": service_spec.selector_string(isvc)}
 
 
 def test_gone_or_deleting_resource_is_not_touched(kube_env):
