@@ -189,17 +189,7 @@ def decide_scale(
     """
     horizon = now - max(config.scale_up_window, config.scale_down_window)
     history = tuple(r for r in history if r.time >= horizon)
-    inputs: dict[str, Any] = {"current": current, "ready": ready}
-    if metrics is not None:
-        kv = metrics.kv_cache_usage
-        inputs.update(
-            queueDepth=status_number(metrics.queue_depth),
-            running=status_number(metrics.running),
-            kvCacheUsage=None if kv is None else round(kv, 3),
-            podsRead=len(metrics.pods),
-            podsFailed=len(metrics.failed),
-            podsNotReady=len(metrics.not_ready),
-        )
+    inputs = _inputs(current, ready, metrics)
 
     def hold(reason: str, message: str, target: int | None = None) -> ScaleDecision:
         return ScaleDecision(current if target is None else target, current, reason, message, None, history, inputs)
@@ -237,20 +227,49 @@ def decide_scale(
     inputs.update(recommendation=rec, basis=why, bounded=bounded)
     history = history + (Recommendation(now, bounded),)
 
-    # HPA stabilizeRecommendationWithBehaviors: up = min over the up window, down = max over
-    # the down window; the result is the current count clamped into [up, down].
-    up = min((r.replicas for r in history if r.time > now - config.scale_up_window), default=bounded)
-    down = max((r.replicas for r in history if r.time > now - config.scale_down_window), default=bounded)
-    up, down = min(up, bounded), max(down, bounded)
-    stabilized = min(max(current, up), down)
-    # Bounds beat stabilization (a lowered maxReplicas acts at once).
-    stabilized = min(max(stabilized, config.min_replicas), config.max_replicas)
+    stabilized = _stabilized(config, history, now=now, current=current, bounded=bounded)
     if stabilized == 0 and current > 0 and router is not None and router.busy:
         inputs.update(stabilized=stabilized)
         return hold("RequestsInFlight", f"holding {current} replicas: the router has {status_number(router.pending)} "
                     f"request(s) pending and {status_number(router.in_flight)} in flight; not scaling to 0")
     inputs.update(stabilized=stabilized)
+    return _act(config, current=current, ready=ready, stabilized=stabilized, bounded=bounded, why=why,
+                metrics=metrics, history=history, inputs=inputs)
 
+
+def _inputs(current: int, ready: int, metrics: MetricsAggregate | None) -> dict[str, Any]:
+    """The decision's ``inputs`` (its Event's numbers), before the recommendation."""
+    inputs: dict[str, Any] = {"current": current, "ready": ready}
+    if metrics is not None:
+        kv = metrics.kv_cache_usage
+        inputs.update(
+            queueDepth=status_number(metrics.queue_depth),
+            running=status_number(metrics.running),
+            kvCacheUsage=None if kv is None else round(kv, 3),
+            podsRead=len(metrics.pods),
+            podsFailed=len(metrics.failed),
+            podsNotReady=len(metrics.not_ready),
+        )
+    return inputs
+
+
+def _stabilized(config: AutoscalingConfig, history: Sequence[Recommendation], *, now: float, current: int,
+                bounded: int) -> int:
+    """HPA stabilizeRecommendationWithBehaviors: up = min over the up window, down = max over
+    the down window; the result is the current count clamped into [up, down], then into the
+    bounds (bounds beat stabilization: a lowered maxReplicas acts at once)."""
+    up = min((r.replicas for r in history if r.time > now - config.scale_up_window), default=bounded)
+    down = max((r.replicas for r in history if r.time > now - config.scale_down_window), default=bounded)
+    up, down = min(up, bounded), max(down, bounded)
+    stabilized = min(max(current, up), down)
+    return min(max(stabilized, config.min_replicas), config.max_replicas)
+
+
+def _act(config: AutoscalingConfig, *, current: int, ready: int, stabilized: int, bounded: int, why: str,
+         metrics: MetricsAggregate | None, history: tuple[Recommendation, ...],
+         inputs: dict[str, Any]) -> ScaleDecision:
+    """The decision for a ``stabilized`` count: scale up (rate-limited, not while the last
+    scale-up's pods are starting), scale down, or hold (saying which window holds it)."""
     if stabilized > current:
         limit = max(2 * current, current + 4)
         target = min(stabilized, limit)
