@@ -121,14 +121,31 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefixes = tuple(prefixes)
         if not self.prefixes:
             raise ValueError("prefixes must not be empty")
-        labels = ["model_name"]
+        self._make_step_series()
+        self._make_request_series()
+        self.histogram_prompt_tokens: _Fanout | None = None
+        self.histogram_generation_tokens: _Fanout | None = None
+        self.histogram_max_tokens: _Fanout | None = None
+        self.max_model_len: int | None = None
+        self.cache_config_info: dict | None = None
+        if max_model_len is not None:
+            self._make_token_histograms(max_model_len)
+        self.max_lora: str | None = None
+        self._lora_info: list[Gauge] = []
+        self._lora_requests: Counter | None = None
 
-        def fan(cls, name: str, doc: str, **kw) -> _Fanout:
-            return _Fanout(
-                [cls(p + name, doc, labelnames=labels, registry=self.registry, **kw).labels(model_name)
-                 for p in self.prefixes]
-            )
+    def _fan(self, cls, name: str, doc: str, **kw) -> _Fanout:
+        """One series ``name`` per prefix, labelled with the model name, updated together."""
+        return _Fanout(
+            [
+                cls(p + name, doc, labelnames=["model_name"], registry=self.registry, **kw).labels(self.model_name)
+                for p in self.prefixes
+            ]
+        )
 
+    def _make_step_series(self) -> None:
+        """The per-step gauges and counters (scheduler state, tokens, prefix cache, KV usage)."""
+        fan = self._fan
         self.gauge_running = fan(Gauge, "num_requests_running", "Number of requests in model execution batches.")
         self.gauge_waiting = fan(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
         self.gauge_kv_cache_usage = fan(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -141,11 +158,34 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prefix_cache_hits = fan(
             Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        vllm_only = [p for p in self.prefixes if p == VLLM_PREFIX]
+        # Gateway API Inference Extension's endpoint picker reads v0's name by default.
+        self.gauge_gpu_cache_usage = _Fanout(
+            [
+                Gauge(
+                    p + "gpu_cache_usage_perc",
+                    "GPU KV-cache usage. 1 means 100 percent usage.",
+                    labelnames=["model_name"],
+                    registry=self.registry,
+                ).labels(self.model_name)
+                for p in vllm_only
+            ]
+        )
+        self.histogram_iteration_tokens = fan(
+            Histogram,
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )
+
+    def _make_request_series(self) -> None:
+        """The per-request series: finished requests by reason, latencies, phase times, ``n``."""
+        fan = self._fan
         self._request_success = [
             Counter(
                 p + "request_success",
                 "Count of successfully processed requests.",
-                labelnames=labels + ["finished_reason"],
+                labelnames=["model_name", "finished_reason"],
                 registry=self.registry,
             )
             for p in self.prefixes
@@ -184,39 +224,9 @@ class PrometheusStatLogger(StatLoggerBase):
             )
             for phase in ("prefill", "decode", "inference")
         }
-        self.histogram_iteration_tokens = fan(
-            Histogram,
-            "iteration_tokens_total",
-            "Histogram of number of tokens per engine_step.",
-            buckets=ITERATION_TOKENS_BUCKETS,
-        )
         self.histogram_n = fan(
             Histogram, "request_params_n", "Histogram of the n request parameter.", buckets=N_BUCKETS
         )
-        vllm_only = [p for p in self.prefixes if p == VLLM_PREFIX]
-        # Gateway API Inference Extension's endpoint picker reads v0's name by default.
-        self.gauge_gpu_cache_usage = _Fanout(
-            [
-                Gauge(
-                    p + "gpu_cache_usage_perc",
-                    "GPU KV-cache usage. 1 means 100 percent usage.",
-                    labelnames=labels,
-                    registry=self.registry,
-                ).labels(model_name)
-                for p in vllm_only
-            ]
-        )
-        self._fan = fan
-        self.histogram_prompt_tokens: _Fanout | None = None
-        self.histogram_generation_tokens: _Fanout | None = None
-        self.histogram_max_tokens: _Fanout | None = None
-        self.max_model_len: int | None = None
-        self.cache_config_info: dict | None = None
-        if max_model_len is not None:
-            self._make_token_histograms(max_model_len)
-        self.max_lora: str | None = None
-        self._lora_info: list[Gauge] = []
-        self._lora_requests: Counter | None = None
 
     def log_lora_config(self, lora_info: dict[str, str]) -> None:
         """Create the LoRA series (``lora_info``: ``{"max_lora": "4"}``; empty: LoRA off, nothing made)."""
