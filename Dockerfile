@@ -78,7 +78,7 @@ LABEL org.opencontainers.image.title="kvfleet-runtime" \
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
-# The uid the operator runs runtime pods as (kvfleet.operator.builders.RUNTIME_UID).
+# The uid the operator runs runtime pods as (kvfleet.operator.service_spec.RUNTIME_UID).
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && (groupdel ubuntu 2>/dev/null || true) \
  && groupadd --gid 1000 kvfleet \

@@ -118,8 +118,11 @@ class LLM:
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             rid = f"llm-{next(self._ids)}"
-            prepared.append(engine.prepare_request(rid, prompt, params, priority=0 if priority is None else priority[i],
-                                                   lora_name=loras[i]))  # fmt: skip
+            prepared.append(
+                engine.prepare_request(
+                    rid, prompt, params, priority=0 if priority is None else priority[i], lora_name=loras[i]
+                )
+            )
         order = [p.state.request_id for p in prepared]
         added: list[str] = []
         final: dict[str, RequestOutput] = {}

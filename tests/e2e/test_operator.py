@@ -14,7 +14,7 @@ import yaml
 from support.kube_emulator import ISVC, EmulatorThread
 from support.operator_process import OperatorProcess, condition, manifest, running_operator
 
-from kvfleet.operator import builders
+from kvfleet.operator import builders, service_spec
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def mark_available(emu: EmulatorThread, name: str) -> None:
 
 
 def config_hash(deploy: dict) -> str:
-    return deploy["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    return deploy["spec"]["template"]["metadata"]["annotations"][service_spec.ANNOTATION_CONFIG_HASH]
 
 
 def test_health_endpoint(cluster):

@@ -518,12 +518,12 @@ def test_operator_args_parse_with_the_operators_own_parser(helm_bin, name):
 def test_chart_app_version_is_the_package_version_and_the_default_runtime_tag():
     import tomllib
 
-    from kvfleet.operator import crd
+    from kvfleet.operator import crd_schema
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert chart["appVersion"] == project["version"]
-    assert crd.DEFAULT_IMAGE.rsplit(":", 1)[1] == chart["appVersion"]
+    assert crd_schema.DEFAULT_IMAGE.rsplit(":", 1)[1] == chart["appVersion"]
 
 
 def test_runtime_image_value_is_the_operators_default_runtime_image(helm_bin):
@@ -531,9 +531,9 @@ def test_runtime_image_value_is_the_operators_default_runtime_image(helm_bin):
         (c,) = one(render(helm_bin, *args), "Deployment")["spec"]["template"]["spec"]["containers"]
         return {e["name"]: e.get("value") for e in c["env"]}["KVFLEET_RUNTIME_IMAGE"]
 
-    from kvfleet.operator import crd
+    from kvfleet.operator import crd_schema
 
-    assert env() == crd.DEFAULT_IMAGE  # the chart's appVersion: the same image the CRD documents
+    assert env() == crd_schema.DEFAULT_IMAGE  # the chart's appVersion: the same image the CRD documents
     assert env("--set", "runtimeImage.repository=registry.example/kvfleet-runtime",
                "--set", "runtimeImage.tag=dev") == "registry.example/kvfleet-runtime:dev"
     digest = "sha256:" + "a" * 64

@@ -34,7 +34,7 @@ def test_named_files_exist():
 
 
 def test_hpa_snippet_matches_the_adapter_rule_and_the_operator():
-    from kvfleet.operator import policy
+    from kvfleet.operator import hpa as hpa_mode
 
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text(), flags=re.S)]
     (hpa,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "HorizontalPodAutoscaler"]
@@ -45,9 +45,9 @@ def test_hpa_snippet_matches_the_adapter_rule_and_the_operator():
     assert ref["kind"] == c["spec"]["names"]["kind"]
     rules = yaml.safe_load((CHART / "files" / "prometheus-adapter-rules.yaml").read_text())["rules"]
     assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [r["name"]["as"] for r in rules] == [
-        policy.HPA_METRIC, policy.HPA_KV_METRIC]
+        hpa_mode.HPA_METRIC, hpa_mode.HPA_KV_METRIC]
     # Same shape as the HPA the operator builds in mode hpa.
-    built = policy.build_hpa({"metadata": {"name": ref["name"], "namespace": "default"},
+    built = hpa_mode.build_hpa({"metadata": {"name": ref["name"], "namespace": "default"},
                               "spec": {"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4,
                                                        "targetQueueDepth": 4}}})
     assert built["spec"]["metrics"] == hpa["spec"]["metrics"]
@@ -77,11 +77,11 @@ def test_names_in_the_doc_are_what_helm_install_kvfleet_creates(helm_bin):
 
 
 def test_label_used_to_list_children_is_set_by_the_operator():
-    from kvfleet.operator import builders
+    from kvfleet.operator import service_spec
 
     (label,) = set(re.findall(r"-l ([\w./-]+)=smollm2", text()))
     isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
-    assert builders.labels(isvc)[label] == "smollm2"
+    assert service_spec.labels(isvc)[label] == "smollm2"
 
 
 def _served_model_name(isvc: dict) -> str:

@@ -172,10 +172,10 @@ def test_runtime_image():
     # The default torch is the one the project is tested with (.ci/setup pins it).
     assert f"torch=={build_args['TORCH_VERSION']}" in (ROOT / ".ci" / "setup").read_text()
     # Non-root, and the uid the operator runs runtime pods as.
-    from kvfleet.operator import builders
+    from kvfleet.operator import service_spec
 
     user = effective("runtime", "USER").value[0]
-    assert user.split(":")[0] == str(builders.RUNTIME_UID) != "0"
+    assert user.split(":")[0] == str(service_spec.RUNTIME_UID) != "0"
     # HEALTHCHECK on /health.
     health = effective("runtime", "HEALTHCHECK")
     assert "/health'" in health.original or '/health"' in health.original

@@ -14,7 +14,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 
-from kvfleet.operator import autoscaler, builders, reconcile
+from kvfleet.operator import autoscale_step, reconcile, service_spec
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.metrics_source import METRICS_PORT_ANNOTATION
 from kvfleet.runtime.core.sched.output import SchedulerStats
@@ -111,7 +111,7 @@ def add_pod(kube, runtimes, name, runtime: Runtime | None, *, ready=True, termin
     port = runtime.port if runtime else free_port()
     if runtime:
         runtimes.append(runtime)
-    kube.create("v1/pods", {"metadata": {"name": name, "namespace": NS, "labels": builders.labels(isvc),
+    kube.create("v1/pods", {"metadata": {"name": name, "namespace": NS, "labels": service_spec.labels(isvc),
                                          "annotations": {METRICS_PORT_ANNOTATION: str(port)}},
                             "spec": {"containers": [{"name": "runtime", "image": "x"}]}})
     cs = {"name": "runtime", "ready": ready, "restartCount": 1 if terminated else 0}
@@ -133,7 +133,7 @@ def rolled_out(kube, name=NAME) -> None:
 
 
 def run(client, state, now=T0):
-    return asyncio.run(autoscaler.step(client, NS, NAME, state, log, now=now))
+    return asyncio.run(autoscale_step.step(client, NS, NAME, state, log, now=now))
 
 
 def condition(kube, type_="ScalingActive"):

@@ -10,7 +10,7 @@ import celpy
 import jsonschema
 from celpy import celtypes
 
-from kvfleet.operator import crd
+from kvfleet.operator import crd, crd_schema
 
 
 def to_cel(value: Any, schema: dict[str, Any]) -> Any:
@@ -62,11 +62,11 @@ def cel_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def schema_errors(obj: dict[str, Any]) -> list[str]:
-    validator = jsonschema.Draft4Validator(crd.OPENAPI_SCHEMA)
+    validator = jsonschema.Draft4Validator(crd_schema.OPENAPI_SCHEMA)
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
 
 
 def admit(obj: dict[str, Any]) -> list[str]:
     """What the API server does on create: default, then OpenAPI schema, then CEL."""
     obj = crd.apply_defaults(obj)
-    return schema_errors(obj) + cel_errors(obj, crd.OPENAPI_SCHEMA)
+    return schema_errors(obj) + cel_errors(obj, crd_schema.OPENAPI_SCHEMA)

@@ -29,7 +29,7 @@ from support.autoscaler_cluster import (
 )
 from support.kube_emulator import ISVC
 
-from kvfleet.operator import autoscaler, builders, reconcile
+from kvfleet.operator import autoscale_step, autoscaler, builders, peering, reconcile, service_spec
 
 cluster = autoscaler_cluster.cluster  # the emulator fixture
 
@@ -40,7 +40,7 @@ def test_scales_through_the_scale_subresource(cluster):
     create_isvc(kube, client, autoscaling=OPERATOR)
     add_pod(kube, runtimes, "p0", Runtime(waiting=5))
     add_pod(kube, runtimes, "p1", None, ready=False)  # starting: not read, not a failure
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     before = kube.writes()
     run(client, state)
     obj = kube.get(ISVC, NS, NAME)
@@ -64,7 +64,7 @@ def test_scale_up_waits_for_starting_pods_and_down_for_the_window(cluster):
     rt = Runtime(waiting=20)
     add_pod(kube, runtimes, "p0", rt)
     add_pod(kube, runtimes, "p1", None, ready=False)
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     run(client, state)
     assert kube.get(ISVC, NS, NAME)["spec"]["replicas"] == 2  # p1 still starting
     assert any(e[1] == "PodsStarting" for e in events)
@@ -82,7 +82,7 @@ def test_failed_scrapes_hold_and_say_so(cluster):
                                            "scaleDown": {"stabilizationWindowSeconds": 0}}, replicas=2)
     add_pod(kube, runtimes, "p0", None)  # ready, but nothing listens on its port
     add_pod(kube, runtimes, "p1", None)
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     for i in range(3):
         run(client, state, now=T0 + i * 400)
     obj = kube.get(ISVC, NS, NAME)
@@ -104,7 +104,7 @@ def test_a_foreign_hpa_stops_the_operator_autoscaler(cluster):
                  "minReplicas": 1, "maxReplicas": 3,
                  "metrics": [{"type": "Pods", "pods": {"metric": {"name": "x"},
                                                        "target": {"type": "AverageValue", "averageValue": "1"}}}]}})
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     run(client, state)
     run(client, state, now=T0 + 1)
     assert kube.get(ISVC, NS, NAME)["spec"]["replicas"] == 1
@@ -119,17 +119,17 @@ def test_a_foreign_hpa_stops_the_operator_autoscaler(cluster):
 
 
 def test_only_autoscaled_or_tuned_services_or_stale_conditions_are_indexed():
-    assert autoscaler.wants_autoscaler({"autoscaling": {"mode": "operator"}})
-    assert autoscaler.wants_autoscaler({"autoscaling": {"mode": "none"}, "tuning": {"enabled": True}})
-    assert not autoscaler.wants_autoscaler({"autoscaling": {"mode": "hpa"}})
-    assert not autoscaler.wants_autoscaler({"model": {"uri": "file:///m"}})
+    assert autoscale_step.wants_autoscaler({"autoscaling": {"mode": "operator"}})
+    assert autoscale_step.wants_autoscaler({"autoscaling": {"mode": "none"}, "tuning": {"enabled": True}})
+    assert not autoscale_step.wants_autoscaler({"autoscaling": {"mode": "hpa"}})
+    assert not autoscale_step.wants_autoscaler({"model": {"uri": "file:///m"}})
 
     def body(spec, conditions=None, deleting=False):
         meta = {"name": NAME, "namespace": NS, **({"deletionTimestamp": "2027-01-01T00:00:00Z"} if deleting else {})}
         return {"metadata": meta, "spec": spec, "status": {"conditions": conditions or []}}
 
     def tracked(b):
-        return autoscaler.tracked(spec=b["spec"], body=b)
+        return autoscale_step.tracked(spec=b["spec"], body=b)
 
     assert tracked(body({"autoscaling": {"mode": "operator"}}))
     assert not tracked(body({"autoscaling": {"mode": "operator"}}, deleting=True))
@@ -138,7 +138,7 @@ def test_only_autoscaled_or_tuned_services_or_stale_conditions_are_indexed():
     active = {"type": "ScalingActive", "status": "True", "reason": "OperatorAutoscaler", "message": "scaling"}
     assert tracked(body({"autoscaling": {"mode": "none"}}, [active]))
     # ... until the condition says it is off.
-    off = autoscaler._retire_patch(body({"autoscaling": {"mode": "hpa"}}, [active]), "hpa")["conditions"]
+    off = autoscale_step._retire_patch(body({"autoscaling": {"mode": "hpa"}}, [active]), "hpa")["conditions"]
     assert not tracked(body({"autoscaling": {"mode": "hpa"}}, off))
     assert tracked(body({"autoscaling": {"mode": "none"}}, off))  # the message names the mode
 
@@ -147,21 +147,21 @@ def test_switching_to_hpa_then_none_retires_the_condition_then_writes_nothing(cl
     kube, client, events, runtimes = cluster
     create_isvc(kube, client, autoscaling=OPERATOR)
     add_pod(kube, runtimes, "p0", Runtime(waiting=0))
-    run(client, autoscaler.ServiceState())
+    run(client, autoscale_step.ServiceState())
     assert condition(kube)["status"] == "True"
     # mode hpa: the HPA child appears, the operator's autoscaler says it is off.
     kube.patch(ISVC, NS, NAME, {"spec": {"autoscaling": {"mode": "hpa"}}})
     reconcile.reconcile(client, NS, NAME)
     hpa = kube.get("autoscaling/v2/horizontalpodautoscalers", NS, NAME)
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceService"
-    run(client, autoscaler.ServiceState())
+    run(client, autoscale_step.ServiceState())
     cond = condition(kube)
     assert (cond["status"], cond["reason"]) == ("False", "OperatorAutoscalerOff") and NAME in cond["message"]
     # mode none: the reconcile prunes the HPA; after one update of the condition, silence.
     kube.patch(ISVC, NS, NAME, {"spec": {"autoscaling": {"mode": "none"}}})
     reconcile.reconcile(client, NS, NAME)
     assert kube.get("autoscaling/v2/horizontalpodautoscalers", NS, NAME) is None
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     run(client, state)
     assert "mode is none" in condition(kube)["message"]
     before = kube.writes()
@@ -178,18 +178,18 @@ def test_oom_restart_lowers_memory_utilisation_through_status_and_the_configmap(
     assert yaml.safe_load(cm_before)["gpu_memory_utilization"] == 0.9
     add_pod(kube, runtimes, "p0", Runtime(waiting=0), terminated={
         "reason": "OOMKilled", "exitCode": 137, "finishedAt": "2027-01-15T08:00:00Z"})
-    run(client, autoscaler.ServiceState(), now=T0)
+    run(client, autoscale_step.ServiceState(), now=T0)
     obj = kube.get(ISVC, NS, NAME)
     assert obj["status"]["engine"]["gpuMemoryUtilization"] == 0.85
     assert obj["spec"]["engine"]["gpuMemoryUtilization"] == 0.9  # the user's spec is not rewritten
     cm = yaml.safe_load(kube.get("v1/configmaps", NS, f"{NAME}-config")["data"]["config.yaml"])
     assert cm["gpu_memory_utilization"] == 0.85
     deploy = kube.get("apps/v1/deployments", NS, NAME)
-    assert deploy["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH] == \
+    assert deploy["spec"]["template"]["metadata"]["annotations"][service_spec.ANNOTATION_CONFIG_HASH] == \
         builders.content_hash(kube.get("v1/configmaps", NS, f"{NAME}-config")["data"])
     assert [e[1] for e in events] == ["GpuMemoryLowered"]
     # The same termination seen again: no second lowering.
-    run(client, autoscaler.ServiceState(), now=T0 + 30)
+    run(client, autoscale_step.ServiceState(), now=T0 + 30)
     assert kube.get(ISVC, NS, NAME)["status"]["engine"]["gpuMemoryUtilization"] == 0.85
 
 
@@ -199,7 +199,7 @@ def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster
                 engine={"blockSize": 16, "maxNumSeqs": 4})
     add_pod(kube, runtimes, "p0", long_sequences())
     rolled_out(kube)
-    run(client, autoscaler.ServiceState(), now=T0)
+    run(client, autoscale_step.ServiceState(), now=T0)
     obj = kube.get(ISVC, NS, NAME)
     assert obj["status"]["engine"]["blockSize"] == 64  # mean 2000 tokens / 16 = 125 -> 64
     assert obj["spec"]["engine"]["blockSize"] == 16
@@ -215,11 +215,11 @@ def test_long_sequences_choose_a_larger_block_size_through_the_configmap(cluster
 
 def reindex(kube) -> dict:
     """What kopf's index ``autoscaler`` holds for the emulator's objects: the same filter
-    (autoscaler.tracked) and the same index function as the registered handler."""
+    (autoscale_step.tracked) and the same index function as the registered handler."""
     out = {}
     for obj in kube.list(ISVC, NS):
         meta = obj["metadata"]
-        if autoscaler.tracked(spec=obj.get("spec") or {}, body=obj):
+        if autoscale_step.tracked(spec=obj.get("spec") or {}, body=obj):
             out.update(autoscaler.autoscaled_index(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"]))
     return out
 
@@ -252,7 +252,7 @@ def peer(priority: int, seconds_ago: float = 0.0, lifetime: int = 60) -> dict:
 
 @pytest.fixture
 def fast(monkeypatch):
-    monkeypatch.setenv(autoscaler.INTERVAL_ENV, "0.1")
+    monkeypatch.setenv(autoscale_step.INTERVAL_ENV, "0.1")
 
 
 def test_the_loop_scales_each_service_and_one_failure_stops_no_other(cluster, fast, caplog):
@@ -357,34 +357,34 @@ def test_peers_ahead_follows_kopfs_rule():
     now = datetime.datetime.now(datetime.UTC)
     status = {"me": peer(100), "high": peer(200), "low": peer(50), "dead": peer(900, seconds_ago=61),
               "twin": peer(100), "fresh": {"priority": 300}}  # no lastseen yet: alive
-    assert autoscaler.peers_ahead(status, identity="me", priority=100, now=now) == ["fresh", "high", "twin"]
+    assert peering.peers_ahead(status, identity="me", priority=100, now=now) == ["fresh", "high", "twin"]
     # Sharded operators (label selectors) do not pause for the same priority.
-    assert autoscaler.peers_ahead(status, identity="me", priority=100, now=now,
+    assert peering.peers_ahead(status, identity="me", priority=100, now=now,
                                   same_priority_pauses=False) == ["fresh", "high"]
     # Unknown identity: an entry of the same priority may be this operator itself.
-    assert autoscaler.peers_ahead(status, identity=None, priority=100, now=now) == ["fresh", "high"]
-    assert autoscaler.peers_ahead({"me": peer(1)}, identity="me", priority=1, now=now) == []
-    assert autoscaler.peers_ahead(None, identity="me", priority=1, now=now) == []
+    assert peering.peers_ahead(status, identity=None, priority=100, now=now) == ["fresh", "high"]
+    assert peering.peers_ahead({"me": peer(1)}, identity="me", priority=1, now=now) == []
+    assert peering.peers_ahead(None, identity="me", priority=1, now=now) == []
 
 
 def test_pause_reason_reads_the_peering_object_like_kopf(cluster):
     kube, client, events, runtimes = cluster
-    assert autoscaler.pause_reason(client, settings(standalone=True), "me", [NS]) is None
+    assert peering.pause_reason(client, settings(standalone=True), "me", [NS]) is None
     # Mandatory peering (--peering NAME) without the object: kopf waits, so does the loop.
-    assert "does not exist" in autoscaler.pause_reason(client, settings(), "me", [NS])
-    assert autoscaler.pause_reason(client, settings(mandatory=False), "me", [NS]) is None
+    assert "does not exist" in peering.pause_reason(client, settings(), "me", [NS])
+    assert peering.pause_reason(client, settings(mandatory=False), "me", [NS]) is None
     kube.create("kopf.dev/v1/clusterkopfpeerings", {
         "apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvfleet-operator"},
         "status": {"me": peer(100), "low": peer(10)}})
-    assert autoscaler.pause_reason(client, settings(), "me", [NS]) is None
+    assert peering.pause_reason(client, settings(), "me", [NS]) is None
     # A namespaced operator reads the KopfPeering of the namespaces it works in.
     namespaced = settings()
     namespaced.peering.clusterwide = False
-    assert "KopfPeering llm/kvfleet-operator does not exist" in autoscaler.pause_reason(client, namespaced, "me", [NS])
+    assert "KopfPeering llm/kvfleet-operator does not exist" in peering.pause_reason(client, namespaced, "me", [NS])
     kube.create("kopf.dev/v1/kopfpeerings", {
         "apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "kvfleet-operator", "namespace": NS},
         "status": {"me": peer(100), "boss": peer(101)}})
-    assert "boss" in autoscaler.pause_reason(client, namespaced, "me", [NS])
+    assert "boss" in peering.pause_reason(client, namespaced, "me", [NS])
 
 
 def test_no_kopf_handler_of_the_operator_needs_a_finalizer():
@@ -401,14 +401,14 @@ def test_no_kopf_handler_of_the_operator_needs_a_finalizer():
 
 def test_the_peering_object_is_read_once_per_ttl_not_once_per_object(monkeypatch):
     calls = []
-    monkeypatch.setattr(autoscaler, "pause_reason", lambda *a: calls.append(a) and None)
+    monkeypatch.setattr(peering, "pause_reason", lambda *a: calls.append(a) and None)
     seen = []
 
     async def fake_step(kube, namespace, name, state, logger, now=None):
         seen.append(name)
         return 60.0
 
-    monkeypatch.setattr(autoscaler, "step", fake_step)
+    monkeypatch.setattr(autoscale_step, "step", fake_step)
     index = {(NS, f"s{i}"): "uid" for i in range(5)}
 
     async def main():

@@ -21,7 +21,7 @@ from support.autoscaler_cluster import (
 )
 from support.kube_emulator import ISVC
 
-from kvfleet.operator import autoscaler, policy, reconcile
+from kvfleet.operator import autoscale_step, pod_metrics, reconcile
 
 cluster = autoscaler_cluster.cluster  # the emulator fixture
 
@@ -32,7 +32,7 @@ def test_a_keda_scaled_object_on_the_deployment_stops_the_operator_autoscaler(cl
     kube.create("keda.sh/v1alpha1/scaledobjects", {
         "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": {"name": "keda-so", "namespace": NS},
         "spec": {"scaleTargetRef": {"name": NAME}, "triggers": [{"type": "cpu"}]}})  # kind defaults to Deployment
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     run(client, state)
     assert kube.get(ISVC, NS, NAME)["spec"]["replicas"] == 1
     cond = condition(kube)
@@ -50,7 +50,7 @@ def test_an_idle_service_gets_no_status_writes(cluster):
     rt = Runtime(waiting=0)
     rt.set(waiting=0, kv=0.0)
     add_pod(kube, runtimes, "p0", rt)
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     run(client, state, now=T0)
     first = kube.get(ISVC, NS, NAME)["status"]["metrics"]
     mark = len(kube.writes())
@@ -66,11 +66,11 @@ def test_an_idle_service_gets_no_status_writes(cluster):
 
 def test_metrics_changed_ignores_time_and_noise():
     old = {"time": "a", "podsRead": 1, "queueDepth": 0, "running": 0, "kvCacheUsage": 0.1, "preemptionRate": 0.0}
-    assert not policy.metrics_changed(old, {**old, "time": "b", "kvCacheUsage": 0.14, "preemptionRate": 0.005})
-    assert policy.metrics_changed(old, {**old, "kvCacheUsage": 0.2})
-    assert policy.metrics_changed(old, {**old, "queueDepth": 1})
-    assert policy.metrics_changed(old, {**old, "failedPods": ["p: timeout"]})
-    assert policy.metrics_changed(None, old) and not policy.metrics_changed(old, {**old, "preemptionRate": None})
+    assert not pod_metrics.metrics_changed(old, {**old, "time": "b", "kvCacheUsage": 0.14, "preemptionRate": 0.005})
+    assert pod_metrics.metrics_changed(old, {**old, "kvCacheUsage": 0.2})
+    assert pod_metrics.metrics_changed(old, {**old, "queueDepth": 1})
+    assert pod_metrics.metrics_changed(old, {**old, "failedPods": ["p: timeout"]})
+    assert pod_metrics.metrics_changed(None, old) and not pod_metrics.metrics_changed(old, {**old, "preemptionRate": None})
 
 
 def test_a_tuning_roll_waits_for_the_last_and_never_takes_the_only_pod_down(cluster):
@@ -80,7 +80,7 @@ def test_a_tuning_roll_waits_for_the_last_and_never_takes_the_only_pod_down(clus
     kube.patch(ISVC, NS, NAME, {"spec": {"rollout": {"strategy": "ResourceAware"}}})  # maxSurge 0, 1 replica
     reconcile.reconcile(client, NS, NAME)
     add_pod(kube, runtimes, "p0", long_sequences())
-    state = autoscaler.ServiceState()
+    state = autoscale_step.ServiceState()
     run(client, state, now=T0)                        # the Deployment has not rolled out: wait, quietly
     assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {}) and list(events) == []
     rolled_out(kube)
@@ -107,16 +107,16 @@ def test_a_deployment_scaler_in_mode_none_is_reported_once_and_cleared_once(clus
                  "minReplicas": 1, "maxReplicas": 3}})
     reconcile.reconcile(client, NS, NAME)
     assert condition(kube)["reason"] == "ConflictingAutoscaler"
-    assert autoscaler.tracked(kube.get(ISVC, NS, NAME)["spec"], kube.get(ISVC, NS, NAME)) is False
+    assert autoscale_step.tracked(kube.get(ISVC, NS, NAME)["spec"], kube.get(ISVC, NS, NAME)) is False
     mark = len(kube.writes())
     for t in range(3):
-        run(client, autoscaler.ServiceState(), now=T0 + t)
+        run(client, autoscale_step.ServiceState(), now=T0 + t)
         reconcile.reconcile(client, NS, NAME)
     assert len(kube.writes()) == mark
     kube.delete("autoscaling/v2/horizontalpodautoscalers", NS, "hpa")
     reconcile.reconcile(client, NS, NAME)
     assert condition(kube)["reason"] == "OperatorAutoscalerOff"
     mark = len(kube.writes())
-    assert not autoscaler.needs_retire(kube.get(ISVC, NS, NAME))
-    run(client, autoscaler.ServiceState(), now=T0 + 5)
+    assert not autoscale_step.needs_retire(kube.get(ISVC, NS, NAME))
+    run(client, autoscale_step.ServiceState(), now=T0 + 5)
     assert not reconcile.reconcile(client, NS, NAME).wrote and len(kube.writes()) == mark

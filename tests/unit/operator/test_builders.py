@@ -17,7 +17,7 @@ import pytest
 import yaml
 from support.paths import GOLDEN, ROOT
 
-from kvfleet.operator import builders, crd, fetch, status, weights
+from kvfleet.operator import builders, crd, crd_schema, fetch, service_spec, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 
@@ -163,7 +163,7 @@ def test_hf_model_is_fetched_by_an_init_container():
                     "--dest": "/models/HuggingFaceTB--SmolLM2-135M-Instruct@main",
                     "--timeout": "3600", "--retries": "3", "--allow-pattern": "*.jinja"}
     patterns = [b for a, b in zip(init["args"], init["args"][1:]) if a == "--allow-pattern"]
-    assert patterns == list(crd.DEFAULT_ALLOW_PATTERNS) and "*.safetensors" in patterns
+    assert patterns == list(crd_schema.DEFAULT_ALLOW_PATTERNS) and "*.safetensors" in patterns
     assert {"name": "models", "emptyDir": {}} in spec["volumes"]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
     config = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])
@@ -429,7 +429,7 @@ def test_each_revision_has_its_own_cache_dir_and_deadline_covers_the_download():
     deploy = by_kind(builders.desired_children(isvc))["Deployment"]
     budget = fetch.budget_seconds(1000, 4)
     assert budget == 4000 + 10 + 20 + 40
-    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + builders.startup_seconds(builders.effective_spec(isvc))
+    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + weights.startup_seconds(service_spec.effective_spec(isvc))
     pvc = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/m"})))["Deployment"]
     assert pvc["spec"]["progressDeadlineSeconds"] == weights.DEFAULT_STARTUP_SECONDS + 600
 

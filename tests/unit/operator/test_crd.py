@@ -12,7 +12,7 @@ import yaml
 from support.crd_admission import CEL_ENV, admit, cel_errors, schema_errors
 from support.paths import ROOT
 
-from kvfleet.operator import crd
+from kvfleet.operator import crd, crd_schema
 
 EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
 K8S_VERSION = "1.30.0"
@@ -95,7 +95,7 @@ def _structural_violations(schema: dict[str, Any], path: str = "") -> list[str]:
 
 
 def test_schema_is_structural():
-    assert _structural_violations(crd.OPENAPI_SCHEMA) == []
+    assert _structural_violations(crd_schema.OPENAPI_SCHEMA) == []
 
 
 # --------------------------------------------------------------------- admission
@@ -138,7 +138,7 @@ BAD_BY_CEL_AND_SCHEMA = [
 @pytest.mark.parametrize("path,value,message", BAD_BY_CEL_AND_SCHEMA)
 def test_bad_values_are_rejected_by_cel_and_by_schema(path, value, message):
     obj = crd.apply_defaults(_with(path, value))
-    cel = cel_errors(obj, crd.OPENAPI_SCHEMA)
+    cel = cel_errors(obj, crd_schema.OPENAPI_SCHEMA)
     assert any(message in e for e in cel), cel
     assert schema_errors(obj), "the OpenAPI schema should reject it too"
 
@@ -200,7 +200,7 @@ def _all_rules(schema: dict[str, Any]) -> list[str]:
 
 
 def test_every_cel_rule_compiles_and_has_a_message():
-    rules = _all_rules(crd.OPENAPI_SCHEMA)
+    rules = _all_rules(crd_schema.OPENAPI_SCHEMA)
     assert len(rules) == 7  # uri scheme, blockSize, gpuMemoryUtilization, 2 autoscaling, tuning, disruption
     for rule in rules:
         CEL_ENV.compile(rule)  # raises on a syntax error
@@ -210,4 +210,4 @@ def test_every_cel_rule_compiles_and_has_a_message():
         for sub in schema.get("properties", {}).values():
             out += messages(sub)
         return out
-    assert all(messages(crd.OPENAPI_SCHEMA))
+    assert all(messages(crd_schema.OPENAPI_SCHEMA))

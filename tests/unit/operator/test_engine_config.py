@@ -10,7 +10,7 @@ import pytest
 import yaml
 from support.paths import ROOT
 
-from kvfleet.operator import builders
+from kvfleet.operator import builders, service_spec
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings, parse_serve_args
@@ -61,13 +61,13 @@ def runtime_pod(**extra) -> dict:
 def test_pod_drains_within_its_grace_period():
     """preStop sleep first (endpoints go), then the runtime's drain bounded by shutdown_timeout,
     all inside terminationGracePeriodSeconds; the default matches `kvfleet serve`'s own."""
-    assert builders.DEFAULT_SHUTDOWN_TIMEOUT == ServerSettings.model_fields["shutdown_timeout"].default
+    assert service_spec.DEFAULT_SHUTDOWN_TIMEOUT == ServerSettings.model_fields["shutdown_timeout"].default
     pod = runtime_pod()
     (c,) = pod["containers"]
-    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", str(builders.PRESTOP_SECONDS)]}}
-    assert pod["terminationGracePeriodSeconds"] == builders.PRESTOP_SECONDS + 30 + builders.SHUTDOWN_MARGIN_SECONDS
+    assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", str(service_spec.PRESTOP_SECONDS)]}}
+    assert pod["terminationGracePeriodSeconds"] == service_spec.PRESTOP_SECONDS + 30 + service_spec.SHUTDOWN_MARGIN_SECONDS
     assert runtime_pod(shutdown_timeout=120)["terminationGracePeriodSeconds"] == (
-        builders.PRESTOP_SECONDS + 120 + builders.SHUTDOWN_MARGIN_SECONDS)
+        service_spec.PRESTOP_SECONDS + 120 + service_spec.SHUTDOWN_MARGIN_SECONDS)
     with pytest.raises(InvalidSpec):
         runtime_pod(shutdown_timeout="soon")
 

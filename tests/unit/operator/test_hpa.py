@@ -12,8 +12,8 @@ import pytest
 import yaml
 from support.paths import ROOT
 
-from kvfleet.operator import builders, crd
-from kvfleet.operator.policy import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
+from kvfleet.operator import builders, crd, crd_schema, service_spec
+from kvfleet.operator.hpa import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
 K8S_VERSION = "1.33"
@@ -48,8 +48,8 @@ def test_hpa_validates_and_targets_the_scale_subresource():
     assert hpa["spec"]["behavior"] == {"scaleUp": {"stabilizationWindowSeconds": 0},
                                        "scaleDown": {"stabilizationWindowSeconds": 120}}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
-    assert hpa["metadata"]["ownerReferences"] == [builders.owner_reference(obj)]
-    assert hpa["metadata"]["labels"] == builders.labels(obj)
+    assert hpa["metadata"]["ownerReferences"] == [service_spec.owner_reference(obj)]
+    assert hpa["metadata"]["labels"] == service_spec.labels(obj)
     assert hpa["metadata"]["namespace"] == "default"
 
 
@@ -120,4 +120,4 @@ def test_hpa_honours_the_kv_usage_target_and_min_replicas_zero_acts_as_one():
     targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
     assert targets == {HPA_METRIC: "2", HPA_KV_METRIC: "700m"}
     assert hpa["spec"]["minReplicas"] == 1
-    assert "acts as 1" in crd.AUTOSCALING["properties"]["minReplicas"]["description"]
+    assert "acts as 1" in crd_schema.AUTOSCALING["properties"]["minReplicas"]["description"]

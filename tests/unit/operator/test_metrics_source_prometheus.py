@@ -26,8 +26,8 @@ from support.paths import ROOT
 from support.prometheus import prometheus_binary, serve_registry
 from support.serve import free_port
 
+from kvfleet.operator.hpa import HPA_METRIC
 from kvfleet.operator.metrics_source import MetricsSourceError, PrometheusSource
-from kvfleet.operator.policy import HPA_METRIC
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.metrics import PrometheusStatLogger
 

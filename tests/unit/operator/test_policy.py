@@ -7,16 +7,8 @@ import math
 
 import pytest
 
-from kvfleet.operator.policy import (
-    AutoscalingConfig,
-    MetricsAggregate,
-    PodMetrics,
-    Recommendation,
-    aggregate,
-    counter_increase,
-    decide_scale,
-    raw_recommendation,
-)
+from kvfleet.operator.pod_metrics import MetricsAggregate, PodMetrics, aggregate, counter_increase
+from kvfleet.operator.policy import AutoscalingConfig, Recommendation, decide_scale, raw_recommendation
 
 
 def cfg(**kw) -> AutoscalingConfig:

@@ -9,7 +9,7 @@ import yaml
 from support.kube_emulator import ISVC, EmulatorThread
 from support.paths import ROOT
 
-from kvfleet.operator import builders, reconcile
+from kvfleet.operator import builders, reconcile, service_spec
 from kvfleet.operator.kube import ApiError, Kube
 
 NS = "default"
@@ -94,7 +94,7 @@ def test_block_size_change_rolls_config_and_hash(kube_env):
     cm = emu.get("v1/configmaps", NS, "smollm2-config")
     assert yaml.safe_load(cm["data"]["config.yaml"])["block_size"] == 32
     after = emu.get("apps/v1/deployments", NS, "smollm2")
-    h = lambda d: d["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_CONFIG_HASH]
+    h = lambda d: d["spec"]["template"]["metadata"]["annotations"][service_spec.ANNOTATION_CONFIG_HASH]
     assert h(after) != h(before) and h(after) == builders.content_hash(cm["data"])
 
 
@@ -168,7 +168,7 @@ def test_ready_when_deployment_available_for_current_generation(kube_env):
     assert ready["status"] == "True" and ready["observedGeneration"] == isvc["metadata"]["generation"]
     assert isvc["status"]["readyReplicas"] == 2
     scale = emu.get(ISVC, NS, "smollm2", "scale")
-    assert scale["status"] == {"replicas": 2, "selector": builders.selector_string(isvc)}
+    assert scale["status"] == {"replicas": 2, "selector": service_spec.selector_string(isvc)}
 
 
 def test_gone_or_deleting_resource_is_not_touched(kube_env):
@@ -287,3 +287,11 @@ def test_the_operators_default_runtime_image_applies_where_the_spec_sets_none(ku
     assert images("smollm2") == {"registry.example/kvfleet-runtime:dev"}
     assert images("pinned") == {"registry.example/pinned:1"}
     assert "image" not in (emu.get(ISVC, NS, "smollm2")["spec"].get("runtime") or {})  # nothing written to the spec
+
+
+def test_one_lock_per_resource_and_the_count_the_probe_reports():
+    before = reconcile.locked_count()
+    a = reconcile.lock_for("ns-lock-test", "a")
+    assert reconcile.lock_for("ns-lock-test", "a") is a
+    assert reconcile.lock_for("ns-lock-test", "b") is not a
+    assert reconcile.locked_count() == before + 2

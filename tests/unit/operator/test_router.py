@@ -13,7 +13,7 @@ import yaml
 from support.crd_admission import admit, cel_errors
 from support.paths import GOLDEN
 
-from kvfleet.operator import builders, crd, gie, policy, reconcile, router
+from kvfleet.operator import crd, gie, pod_metrics, policy, reconcile, router, service_spec
 from kvfleet.operator.router_load import parse_router_load
 from kvfleet.operator.status import desired_status
 
@@ -63,11 +63,11 @@ def test_router_deployment_watches_the_runtime_service_and_is_not_selected_by_it
     args = c["args"]
     assert c["command"] == ["kvfleet"] and args[0] == "router"
     flags = dict(zip(args[1::2], args[2::2]))
-    assert flags["--kube-service"] == builders.names(obj)["service"] == "chat"
+    assert flags["--kube-service"] == service_spec.names(obj)["service"] == "chat"
     assert flags["--routing-algorithm"] == "least-load"
     assert flags["--pending-timeout"] == "900" and flags["--max-pending"] == "64" and flags["--port"] == "8000"
-    assert c["image"] == builders.effective_spec(obj)["runtime"]["image"]
-    runtime_selector = builders.selector_labels(obj)
+    assert c["image"] == service_spec.effective_spec(obj)["runtime"]["image"]
+    runtime_selector = service_spec.selector_labels(obj)
     router_labels = kids["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert not all(router_labels.get(k) == v for k, v in runtime_selector.items())  # runtime Service skips it
     assert kids["Service"]["spec"]["selector"] == router.selector_labels(obj)
@@ -131,7 +131,7 @@ def test_inference_pool_validates_against_the_published_crd():
                                          "endpointPickerRef": {"name": "vllm-epp", "failureMode": "FailOpen"}}})
     pool = gie.build_inference_pool(obj)
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
-    assert pool["spec"]["selector"]["matchLabels"] == builders.selector_labels(obj)
+    assert pool["spec"]["selector"]["matchLabels"] == service_spec.selector_labels(obj)
     assert pool["spec"]["targetPorts"] == [{"number": 8000}]
     assert pool["spec"]["endpointPickerRef"] == {"name": "vllm-epp", "port": {"number": 9002}, "failureMode": "FailOpen"}
     assert _gie_errors(pool) == []
@@ -159,7 +159,7 @@ def test_crd_rejects_bad_router_values():
 def test_policy_wakes_from_zero_on_pending_requests_at_once():
     cfg = policy.AutoscalingConfig.from_spec({"mode": "operator", "minReplicas": 0, "maxReplicas": 3,
                                               "scaleUp": {"stabilizationWindowSeconds": 600}})
-    empty = policy.aggregate(1000.0, [])
+    empty = pod_metrics.aggregate(1000.0, [])
     d = policy.decide_scale(cfg, now=1000.0, current=0, ready=0, metrics=empty,
                             router=policy.RouterLoad(pending=2, in_flight=0))
     assert (d.replicas, d.reason) == (1, "ScaledFromZero") and "2 request" in d.message
@@ -172,7 +172,7 @@ def test_policy_wakes_from_zero_on_pending_requests_at_once():
 def test_policy_never_scales_to_zero_with_requests_in_flight():
     cfg = policy.AutoscalingConfig.from_spec({"mode": "operator", "minReplicas": 0, "maxReplicas": 3,
                                               "scaleDown": {"stabilizationWindowSeconds": 0}})
-    metrics = policy.aggregate(1000.0, [policy.PodMetrics("p-1")])  # an idle replica
+    metrics = pod_metrics.aggregate(1000.0, [pod_metrics.PodMetrics("p-1")])  # an idle replica
     down = policy.decide_scale(cfg, now=1000.0, current=1, ready=1, metrics=metrics)
     assert (down.replicas, down.reason) == (0, "ScaledToZero")
     busy = policy.decide_scale(cfg, now=1000.0, current=1, ready=1, metrics=metrics,

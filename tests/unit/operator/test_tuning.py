@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.operator.policy import MetricsAggregate, PodMetrics, aggregate
+from kvfleet.operator.pod_metrics import MetricsAggregate, PodMetrics, aggregate
 from kvfleet.operator.times import rfc3339
 from kvfleet.operator.tuning import TuningConfig, TuningState, choose_block_size, oom_restarts, rollout_hold, tune
 
