@@ -13,9 +13,10 @@ alive, and the tensors must not move or be resized while it is used); :meth:`Fus
 runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``D`` head size,
 ``I`` MLP width, ``V`` vocabulary):
 
-- :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``int8`` (``w [N, K]`` int8, ``scale [N]``)
-  or ``int4`` (``w [N, K/2]`` uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`,
-  ``scale``/``shift [N, K/G]``); ``bias [N]`` float32 or None.
+- :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``bf16`` (``w [N, K]`` bfloat16, widened to
+  float32 in registers), ``int8`` (``w [N, K]`` int8, ``scale [N]``) or ``int4`` (``w [N, K/2]``
+  uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``);
+  ``bias [N]`` float32 or None.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
   caches ``[num_blocks, block_size, KVH, D]`` float32.
@@ -42,7 +43,7 @@ processes loses at most this much per step."""
 
 PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
 """The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
-_FORMATS = {"fp32": 0, "int8": 1, "int4": 2}
+_FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -84,14 +85,14 @@ class Linear:
         """ValueError unless this is a valid ``[n, k]`` layer in its format."""
         if self.fmt not in _FORMATS:
             raise ValueError(f"{name}: unknown format {self.fmt!r}")
-        dtype = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8}[self.fmt]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.fmt]
         if self.w.dtype != dtype or not self.w.is_contiguous() or self.w.device.type != "cpu":
             raise ValueError(f"{name}: weight must be a contiguous CPU {dtype} tensor, got {self.w.dtype}")
         if self.shape != (n, k):
             raise ValueError(f"{name}: weight is {self.shape}, expected {(n, k)}")
         if k % (32 if self.fmt == "int4" else 8):
             raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
-        wanted = {"fp32": {}, "int8": {"scale": (n,)},
+        wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)},
                   "int4": {"scale": (n, k // max(self.group, 1)), "shift": (n, k // max(self.group, 1))}}[self.fmt]
         if self.fmt == "int4" and (self.group % 32 or k % self.group):
             raise ValueError(f"{name}: int4 group size {self.group} must be a multiple of 32 dividing {k}")

@@ -1,6 +1,6 @@
-"""Weight-only quantized linear layers on x86-64 CPUs with AVX2 + FMA: int8 (per output channel)
-and int4 (groupwise, asymmetric), as the custom ops ``kvfleet::woq_int8_linear`` and
-``kvfleet::woq_int4_linear``.
+"""Weight-only linear layers on x86-64 CPUs with AVX2 + FMA: int8 (per output channel), int4
+(groupwise, asymmetric) and bf16 weights, as the custom ops ``kvfleet::woq_int8_linear``,
+``kvfleet::woq_int4_linear`` and ``kvfleet::woq_bf16_linear``.
 
 Why our own kernel: torch's CPU kernels for weight-only int8/int4 (``aten._weight_int8pack_mm``,
 ``aten._weight_int4pack_mm_for_cpu``, ``torch._int_mm``) are vectorised for AVX-512; on an AVX2
@@ -23,6 +23,14 @@ Shapes and dtypes (the ops check them and raise ``ValueError``):
 
 - ``int8_linear(x [..., K] float, qdata [N, K] int8, scale [N] float32, bias [N] | None)``
   -> ``[..., N]`` in ``x.dtype``: ``x @ (qdata * scale[:, None]).T + bias``.
+- ``bf16_linear(x [..., K] float, w [N, K] bfloat16, bias [N] | None)`` -> ``[..., N]`` in
+  ``x.dtype``: ``x @ w.float().T + bias`` (bf16 weights, float32 arithmetic). A step of up to
+  :data:`KERNEL_ROWS` rows runs the C kernel (each bf16 weight widened exactly in registers);
+  a larger one (prefill) runs torch's matmul, the way :func:`bf16_path` names: ``native_bf16``
+  (``F.linear`` on bf16 activations, oneDNN's AVX512-BF16 / AMX kernels; the activations and
+  each output, before the float32 bias, are rounded to bf16) where the CPU multiplies bf16
+  natively, else ``fp32`` (the weight widened into this thread's :func:`dequant_scratch`,
+  torch's fp32 matmul).
 - ``int4_linear(x [..., K], packed [N, K/2] uint8, scale [N, K/G], shift [N, K/G], G, bias)``
   -> ``x @ W.T + bias`` with ``W[n, k] = q[n, k] * scale[n, k//G] + shift[n, k//G]``,
   ``q = unpack_int4(packed)`` in 0..15, ``G`` a multiple of 32 dividing ``K``.
@@ -35,6 +43,7 @@ order than a BLAS matmul, so results match ``x @ W.T`` to float32 rounding, not 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -46,6 +55,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from kvfleet.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +72,11 @@ waking a sleeping OpenMP thread costs more than a small layer takes on one core.
 of the default model, 2 rounds: 2^16 (every layer on both threads) 17.0 / 14.7 tok/s, 2^19
 (q/k/v/o on one) 17.4 / 16.0, 2^20 (all but the LM head on one) 14.7 / 12.4: within this
 machine's noise, so the default stays."""
+
+KERNEL_ROWS = 32
+"""Rows (tokens) up to which :func:`bf16_linear` runs the C kernel; above, torch's matmul
+(:func:`bf16_path`). The int8 layers' threshold (``woq_linear.MAX_KERNEL_ROWS``), measured for bf16
+too (docs/performance.md, "bf16 weights")."""
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -133,7 +149,9 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
         lib.kv_woq_int4_dequant.argtypes = [p, i64, i64, p, p, i64, p]
         lib.kv_woq_set_parallel_min.argtypes = [i64]
         lib.kv_woq_set_parallel_min(int(os.environ.get(PARALLEL_MIN_ENV, "") or PARALLEL_MIN_WEIGHTS))
+        lib.kv_woq_bf16_linear.argtypes = [p, i64, i64, i64, p, i64, p, p]
         lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = lib.kv_woq_int4_dequant.restype = None
+        lib.kv_woq_bf16_linear.restype = None
         lib.kv_pool_start.argtypes, lib.kv_pool_start.restype = [i64, i64], i64
         lib.kv_decode_profile.argtypes, lib.kv_decode_profile.restype = [p], None
         lib.kv_decode.argtypes, lib.kv_decode.restype = [p, i64, p, p, p, p, p, i64, p, p, p], i64
@@ -238,8 +256,84 @@ def _int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shi
     return _as_input(y, x)
 
 
+_scratch = threading.local()
+
+
+def dequant_scratch(rows: int, cols: int) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` view of this thread's dequantization buffer (grown, never
+    shrunk; the largest layer's weight). One buffer for every layer: a fresh ``torch.empty`` of
+    a whole weight per layer per prefill came from new pages (mmap-sized allocations), and
+    faulting them in cost more than the dequantization (the first token of a 128-token int4
+    prompt: 0.70 s with fresh tensors, 0.45 s with the buffer; docs/performance.md). Overwritten
+    by the next layer: the caller uses it before the next call.
+
+    Made with inference mode off, so it can be written in and out of inference mode."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _scratch.buf = torch.empty(rows * cols, dtype=torch.float32)
+    return buf[: rows * cols].view(rows, cols)
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    return cpu_features.detect().native_bf16
+
+
+def bf16_path(rows: int, native_bf16: bool | None = None) -> str:
+    """How :func:`bf16_linear` runs a step of ``rows`` rows: ``kernel`` (the C kernel, up to
+    :data:`KERNEL_ROWS` rows: decode, bound by reading weights), else ``native_bf16`` when the CPU
+    multiplies bf16 natively (``native_bf16``; None: this machine's
+    :attr:`~kvfleet.kernels.cpu_features.CpuFeatures.native_bf16`, read once), else ``fp32``."""
+    if rows <= KERNEL_ROWS:
+        return "kernel"
+    if native_bf16 is None:
+        native_bf16 = _native_bf16()
+    return "native_bf16" if native_bf16 else "fp32"
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+    """``x @ w.float().T + bias`` for bf16 ``w [N, K]`` (see the module docstring); ``x`` [..., K].
+    ``path`` forces one of :func:`bf16_path`'s answers (tests, benchmarks). Under ``torch.compile``
+    the opaque op ``kvfleet::woq_bf16_linear``; eagerly a plain call."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvfleet.woq_bf16_linear(x, w, bias)
+    N, K = w.shape
+    _check(x, w, torch.bfloat16, K, N, bias)
+    return bf16_linear_unchecked(x, w, bias, path)
+
+
+def bf16_linear_unchecked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                          path: str | None = None) -> torch.Tensor:
+    """:func:`bf16_linear` without the argument checks or the op dispatch (see
+    :func:`int8_linear_unchecked`)."""
+    N, K = w.shape
+    rows = x.numel() // K if K else 0
+    path = path or bf16_path(rows)
+    if path == "native_bf16":
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), w).float()
+        return _as_input(y if bias is None else y.add_(bias), x)
+    if path == "fp32":
+        y = torch.nn.functional.linear(x.float(), dequant_scratch(N, K).copy_(w), bias)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    x2 = _rows(x)
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    if x2.shape[0]:
+        _lib_or_raise().kv_woq_bf16_linear(x2.data_ptr(), x2.shape[0], K, K, w.data_ptr(), N, _ptr(bias),
+                                          y.data_ptr())
+    return _as_input(y, x)
+
+
+def _bf16_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return bf16_linear(x, w, bias)
+
+
 def _int8_fake(x, qdata, scale, bias):
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
+def _bf16_fake(x, w, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def _int4_fake(x, packed, scale, shift, group_size, bias):
@@ -248,6 +342,7 @@ def _int4_fake(x, packed, scale, shift, group_size, bias):
 
 torch.library.custom_op("kvfleet::woq_int8_linear", _int8_linear, mutates_args=()).register_fake(_int8_fake)
 torch.library.custom_op("kvfleet::woq_int4_linear", _int4_linear, mutates_args=()).register_fake(_int4_fake)
+torch.library.custom_op("kvfleet::woq_bf16_linear", _bf16_op, mutates_args=()).register_fake(_bf16_fake)
 
 
 def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,

@@ -42,6 +42,50 @@ def test_int8_and_int4_match_float64(rows, shape):
     assert (got.double() - ref4).abs().max() < 1e-6 * K ** 0.5 * ref4.abs().max().item() + 1e-6
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_weights_match_float64(rows, shape):
+    """The C kernel (and, above KERNEL_ROWS, the fp32 matmul on the widened weight) computes
+    x @ w.T exactly up to float32 rounding: widening bf16 to float32 is exact."""
+    gen = torch.Generator().manual_seed(rows * 7 + shape[1])
+    N, K = shape
+    x = torch.randn(rows, K, generator=gen)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(N, generator=gen)
+    ref = x.double() @ w.double().T + bias.double()
+    tol = 1e-6 * K ** 0.5 * ref.abs().max().item() + 1e-6
+    for path in ("kernel", "fp32", None):
+        got = cpu_woq.bf16_linear(x, w, bias, path=path)
+        assert got.dtype == torch.float32 and got.shape == (rows, N)
+        assert (got.double() - ref).abs().max() < tol, path
+    assert (cpu_woq.bf16_linear(x, w, None).double() - ref + bias.double()).abs().max() < tol
+
+
+def test_bf16_native_path_rounds_activations_and_products():
+    """The prefill path of CPUs with native bf16 (forced here: on a CPU without it oneDNN emulates
+    bf16, slowly but with the same rounding): x rounded to bf16, products summed in float32, the
+    sum rounded to bf16 (oneDNN's output dtype), then the float32 bias added."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, bias = torch.randn(40, 576, generator=gen), torch.randn(192, 576, generator=gen).bfloat16(), torch.randn(192)
+    got = cpu_woq.bf16_linear(x, w, bias, path="native_bf16")
+    assert got.dtype == torch.float32
+    exact_x = x.bfloat16().double() @ w.double().T
+    assert ((got.double() - bias.double() - exact_x).abs() <= 2 ** -8 * exact_x.abs() + 1e-4).all()
+    ref = x.double() @ w.double().T + bias.double()
+    rel = (got.double() - ref).norm() / ref.norm()
+    assert 1e-4 < rel < 1e-2  # the rounding shows (~2^-9 relative), and no more
+
+
+def test_bf16_path_choice():
+    rows = cpu_woq.KERNEL_ROWS
+    assert cpu_woq.bf16_path(1, native_bf16=True) == cpu_woq.bf16_path(rows, native_bf16=False) == "kernel"
+    assert cpu_woq.bf16_path(rows + 1, native_bf16=True) == "native_bf16"
+    assert cpu_woq.bf16_path(rows + 1, native_bf16=False) == "fp32"
+    from kvfleet.kernels import cpu_features
+
+    assert cpu_woq.bf16_path(512) == ("native_bf16" if cpu_features.detect().native_bf16 else "fp32")
+
+
 def test_bf16_activations_and_leading_dims():
     x = torch.randn(2, 3, 64).bfloat16()
     q8 = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
@@ -83,6 +127,10 @@ def test_bad_arguments_raise_value_errors():
         cpu_woq.int8_linear(x, q8, s8, torch.rand(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="floating point"):
         cpu_woq.int8_linear(x.long(), q8, s8, None)
+    with pytest.raises(ValueError, match="contiguous torch.bfloat16"):
+        cpu_woq.bf16_linear(x, torch.zeros(8, 64), None)
+    with pytest.raises(ValueError, match="input features"):
+        cpu_woq.bf16_linear(torch.randn(2, 32), torch.zeros(8, 64, dtype=torch.bfloat16), None)
     packed = cpu_woq.pack_int4(torch.zeros(8, 64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="group_size"):
         cpu_woq.int4_linear(x, packed, torch.rand(8, 4), torch.rand(8, 4), 16, None)
@@ -144,7 +192,7 @@ def test_prefill_scratch_works_in_and_out_of_inference_mode():
     layers = [woq_linear.Int8Linear.from_float(lin.weight.detach(), lin.bias.detach()),
               woq_linear.Int4Linear.from_linear(lin, 32)]
     x = torch.randn(woq_linear.MAX_KERNEL_ROWS + 3, 96)
-    woq_linear._scratch.__dict__.clear()  # a fresh buffer, made inside inference mode
+    cpu_woq._scratch.__dict__.clear()  # a fresh buffer, made inside inference mode
     with torch.inference_mode():
         first = [m(x) for m in layers]
     with torch.no_grad():
