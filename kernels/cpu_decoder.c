@@ -507,3 +507,12 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     pthread_mutex_unlock(&P.lock);
     return 0;
 }
+
+/* sizeof() of each struct kernels/cpu_lib.py mirrors with ctypes (kv_matrix, kv_layer,
+ * kv_decoder), into out[0 .. n - 1]; returns how many there are. cpu_lib.py refuses to load a
+ * library whose sizes differ from its mirrors. */
+int64_t kv_abi_sizes(int64_t *out, int64_t n) {
+    const int64_t sizes[] = {(int64_t)sizeof(kv_matrix), (int64_t)sizeof(kv_layer), (int64_t)sizeof(kv_decoder)};
+    for (int64_t i = 0; i < n && i < 3; i++) out[i] = sizes[i];
+    return 3;
+}

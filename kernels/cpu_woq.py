@@ -9,15 +9,10 @@ machine they ran 5-10x slower than the fp32 matmul they replace (docs/performanc
 step is bound by reading weights, so the kernel reads each weight once, widens it to float32 in
 registers and uses it for up to four rows of ``x`` (``kernels/cpu_gemv.h`` states the layouts).
 
-Build: :func:`load` compiles ``cpu_woq.c`` and ``cpu_decoder.c`` (the fused decode step of
-:mod:`kvfleet.kernels.cpu_decoder`; both include ``cpu_gemv.h``) with the system C compiler
-(``$CC``, else ``cc`` / ``gcc``; ``-O3 -mavx2 -mfma -fopenmp -pthread``) into one
-``<cache>/kernels/cpu_woq-<hash>.so`` (the hash covers the sources, the header and the
-flags; the build is written to a temporary name and renamed, so concurrent processes do not
-see half a file) and loads it with ``ctypes``; about a second, once per cache folder.
-:func:`available` says whether this machine can use it: Linux x86-64, AVX2 and FMA in
-``/proc/cpuinfo``, a compiler, and a build that succeeded. Callers fall back
-to torch/torchao's kernels when it is False.
+Build and load: :mod:`kvfleet.kernels.cpu_lib` (one library per ISA level, chosen at run time;
+``cpu_woq.c`` holds these ops, ``cpu_decoder.c`` the fused decode step). :func:`load`,
+:func:`available` and :func:`unavailable_reason` are its; callers fall back to torch/torchao's
+kernels when :func:`available` is False.
 
 Shapes and dtypes (the ops check them and raise ``ValueError``):
 
@@ -44,129 +39,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
-from kvfleet.kernels import cpu_features
-
-logger = logging.getLogger(__name__)
-
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-"""The library's C files (one ``.so``); ``cpu_gemv.h`` holds the arithmetic both share."""
-HEADERS = (Path(__file__).with_name("cpu_gemv.h"),)
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
-CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
-PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
-PARALLEL_MIN_WEIGHTS = 1 << 16
-"""Layers with fewer weights run on one thread (``$KVFLEET_CPU_WOQ_PARALLEL_MIN`` overrides):
-waking a sleeping OpenMP thread costs more than a small layer takes on one core. One int8 stream
-of the default model, 2 rounds: 2^16 (every layer on both threads) 17.0 / 14.7 tok/s, 2^19
-(q/k/v/o on one) 17.4 / 16.0, 2^20 (all but the LM head on one) 14.7 / 12.4: within this
-machine's noise, so the default stays."""
+from kvfleet.kernels import cpu_features, cpu_lib
 
 KERNEL_ROWS = 32
 """Rows (tokens) up to which :func:`bf16_linear` runs the C kernel; above, torch's matmul
 (:func:`bf16_path`). The int8 layers' threshold (``woq_linear.MAX_KERNEL_ROWS``), measured for bf16
 too (docs/performance.md, "bf16 weights")."""
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+load, available, unavailable_reason = cpu_lib.load, cpu_lib.available, cpu_lib.unavailable_reason
 
 
 def cpu_supported(cpuinfo: str | None = None) -> bool:
-    """Linux x86-64 with the ``avx2`` and ``fma`` flags (``/proc/cpuinfo``, or ``cpuinfo``)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+    """Whether a CPU (``/proc/cpuinfo`` text, or this machine's) reaches kvfleet's floor, the
+    ``avx2`` level (AVX2, FMA, F16C on Linux x86-64)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "avx2" in flags and "fma" in flags
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _default_root() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
-
-
-def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
-    """Build (once per cache folder) and load the kernels; None when this machine cannot
-    (see :func:`available`; the reason is logged once and kept in :func:`unavailable_reason`)."""
-    global _lib, _error
-    with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        if not cpu_supported():
-            _error = "the CPU lacks AVX2/FMA (or is not Linux x86-64)"
-            return None
-        cc = _compiler()
-        if cc is None:
-            _error = "no C compiler ($CC, cc or gcc) to build kernels/cpu_woq.c"
-            logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
-            return None
-        source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-        digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-        folder = (cache_root or _default_root()) / "kernels"
-        target = folder / f"cpu_woq-{digest}.so"
-        try:
-            if not target.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-                os.close(fd)
-                run = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                                     text=True)
-                if run.returncode != 0:
-                    os.unlink(tmp)
-                    raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
-                os.replace(tmp, target)
-            lib = ctypes.CDLL(str(target))
-        except OSError as exc:
-            _error = f"building or loading {target.name} failed: {exc}"
-            logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
-            return None
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kv_woq_int8_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
-        lib.kv_woq_int4_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, p]
-        lib.kv_woq_int4_dequant.argtypes = [p, i64, i64, p, p, i64, p]
-        lib.kv_woq_set_parallel_min.argtypes = [i64]
-        lib.kv_woq_set_parallel_min(int(os.environ.get(PARALLEL_MIN_ENV, "") or PARALLEL_MIN_WEIGHTS))
-        lib.kv_woq_bf16_linear.argtypes = [p, i64, i64, i64, p, i64, p, p]
-        lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = lib.kv_woq_int4_dequant.restype = None
-        lib.kv_woq_bf16_linear.restype = None
-        lib.kv_pool_start.argtypes, lib.kv_pool_start.restype = [i64, i64], i64
-        lib.kv_decode_profile.argtypes, lib.kv_decode_profile.restype = [p], None
-        lib.kv_decode.argtypes, lib.kv_decode.restype = [p, i64, p, p, p, p, p, i64, p, p, p], i64
-        _lib = lib
-        return lib
-
-
-def available(cache_root: Path | None = None) -> bool:
-    """Whether the kernels run on this machine (builds them on first call)."""
-    return load(cache_root) is not None
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`load` returned None (None when it has not or it succeeded)."""
-    return _error
+        return cpu_lib.variant_for(cpu_features.detect()) is not None
+    return cpu_lib.variant_for(cpu_features.CpuFeatures.from_cpuinfo(cpuinfo)) is not None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -200,9 +92,9 @@ def _as_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _lib_or_raise() -> ctypes.CDLL:
-    lib = load()
+    lib = cpu_lib.load()
     if lib is None:
-        raise RuntimeError(f"kvfleet woq kernels unavailable: {_error}")
+        raise RuntimeError(f"kvfleet woq kernels unavailable: {cpu_lib.unavailable_reason()}")
     return lib
 
 
@@ -352,8 +244,8 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
     N, K = qdata.shape
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
-    _lib.kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
-                            _ptr(bias), y.data_ptr())
+    _lib_or_raise().kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
+                                       _ptr(bias), y.data_ptr())
     return _as_input(y, x)
 
 
@@ -364,8 +256,8 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     N, half = packed.shape
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
-    _lib.kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], 2 * half, 2 * half, packed.data_ptr(), N, scale.data_ptr(),
-                            shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
+    _lib_or_raise().kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], 2 * half, 2 * half, packed.data_ptr(), N,
+                                       scale.data_ptr(), shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
     return _as_input(y, x)
 
 
@@ -377,8 +269,8 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     N, half = packed.shape
     if out is None:
         out = torch.empty((N, 2 * half), dtype=torch.float32)
-    _lib.kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(), group_size,
-                             out.data_ptr())
+    _lib_or_raise().kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(),
+                                        group_size, out.data_ptr())
     return out
 
 

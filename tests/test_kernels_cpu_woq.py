@@ -139,12 +139,15 @@ def test_bad_arguments_raise_value_errors():
 
 
 def test_cpu_flags_and_a_missing_compiler(monkeypatch):
+    from kvfleet.kernels import cpu_lib
+
     assert cpu_woq.cpu_supported("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
     assert not cpu_woq.cpu_supported("processor\t: 0\nflags\t\t: fpu sse2 avx f16c\n")
     assert not cpu_woq.cpu_supported("")
-    monkeypatch.setattr(cpu_woq, "_lib", None)
-    monkeypatch.setattr(cpu_woq, "_error", None)
-    monkeypatch.setattr(cpu_woq, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_lib, "_lib", None)
+    monkeypatch.setattr(cpu_lib, "_error", None)
+    monkeypatch.setenv(cpu_lib.CACHE_DIR_ENV, "/nonexistent-kvfleet-cache")  # no cached build to fall back on
+    monkeypatch.setattr(cpu_lib, "compiler", lambda: None)
     assert cpu_woq.load() is None and not cpu_woq.available()
     assert "no C compiler" in cpu_woq.unavailable_reason()
 

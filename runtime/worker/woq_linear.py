@@ -185,7 +185,7 @@ def convert_model(model: torch.nn.Module, layers: dict[str, torch.nn.Linear], me
 
 
 def to_bf16_weights(model: torch.nn.Module) -> int:
-    """Swap a loaded float32 model's decoder linear layers and its LM head for :class:`Bf16Linear`
+    """Swap a loaded float32 model's ``nn.Linear`` layers (the decoder's and the LM head) for :class:`Bf16Linear`
     (the head an untied bf16 copy: the input embedding stays float32 for the lookups); returns
     the number of layers swapped. The model keeps float32 activations, so the fused decode path
     (:mod:`kvfleet.runtime.worker.cpu_decode`) still runs it, reading half the weight bytes.
@@ -194,14 +194,10 @@ def to_bf16_weights(model: torch.nn.Module) -> int:
         ValueError: a layer to convert does not hold float32 weights on the CPU, or the C
             kernels are unavailable here (:func:`kvfleet.kernels.cpu_woq.available`).
     """
-    from kvfleet.runtime.worker.quantization import decoder_linears
-
     if not cpu_woq.available():
         raise ValueError(f"bf16 weights need kvfleet's CPU kernels: {cpu_woq.unavailable_reason()}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    layers = decoder_linears(model)
-    if isinstance(head, torch.nn.Linear) and not isinstance(head, Bf16Linear):
-        layers[next(n for n, m in model.named_modules() if m is head)] = head
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for name, linear in layers.items():
         if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.float32 \
                 or linear.weight.device.type != "cpu":
