@@ -22,14 +22,14 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from kvfleet.kernels import cpu_features  # noqa: E402
-from kvfleet.runtime.config import EngineConfig  # noqa: E402
-from kvfleet.runtime.engine.llm_engine import LLMEngine  # noqa: E402
-from kvfleet.runtime.sampling_params import SamplingParams  # noqa: E402
-from kvfleet.runtime.worker.model_loader import load_model  # noqa: E402
-from kvfleet.runtime.worker.woq_linear import to_bf16_weights  # noqa: E402
+from kvfleet.kernels import cpu_features
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.model_loader import load_model
+from kvfleet.runtime.worker.woq_linear import to_bf16_weights
 
 PROMPTS = ["The history of the printing press", "Explain how a hash table works.",
            "Write a short poem about the sea.", "What is the capital of Australia, and why?",

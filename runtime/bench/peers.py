@@ -33,8 +33,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from kvfleet.runtime.bench import peer_systems as ps
 from kvfleet.runtime.bench.peer_report import format_tables, plot_peers, shares
 
