@@ -208,11 +208,12 @@ def test_prefill_scratch_works_in_and_out_of_inference_mode():
 
 
 def test_layers_compile_to_the_custom_ops():
-    from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8Linear
 
     torch.manual_seed(1)
     model = torch.nn.Sequential(Int8Linear.from_float(torch.randn(64, 96)),
-                                Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), 32))  # fmt: skip
+                                Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), 32),
+                                Bf16Linear.from_linear(torch.nn.Linear(32, 24)))  # fmt: skip
     x = torch.randn(3, 96)
     graphs = []
 
@@ -226,3 +227,28 @@ def test_layers_compile_to_the_custom_ops():
     assert torch.equal(compiled, eager)
     code = graphs[0].code
     assert "kvfleet.woq_int8_linear" in code and "kvfleet.woq_int4_linear" in code
+    assert "kvfleet.woq_bf16_linear" in code
+
+
+def test_bf16_layers_and_the_model_conversion():
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear, to_bf16_weights
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(96, 40)
+    layer = Bf16Linear.from_linear(lin)
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias32.dtype == torch.float32
+    ref_w = lin.weight.detach().bfloat16().double()
+    with torch.no_grad():
+        for rows in (1, cpu_woq.KERNEL_ROWS + 3):  # the kernel, then the large-step path
+            x = torch.randn(rows, 96)
+            ref = x.double() @ ref_w.T + lin.bias.double()
+            got = layer(x)
+            assert got.dtype == torch.float32
+            tol = 2 ** -8 * (x.double().abs() @ ref_w.abs().T).max() if cpu_woq.bf16_path(rows) == "native_bf16" \
+                else 1e-5
+            assert (got.double() - ref).abs().max() < tol
+    model = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    assert to_bf16_weights(model) == 2
+    assert all(isinstance(m, Bf16Linear) for m in (model[0], model[2]))
+    with pytest.raises(ValueError, match="not a float32 nn.Linear"):
+        to_bf16_weights(torch.nn.Sequential(torch.nn.Linear(8, 8, dtype=torch.float16)))
