@@ -3,7 +3,8 @@ the ABI check. The one module that compiles, names, loads and binds it; the ops 
 :mod:`kvfleet.kernels.cpu_woq` (weight-only linear layers) and :mod:`kvfleet.kernels.cpu_decoder`
 (the fused decode step).
 
-Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``), one ``.so``.
+Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``; ``cpu_decoder.h`` holds the
+decoder's structs and their sizes for the ABI check), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -45,7 +46,7 @@ from kvfleet.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-HEADERS = (Path(__file__).with_name("cpu_gemv.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_decoder.h"))
 COMMON_FLAGS = ("-O3", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
@@ -75,14 +76,14 @@ class Matrix(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """``kv_layer`` (cpu_decoder.c)."""
+    """``kv_layer`` (cpu_decoder.h)."""
 
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Matrix), ("o", Matrix),
                 ("gate_up", Matrix), ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
 class Decoder(ctypes.Structure):
-    """``kv_decoder`` (cpu_decoder.c)."""
+    """``kv_decoder`` (cpu_decoder.h)."""
 
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
