@@ -12,13 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads its OpenMP runtime: idle OpenMP threads sleep instead of spinning.
-# With spinning (the default) a CPU shared with other processes makes every parallel
-# region wait for a descheduled spinner: decode steps measured 10-20x slower here.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import itertools
 from collections.abc import Sequence
 

@@ -15,14 +15,8 @@ Definitions and results: docs/benchmarks.md, ``kvfleet bench compare``.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from datetime import UTC, datetime
-
-# As kvfleet's engine does (docs/engine.md, "CPU threads"): idle OpenMP threads sleep
-# instead of spinning, which on a shared CPU keeps decode steps from slowing 10-20x. Set
-# before torch loads, so that all systems run under the same policy.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 

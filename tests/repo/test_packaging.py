@@ -58,8 +58,8 @@ def test_the_wheel_ships_the_c_source_the_cpu_kernels_build(tmp_path):
                            "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     (wheel,) = tmp_path.glob("kvfleet-*.whl")
-    from kvfleet.kernels import cpu_woq
+    from kvfleet.kernels import cpu_lib
 
     names = zipfile.ZipFile(wheel).namelist()
-    for source in (*cpu_woq.SOURCES, *cpu_woq.HEADERS):
+    for source in (*cpu_lib.SOURCES, *cpu_lib.HEADERS):
         assert f"kvfleet/kernels/{source.name}" in names

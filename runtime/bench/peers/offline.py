@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine and `kvfleet bench compare`
 
 
 def _versions() -> dict:

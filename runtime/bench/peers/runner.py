@@ -36,8 +36,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from kvfleet.runtime.bench.machine import machine
 from kvfleet.runtime.bench.peers import systems as ps
 from kvfleet.runtime.bench.peers.report import format_tables, plot_peers, shares

@@ -1,6 +1,6 @@
 """kvfleet.kernels.cpu_decoder: the fused C decode step against a float64 torch reference of the
 same Llama layer (RMSNorm, q|k|v, rotary, paged grouped-query attention, o, SiLU MLP, LM head),
-for fp32, int8 and int4 weights, one and several rows, scattered block tables and partial blocks."""
+for fp32, bf16, int8 and int4 weights, one and several rows, scattered block tables and partial blocks."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) 
     b = torch.randn(n, generator=gen) * 0.1 if bias else None
     if fmt == "fp32":
         return Linear("fp32", w.contiguous(), bias=b), w.double()
+    if fmt == "bf16":
+        wb = w.to(torch.bfloat16).contiguous()
+        return Linear("bf16", wb, bias=b), wb.double()
     if fmt == "int8":
         scale = w.abs().amax(1) / 127
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -105,10 +108,10 @@ def _inputs(M: int, seed: int = 1):
     return (torch.randn(M, H, generator=gen), angles.cos().float(), angles.sin().float(), slots, tables, lens)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_step_matches_the_float64_reference(fmt, M):
-    weights, ref, head_ref = _model(fmt, bias=(fmt == "fp32"))
+    weights, ref, head_ref = _model(fmt, bias=(fmt in ("fp32", "bf16")))
     x, cos, sin, slots, tables, lens = _inputs(M)
     # Rows of one step belong to distinct sequences: distinct slots.
     assert len(set(slots.tolist())) == M

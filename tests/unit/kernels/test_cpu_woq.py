@@ -42,6 +42,50 @@ def test_int8_and_int4_match_float64(rows, shape):
     assert (got.double() - ref4).abs().max() < 1e-6 * K ** 0.5 * ref4.abs().max().item() + 1e-6
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_weights_match_float64(rows, shape):
+    """The C kernel (and, above KERNEL_ROWS, the fp32 matmul on the widened weight) computes
+    x @ w.T exactly up to float32 rounding: widening bf16 to float32 is exact."""
+    gen = torch.Generator().manual_seed(rows * 7 + shape[1])
+    N, K = shape
+    x = torch.randn(rows, K, generator=gen)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(N, generator=gen)
+    ref = x.double() @ w.double().T + bias.double()
+    tol = 1e-6 * K ** 0.5 * ref.abs().max().item() + 1e-6
+    for path in ("kernel", "fp32", None):
+        got = cpu_woq.bf16_linear(x, w, bias, path=path)
+        assert got.dtype == torch.float32 and got.shape == (rows, N)
+        assert (got.double() - ref).abs().max() < tol, path
+    assert (cpu_woq.bf16_linear(x, w, None).double() - ref + bias.double()).abs().max() < tol
+
+
+def test_bf16_native_path_rounds_activations_and_products():
+    """The prefill path of CPUs with native bf16 (forced here: on a CPU without it oneDNN emulates
+    bf16, slowly but with the same rounding): x rounded to bf16, products summed in float32, the
+    sum rounded to bf16 (oneDNN's output dtype), then the float32 bias added."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, bias = torch.randn(40, 576, generator=gen), torch.randn(192, 576, generator=gen).bfloat16(), torch.randn(192)
+    got = cpu_woq.bf16_linear(x, w, bias, path="native_bf16")
+    assert got.dtype == torch.float32
+    exact_x = x.bfloat16().double() @ w.double().T
+    assert ((got.double() - bias.double() - exact_x).abs() <= 2 ** -8 * exact_x.abs() + 1e-4).all()
+    ref = x.double() @ w.double().T + bias.double()
+    rel = (got.double() - ref).norm() / ref.norm()
+    assert 1e-4 < rel < 1e-2  # the rounding shows (~2^-9 relative), and no more
+
+
+def test_bf16_path_choice():
+    rows = cpu_woq.KERNEL_ROWS
+    assert cpu_woq.bf16_path(1, native_bf16=True) == cpu_woq.bf16_path(rows, native_bf16=False) == "kernel"
+    assert cpu_woq.bf16_path(rows + 1, native_bf16=True) == "native_bf16"
+    assert cpu_woq.bf16_path(rows + 1, native_bf16=False) == "fp32"
+    from kvfleet.kernels import cpu_features
+
+    assert cpu_woq.bf16_path(512) == ("native_bf16" if cpu_features.detect().native_bf16 else "fp32")
+
+
 def test_bf16_activations_and_leading_dims():
     x = torch.randn(2, 3, 64).bfloat16()
     q8 = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
@@ -83,6 +127,10 @@ def test_bad_arguments_raise_value_errors():
         cpu_woq.int8_linear(x, q8, s8, torch.rand(8, dtype=torch.float64))
     with pytest.raises(ValueError, match="floating point"):
         cpu_woq.int8_linear(x.long(), q8, s8, None)
+    with pytest.raises(ValueError, match="contiguous torch.bfloat16"):
+        cpu_woq.bf16_linear(x, torch.zeros(8, 64), None)
+    with pytest.raises(ValueError, match="input features"):
+        cpu_woq.bf16_linear(torch.randn(2, 32), torch.zeros(8, 64, dtype=torch.bfloat16), None)
     packed = cpu_woq.pack_int4(torch.zeros(8, 64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="group_size"):
         cpu_woq.int4_linear(x, packed, torch.rand(8, 4), torch.rand(8, 4), 16, None)
@@ -91,12 +139,15 @@ def test_bad_arguments_raise_value_errors():
 
 
 def test_cpu_flags_and_a_missing_compiler(monkeypatch):
+    from kvfleet.kernels import cpu_lib
+
     assert cpu_woq.cpu_supported("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
     assert not cpu_woq.cpu_supported("processor\t: 0\nflags\t\t: fpu sse2 avx f16c\n")
     assert not cpu_woq.cpu_supported("")
-    monkeypatch.setattr(cpu_woq, "_lib", None)
-    monkeypatch.setattr(cpu_woq, "_error", None)
-    monkeypatch.setattr(cpu_woq, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_lib, "_lib", None)
+    monkeypatch.setattr(cpu_lib, "_error", None)
+    monkeypatch.setenv(cpu_lib.CACHE_DIR_ENV, "/nonexistent-kvfleet-cache")  # no cached build to fall back on
+    monkeypatch.setattr(cpu_lib, "compiler", lambda: None)
     assert cpu_woq.load() is None and not cpu_woq.available()
     assert "no C compiler" in cpu_woq.unavailable_reason()
 
@@ -144,7 +195,7 @@ def test_prefill_scratch_works_in_and_out_of_inference_mode():
     layers = [woq_linear.Int8Linear.from_float(lin.weight.detach(), lin.bias.detach()),
               woq_linear.Int4Linear.from_linear(lin, 32)]
     x = torch.randn(woq_linear.MAX_KERNEL_ROWS + 3, 96)
-    woq_linear._scratch.__dict__.clear()  # a fresh buffer, made inside inference mode
+    cpu_woq._scratch.__dict__.clear()  # a fresh buffer, made inside inference mode
     with torch.inference_mode():
         first = [m(x) for m in layers]
     with torch.no_grad():
@@ -157,11 +208,12 @@ def test_prefill_scratch_works_in_and_out_of_inference_mode():
 
 
 def test_layers_compile_to_the_custom_ops():
-    from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8Linear
 
     torch.manual_seed(1)
     model = torch.nn.Sequential(Int8Linear.from_float(torch.randn(64, 96)),
-                                Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), 32))  # fmt: skip
+                                Int4Linear.from_linear(torch.nn.Linear(64, 32, bias=False), 32),
+                                Bf16Linear.from_linear(torch.nn.Linear(32, 24)))  # fmt: skip
     x = torch.randn(3, 96)
     graphs = []
 
@@ -175,3 +227,28 @@ def test_layers_compile_to_the_custom_ops():
     assert torch.equal(compiled, eager)
     code = graphs[0].code
     assert "kvfleet.woq_int8_linear" in code and "kvfleet.woq_int4_linear" in code
+    assert "kvfleet.woq_bf16_linear" in code
+
+
+def test_bf16_layers_and_the_model_conversion():
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear, to_bf16_weights
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(96, 40)
+    layer = Bf16Linear.from_linear(lin)
+    assert layer.weight.dtype == torch.bfloat16 and layer.bias32.dtype == torch.float32
+    ref_w = lin.weight.detach().bfloat16().double()
+    with torch.no_grad():
+        for rows in (1, cpu_woq.KERNEL_ROWS + 3):  # the kernel, then the large-step path
+            x = torch.randn(rows, 96)
+            ref = x.double() @ ref_w.T + lin.bias.double()
+            got = layer(x)
+            assert got.dtype == torch.float32
+            tol = 2 ** -8 * (x.double().abs() @ ref_w.abs().T).max() if cpu_woq.bf16_path(rows) == "native_bf16" \
+                else 1e-5
+            assert (got.double() - ref).abs().max() < tol
+    model = torch.nn.Sequential(torch.nn.Linear(96, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+    assert to_bf16_weights(model) == 2
+    assert all(isinstance(m, Bf16Linear) for m in (model[0], model[2]))
+    with pytest.raises(ValueError, match="not a float32 nn.Linear"):
+        to_bf16_weights(torch.nn.Sequential(torch.nn.Linear(8, 8, dtype=torch.float16)))

@@ -58,3 +58,33 @@ def test_the_path_is_off_where_it_does_not_apply(smollm2_two_layers, monkeypatch
     assert not cpu_decode.CpuDecodePath.applies(5, 4, prompt_logprobs=False, padded=False)  # a prefill chunk
     assert not cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=True, padded=False)
     assert not cpu_decode.CpuDecodePath.applies(65, 65, prompt_logprobs=False, padded=False)
+
+
+def test_bf16_weights_keep_the_fused_path(smollm2_two_layers, monkeypatch):
+    """A float32 model whose decoder linears and LM head hold bf16 weights
+    (woq_linear.to_bf16_weights) decodes fused, with the same greedy tokens and log-probabilities
+    (within 1e-4) as transformers' modules over the same bf16 weights."""
+    import torch
+
+    from kvfleet.runtime.worker.model_loader import load_model
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear, to_bf16_weights
+
+    # a fresh copy: the fixture's model is shared (the LoRA engine above wraps its layers)
+    loaded = load_model(smollm2_two_layers.source, dtype="float32", device="cpu")
+    assert to_bf16_weights(loaded.model) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    head = loaded.model.get_output_embeddings()
+    assert isinstance(head, Bf16Linear) and head.weight.dtype == torch.bfloat16
+    assert loaded.model.get_input_embeddings().weight.dtype == torch.float32  # lookups stay float32
+    batch = prompts(loaded.tokenizer)
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    plain = LLMEngine(EngineConfig(**CONFIG), [Recorder()], loaded=loaded)
+    expected, _, expected_lp = run(plain, batch)
+    monkeypatch.delenv(cpu_decode.ENV)
+    fused = LLMEngine(EngineConfig(**CONFIG), [Recorder()], loaded=loaded)
+    assert fused.runner.cpu_decode is not None
+    assert fused.runner.cpu_decode._fused.weights.layers[0].qkv.fmt == "bf16"
+    assert fused.runner.cpu_decode._fused.weights.head.fmt == "bf16"
+    got, _, got_lp = run(fused, batch)
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-4, worst
