@@ -153,3 +153,19 @@ def test_bf16_weight_storage_has_one_call_site(smollm2_two_layers, monkeypatch):
     monkeypatch.setattr(cp, "BF16_WEIGHT_STORAGE", False)
     off = ml.load_model(smollm2_two_layers.source, dtype="bfloat16", device="cpu")
     assert len(calls) == 1 and off.dtype == torch.bfloat16 and not off.cpu_plan.bf16_weights
+
+
+def test_the_onednn_primitive_cache_is_bounded_unless_set():
+    """Importing the loader caps oneDNN's per-shape primitive cache (read lazily by oneDNN, at its
+    first primitive); a value set by the operator wins."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, kvfleet.runtime.worker.model_loader; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])"
+    env = {k: v for k, v in os.environ.items() if k != ml.ONEDNN_CACHE_ENV}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == str(ml.ONEDNN_CACHE_CAPACITY) == "128"
+    env[ml.ONEDNN_CACHE_ENV] = "512"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "512"

@@ -14,8 +14,8 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   CPU**. The fused C decoder (:mod:`kvfleet.runtime.worker.cpu_decode`) runs float32 activations
   only, and it is kvfleet's fastest decode on every CPU measured: on a Zen 4 with AVX512-BF16 one
   stream ran 44.7 tok/s in fp32 against 10.9 in bf16 (int8 weights: 102 against 15.1), and 48
-  requests at once ran 89.8 tok/s in both. float32 is also the dtype in which a request's tokens
-  do not depend on the rest of the batch (tests/test_determinism.py). Weights: the quantization
+  requests at once ran 89.8 tok/s in both. In float32 a seeded request also kept its text beside
+  other requests where bf16 on that CPU did not (tests/test_determinism.py). Weights: the quantization
   if given, else bf16 where :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected
   (half the bytes per decode token), else float32.
 - ``--dtype float32``: float32 everything; weights the quantization if given.
@@ -134,11 +134,10 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         elif dtype == "bfloat16":
             reason = "--dtype bfloat16 on the CPU: bf16 weight storage, float32 compute (the fused decoder reads bf16)"
         elif not fused_possible:
-            reason = (f"dtype auto: float32 (the fused decoder is off: {why_not_fused}; float32 keeps outputs "
-                      "batch-invariant)")
+            reason = f"dtype auto: float32 (the fused decoder is off: {why_not_fused})"
         else:
-            reason = ("dtype auto: float32 activations, the fused C decoder's (kvfleet's fastest decode on every "
-                      "CPU measured; batch-invariant)")
+            reason = ("dtype auto: float32 activations, the fused C decoder's (kvfleet's fastest decode on "
+                      "every CPU measured)")
             if store_bf16:
                 reason += "; bf16 weight storage: half the bytes per decode token"
         native = features.native_bf16 and weights == "bf16"
