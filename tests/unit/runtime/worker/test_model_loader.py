@@ -46,7 +46,7 @@ def test_checkpoint_directory_loads_with_tokenizer_and_chat_template(smollm2):
 
 def test_dtype_device_and_missing_paths(tmp_path):
     cpu = torch.device("cpu")
-    assert ml.resolve_dtype("auto", cpu) == (torch.bfloat16 if ml.cpu_native_bf16() else torch.float32)
+    assert ml.resolve_dtype("auto", cpu) == torch.float32  # every CPU: tests/test_cpu_plan.py
     assert ml.resolve_dtype("float16", cpu) == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         ml.resolve_dtype("float8", cpu)

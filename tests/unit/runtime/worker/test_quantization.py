@@ -179,35 +179,25 @@ def test_serve_prints_the_quantization_error_and_exits_1(tmp_path):
 
 # --- dtype auto ------------------------------------------------------------------------
 
-AMX = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f amx_bf16 amx_tile amx_int8\n"
-ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n"
-AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\n"
-
-
-def test_cpu_native_bf16_from_cpuinfo_flags():
-    assert ml.cpu_native_bf16(AMX) and ml.cpu_native_bf16(ZEN4)
-    assert not ml.cpu_native_bf16(AVX2) and not ml.cpu_native_bf16("")
-
-
-def test_dtype_auto_picks_bf16_only_with_native_bf16_matmul(monkeypatch):
+def test_dtype_auto_is_float32_on_the_cpu_with_or_without_quantization():
+    """The CPU plan (tests/test_cpu_plan.py: every recorded CPU): float32 activations, the fused
+    decoder's; an explicit dtype wins."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(ml, "cpu_native_bf16", lambda cpuinfo=None: True)
-    assert ml.resolve_dtype("auto", cpu) == torch.bfloat16
-    assert ml.resolve_dtype("float32", cpu) == torch.float32  # an explicit dtype wins
-    monkeypatch.setattr(ml, "cpu_native_bf16", lambda cpuinfo=None: False)
-    assert ml.resolve_dtype("auto", cpu) == torch.float32
+    for method in (None, *q.QUANTIZATIONS):
+        assert ml.resolve_dtype("auto", cpu, method) == torch.float32
+    assert ml.resolve_dtype("float32", cpu) == torch.float32
     assert ml.resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert EngineConfig().dtype == "auto"
 
 
 @pytest.mark.slow
-def test_dtype_auto_bf16_engine_is_visible_and_logits_stay_fp32(monkeypatch, caplog):
-    """On a CPU with native bf16 (forced here), ``auto`` loads bf16 weights and KV cache; the
-    resolved dtype is logged and in ``cache_config_info``; the sampler gets float32 logits."""
-    monkeypatch.setattr(ml, "cpu_native_bf16", lambda cpuinfo=None: True)
+def test_bf16_engine_is_visible_and_logits_stay_fp32(monkeypatch, caplog):
+    """An explicit ``--dtype bfloat16`` on the CPU loads bf16 weights and KV cache (while
+    ``cpu_plan.BF16_WEIGHT_STORAGE`` is off); the plan is logged, the dtype is in
+    ``cache_config_info``; the sampler gets float32 logits."""
     with caplog.at_level("INFO", logger="kvfleet.runtime.worker.model_loader"):
-        engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=16 * 2**20))
-    assert "dtype auto -> bfloat16 on cpu (native bf16 matmul)" in caplog.text
+        engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_memory=16 * 2**20))
+    assert "CPU plan: activations bfloat16, weights bf16, fused decoder off" in caplog.text
     assert engine.loaded.dtype == torch.bfloat16 and engine.cache_config_info()["cache_dtype"] == "bfloat16"
     seen = []
     real = engine.sampler

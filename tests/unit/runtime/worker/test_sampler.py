@@ -154,6 +154,17 @@ def test_min_tokens_counts_as_a_ban_only_when_there_is_a_token_to_ban():
     assert Sampler(torch.device("cpu"))(logits.clone(), [req(greedy(ignore_eos=True), eos=2)]).token_ids == [2]
 
 
+def test_a_rows_truncation_does_not_depend_on_its_neighbours():
+    """A row with top_p 1.0 keeps its whole distribution also beside a row with top_p < 1 (the
+    float32 cumulative sum of a peaked 49k-token distribution reaches 1.0 before its tail: the old
+    sampler cut ~19k tail tokens of that row, only when a neighbour used top_p)."""
+    logits = torch.randn(49152, generator=torch.Generator().manual_seed(0)) * 4
+    rows = torch.stack([logits, logits])
+    Sampler._truncate(rows, [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5, top_k=40)])
+    assert torch.equal(rows[0], logits)
+    assert 49152 - 40 <= torch.isinf(rows[1]).sum() < 49152  # the neighbour is truncated
+
+
 # ----------------------------------------------------------------------------- token controls
 def test_logit_bias_allowed_token_ids_and_bad_words_in_the_sampler():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0 + 1e-9, 1e-9, 1e-9, 1e-9, 1e-9]])).repeat(4, 1)
