@@ -16,8 +16,9 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   stream ran 44.7 tok/s in fp32 against 10.9 in bf16 (int8 weights: 102 against 15.1), and 48
   requests at once ran 89.8 tok/s in both. In float32 a seeded request also kept its text beside
   other requests where bf16 on that CPU did not (tests/test_determinism.py). Weights: the quantization
-  if given, else bf16 where :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected
-  (half the bytes per decode token), else float32.
+  if given, else bf16 on a CPU with native bf16 where :data:`BF16_WEIGHT_STORAGE` is on and the
+  fused decoder is expected (half the bytes per decode token; prefill in oneDNN's native bf16),
+  else float32.
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
@@ -36,12 +37,14 @@ from dataclasses import dataclass
 
 from kvfleet.kernels.cpu_features import CpuFeatures
 
-BF16_WEIGHT_STORAGE = False
+BF16_WEIGHT_STORAGE = True
 """The one switch of bf16 weight storage (``Bf16Linear``, ``woq_linear.to_bf16_weights``: bf16
-weights, float32 activations, the fused decoder reading half the bytes). False until those
-kernels are merged: ``--dtype bfloat16`` then runs bf16 activations through torch, as before,
-and ``auto`` stores float32 weights. True: ``--dtype bfloat16`` stores bf16 weights and computes
-in float32, and ``auto`` stores bf16 weights wherever the fused decoder is expected."""
+weights, float32 activations, the fused decoder reading half the bytes). True: ``--dtype
+bfloat16`` stores bf16 weights and computes in float32, and ``auto`` stores bf16 weights on CPUs
+with native bf16 (AVX512-BF16 / AMX: prefill matmuls run oneDNN's bf16 there) wherever the fused
+decoder is expected. On AVX2 ``auto`` keeps float32 weights: steps of more than 32 rows that the
+fused decoder does not take widen bf16 weights before torch's fp32 matmul, which is not measured
+to pay there. False: ``--dtype bfloat16`` runs bf16 activations through torch, as before."""
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")
@@ -127,7 +130,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
                                          and fused_possible):
-        store_bf16 = quantization is None and bf16_storage and fused_possible and dtype != "float32"
+        store_bf16 = (quantization is None and bf16_storage and fused_possible
+                      and (dtype == "bfloat16" or (dtype == "auto" and features.native_bf16)))
         weights = quantization or ("bf16" if store_bf16 else "fp32")
         if dtype == "float32":
             reason = "--dtype float32"

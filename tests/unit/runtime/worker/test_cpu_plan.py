@@ -36,7 +36,7 @@ def expected(machine: str, dtype: str, quant: str | None, storage: bool) -> tupl
     from the rules of the plan's docstring with the C kernels available."""
     native = machine in ("zen4", "spr")
     if dtype in ("auto", "float32"):
-        bf16 = storage and quant is None and dtype == "auto"
+        bf16 = storage and quant is None and dtype == "auto" and native
         return "float32", quant or ("bf16" if bf16 else "fp32"), bf16, True, native and bf16
     if dtype == "bfloat16" and quant is None and storage:
         return "float32", "bf16", True, True, native
@@ -105,7 +105,9 @@ def test_below_avx2_or_off_x86_the_kernels_do_not_count():
 
 
 def test_explicit_bf16_says_why_it_is_slower():
-    emulated = cp.plan(cpu("zen3"), "bfloat16", None, facts=KERNELS)
+    stored = cp.plan(cpu("zen3"), "bfloat16", None, facts=KERNELS)  # the default: bf16 storage, fp32 compute
+    assert (stored.dtype, stored.weights, stored.fused_decoder) == ("float32", "bf16", True)
+    emulated = cp.plan(cpu("zen3"), "bfloat16", None, facts=KERNELS, bf16_weight_storage=False)
     assert "emulated" in emulated.reason and "use --dtype auto" in emulated.reason
     assert emulated.describe().endswith(emulated.reason) and "bf16 (emulated)" in emulated.describe()
     native = cp.plan(cpu("spr"), "bfloat16", "int8", facts=KERNELS)

@@ -186,19 +186,28 @@ def test_dtype_auto_is_float32_on_the_cpu_with_or_without_quantization():
     for method in (None, *q.QUANTIZATIONS):
         assert ml.resolve_dtype("auto", cpu, method) == torch.float32
     assert ml.resolve_dtype("float32", cpu) == torch.float32
-    assert ml.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    # explicit bf16: bf16 weight storage with float32 compute where the C kernels run, else bf16
+    kernels = ml.cpu_facts().kernels and ml.cpu_features.detect().isa_level is not None
+    assert ml.resolve_dtype("bfloat16", cpu) == (torch.float32 if kernels else torch.bfloat16)
     assert EngineConfig().dtype == "auto"
 
 
 @pytest.mark.slow
 def test_bf16_engine_is_visible_and_logits_stay_fp32(monkeypatch, caplog):
-    """An explicit ``--dtype bfloat16`` on the CPU loads bf16 weights and KV cache (while
-    ``cpu_plan.BF16_WEIGHT_STORAGE`` is off); the plan is logged, the dtype is in
-    ``cache_config_info``; the sampler gets float32 logits."""
+    """An explicit ``--dtype bfloat16`` on the CPU: with kvfleet's C kernels, bf16 weight storage
+    and float32 activations and KV cache (the fused decoder keeps running); without them, bf16
+    weights and KV cache through torch. The plan is logged, the cache dtype is in
+    ``cache_config_info``; the sampler gets float32 logits either way."""
     with caplog.at_level("INFO", logger="kvfleet.runtime.worker.model_loader"):
         engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_memory=16 * 2**20))
-    assert "CPU plan: activations bfloat16, weights bf16, fused decoder off" in caplog.text
-    assert engine.loaded.dtype == torch.bfloat16 and engine.cache_config_info()["cache_dtype"] == "bfloat16"
+    if engine.loaded.cpu_plan.bf16_weights:
+        assert "CPU plan: activations float32, weights bf16, fused decoder expected" in caplog.text
+        assert engine.loaded.dtype == torch.float32 and engine.cache_config_info()["cache_dtype"] == "float32"
+        model = engine.loaded.model
+        assert torch.bfloat16 in {t.dtype for t in [*model.parameters(), *model.buffers()]}
+    else:
+        assert "CPU plan: activations bfloat16, weights bf16, fused decoder off" in caplog.text
+        assert engine.loaded.dtype == torch.bfloat16 and engine.cache_config_info()["cache_dtype"] == "bfloat16"
     seen = []
     real = engine.sampler
 
