@@ -14,7 +14,10 @@ Build: :func:`load` compiles ``cpu_woq.c`` and ``cpu_decoder.c`` (the fused deco
 (``$CC``, else ``cc`` / ``gcc``; ``-O3 -mavx2 -mfma -fopenmp -pthread``) into one
 ``<cache>/kernels/cpu_woq-<hash>.so`` (the hash covers the sources, the header and the
 flags; the build is written to a temporary name and renamed, so concurrent processes do not
-see half a file) and loads it with ``ctypes``; about a second, once per cache folder.
+see half a file) and loads it with ``ctypes``; about a second, once per cache folder. A library
+prebuilt into ``$KVFLEET_KERNELS_DIR`` (``python -m kvfleet.kernels.cpu_woq --prebuild DIR``,
+run by the Dockerfile's ``runtime-cpu`` target at build time) is loaded from there instead, and
+nothing is compiled: that folder may be read-only.
 :func:`available` says whether this machine can use it: Linux x86-64, AVX2 and FMA in
 ``/proc/cpuinfo``, a compiler, and a build that succeeded. Callers fall back
 to torch/torchao's kernels when it is False.
@@ -54,6 +57,8 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.
 HEADERS = (Path(__file__).with_name("cpu_gemv.h"),)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
 CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
+PREBUILT_DIR_ENV = "KVFLEET_KERNELS_DIR"
+"""A folder of prebuilt libraries (:func:`prebuild`), looked in before the cache folder."""
 PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
 PARALLEL_MIN_WEIGHTS = 1 << 16
 """Layers with fewer weights run on one thread (``$KVFLEET_CPU_WOQ_PARALLEL_MIN`` overrides):
@@ -92,9 +97,50 @@ def _default_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
 
 
+def library_name() -> str:
+    """``cpu_woq-<hash>.so``: the hash covers the sources, the header and the flags."""
+    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    return f"cpu_woq-{hashlib.sha256(source + ' '.join(CFLAGS).encode()).hexdigest()[:16]}.so"
+
+
+def build(folder: Path, cc: str) -> Path:
+    """Compile the library into ``folder`` unless it is there; its path.
+
+    Raises: OSError: the compiler failed (its last error lines are in the message)."""
+    target = folder / library_name()
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        run = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if run.returncode != 0:
+            os.unlink(tmp)
+            raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a prebuilt library from other users
+        os.replace(tmp, target)
+    return target
+
+
+def prebuild(folder: Path) -> list[Path]:
+    """Compile every library variant :func:`load` may pick into ``folder`` (today one: the
+    AVX2 + FMA floor), on any x86-64 build machine, whatever its CPU; each is opened once with
+    ``ctypes`` (its symbols and libraries resolve). The paths; ``$KVFLEET_KERNELS_DIR`` pointed
+    at ``folder`` makes :func:`load` use them.
+
+    Raises: OSError: no compiler, or a build or the check failed."""
+    cc = _compiler()
+    if cc is None:
+        raise OSError("no C compiler ($CC, cc or gcc)")
+    built = [build(Path(folder), cc)]
+    for path in built:
+        ctypes.CDLL(str(path))
+    return built
+
+
 def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
-    """Build (once per cache folder) and load the kernels; None when this machine cannot
-    (see :func:`available`; the reason is logged once and kept in :func:`unavailable_reason`)."""
+    """Load the kernels: prebuilt in ``$KVFLEET_KERNELS_DIR`` when there, else built (once per
+    cache folder) under ``<cache_root>/kernels``; None when this machine cannot (see
+    :func:`available`; the reason is logged once and kept in :func:`unavailable_reason`)."""
     global _lib, _error
     with _lock:
         if _lib is not None or _error is not None:
@@ -102,29 +148,21 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
         if not cpu_supported():
             _error = "the CPU lacks AVX2/FMA (or is not Linux x86-64)"
             return None
+        prebuilt = os.environ.get(PREBUILT_DIR_ENV)
+        target = Path(prebuilt) / library_name() if prebuilt else None
         cc = _compiler()
-        if cc is None:
+        if (target is None or not target.is_file()) and cc is None:
             _error = "no C compiler ($CC, cc or gcc) to build kernels/cpu_woq.c"
+            if target is not None:
+                _error += f", and no {target}"
             logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
             return None
-        source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-        digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-        folder = (cache_root or _default_root()) / "kernels"
-        target = folder / f"cpu_woq-{digest}.so"
         try:
-            if not target.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-                os.close(fd)
-                run = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                                     text=True)
-                if run.returncode != 0:
-                    os.unlink(tmp)
-                    raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
-                os.replace(tmp, target)
+            if target is None or not target.is_file():
+                target = build((cache_root or _default_root()) / "kernels", cc)
             lib = ctypes.CDLL(str(target))
         except OSError as exc:
-            _error = f"building or loading {target.name} failed: {exc}"
+            _error = f"building or loading {library_name()} failed: {exc}"
             logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
             return None
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -306,3 +344,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     N, half = packed.shape
     blocks = packed.reshape(N, half // 16, 16)
     return torch.stack([blocks & 0x0F, blocks >> 4], dim=2).reshape(N, 2 * half)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvfleet.kernels.cpu_woq --prebuild DIR``: :func:`prebuild` into DIR."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.kernels.cpu_woq", description=main.__doc__)
+    parser.add_argument("--prebuild", type=Path, required=True, metavar="DIR",
+                        help="compile the kernel libraries into DIR (for $KVFLEET_KERNELS_DIR)")
+    args = parser.parse_args(argv)
+    for path in prebuild(args.prebuild):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
