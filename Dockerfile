@@ -2,13 +2,15 @@
 #
 # kvfleet images, one Dockerfile, three targets:
 #
-#   docker build --target runtime-cpu -t ghcr.io/kvfleet/kvfleet-runtime-cpu:0.1.0 .
-#       `kvfleet serve` on CPU nodes (the chart's default runtime image): CPU torch, no triton,
-#       and kvfleet's C kernels (kvfleet.kernels.cpu_woq) compiled at build time into
-#       /opt/kvfleet/kernels, so a pod with a read-only root filesystem compiles nothing.
+#   docker build --target runtime-cpu -t ghcr.io/kvfleet/kvfleet-runtime:0.1.0 .
+#       `kvfleet serve` on CPU nodes, the default runtime image (the operator's and the chart's
+#       `runtimeImage`): CPU torch, no triton, and kvfleet's C kernels (kvfleet.kernels.cpu_woq)
+#       compiled at build time into /opt/kvfleet/kernels, so a pod with a read-only root
+#       filesystem compiles nothing.
 #
-#   docker build --target runtime -t ghcr.io/kvfleet/kvfleet-runtime:0.1.0 .
-#       `kvfleet serve` on GPU nodes: a CUDA base, with torch + triton.
+#   docker build --target runtime -t ghcr.io/kvfleet/kvfleet-runtime-cuda:0.1.0 .
+#       `kvfleet serve` on GPU nodes: a CUDA base, with torch + triton. InferenceServices on GPU
+#       nodes name it in `spec.runtime.image` (or the chart's `runtimeImage` points at it).
 #
 #   docker build --target operator -t ghcr.io/kvfleet/kvfleet-operator:0.1.0 .
 #       `kvfleet operator` (the kopf operator) on a slim Python base. It never imports torch,
@@ -29,7 +31,7 @@
 #
 #   docker buildx build --target runtime-with-model \
 #       --build-context model=/path/to/checkpoint-dir \
-#       -t registry.example/kvfleet-runtime-qwen:0.1.0 .
+#       -t registry.example/kvfleet-runtime-cuda-qwen:0.1.0 .
 #
 #   The folder given as the `model` build context (a transformers checkpoint directory, or a
 #   folder holding a .gguf file) lands at /opt/kvfleet/model; point the InferenceService at it
@@ -87,7 +89,7 @@ RUN pip install /src \
 # ---------------------------------------------------------------------------------------
 # runtime-cpu: `kvfleet serve` on CPU nodes.
 FROM ${CPU_BASE_IMAGE} AS runtime-cpu
-LABEL org.opencontainers.image.title="kvfleet-runtime-cpu" \
+LABEL org.opencontainers.image.title="kvfleet-runtime" \
       org.opencontainers.image.description="kvfleet serve on CPUs: continuous-batching, paged-KV-cache LLM server (OpenAI API, Prometheus metrics), C kernels prebuilt" \
       org.opencontainers.image.licenses="Apache-2.0"
 # libgomp1: the OpenMP runtime the prebuilt kernels link; CA certificates for hub downloads.
@@ -160,8 +162,8 @@ RUN pip install /src \
 # ---------------------------------------------------------------------------------------
 # runtime: `kvfleet serve` on GPU nodes.
 FROM ${CUDA_BASE_IMAGE} AS runtime
-LABEL org.opencontainers.image.title="kvfleet-runtime" \
-      org.opencontainers.image.description="kvfleet serve: continuous-batching, paged-KV-cache LLM server (OpenAI API, Prometheus metrics)" \
+LABEL org.opencontainers.image.title="kvfleet-runtime-cuda" \
+      org.opencontainers.image.description="kvfleet serve on CUDA GPUs: continuous-batching, paged-KV-cache LLM server (OpenAI API, Prometheus metrics)" \
       org.opencontainers.image.licenses="Apache-2.0"
 # Triton compiles a small launcher module (it includes Python.h) with the system C compiler
 # the first time a kernel runs, so gcc, the C library and Python headers stay in the image;

@@ -10,7 +10,7 @@ Steps (each timed; the report is JSON on stdout and in ``--report``):
 1. ``mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd bookworm
    rootfs.tar``, turned into the local image ``localhost/kvfleet-base:bookworm`` (``FROM scratch``
    + ``ADD rootfs.tar /``).
-2. ``buildah bud --isolation chroot`` (``STORAGE_DRIVER=vfs``) of the Dockerfile's
+2. ``buildah bud --isolation chroot --format docker`` of the Dockerfile's
    ``runtime-cpu`` target (``CPU_BASE_IMAGE``: the local base; ``BAKE_DEFAULT_MODEL=1``;
    ``TORCH_INDEX_URL`` empty, so torch comes from the indexes the host's pip uses) and of its
    ``operator`` target (``OPERATOR_BASE_IMAGE``: the local base). pip inside the build gets
@@ -149,12 +149,12 @@ def sh(*args: str, env: dict[str, str] | None = None, capture: bool = True, time
 
 
 class Buildah:
-    def __init__(self, log: Path):
-        self.env = {**os.environ, "STORAGE_DRIVER": "vfs"}
+    def __init__(self, log: Path, storage_driver: str | None = None):
+        self.flags = ["--storage-driver", storage_driver] if storage_driver else []
         self.log = log
 
     def __call__(self, *args: str, timeout: float | None = None) -> str:
-        return sh("buildah", *args, env=self.env, timeout=timeout)
+        return sh("buildah", *self.flags, *args, timeout=timeout)
 
     def bud(self, *args: str) -> float:
         """One ``buildah bud --isolation chroot``, its output appended to the log; seconds."""
@@ -162,8 +162,8 @@ class Buildah:
         with self.log.open("a") as out:
             out.write(f"\n$ buildah bud {' '.join(args)}\n")
             out.flush()
-            run = subprocess.run(["buildah", "bud", "--isolation", "chroot", *args], stdout=out,
-                                 stderr=subprocess.STDOUT, env=self.env)
+            run = subprocess.run(["buildah", *self.flags, "bud", "--isolation", "chroot", *args], stdout=out,
+                                 stderr=subprocess.STDOUT)
         if run.returncode != 0:
             raise RuntimeError(f"buildah bud failed ({run.returncode}); see {self.log}:\n"
                                + self.log.read_text()[-4000:])
@@ -359,7 +359,9 @@ def build(buildah: Buildah, work: Path, suite: str, report: dict) -> None:
     conf.write_text(pip_conf_text(pip_config))
     vols = build_volumes(pip_config, conf)
     report["pip_mounts"] = vols
-    common = ["--pull=never", "-f", str(ROOT / "Dockerfile"), *(a for v in vols for a in ("--volume", v))]
+    # docker format: OCI images drop HEALTHCHECK.
+    common = ["--pull=never", "--format", "docker", "-f", str(ROOT / "Dockerfile"),
+              *(a for v in vols for a in ("--volume", v))]
     t["runtime_cpu_image"] = buildah.bud(
         *common, "--target", "runtime-cpu", "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}",
         "--build-arg", "TORCH_INDEX_URL=", "--build-arg", "BAKE_DEFAULT_MODEL=1", "-t", RUNTIME_IMAGE, str(ROOT))
@@ -378,13 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, help="also write the JSON report here")
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--suite", default="bookworm", help="Debian suite of the base (python3 must be 3.11)")
+    parser.add_argument("--storage-driver", help="buildah's storage driver (default: its own, overlay where the "
+                        "kernel allows; vfs works anywhere, copying each layer whole)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        parser.error("run as root (mmdebstrap, buildah's vfs storage, mount namespaces)")
+        parser.error("run as root (mmdebstrap, buildah's storage, mount namespaces)")
     ensure_tools()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
-    buildah = Buildah(work / "build.log")
+    buildah = Buildah(work / "build.log", args.storage_driver)
     report: dict = {"times_s": {}, "sizes": {}}
     try:
         if not args.reuse:
