@@ -1,8 +1,8 @@
 """scripts/build_images.py: the CPU runtime and operator images built with buildah on an
 mmdebstrap Debian base, then started the way the operator's pods run them.
 
-The end-to-end test runs only on demand (``KVFLEET_IMAGE_TEST=1``, as root): it takes about
-20 minutes on the 2-core development machine (docs/images.md has the measured times), far over
+The end-to-end test runs only on demand (``KVFLEET_IMAGE_TEST=1``, as root): it took 24 minutes
+on the 2-core development machine (docs/images.md has the measured times), far over
 what the CI budget leaves, and it needs Debian's and the Python package registries. The
 helpers it rests on (the host's pip configuration carried into the build, the read-only
 sandbox) are checked here on every run.
@@ -85,7 +85,7 @@ def test_sandbox_mounts_the_root_read_only_before_dropping_to_the_user():
     assert lines[-1].startswith('exec chroot --userspec=1000:1000 "$R" /usr/bin/env -i HOME=/tmp \'A=b c\' kvfleet serve')
 
 
-@pytest.mark.skipif(os.environ.get(ON_DEMAND_ENV) != "1", reason=f"on demand: {ON_DEMAND_ENV}=1 (about 20 minutes)")
+@pytest.mark.skipif(os.environ.get(ON_DEMAND_ENV) != "1", reason=f"on demand: {ON_DEMAND_ENV}=1 (about 24 minutes)")
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root (mmdebstrap, buildah, mounts)")
 @pytest.mark.slow
 @pytest.mark.timeout(5400)
