@@ -7,7 +7,7 @@ exists and is in the build context; every package folder is copied where kvfleet
 installed; base images are build arguments and Python comes from them; the runtime images run
 as the operator's non-root uid with every write under the pod's writable mounts (its root
 filesystem is read-only), and the CPU image ships its C kernels prebuilt by the entry point the
-build runs (run here too) and no compiler; the operator image's dependency list covers what
+build runs (tests/test_images.py runs it, then loads its library as a pod would) and no compiler; the operator image's dependency list covers what
 `kvfleet operator` imports, and `kvfleet operator --help` runs with torch & co. made
 unimportable. tests/test_images.py builds and starts the images themselves (on demand).
 """
@@ -283,48 +283,6 @@ def test_runtime_cpu_ships_prebuilt_kernels_and_no_compiler():
     # CPU torch, and triton (1 GB, CUDA-only) removed.
     assert stage_args("runtime-cpu-build")["TORCH_INDEX_URL"].endswith("/cpu")
     assert "pip uninstall -y triton" in runs
-
-
-PREBUILT_CHECK = textwrap.dedent("""
-    import os, stat, sys
-    from pathlib import Path
-    from kvfleet.kernels import cpu_woq
-    prebuilt, cache, empty = map(Path, sys.argv[1:])
-    assert cpu_woq.main(["--prebuild", str(prebuilt)]) == 0
-    (so,) = prebuilt.glob("*.so")
-    assert so.name == cpu_woq.library_name(), so
-    # The image at run time: no compiler on PATH, the prebuilt folder read-only.
-    os.environ["PATH"] = "/nonexistent"
-    os.environ.pop("CC", None)
-    os.chmod(prebuilt, stat.S_IRUSR | stat.S_IXUSR)
-    os.environ[cpu_woq.CACHE_DIR_ENV] = str(cache)
-    os.environ[cpu_woq.PREBUILT_DIR_ENV] = str(empty)
-    assert cpu_woq.load() is None and str(empty) in cpu_woq.unavailable_reason()
-    cpu_woq._lib = cpu_woq._error = None
-    os.environ[cpu_woq.PREBUILT_DIR_ENV] = str(prebuilt)
-    lib = cpu_woq.load()
-    assert lib is not None and lib._name == str(so), cpu_woq.unavailable_reason()
-    assert not cache.exists(), "compiled into the cache"
-    import torch
-    x, q, s = torch.randn(3, 64), torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32)
-    torch.testing.assert_close(cpu_woq.int8_linear(x, q, s, None), x @ (q.float() * s[:, None]).T,
-                               rtol=1e-4, atol=1e-4)
-    print("ok", so.name)
-""")
-
-
-def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_folder(tmp_path):
-    """The image's prebuild entry point, then :func:`load` as the pod runs it: no compiler,
-    the prebuilt folder read-only, nothing written to the cache."""
-    from kvfleet.kernels import cpu_woq
-
-    if not cpu_woq.cpu_supported() or cpu_woq._compiler() is None:
-        pytest.skip("needs an AVX2 x86-64 Linux machine with a C compiler")
-    (tmp_path / "empty").mkdir()
-    proc = subprocess.run([sys.executable, "-c", PREBUILT_CHECK, str(tmp_path / "kernels"), str(tmp_path / "cache"),
-                           str(tmp_path / "empty")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    (tmp_path / "kernels").chmod(0o755)
-    assert proc.returncode == 0 and "ok cpu_woq-" in proc.stdout, proc.stdout + proc.stderr
 
 
 def _runtime_pod_container() -> dict:

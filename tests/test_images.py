@@ -5,7 +5,8 @@ The end-to-end test runs only on demand (``KVFLEET_IMAGE_TEST=1``, as root): it 
 on the 2-core development machine (docs/images.md has the measured times), far over
 what the CI budget leaves, and it needs Debian's and the Python package registries. The
 helpers it rests on (the host's pip configuration carried into the build, the read-only
-sandbox) are checked here on every run.
+sandbox) are checked here on every run, and so is the CPU image's kernel prebuild: the entry point
+its build runs, then ``load()`` with no compiler and the prebuilt folder read-only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,48 @@ def test_sandbox_mounts_the_root_read_only_before_dropping_to_the_user():
     assert lines[ro - 1] == 'mount --bind "$R" "$R"'
     assert lines.index("mount --bind /var/tmp/w/cache \"$R\"/cache") > ro
     assert lines[-1].startswith('exec chroot --userspec=1000:1000 "$R" /usr/bin/env -i HOME=/tmp \'A=b c\' kvfleet serve')
+
+
+PREBUILT_CHECK = textwrap.dedent("""
+    import os, stat, sys
+    from pathlib import Path
+    from kvfleet.kernels import cpu_woq
+    prebuilt, cache, empty = map(Path, sys.argv[1:])
+    assert cpu_woq.main(["--prebuild", str(prebuilt)]) == 0
+    (so,) = prebuilt.glob("*.so")
+    assert so.name == cpu_woq.library_name(), so
+    # The image at run time: no compiler on PATH, the prebuilt folder read-only.
+    os.environ["PATH"] = "/nonexistent"
+    os.environ.pop("CC", None)
+    os.chmod(prebuilt, stat.S_IRUSR | stat.S_IXUSR)
+    os.environ[cpu_woq.CACHE_DIR_ENV] = str(cache)
+    os.environ[cpu_woq.PREBUILT_DIR_ENV] = str(empty)
+    assert cpu_woq.load() is None and str(empty) in cpu_woq.unavailable_reason()
+    cpu_woq._lib = cpu_woq._error = None
+    os.environ[cpu_woq.PREBUILT_DIR_ENV] = str(prebuilt)
+    lib = cpu_woq.load()
+    assert lib is not None and lib._name == str(so), cpu_woq.unavailable_reason()
+    assert not cache.exists(), "compiled into the cache"
+    import torch
+    x, q, s = torch.randn(3, 64), torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32)
+    torch.testing.assert_close(cpu_woq.int8_linear(x, q, s, None), x @ (q.float() * s[:, None]).T,
+                               rtol=1e-4, atol=1e-4)
+    print("ok", so.name)
+""")
+
+
+def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_folder(tmp_path):
+    """The image's prebuild entry point, then :func:`load` as the pod runs it: no compiler,
+    the prebuilt folder read-only, nothing written to the cache."""
+    from kvfleet.kernels import cpu_woq
+
+    if not cpu_woq.cpu_supported() or cpu_woq._compiler() is None:
+        pytest.skip("needs an AVX2 x86-64 Linux machine with a C compiler")
+    (tmp_path / "empty").mkdir()
+    proc = subprocess.run([sys.executable, "-c", PREBUILT_CHECK, str(tmp_path / "kernels"), str(tmp_path / "cache"),
+                           str(tmp_path / "empty")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    (tmp_path / "kernels").chmod(0o755)
+    assert proc.returncode == 0 and "ok cpu_woq-" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.skipif(os.environ.get(ON_DEMAND_ENV) != "1", reason=f"on demand: {ON_DEMAND_ENV}=1 (about 24 minutes)")
