@@ -21,7 +21,9 @@ Build: the system C compiler (``$CC``, else ``cc`` / ``gcc``) with :data:`COMMON
 variant's flags, into ``<cache>/kernels/kvfleet_cpu-<variant>-<hash>.so`` (``<cache>`` is
 ``$KVFLEET_CACHE_DIR`` or ``~/.cache/kvfleet``; the hash covers the sources, the header and the
 flags; written to a temporary name and renamed, so concurrent processes never see half a file);
-about a second per variant, once per cache folder.
+about a second per variant, once per cache folder. A library prebuilt into ``$KVFLEET_KERNELS_DIR``
+(:func:`prebuild`, run by the Dockerfile's ``runtime-cpu`` target) is loaded from there instead, and
+nothing is compiled: that folder may be read-only.
 
 ABI check: the C side exports ``kv_abi_sizes``, the ``sizeof`` of each struct the ctypes side
 mirrors (:data:`STRUCTS`: ``kv_matrix``, ``kv_layer``, ``kv_decoder``); :func:`load` compares them
@@ -57,6 +59,8 @@ VARIANT_FLAGS = {
 """Compiler flags of each build variant (beyond :data:`COMMON_FLAGS`)."""
 _LEVEL_VARIANT = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16", "amx": "avx512_bf16"}
 CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
+PREBUILT_DIR_ENV = "KVFLEET_KERNELS_DIR"
+"""A folder of prebuilt libraries (:func:`prebuild`), looked in before the cache folder."""
 PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
 PARALLEL_MIN_WEIGHTS = 1 << 16
 """Layers with fewer weights run on one thread in the ``cpu_woq`` ops (``$KVFLEET_CPU_WOQ_PARALLEL_MIN``
@@ -124,36 +128,67 @@ def _default_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
 
 
-def build(variant: str, cache_root: Path | None = None) -> Path:
-    """Compile ``variant`` (unless its file exists) and return the ``.so`` path. Compiling needs no
-    CPU support: every variant builds on any x86-64 machine (tests compile the AVX-512 ones on
-    AVX2 machines).
+def library_name(variant: str) -> str:
+    """``kvfleet_cpu-<variant>-<hash>.so``: the hash covers the sources, the headers and the flags.
+
+    Raises:
+        ValueError: an unknown variant.
+    """
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANT_FLAGS)}")
+    flags = (*COMMON_FLAGS, *VARIANT_FLAGS[variant])
+    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    return f"kvfleet_cpu-{variant}-{hashlib.sha256(source + ' '.join(flags).encode()).hexdigest()[:16]}.so"
+
+
+def build(variant: str, cache_root: Path | None = None, *, folder: Path | None = None) -> Path:
+    """The ``.so`` path of ``variant``: prebuilt in ``$KVFLEET_KERNELS_DIR`` when there (nothing is
+    compiled, the folder may be read-only), else compiled (unless its file exists) into ``folder``
+    (default ``<cache_root>/kernels``). Compiling needs no CPU support: every variant builds on any
+    x86-64 machine (tests compile the AVX-512 ones on AVX2 machines).
 
     Raises:
         ValueError: an unknown variant.
         OSError: no compiler, or it failed (its last lines in the message).
     """
-    if variant not in VARIANT_FLAGS:
-        raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANT_FLAGS)}")
-    cc = compiler()
-    if cc is None:
-        raise OSError("no C compiler ($CC, cc or gcc) to build the CPU kernels")
-    flags = (*COMMON_FLAGS, *VARIANT_FLAGS[variant])
-    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    folder = (cache_root or _default_root()) / "kernels"
-    target = folder / f"kvfleet_cpu-{variant}-{digest}.so"
+    name = library_name(variant)
+    prebuilt = os.environ.get(PREBUILT_DIR_ENV)
+    if folder is None and prebuilt and (Path(prebuilt) / name).is_file():
+        return Path(prebuilt) / name
+    folder = folder if folder is not None else (cache_root or _default_root()) / "kernels"
+    target = Path(folder) / name
     if target.exists():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    cc = compiler()
+    if cc is None:
+        where = f", and no {name} in ${PREBUILT_DIR_ENV}={prebuilt}" if prebuilt else ""
+        raise OSError(f"no C compiler ($CC, cc or gcc) to build the CPU kernels{where}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    flags = (*COMMON_FLAGS, *VARIANT_FLAGS[variant])
     run = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
     if run.returncode != 0:
         os.unlink(tmp)
         raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+    os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a prebuilt library from the image's other users
     os.replace(tmp, target)
     return target
+
+
+def prebuild(folder: Path) -> list[Path]:
+    """Compile every variant into ``folder`` (an image's build step: ``python -m
+    kvfleet.kernels.cpu_lib --prebuild DIR``), whatever the build machine's CPU; each is opened
+    once with ``ctypes`` and ABI-checked. ``$KVFLEET_KERNELS_DIR`` pointed at ``folder`` makes
+    :func:`load` use them without a compiler.
+
+    Raises:
+        OSError: no compiler, or a build or its check failed.
+    """
+    built = [build(variant, folder=Path(folder)) for variant in VARIANT_FLAGS]
+    for path in built:
+        check_abi(ctypes.CDLL(str(path)))
+    return built
 
 
 def check_abi(lib: ctypes.CDLL, structs: tuple[tuple[str, type[ctypes.Structure]], ...] | None = None) -> None:
@@ -251,3 +286,20 @@ def unavailable_reason() -> str | None:
 def loaded_variant() -> str | None:
     """The variant :func:`load` loaded (None before, or when unavailable)."""
     return _variant
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvfleet.kernels.cpu_lib --prebuild DIR``: :func:`prebuild` into ``DIR``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvfleet.kernels.cpu_lib", description=main.__doc__)
+    parser.add_argument("--prebuild", metavar="DIR", type=Path, required=True,
+                        help="compile every ISA variant of the CPU kernels into DIR")
+    args = parser.parse_args(argv)
+    for path in prebuild(args.prebuild):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,8 +4,12 @@ It is parsed with the `dockerfile` package (BuildKit's own Go parser), and the b
 is computed with the Docker SDK's .dockerignore rules (what `docker build` would send):
 each target's entrypoint is a command the package installs; every file the Dockerfile copies
 exists and is in the build context; every package folder is copied where kvfleet is
-installed; the operator image's dependency list covers what `kvfleet operator` imports, and
-`kvfleet operator --help` runs with torch & co. made unimportable.
+installed; base images are build arguments and Python comes from them; the runtime images run
+as the operator's non-root uid with every write under the pod's writable mounts (its root
+filesystem is read-only), and the CPU image ships its C kernels prebuilt by the entry point the
+build runs (tests/test_images.py runs it, then loads its library as a pod would) and no compiler; the operator image's dependency list covers what
+`kvfleet operator` imports, and `kvfleet operator --help` runs with torch & co. made
+unimportable. tests/test_images.py builds and starts the images themselves (on demand).
 """
 
 from __future__ import annotations
@@ -106,11 +110,11 @@ def copies(name: str):
 
 
 def test_targets_exist():
-    assert {"runtime", "operator", "runtime-with-model"} <= set(stages())
+    assert {"runtime-cpu", "runtime", "operator", "runtime-with-model"} <= set(stages())
 
 
-@pytest.mark.parametrize("target,subcommand", [("runtime", "serve"), ("runtime-with-model", "serve"),
-                                               ("operator", "operator")])
+@pytest.mark.parametrize("target,subcommand", [("runtime-cpu", "serve"), ("runtime", "serve"),
+                                               ("runtime-with-model", "serve"), ("operator", "operator")])
 def test_entrypoint_is_an_installed_console_script(target, subcommand):
     from kvfleet.runtime import cli
 
@@ -153,7 +157,7 @@ def test_build_context_leaves_out_the_heavy_and_the_private():
     assert not [p for p in context if p.endswith((".safetensors", ".gguf", ".bin", ".pt"))]
 
 
-@pytest.mark.parametrize("stage", ["runtime-build", "operator"])
+@pytest.mark.parametrize("stage", ["runtime-cpu-build", "runtime-build", "operator"])
 def test_every_package_folder_is_copied_where_kvfleet_is_installed(stage):
     copied = {v.rstrip("/") for c in copies(stage) if not c.flags for v in c.value[:-1]}
     for folder in PYPROJECT["tool"]["setuptools"]["package-dir"].values():
@@ -161,12 +165,37 @@ def test_every_package_folder_is_copied_where_kvfleet_is_installed(stage):
     assert {"pyproject.toml", "README.md"} <= copied  # the build reads both (readme = README.md)
 
 
-def test_runtime_image():
+BASE_ARGS = {"runtime-cpu": "CPU_BASE_IMAGE", "runtime-cpu-build": "CPU_BASE_IMAGE",
+             "runtime": "CUDA_BASE_IMAGE", "runtime-build": "CUDA_BASE_IMAGE", "operator": "OPERATOR_BASE_IMAGE"}
+
+
+def test_base_images_are_build_arguments_with_upstream_defaults():
     args = global_args()
+    for stage, arg in BASE_ARGS.items():
+        assert stages()[stage]["base"] == f"${{{arg}}}", stage
     assert args["CUDA_BASE_IMAGE"].startswith("nvidia/cuda:") and "runtime" in args["CUDA_BASE_IMAGE"]
-    assert stages()["runtime"]["base"] == "${CUDA_BASE_IMAGE}"
-    assert "PYTHON_VERSION" in args
-    build_args = stage_args("runtime-build")
+    for arg in ("CPU_BASE_IMAGE", "OPERATOR_BASE_IMAGE"):
+        # Python 3.11: the ABI of the CPU torch wheels the project installs (.ci/setup).
+        assert re.fullmatch(r"python:3\.11-slim(-\w+)?", args[arg]), args[arg]
+
+
+def test_python_comes_from_the_base_image_and_nothing_is_downloaded_outside_the_indexes():
+    text = (ROOT / "Dockerfile").read_text()
+    assert "uv python install" not in text and "astral-sh" not in text
+    for name, stage in stages().items():
+        assert stage["base"] in stages() or stage["base"].startswith("${"), name
+        for c in stage["cmds"]:
+            if c.cmd == "RUN":
+                assert not re.search(r"\b(curl|wget)\b", c.original), c.original
+    for stage in ("runtime-cpu-build", "runtime-build", "operator"):
+        runs = " ".join(c.original for c in stages()[stage]["cmds"] if c.cmd == "RUN")
+        assert "python3 -m venv /opt/venv" in runs, stage
+        assert env_of(stage)["VIRTUAL_ENV"] == "/opt/venv" and env_of(stage)["PATH"].startswith("/opt/venv/bin:")
+
+
+@pytest.mark.parametrize("target", ["runtime-cpu", "runtime"])
+def test_runtime_image(target):
+    build_args = stage_args(f"{target}-build")
     assert {"TORCH_VERSION", "TORCH_INDEX_URL", "BAKE_DEFAULT_MODEL"} <= set(build_args)
     assert build_args["BAKE_DEFAULT_MODEL"] == "0", "no model baked in by default"
     # The default torch is the one the project is tested with (.ci/setup pins it).
@@ -174,18 +203,86 @@ def test_runtime_image():
     # Non-root, and the uid the operator runs runtime pods as.
     from kvfleet.operator import service_spec
 
-    user = effective("runtime", "USER").value[0]
+    user = effective(target, "USER").value[0]
     assert user.split(":")[0] == str(service_spec.RUNTIME_UID) != "0"
     # HEALTHCHECK on /health.
-    health = effective("runtime", "HEALTHCHECK")
+    health = effective(target, "HEALTHCHECK")
     assert "/health'" in health.original or '/health"' in health.original
     assert "8000" in health.original
     # Caches where the operator's pods mount writable volumes.
-    env = env_of("runtime")
+    env = env_of(target)
     pod_env = {e["name"]: e.get("value") for e in _runtime_pod_container()["env"]}
     for key in ("KVFLEET_CACHE_DIR", "HF_HOME", "TRITON_CACHE_DIR"):
         assert env[key] == pod_env[key], key
-    assert "8000" in effective("runtime", "EXPOSE").value
+    assert "8000" in effective(target, "EXPOSE").value
+    # The venv is copied from the build stage, whose base is the same image (its symlinks hold).
+    (venv,) = [c for c in copies(target) if c.value[-1] == "/opt/venv"]
+    assert list(venv.flags) == [f"--from={target}-build"] and BASE_ARGS[target] == BASE_ARGS[f"{target}-build"]
+
+
+def _title(target: str) -> str:
+    (label,) = [c for c in stages()[target]["cmds"] if c.cmd == "LABEL"]
+    pairs = dict(zip(label.value[::2], label.value[1::2]))
+    return pairs["org.opencontainers.image.title"].strip('"')
+
+
+def test_default_runtime_image_is_the_cpu_image_and_gpu_examples_name_the_cuda_image():
+    """The operator's and the chart's default runtime image is the CPU image (runtime-cpu);
+    the examples that ask for GPUs name the CUDA image (runtime) in spec.runtime.image."""
+    from kvfleet.operator import crd_schema
+
+    values = yaml.safe_load((ROOT / "charts" / "kvfleet" / "values.yaml").read_text())
+    assert values["runtimeImage"]["repository"].rsplit("/", 1)[1] == _title("runtime-cpu")
+    assert crd_schema.DEFAULT_IMAGE.rsplit("/", 1)[1].split(":")[0] == _title("runtime-cpu")
+    gpu_examples = 0
+    for path in sorted((ROOT / "examples").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            runtime = ((doc or {}).get("spec") or {}).get("runtime") or {}
+            if doc.get("kind") == "InferenceService" and (runtime.get("resources") or {}).get("gpus"):
+                gpu_examples += 1
+                assert runtime.get("image", "").rsplit("/", 1)[1].split(":")[0] == _title("runtime"), path
+            elif doc.get("kind") == "InferenceService" and "image" in runtime:
+                assert runtime["image"].rsplit("/", 1)[1].split(":")[0] == _title("runtime-cpu"), path
+    assert gpu_examples >= 2
+
+
+def _under(path: str, folders) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def test_runtime_cpu_writes_only_where_the_pod_mounts_writable_volumes():
+    """The operator's runtime pods have a read-only root filesystem: every folder the CPU image
+    points the server at for writing is a VOLUME of the image and a writable mount of the pod,
+    and the prebuilt kernels folder it reads is neither (it is part of the image)."""
+    c = _runtime_pod_container()
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = [m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")]
+    volumes = effective("runtime-cpu", "VOLUME").value
+    env = env_of("runtime-cpu")
+    pod_env = {e["name"]: e.get("value") for e in c["env"]}
+    for key in ("KVFLEET_CACHE_DIR", "HF_HOME", "TRITON_CACHE_DIR"):
+        assert _under(env[key], volumes) and _under(env[key], writable), key
+    # HOME is not writable in the image: the pod moves it to its /tmp mount.
+    assert _under(pod_env["HOME"], writable)
+    assert not _under(env["KVFLEET_KERNELS_DIR"], writable + list(volumes))
+
+
+def test_runtime_cpu_ships_prebuilt_kernels_and_no_compiler():
+    from kvfleet.kernels import cpu_lib
+
+    env = env_of("runtime-cpu")
+    folder = env[cpu_lib.PREBUILT_DIR_ENV]
+    runs = " ".join(c.original for c in stages()["runtime-cpu-build"]["cmds"] if c.cmd == "RUN")
+    assert f"python -m kvfleet.kernels.cpu_lib --prebuild {folder}" in runs
+    (copy,) = [c for c in copies("runtime-cpu") if folder in c.value]
+    assert list(copy.flags) == ["--from=runtime-cpu-build"] and list(copy.value) == [folder, folder]
+    # The build stage has the compiler; the image has none, so a pod cannot compile at start.
+    assert "gcc" in runs
+    final = " ".join(c.original for c in stages()["runtime-cpu"]["cmds"] if c.cmd == "RUN")
+    assert not re.search(r"\b(gcc|g\+\+|clang|build-essential|cc)\b", final), final
+    # CPU torch, and triton (1 GB, CUDA-only) removed.
+    assert stage_args("runtime-cpu-build")["TORCH_INDEX_URL"].endswith("/cpu")
+    assert "pip uninstall -y triton" in runs
 
 
 def _runtime_pod_container() -> dict:
@@ -208,7 +305,6 @@ def test_operator_image_user_matches_the_chart():
     values = yaml.safe_load((ROOT / "charts" / "kvfleet" / "values.yaml").read_text())
     user = effective("operator", "USER").value[0].split(":")[0]
     assert user == str(values["podSecurityContext"]["runAsUser"]) != "0"
-    assert stages()["operator"]["base"].startswith("python:") and "slim" in stages()["operator"]["base"]
     (port,) = effective("operator", "EXPOSE").value
     assert int(port) == values["operator"]["healthPort"]
 

