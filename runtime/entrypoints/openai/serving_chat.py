@@ -116,8 +116,8 @@ class _ChatStream(StreamWriter):
         return [P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(role="assistant", content=""))
                 for idx in range(self.n)]  # fmt: skip
 
-    def logprobs(self, c: CompletionOutput, idx: int, k0: int) -> P.ChatChoiceLogprobs | None:
-        return self.req.logprobs(c, k0)
+    def logprobs(self, c: CompletionOutput, idx: int) -> P.ChatChoiceLogprobs | None:
+        return self.req.logprobs(c, 0)
 
     def delta(self, idx: int, text: str, lp: P.ChatChoiceLogprobs | None) -> P.ChatCompletionStreamChoice | None:
         if not self.req.parses_tools:
@@ -137,7 +137,8 @@ class _ChatStream(StreamWriter):
         made_calls = None
         chunks = []
         if self.req.parses_tools:
-            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(c.text)
+            text = self.texts.get(idx, "")  # the deltas so far (c is the last delta)
+            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(text)
             chunks = [ch for ch in [self._tool_delta(idx, content, calls)] if ch is not None]
         return chunks + [P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(),
                                                       finish_reason=self.req.finish_reason(c, made_calls),
