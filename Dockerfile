@@ -78,7 +78,7 @@ LABEL org.opencontainers.image.title="kvfleet-runtime" \
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
-# The uid the operator runs runtime pods as (kvfleet.operator.builders.RUNTIME_UID).
+# The uid the operator runs runtime pods as (kvfleet.operator.service_spec.RUNTIME_UID).
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
  && (groupdel ubuntu 2>/dev/null || true) \
  && groupadd --gid 1000 kvfleet \
@@ -119,7 +119,7 @@ CMD ["--model", "/opt/kvfleet/model", "--host", "0.0.0.0", "--port", "8000"]
 # operator: `kvfleet operator` (kopf). No torch, no CUDA.
 FROM python:${PYTHON_VERSION}-slim AS operator
 # The distributions `kvfleet operator` imports (kvfleet.operator and the torch-free parts of
-# kvfleet.runtime it uses: cli, config). tests/test_dockerfile.py checks this list against
+# kvfleet.runtime it uses: cli, config). tests/repo/test_dockerfile.py checks this list against
 # the operator's imports, and that `kvfleet operator --help` runs with nothing else.
 ARG OPERATOR_DEPS="kopf kubernetes pyyaml httpx prometheus-client pydantic urllib3"
 LABEL org.opencontainers.image.title="kvfleet-operator" \

@@ -21,7 +21,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvfleet.runtime.bench.compare import cpu_description
+from kvfleet.runtime.bench.machine import cpu_description
 
 
 def build(mode: str, args) -> dict:

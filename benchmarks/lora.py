@@ -27,7 +27,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvfleet.runtime.bench.compare import cpu_description
+from kvfleet.runtime.bench.machine import cpu_description
 
 
 def write_adapter(path: Path, targets: dict[str, tuple[int, int]], rank: int, seed: int) -> None:

@@ -28,7 +28,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from kvfleet.runtime.bench.compare import cpu_description
+from kvfleet.runtime.bench.machine import cpu_description
 
 LONG_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 64}
 

@@ -5,7 +5,7 @@ wrappers would pick for representative shapes (``CASES``), to PTX and a cubin fo
 sm_80 (with Triton's 16-byte-divisibility specialisation), and reports whether K/V loads are
 vectorised (``cp.async`` / ``ld.global.v4``), whether the tensor-core instruction is
 ``wgmma``, and registers / stack / local memory per thread (``cuobjdump``; stack or local > 0
-means spills). ``--json``: one JSON object per line. Used by ``tests/test_kernels_compile.py``
+means spills). ``--json``: one JSON object per line. Used by ``tests/unit/kernels/test_aot.py``
 (in a subprocess) and by hand when changing tile sizes. Must be run without
 ``TRITON_INTERPRET=1`` (raises RuntimeError otherwise).
 """

@@ -30,7 +30,7 @@
  * helpers and runs every task on its calling thread.
  */
 #define _GNU_SOURCE
-#include "cpu_gemv.h"
+#include "cpu_decoder.h"
 
 #include <limits.h>
 #include <linux/futex.h>
@@ -175,23 +175,6 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* ------------------------------------------------------------------ the decoder */
-
-typedef struct {
-    const float *input_norm, *post_norm;   /* [H] RMSNorm weights */
-    kv_matrix qkv;                         /* [(QH + 2 KVH) D, H]: q rows, then k, then v */
-    kv_matrix o;                           /* [H, QH D] */
-    kv_matrix gate_up;                     /* [2 I, H]: gate rows, then up rows */
-    kv_matrix down;                        /* [H, I] */
-    float *k_cache, *v_cache;              /* [num_blocks, block_size, KVH, D] */
-} kv_layer;
-
-typedef struct {
-    int64_t num_layers, hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
-    double eps, scale;                     /* RMSNorm epsilon; softmax scale */
-    const kv_layer *layers;
-    const float *final_norm;               /* [H] */
-    const kv_matrix *head;                 /* LM head [V, H], or NULL */
-} kv_decoder;
 
 typedef struct {
     const kv_decoder *d;
@@ -507,3 +490,6 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     pthread_mutex_unlock(&P.lock);
     return 0;
 }
+
+/* The struct sizes kernels/cpu_lib.py checks its ctypes mirrors against (cpu_decoder.h). */
+int64_t kv_abi_sizes(int64_t *out, int64_t n) { return kv_abi_sizes_of(out, n); }

@@ -1,5 +1,6 @@
 """The fused CPU decoder: one decode step of a Llama-family decoder in one C call
-(``kernels/cpu_decoder.c``, built into the same library as :mod:`kvfleet.kernels.cpu_woq`).
+(``kernels/cpu_decoder.c``, built into the same library as :mod:`kvfleet.kernels.cpu_woq` by
+:mod:`kvfleet.kernels.cpu_lib`, which also holds the ctypes mirrors of its structs).
 
 Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
 and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
@@ -13,9 +14,10 @@ alive, and the tensors must not move or be resized while it is used); :meth:`Fus
 runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``D`` head size,
 ``I`` MLP width, ``V`` vocabulary):
 
-- :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``int8`` (``w [N, K]`` int8, ``scale [N]``)
-  or ``int4`` (``w [N, K/2]`` uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`,
-  ``scale``/``shift [N, K/G]``); ``bias [N]`` float32 or None.
+- :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``bf16`` (``w [N, K]`` bfloat16, widened to
+  float32 in registers), ``int8`` (``w [N, K]`` int8, ``scale [N]``) or ``int4`` (``w [N, K/2]``
+  uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``);
+  ``bias [N]`` float32 or None.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
   caches ``[num_blocks, block_size, KVH, D]`` float32.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvfleet.kernels import cpu_woq
+from kvfleet.kernels import cpu_lib
 
 MAX_ROWS = 64
 """Most rows (sequences) one step takes (``KV_MAX_ROWS`` in the C file)."""
@@ -42,25 +44,10 @@ processes loses at most this much per step."""
 
 PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
 """The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
-_FORMATS = {"fp32": 0, "int8": 1, "int4": 2}
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3}
 
 
-class _Matrix(ctypes.Structure):
-    _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("w", _ptr), ("scale", _ptr), ("shift", _ptr),
-                ("group", _i64), ("bias", _ptr)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Matrix), ("o", _Matrix),
-                ("gate_up", _Matrix), ("down", _Matrix), ("k_cache", _ptr), ("v_cache", _ptr)]
-
-
-class _Decoder(ctypes.Structure):
-    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
-                ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
-                ("scale", ctypes.c_double), ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
-                ("head", ctypes.POINTER(_Matrix))]
+_Matrix, _Layer, _Decoder = cpu_lib.Matrix, cpu_lib.Layer, cpu_lib.Decoder
 
 
 @dataclass
@@ -84,14 +71,14 @@ class Linear:
         """ValueError unless this is a valid ``[n, k]`` layer in its format."""
         if self.fmt not in _FORMATS:
             raise ValueError(f"{name}: unknown format {self.fmt!r}")
-        dtype = {"fp32": torch.float32, "int8": torch.int8, "int4": torch.uint8}[self.fmt]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.fmt]
         if self.w.dtype != dtype or not self.w.is_contiguous() or self.w.device.type != "cpu":
             raise ValueError(f"{name}: weight must be a contiguous CPU {dtype} tensor, got {self.w.dtype}")
         if self.shape != (n, k):
             raise ValueError(f"{name}: weight is {self.shape}, expected {(n, k)}")
         if k % (32 if self.fmt == "int4" else 8):
             raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
-        wanted = {"fp32": {}, "int8": {"scale": (n,)},
+        wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)},
                   "int4": {"scale": (n, k // max(self.group, 1)), "shift": (n, k // max(self.group, 1))}}[self.fmt]
         if self.fmt == "int4" and (self.group % 32 or k % self.group):
             raise ValueError(f"{name}: int4 group size {self.group} must be a multiple of 32 dividing {k}")
@@ -147,13 +134,13 @@ class FusedDecoder:
         ValueError: a tensor of the wrong shape, dtype or layout, or a model the C step does not
             cover (head size not a multiple of 8, query heads not a multiple of the
             KV heads, KV caches not float32 ``[blocks, block_size, KVH, D]``).
-        RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_woq.available`).
+        RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_lib.available`).
     """
 
     def __init__(self, weights: DecoderWeights, threads: int | None = None) -> None:
-        lib = cpu_woq.load()
+        lib = cpu_lib.load()
         if lib is None:
-            raise RuntimeError(f"kvfleet CPU kernels unavailable: {cpu_woq.unavailable_reason()}")
+            raise RuntimeError(f"kvfleet CPU kernels unavailable: {cpu_lib.unavailable_reason()}")
         w = weights
         QH, KVH, D = w.num_heads, w.num_kv_heads, w.head_size
         if D % 8 or QH % KVH or not w.layers:

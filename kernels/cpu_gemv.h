@@ -11,7 +11,7 @@
  *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
  *         (a multiple of 32); the int4 helpers apply scale and shift themselves.
  *
- * K is a multiple of 32 (int4) or 8 (fp32, int8). A decode step is bound by reading weights:
+ * K is a multiple of 32 (int4) or 8 (fp32, bf16, int8). A decode step is bound by reading weights:
  * each weight is loaded once, widened to float32 in registers and used for up to 4 rows of x.
  * At one row (the _m1 helpers) each weight row is summed front to back with four independent
  * FMA chains, so a thread reads its weights as one sequential stream; reading four rows at once
@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };
+enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3 };
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -37,6 +37,11 @@ static inline float hsum(__m256 v) {
 
 static inline __m256 widen_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* 8 bf16 weights widened to float32: exact (bf16 is the high half of a float32). */
+static inline __m256 widen_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 /* 32 int4 weights (16 bytes) widened to four float vectors, dequantized: q * s + t (out[i] holds
@@ -82,6 +87,7 @@ static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4])
 
 KV_DEFINE_ROWS(f32_rows, float, _mm256_loadu_ps)
 KV_DEFINE_ROWS(i8_rows, int8_t, widen_i8)
+KV_DEFINE_ROWS(bf16_rows, uint16_t, widen_bf16)
 
 /* Four rows of x against two weight rows w0, w1 (fp32 or int8): out[j][r] = x[r, :] . w_j. Each x
  * vector loaded serves two weight rows (eight accumulators), where the one-row form loads an x
@@ -108,6 +114,7 @@ KV_DEFINE_ROWS(i8_rows, int8_t, widen_i8)
 
 KV_DEFINE_TILE(f32_tile, float, _mm256_loadu_ps)
 KV_DEFINE_TILE(i8_tile, int8_t, widen_i8)
+KV_DEFINE_TILE(bf16_tile, uint16_t, widen_bf16)
 
 /* int4 row n: wn its packed bytes, sn / tn its K/G scales and shifts. */
 static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *wn, const float *sn,
@@ -128,9 +135,36 @@ static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t
     for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
-/* One row of x against one weight row (fp32 or int8, LOAD as above): four accumulators over k,
+/* One row of x against one weight row (fp32, bf16 or int8, LOAD as above): four accumulators over k,
  * so the row is read front to back and consecutive rows make one sequential stream. */
-#define KV_DEFINE_M1(NAME, T, LOAD, PF)                                                                 \
+#ifdef __AVX512F__
+/* The same with 16-wide loads and FMAs (the avx512 variants): half the instructions per weight,
+ * so one core keeps up with a faster memory stream. K's last 8 (K = 8 mod 16) run 8 wide. */
+static inline __m512 widen_i8_16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512 widen_bf16_16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#define KV_DEFINE_M1(NAME, T, LOAD, LOAD16, PF)                                                         \
+    static inline float NAME(const float *x, int64_t K, const T *w) {                                   \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                     \
+        int64_t k = 0;                                                                                  \
+        for (; k + 64 <= K; k += 64) {                                                                  \
+            if (PF) _mm_prefetch((const char *)(w + k) + PF, _MM_HINT_T0);                              \
+            if (PF && sizeof(T) > 1) _mm_prefetch((const char *)(w + k) + PF + 64, _MM_HINT_T0);        \
+            a0 = _mm512_fmadd_ps(LOAD16(w + k), _mm512_loadu_ps(x + k), a0);                            \
+            a1 = _mm512_fmadd_ps(LOAD16(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);                  \
+            a2 = _mm512_fmadd_ps(LOAD16(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);                  \
+            a3 = _mm512_fmadd_ps(LOAD16(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);                  \
+        }                                                                                               \
+        for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(LOAD16(w + k), _mm512_loadu_ps(x + k), a0);  \
+        float tail = 0.0f;                                                                              \
+        if (k < K) tail = hsum(_mm256_mul_ps(LOAD(w + k), _mm256_loadu_ps(x + k)));                     \
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) + tail; \
+    }
+#else
+#define KV_DEFINE_M1(NAME, T, LOAD, LOAD16, PF)                                                         \
     static inline float NAME(const float *x, int64_t K, const T *w) {                                   \
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                     \
         int64_t k = 0;                                                                                  \
@@ -144,9 +178,11 @@ static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t
         for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(LOAD(w + k), _mm256_loadu_ps(x + k), a0);      \
         return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                       \
     }
+#endif
 
-KV_DEFINE_M1(f32_m1, float, _mm256_loadu_ps, 0)
-KV_DEFINE_M1(i8_m1, int8_t, widen_i8, 4096)
+KV_DEFINE_M1(f32_m1, float, _mm256_loadu_ps, _mm512_loadu_ps, 0)
+KV_DEFINE_M1(i8_m1, int8_t, widen_i8, widen_i8_16, 4096)
+KV_DEFINE_M1(bf16_m1, uint16_t, widen_bf16, widen_bf16_16, 4096)
 
 /* One row of x against int4 row w (K/2 packed bytes), s / t its K/G scales and shifts. */
 static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t, int64_t G) {
@@ -167,9 +203,9 @@ static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const flo
 
 /* A linear layer's weights in one of the formats above. */
 typedef struct {
-    int64_t fmt;            /* KV_FP32, KV_INT8 or KV_INT4 */
+    int64_t fmt;            /* KV_FP32, KV_INT8, KV_INT4 or KV_BF16 */
     int64_t N, K;
-    const void *w;          /* float [N, K] / int8 [N, K] / uint8 [N, K/2] */
+    const void *w;          /* float [N, K] / int8 [N, K] / uint8 [N, K/2] / uint16 (bf16) [N, K] */
     const float *scale;     /* int8: [N]; int4: [N, K/G]; fp32: NULL */
     const float *shift;     /* int4: [N, K/G]; else NULL */
     int64_t group;          /* int4 group size G */
@@ -185,7 +221,7 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
 /* Prefetch rows n .. n + count - 1 of m (weights, and int4 scales and shifts). */
 static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
     const int64_t K = m->K;
-    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_INT8 ? K : K / 2;
+    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_BF16 ? 2 * K : m->fmt == KV_INT8 ? K : K / 2;
     prefetch_span((const char *)m->w + n * row, count * row);
     if (m->fmt == KV_INT4) {
         prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
@@ -206,7 +242,7 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
     prefetch_rows(m, n0, n1 - n0 < 8 ? n1 - n0 : 8);
     if (M == 1) {
         /* One weight row at a time, so a thread's weights are one front-to-back stream. The
-         * quantized rows (a few hundred bytes) are prefetched ~4 KiB ahead (int8 inside i8_m1;
+         * quantized rows (a few hundred bytes) are prefetched ~4 KiB ahead (int8 and bf16 inside i8_m1 / bf16_m1;
          * int4 row by row, its weights only: the hardware prefetcher follows the small scale and
          * shift streams); fp32 rows are long enough for the hardware prefetcher, which software
          * prefetch only disturbed. */
@@ -217,6 +253,9 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
         } else if (m->fmt == KV_INT8) {
             const int8_t *w = (const int8_t *)m->w;
             for (; n < n1; n++) y[n - n0] = i8_m1(x, K, w + n * K) * m->scale[n] + (bias ? bias[n] : 0.0f);
+        } else if (m->fmt == KV_BF16) {
+            const uint16_t *w = (const uint16_t *)m->w;
+            for (; n < n1; n++) y[n - n0] = bf16_m1(x, K, w + n * K) + (bias ? bias[n] : 0.0f);
         } else {
             const uint8_t *w = (const uint8_t *)m->w;
             const int64_t half = K / 2, ahead = 4096 / half + 1;
@@ -234,6 +273,9 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
             for (int64_t m0 = 0; m0 + 4 <= M; m0 += 4) {
                 if (m->fmt == KV_FP32)
                     f32_tile(x + m0 * ldx, ldx, K, (const float *)m->w + n * K, (const float *)m->w + (n + 1) * K, tile);
+                else if (m->fmt == KV_BF16)
+                    bf16_tile(x + m0 * ldx, ldx, K, (const uint16_t *)m->w + n * K,
+                              (const uint16_t *)m->w + (n + 1) * K, tile);
                 else
                     i8_tile(x + m0 * ldx, ldx, K, (const int8_t *)m->w + n * K, (const int8_t *)m->w + (n + 1) * K,
                             tile);
@@ -247,6 +289,8 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
                 for (int64_t j = n; j < n + 2; j++) {
                     float b = m->bias ? m->bias[j] : 0.0f;
                     if (m->fmt == KV_FP32) f32_rows(x + m0 * ldx, ldx, K, (const float *)m->w + j * K, (int)(M % 4), out);
+                    else if (m->fmt == KV_BF16)
+                        bf16_rows(x + m0 * ldx, ldx, K, (const uint16_t *)m->w + j * K, (int)(M % 4), out);
                     else i8_rows(x + m0 * ldx, ldx, K, (const int8_t *)m->w + j * K, (int)(M % 4), out);
                     for (int r = 0; r < M % 4; r++)
                         y[(m0 + r) * ldy + j - n0] = (m->fmt == KV_INT8 ? out[r] * m->scale[j] : out[r]) + b;
@@ -263,6 +307,7 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
             /* R as a constant (4, or the 1-3 left), so the accumulators stay in registers */
 #define KV_ROWS_CALL(RC)                                                                                 \
     if (m->fmt == KV_FP32) f32_rows(xr, ldx, K, (const float *)m->w + n * K, RC, out);                   \
+    else if (m->fmt == KV_BF16) bf16_rows(xr, ldx, K, (const uint16_t *)m->w + n * K, RC, out);          \
     else if (m->fmt == KV_INT8) i8_rows(xr, ldx, K, (const int8_t *)m->w + n * K, RC, out);              \
     else i4_rows(xr, ldx, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups, m->shift + n * groups, \
                  G, RC, out);

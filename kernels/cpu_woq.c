@@ -1,4 +1,4 @@
-/* kvfleet CPU kernels: weight-only quantized linear layers (int8, int4) for x86-64 AVX2 + FMA.
+/* kvfleet CPU kernels: weight-only linear layers (int8, int4, bf16) for x86-64 AVX2 + FMA.
  *
  * Contract (kernels/cpu_woq.py builds this file with the system C compiler, loads it with
  * ctypes and checks every argument before a call; nothing here validates):
@@ -9,6 +9,7 @@
  *   y:    [M, N] float32, row-major, contiguous
  *   int8: w [N, K] int8, scale [N] float32 (symmetric, per channel)
  *   int4: w [N, K/2] uint8 packed, scale and shift [N, K / G] float32 (shift = -zero_point * scale)
+ *   bf16: w [N, K] bfloat16 (as uint16), no scale
  *   (the layouts and dequantization: cpu_gemv.h, whose helpers do the arithmetic)
  *
  * Output channels are split, four at a time, over the OpenMP threads (libgomp: the same runtime
@@ -42,6 +43,12 @@ void kv_woq_int4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const
                         int64_t N, const float *scale, const float *shift, int64_t G,
                         const float *bias, float *y) {
     kv_matrix m = {KV_INT4, N, K, w, scale, shift, G, bias};
+    woq_linear(&m, x, M, ldx, y);
+}
+
+void kv_woq_bf16_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *w,
+                        int64_t N, const float *bias, float *y) {
+    kv_matrix m = {KV_BF16, N, K, w, NULL, NULL, 0, bias};
     woq_linear(&m, x, M, ldx, y);
 }
 

@@ -1,6 +1,6 @@
-"""Weight-only quantized linear layers on x86-64 CPUs with AVX2 + FMA: int8 (per output channel)
-and int4 (groupwise, asymmetric), as the custom ops ``kvfleet::woq_int8_linear`` and
-``kvfleet::woq_int4_linear``.
+"""Weight-only linear layers on x86-64 CPUs with AVX2 + FMA: int8 (per output channel), int4
+(groupwise, asymmetric) and bf16 weights, as the custom ops ``kvfleet::woq_int8_linear``,
+``kvfleet::woq_int4_linear`` and ``kvfleet::woq_bf16_linear``.
 
 Why our own kernel: torch's CPU kernels for weight-only int8/int4 (``aten._weight_int8pack_mm``,
 ``aten._weight_int4pack_mm_for_cpu``, ``torch._int_mm``) are vectorised for AVX-512; on an AVX2
@@ -9,20 +9,23 @@ machine they ran 5-10x slower than the fp32 matmul they replace (docs/performanc
 step is bound by reading weights, so the kernel reads each weight once, widens it to float32 in
 registers and uses it for up to four rows of ``x`` (``kernels/cpu_gemv.h`` states the layouts).
 
-Build: :func:`load` compiles ``cpu_woq.c`` and ``cpu_decoder.c`` (the fused decode step of
-:mod:`kvfleet.kernels.cpu_decoder`; both include ``cpu_gemv.h``) with the system C compiler
-(``$CC``, else ``cc`` / ``gcc``; ``-O3 -mavx2 -mfma -fopenmp -pthread``) into one
-``<cache>/kernels/cpu_woq-<hash>.so`` (the hash covers the sources, the header and the
-flags; the build is written to a temporary name and renamed, so concurrent processes do not
-see half a file) and loads it with ``ctypes``; about a second, once per cache folder.
-:func:`available` says whether this machine can use it: Linux x86-64, AVX2 and FMA in
-``/proc/cpuinfo``, a compiler, and a build that succeeded. Callers fall back
-to torch/torchao's kernels when it is False.
+Build and load: :mod:`kvfleet.kernels.cpu_lib` (one library per ISA level, chosen at run time;
+``cpu_woq.c`` holds these ops, ``cpu_decoder.c`` the fused decode step). :func:`load`,
+:func:`available` and :func:`unavailable_reason` are its; callers fall back to torch/torchao's
+kernels when :func:`available` is False.
 
 Shapes and dtypes (the ops check them and raise ``ValueError``):
 
 - ``int8_linear(x [..., K] float, qdata [N, K] int8, scale [N] float32, bias [N] | None)``
   -> ``[..., N]`` in ``x.dtype``: ``x @ (qdata * scale[:, None]).T + bias``.
+- ``bf16_linear(x [..., K] float, w [N, K] bfloat16, bias [N] | None)`` -> ``[..., N]`` in
+  ``x.dtype``: ``x @ w.float().T + bias`` (bf16 weights, float32 arithmetic). A step of up to
+  :data:`KERNEL_ROWS` rows runs the C kernel (each bf16 weight widened exactly in registers);
+  a larger one (prefill) runs torch's matmul, the way :func:`bf16_path` names: ``native_bf16``
+  (``F.linear`` on bf16 activations, oneDNN's AVX512-BF16 / AMX kernels; the activations and
+  each output, before the float32 bias, are rounded to bf16) where the CPU multiplies bf16
+  natively, else ``fp32`` (the weight widened into this thread's :func:`dequant_scratch`,
+  torch's fp32 matmul).
 - ``int4_linear(x [..., K], packed [N, K/2] uint8, scale [N, K/G], shift [N, K/G], G, bias)``
   -> ``x @ W.T + bias`` with ``W[n, k] = q[n, k] * scale[n, k//G] + shift[n, k//G]``,
   ``q = unpack_int4(packed)`` in 0..15, ``G`` a multiple of 32 dividing ``K``.
@@ -35,120 +38,27 @@ order than a BLAS matmul, so results match ``x @ W.T`` to float32 rounding, not 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import functools
 import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvfleet.kernels import cpu_features, cpu_lib
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-"""The library's C files (one ``.so``); ``cpu_gemv.h`` holds the arithmetic both share."""
-HEADERS = (Path(__file__).with_name("cpu_gemv.h"),)
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-pthread", "-shared", "-fPIC")
-CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
-PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
-PARALLEL_MIN_WEIGHTS = 1 << 16
-"""Layers with fewer weights run on one thread (``$KVFLEET_CPU_WOQ_PARALLEL_MIN`` overrides):
-waking a sleeping OpenMP thread costs more than a small layer takes on one core. One int8 stream
-of the default model, 2 rounds: 2^16 (every layer on both threads) 17.0 / 14.7 tok/s, 2^19
-(q/k/v/o on one) 17.4 / 16.0, 2^20 (all but the LM head on one) 14.7 / 12.4: within this
-machine's noise, so the default stays."""
+KERNEL_ROWS = 32
+"""Rows (tokens) up to which :func:`bf16_linear` runs the C kernel; above, torch's matmul
+(:func:`bf16_path`). The int8 layers' threshold (``woq_linear.MAX_KERNEL_ROWS``), measured for bf16
+too (docs/performance.md, "bf16 weights")."""
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+load, available, unavailable_reason = cpu_lib.load, cpu_lib.available, cpu_lib.unavailable_reason
 
 
 def cpu_supported(cpuinfo: str | None = None) -> bool:
-    """Linux x86-64 with the ``avx2`` and ``fma`` flags (``/proc/cpuinfo``, or ``cpuinfo``)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+    """Whether a CPU (``/proc/cpuinfo`` text, or this machine's) reaches kvfleet's floor, the
+    ``avx2`` level (AVX2, FMA, F16C on Linux x86-64)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return "avx2" in flags and "fma" in flags
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _default_root() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
-
-
-def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
-    """Build (once per cache folder) and load the kernels; None when this machine cannot
-    (see :func:`available`; the reason is logged once and kept in :func:`unavailable_reason`)."""
-    global _lib, _error
-    with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        if not cpu_supported():
-            _error = "the CPU lacks AVX2/FMA (or is not Linux x86-64)"
-            return None
-        cc = _compiler()
-        if cc is None:
-            _error = "no C compiler ($CC, cc or gcc) to build kernels/cpu_woq.c"
-            logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
-            return None
-        source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-        digest = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-        folder = (cache_root or _default_root()) / "kernels"
-        target = folder / f"cpu_woq-{digest}.so"
-        try:
-            if not target.exists():
-                folder.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-                os.close(fd)
-                run = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True,
-                                     text=True)
-                if run.returncode != 0:
-                    os.unlink(tmp)
-                    raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
-                os.replace(tmp, target)
-            lib = ctypes.CDLL(str(target))
-        except OSError as exc:
-            _error = f"building or loading {target.name} failed: {exc}"
-            logger.warning("weight-only quantized CPU kernels unavailable: %s", _error)
-            return None
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.kv_woq_int8_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, p]
-        lib.kv_woq_int4_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, p]
-        lib.kv_woq_int4_dequant.argtypes = [p, i64, i64, p, p, i64, p]
-        lib.kv_woq_set_parallel_min.argtypes = [i64]
-        lib.kv_woq_set_parallel_min(int(os.environ.get(PARALLEL_MIN_ENV, "") or PARALLEL_MIN_WEIGHTS))
-        lib.kv_woq_int8_linear.restype = lib.kv_woq_int4_linear.restype = lib.kv_woq_int4_dequant.restype = None
-        lib.kv_pool_start.argtypes, lib.kv_pool_start.restype = [i64, i64], i64
-        lib.kv_decode_profile.argtypes, lib.kv_decode_profile.restype = [p], None
-        lib.kv_decode.argtypes, lib.kv_decode.restype = [p, i64, p, p, p, p, p, i64, p, p, p], i64
-        _lib = lib
-        return lib
-
-
-def available(cache_root: Path | None = None) -> bool:
-    """Whether the kernels run on this machine (builds them on first call)."""
-    return load(cache_root) is not None
-
-
-def unavailable_reason() -> str | None:
-    """Why :func:`load` returned None (None when it has not or it succeeded)."""
-    return _error
+        return cpu_lib.variant_for(cpu_features.detect()) is not None
+    return cpu_lib.variant_for(cpu_features.CpuFeatures.from_cpuinfo(cpuinfo)) is not None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -182,9 +92,9 @@ def _as_input(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _lib_or_raise() -> ctypes.CDLL:
-    lib = load()
+    lib = cpu_lib.load()
     if lib is None:
-        raise RuntimeError(f"kvfleet woq kernels unavailable: {_error}")
+        raise RuntimeError(f"kvfleet woq kernels unavailable: {cpu_lib.unavailable_reason()}")
     return lib
 
 
@@ -238,8 +148,84 @@ def _int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shi
     return _as_input(y, x)
 
 
+_scratch = threading.local()
+
+
+def dequant_scratch(rows: int, cols: int) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` view of this thread's dequantization buffer (grown, never
+    shrunk; the largest layer's weight). One buffer for every layer: a fresh ``torch.empty`` of
+    a whole weight per layer per prefill came from new pages (mmap-sized allocations), and
+    faulting them in cost more than the dequantization (the first token of a 128-token int4
+    prompt: 0.70 s with fresh tensors, 0.45 s with the buffer; docs/performance.md). Overwritten
+    by the next layer: the caller uses it before the next call.
+
+    Made with inference mode off, so it can be written in and out of inference mode."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = _scratch.buf = torch.empty(rows * cols, dtype=torch.float32)
+    return buf[: rows * cols].view(rows, cols)
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    return cpu_features.detect().native_bf16
+
+
+def bf16_path(rows: int, native_bf16: bool | None = None) -> str:
+    """How :func:`bf16_linear` runs a step of ``rows`` rows: ``kernel`` (the C kernel, up to
+    :data:`KERNEL_ROWS` rows: decode, bound by reading weights), else ``native_bf16`` when the CPU
+    multiplies bf16 natively (``native_bf16``; None: this machine's
+    :attr:`~kvfleet.kernels.cpu_features.CpuFeatures.native_bf16`, read once), else ``fp32``."""
+    if rows <= KERNEL_ROWS:
+        return "kernel"
+    if native_bf16 is None:
+        native_bf16 = _native_bf16()
+    return "native_bf16" if native_bf16 else "fp32"
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
+    """``x @ w.float().T + bias`` for bf16 ``w [N, K]`` (see the module docstring); ``x`` [..., K].
+    ``path`` forces one of :func:`bf16_path`'s answers (tests, benchmarks). Under ``torch.compile``
+    the opaque op ``kvfleet::woq_bf16_linear``; eagerly a plain call."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvfleet.woq_bf16_linear(x, w, bias)
+    N, K = w.shape
+    _check(x, w, torch.bfloat16, K, N, bias)
+    return bf16_linear_unchecked(x, w, bias, path)
+
+
+def bf16_linear_unchecked(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                          path: str | None = None) -> torch.Tensor:
+    """:func:`bf16_linear` without the argument checks or the op dispatch (see
+    :func:`int8_linear_unchecked`)."""
+    N, K = w.shape
+    rows = x.numel() // K if K else 0
+    path = path or bf16_path(rows)
+    if path == "native_bf16":
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), w).float()
+        return _as_input(y if bias is None else y.add_(bias), x)
+    if path == "fp32":
+        y = torch.nn.functional.linear(x.float(), dequant_scratch(N, K).copy_(w), bias)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    x2 = _rows(x)
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    if x2.shape[0]:
+        _lib_or_raise().kv_woq_bf16_linear(x2.data_ptr(), x2.shape[0], K, K, w.data_ptr(), N, _ptr(bias),
+                                          y.data_ptr())
+    return _as_input(y, x)
+
+
+def _bf16_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return bf16_linear(x, w, bias)
+
+
 def _int8_fake(x, qdata, scale, bias):
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
+def _bf16_fake(x, w, bias):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def _int4_fake(x, packed, scale, shift, group_size, bias):
@@ -248,6 +234,7 @@ def _int4_fake(x, packed, scale, shift, group_size, bias):
 
 torch.library.custom_op("kvfleet::woq_int8_linear", _int8_linear, mutates_args=()).register_fake(_int8_fake)
 torch.library.custom_op("kvfleet::woq_int4_linear", _int4_linear, mutates_args=()).register_fake(_int4_fake)
+torch.library.custom_op("kvfleet::woq_bf16_linear", _bf16_op, mutates_args=()).register_fake(_bf16_fake)
 
 
 def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
@@ -257,8 +244,8 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
     N, K = qdata.shape
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
-    _lib.kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
-                            _ptr(bias), y.data_ptr())
+    _lib_or_raise().kv_woq_int8_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
+                                       _ptr(bias), y.data_ptr())
     return _as_input(y, x)
 
 
@@ -269,8 +256,8 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
     N, half = packed.shape
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
-    _lib.kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], 2 * half, 2 * half, packed.data_ptr(), N, scale.data_ptr(),
-                            shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
+    _lib_or_raise().kv_woq_int4_linear(x2.data_ptr(), x2.shape[0], 2 * half, 2 * half, packed.data_ptr(), N,
+                                       scale.data_ptr(), shift.data_ptr(), group_size, _ptr(bias), y.data_ptr())
     return _as_input(y, x)
 
 
@@ -282,8 +269,8 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     N, half = packed.shape
     if out is None:
         out = torch.empty((N, 2 * half), dtype=torch.float32)
-    _lib.kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(), group_size,
-                             out.data_ptr())
+    _lib_or_raise().kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(),
+                                        group_size, out.data_ptr())
     return out
 
 

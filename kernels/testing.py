@@ -1,6 +1,6 @@
 """Test and benchmark helpers: random paged batches and a naive dense attention oracle.
 
-Used by ``tests/test_kernels_*.py``, ``benchmarks/kernels_cpu.py`` and
+Used by ``tests/unit/kernels/``, ``benchmarks/kernels_cpu.py`` and
 ``benchmarks/gpu_check.py``; importing it does not import triton.
 """
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.kernels.reference import check_attention_options, check_paged_attention_args
+from kvfleet.kernels.checks import check_attention_options, check_paged_attention_args
 
 __all__ = ["paged_attention_triton", "choose_num_splits", "launch_config", "LaunchConfig", "kernel_constexprs"]
 

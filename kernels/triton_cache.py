@@ -59,7 +59,7 @@ def reshape_and_cache_triton(
     block_size, num_kv_heads, head_size]``, ``slot_mapping [num_tokens]`` int32/int64,
     ``-1`` skips). Raises ValueError on shape/layout mismatch. Out-of-range slots are
     not checked (undefined behaviour, as in vLLM)."""
-    from kvfleet.kernels.reference import check_reshape_and_cache_args
+    from kvfleet.kernels.checks import check_reshape_and_cache_args
 
     num_tokens, num_kv_heads, head_size = check_reshape_and_cache_args(key, value, key_cache, value_cache, slot_mapping)
     if key.stride(2) != 1:

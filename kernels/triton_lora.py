@@ -7,7 +7,7 @@ lora_a[s].T`` (``[R]``, fp32, looping over ``in`` in blocks of ``BLOCK_K``) into
 fp32 buffer. Expand: one program per (token, block of ``BLOCK_N`` outputs) adds ``shrink[t] @
 lora_b[s][:, block]`` to ``y``. A token with slot -1 returns at once (no loads). This is BGMV
 (one adapter gathered per token, Chen et al. 2023, Punica); it serves decode batches and
-mixed prefill alike, and is exact under the Triton interpreter (tests/test_lora_kernels.py).
+mixed prefill alike, and is exact under the Triton interpreter (tests/unit/kernels/test_lora.py).
 """
 
 from __future__ import annotations

@@ -91,9 +91,12 @@ def desired_adapters(isvc: Mapping[str, Any]) -> list[dict[str, str]]:
         else:
             claim = _model_claim(spec)
             if where["claim"] != claim:
-                raise InvalidSpec("AdapterClaimNotMounted", f"model.adapters[{i}].uri {uri!r}: a pvc:// adapter "
-                                  f"must be on the claim the model volume mounts ({claim or 'none'}); another "
-                                  "claim would change the pod template")  # fmt: skip
+                raise InvalidSpec(
+                    "AdapterClaimNotMounted",
+                    f"model.adapters[{i}].uri {uri!r}: a pvc:// adapter "
+                    f"must be on the claim the model volume mounts ({claim or 'none'}); another "
+                    "claim would change the pod template",
+                )
             rel = str(where["path"] or "")  # the claim's root is mounted at MODELS_DIR
             path = f"{MODELS_DIR}/{rel}" if rel else MODELS_DIR
         out.append({"name": name, "uri": uri, "path": path})

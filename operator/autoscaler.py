@@ -3,14 +3,14 @@ from the pods' live metrics. Thin: read the cluster, call the pure :mod:`kvfleet
 and :mod:`kvfleet.operator.tuning`, write the result.
 
 - :func:`autoscaled_index` (a kopf index, no finalizer) holds the InferenceServices in mode
-  ``operator`` or with ``spec.tuning.enabled`` (and, once more, those to retire, :func:`needs_retire`);
-- :class:`AutoscalerLoop` (started and stopped by kopf startup/cleanup handlers) runs
-  :func:`step` for each every ``intervalSeconds`` (``$KVFLEET_AUTOSCALER_INTERVAL`` overrides);
-  one object's failure is logged and retried, the others go on;
-- :func:`step` scales through the InferenceService's scale subresource, tunes through
-  ``status.engine`` (then reconciles), posts Events, writes ``status.metrics`` and the
-  ``ScalingActive`` condition;
-- while kopf peering pauses this operator (:func:`pause_reason`) the loop acts on nothing.
+  ``operator`` or with ``spec.tuning.enabled`` (and, once more, those to retire:
+  :func:`kvfleet.operator.autoscale_step.tracked`);
+- :class:`AutoscalerLoop` (started and stopped by kopf startup/cleanup handlers) runs one
+  iteration (:func:`kvfleet.operator.autoscale_step.step`: read, decide, write) for each every
+  ``intervalSeconds`` (``$KVFLEET_AUTOSCALER_INTERVAL`` overrides); one object's failure is
+  logged and retried, the others go on;
+- while kopf peering pauses this operator (:func:`kvfleet.operator.peering.pause_reason`) the
+  loop acts on nothing.
 
 Mode ``hpa`` is not in the loop (the HPA is a child: :func:`builders.build_hpa`). See docs/autoscaling.md.
 """
@@ -18,340 +18,20 @@ Mode ``hpa`` is not in the loop (the HPA is a child: :func:`builders.build_hpa`)
 from __future__ import annotations
 
 import asyncio
-import datetime
-import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 import kopf
 
-from kvfleet.operator import builders, crd, policy, reconcile, router, tuning
+from kvfleet.operator import autoscale_step, crd, peering
+from kvfleet.operator.autoscale_step import ServiceState, interval_seconds, tracked
 from kvfleet.operator.kube import ApiError, Kube, make_kube
-from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
-from kvfleet.operator.router_load import read_router_load
-from kvfleet.operator.status import autoscaler_off_message, set_condition
-from kvfleet.operator.status import event as status_event
-from kvfleet.operator.times import parse_datetime, rfc3339
 
 log = logging.getLogger(__name__)
-
-INTERVAL_ENV = "KVFLEET_AUTOSCALER_INTERVAL"
-DEFAULT_INTERVAL = 15.0
-CONDITION = "ScalingActive"
-DEFAULT_MAX_NUM_SEQS = 128
-"""The runtime's default ``max_num_seqs`` (kvfleet.runtime.config.EngineConfig), for the busy floor."""
-
-
-def interval_seconds(spec: Mapping[str, Any]) -> float:
-    """Seconds between two reads: ``$KVFLEET_AUTOSCALER_INTERVAL``, else
-    ``spec.autoscaling.metrics.intervalSeconds``, else 15."""
-    env = os.environ.get(INTERVAL_ENV)
-    if env:
-        return max(0.1, float(env))
-    return float((((spec.get("autoscaling") or {}).get("metrics") or {}).get("intervalSeconds")) or DEFAULT_INTERVAL)
-
-
-# ---------------------------------------------------------------------------------
-# the per-object iteration
-
-
-@dataclass
-class ServiceState:
-    """What the loop remembers about one InferenceService between iterations (in memory,
-    like the HPA controller's recommendations; forgotten when the object leaves the loop,
-    when the operator pauses, and on restart)."""
-
-    history: tuple[policy.Recommendation, ...] | None = None
-    previous: policy.MetricsAggregate | None = None
-    last_reason: str | None = None
-    tuning_held: str | None = None
-    """The last :func:`tuning.rollout_hold` reason (an Event when it changes to one that is not
-    ``RollingOut``)."""
-    http: httpx.AsyncClient | None = None
-    """The client for the pods' /metrics (the loop's shared one; None: one per read)."""
-    changes: list[tuple[float, int, int]] = field(default_factory=list)
-    """``(time, from, to)`` of the scale changes made for this object (for logs and tests)."""
-    due: float = 0.0
-    """``time.monotonic()`` at which the next iteration is due."""
-    interval: float = DEFAULT_INTERVAL
-    """Seconds between iterations, as the last one found (``interval_seconds``)."""
-
-
-async def _event(kube: Kube, body: Mapping[str, Any], type_: str, reason: str, message: str,
-                 inputs: Mapping[str, Any] | None = None) -> None:
-    """Post a ``core/v1`` Event about ``body`` (``reportingComponent`` ``kvfleet-operator``).
-
-    kopf's ``kopf.event`` only works inside kopf's per-object handlers (it needs their
-    context), so the loop posts through the API itself. A failed post is logged, not raised:
-    an Event is never worth a missed scaling step."""
-    if inputs:
-        message = f"{message}; inputs {json.dumps(inputs, sort_keys=True, separators=(',', ':'))}"
-    meta = body.get("metadata") or {}
-    namespace = meta.get("namespace") or "default"
-    event = status_event(body, type_, reason, message, rfc3339(), builders.FIELD_MANAGER)
-    try:
-        await asyncio.to_thread(kube.create, event)
-    except ApiError as e:
-        log.warning("could not post Event %s about %s/%s: %s", reason, namespace, meta.get("name"), e)
-
-
-def _condition_patch(isvc: Mapping[str, Any], status: str, reason: str, message: str) -> dict[str, Any]:
-    """The status patch that sets ``ScalingActive`` ({} when it is already so)."""
-    st = isvc.get("status") or {}
-    old = st.get("conditions") or []
-    current = next((c for c in old if c.get("type") == CONDITION), None)
-    if current and (current.get("status"), current.get("reason"), current.get("message")) == (status, reason, message):
-        return {}
-    conds = set_condition(old, type=CONDITION, status=status, reason=reason, message=message,
-                                   now=rfc3339(time.time()),
-                                   observed_generation=(isvc.get("metadata") or {}).get("generation"))
-    return {"conditions": conds}
-
-
-def _retire_patch(isvc: Mapping[str, Any], mode: str) -> dict[str, Any]:
-    """``ScalingActive=False`` when the operator's autoscaler is off and the condition is
-    there from before ({} otherwise: nothing to write; a ``ConflictingAutoscaler`` there is the
-    reconcile's, about a scaler on the Deployment, and it clears that one)."""
-    current = next((c for c in (isvc.get("status") or {}).get("conditions") or [] if c.get("type") == CONDITION), None)
-    if current is None or current.get("reason") == "ConflictingAutoscaler":  # the reconcile's (a Deployment scaler)
-        return {}
-    return _condition_patch(isvc, "False", "OperatorAutoscalerOff", autoscaler_off_message(isvc, mode))
-
-
-async def _retire(kube: Kube, isvc: Mapping[str, Any], mode: str) -> None:
-    patch = _retire_patch(isvc, mode)
-    if patch:
-        meta = isvc["metadata"]
-        await asyncio.to_thread(kube.patch_status, crd.KIND, meta["namespace"], meta["name"], patch)
-
-
-def wants_autoscaler(spec: Mapping[str, Any], **_: Any) -> bool:
-    """Whether the loop works on an InferenceService: the operator scales it (mode
-    ``operator``) or tunes it. Others (mode ``none``; mode ``hpa``, where the HPA scales)
-    get no reads and no writes."""
-    return (spec.get("autoscaling") or {}).get("mode") == "operator" or bool((spec.get("tuning") or {}).get("enabled"))
-
-
-def needs_retire(body: Mapping[str, Any]) -> bool:
-    """Whether the InferenceService is not autoscaled or tuned but still carries a
-    ``ScalingActive`` condition that does not say so (it just stopped being autoscaled, or
-    it was switched while the operator was down): the loop visits it once more to set
-    ``ScalingActive=False``, reason ``OperatorAutoscalerOff``."""
-    try:
-        mode = builders.effective_spec(body)["autoscaling"].get("mode", "none")
-    except (TypeError, AttributeError, KeyError, ValueError):  # a malformed spec: the reconcile reports it
-        return False
-    return bool(_retire_patch(body, mode))
-
-
-def tracked(spec: Mapping[str, Any], body: Mapping[str, Any], **_: Any) -> bool:
-    """The index's filter (:func:`autoscaled_index`): :func:`wants_autoscaler` or
-    :func:`needs_retire`, and not being deleted."""
-    if (body.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    return wants_autoscaler(spec) or needs_retire(body)
-
-
-async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
-               logger: logging.Logger, now: float | None = None) -> float:
-    """One iteration for one InferenceService: read it, its pods and their metrics, decide,
-    write. ``now`` (Unix seconds, default the clock) is the decisions' time. Returns the
-    seconds until the next iteration.
-
-    Raises:
-        ApiError, httpx.HTTPError, OSError: an API call failed (the loop logs it
-            and tries again after the interval).
-    """
-    isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
-    if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
-        return DEFAULT_INTERVAL
-    spec = builders.effective_spec(isvc)
-    interval = interval_seconds(spec)
-    auto, tuning_spec = spec["autoscaling"], spec["tuning"]
-    mode = auto.get("mode", "none")
-    tuning_on = bool(tuning_spec.get("enabled"))
-    status_patch: dict[str, Any] = {}
-
-    if mode != "operator" and not tuning_on:  # leaving the loop (see wants_autoscaler)
-        await _retire(kube, isvc, mode)
-        state.history, state.previous, state.last_reason = None, None, None
-        return interval
-
-    try:
-        config = policy.AutoscalingConfig.from_spec(auto) if mode == "operator" else None
-        tconfig = tuning.TuningConfig.from_spec(tuning_spec) if tuning_on else None
-        source = make_source(auto, namespace, client=state.http)
-    except ValueError as e:  # the schema's CEL rules should have caught it
-        status_patch.update(_condition_patch(isvc, "False", "InvalidAutoscaling", str(e)))
-        if status_patch:
-            await asyncio.to_thread(kube.patch_status, crd.KIND, namespace, name, status_patch)
-        return interval
-
-    now = time.time() if now is None else now
-    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, builders.selector_labels(isvc))
-    metrics: policy.MetricsAggregate | None
-    try:
-        metrics = await source.read(pods, now=now, previous=state.previous)
-    except MetricsSourceError as e:
-        logger.warning("metrics of %s/%s unavailable: %s", namespace, name, e)
-        metrics = None
-    if metrics is not None:
-        state.previous = metrics
-        new_metrics = {"failedPods": None, "notReadyPods": None, **metrics.to_status()}
-        if policy.metrics_changed((isvc.get("status") or {}).get("metrics"), new_metrics):
-            status_patch["metrics"] = new_metrics
-
-    if mode == "operator":
-        foreign = await asyncio.to_thread(reconcile.foreign_scalers, kube, isvc)
-        if foreign:
-            message = policy.conflict_message(foreign, mode)
-            patch = _condition_patch(isvc, "False", "ConflictingAutoscaler", message)
-            if patch:
-                await _event(kube, isvc, "Warning", "ConflictingAutoscaler", message)
-            status_patch.update(patch)
-            state.last_reason = "ConflictingAutoscaler"
-        else:
-            current = int((isvc.get("spec") or {}).get("replicas", spec.get("replicas", 1)))
-            ready = sum(1 for p in pods if pod_is_ready(p))
-            if state.history is None:  # first look since (re)start: the down window starts now
-                state.history = (policy.Recommendation(now, current),)
-            max_num_seqs = builders.effective_engine(isvc).get("maxNumSeqs") or DEFAULT_MAX_NUM_SEQS
-            routers = None
-            if router.enabled(isvc):  # wake from zero on held requests; never 0 with requests in flight
-                router_pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace,
-                                                      router.selector_labels(isvc))
-                routers = await read_router_load(state.http, router_pods)
-            decision = policy.decide_scale(config, now=now, current=current, ready=ready, metrics=metrics,
-                                           history=state.history, max_num_seqs=int(max_num_seqs),
-                                           router=routers)
-            state.history = decision.history
-            if decision.changed:
-                await asyncio.to_thread(kube.scale, crd.KIND, namespace, name, decision.replicas)
-                state.changes.append((now, decision.current, decision.replicas))
-                logger.info("%s/%s: %s", namespace, name, decision.message)
-                await _event(kube, isvc, "Normal", decision.reason, decision.message, decision.inputs)
-                status_patch["lastScaleTime"] = rfc3339(now)
-            elif decision.reason != state.last_reason and decision.reason not in ("Stable",):
-                await _event(kube, isvc, "Warning" if decision.reason == "MetricsUnavailable" else "Normal",
-                             decision.reason, decision.message, decision.inputs)
-            state.last_reason = decision.reason
-            if decision.reason == "MetricsUnavailable":
-                cond = ("False", "MetricsUnavailable", decision.message)
-            else:
-                cond = ("True", "OperatorAutoscaler",
-                        f"scaling on queue depth (target {config.target_queue_depth:g} per replica) and KV "
-                        f"cache usage (target {config.target_kv_cache_usage:g}) between {config.min_replicas} "
-                        f"and {config.max_replicas} replicas")
-            status_patch.update(_condition_patch(isvc, *cond))
-    else:
-        status_patch.update(_retire_patch(isvc, mode))
-
-    rollout = False
-    if tconfig is not None:
-        tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
-        deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, builders.names(isvc)["deployment"])
-        decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods,
-                               hold=tuning.rollout_hold(deployment))
-        if decision.state != tstate:
-            status_patch["engine"] = decision.state.to_status()
-        held = decision.held[0] if decision.held else None
-        if held != state.tuning_held and decision.held and held != "RollingOut":
-            logger.info("%s/%s: tuning held: %s", namespace, name, decision.held[1])
-            await _event(kube, isvc, "Normal", "TuningHeld", decision.held[1])
-        state.tuning_held = held
-        for reason, message in decision.changes:
-            logger.info("%s/%s: %s", namespace, name, message)
-            await _event(kube, isvc, "Normal", reason, message)
-        rollout = decision.changed
-
-    if status_patch:
-        await asyncio.to_thread(kube.patch_status, crd.KIND, namespace, name, status_patch)
-    if rollout:  # status.engine changed: rebuild the ConfigMap now (the pods roll by its hash)
-        await asyncio.to_thread(reconcile.reconcile, kube, namespace, name)
-    return interval
-
-
-# ---------------------------------------------------------------------------------
-# peering: is this operator paused?
-
-
-def peers_ahead(status: Mapping[str, Any] | None, *, identity: str | None, priority: int,
-                now: datetime.datetime, same_priority_pauses: bool = True) -> list[str]:
-    """The live peers in a kopf peering object's ``status`` for which this operator pauses.
-
-    kopf's rule (``process_peering_event`` in kopf/_core/engines/peering.py, kopf 1.45): a
-    peer is an entry ``identity: {priority, lifetime (s), lastseen (ISO 8601)}``; it is dead
-    when ``lastseen + lifetime <= now`` (no ``lastseen``: alive). This operator pauses while
-    a live peer other than itself has a higher priority, or the same priority (kopf pauses
-    both then) unless the operator shards by label selectors (``same_priority_pauses``
-    False). With ``identity`` None (unknown) an entry of the same priority may be this
-    operator itself, so only higher priorities count.
-
-    Args:
-        status: the peering object's ``status`` (None or {}: no peers).
-        identity: this operator's peering identity (``kopf.run(identity=...)``).
-        priority: this operator's priority (``settings.peering.priority``).
-        now: the current time (timezone-aware).
-    """
-    out = []
-    for peer, info in (status or {}).items():
-        if peer == identity or not isinstance(info, Mapping):
-            continue
-        try:
-            lastseen = parse_datetime(info.get("lastseen")) or now
-        except ValueError:
-            lastseen = now
-        if lastseen + datetime.timedelta(seconds=int(info.get("lifetime", 60))) <= now:
-            continue
-        p = int(info.get("priority", 0))
-        if p > priority or (p == priority and same_priority_pauses and identity is not None):
-            out.append(peer)
-    return sorted(out)
-
-
-def pause_reason(kube: Kube, settings: kopf.OperatorSettings, identity: str | None,
-                 namespaces: Iterable[str]) -> str | None:
-    """Why this operator is paused by kopf peering, or None when it may act.
-
-    kopf does not expose its paused state (an internal ``ToggleSet``), so this reads what
-    kopf decides it from: the peering object ``settings.peering.name`` (a
-    ``ClusterKopfPeering`` for a cluster-wide operator; for a namespaced one the
-    ``KopfPeering`` in each of ``namespaces``, the namespaces the loop works in), judged with
-    :func:`peers_ahead`. Like kopf: ``--standalone`` never pauses; a missing peering object
-    (or peering CRD) pauses only when peering is mandatory (``--peering NAME``).
-
-    Raises:
-        ApiError: the peering object could not be read (the loop then does not act).
-    """
-    peering = settings.peering
-    if peering.standalone:
-        return None
-    if peering.clusterwide:
-        targets = [("ClusterKopfPeering", None)]
-    else:
-        targets = [("KopfPeering", ns) for ns in sorted(set(namespaces))]
-    now = datetime.datetime.now(datetime.UTC)
-    for kind, namespace in targets:
-        obj = kube.get(kind, namespace, peering.name)  # type: ignore[arg-type]  # None: cluster-scoped
-        where = f"{kind} {namespace + '/' if namespace else ''}{peering.name}"
-        if obj is None:
-            if peering.mandatory:
-                return f"{where} does not exist (peering is mandatory)"
-            continue
-        ahead = peers_ahead(obj.get("status"), identity=identity, priority=int(peering.priority), now=now,
-                            same_priority_pauses=not settings.watching.shard_selectors)
-        if ahead:
-            return f"{where}: paused in favour of {', '.join(ahead)}"
-    return None
-
-
-# ---------------------------------------------------------------------------------
-# the operator-wide loop
 
 
 INDEX = "autoscaled"
@@ -360,7 +40,7 @@ INDEX = "autoscaled"
 TICK = 1.0
 """Longest sleep of the loop (seconds): how soon a newly indexed InferenceService is visited."""
 PEERING_TTL = TICK
-"""Seconds a "not paused" answer of :func:`pause_reason` is reused: the peering object is
+"""Seconds a "not paused" answer of :func:`peering.pause_reason` is reused: the peering object is
 read at most once per this time, however many objects fall due in it (their due times
 spread out, so without it every object's iteration would cost one more API read). With
 one object, or intervals longer than this, every iteration still checks first."""
@@ -378,7 +58,7 @@ def autoscaled_index(namespace: str, name: str, uid: str, **_: Any) -> dict[tupl
 
 class AutoscalerLoop:
     """One loop for the whole operator: every InferenceService in ``index`` gets
-    :func:`step` every ``interval`` seconds, with its own :class:`ServiceState`.
+    :func:`autoscale_step.step` every ``interval`` seconds, with its own :class:`ServiceState`.
 
     - Objects are visited concurrently (at most :data:`MAX_CONCURRENT` at once), each as
       its own task: a slow or failing one (API error, bad metrics, a bug) is logged and
@@ -388,8 +68,8 @@ class AutoscalerLoop:
       HPAs; writes only on a change. Per pass: at most one read of the peering object per
       :data:`PEERING_TTL` (one per namespace for a namespaced operator).
     - State is dropped for objects that leave the index (deleted, no longer autoscaled or
-      tuned; :func:`step` has set ``ScalingActive=False`` before that).
-    - Before starting iterations it asks :func:`pause_reason`; while the operator is
+      tuned; :func:`autoscale_step.step` has set ``ScalingActive=False`` before that).
+    - Before starting iterations it asks :func:`peering.pause_reason`; while the operator is
       paused by peering it starts none, cancels those in flight and forgets all state (as a
       restart would: the history is seeded afresh on resume).
 
@@ -408,7 +88,7 @@ class AutoscalerLoop:
         self.running: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.paused: str | None = None
         self.recheck_at = 0.0
-        """``time.monotonic()`` before which :func:`pause_reason` is not asked again (paused:
+        """``time.monotonic()`` before which :func:`peering.pause_reason` is not asked again (paused:
         the shortest interval; not paused: :data:`PEERING_TTL`)."""
         self.http = httpx.AsyncClient()
         self._limit = asyncio.Semaphore(MAX_CONCURRENT)
@@ -459,7 +139,7 @@ class AutoscalerLoop:
             return
         if now >= self.recheck_at:
             try:
-                reason = await asyncio.to_thread(pause_reason, self.kube, self.settings, self.identity,
+                reason = await asyncio.to_thread(peering.pause_reason, self.kube, self.settings, self.identity,
                                                  {ns for ns, _ in keys})
             except ApiError as e:
                 reason = f"the peering object could not be read: {e}"
@@ -486,7 +166,7 @@ class AutoscalerLoop:
         try:
             async with self._limit:
                 try:
-                    delay = await step(self.kube, namespace, name, state, self.logger)
+                    delay = await autoscale_step.step(self.kube, namespace, name, state, self.logger)
                 except (ApiError, httpx.HTTPError, OSError) as e:
                     self.logger.warning("autoscaler of %s/%s: %s", namespace, name, e)
                     delay = state.interval

@@ -8,7 +8,7 @@ route to model-server pods through an endpoint picker (EPP) that reads each pod'
 naming the cluster's endpoint picker Service (``endpointPickerRef``); the runtime then also exports
 the vLLM metric names (``metrics_compat: vllm``, put into ``engine.extraArgs`` by :func:`with_pool_metrics`)
 that the GIE model-server protocol reads (``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``). tests/golden/ holds the published CRD the object is validated against.
+``vllm:kv_cache_usage_perc``). tests/data/golden/ holds the published CRD the object is validated against.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import builders
 from kvfleet.operator import router as router_children
+from kvfleet.operator import service_spec
 
 GROUP = "inference.networking.k8s.io"
 VERSION = "v1"
@@ -35,8 +35,8 @@ def build_inference_pool(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
     if not enabled(isvc):
         return None
     pool = router_children.router_spec(isvc)["inferencePool"]
-    spec: dict[str, Any] = {"selector": {"matchLabels": builders.selector_labels(isvc)},
-                            "targetPorts": [{"number": builders.PORT}]}
+    spec: dict[str, Any] = {"selector": {"matchLabels": service_spec.selector_labels(isvc)},
+                            "targetPorts": [{"number": service_spec.PORT}]}
     epp = pool.get("endpointPickerRef")
     if epp:
         ref: dict[str, Any] = {"name": epp["name"], "port": {"number": int(epp.get("port", 9002))}}
@@ -44,7 +44,7 @@ def build_inference_pool(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
             ref["failureMode"] = epp["failureMode"]
         spec["endpointPickerRef"] = ref
     meta = {"name": isvc["metadata"]["name"], "namespace": isvc["metadata"].get("namespace") or "default",
-            "labels": builders.labels(isvc), "ownerReferences": [builders.owner_reference(isvc)]}
+            "labels": service_spec.labels(isvc), "ownerReferences": [service_spec.owner_reference(isvc)]}
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": spec}
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import kopf
 
 from kvfleet.operator import builders, crd, reconcile
-from kvfleet.operator.builders import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
 from kvfleet.operator.kube import ApiError, Kube, make_kube
+from kvfleet.operator.service_spec import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
 
 DIFFBASE_PREFIX = "kvfleet.io"
 DIFFBASE_KEY = "last-handled-configuration"
@@ -150,7 +150,7 @@ def pod_changed(body: kopf.Body, namespace: str, memo: Any, logger: logging.Logg
 @kopf.on.probe(id="inferenceservices")
 def probe_reconciles(**_: Any) -> int:
     """Liveness probe payload: the number of InferenceServices this process has locked so far."""
-    return len(reconcile._locks)
+    return reconcile.locked_count()
 
 
 # The autoscaler's kopf handlers (its index, its loop's start-up and clean-up), registered

@@ -19,7 +19,7 @@ from typing import Any
 import urllib3
 
 from kvfleet.operator import crd
-from kvfleet.operator.builders import FIELD_MANAGER
+from kvfleet.operator.service_spec import FIELD_MANAGER
 
 # kind -> (apiVersion, plural)
 KINDS: dict[str, tuple[str, str]] = {

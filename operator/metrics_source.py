@@ -1,6 +1,6 @@
 """Where the autoscaler and the tuner read the runtime pods' live metrics.
 
-Two sources, one result (:class:`kvfleet.operator.policy.MetricsAggregate`):
+Two sources, one result (:class:`kvfleet.operator.pod_metrics.MetricsAggregate`):
 :class:`PodScraper` (``spec.autoscaling.metrics.source: pods``, the default) GETs each ready
 pod's ``/metrics`` concurrently (port and path: :func:`metrics_url`); :class:`PrometheusSource`
 (``source: prometheus``) makes one instant query for the same series, by ``pod`` label.
@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.operator.policy import MetricsAggregate, PodMetrics, aggregate
+from kvfleet.operator.pod_metrics import MetricsAggregate, PodMetrics, aggregate
 
 METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"
 DEFAULT_PORT = 8000

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import adapters, builders, crd, gie, policy, router
-from kvfleet.operator.builders import InvalidSpec
+from kvfleet.operator import adapters, builders, crd, gie, hpa, router, service_spec
+from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
 from kvfleet.operator.status import event as status_event
@@ -123,7 +123,7 @@ that set no ``spec.runtime.image``."""
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Every desired child (:func:`builders.desired_children`, with ``$KVFLEET_RUNTIME_IMAGE`` as
     the default image), stamped."""
-    isvc = gie.with_pool_metrics(builders.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
+    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
     isvc = router.with_default_image(isvc, os.environ.get(router.IMAGE_ENV))
     children = builders.desired_children(isvc, scaled_externally=scaled_externally)
     children += router.desired_children(isvc)  # spec.router: the router's RBAC, Deployment, Service
@@ -160,7 +160,7 @@ def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mappin
 
 def foreign_scalers(kube: Kube, isvc: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The HPAs and KEDA ScaledObjects (not the operator's own HPA) that target the
-    InferenceService or its Deployment (:func:`policy.scalers_targeting`). A cluster without
+    InferenceService or its Deployment (:func:`hpa.scalers_targeting`). A cluster without
     KEDA (or without the right to list ScaledObjects) has none."""
     ns = isvc["metadata"].get("namespace") or "default"
     hpas = [h for h in kube.list_objects("HorizontalPodAutoscaler", ns) if not owned_by(h, isvc)]
@@ -170,8 +170,8 @@ def foreign_scalers(kube: Kube, isvc: Mapping[str, Any]) -> list[tuple[str, str]
         if e.status not in (403, 404):
             raise
         scaled = []
-    return policy.scalers_targeting(hpas, scaled, isvc["metadata"]["name"],
-                                    deployment=builders.names(isvc)["deployment"])
+    return hpa.scalers_targeting(hpas, scaled, isvc["metadata"]["name"],
+                                    deployment=service_spec.names(isvc)["deployment"])
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -182,6 +182,12 @@ def lock_for(namespace: str, name: str) -> threading.Lock:
     """The per-InferenceService lock: one reconcile of a resource at a time in this process."""
     with _locks_guard:
         return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def locked_count() -> int:
+    """How many InferenceServices this process has taken a reconcile lock for so far."""
+    with _locks_guard:
+        return len(_locks)
 
 
 def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) -> Outcome:
@@ -209,12 +215,12 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
         conflict = None
         if on_deployment:
             mode = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("mode") or "none"
-            conflict = policy.conflict_message(scalers, mode)
+            conflict = hpa.conflict_message(scalers, mode)
         try:
             desired = desired_objects(isvc, scaled_externally=on_deployment)
         except InvalidSpec as e:
             out.error = e
-            live_deployment = kube.get("Deployment", namespace, builders.names(isvc)["deployment"])
+            live_deployment = kube.get("Deployment", namespace, service_spec.names(isvc)["deployment"])
         else:
             kinds = set()
             for child in desired:
@@ -225,7 +231,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                     out.applied.append(f"{child['kind']}/{child['metadata']['name']}")
                 if child["kind"] == "Deployment":
                     live_deployment, desired_deployment = live, child
-            names = builders.names(isvc)
+            names = service_spec.names(isvc)
             for kind in PRUNABLE_KINDS:
                 if kind in kinds:
                     continue
@@ -235,7 +241,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
             out.deleted += prune_request_path(kube, isvc, desired)
-        pods = kube.list_objects("Pod", namespace, builders.selector_labels(isvc)) if live_deployment else []
+        pods = kube.list_objects("Pod", namespace, service_spec.selector_labels(isvc)) if live_deployment else []
         claim_name = builders.model_claim(isvc) if live_deployment else None
         claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
@@ -255,7 +261,7 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
             if problem is not None:
                 out.events.append(problem)
                 try:
-                    kube.create(status_event(isvc, "Warning", problem[0], problem[1], now, builders.FIELD_MANAGER))
+                    kube.create(status_event(isvc, "Warning", problem[0], problem[1], now, service_spec.FIELD_MANAGER))
                 except ApiError as e:
                     log.warning("could not post Event %s about %s/%s: %s", problem[0], namespace, name, e)
         return out

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import builders, crd
+from kvfleet.operator import crd, crd_schema, service_spec
 
 COMPONENT = "router"
 PORT = 8000
@@ -44,7 +44,7 @@ def router_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """``spec.router`` with the CRD's defaults applied (``{"enabled": False, ...}`` when absent)."""
     raw = dict(((isvc.get("spec") or {}).get("router")) or {})
     raw.setdefault("inferencePool", {})
-    return crd.apply_defaults(raw, crd.ROUTER)
+    return crd.apply_defaults(raw, crd_schema.ROUTER)
 
 
 def enabled(isvc: Mapping[str, Any]) -> bool:
@@ -57,14 +57,14 @@ def name(isvc: Mapping[str, Any]) -> str:
 
 
 def selector_labels(isvc: Mapping[str, Any]) -> dict[str, str]:
-    return {builders.LABEL_NAME: builders.APP_NAME, builders.LABEL_INSTANCE: isvc["metadata"]["name"],
-            builders.LABEL_COMPONENT: COMPONENT}
+    return {service_spec.LABEL_NAME: service_spec.APP_NAME, service_spec.LABEL_INSTANCE: isvc["metadata"]["name"],
+            service_spec.LABEL_COMPONENT: COMPONENT}
 
 
 def _meta(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    labels = {**builders.labels(isvc), builders.LABEL_COMPONENT: COMPONENT}
+    labels = {**service_spec.labels(isvc), service_spec.LABEL_COMPONENT: COMPONENT}
     return {"name": name(isvc), "namespace": isvc["metadata"].get("namespace") or "default",
-            "labels": labels, "ownerReferences": [builders.owner_reference(isvc)]}
+            "labels": labels, "ownerReferences": [service_spec.owner_reference(isvc)]}
 
 
 def url(isvc: Mapping[str, Any]) -> str:
@@ -75,14 +75,14 @@ def url(isvc: Mapping[str, Any]) -> str:
 
 def status_url(isvc: Mapping[str, Any]) -> str:
     """The OpenAI base URL clients should use: the router's when enabled, else the runtime Service's."""
-    return url(isvc) if enabled(isvc) else builders.service_url(isvc)
+    return url(isvc) if enabled(isvc) else service_spec.service_url(isvc)
 
 
 def router_args(isvc: Mapping[str, Any]) -> list[str]:
     """``kvfleet router`` arguments for the Deployment."""
     r = router_spec(isvc)
     return ["router", "--host", "0.0.0.0", "--port", str(PORT),
-            "--kube-service", builders.names(isvc)["service"],
+            "--kube-service", service_spec.names(isvc)["service"],
             "--kube-namespace", isvc["metadata"].get("namespace") or "default", "--kube-port", "http",
             "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
@@ -110,7 +110,7 @@ def build_role_binding(isvc: Mapping[str, Any]) -> dict[str, Any]:
 def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """The router Deployment (``spec.router.replicas`` pods; the runtime image unless
     ``spec.router.image``)."""
-    spec = builders.effective_spec(isvc)
+    spec = service_spec.effective_spec(isvc)
     r = router_spec(isvc)
     runtime = spec["runtime"]
     probe = lambda path, period: {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
@@ -131,7 +131,7 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         "serviceAccountName": name(isvc),
         "automountServiceAccountToken": True,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": builders.RUNTIME_UID,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": service_spec.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
     }
@@ -164,7 +164,7 @@ def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The router's children in apply order (RBAC first), or ``[]`` when the router is off.
 
     Raises:
-        InvalidSpec: as :func:`builders.owner_reference` (no uid).
+        InvalidSpec: as :func:`service_spec.owner_reference` (no uid).
     """
     if not enabled(isvc):
         return []

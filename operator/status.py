@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator import crd, router
-from kvfleet.operator.builders import ANNOTATION_CONFIG_HASH, InvalidSpec, names, selector_string
+from kvfleet.operator.crd import InvalidSpec
+from kvfleet.operator.service_spec import ANNOTATION_CONFIG_HASH, names, selector_string
 
 
 def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,

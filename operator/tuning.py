@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvfleet.operator.policy import MetricsAggregate
+from kvfleet.operator.pod_metrics import MetricsAggregate
 from kvfleet.operator.times import parse_time, rfc3339
 
 

@@ -8,6 +8,15 @@ Public Python API (shaped like vLLM's)::
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 """
 
+import os
+
+# The one place kvfleet sets it (every kvfleet.runtime module, the engine, the server and
+# `kvfleet bench` included, is imported after this package): before torch loads its OpenMP
+# runtime, idle OpenMP threads sleep instead of spinning. With spinning (the default) a CPU
+# shared with other processes makes every parallel region wait for a descheduled spinner:
+# decode steps measured 10-20x slower (docs/engine.md, "CPU threads"). A user's value wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from kvfleet.runtime.lora_request import LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
 

@@ -66,13 +66,16 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Weights, activations and KV cache. ``auto``: bfloat16 on a CPU with native bf16 matmul
-    (AMX or AVX512-BF16) and on a CUDA GPU that supports it, else float32 (float16 on an older
-    GPU). Logits and sampling are float32 whatever the dtype."""
+    """Weights, activations and KV cache. ``auto``: float32 on a CPU, also with ``quantization``
+    (the fused C decoder's dtype: the fastest path on every CPU measured;
+    :mod:`kvfleet.runtime.worker.cpu_plan`); bfloat16 on a CUDA GPU that supports it, else float16.
+    An explicit ``bfloat16`` / ``float16`` on the CPU runs through torch (the fused decoder off).
+    Logits and sampling are float32 whatever the dtype."""
     quantization: Literal["int8", "int4"] | None = None
     """Weight-only quantization of the decoder's linear layers through torchao (vLLM's
     ``--quantization``): ``int8`` (per channel; CPU and CUDA) or ``int4`` (groupwise; CPU);
-    None: weights in ``dtype``. See :mod:`kvfleet.runtime.worker.quantization`."""
+    None: weights in ``dtype``. Without ``dtype`` the CPU runs float32 activations (the fused decoder
+    reads the quantized weights). See :mod:`kvfleet.runtime.worker.quantization`."""
     device: str = "auto"
     """``auto`` (cuda if available else cpu), ``cpu``, ``cuda``, ``cuda:N``."""
     seed: int = 0

@@ -12,13 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads its OpenMP runtime: idle OpenMP threads sleep instead of spinning.
-# With spinning (the default) a CPU shared with other processes makes every parallel
-# region wait for a descheduled spinner: decode steps measured 10-20x slower here.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import itertools
 from collections.abc import Sequence
 
@@ -122,8 +115,11 @@ class LLM:
         prepared = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             rid = f"llm-{next(self._ids)}"
-            prepared.append(engine.prepare_request(rid, prompt, params, priority=0 if priority is None else priority[i],
-                                                   lora_name=loras[i]))  # fmt: skip
+            prepared.append(
+                engine.prepare_request(
+                    rid, prompt, params, priority=0 if priority is None else priority[i], lora_name=loras[i]
+                )
+            )
         order = [p.state.request_id for p in prepared]
         added: list[str] = []
         final: dict[str, RequestOutput] = {}

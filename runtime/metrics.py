@@ -121,14 +121,31 @@ class PrometheusStatLogger(StatLoggerBase):
         self.prefixes = tuple(prefixes)
         if not self.prefixes:
             raise ValueError("prefixes must not be empty")
-        labels = ["model_name"]
+        self._make_step_series()
+        self._make_request_series()
+        self.histogram_prompt_tokens: _Fanout | None = None
+        self.histogram_generation_tokens: _Fanout | None = None
+        self.histogram_max_tokens: _Fanout | None = None
+        self.max_model_len: int | None = None
+        self.cache_config_info: dict | None = None
+        if max_model_len is not None:
+            self._make_token_histograms(max_model_len)
+        self.max_lora: str | None = None
+        self._lora_info: list[Gauge] = []
+        self._lora_requests: Counter | None = None
 
-        def fan(cls, name: str, doc: str, **kw) -> _Fanout:
-            return _Fanout(
-                [cls(p + name, doc, labelnames=labels, registry=self.registry, **kw).labels(model_name)
-                 for p in self.prefixes]
-            )
+    def _fan(self, cls, name: str, doc: str, **kw) -> _Fanout:
+        """One series ``name`` per prefix, labelled with the model name, updated together."""
+        return _Fanout(
+            [
+                cls(p + name, doc, labelnames=["model_name"], registry=self.registry, **kw).labels(self.model_name)
+                for p in self.prefixes
+            ]
+        )
 
+    def _make_step_series(self) -> None:
+        """The per-step gauges and counters (scheduler state, tokens, prefix cache, KV usage)."""
+        fan = self._fan
         self.gauge_running = fan(Gauge, "num_requests_running", "Number of requests in model execution batches.")
         self.gauge_waiting = fan(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
         self.gauge_kv_cache_usage = fan(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -141,70 +158,90 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prefix_cache_hits = fan(
             Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        vllm_only = [p for p in self.prefixes if p == VLLM_PREFIX]
+        # Gateway API Inference Extension's endpoint picker reads v0's name by default.
+        self.gauge_gpu_cache_usage = _Fanout(
+            [
+                Gauge(
+                    p + "gpu_cache_usage_perc",
+                    "GPU KV-cache usage. 1 means 100 percent usage.",
+                    labelnames=["model_name"],
+                    registry=self.registry,
+                ).labels(self.model_name)
+                for p in vllm_only
+            ]
+        )
+        self.histogram_iteration_tokens = fan(
+            Histogram,
+            "iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            buckets=ITERATION_TOKENS_BUCKETS,
+        )
+
+    def _make_request_series(self) -> None:
+        """The per-request series: finished requests by reason, latencies, phase times, ``n``."""
+        fan = self._fan
         self._request_success = [
             Counter(
                 p + "request_success",
                 "Count of successfully processed requests.",
-                labelnames=labels + ["finished_reason"],
+                labelnames=["model_name", "finished_reason"],
                 registry=self.registry,
             )
             for p in self.prefixes
         ]
         self.counter_request_success = {reason: self._success_child(reason) for reason in FINISH_REASONS}
         self.histogram_ttft = fan(
-            Histogram, "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            Histogram,
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
             buckets=TTFT_BUCKETS,
-        )  # fmt: skip
+        )
         self.histogram_itl = fan(
-            Histogram, "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            Histogram,
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
             buckets=ITL_BUCKETS,
-        )  # fmt: skip
+        )
         self.histogram_e2e = fan(
-            Histogram, "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            Histogram,
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
             buckets=REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.histogram_queue_time = fan(
-            Histogram, "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            Histogram,
+            "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
             buckets=REQUEST_LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self.histogram_phase_times = {
-            phase: fan(Histogram, f"request_{phase}_time_seconds",
-                       f"Histogram of time spent in {phase.upper()} phase for request.",
-                       buckets=REQUEST_LATENCY_BUCKETS)
+            phase: fan(
+                Histogram,
+                f"request_{phase}_time_seconds",
+                f"Histogram of time spent in {phase.upper()} phase for request.",
+                buckets=REQUEST_LATENCY_BUCKETS,
+            )
             for phase in ("prefill", "decode", "inference")
-        }  # fmt: skip
-        self.histogram_iteration_tokens = fan(
-            Histogram, "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            buckets=ITERATION_TOKENS_BUCKETS,
-        )  # fmt: skip
-        self.histogram_n = fan(Histogram, "request_params_n", "Histogram of the n request parameter.",
-                               buckets=N_BUCKETS)  # fmt: skip
-        vllm_only = [p for p in self.prefixes if p == VLLM_PREFIX]
-        # Gateway API Inference Extension's endpoint picker reads v0's name by default.
-        self.gauge_gpu_cache_usage = _Fanout([
-            Gauge(p + "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", labelnames=labels,
-                  registry=self.registry).labels(model_name) for p in vllm_only
-        ])  # fmt: skip
-        self._fan = fan
-        self.histogram_prompt_tokens: _Fanout | None = None
-        self.histogram_generation_tokens: _Fanout | None = None
-        self.histogram_max_tokens: _Fanout | None = None
-        self.max_model_len: int | None = None
-        self.cache_config_info: dict | None = None
-        if max_model_len is not None:
-            self._make_token_histograms(max_model_len)
-        self.max_lora: str | None = None
-        self._lora_info: list[Gauge] = []
-        self._lora_requests: Counter | None = None
+        }
+        self.histogram_n = fan(
+            Histogram, "request_params_n", "Histogram of the n request parameter.", buckets=N_BUCKETS
+        )
 
     def log_lora_config(self, lora_info: dict[str, str]) -> None:
         """Create the LoRA series (``lora_info``: ``{"max_lora": "4"}``; empty: LoRA off, nothing made)."""
         if not lora_info or self.max_lora is not None:
             return
         self.max_lora = str(lora_info["max_lora"])
-        self._lora_info = [Gauge(p + "lora_requests_info", "Running stats on lora requests.",
-                                 labelnames=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                                 registry=self.registry) for p in self.prefixes]  # fmt: skip
+        self._lora_info = [
+            Gauge(
+                p + "lora_requests_info",
+                "Running stats on lora requests.",
+                labelnames=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
+            for p in self.prefixes
+        ]
         self._lora_requests = Counter(KVFLEET_PREFIX + "lora_requests", "Finished requests per LoRA adapter.",
                                       labelnames=["model_name", "lora_name"], registry=self.registry)
         self._set_lora_info({}, {})
@@ -212,8 +249,9 @@ class PrometheusStatLogger(StatLoggerBase):
     def _set_lora_info(self, running: dict[str, int], waiting: dict[str, int]) -> None:
         for gauge in self._lora_info:
             gauge.clear()
-            gauge.labels(max_lora=self.max_lora, waiting_lora_adapters=",".join(waiting),
-                         running_lora_adapters=",".join(running)).set_to_current_time()  # fmt: skip
+            gauge.labels(
+                max_lora=self.max_lora, waiting_lora_adapters=",".join(waiting), running_lora_adapters=",".join(running)
+            ).set_to_current_time()
 
     def _success_child(self, reason: str) -> _Fanout:
         return _Fanout([c.labels(self.model_name, reason) for c in self._request_success])
@@ -293,8 +331,11 @@ class PrometheusStatLogger(StatLoggerBase):
             child.inc()
             self.histogram_e2e.observe(fin.e2e_latency)
             self.histogram_queue_time.observe(fin.queue_time)
-            for phase, seconds in (("prefill", fin.prefill_time), ("decode", fin.decode_time),
-                                   ("inference", fin.inference_time)):  # fmt: skip
+            for phase, seconds in (
+                ("prefill", fin.prefill_time),
+                ("decode", fin.decode_time),
+                ("inference", fin.inference_time),
+            ):
                 self.histogram_phase_times[phase].observe(seconds)
             if fin.n is not None:
                 self.histogram_n.observe(fin.n)

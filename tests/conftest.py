@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-# --- real helm and kubectl binaries (tests/test_chart*.py, tests/test_gitops*.py) ----------
+# --- real helm and kubectl binaries (tests/repo/test_chart*.py, test_gitops.py) ----------
 # Installed by `bash .ci/install-helm-kubectl.sh .tools/bin` (part of `.ci/setup --test`).
 # Outside CI a missing binary skips the tests that need it, saying how to install it;
 # in CI (CI=true) it fails them, so that a broken install step cannot pass as green.
@@ -39,7 +39,7 @@ def kubectl_bin() -> str:
     return _k8s_tool("kubectl")
 
 
-# --- engine: one loaded default model per session (tests/test_engine_*.py) --------------
+# --- engine: one loaded default model per session (tests/unit/runtime/engine/, worker/) --------------
 # Set before transformers / torch are imported: no hub access in tests, and OpenMP
 # threads that sleep rather than spin (the 2 shared cores are busy with other tests).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,8 +65,8 @@ def smollm2_two_layers(smollm2, tmp_path_factory):
     """The default model cut to its first two decoder layers (real weights, embedding, final norm
     and LM head), saved as a checkpoint and loaded as the engine loads any model. For tests whose
     cost grows with the layer count while every layer runs the same code at the same shapes:
-    the Triton interpreter (tests/test_kernels_engine_triton.py) and dynamo's tracing and guards
-    (tests/test_compiled_forward.py)."""
+    the Triton interpreter (tests/unit/kernels/test_triton_in_engine.py) and dynamo's tracing and guards
+    (tests/unit/runtime/worker/test_compilation.py)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -96,7 +96,7 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-# --- Triton interpreter for the kernel tests (tests/test_kernels_*.py) -------------------
+# --- Triton interpreter for the kernel tests (tests/unit/kernels/) -------------------
 # Without a CUDA device the Triton kernels are tested under the interpreter. The flag must
 # be set before the first `import triton` in the process -- and torch._dynamo imports triton
 # as soon as transformers touches it (model loading), so a kernel test module cannot set it

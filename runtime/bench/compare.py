@@ -15,19 +15,13 @@ Definitions and results: docs/benchmarks.md, ``kvfleet bench compare``.
 from __future__ import annotations
 
 import json
-import os
-import platform
 from dataclasses import asdict
 from datetime import UTC, datetime
-
-# As kvfleet's engine does (docs/engine.md, "CPU threads"): idle OpenMP threads sleep
-# instead of spinning, which on a shared CPU keeps decode steps from slowing 10-20x. Set
-# before torch loads, so that all systems run under the same policy.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 
 from kvfleet.runtime.bench.datasets import make_workload, parse_range, sample_lengths
+from kvfleet.runtime.bench.machine import cpu_description
 from kvfleet.runtime.bench.roofline import (
     ModelShape,
     Roofline,
@@ -40,20 +34,6 @@ from kvfleet.runtime.bench.roofline import (
 from kvfleet.runtime.bench.systems import SYSTEM_LABELS, SYSTEMS, RunResult, build_runners
 
 # --------------------------------------------------------------------------- report
-
-
-def cpu_description() -> str:
-    """CPU model name (``/proc/cpuinfo``) and logical core count."""
-    name = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} logical cores"
 
 
 def format_level_table(runs: list[RunResult], roof: Roofline | None = None) -> str:

@@ -110,7 +110,7 @@ class FreeBlockQueue:
 class BlockPool:
     """All ``num_blocks`` blocks: allocation, reference counting, the prefix-cache map.
 
-    Invariants (checked by tests/test_block_pool_properties.py):
+    Invariants (checked after every step by tests/support/fake_runner.py):
     a block other than the null block is in the free queue iff its ``ref_cnt`` is 0;
     ``ref_cnt`` is never negative; ``cached_blocks[h].block_hash == h`` for every cached
     hash ``h``; the null block is never free, cached or referenced (``ref_cnt`` 0).

@@ -219,9 +219,6 @@ class KVCacheManager:
         peak = max_num_blocks_per_request(num_tokens, self.block_size, self.sliding_window, chunk)
         return max(0, peak - live) + num_free_hits
 
-    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] = ()) -> bool:
-        return self._num_blocks_needed(request, num_new_tokens, new_computed_blocks) is not None
-
     def _num_blocks_needed(self, request, num_new_tokens, new_computed_blocks) -> int | None:
         have = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

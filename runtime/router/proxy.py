@@ -40,10 +40,21 @@ from kvfleet.runtime.router.prefix_key import prefix_key
 
 logger = logging.getLogger("kvfleet.router")
 
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te",
-    b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
-})  # fmt: skip
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
 """Request/response headers never forwarded (RFC 9110 7.6.1; host and content-length are re-derived)."""
 REPLICA_HEADER = "x-kvfleet-replica"
 

@@ -43,8 +43,9 @@ def library_message(exc: BaseException) -> str:
 
 def _ebnf_literal(text: str) -> str:
     """``text`` as an EBNF string literal (xgrammar's / GBNF's escapes)."""
-    escaped = (text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-               .replace("\t", "\\t"))  # fmt: skip
+    escaped = (
+        text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    )
     return f'"{escaped}"'
 
 
@@ -101,8 +102,7 @@ class Grammar:
         token (complete), or rejected ``token`` (cannot happen for a token sampled under this
         matcher's mask; logged)."""
         if not self.matcher.accept_token(token):
-            logger.error("the grammar rejected token %d after %d tokens; the sequence stops", token,
-                         self.num_accepted)  # fmt: skip
+            logger.error("the grammar rejected token %d after %d tokens; the sequence stops", token, self.num_accepted)
             return True
         self.num_accepted += 1
         return self.matcher.is_terminated()

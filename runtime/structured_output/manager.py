@@ -52,8 +52,16 @@ class StructuredOutputManager:
         cache_size: compiled grammars kept (least recently used dropped first).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], *, max_workers: int | None = None,
-                 compile_threads: int = 2, cache_size: int = 256) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        max_workers: int | None = None,
+        compile_threads: int = 2,
+        cache_size: int = 256,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = [t for t in stop_token_ids if t is not None]
@@ -74,10 +82,12 @@ class StructuredOutputManager:
         """The xgrammar compiler (built on first call, thread-safe)."""
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids or None)  # fmt: skip
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads,
-                                                     cache_limit_bytes=XGRAMMAR_CACHE_BYTES)  # fmt: skip
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids or None
+                )
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self.compile_threads, cache_limit_bytes=XGRAMMAR_CACHE_BYTES
+                )
             return self._compiler
 
     def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:

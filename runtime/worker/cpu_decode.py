@@ -11,7 +11,9 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 - the model is a Llama, Mistral or Qwen2 decoder with SiLU gating, no sliding window, no q/k
   norms, rotary embeddings over the whole head, and linear layers that are plain float32
   ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
-  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU).
+  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
+  :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
+  :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`).
 
 Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
 into one tensor, and the modules' own weights become views of it, so the transformers path that
@@ -33,7 +35,7 @@ import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear
-from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ def _linear(module: torch.nn.Module) -> Linear | None:
     """The layer's weights in a format the C step reads, or None."""
     if isinstance(module, Int8Linear):
         return Linear("int8", module.weight, module.qscale, bias=module.bias32)
+    if isinstance(module, Bf16Linear):
+        return Linear("bf16", module.weight, bias=module.bias32)
     if isinstance(module, Int4Linear):
         return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
     if type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter:
@@ -87,7 +91,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
         return None
     fmt, group = parts[0].fmt, parts[0].group
     w = torch.cat([p.w for p in parts])
-    scale = torch.cat([p.scale for p in parts]) if fmt != "fp32" else None
+    scale = torch.cat([p.scale for p in parts]) if fmt in ("int8", "int4") else None
     shift = torch.cat([p.shift for p in parts]) if fmt == "int4" else None
     bias = None
     if any(p.bias is not None for p in parts):
@@ -97,6 +101,8 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
         end = start + part.w.shape[0]
         if fmt == "fp32":
             module.weight = torch.nn.Parameter(w[start:end], requires_grad=False)
+        elif fmt == "bf16":
+            module.weight = w[start:end]
         else:
             module.weight, module.qscale = w[start:end], scale[start:end]
             if fmt == "int4":
@@ -194,7 +200,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
             fused = _fused_layer(layer)
             o, down = _linear(layer.self_attn.o_proj), _linear(layer.mlp.down_proj)
             if fused is None or o is None or down is None:
-                reason = f"layer {i}'s linear layers are not float32, kvfleet int8 or kvfleet int4"
+                reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4"
                 break
             k_cache, v_cache = runner.kv_caches[i]
             layers.append(Layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),

@@ -15,15 +15,11 @@ Sharding layout, broadcast protocol, lifecycle and KV sizing: docs/engine.md,
 
 from __future__ import annotations
 
-import os
-
-# Before torch loads its OpenMP runtime (see kvfleet.runtime.engine.llm_engine).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import atexit
 import dataclasses
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys

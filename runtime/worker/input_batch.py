@@ -11,7 +11,7 @@ not scheduled in a step gives its row back (it gets a new one, written in full, 
 back), so rows never outlive their requests and no finished-request bookkeeping is needed.
 
 :func:`build_inputs` is the stateless construction (the previous ``ModelRunner.prepare_inputs``),
-kept as the reference the persistent batch must equal (tests/test_input_batch.py) and for
+kept as the reference the persistent batch must equal (tests/unit/runtime/worker/test_input_batch.py) and for
 callers without a runner. Both give the same arrays: ``input_ids [T]``, ``positions [T]``,
 ``slot_mapping [T]`` int64, ``block_tables [B, max_blocks]`` (rows padded with 0),
 ``seq_lens [B]``, ``query_start_loc [B + 1]``, ``logits_indices [S]``.

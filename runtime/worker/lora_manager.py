@@ -118,11 +118,6 @@ class LoRAManager:
         """Adapters whose weights are in host memory, least recently used first."""
         return list(self._cpu)
 
-    @property
-    def slot_ids(self) -> dict[int, int]:
-        """``lora_int_id -> slot`` of the adapters in slots."""
-        return dict(self._slots)
-
     # ------------------------------------------------------------------ slots
     def activate(self, lora_ids: Sequence[int]) -> dict[int, int]:
         """Put every adapter of ``lora_ids`` (distinct, ``0`` skipped) into a slot.

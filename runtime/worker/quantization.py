@@ -99,7 +99,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode token reads: :func:`weight_bytes` less the input embedding table
     when the LM head does not read it (an untied or quantized head: a token's lookup reads one
-    row). The bound of one stream is memory bandwidth / this (:mod:`kvfleet.runtime.bench.peer_report`)."""
+    row). The bound of one stream is memory bandwidth / this (:mod:`kvfleet.runtime.bench.peers.report`)."""
     total = weight_bytes(model)
     inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

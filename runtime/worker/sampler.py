@@ -275,7 +275,10 @@ class Sampler:
                 ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
                 remove |= torch.arange(vocab, device=dev).unsqueeze(0) >= ks.unsqueeze(1)
             if use_p:
-                ps = torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1)
+                # top_p 1.0 keeps every token: its row gets no threshold, or the float32 rounding
+                # of the cumulative sum would cut its tail only when another row asks for top_p.
+                ps = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params],
+                                  device=dev).unsqueeze(1)
                 sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
                 # Exclusive cumulative sum: a token is kept while the mass before it is < top_p,
                 # so the kept set is the smallest one whose mass reaches top_p (and never empty).

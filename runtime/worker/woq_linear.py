@@ -1,8 +1,8 @@
 """Linear layers that run kvfleet's AVX2 weight-only kernels (:mod:`kvfleet.kernels.cpu_woq`).
 
-:func:`convert_model` swaps a model's linear layers for :class:`Int8Linear` / :class:`Int4Linear`
-(subclasses of ``nn.Linear``, so code that finds layers by type or name, LoRA included, keeps
-working). The quantization itself is torchao's:
+:func:`convert_model` swaps a model's linear layers for :class:`Int8Linear` / :class:`Int4Linear`,
+and :func:`to_bf16_weights` for :class:`Bf16Linear` (subclasses of ``nn.Linear``, so code that
+finds layers by type or name, LoRA included, keeps working). The quantization itself is torchao's:
 
 - ``int8``: the layer already holds torchao's ``Int8WeightOnlyConfig`` tensor (symmetric, per
   output channel); :class:`Int8Linear` keeps its ``qdata`` (as ``weight``) and ``scale``.
@@ -13,42 +13,28 @@ working). The quantization itself is torchao's:
   output embedding (the input embedding stays in the model dtype for the lookups): decode at a
   few rows reads it once per token, 4x fewer bytes than fp32.
 
+- ``bf16`` (:func:`to_bf16_weights`, on a float32 model): each decoder linear and the LM head
+  keep their weights in bf16 (half the bytes a decode step reads; rounded to nearest even, the
+  only loss), activations stay float32. The LM head becomes an untied bf16 copy, as for int8.
+
 Rows: a step of at most :data:`MAX_KERNEL_ROWS` rows runs the kernel (decode); a larger one
 (prefill, large batches, where the matmul is compute-bound) dequantizes the weight into a
 per-thread float32 scratch buffer (:func:`dequant_scratch`) and runs torch's matmul.
-Activations may be fp32, bf16 or fp16; the kernel computes in fp32.
+Activations may be fp32, bf16 or fp16; the kernel computes in fp32. :class:`Bf16Linear`'s
+large steps run :func:`kvfleet.kernels.cpu_woq.bf16_linear`'s choice (native bf16 matmul on
+CPUs with AVX512-BF16 / AMX, else the fp32 matmul on the widened weight).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from kvfleet.kernels import cpu_woq
+from kvfleet.kernels.cpu_woq import dequant_scratch
 
 MAX_KERNEL_ROWS = 32
 """Rows (tokens) up to which the kernel runs; above, dequantize + torch matmul (measured on an
 AVX2 EPYC: the kernel is faster up to ~32 rows, docs/performance.md)."""
-
-
-_scratch = threading.local()
-
-
-def dequant_scratch(rows: int, cols: int) -> torch.Tensor:
-    """A float32 ``[rows, cols]`` view of this thread's dequantization buffer (grown, never
-    shrunk; the largest layer's weight). One buffer for every layer: a fresh ``torch.empty`` of
-    a whole weight per layer per prefill came from new pages (mmap-sized allocations), and
-    faulting them in cost more than the dequantization (the first token of a 128-token int4
-    prompt: 0.70 s with fresh tensors, 0.45 s with the buffer; docs/performance.md). Overwritten
-    by the next layer: the caller uses it before the next call.
-
-    Made with inference mode off, so it can be written in and out of inference mode."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < rows * cols:
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
-            buf = _scratch.buf = torch.empty(rows * cols, dtype=torch.float32)
-    return buf[: rows * cols].view(rows, cols)
 
 
 def _shell(cls, linear: torch.nn.Linear) -> torch.nn.Linear:
@@ -153,6 +139,27 @@ class Int4Linear(torch.nn.Linear):
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
+class Bf16Linear(torch.nn.Linear):
+    """``nn.Linear`` over bf16 weights, float32 activations in and out (see the module docstring).
+
+    Buffers: ``weight [N, K]`` bfloat16, ``bias32 [N]`` float32 or None."""
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Bf16Linear:
+        """Round ``linear``'s float weight to bf16 (nearest even); the float weight is not kept."""
+        new = _shell(cls, linear)
+        new.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous(), persistent=False)
+        bias = linear.bias
+        new.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvfleet.woq_bf16_linear(x, self.weight, self.bias32)
+        return cpu_woq.bf16_linear_unchecked(x, self.weight, self.bias32)
+
+
 def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
@@ -175,3 +182,29 @@ def convert_model(model: torch.nn.Module, layers: dict[str, torch.nn.Linear], me
             model.config.tie_word_embeddings = False  # the head is its own (int8) copy now
         count += 1
     return count
+
+
+def to_bf16_weights(model: torch.nn.Module) -> int:
+    """Swap a loaded float32 model's ``nn.Linear`` layers (the decoder's and the LM head) for :class:`Bf16Linear`
+    (the head an untied bf16 copy: the input embedding stays float32 for the lookups); returns
+    the number of layers swapped. The model keeps float32 activations, so the fused decode path
+    (:mod:`kvfleet.runtime.worker.cpu_decode`) still runs it, reading half the weight bytes.
+
+    Raises:
+        ValueError: a layer to convert does not hold float32 weights on the CPU, or the C
+            kernels are unavailable here (:func:`kvfleet.kernels.cpu_woq.available`).
+    """
+    if not cpu_woq.available():
+        raise ValueError(f"bf16 weights need kvfleet's CPU kernels: {cpu_woq.unavailable_reason()}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, linear in layers.items():
+        if type(linear) is not torch.nn.Linear or linear.weight.dtype != torch.float32 \
+                or linear.weight.device.type != "cpu":
+            raise ValueError(f"bf16 weights: {name} is a {type(linear).__name__} with {linear.weight.dtype} weights "
+                             f"on {linear.weight.device}, not a float32 nn.Linear on the CPU")
+    for name, linear in layers.items():
+        _replace(model, name, Bf16Linear.from_linear(linear))
+    if any(m is head for m in layers.values()) and getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False  # the head is its own (bf16) copy now
+    return len(layers)

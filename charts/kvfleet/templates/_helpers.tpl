@@ -180,8 +180,8 @@ names the code that needs it; nothing here grants access to other kinds.
 
 {{/*
 Labels the operator puts on every runtime pod and Service it creates
-(kvfleet.operator.builders.labels); the PodMonitor/ServiceMonitor select on them.
-tests/test_chart.py checks them against the builders' output.
+(kvfleet.operator.service_spec.labels); the PodMonitor/ServiceMonitor select on them.
+tests/repo/test_chart.py checks them against the builders' output.
 */}}
 {{- define "kvfleet.runtimeSelectorLabels" -}}
 app.kubernetes.io/name: kvfleet

@@ -12,25 +12,24 @@ Routes, status codes and the reasons behind them: docs/server.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ValidationError
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import lifecycle
 from kvfleet.runtime.entrypoints.openai import protocol as P
-from kvfleet.runtime.entrypoints.openai.errors import APIError, add_exception_handlers, validation_error
+from kvfleet.runtime.entrypoints.openai.errors import APIError, add_exception_handlers
+from kvfleet.runtime.entrypoints.openai.request_body import BodyT, parse_body
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -48,7 +47,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 """Served name of the embedded default model (matches the model loader's display name)."""
 
 EngineFactory = Callable[[EngineConfig, list], EngineClient]
-BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 def served_name(config: EngineConfig) -> str:
@@ -141,12 +139,15 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         except Exception:  # only a shortcut: without it prompts are just tokenized
             logger.warning("no prompt length bound for this tokenizer", exc_info=True)
         if state.prompt_bound is not None:
-            logger.info("prompts longer than %d characters per token of max_model_len are rejected untokenized",
-                        state.prompt_bound.chars_per_token)  # fmt: skip
+            logger.info(
+                "prompts longer than %d characters per token of max_model_len are rejected untokenized",
+                state.prompt_bound.chars_per_token,
+            )
         await engine.start()
         state.engine = engine
-        logger.info("model %s ready in %.1f s (max_model_len %s)", state.model_name, time.monotonic() - t0,
-                    engine.max_model_len)  # fmt: skip
+        logger.info(
+            "model %s ready in %.1f s (max_model_len %s)", state.model_name, time.monotonic() - t0, engine.max_model_len
+        )
     except Exception as exc:  # reported by /health and the exit status
         state.load_error = exc
         # The reason on the ERROR line itself (a bad option such as a tensor_parallel_size that
@@ -278,84 +279,9 @@ async def detokenize(request: Request):
     return (await request.app.state.serving_tokenize.detokenize(body)).model_dump()
 
 
-# ----------------------------------------------------------------------------- request bodies
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, at most ``limit`` bytes: a larger ``Content-Length`` is refused before
-    anything is read, a body without one (chunked) as soon as its chunks pass the limit (413)."""
-
-    def too_large(size: str) -> APIError:
-        return APIError(413, f"request body is {size} bytes, over the limit of {limit} bytes (max_request_body_size)",
-                        code="request_too_large")  # fmt: skip
-
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large(declared)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(f"more than {limit}")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def _parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    """The body as ``model``: UTF-8 JSON whatever the ``Content-Type``; anything else is a 400."""
-    raw = await _read_body(request, _state(request).settings.max_request_body_size)
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise APIError(400, f"request body is not valid UTF-8: {exc}", code="invalid_encoding") from None
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        if any(err.get("type") == "json_invalid" for err in exc.errors()):
-            _explain_invalid_json(raw)  # raises the clearer error when there is one
-        raise validation_error(exc) from None
-
-
-def _explain_invalid_json(raw: bytes) -> None:
-    """Why pydantic's JSON parser refused ``raw``: not JSON at all (Python's parser says where),
-    or JSON whose strings hold a lone surrogate escape (``"\\ud800"``), which is no Unicode
-    text (it cannot be encoded as UTF-8) -- the error names the top-level field holding it."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the stack
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    for key, value in data.items() if isinstance(data, dict) else ():
-        bad = _lone_surrogate(key)
-        if bad is not None:  # never echoed back: it cannot be encoded in the answer either
-            raise APIError(400, f"request body is not valid UTF-8 text: a field name contains a lone surrogate "
-                                f"(\\u{ord(bad):04x})", code="invalid_encoding")  # fmt: skip
-        bad = _lone_surrogate(value)
-        if bad is not None:
-            raise APIError(
-                400,
-                f"{key} is not valid UTF-8 text: it contains a lone surrogate (\\u{ord(bad):04x}) that is not part "
-                "of a surrogate pair",
-                param=str(key),
-                code="invalid_encoding",
-            )
-
-
-def _lone_surrogate(value: Any) -> str | None:
-    """The first lone surrogate in a parsed JSON value's strings (keys included), or None."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                return v[exc.start]
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return None
+    """The body as ``model`` under the server's ``max_request_body_size`` (:mod:`.request_body`)."""
+    return await parse_body(request, model, _state(request).settings.max_request_body_size)
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -382,8 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     state: ServerState = app.state.kvfleet
     # The drain waits for the requests in flight; uvicorn's own graceful shutdown after it only
     # has to see the last bytes out.
-    config = uvicorn.Config(app, host=args.server.host, port=args.server.port, log_level=args.server.log_level,
-                            timeout_graceful_shutdown=5, lifespan="on")  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=args.server.host,
+        port=args.server.port,
+        log_level=args.server.log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
     server = lifecycle.DrainingServer(config, state)
 
     def fatal() -> None:

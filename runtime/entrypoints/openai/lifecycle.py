@@ -46,8 +46,9 @@ _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memor
 
 
 def shutting_down_error() -> APIError:
-    return APIError(503, "the server is shutting down; retry on another replica", code="shutting_down",
-                    headers={"Retry-After": "1"})  # fmt: skip
+    return APIError(
+        503, "the server is shutting down; retry on another replica", code="shutting_down", headers={"Retry-After": "1"}
+    )
 
 
 class InFlight:
@@ -175,8 +176,11 @@ class DrainingServer(uvicorn.Server):
             logger.info("drained in %.1f s", elapsed)
             return True
         if elapsed >= self.state.settings.shutdown_timeout:
-            logger.warning("shutdown_timeout (%g s) passed with %d requests in flight: stopping the engine",
-                           self.state.settings.shutdown_timeout, self.state.in_flight)  # fmt: skip
+            logger.warning(
+                "shutdown_timeout (%g s) passed with %d requests in flight: stopping the engine",
+                self.state.settings.shutdown_timeout,
+                self.state.in_flight,
+            )
             if self.state.engine is not None:
                 await self.state.engine.shutdown()  # their streams end with an error event
             return True

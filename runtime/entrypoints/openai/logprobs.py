@@ -112,13 +112,15 @@ def prompt_logprobs_body(
     if plp is None:
         return None
     return [
-        None if entries is None else {
+        None
+        if entries is None
+        else {
             tid: P.PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
             for tid, lp in entries.items()
             if k is None or prompt_ids is None or tid == prompt_ids[j] or lp.rank is None or lp.rank <= k
         }
         for j, entries in enumerate(plp)
-    ]  # fmt: skip
+    ]
 
 
 def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int, detok: TokenText) -> P.ChatChoiceLogprobs:
@@ -130,8 +132,9 @@ def chat_logprobs(c: CompletionOutput, start: int, end: int, k: int, detok: Toke
         sampled = entries.get(tid)
         token = detok(tid, sampled)
         top = []
-        ranked = sorted(((lp.rank, tok_id, lp) for tok_id, lp in entries.items() if lp.rank is not None),
-                        key=lambda t: t[0])  # fmt: skip
+        ranked = sorted(
+            ((lp.rank, tok_id, lp) for tok_id, lp in entries.items() if lp.rank is not None), key=lambda t: t[0]
+        )
         for rank, tok_id, lp in ranked:
             if rank <= k:
                 s = detok(tok_id, lp)

@@ -83,7 +83,8 @@ _HELP = {
     "model": "checkpoint directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer path or hub id (default: the model's)",
     "served_model_name": "model name clients send and /v1/models lists (default: --model, or the default model's name)",
-    "dtype": "weights and KV cache dtype (auto: bfloat16 where the CPU/GPU has native bf16 matmul, else float32)",
+    "dtype": ("weights, activations and KV cache dtype (auto: float32 on a CPU, the fused decoder's; "
+              "bfloat16 on a GPU that has it, else float16)"),
     "quantization": "weight-only quantization of the linear layers (torchao): int8, or int4 (CPU only)",
     "device": "auto, cpu, cuda or cuda:N",
     "seed": "engine seed (requests without their own seed)",

@@ -39,9 +39,21 @@ from kvfleet.runtime.entrypoints.openai.tool_calls import (
 from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, HermesToolParser, tool_calls_body
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
-     "return_assistant_tokens_mask", "add_generation_prompt", "continue_final_message", "conversation", "tools"}
-)  # fmt: skip
+    {
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+        "add_generation_prompt",
+        "continue_final_message",
+        "conversation",
+        "tools",
+    }
+)
 """apply_chat_template arguments the server sets itself (a request may pass others, e.g.
 ``enable_thinking``, through ``chat_template_kwargs``)."""
 
@@ -72,15 +84,23 @@ class _Chat:
         """The JSON body (on a worker thread: prompt_logprobs and logprobs of long sequences make big bodies)."""
         outputs = sorted(final.outputs, key=lambda c: c.index) if final else []
         choices = [
-            P.ChatCompletionResponseChoice(index=c.index, message=self.message(c), logprobs=self.logprobs(c, 0),
-                                           finish_reason=self.finish_reason(c), stop_reason=c.stop_reason)
+            P.ChatCompletionResponseChoice(
+                index=c.index,
+                message=self.message(c),
+                logprobs=self.logprobs(c, 0),
+                finish_reason=self.finish_reason(c),
+                stop_reason=c.stop_reason,
+            )
             for c in outputs
-        ]  # fmt: skip
+        ]
         resp = P.ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.model, choices=choices,
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
             usage=usage([len(self.prompt_ids)], outputs),
             prompt_logprobs=LP.prompt_logprobs_body(final.prompt_logprobs if final else None),
-        )  # fmt: skip
+        )
         return body_response(resp)
 
     @property
@@ -105,16 +125,24 @@ class _Chat:
 
 class _ChatStream(StreamWriter):
     def __init__(self, req: _Chat):
-        super().__init__(P.ChatCompletionStreamResponse, request_id=req.request_id, created=req.created,
-                         model=req.model, n=req.body.n, prompt_lens=[len(req.prompt_ids)],
-                         include_usage=req.body.include_usage)  # fmt: skip
+        super().__init__(
+            P.ChatCompletionStreamResponse,
+            request_id=req.request_id,
+            created=req.created,
+            model=req.model,
+            n=req.body.n,
+            prompt_lens=[len(req.prompt_ids)],
+            include_usage=req.body.include_usage,
+        )
         self.req = req
         self.parsers: dict[int, HermesStreamParser] = {}
         self.texts: dict[int, str] = {}
 
     def opening(self) -> list[P.ChatCompletionStreamChoice]:  # type: ignore[override]
-        return [P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(role="assistant", content=""))
-                for idx in range(self.n)]  # fmt: skip
+        return [
+            P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(role="assistant", content=""))
+            for idx in range(self.n)
+        ]
 
     def logprobs(self, c: CompletionOutput, idx: int) -> P.ChatChoiceLogprobs | None:
         return self.req.logprobs(c, 0)
@@ -140,9 +168,14 @@ class _ChatStream(StreamWriter):
             text = self.texts.get(idx, "")  # the deltas so far (c is the last delta)
             content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(text)
             chunks = [ch for ch in [self._tool_delta(idx, content, calls)] if ch is not None]
-        return chunks + [P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(),
-                                                      finish_reason=self.req.finish_reason(c, made_calls),
-                                                      stop_reason=c.stop_reason)]  # fmt: skip
+        return chunks + [
+            P.ChatCompletionStreamChoice(
+                index=idx,
+                delta=P.DeltaMessage(),
+                finish_reason=self.req.finish_reason(c, made_calls),
+                stop_reason=c.stop_reason,
+            )
+        ]
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -156,8 +189,12 @@ class OpenAIServingChat(OpenAIServing):
         spec, spec_param = checked(lambda: structured_outputs_of(body))
         if tools is not None and tools.grammar() is not None:
             if spec is not None:
-                raise APIError(400, f"{spec_param} cannot be combined with tool_choice {tools.choice!r}",
-                               param=spec_param, code="invalid_value")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{spec_param} cannot be combined with tool_choice {tools.choice!r}",
+                    param=spec_param,
+                    code="invalid_value",
+                )
             spec, spec_param = tools.grammar(), "tools"
         engine = self.state.require_engine()
         prompt_ids = await self.prompt_ids(engine, body, body.tools)
@@ -187,17 +224,26 @@ class OpenAIServingChat(OpenAIServing):
         messages = checked(body.template_messages)
         for i, m in enumerate(messages):
             if m["role"] not in _CHAT_ROLES:
-                raise APIError(400, f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m['role']!r}",
-                               param="messages", code="invalid_value")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"messages[{i}].role must be one of {', '.join(_CHAT_ROLES)}, got {m['role']!r}",
+                    param="messages",
+                    code="invalid_value",
+                )
         tokenizer = engine.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages",
-                           code="no_chat_template")  # fmt: skip
+            raise APIError(
+                400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
+            )
         extra_kwargs = dict(body.chat_template_kwargs or {})
         reserved = sorted(set(extra_kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs",
-                           code="invalid_value")  # fmt: skip
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(reserved)}",
+                param="chat_template_kwargs",
+                code="invalid_value",
+            )
 
         native = template_renders_tools(tokenizer.chat_template)
         messages = prepare_messages(messages, tools, native)
@@ -214,11 +260,16 @@ class OpenAIServingChat(OpenAIServing):
                     **extra_kwargs,
                 )
             except Exception as exc:  # jinja TemplateError, ValueError, TypeError from the template
-                raise APIError(400, f"cannot apply the chat template: {exc}", param="messages",
-                               code="invalid_value") from None  # fmt: skip
+                raise APIError(
+                    400, f"cannot apply the chat template: {exc}", param="messages", code="invalid_value"
+                ) from None
             if not isinstance(text, str):
-                raise APIError(400, "chat_template_kwargs must not change the template's output type",
-                               param="chat_template_kwargs", code="invalid_value")  # fmt: skip
+                raise APIError(
+                    400,
+                    "chat_template_kwargs must not change the template's output type",
+                    param="chat_template_kwargs",
+                    code="invalid_value",
+                )
             self.check_prompt_bound(text, engine.max_model_len, "messages")
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 

@@ -38,8 +38,9 @@ def _check_token_ids(ids: list[int], vocab_size: int) -> None:
     """The engine's own check (``out_of_vocab``), answered as a 400 before anything is tokenized."""
     bad = out_of_vocab(ids, vocab_size, limit=1)  # C loops: ~0.1 s for 10M ids on the event loop
     if bad:
-        raise APIError(400, f"prompt token id {bad[0]} is out of range [0, {vocab_size})", param="prompt",
-                       code="invalid_value")  # fmt: skip
+        raise APIError(
+            400, f"prompt token id {bad[0]} is out of range [0, {vocab_size})", param="prompt", code="invalid_value"
+        )
 
 
 @dataclass
@@ -85,10 +86,14 @@ class _Completion:
                 text = self.prompt_texts[i] + text
             choices.append(
                 P.CompletionResponseChoice(
-                    index=i * body.n + c.index, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason, prompt_logprobs=plp_body,
+                    index=i * body.n + c.index,
+                    text=text,
+                    logprobs=lp,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    prompt_logprobs=plp_body,
                 )
-            )  # fmt: skip
+            )
         return choices
 
     def response(self, final: dict[int, RequestOutput]) -> Response:
@@ -96,17 +101,29 @@ class _Completion:
         hundreds of MB)."""
         choices = [ch for i in range(len(self.prompt_ids)) for ch in self.choices(i, final.get(i))]
         outputs = [c for i in range(len(self.prompt_ids)) if i in final for c in final[i].outputs]
-        resp = P.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                    usage=usage([len(x) for x in self.prompt_ids], outputs))  # fmt: skip
+        resp = P.CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage([len(x) for x in self.prompt_ids], outputs),
+        )
         return body_response(resp)
 
 
 class _CompletionStream(StreamWriter):
     def __init__(self, req: _Completion):
         body = req.body
-        super().__init__(P.CompletionStreamResponse, request_id=req.request_id, created=req.created, model=req.model,
-                         n=body.n, prompt_lens=[len(x) for x in req.prompt_ids], include_usage=body.include_usage,
-                         echo_only=body.echo_only)  # fmt: skip
+        super().__init__(
+            P.CompletionStreamResponse,
+            request_id=req.request_id,
+            created=req.created,
+            model=req.model,
+            n=body.n,
+            prompt_lens=[len(x) for x in req.prompt_ids],
+            include_usage=body.include_usage,
+            echo_only=body.echo_only,
+        )
         self.req = req
         self.offsets: dict[int, int] = {}
         self.echoed: dict[int, tuple[P.CompletionLogProbs, int]] = {}  # per prompt: the same for each choice
@@ -124,8 +141,9 @@ class _CompletionStream(StreamWriter):
     def logprobs(self, c: CompletionOutput, idx: int) -> P.CompletionLogProbs | None:
         if self.req.body.logprobs is None:
             return None
-        lp, self.offsets[idx] = LP.completion_logprobs(c, 0, len(c.token_ids), self.req.k, self.req.detok,
-                                                       self.offsets.get(idx, 0))  # fmt: skip
+        lp, self.offsets[idx] = LP.completion_logprobs(
+            c, 0, len(c.token_ids), self.req.k, self.req.detok, self.offsets.get(idx, 0)
+        )
         return lp
 
     def delta(self, idx: int, text: str, lp: P.CompletionLogProbs | None) -> P.CompletionStreamChoice:
@@ -177,8 +195,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if not isinstance(p, str):
                 _check_token_ids(ids, engine.vocab_size)
             if not ids:
-                raise APIError(400, "prompt must not be empty (it tokenizes to no tokens)", param="prompt",
-                               code="invalid_value")  # fmt: skip
+                raise APIError(
+                    400, "prompt must not be empty (it tokenizes to no tokens)", param="prompt", code="invalid_value"
+                )
             prompt_ids.append(ids)
         return prompt_ids
 
@@ -189,12 +208,14 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = resolve_max_tokens(requested, len(ids), max_model_len, "max_tokens", "prompt")
         return checked(lambda: body.to_sampling_params(max_tokens))
 
-    async def _prompt_texts(self, engine: EngineClient, prompts: list[str | list[int]],
-                            prompt_ids: list[list[int]]) -> list[str]:  # fmt: skip
+    async def _prompt_texts(
+        self, engine: EngineClient, prompts: list[str | list[int]], prompt_ids: list[list[int]]
+    ) -> list[str]:
         """The prompts as text, for ``echo``: token-id prompts decoded (as vLLM does) on the
         tokenizer thread (a 32 MiB body of id lists takes seconds to decode)."""
         tokenizer = engine.tokenizer
         id_prompts = [ids for p, ids in zip(prompts, prompt_ids) if not isinstance(p, str)]
-        decoded = iter(await self.on_tokenizer_thread(lambda: [tokenizer.decode(x) for x in id_prompts])
-                       if id_prompts else [])  # fmt: skip
+        decoded = iter(
+            await self.on_tokenizer_thread(lambda: [tokenizer.decode(x) for x in id_prompts]) if id_prompts else []
+        )
         return [p if isinstance(p, str) else next(decoded) for p in prompts]

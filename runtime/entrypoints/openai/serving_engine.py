@@ -103,8 +103,11 @@ class ServerState:
 
     def is_lora(self, name: str) -> bool:
         """Whether ``name`` is a loaded LoRA adapter (False with LoRA off or while loading)."""
-        return (self.config.enable_lora and self.engine is not None
-                and any(lora.lora_name == name for lora in self.engine.list_loras()))  # fmt: skip
+        return (
+            self.config.enable_lora
+            and self.engine is not None
+            and any(lora.lora_name == name for lora in self.engine.list_loras())
+        )
 
     def require_engine(self) -> EngineClient:
         if self.engine_dead():
@@ -206,8 +209,9 @@ class StreamWriter(ABC):
 
     def event(self, choices: list[Any], usage: P.UsageInfo | None = None) -> str:
         """One chunk of ``choices`` as an SSE event."""
-        chunk = self.response_type(id=self.request_id, created=self.created, model=self.model, choices=choices,
-                                   usage=usage)  # fmt: skip
+        chunk = self.response_type(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
         return sse_chunk(chunk, self.include_usage)
 
 
@@ -289,8 +293,9 @@ class OpenAIServing:
         sub = Submission(self.state, engine, http_request, sum(sp.n for _, sp, _ in requests))
         if self.state.is_lora(body.model or ""):  # the adapter the request's model names
             sub.lora_name = body.model
-        merged = merge([sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user)
-                        for ids, sp, rid in requests])  # fmt: skip
+        merged = merge(
+            [sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user) for ids, sp, rid in requests]
+        )
         sub.watch_disconnect()
         try:
             try:
@@ -331,8 +336,9 @@ class OpenAIServing:
         return final
 
     def stream_response(self, gen: Generation, writer: StreamWriter) -> StreamingResponse:
-        return StreamingResponse(self._events(gen, writer), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return StreamingResponse(
+            self._events(gen, writer), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     async def _events(self, gen: Generation, w: StreamWriter) -> AsyncIterator[str]:
         """The SSE frames: the chunks, the usage chunk (include_usage) and ``[DONE]``; a failure is

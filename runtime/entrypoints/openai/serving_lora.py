@@ -34,10 +34,16 @@ def lora_model_cards(state: ServerState) -> list[P.ModelCard]:
     """One card per loaded adapter (none with LoRA off or while loading)."""
     if not state.config.enable_lora or state.engine is None:
         return []
-    return [P.ModelCard(id=lora.lora_name, created=int(state.started_at), root=lora.lora_path,
-                        parent=lora.base_model_name or state.model_name,
-                        max_model_len=state.engine.max_model_len)
-            for lora in state.engine.list_loras()]  # fmt: skip
+    return [
+        P.ModelCard(
+            id=lora.lora_name,
+            created=int(state.started_at),
+            root=lora.lora_path,
+            parent=lora.base_model_name or state.model_name,
+            max_model_len=state.engine.max_model_len,
+        )
+        for lora in state.engine.list_loras()
+    ]
 
 
 def lora_for(state: ServerState, model: str | None) -> str | None:
@@ -50,9 +56,12 @@ def lora_for(state: ServerState, model: str | None) -> str | None:
 def _updating_state(request: Request) -> ServerState:
     state: ServerState = request.app.state.kvfleet
     if not state.settings.allow_runtime_lora_updating:
-        raise APIError(404, "runtime LoRA adapter loading is disabled: start the server with "
-                            "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
-                       code="not_found")  # fmt: skip
+        raise APIError(
+            404,
+            "runtime LoRA adapter loading is disabled: start the server with "
+            "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+            code="not_found",
+        )
     if not state.config.enable_lora:
         raise APIError(400, "LoRA adapters need --enable-lora", code="invalid_value")
     return state

@@ -32,17 +32,23 @@ class OpenAIServingTokenization(OpenAIServing):
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages", code="invalid_value")
-            chat = P.ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                                           continue_final_message=body.continue_final_message,
-                                           chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
+            chat = P.ChatCompletionRequest(
+                messages=body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
             ids = await self.chat.prompt_ids(engine, chat, body.tools, add_special_tokens=bool(body.add_special_tokens))
         else:
             text = body.prompt
             self.check_prompt_bound(text, engine.max_model_len, "prompt")
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await self.on_tokenizer_thread(lambda: tokenizer.encode(text, add_special_tokens=special))
-        strs = await self.on_tokenizer_thread(lambda: tokenizer.convert_ids_to_tokens(ids)) \
-            if body.return_token_strs else None  # fmt: skip
+        strs = (
+            await self.on_tokenizer_thread(lambda: tokenizer.convert_ids_to_tokens(ids))
+            if body.return_token_strs
+            else None
+        )
         return P.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, body: P.DetokenizeRequest) -> P.DetokenizeResponse:
@@ -50,7 +56,11 @@ class OpenAIServingTokenization(OpenAIServing):
         engine = self.state.require_engine()
         bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
         if bad:
-            raise APIError(400, f"token ids must be in [0, {engine.vocab_size}), got {bad[:5]}", param="tokens",
-                           code="invalid_value")  # fmt: skip
+            raise APIError(
+                400,
+                f"token ids must be in [0, {engine.vocab_size}), got {bad[:5]}",
+                param="tokens",
+                code="invalid_value",
+            )
         tokens = body.tokens
         return P.DetokenizeResponse(prompt=await self.on_tokenizer_thread(lambda: engine.tokenizer.decode(tokens)))

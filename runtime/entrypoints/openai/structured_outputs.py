@@ -40,8 +40,9 @@ def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:
         if not isinstance(schema, dict):
             raise P.ProtocolError("response_format.json_schema.schema must be a JSON schema object", "response_format")
         return StructuredOutputsParams(json=schema)
-    raise P.UnsupportedFeature(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
-                               "response_format")  # fmt: skip
+    raise P.UnsupportedFeature(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format"
+    )
 
 
 def _from_structured_outputs(so: dict[str, Any]) -> StructuredOutputsParams:
@@ -50,16 +51,19 @@ def _from_structured_outputs(so: dict[str, Any]) -> StructuredOutputsParams:
     unknown = sorted(set(so) - set(_SO_KEYS) - {"disable_any_whitespace", "disable_fallback",
                                                 "disable_additional_properties"})
     if unknown:
-        raise P.UnsupportedFeature(f"structured_outputs.{unknown[0]} is not supported "
-                                   f"(json, regex, choice, grammar, json_object)", "structured_outputs")  # fmt: skip
+        raise P.UnsupportedFeature(
+            f"structured_outputs.{unknown[0]} is not supported (json, regex, choice, grammar, json_object)",
+            "structured_outputs",
+        )
     kw = {k: so[k] for k in _SO_KEYS if so.get(k) not in (None, False)}
     if "choice" in kw and not isinstance(kw["choice"], list):
         raise P.ProtocolError("structured_outputs.choice must be a list of strings", "structured_outputs")
     return StructuredOutputsParams(**kw, disable_any_whitespace=bool(so.get("disable_any_whitespace", True)))
 
 
-def structured_outputs_of(body: P.CompletionRequest | P.ChatCompletionRequest
-                          ) -> tuple[StructuredOutputsParams | None, str | None]:  # fmt: skip
+def structured_outputs_of(
+    body: P.CompletionRequest | P.ChatCompletionRequest,
+) -> tuple[StructuredOutputsParams | None, str | None]:
     """The request's structured-output spec and the field it came from (``(None, None)``: none).
 
     Raises:
@@ -71,8 +75,12 @@ def structured_outputs_of(body: P.CompletionRequest | P.ChatCompletionRequest
             found.append((_from_response_format(body.response_format), "response_format"))
         if body.structured_outputs is not None:
             found.append((_from_structured_outputs(body.structured_outputs), "structured_outputs"))
-        guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}  # fmt: skip
+        guided = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
         for field, key in guided.items():
             if getattr(body, field) is not None:
                 found.append((StructuredOutputsParams(**{key: getattr(body, field)}), field))
@@ -82,8 +90,9 @@ def structured_outputs_of(body: P.CompletionRequest | P.ChatCompletionRequest
         raise P.ProtocolError(str(exc), "structured_outputs") from None
     found = [(spec, field) for spec, field in found if spec is not None]
     if len(found) > 1:
-        raise P.ProtocolError(f"only one structured-output field may be set, got {', '.join(f for _, f in found)}",
-                              found[1][1])  # fmt: skip
+        raise P.ProtocolError(
+            f"only one structured-output field may be set, got {', '.join(f for _, f in found)}", found[1][1]
+        )
     return found[0] if found else (None, None)
 
 

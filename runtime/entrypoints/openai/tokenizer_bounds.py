@@ -156,9 +156,10 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
         logger.info(
             "prompt length pre-check off: the tokenizer (normalizer %s, pre-tokenizer %s, model %s) can drop or "
             "fuse characters",
-            (spec.get("normalizer") or {}).get("type"), (spec.get("pre_tokenizer") or {}).get("type"),
+            (spec.get("normalizer") or {}).get("type"),
+            (spec.get("pre_tokenizer") or {}).get("type"),
             spec["model"].get("type"),
-        )  # fmt: skip
+        )
         return None
     ids = sorted(set(vocab.values()))
     decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)

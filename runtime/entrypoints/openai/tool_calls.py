@@ -57,20 +57,29 @@ class ToolSetup:
         """The structural tag forcing the calls of ``required`` / ``named`` (None otherwise)."""
         if self.choice not in ("required", "named"):
             return None
-        functions = [t["function"] for t in self.tools
-                     if self.choice == "required" or t["function"]["name"] == self.name]  # fmt: skip
+        functions = [
+            t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.name
+        ]
 
         def tag(fn: dict[str, Any]) -> dict[str, Any]:
             schema = fn.get("parameters") or {"type": "object", "properties": {}}
-            return {"type": "tag", "begin": f'{TOOL_CALL_START}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
-                    "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
-                    "end": f"}}\n{TOOL_CALL_END}"}  # fmt: skip
+            return {
+                "type": "tag",
+                "begin": f'{TOOL_CALL_START}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
+                "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+                "end": f"}}\n{TOOL_CALL_END}",
+            }
 
         if self.choice == "named":
             fmt: dict[str, Any] = tag(functions[0])
         else:
-            fmt = {"type": "tags_with_separator", "tags": [tag(f) for f in functions], "separator": "\n",
-                   "at_least_one": True, "stop_after_first": not self.parallel}  # fmt: skip
+            fmt = {
+                "type": "tags_with_separator",
+                "tags": [tag(f) for f in functions],
+                "separator": "\n",
+                "at_least_one": True,
+                "stop_after_first": not self.parallel,
+            }
         return StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}))
 
 
@@ -82,8 +91,7 @@ def _check_tools(tools: list[dict[str, Any]]) -> None:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise P.UnsupportedFeature(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
-                                       "tools")  # fmt: skip
+            raise P.UnsupportedFeature(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', "tools")
         if not isinstance(fn.get("name"), str) or not FUNCTION_NAME.fullmatch(fn["name"]):
             raise P.ProtocolError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-' (OpenAI's "
                                   f"rule), got {fn.get('name')!r}", "tools")
@@ -112,15 +120,18 @@ def resolve_tools(body: P.ChatCompletionRequest, parser: str | None, enable_auto
     if isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise P.ProtocolError('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                                  '"function": {"name": ...}}', "tool_choice")  # fmt: skip
+            raise P.ProtocolError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         name = fn["name"]
         if name not in [t["function"]["name"] for t in tools]:
             raise P.ProtocolError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         choice = "named"
     elif choice not in ("none", "auto", "required"):
-        raise P.ProtocolError(f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}',
-                              "tool_choice")  # fmt: skip
+        raise P.ProtocolError(
+            f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}', "tool_choice"
+        )
     if choice == "auto" and not (enable_auto and parser in TOOL_PARSERS):
         raise P.ProtocolError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                               'set (or send tool_choice "none", "required" or a named function)', "tool_choice")
@@ -143,8 +154,9 @@ def _call_text(call: dict[str, Any]) -> str:
     return f"{TOOL_CALL_START}\n{json.dumps({'name': fn.get('name'), 'arguments': args})}\n{TOOL_CALL_END}"
 
 
-def prepare_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                     native: bool) -> list[dict[str, Any]]:  # fmt: skip
+def prepare_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, native: bool
+) -> list[dict[str, Any]]:
     """The messages as the chat template gets them (see the module doc): ``native`` keeps tool
     calls (arguments parsed into objects) for a template that renders them; otherwise the
     fallback text forms, and the tool prompt in the system message when ``tools`` are given."""

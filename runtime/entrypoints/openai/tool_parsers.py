@@ -125,8 +125,10 @@ def tool_call_id() -> str:
 
 def tool_calls_body(calls: list[ParsedCall]) -> list[dict[str, Any]]:
     """OpenAI's ``message.tool_calls``."""
-    return [{"id": tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]  # fmt: skip
+    return [
+        {"id": tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
+    ]
 
 
 class HermesStreamParser:
@@ -148,8 +150,14 @@ class HermesStreamParser:
             if i == len(self.ids):
                 self.ids.append(tool_call_id())
                 self.sent_args.append("")
-                calls.append({"index": i, "id": self.ids[i], "type": "function",
-                              "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+                calls.append(
+                    {
+                        "index": i,
+                        "id": self.ids[i],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             sent = self.sent_args[i]
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
                 calls.append({"index": i, "function": {"arguments": call.arguments[len(sent):]}})

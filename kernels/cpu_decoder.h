@@ -1,0 +1,35 @@
+/* kvfleet CPU kernels: the fused decoder's description (cpu_decoder.c's input), the structs that
+ * kernels/cpu_lib.py mirrors with ctypes (kv_matrix in cpu_gemv.h; kv_layer and kv_decoder here).
+ * Their sizes are exported by kv_abi_sizes and compared with the mirrors when the library loads:
+ * change a struct here and its mirror in cpu_lib.py together. */
+#ifndef KVFLEET_CPU_DECODER_H
+#define KVFLEET_CPU_DECODER_H
+
+#include "cpu_gemv.h"
+
+typedef struct {
+    const float *input_norm, *post_norm;   /* [H] RMSNorm weights */
+    kv_matrix qkv;                         /* [(QH + 2 KVH) D, H]: q rows, then k, then v */
+    kv_matrix o;                           /* [H, QH D] */
+    kv_matrix gate_up;                     /* [2 I, H]: gate rows, then up rows */
+    kv_matrix down;                        /* [H, I] */
+    float *k_cache, *v_cache;              /* [num_blocks, block_size, KVH, D] */
+} kv_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
+    double eps, scale;                     /* RMSNorm epsilon; softmax scale */
+    const kv_layer *layers;
+    const float *final_norm;               /* [H] */
+    const kv_matrix *head;                 /* LM head [V, H], or NULL */
+} kv_decoder;
+
+
+/* sizeof() of kv_matrix, kv_layer and kv_decoder into out[0 .. n - 1]; returns how many there are. */
+static inline int64_t kv_abi_sizes_of(int64_t *out, int64_t n) {
+    const int64_t sizes[] = {(int64_t)sizeof(kv_matrix), (int64_t)sizeof(kv_layer), (int64_t)sizeof(kv_decoder)};
+    for (int64_t i = 0; i < n && i < 3; i++) out[i] = sizes[i];
+    return 3;
+}
+
+#endif

@@ -1,0 +1,253 @@
+"""kvfleet's C library for the CPU: its build (one variant per ISA level), its ctypes bindings and
+the ABI check. The one module that compiles, names, loads and binds it; the ops over it live in
+:mod:`kvfleet.kernels.cpu_woq` (weight-only linear layers) and :mod:`kvfleet.kernels.cpu_decoder`
+(the fused decode step).
+
+Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``; ``cpu_decoder.h`` holds the
+decoder's structs and their sizes for the ABI check), one ``.so``.
+
+Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
+:func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
+
+- ``avx2`` (the floor): ``-mavx2 -mfma -mf16c``; 8-wide loads and FMAs.
+- ``avx512``: adds ``-mavx512f -mavx512bw -mavx512dq -mavx512vl``; the one-row (decode) dot
+  products run 16 wide (``cpu_gemv.h``, ``__AVX512F__``).
+- ``avx512_bf16``: adds ``-mavx512bf16 -mavx512vnni`` (the compiler may use them; the code is the
+  ``avx512`` code: widening a bf16 weight is one shift, and ``vdpbf16ps`` would round the float32
+  activations to bf16). AMX machines load this variant (AMX is reached through oneDNN's matmuls,
+  :func:`kvfleet.kernels.cpu_woq.bf16_path`).
+
+Build: the system C compiler (``$CC``, else ``cc`` / ``gcc``) with :data:`COMMON_FLAGS` and the
+variant's flags, into ``<cache>/kernels/kvfleet_cpu-<variant>-<hash>.so`` (``<cache>`` is
+``$KVFLEET_CACHE_DIR`` or ``~/.cache/kvfleet``; the hash covers the sources, the header and the
+flags; written to a temporary name and renamed, so concurrent processes never see half a file);
+about a second per variant, once per cache folder.
+
+ABI check: the C side exports ``kv_abi_sizes``, the ``sizeof`` of each struct the ctypes side
+mirrors (:data:`STRUCTS`: ``kv_matrix``, ``kv_layer``, ``kv_decoder``); :func:`load` compares them
+with ``ctypes.sizeof`` and refuses a library that disagrees (:class:`AbiMismatch`, logged, and
+:func:`available` is False), rather than pass misread pointers to C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from kvfleet.kernels import cpu_features
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_decoder.h"))
+COMMON_FLAGS = ("-O3", "-fopenmp", "-pthread", "-shared", "-fPIC")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+VARIANT_FLAGS = {
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c", *_AVX512),
+    "avx512_bf16": ("-mavx2", "-mfma", "-mf16c", *_AVX512, "-mavx512bf16", "-mavx512vnni"),
+}
+"""Compiler flags of each build variant (beyond :data:`COMMON_FLAGS`)."""
+_LEVEL_VARIANT = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16", "amx": "avx512_bf16"}
+CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
+PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
+PARALLEL_MIN_WEIGHTS = 1 << 16
+"""Layers with fewer weights run on one thread in the ``cpu_woq`` ops (``$KVFLEET_CPU_WOQ_PARALLEL_MIN``
+overrides): waking a sleeping OpenMP thread costs more than a small layer takes on one core. One
+int8 stream of the default model, 2 rounds: 2^16 (every layer on both threads) 17.0 / 14.7 tok/s,
+2^19 (q/k/v/o on one) 17.4 / 16.0, 2^20 (all but the LM head on one) 14.7 / 12.4: within this
+machine's noise, so the default stays."""
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class Matrix(ctypes.Structure):
+    """``kv_matrix`` (cpu_gemv.h)."""
+
+    _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("w", _ptr), ("scale", _ptr), ("shift", _ptr),
+                ("group", _i64), ("bias", _ptr)]
+
+
+class Layer(ctypes.Structure):
+    """``kv_layer`` (cpu_decoder.h)."""
+
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Matrix), ("o", Matrix),
+                ("gate_up", Matrix), ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class Decoder(ctypes.Structure):
+    """``kv_decoder`` (cpu_decoder.h)."""
+
+    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
+                ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
+                ("head", ctypes.POINTER(Matrix))]
+
+
+STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),
+                                                          ("kv_decoder", Decoder))
+"""The C structs mirrored here, in ``kv_abi_sizes``'s order."""
+
+
+class AbiMismatch(OSError):
+    """The library's structs differ from their ctypes mirrors (a stale or foreign build)."""
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_variant: str | None = None
+_error: str | None = None
+
+
+def variant_for(features: cpu_features.CpuFeatures) -> str | None:
+    """The build variant for a CPU: its ISA level's (``amx`` takes ``avx512_bf16``), None below AVX2."""
+    return _LEVEL_VARIANT.get(features.isa_level) if features.isa_level else None
+
+
+def compiler() -> str | None:
+    """The C compiler: ``$CC``, else ``cc`` or ``gcc`` on the PATH; None without one."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _default_root() -> Path:
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
+
+
+def build(variant: str, cache_root: Path | None = None) -> Path:
+    """Compile ``variant`` (unless its file exists) and return the ``.so`` path. Compiling needs no
+    CPU support: every variant builds on any x86-64 machine (tests compile the AVX-512 ones on
+    AVX2 machines).
+
+    Raises:
+        ValueError: an unknown variant.
+        OSError: no compiler, or it failed (its last lines in the message).
+    """
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"unknown variant {variant!r}; one of {', '.join(VARIANT_FLAGS)}")
+    cc = compiler()
+    if cc is None:
+        raise OSError("no C compiler ($CC, cc or gcc) to build the CPU kernels")
+    flags = (*COMMON_FLAGS, *VARIANT_FLAGS[variant])
+    source = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    folder = (cache_root or _default_root()) / "kernels"
+    target = folder / f"kvfleet_cpu-{variant}-{digest}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    run = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+    if run.returncode != 0:
+        os.unlink(tmp)
+        raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def check_abi(lib: ctypes.CDLL, structs: tuple[tuple[str, type[ctypes.Structure]], ...] | None = None) -> None:
+    """Compare the library's struct sizes with the ctypes sizes of ``structs`` (None: :data:`STRUCTS`).
+
+    Raises:
+        AbiMismatch: a size differs (or the library does not export ``kv_abi_sizes``)."""
+    fn = getattr(lib, "kv_abi_sizes", None)
+    if fn is None:
+        raise AbiMismatch("the library exports no kv_abi_sizes (a build older than kernels/cpu_lib.py)")
+    fn.argtypes, fn.restype = [_ptr, _i64], _i64
+    structs = STRUCTS if structs is None else structs
+    sizes = (_i64 * len(structs))()
+    count = fn(ctypes.addressof(sizes), len(structs))
+    if count != len(structs):
+        raise AbiMismatch(f"the library describes {count} structs, kernels/cpu_lib.py mirrors {len(structs)}")
+    bad = [f"{name}: C {sizes[i]} bytes, ctypes {ctypes.sizeof(cls)}" for i, (name, cls) in enumerate(structs)
+           if sizes[i] != ctypes.sizeof(cls)]
+    if bad:
+        raise AbiMismatch("C structs and their ctypes mirrors differ (" + "; ".join(bad) + ")")
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument and result types of every exported function; returns ``lib``."""
+    p, i64 = _ptr, _i64
+    for name, args, res in (
+        ("kv_woq_int8_linear", [p, i64, i64, i64, p, i64, p, p, p], None),
+        ("kv_woq_int4_linear", [p, i64, i64, i64, p, i64, p, p, i64, p, p], None),
+        ("kv_woq_bf16_linear", [p, i64, i64, i64, p, i64, p, p], None),
+        ("kv_woq_int4_dequant", [p, i64, i64, p, p, i64, p], None),
+        ("kv_woq_set_parallel_min", [i64], None),
+        ("kv_pool_start", [i64, i64], i64),
+        ("kv_decode_profile", [p], None),
+        ("kv_decode", [p, i64, p, p, p, p, p, i64, p, p, p], i64),
+    ):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+def open_variant(variant: str, cache_root: Path | None = None) -> ctypes.CDLL:
+    """Build (if needed), load, ABI-check and bind one variant, apart from the process's
+    :func:`load` (tests of each variant). Only call its functions on a CPU that has the variant.
+
+    Raises:
+        OSError: the build or the load failed; :class:`AbiMismatch`."""
+    lib = ctypes.CDLL(str(build(variant, cache_root)))
+    check_abi(lib)
+    bind(lib)
+    lib.kv_woq_set_parallel_min(int(os.environ.get(PARALLEL_MIN_ENV, "") or PARALLEL_MIN_WEIGHTS))
+    return lib
+
+
+def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
+    """The process's library: the variant :func:`variant_for` names for this CPU, built once per
+    cache folder; None when this machine cannot (the reason is logged once and kept in
+    :func:`unavailable_reason`)."""
+    global _lib, _variant, _error
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _error is not None:
+            return _lib
+        try:
+            features = cpu_features.detect()
+        except ValueError as exc:  # a bad $KVFLEET_CPU_ISA
+            _error = str(exc)
+            logger.warning("kvfleet CPU kernels unavailable: %s", _error)
+            return None
+        variant = variant_for(features)
+        if variant is None:
+            _error = "the CPU lacks AVX2/FMA/F16C (or is not Linux x86-64)"
+            return None
+        try:
+            lib = open_variant(variant, cache_root)
+        except OSError as exc:  # AbiMismatch included
+            _error = f"{variant} build: {exc}"
+            logger.warning("kvfleet CPU kernels unavailable: %s", _error)
+            return None
+        _lib, _variant = lib, variant
+        logger.info("kvfleet CPU kernels: %s variant (%s)", variant, features.summary())
+        return lib
+
+
+def available(cache_root: Path | None = None) -> bool:
+    """Whether the kernels run on this machine (builds them on first call)."""
+    return load(cache_root) is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None when it has not or it succeeded)."""
+    return _error
+
+
+def loaded_variant() -> str | None:
+    """The variant :func:`load` loaded (None before, or when unavailable)."""
+    return _variant

@@ -1,0 +1,171 @@
+"""The CPU execution plan: the activation dtype, the weight storage and the decode path an engine
+runs on this CPU, chosen from what the CPU has and what was asked for.
+
+:func:`plan` is pure (no torch, no I/O): it maps the CPU's features
+(:class:`kvfleet.kernels.cpu_features.CpuFeatures`), ``--dtype``, ``--quantization`` and the
+process's facts (:class:`CpuFacts`: do kvfleet's C kernels build here, are they switched on) to
+a :class:`CpuPlan`. :mod:`kvfleet.runtime.worker.model_loader` calls it for every load on the
+CPU, loads the model in :attr:`CpuPlan.dtype` and logs :meth:`CpuPlan.describe` at INFO with the
+CPU's summary. CUDA devices do not use it (``auto`` stays bf16 there, fp16 on older GPUs).
+
+The rules (docs/performance.md, "Which path runs on which CPU"):
+
+- ``--dtype auto`` (also with ``--quantization``): **float32 activations and KV cache on every
+  CPU**. The fused C decoder (:mod:`kvfleet.runtime.worker.cpu_decode`) runs float32 activations
+  only, and it is kvfleet's fastest decode on every CPU measured: on a Zen 4 with AVX512-BF16 one
+  stream ran 44.7 tok/s in fp32 against 10.9 in bf16 (int8 weights: 102 against 15.1), and 48
+  requests at once ran 89.8 tok/s in both. In float32 a seeded request also kept its text beside
+  other requests where bf16 on that CPU did not (tests/test_determinism.py). Weights: the quantization
+  if given, else bf16 where :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected
+  (half the bytes per decode token), else float32.
+- ``--dtype float32``: float32 everything; weights the quantization if given.
+- ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
+  kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
+  otherwise bf16 weights, activations and KV cache through torch (the fused decoder is off).
+- ``--dtype bfloat16`` or ``float16`` with ``--quantization``, and ``--dtype float16``: as asked,
+  through torch (the fused decoder is off; the reason says so).
+
+No start-up measurement refines the choice: with float32 activations the flags decide nothing
+but the weight storage, and a timing on a shared CPU (steps measured 10-20x slower under
+contention) would make the numerics of a restart depend on the load at that moment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfleet.kernels.cpu_features import CpuFeatures
+
+BF16_WEIGHT_STORAGE = False
+"""The one switch of bf16 weight storage (``Bf16Linear``, ``woq_linear.to_bf16_weights``: bf16
+weights, float32 activations, the fused decoder reading half the bytes). False until those
+kernels are merged: ``--dtype bfloat16`` then runs bf16 activations through torch, as before,
+and ``auto`` stores float32 weights. True: ``--dtype bfloat16`` stores bf16 weights and computes
+in float32, and ``auto`` stores bf16 weights wherever the fused decoder is expected."""
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATIONS = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What the process can run, besides the CPU's flags (gathered by the model loader).
+
+    Attributes:
+        kernels: kvfleet's C kernels build and load here (:func:`kvfleet.kernels.cpu_woq.available`).
+        woq_kernels: ``$KVFLEET_CPU_WOQ`` is not ``0`` (int8/int4 layers run kvfleet's kernels,
+            which the fused decoder reads; torchao's it does not).
+        fused_decoder: ``$KVFLEET_CPU_DECODER`` is not ``0``.
+        tensor_parallel_size: ranks the model is split over (the fused path runs one).
+    """
+
+    kernels: bool
+    woq_kernels: bool = True
+    fused_decoder: bool = True
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """How one engine runs on the CPU.
+
+    Attributes:
+        dtype: the activations' and KV cache's dtype, and the dtype the checkpoint is loaded in
+            (``float32``, ``bfloat16`` or ``float16``).
+        weights: how the decoder's linear layers store their weights: ``fp32``, ``bf16``,
+            ``fp16``, ``int8`` or ``int4``.
+        bf16_weights: the loader converts the float32 weights to bf16 storage after loading
+            (``woq_linear.to_bf16_weights``); only with :data:`BF16_WEIGHT_STORAGE`.
+        fused_decoder: decode steps are expected to run the fused C decoder (the model's
+            architecture still decides, :func:`kvfleet.runtime.worker.cpu_decode.build`).
+        native_bf16_prefill: prefill matmuls run in bf16 on native bf16 hardware (AVX512-BF16 or
+            AMX): bf16 weights or activations on a CPU with :attr:`CpuFeatures.native_bf16`.
+        reason: why, in one sentence.
+    """
+
+    dtype: str
+    weights: str
+    bf16_weights: bool
+    fused_decoder: bool
+    native_bf16_prefill: bool
+    reason: str
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return (f"activations {self.dtype}, weights {self.weights}, fused decoder "
+                f"{'expected' if self.fused_decoder else 'off'}, prefill matmuls "
+                f"{'bf16 (native)' if self.native_bf16_prefill else self._prefill_dtype()}: {self.reason}")
+
+    def _prefill_dtype(self) -> str:
+        return {"float32": "fp32", "bfloat16": "bf16 (emulated)", "float16": "fp16"}[self.dtype]
+
+
+def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = None, *,
+         facts: CpuFacts, bf16_weight_storage: bool | None = None) -> CpuPlan:
+    """The fastest correct way to run on this CPU what was asked (the rules: module docstring).
+
+    Args:
+        features: the CPU's features (:func:`kvfleet.kernels.cpu_features.detect`).
+        dtype: ``--dtype``: ``auto``, ``float32``, ``float16`` or ``bfloat16``.
+        quantization: ``--quantization``: ``int8``, ``int4`` or None.
+        facts: what the process can run (:class:`CpuFacts`).
+        bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
+
+    Raises:
+        ValueError: an unknown dtype or quantization.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); got {quantization!r}")
+    bf16_storage = BF16_WEIGHT_STORAGE if bf16_weight_storage is None else bf16_weight_storage
+    kernels = facts.kernels and features.isa_level is not None
+    single = facts.tensor_parallel_size == 1
+    # The fused decoder reads float32 activations and fp32 / kvfleet int8 / int4 (/ bf16) weights.
+    fused_possible = kernels and facts.fused_decoder and single and (quantization is None or facts.woq_kernels)
+    why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
+
+    if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
+                                         and fused_possible):
+        store_bf16 = quantization is None and bf16_storage and fused_possible and dtype != "float32"
+        weights = quantization or ("bf16" if store_bf16 else "fp32")
+        if dtype == "float32":
+            reason = "--dtype float32"
+        elif dtype == "bfloat16":
+            reason = "--dtype bfloat16 on the CPU: bf16 weight storage, float32 compute (the fused decoder reads bf16)"
+        elif not fused_possible:
+            reason = f"dtype auto: float32 (the fused decoder is off: {why_not_fused})"
+        else:
+            reason = ("dtype auto: float32 activations, the fused C decoder's (kvfleet's fastest decode on "
+                      "every CPU measured)")
+            if store_bf16:
+                reason += "; bf16 weight storage: half the bytes per decode token"
+        native = features.native_bf16 and weights == "bf16"
+        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason)
+
+    # An explicit float16 / bfloat16 run through torch, as asked.
+    weights = quantization or {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    native = dtype == "bfloat16" and features.native_bf16
+    if dtype == "bfloat16" and not features.native_bf16:
+        hint = "bf16 matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
+    else:
+        hint = "the fused C decoder runs float32 activations only"
+    flag = f"--dtype {dtype}" + (f" --quantization {quantization}" if quantization else "")
+    drop = "drop --dtype" if quantization else "use --dtype auto"
+    return CpuPlan(dtype, weights, False, False, native,
+                   f"{flag}: {dtype} activations through torch; slower than float32 here ({hint}; {drop})")
+
+
+def _why_not_fused(features: CpuFeatures, facts: CpuFacts, kernels: bool, single: bool,
+                   quantization: str | None) -> str:
+    if features.isa_level is None:
+        return "the CPU lacks AVX2/FMA/F16C or is not x86-64"
+    if not kernels:
+        return "kvfleet's C kernels are unavailable"
+    if not facts.fused_decoder:
+        return "$KVFLEET_CPU_DECODER=0"
+    if not single:
+        return "tensor parallelism"
+    if quantization is not None and not facts.woq_kernels:
+        return "$KVFLEET_CPU_WOQ=0 (torchao's kernels)"
+    return ""

@@ -1,0 +1,60 @@
+"""Tiny randomly initialised transformers models (no download), saved as checkpoints the engine
+loads: the configs (``COMMON`` sizes; ``configs()``: Mistral, Qwen2, Gemma 2 with an 8-token
+sliding window), a word-level tokenizer, token-id ``PROMPTS`` longer than the window, and
+``build``, which saves a model of a config and returns its eager transformers reference."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+VOCAB = 96
+GEN = 10
+# Token-id prompts (29, 21 and 12 tokens) longer than the window of 8.
+PROMPTS = [[(7 * i + 3) % (VOCAB - 2) + 2 for i in range(29)], [(5 * i + 11) % (VOCAB - 2) + 2 for i in range(21)],
+           [(3 * i + 1) % (VOCAB - 2) + 2 for i in range(12)]]
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, tie_word_embeddings=False,
+              bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+
+def configs():
+    """Mistral (window 8 on every layer), Qwen2 (layer 0 full, layer 1 window 8) and Gemma 2
+    (alternating window/full, soft-capped logits), each of ``COMMON``'s tiny sizes."""
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    return {
+        "mistral": MistralConfig(sliding_window=8, **COMMON),
+        "qwen2": Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **COMMON),
+        "gemma2": Gemma2Config(sliding_window=8, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                               final_logit_softcapping=3.0, **COMMON),
+    }
+
+
+def save_tokenizer(path) -> None:
+    """A word-level tokenizer of ``VOCAB`` tokens (``w2`` ... , ``<s>`` 0, ``</s>`` 1) saved at ``path``."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>").save_pretrained(
+        path)
+
+
+def build(config, path, seed: int = 0):
+    """A randomly initialised model of ``config`` saved (with a tokenizer) at ``path``; returns
+    the eager-attention transformers model that serves as the reference."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = copy.deepcopy(config)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return model

@@ -1,0 +1,186 @@
+"""kvfleet.kernels.cpu_decoder: the fused C decode step against a float64 torch reference of the
+same Llama layer (RMSNorm, q|k|v, rotary, paged grouped-query attention, o, SiLU MLP, LM head),
+for fp32, bf16, int8 and int4 weights, one and several rows, scattered block tables and partial blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet.kernels import cpu_woq
+
+pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
+
+from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear  # noqa: E402
+
+H, QH, KVH, D, FF, V, BS, BLOCKS = 128, 6, 2, 64, 320, 300, 16, 40
+
+
+def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) -> tuple[Linear, torch.Tensor]:
+    """A random layer in ``fmt`` and its dequantized float64 weight ``[n, k]``."""
+    w = torch.randn(n, k, generator=gen) * 0.2
+    b = torch.randn(n, generator=gen) * 0.1 if bias else None
+    if fmt == "fp32":
+        return Linear("fp32", w.contiguous(), bias=b), w.double()
+    if fmt == "bf16":
+        wb = w.to(torch.bfloat16).contiguous()
+        return Linear("bf16", wb, bias=b), wb.double()
+    if fmt == "int8":
+        scale = w.abs().amax(1) / 127
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return Linear("int8", q, scale.contiguous(), bias=b), q.double() * scale.double()[:, None]
+    G = 32
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // G, generator=gen) * 0.05
+    shift = -8 * scale
+    deq = q.double() * scale.double().repeat_interleave(G, 1) + shift.double().repeat_interleave(G, 1)
+    return Linear("int4", cpu_woq.pack_int4(q), scale.contiguous(), shift.contiguous(), G, b), deq
+
+
+def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    built, ref = [], []
+    for _ in range(layers):
+        qkv, qkv_ref = _linear(fmt, (QH + 2 * KVH) * D, H, gen, bias)
+        o, o_ref = _linear(fmt, H, QH * D, gen)
+        gu, gu_ref = _linear(fmt, 2 * FF, H, gen)
+        down, down_ref = _linear(fmt, H, FF, gen)
+        n1, n2 = 1 + 0.1 * torch.randn(H, generator=gen), 1 + 0.1 * torch.randn(H, generator=gen)
+        kc, vc = torch.randn(BLOCKS, BS, KVH, D, generator=gen), torch.randn(BLOCKS, BS, KVH, D, generator=gen)
+        built.append(Layer(n1, n2, qkv, o, gu, down, kc, vc))
+        ref.append((n1, n2, qkv_ref, None if qkv.bias is None else qkv.bias.double(), o_ref, gu_ref, down_ref))
+    head, head_ref = _linear(fmt, V, H, gen)
+    final = 1 + 0.1 * torch.randn(H, generator=gen)
+    weights = DecoderWeights(QH, KVH, D, 1e-5, D ** -0.5, built, final, head)
+    return weights, ref, head_ref
+
+
+def _rope(x, cos, sin):
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens):
+    """float64: the decoder layer as transformers' Llama computes it, over the paged caches
+    (which it updates like the kernel does)."""
+    def norm(v, w):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + weights.eps) * w.double()
+
+    x = x.double()
+    cos, sin = cos.double(), sin.double()
+    for layer, (n1, n2, wqkv, bqkv, wo, wgu, wd) in zip(weights.layers, ref):
+        h = norm(x, n1)
+        qkv = h @ wqkv.T + (0 if bqkv is None else bqkv)
+        q = qkv[:, : QH * D].view(-1, QH, D)
+        k = qkv[:, QH * D : (QH + KVH) * D].view(-1, KVH, D)
+        v = qkv[:, (QH + KVH) * D :].view(-1, KVH, D)
+        q, k = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
+        for i, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                layer.k_cache.view(-1, KVH, D)[slot] = k[i].float()
+                layer.v_cache.view(-1, KVH, D)[slot] = v[i].float()
+        out = []
+        for i, n in enumerate(lens.tolist()):
+            pos = torch.arange(n)
+            flat = tables[i, pos // BS].long() * BS + pos % BS
+            keys = layer.k_cache.view(-1, KVH, D)[flat].double()  # [n, KVH, D]
+            vals = layer.v_cache.view(-1, KVH, D)[flat].double()
+            keys, vals = keys.repeat_interleave(QH // KVH, 1), vals.repeat_interleave(QH // KVH, 1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) * weights.scale, -1)
+            out.append(torch.einsum("hn,nhd->hd", p, vals).reshape(-1))
+        x = x + torch.stack(out) @ wo.T
+        gu = norm(x, n2) @ wgu.T
+        x = x + (torch.nn.functional.silu(gu[:, :FF]) * gu[:, FF:]) @ wd.T
+    hidden = norm(x, weights.final_norm)
+    return hidden, hidden @ head_ref.T
+
+
+def _inputs(M: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 7 * BS, (M,), generator=gen, dtype=torch.int32)
+    width = int((lens.max() + BS - 1) // BS) + 1
+    tables = torch.stack([torch.randperm(BLOCKS, generator=gen)[:width] for _ in range(M)]).to(torch.int32)
+    # each row's new token sits at position len - 1 of its own block table (distinct slots)
+    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens.tolist())])
+    pos = (lens - 1).double()[:, None]
+    freqs = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D))
+    angles = torch.cat([pos * freqs, pos * freqs], -1)
+    return (torch.randn(M, H, generator=gen), angles.cos().float(), angles.sin().float(), slots, tables, lens)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_step_matches_the_float64_reference(fmt, M):
+    weights, ref, head_ref = _model(fmt, bias=(fmt in ("fp32", "bf16")))
+    x, cos, sin, slots, tables, lens = _inputs(M)
+    # Rows of one step belong to distinct sequences: distinct slots.
+    assert len(set(slots.tolist())) == M
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2)
+    hidden, logits = fused.step(x.clone(), cos, sin, slots, tables, lens)
+    for layer, (kc, vc) in zip(weights.layers, caches):  # the reference starts from the same caches
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens)
+    torch.testing.assert_close(hidden.double(), expect_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head_size", [32, 128])
+def test_other_head_sizes_match_the_reference(head_size, monkeypatch):
+    """The attention accumulators are specialised for D = 64 and 128; 32 takes the generic
+    width. The module's geometry constants are read at call time, so the test resizes them."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "D", head_size)
+    weights, ref, head_ref = _model("fp32")
+    x, cos, sin, slots, tables, lens = _inputs(3)
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    hidden, logits = FusedDecoder(weights, threads=2).step(x.clone(), cos, sin, slots, tables, lens)
+    for layer, (kc, vc) in zip(weights.layers, caches):
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens)
+    torch.testing.assert_close(hidden.double(), expect_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_step_writes_each_rows_key_and_value_at_its_slot():
+    weights, _, _ = _model("fp32", layers=1)
+    x, cos, sin, slots, tables, lens = _inputs(2)
+    slots[1] = -1  # not written
+    before = weights.layers[0].k_cache.clone()
+    FusedDecoder(weights, threads=1).step(x.clone(), cos, sin, slots, tables, lens)
+    changed = (weights.layers[0].k_cache != before).any(-1).any(-1).view(-1).nonzero().view(-1).tolist()
+    assert changed == [int(slots[0])]
+
+
+def test_threads_do_not_change_the_result():
+    weights, _, _ = _model("int8")
+    x, cos, sin, slots, tables, lens = _inputs(5)
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    results = []
+    for threads in (1, 2):
+        for layer, (kc, vc) in zip(weights.layers, snapshot):
+            layer.k_cache.copy_(kc)
+            layer.v_cache.copy_(vc)
+        results.append(FusedDecoder(weights, threads=threads).step(x.clone(), cos, sin, slots, tables, lens))
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=0, atol=0)
+
+
+def test_bad_arguments_are_value_errors():
+    weights, _, _ = _model("fp32", layers=1)
+    fused = FusedDecoder(weights)
+    x, cos, sin, slots, tables, lens = _inputs(2)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        fused.step(torch.zeros(MAX_ROWS + 1, H), cos, sin, slots, tables, lens)
+    with pytest.raises(ValueError, match="slots"):
+        fused.step(x, cos, sin, slots.int(), tables, lens)
+    with pytest.raises(ValueError, match="block_tables"):
+        fused.step(x, cos, sin, slots, tables.long(), lens)
+    bad = Linear("int8", torch.zeros(8, H, dtype=torch.int8), torch.ones(7))
+    with pytest.raises(ValueError, match="scale"):
+        bad.check("layer", 8, H)
+    weights.layers[0].o = Linear("fp32", torch.zeros(H + 1, QH * D))
+    with pytest.raises(ValueError, match="layer 0 o"):
+        FusedDecoder(weights)

@@ -1,0 +1,106 @@
+"""kvfleet.kernels.cpu_lib: the variant each recorded CPU gets, every variant compiles here, each
+variant's kernels against float64 where this CPU runs them (skipped with the reason where it does
+not), and the ABI check refusing a library whose structs differ from their ctypes mirrors."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+from support.paths import DATA as _DATA
+
+from kvfleet.kernels import cpu_features, cpu_lib
+
+DATA = _DATA / "cpuinfo"
+LEVEL = cpu_features.detect().isa_level
+HAS_CC = cpu_lib.compiler() is not None
+X86 = cpu_features.detect().x86_64
+
+
+@pytest.mark.parametrize(("name", "variant"), [("avx2_epyc_zen3.txt", "avx2"),
+                                               ("avx512bf16_epyc_zen4.txt", "avx512_bf16"),
+                                               ("amx_xeon_sapphire_rapids.txt", "avx512_bf16")])
+def test_variant_of_recorded_machines(name, variant):
+    f = cpu_features.CpuFeatures.from_cpuinfo((DATA / name).read_text())
+    assert cpu_lib.variant_for(f) == variant
+    assert cpu_lib.variant_for(f.capped("avx2")) == "avx2"  # $KVFLEET_CPU_ISA=avx2 runs the floor
+
+
+def test_no_variant_below_the_floor():
+    assert cpu_lib.variant_for(cpu_features.CpuFeatures.from_cpuinfo("flags\t: sse2 avx fma\n")) is None
+    assert cpu_lib.variant_for(cpu_features.CpuFeatures("arm", frozenset({"avx2", "fma", "f16c"}), False)) is None
+    zen4 = cpu_features.CpuFeatures.from_cpuinfo((DATA / "avx512bf16_epyc_zen4.txt").read_text())
+    assert cpu_lib.variant_for(zen4.capped("avx512")) == "avx512"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One build folder for the module: each variant compiles once."""
+    return tmp_path_factory.mktemp("cpu-lib")
+
+
+@pytest.mark.skipif(not (HAS_CC and X86), reason="needs a C compiler on x86-64")
+@pytest.mark.parametrize("variant", sorted(cpu_lib.VARIANT_FLAGS))
+def test_every_variant_compiles_here(variant, cache):
+    """Compile-only: the AVX-512 variants build on any x86-64 machine (run where the CPU has them)."""
+    so = cpu_lib.build(variant, cache)
+    assert so.name.startswith(f"kvfleet_cpu-{variant}-") and so.stat().st_size > 0
+    assert cpu_lib.build(variant, cache) == so  # cached by variant and source hash
+    with pytest.raises(ValueError, match="unknown variant"):
+        cpu_lib.build("sse2", cache)
+
+
+def _runs(variant: str) -> str | None:
+    """Why this machine cannot run ``variant`` (None: it can)."""
+    if not (HAS_CC and X86) or LEVEL is None:
+        return "no C compiler, not x86-64, or below AVX2"
+    have = cpu_features.ISA_LEVELS.index(LEVEL)
+    if have < cpu_features.ISA_LEVELS.index(variant):
+        return f"this CPU's level is {LEVEL}; the {variant} variant needs {variant}"
+    return None
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.skipif(_runs(v) is not None, reason=str(_runs(v))))
+                                     for v in sorted(cpu_lib.VARIANT_FLAGS)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_each_variant_matches_float64(variant, rows, cache):
+    """The variant's one-row (16 wide on AVX-512) and several-row paths, bf16 and int8 weights,
+    K = 8 mod 16 included (the 8-wide tail)."""
+    lib = cpu_lib.open_variant(variant, cache)
+    gen = torch.Generator().manual_seed(rows)
+    for N, K in ((40, 584), (33, 1536)):
+        x = torch.randn(rows, K, generator=gen)
+        bias = torch.randn(N, generator=gen)
+        wb = torch.randn(N, K, generator=gen).bfloat16()
+        q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+        s8 = torch.rand(N, generator=gen) * 0.02
+        y = torch.empty(rows, N)
+        lib.kv_woq_bf16_linear(x.data_ptr(), rows, K, K, wb.data_ptr(), N, bias.data_ptr(), y.data_ptr())
+        ref = x.double() @ wb.double().T + bias.double()
+        assert (y.double() - ref).abs().max() < 1e-6 * K ** 0.5 * ref.abs().max() + 1e-6
+        lib.kv_woq_int8_linear(x.data_ptr(), rows, K, K, q8.data_ptr(), N, s8.data_ptr(), None, y.data_ptr())
+        ref = x.double() @ (q8.double() * s8.double()[:, None]).T
+        assert (y.double() - ref).abs().max() < 1e-6 * K ** 0.5 * ref.abs().max() + 1e-6
+
+
+@pytest.mark.skipif(_runs("avx2") is not None, reason=str(_runs("avx2")))
+def test_the_abi_check_refuses_a_mismatch(cache, monkeypatch):
+    lib = cpu_lib.open_variant("avx2", cache)
+    cpu_lib.check_abi(lib)  # the real mirrors agree
+
+    class Wider(ctypes.Structure):
+        _fields_ = [*cpu_lib.Matrix._fields_, ("extra", ctypes.c_int64)]
+
+    with pytest.raises(cpu_lib.AbiMismatch, match=r"kv_matrix: C 64 bytes, ctypes 72"):
+        cpu_lib.check_abi(lib, (("kv_matrix", Wider), *cpu_lib.STRUCTS[1:]))
+    with pytest.raises(cpu_lib.AbiMismatch, match="3 structs"):
+        cpu_lib.check_abi(lib, cpu_lib.STRUCTS[:2])
+    # load() turns the refusal into an unavailable library with the reason
+    monkeypatch.setattr(cpu_lib, "_lib", None)
+    monkeypatch.setattr(cpu_lib, "_error", None)
+    monkeypatch.setattr(cpu_lib, "STRUCTS", (("kv_matrix", Wider), *cpu_lib.STRUCTS[1:]))
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    assert cpu_lib.load(cache) is None and not cpu_lib.available()
+    assert "differ" in cpu_lib.unavailable_reason() and "kv_matrix" in cpu_lib.unavailable_reason()

@@ -1,0 +1,483 @@
+"""Pure builders: children and status of an InferenceService, without a cluster.
+
+Golden files under tests/data/golden/ show the children of every example; regenerate with
+``KVFLEET_UPDATE_GOLDEN=1 pytest tests/unit/operator/test_builders.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from support.paths import GOLDEN, ROOT
+
+from kvfleet.operator import builders, crd, crd_schema, fetch, service_spec, status, weights
+from kvfleet.operator.builders import InvalidSpec
+from kvfleet.runtime.config import EngineConfig
+
+EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
+K8S_VERSION = "1.30.0"
+UID = "0b7f1c1e-5a8e-4a4b-9c33-6c3d2b1a0f00"
+
+
+def stored(path_or_obj: Path | dict[str, Any], generation: int = 1) -> dict[str, Any]:
+    """The example as an API server would store it: uid, generation, defaults."""
+    obj = yaml.safe_load(path_or_obj.read_text()) if isinstance(path_or_obj, Path) else copy.deepcopy(path_or_obj)
+    obj["metadata"].update(uid=UID, generation=generation)
+    return crd.apply_defaults(obj)
+
+
+def minimal(**spec: Any) -> dict[str, Any]:
+    obj = stored(ROOT / "examples/inferenceservice-minimal.yaml")
+    obj["spec"].update(spec)
+    return obj
+
+
+def by_kind(children: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["kind"]: c for c in children}
+
+
+def pod_spec(isvc: dict[str, Any]) -> dict[str, Any]:
+    return by_kind(builders.desired_children(isvc))["Deployment"]["spec"]["template"]["spec"]
+
+
+def runtime_container(isvc: dict[str, Any]) -> dict[str, Any]:
+    return pod_spec(isvc)["containers"][0]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_children_validate_against_kubernetes_schemas(path):
+    children = builders.desired_children(stored(path))
+    assert [c["kind"] for c in children][:3] == ["ConfigMap", "Service", "Deployment"]
+    for child in children:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+
+
+def test_kubernetes_validate_catches_a_broken_child():
+    deploy = by_kind(builders.desired_children(minimal()))["Deployment"]
+    deploy["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "eight thousand"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deploy, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_golden_children(path):
+    text = yaml.safe_dump_all(builders.desired_children(stored(path)), sort_keys=False, width=100)
+    golden = GOLDEN / f"{path.stem}.yaml"
+    if os.environ.get("KVFLEET_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), "run with KVFLEET_UPDATE_GOLDEN=1 to create the golden file"
+    assert text == golden.read_text(), f"children changed; review and regenerate {golden.name}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_config_file_is_accepted_by_the_runtime(path):
+    cm = by_kind(builders.desired_children(stored(path)))["ConfigMap"]
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    EngineConfig(**config)  # extra="forbid": an unknown key raises
+    assert set(config) <= set(EngineConfig.model_fields)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_labels_and_owner_on_every_child(path):
+    isvc = stored(path)
+    name = isvc["metadata"]["name"]
+    for child in builders.desired_children(isvc):
+        meta = child["metadata"]
+        assert meta["namespace"] == "default"
+        assert meta["labels"]["app.kubernetes.io/name"] == "kvfleet"
+        assert meta["labels"]["app.kubernetes.io/instance"] == name
+        assert meta["labels"]["app.kubernetes.io/component"] == "inference-server"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kvfleet-operator"
+        assert meta["ownerReferences"] == [{"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
+                                            "name": name, "uid": UID, "controller": True,
+                                            "blockOwnerDeletion": True}]
+
+
+def test_builders_are_pure():
+    isvc = stored(EXAMPLES[0])
+    before = copy.deepcopy(isvc)
+    assert builders.desired_children(isvc) == builders.desired_children(isvc)
+    assert isvc == before
+
+
+def test_missing_uid_is_an_invalid_spec():
+    isvc = minimal()
+    del isvc["metadata"]["uid"]
+    with pytest.raises(InvalidSpec) as e:
+        builders.desired_children(isvc)
+    assert e.value.reason == "MissingUID"
+
+
+def test_service_port_and_selector():
+    isvc = minimal()
+    kinds = by_kind(builders.desired_children(isvc))
+    svc = kinds["Service"]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                     "appProtocol": "http"}]
+    assert svc["spec"]["selector"] == kinds["Deployment"]["spec"]["selector"]["matchLabels"]
+    pod_labels = kinds["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_pod_basics():
+    isvc = minimal()
+    deploy = by_kind(builders.desired_children(isvc))["Deployment"]
+    tpl = deploy["spec"]["template"]
+    c = tpl["spec"]["containers"][0]
+    assert c["command"] == ["kvfleet"] and c["args"][:3] == ["serve", "--config", "/etc/kvfleet/config.yaml"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert tpl["spec"]["securityContext"]["runAsNonRoot"] is True
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
+    assert {"/tmp", "/cache", "/dev/shm", "/etc/kvfleet"} <= set(mounts)
+    assert vols[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert vols[mounts["/tmp"]]["emptyDir"] == {} and vols[mounts["/cache"]]["emptyDir"] == {}
+    assert vols["config"]["configMap"]["name"] == "smollm2-config"
+    ann = tpl["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8000"
+    assert ann["prometheus.io/path"] == "/metrics"
+    config_map = by_kind(builders.desired_children(isvc))["ConfigMap"]
+    assert ann["kvfleet.io/config-hash"] == builders.content_hash(config_map["data"])
+    assert "resources" not in c or "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_hf_model_is_fetched_by_an_init_container():
+    spec = pod_spec(minimal())
+    (init,) = spec["initContainers"]
+    assert init["args"][:2] == ["-m", "kvfleet.operator.fetch"]
+    args = dict(zip(init["args"][2::2], init["args"][3::2]))
+    assert args == {"--repo": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                    "--dest": "/models/HuggingFaceTB--SmolLM2-135M-Instruct@main",
+                    "--timeout": "3600", "--retries": "3", "--allow-pattern": "*.jinja"}
+    patterns = [b for a, b in zip(init["args"], init["args"][1:]) if a == "--allow-pattern"]
+    assert patterns == list(crd_schema.DEFAULT_ALLOW_PATTERNS) and "*.safetensors" in patterns
+    assert {"name": "models", "emptyDir": {}} in spec["volumes"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    config = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])
+    assert config["model"] == "/models/HuggingFaceTB--SmolLM2-135M-Instruct@main"
+    assert config["served_model_name"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_hf_revision_token_and_cache_claim():
+    isvc = minimal(model={"uri": "hf://org/name@v2", "hfTokenSecretRef": {"name": "hf"},
+                          "download": {"claimName": "model-cache", "timeoutSeconds": 60, "retries": 5}})
+    spec = pod_spec(isvc)
+    init = spec["initContainers"][0]
+    args = dict(zip(init["args"][2::2], init["args"][3::2]))
+    assert args["--revision"] == "v2" and args["--timeout"] == "60" and args["--retries"] == "5"
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in init["env"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}} in spec["volumes"]
+
+
+def test_pvc_and_file_models():
+    spec = pod_spec(minimal(model={"uri": "pvc://store/llama/8b"}))
+    assert "initContainers" not in spec
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "store", "readOnly": True}} in spec["volumes"]
+    cm = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/llama/8b"})))["ConfigMap"]
+    assert yaml.safe_load(cm["data"]["config.yaml"])["model"] == "/models/llama/8b"
+    isvc = minimal(model={"uri": "file:///opt/models/smollm2.gguf"})
+    spec = pod_spec(isvc)
+    assert "initContainers" not in spec and "models" not in {v["name"] for v in spec["volumes"]}
+    cm = by_kind(builders.desired_children(isvc))["ConfigMap"]
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["model"] == "/opt/models/smollm2.gguf" and config["served_model_name"] == "smollm2"
+
+
+def test_gpu_tensor_parallel_example():
+    isvc = stored(ROOT / "examples/inferenceservice-gpu-tp2.yaml")
+    kinds = by_kind(builders.desired_children(isvc))
+    deploy = kinds["Deployment"]
+    c = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    vols = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    api_key = {"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-api-key", "key": "api-key"}}}
+    assert api_key in c["env"]
+    assert kinds["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
+    assert deploy["spec"]["replicas"] == 2
+    # 16Gi of weights: 120 s + 20 s/GiB = 440 s -> 44 probes of 10 s
+    assert c["startupProbe"]["failureThreshold"] == 44
+    assert deploy["spec"]["progressDeadlineSeconds"] >= 440
+
+
+def test_tensor_parallel_defaults_gpus_and_rejects_too_few():
+    isvc = minimal(engine={"tensorParallelSize": 4})
+    assert runtime_container(isvc)["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    with pytest.raises(InvalidSpec) as e:
+        builders.desired_children(minimal(engine={"tensorParallelSize": 4}, runtime={"resources": {"gpus": 2}}))
+    assert e.value.reason == "NotEnoughGPUs"
+
+
+def test_startup_probe_override_and_unknown_size():
+    assert runtime_container(minimal())["startupProbe"]["failureThreshold"] == 60  # 600 s default
+    isvc = minimal(runtime={"startupTimeoutSeconds": 1800})
+    assert runtime_container(isvc)["startupProbe"]["failureThreshold"] == 180
+
+
+def test_block_size_change_changes_config_and_pod_hash_but_replicas_do_not():
+    a = by_kind(builders.desired_children(minimal()))
+    b = by_kind(builders.desired_children(minimal(engine={"blockSize": 32})))
+    c = by_kind(builders.desired_children(minimal(replicas=3)))
+    h = lambda k: k["Deployment"]["spec"]["template"]["metadata"]["annotations"]["kvfleet.io/config-hash"]
+    assert "block_size: 32" in b["ConfigMap"]["data"]["config.yaml"]
+    assert a["ConfigMap"] != b["ConfigMap"] and h(a) != h(b)
+    assert h(a) == h(c) and c["Deployment"]["spec"]["replicas"] == 3
+    assert builders.desired_children(minimal(), replicas=5)[2]["spec"]["replicas"] == 5
+
+
+def test_removed_fields_disappear_from_children():
+    with_key = by_kind(builders.desired_children(minimal(runtime={"apiKeySecretRef": {"name": "k"},
+                                                                  "nodeSelector": {"a": "b"}},
+                                                         disruption={"maxUnavailable": 1})))
+    without = by_kind(builders.desired_children(minimal()))
+    def env_names(children: dict) -> set[str]:
+        return {e["name"] for e in children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "KVFLEET_API_KEY" in env_names(with_key)
+    assert "KVFLEET_API_KEY" not in env_names(without)
+    assert "nodeSelector" not in without["Deployment"]["spec"]["template"]["spec"]
+    assert "PodDisruptionBudget" in with_key and "PodDisruptionBudget" not in without
+
+
+def test_extra_args_pass_through_and_unknown_ones_are_invalid():
+    extra = {"extraArgs": {"enable_chunked_prefill": False}}
+    cm = by_kind(builders.desired_children(minimal(engine=extra)))["ConfigMap"]
+    assert yaml.safe_load(cm["data"]["config.yaml"])["enable_chunked_prefill"] is False
+    with pytest.raises(InvalidSpec) as e:
+        builders.desired_children(minimal(engine={"extraArgs": {"warp_drive": True}}))
+    assert e.value.reason == "UnknownEngineArg"
+    with pytest.raises(InvalidSpec) as e:
+        builders.desired_children(minimal(engine={"blockSize": 16, "extraArgs": {"block_size": 32}}))
+    assert e.value.reason == "ConflictingEngineArg"
+
+
+def test_quantization_and_enforce_eager_reach_the_engine_config():
+    from kvfleet.runtime.config import EngineConfig
+
+    cm = by_kind(builders.desired_children(minimal(engine={"quantization": "int4", "enforceEager": False})))["ConfigMap"]
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["quantization"] == "int4" and config["enforce_eager"] is False
+    engine = EngineConfig.model_validate({k: v for k, v in config.items() if k in EngineConfig.model_fields})
+    assert engine.quantization == "int4" and engine.enforce_eager is False
+    unset = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])
+    assert "quantization" not in unset and "enforce_eager" not in unset  # the runtime's defaults
+
+
+def test_tuned_values_from_status_only_when_tuning_is_enabled():
+    tuned = minimal(engine={"blockSize": 16}, tuning={"enabled": True})
+    tuned["status"] = {"engine": {"blockSize": 32, "gpuMemoryUtilization": 0.85}}
+    config = yaml.safe_load(by_kind(builders.desired_children(tuned))["ConfigMap"]["data"]["config.yaml"])
+    assert config["block_size"] == 32 and config["gpu_memory_utilization"] == 0.85
+    tuned["spec"]["tuning"]["enabled"] = False
+    config = yaml.safe_load(by_kind(builders.desired_children(tuned))["ConfigMap"]["data"]["config.yaml"])
+    assert config["block_size"] == 16 and config["gpu_memory_utilization"] == 0.9
+
+
+# --------------------------------------------------------------------- status
+
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
+
+
+def live_deployment(isvc, *, available: int, updated: int | None = None, observed: int = 1, generation: int = 1,
+                    stalled: bool = False):
+    d = copy.deepcopy(by_kind(builders.desired_children(isvc))["Deployment"])
+    want = d["spec"]["replicas"]
+    updated = want if updated is None else updated
+    d["metadata"]["generation"] = generation
+    d["status"] = {"observedGeneration": observed, "replicas": max(want, updated), "updatedReplicas": updated,
+                   "readyReplicas": available, "availableReplicas": available}
+    if stalled:
+        d["status"]["conditions"] = [{"type": "Progressing", "status": "False",
+                                      "reason": "ProgressDeadlineExceeded", "message": "too slow"}]
+    return d
+
+
+def cond(status, type_):
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def test_status_ready_only_when_rolled_out_for_the_current_generation():
+    isvc = minimal(replicas=2)
+    desired = by_kind(builders.desired_children(isvc))["Deployment"]
+    st = status.desired_status(isvc, deployment=None, desired_deployment=desired, now=T0)
+    assert cond(st, "Ready")["status"] == "False" and cond(st, "Progressing")["status"] == "True"
+    assert st["url"] == "http://smollm2.default.svc.cluster.local:8000/v1"
+    assert st["selector"] == ("app.kubernetes.io/component=inference-server,app.kubernetes.io/instance=smollm2,"
+                              "app.kubernetes.io/name=kvfleet")
+    assert st["observedGeneration"] == 1
+
+    rolling = live_deployment(isvc, available=1)
+    st = status.desired_status(isvc, deployment=rolling, desired_deployment=desired, now=T0)
+    assert cond(st, "Ready")["status"] == "False" and cond(st, "Progressing")["reason"] == "RollingOut"
+
+    stale = live_deployment(isvc, available=2, observed=1, generation=2)  # controller has not seen gen 2
+    st = status.desired_status(isvc, deployment=stale, desired_deployment=desired, now=T0)
+    assert cond(st, "Ready")["status"] == "False"
+
+    done = live_deployment(isvc, available=2)
+    st = status.desired_status(isvc, deployment=done, desired_deployment=desired, now=T0)
+    assert cond(st, "Ready")["status"] == "True" and cond(st, "Ready")["observedGeneration"] == 1
+    assert cond(st, "Degraded")["status"] == "False" and st["readyReplicas"] == 2
+
+    # a new config the Deployment does not carry yet is not Ready
+    isvc2 = minimal(replicas=2, engine={"blockSize": 32})
+    desired2 = by_kind(builders.desired_children(isvc2))["Deployment"]
+    st = status.desired_status(isvc2, deployment=done, desired_deployment=desired2, now=T0)
+    assert cond(st, "Ready")["status"] == "False"
+
+
+def test_last_transition_time_changes_only_with_status():
+    isvc = minimal()
+    desired = by_kind(builders.desired_children(isvc))["Deployment"]
+    st0 = status.desired_status(isvc, deployment=live_deployment(isvc, available=0, updated=1),
+                                  desired_deployment=desired, now=T0)
+    isvc["status"] = st0
+    st1 = status.desired_status(isvc, deployment=live_deployment(isvc, available=0, updated=1),
+                                  desired_deployment=desired, now=T1)
+    assert st1 == st0 and status.status_patch(st0, st1) == {}
+    isvc["status"] = st1
+    st2 = status.desired_status(isvc, deployment=live_deployment(isvc, available=1),
+                                  desired_deployment=desired, now=T2)
+    assert cond(st2, "Ready")["lastTransitionTime"] == T2
+    assert cond(st2, "Degraded")["lastTransitionTime"] == T0  # stayed False
+    assert set(status.status_patch(st1, st2)) == {"conditions", "readyReplicas"}
+
+
+def test_degraded_on_invalid_spec_and_stalled_rollout():
+    isvc = minimal()
+    err = InvalidSpec("SecretNotFound", "Secret default/k not found")
+    st = status.desired_status(isvc, deployment=None, desired_deployment=None, now=T0, error=err)
+    assert cond(st, "Degraded") == {"type": "Degraded", "status": "True", "reason": "SecretNotFound",
+                                    "message": "Secret default/k not found", "observedGeneration": 1,
+                                    "lastTransitionTime": T0}
+    assert cond(st, "Ready")["status"] == "False"
+    desired = by_kind(builders.desired_children(isvc))["Deployment"]
+    st = status.desired_status(isvc, deployment=live_deployment(isvc, available=0, stalled=True),
+                                 desired_deployment=desired, now=T0)
+    assert cond(st, "Degraded")["reason"] == "ProgressDeadlineExceeded"
+
+
+def test_set_condition_keeps_order_and_time():
+    c = status.set_condition([], type="Ready", status="False", reason="A", message="", now=T0)
+    c = status.set_condition(c, type="Ready", status="False", reason="B", message="m", now=T1)
+    assert c == [{"type": "Ready", "status": "False", "reason": "B", "message": "m", "lastTransitionTime": T0}]
+    c = status.set_condition(c, type="Ready", status="True", reason="C", message="", now=T2)
+    assert c[0]["lastTransitionTime"] == T2
+
+
+# --------------------------------------------------------------------- the fetching init container
+
+
+def test_fetch_retries_then_succeeds(tmp_path):
+    calls = tmp_path / "calls"
+
+    def flaky(repo, revision, dest, allow_patterns):
+        n = len(calls.read_text()) if calls.exists() else 0
+        calls.write_text("x" * (n + 1))
+        if n < 2:
+            raise SystemExit(3)
+        (Path(dest) / "config.json").write_text("{}")
+
+    sleeps = []
+    assert fetch.fetch("o/m", str(tmp_path / "m"), retries=3, timeout=30, download=flaky,
+                       sleep=sleeps.append, log=lambda *_: None)
+    assert calls.read_text() == "xxx" and sleeps == [10.0, 20.0]
+    assert (tmp_path / "m/config.json").exists() and (tmp_path / "m" / fetch.MARKER).exists()
+    # complete: a second run does not download again
+    assert fetch.fetch("o/m", str(tmp_path / "m"), download=lambda *a: 1 / 0, log=lambda *_: None)
+
+
+def test_fetch_times_out_and_gives_up(tmp_path):
+    t = time.monotonic()
+    ok = fetch.fetch("o/m", str(tmp_path / "m"), retries=2, timeout=0.5, download=lambda *a: time.sleep(30),
+                     sleep=lambda s: None, log=lambda *_: None)
+    assert not ok and time.monotonic() - t < 10
+    assert not (tmp_path / "m" / fetch.MARKER).exists()
+
+
+# --------------------------------------------------------------------- the model cache
+
+
+def test_each_revision_has_its_own_cache_dir_and_deadline_covers_the_download():
+    a, b = (pod_spec(minimal(model={"uri": f"hf://org/name@{rev}", "download": {"claimName": "cache"}}))
+            for rev in ("v1", "refs/pr/2"))
+    dest = [dict(zip(s["initContainers"][0]["args"][2::2], s["initContainers"][0]["args"][3::2]))["--dest"]
+            for s in (a, b)]
+    assert dest == ["/models/org--name@v1", "/models/org--name@refs--pr--2"]
+    config = yaml.safe_load(by_kind(builders.desired_children(minimal(model={"uri": "hf://org/name@v1"})))[
+        "ConfigMap"]["data"]["config.yaml"])
+    assert config["model"] == "/models/org--name@v1"
+    patterns = minimal(model={"uri": "hf://org/name", "download": {"allowPatterns": ["*.gguf"]}})
+    args = pod_spec(patterns)["initContainers"][0]["args"]
+    assert [b for a, b in zip(args, args[1:]) if a == "--allow-pattern"] == ["*.gguf"]
+    # every attempt timing out, with the back-offs between them, fits in the progress deadline
+    isvc = minimal(model={"uri": "hf://org/name", "download": {"timeoutSeconds": 1000, "retries": 4}})
+    deploy = by_kind(builders.desired_children(isvc))["Deployment"]
+    budget = fetch.budget_seconds(1000, 4)
+    assert budget == 4000 + 10 + 20 + 40
+    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + weights.startup_seconds(service_spec.effective_spec(isvc))
+    pvc = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/m"})))["Deployment"]
+    assert pvc["spec"]["progressDeadlineSeconds"] == weights.DEFAULT_STARTUP_SECONDS + 600
+
+
+def test_replicas_sharing_a_volume_download_once(tmp_path):
+    """Two fetchers at once on one cache directory (two pods on one PVC): one download."""
+    import multiprocessing
+
+    calls = tmp_path / "calls"
+
+    def slow(repo, revision, dest, allow_patterns):
+        with open(calls, "a") as fh:
+            fh.write("x")
+        time.sleep(1.0)
+        (Path(dest) / "config.json").write_text("{}")
+
+    dest = str(tmp_path / "o--m@main")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=fetch.fetch, args=("o/m", dest), kwargs={"download": slow, "log": lambda *_: None})
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    assert calls.read_text() == "x" and (Path(dest) / fetch.MARKER).exists()
+
+
+def test_model_cached_condition_and_read_write_once_claim():
+    isvc = minimal(model={"uri": "hf://org/name", "download": {"claimName": "cache"}})
+    init = {"name": "fetch-model"}
+    pods = lambda *cs: [{"metadata": {"name": "p"}, "status": {"initContainerStatuses": list(cs)}}]
+    assert status.model_cached(isvc, []) == ("False", "Pending", "no pod has fetched hf://org/name yet")
+    assert status.model_cached(isvc, pods({**init, "state": {"running": {}}}))[1] == "Downloading"
+    assert status.model_cached(isvc, pods({**init, "state": {"terminated": {"exitCode": 0}}}))[:2] == (
+        "True", "Fetched")
+    assert status.model_cached(isvc, pods({**init, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                                           "lastState": {"terminated": {"exitCode": 1}}}))[1] == "ModelFetchFailed"
+    assert status.model_cached(minimal(model={"uri": "pvc://store/m"}), []) is None
+    deploy = by_kind(builders.desired_children(isvc))["Deployment"]  # Availability: maxSurge 1
+    rwo = {"metadata": {"name": "cache"}, "spec": {"accessModes": ["ReadWriteOnce"]}}
+    rwx = {"metadata": {"name": "cache"}, "spec": {"accessModes": ["ReadWriteMany"]}}
+    reason, message = status.claim_problem(rwo, deploy)
+    assert reason == "ReadWriteOnceClaim" and "surge pod" in message and "cache" in message
+    assert status.claim_problem(rwx, deploy) is None
+    one = by_kind(builders.desired_children({**isvc, "spec": {**isvc["spec"], "rollout": {
+        "strategy": "ResourceAware"}}}))["Deployment"]
+    assert status.claim_problem(rwo, one) is None
+    st = status.desired_status(isvc, deployment=deploy, desired_deployment=deploy, now=T1, pods=[], claim=rwo)
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert conds["Degraded"]["reason"] == "ReadWriteOnceClaim" and conds["ModelCached"]["status"] == "False"
+    assert builders.model_claim(isvc) == "cache" and builders.model_claim(minimal(model={"uri": "pvc://s/m"})) == "s"

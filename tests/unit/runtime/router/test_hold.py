@@ -1,0 +1,46 @@
+"""The bounded FIFO of held requests (kvfleet.runtime.router.hold): order, bound, timeout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueFull
+
+
+def test_hold_queue_fifo_bound_and_timeout():
+    async def main():
+        q = PendingQueue(max_pending=2, pending_timeout=0.3)
+        up = False
+        order = []
+
+        async def one(i):
+            await q.hold(lambda: up)
+            order.append(i)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(2)]
+        await asyncio.sleep(0.01)
+        assert len(q) == 2
+        with pytest.raises(QueueFull):
+            await q.hold(lambda: up)
+        up = True
+        q.notify()
+        await asyncio.gather(*tasks)
+        assert order == [0, 1] and len(q) == 0
+        up = False
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(PendingTimeout):
+            await q.hold(lambda: up)
+        assert 0.25 < asyncio.get_running_loop().time() - t0 < 1.0
+        # woken while nothing is available after all: it keeps waiting at the head
+        late = asyncio.create_task(q.hold(lambda: up))
+        await asyncio.sleep(0.01)
+        q.notify()
+        await asyncio.sleep(0.01)
+        assert not late.done() and len(q) == 1
+        up = True
+        q.notify()
+        await late
+
+    asyncio.run(main())

@@ -1,0 +1,22 @@
+"""The character-level prefix key of a request (kvfleet.runtime.router.prefix_key)."""
+
+from __future__ import annotations
+
+from kvfleet.runtime.router.prefix_key import prefix_key
+
+
+def test_prefix_key_chat_completions_and_token_ids():
+    sys_prompt = "You are a helpful assistant. " * 20
+    a = prefix_key("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": sys_prompt}, {"role": "user", "content": "one"}]})
+    b = prefix_key("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": [{"type": "text", "text": sys_prompt}]}, {"role": "user", "content": "two"}]})
+    assert a == b and len(a) == len("m\0") + 256
+    c = prefix_key("/v1/chat/completions", {"model": "other", "messages": [{"role": "system", "content": sys_prompt}]})
+    assert c != a  # another model, another cache
+    assert prefix_key("/v1/completions", {"model": "m", "prompt": "hello"}) == "m\0hello"
+    assert prefix_key("/v1/completions", {"prompt": ["first", "second"]}) == "\0first"
+    assert prefix_key("/v1/completions", {"prompt": list(range(100))}, prefix_chars=16) == "\x000,1,2,3"
+    for body in (None, [], {"prompt": ""}, {"messages": "x"}, {}):
+        assert prefix_key("/v1/chat/completions", body) is None
+    assert prefix_key("/v1/models", {"model": "m"}) is None

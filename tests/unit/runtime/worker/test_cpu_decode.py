@@ -1,0 +1,90 @@
+"""The fused CPU decode path (kvfleet.runtime.worker.cpu_decode) inside the engine: the same
+greedy tokens and log-probabilities (within 1e-4) as transformers' modules over a workload that
+chunks prefills, mixes prefill and decode, hits the prefix cache and preempts; decode steps run
+fused and the others do not; and the path is off where it does not apply. The engines run the
+default model cut to its first two decoder layers (conftest's ``smollm2_two_layers``); the
+quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers."""
+
+from __future__ import annotations
+
+import pytest
+from support.engine_workload import CONFIG, Recorder, prompts, run
+
+from kvfleet.kernels import BACKEND_ENV, cpu_woq
+from kvfleet.kernels.cpu_decoder import FusedDecoder
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.worker import cpu_decode
+
+pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
+
+
+def test_fused_decode_matches_the_transformers_path(smollm2_two_layers, monkeypatch):
+    batch = prompts(smollm2_two_layers.tokenizer)
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    plain_rec = Recorder()
+    plain = LLMEngine(EngineConfig(**CONFIG), [plain_rec], loaded=smollm2_two_layers)
+    assert plain.runner.cpu_decode is None
+    expected, plain_cached, expected_lp = run(plain, batch)
+    monkeypatch.delenv(cpu_decode.ENV)
+    fused_rec = Recorder()
+    fused = LLMEngine(EngineConfig(**CONFIG), [fused_rec], loaded=smollm2_two_layers)
+    assert fused.runner.cpu_decode is not None
+    rows = []
+    step = FusedDecoder.step
+
+    def counting(self, x, *args):
+        rows.append(x.shape[0])
+        return step(self, x, *args)
+
+    monkeypatch.setattr(FusedDecoder, "step", counting)
+    got, cached, got_lp = run(fused, batch)
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-4, worst
+    assert rows and max(rows) > 1, rows  # decode steps of several sequences ran fused
+    # every token after each request's first came from a fused step or a mixed (unfused) one
+    assert sum(rows) < sum(len(t) for t in got)
+    assert cached > 0 and plain_cached > 0 and fused_rec.preemptions > 0 and plain_rec.preemptions > 0
+
+
+def test_the_path_is_off_where_it_does_not_apply(smollm2_two_layers, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "triton")  # the user's attention backend wins
+    assert LLMEngine(EngineConfig(num_blocks=8), loaded=smollm2_two_layers).runner.cpu_decode is None
+    monkeypatch.delenv(BACKEND_ENV)
+    eng = LLMEngine(EngineConfig(num_blocks=8, enable_lora=True, max_lora_rank=8), loaded=smollm2_two_layers)
+    assert eng.runner.cpu_decode is None
+    assert cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=False, padded=False)
+    assert not cpu_decode.CpuDecodePath.applies(5, 4, prompt_logprobs=False, padded=False)  # a prefill chunk
+    assert not cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=True, padded=False)
+    assert not cpu_decode.CpuDecodePath.applies(65, 65, prompt_logprobs=False, padded=False)
+
+
+def test_bf16_weights_keep_the_fused_path(smollm2_two_layers, monkeypatch):
+    """A float32 model whose decoder linears and LM head hold bf16 weights
+    (woq_linear.to_bf16_weights) decodes fused, with the same greedy tokens and log-probabilities
+    (within 1e-4) as transformers' modules over the same bf16 weights."""
+    import torch
+
+    from kvfleet.runtime.worker.model_loader import load_model
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear, to_bf16_weights
+
+    # a fresh copy: the fixture's model is shared (the LoRA engine above wraps its layers)
+    loaded = load_model(smollm2_two_layers.source, dtype="float32", device="cpu")
+    assert to_bf16_weights(loaded.model) == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    head = loaded.model.get_output_embeddings()
+    assert isinstance(head, Bf16Linear) and head.weight.dtype == torch.bfloat16
+    assert loaded.model.get_input_embeddings().weight.dtype == torch.float32  # lookups stay float32
+    batch = prompts(loaded.tokenizer)
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    plain = LLMEngine(EngineConfig(**CONFIG), [Recorder()], loaded=loaded)
+    expected, _, expected_lp = run(plain, batch)
+    monkeypatch.delenv(cpu_decode.ENV)
+    fused = LLMEngine(EngineConfig(**CONFIG), [Recorder()], loaded=loaded)
+    assert fused.runner.cpu_decode is not None
+    assert fused.runner.cpu_decode._fused.weights.layers[0].qkv.fmt == "bf16"
+    assert fused.runner.cpu_decode._fused.weights.head.fmt == "bf16"
+    got, _, got_lp = run(fused, batch)
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-4, worst
