@@ -165,6 +165,11 @@ class EngineConfig(BaseModel):
             value = [value]
         return [LoRAModulePath.parse(v) for v in value]
 
+    # ------------------------------------------------------------------ cross-option checks
+    # All of them live here: those of a config on its own run when it is built (a bad
+    # combination is a usage error: ``kvfleet serve`` exits 2); those of what an engine can
+    # run, when an engine starts (``check_engine_support``; the server reports a failed start,
+    # exit 1, in its termination log).
     def model_post_init(self, __context) -> None:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules: give --enable-lora to serve LoRA adapters")
@@ -174,3 +179,19 @@ class EngineConfig(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"lora_modules: adapter name(s) given twice: {', '.join(dupes)}")
+
+    def check_engine_support(self) -> None:
+        """Refuse option combinations the engine cannot run, before it loads anything.
+
+        Raises:
+            ValueError: ``--enable-lora`` with ``tensor_parallel_size > 1`` or without
+                ``--enforce-eager``; ``--quantization`` with ``tensor_parallel_size > 1``."""
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora: not supported with tensor_parallel_size > 1 (the adapters' stacked "
+                             "slots are not sharded over the ranks)")
+        if self.enable_lora and not self.enforce_eager:
+            raise ValueError("--enable-lora needs --enforce-eager: the compiled decoder graph does not read the "
+                             "step's per-token adapter indices")
+        if self.tensor_parallel_size > 1 and self.quantization is not None:
+            raise ValueError(f"--quantization {self.quantization}: not supported with tensor_parallel_size > 1 "
+                             "(the tensor-parallel plan shards plain weights)")

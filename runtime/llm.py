@@ -19,7 +19,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.lora_request import LoRARequest
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -106,6 +106,10 @@ class LLM:
                 )
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompt_list)} prompts")
+        # Only the final output of each prompt is kept: the engine builds no others.
+        final_only = {id(p): p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                      for p in params_list if isinstance(p, SamplingParams)}
+        params_list = [final_only.get(id(p), p) for p in params_list]
         engine = self.llm_engine
         loras = self._lora_names(lora_request, len(prompt_list))
         prepared = []

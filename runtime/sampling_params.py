@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -11,6 +12,20 @@ from typing import Any
 MAX_LOGPROBS = 20
 """Most top log-probabilities per token (``logprobs``, ``prompt_logprobs``): vLLM's default
 ``max_logprobs`` and OpenAI's limit."""
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``).
+
+    ``CUMULATIVE``: everything so far (text, token ids, logprobs) in every output.
+    ``DELTA``: only what is new since the request's previous output (each sequence that has
+    something new, its ``finish_reason`` once); the server streams with it, so a long stream
+    costs O(n), not O(n^2). ``FINAL_ONLY``: one output, when the request finished, cumulative
+    (non-streamed answers and ``LLM.generate``)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class StructuredOutputError(ValueError):
@@ -139,6 +154,8 @@ class SamplingParams:
     and without a leading space) is banned whenever the output ends with the tokens before it."""
     bad_words_token_ids: list[list[int]] | None = None
     """``bad_words`` tokenized (filled by the engine when it prepares the request)."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each output of the request holds: :class:`RequestOutputKind`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -148,6 +165,8 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.output_kind, int) and self.output_kind in tuple(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._validate()
 
     def _validate(self) -> None:
@@ -197,6 +216,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids)):
             bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be a RequestOutputKind")
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             bad("bad_words", "must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):

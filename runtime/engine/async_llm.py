@@ -10,7 +10,7 @@ Typical use (what the OpenAI server does)::
     engine = await asyncio.to_thread(AsyncLLMEngine, config, stat_loggers)  # loads the model
     await engine.start()
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
-        print(out.outputs[0].text)          # cumulative text so far
+        print(out.outputs[0].text)          # cumulative text so far (output_kind CUMULATIVE)
     await engine.shutdown()
 """
 
@@ -37,7 +37,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.lora_request import LoRARequest
-from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.sampling_params import RequestOutputKind, SamplingParams
 from kvfleet.runtime.worker.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -177,11 +177,12 @@ class AsyncLLMEngine:
         tenant: str | None = None,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its cumulative outputs until it finishes (``lora_name``:
-        a loaded LoRA adapter, None: the base model).
+        """Submit a request and yield its outputs until it finishes (``lora_name``: a loaded
+        LoRA adapter, None: the base model): cumulative, deltas or only the final one, as
+        ``sampling_params.output_kind`` asks.
 
-        Consecutive outputs produced while the consumer was busy are coalesced (each
-        output is cumulative, so only the latest matters).
+        Consecutive outputs produced while the consumer was busy are coalesced into one
+        (cumulative: the latest; deltas: joined with ``RequestOutput.add``).
 
         Raises:
             ValueError: invalid input (naming the parameter) or a ``request_id`` in use,
@@ -203,6 +204,7 @@ class AsyncLLMEngine:
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
+        aggregate = prepared.state.params.output_kind == RequestOutputKind.DELTA
         stream = _Stream()
         self._streams[request_id] = stream
         try:
@@ -215,8 +217,10 @@ class AsyncLLMEngine:
                 if not stream.items:
                     stream.event.clear()
                     await stream.event.wait()
-                item = stream.items.pop()
-                stream.items.clear()
+                item = stream.items.popleft()
+                while stream.items and not isinstance(item, BaseException):
+                    later = stream.items.popleft()
+                    item = later if isinstance(later, BaseException) else item.add(later, aggregate)
                 if isinstance(item, BaseException):
                     raise item
                 yield item

@@ -144,14 +144,21 @@ class IncrementalDetokenizer:
     def output_text(self) -> str:
         """Text safe to show now: everything, minus a suffix that might still become a stop
         string (nothing is held back once the sequence finished)."""
-        if self._finished or not self.stops:
-            return self.text
-        hold = 0
+        end = self.visible_length
+        return self.text if end == len(self.text) else self.text[:end]
+
+    @property
+    def visible_length(self) -> int:
+        """``len(output_text)``, without copying the text. It never shrinks: text once shown
+        is never taken back (a stop string's cut falls inside held-back text)."""
         text = self.text
+        if self._finished or not self.stops:
+            return len(text)
+        hold = 0
         for stop in self.stops:
             # Longest proper prefix of `stop` that is a suffix of the text.
             for k in range(min(len(stop) - 1, len(text)), hold, -1):
                 if text.endswith(stop[:k]):
                     hold = k
                     break
-        return text[: len(text) - hold] if hold else text
+        return len(text) - hold

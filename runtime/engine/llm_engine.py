@@ -8,9 +8,13 @@ One :meth:`LLMEngine.step` is one iteration of continuous batching::
     grammar bitmask                 constrained rows: tokens their grammar forbids -> -inf
     sampler(logits)                 one token per sampling request
     scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
-    output_processor                detokenize, finish on a stop string, logprobs, RequestOutput per
-                                    user request (:mod:`kvfleet.runtime.engine.output_processor`)
+    output_processor                detokenize, stop strings, logprobs: the RequestOutputs to send and
+                                    the sequences to finish (:mod:`kvfleet.runtime.engine.output_processor`)
+    scheduler.finish_requests()     those sequences (a stop string or an error ended them)
     stats                           stat loggers' record()
+
+Requests come in through :mod:`kvfleet.runtime.engine.input_processor` (every check of a prompt
+and its parameters); the output processor is asked about requests by id only.
 
 The engine is single-threaded and not thread-safe: the async wrapper
 (:mod:`kvfleet.runtime.engine.async_llm`) drives it from one background thread.
@@ -28,17 +32,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import itertools
 import logging
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_manager import max_num_blocks_per_request, uniform_sliding_window
-from kvfleet.runtime.core.request import Request, RequestStatus
+from kvfleet.runtime.core.request import RequestStatus
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.core.sched.scheduler import Scheduler
-from kvfleet.runtime.engine.output_processor import OutputProcessor, RequestState
+from kvfleet.runtime.engine.input_processor import InputProcessor, PreparedRequest
+from kvfleet.runtime.engine.output_processor import OutputProcessor, OutputProcessorOutput, SequenceUpdate
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
@@ -54,16 +57,6 @@ logger = logging.getLogger(__name__)
 
 _LORA_IDS = itertools.count(1)
 """``lora_int_id`` s, unique in the process (engines sharing a model share its adapter slots)."""
-
-
-@dataclass
-class PreparedRequest:
-    """A validated, tokenized request, ready for :meth:`LLMEngine.add_prepared` (the async
-    engine validates in the caller's thread and adds in the engine thread). ``grammar``: the
-    future of its compiled grammar (structured outputs), None when unconstrained."""
-
-    state: RequestState
-    grammar: Future | None = None
 
 
 class LLMEngine:
@@ -99,16 +92,8 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.stat_loggers = list(stat_loggers or [])
         self.executor: MultiprocExecutor | None = None  # tensor parallelism: rank 0 drives the workers
-        if config.enable_lora and config.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora: not supported with tensor_parallel_size > 1 (the adapters' stacked "
-                             "slots are not sharded over the ranks)")
-        if config.enable_lora and not config.enforce_eager:
-            raise ValueError("--enable-lora needs --enforce-eager: the compiled decoder graph does not read the "
-                             "step's per-token adapter indices")
+        config.check_engine_support()  # before any worker starts
         if config.tensor_parallel_size > 1:
-            if config.quantization is not None:  # before any worker starts
-                raise ValueError(f"--quantization {config.quantization}: not supported with tensor_parallel_size > 1 "
-                                 "(the tensor-parallel plan shards plain weights)")
             if loaded is not None:
                 raise ValueError("tensor_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
             self.executor = MultiprocExecutor.start(config)
@@ -143,9 +128,12 @@ class LLMEngine:
         self.sampler = Sampler(loaded.device, seed=config.seed)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish_requests)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size,
                                                          [self.eos_token_id, *self._extra_eos_ids])  # fmt: skip
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_id,
+                                              self._extra_eos_ids, self.runner.prompt_logprobs_error,
+                                              self.structured_output.grammar_init)
         self.num_steps = 0
         self.loras: dict[str, LoRARequest] = {}
         """Loaded LoRA adapters by name (``enable_lora``); see :meth:`add_lora`."""
@@ -188,9 +176,7 @@ class LLMEngine:
         lora = self.loras.get(lora_name)
         if lora is None or self.runner.lora is None:
             raise LoRANotFoundError(f"The lora adapter '{lora_name}' cannot be found.")
-        ids = [rid for rid, (_, seq) in self.output_processor.seqs.items()
-               if seq.request.lora_int_id == lora.lora_int_id]
-        outputs = self.abort_request(ids)
+        outputs = self.abort_request(self.output_processor.request_ids_with_lora(lora.lora_int_id))
         del self.loras[lora_name]
         self.runner.lora.remove(lora.lora_int_id)
         return outputs
@@ -265,7 +251,7 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         """Unfinished user requests."""
-        return len(self.output_processor.requests)
+        return self.output_processor.num_requests
 
     def cache_config_info(self) -> dict[str, str]:
         """KV cache settings for the metrics info gauge (values as strings, as Prometheus
@@ -297,17 +283,11 @@ class LLMEngine:
         lora_name: str | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request without touching engine state (thread-safe as
-        far as the tokenizer is).
+        far as the tokenizer is): :meth:`InputProcessor.process
+        <kvfleet.runtime.engine.input_processor.InputProcessor.process>` on the adapter named.
 
         Raises:
-            ValueError: with the offending parameter's name first: ``request_id`` (not a
-                non-empty string), ``prompt`` (empty, wrong type, token ids out of the
-                vocabulary, or longer than ``max_model_len`` / the whole KV cache),
-                ``sampling_params`` (wrong type), ``prompt_logprobs`` (asked of a model whose
-                logits the runner cannot reproduce, see ``ModelRunner.prompt_logprobs_error``),
-                ``priority`` (not an int), ``logit_bias`` / ``allowed_token_ids`` (token ids out of
-                the vocabulary). A structured-output spec starts compiling here (``grammar``);
-                its errors come from :meth:`add_prepared`.
+            ValueError: naming the offending parameter (see ``InputProcessor.process``).
             LoRANotFoundError: ``lora_name`` is not a loaded adapter.
         """
         lora = None
@@ -315,92 +295,8 @@ class LLMEngine:
             lora = self.loras.get(lora_name)
             if lora is None:
                 raise LoRANotFoundError(f"The model `{lora_name}` does not exist (no LoRA adapter of that name).")
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if sampling_params.prompt_logprobs is not None and self.runner.prompt_logprobs_error:
-            raise ValueError(f"prompt_logprobs are not supported for this model: {self.runner.prompt_logprobs_error}")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        prompt_text: str | None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            prompt_text = prompt
-            prompt_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            prompt_text = None
-            prompt_ids = list(prompt)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
-                raise ValueError("prompt token ids must be integers")
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt_ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        if len(prompt_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_ids)} tokens, longer than max_model_len ({self.max_model_len})"
-            )
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        params = sampling_params = self._check_token_controls(sampling_params)
-        if self._extra_eos_ids and not params.ignore_eos:
-            params = params.clone(stop_token_ids=list(params.stop_token_ids) + self._extra_eos_ids)
-        state = RequestState(request_id, prompt_text, prompt_ids, sampling_params, arrival, priority)
-        if params.prompt_logprobs is not None:
-            state.prompt_logprobs = [None]
-        n = params.n
-        for i in range(n):
-            child_params = params
-            if n > 1:
-                # Only the first child computes the prompt logprobs: the prompt is the same.
-                # With prefix caching on, the others wait for it to compute the prompt (their
-                # prompt_leader), then take its full blocks from the prefix cache.
-                child_params = params.clone(
-                    n=1,
-                    seed=None if params.seed is None else params.seed + i,
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None,
-                )
-            child_id = request_id if n == 1 else f"{request_id}-{i}"
-            request = Request(
-                child_id,
-                prompt_ids,
-                child_params,
-                self.eos_token_id,
-                arrival_time=arrival,
-                priority=priority,
-                tenant=tenant,
-                prompt_leader=state.seqs[0].request if i else None,
-                lora_name=lora.lora_name if lora else None,
-                lora_int_id=lora.lora_int_id if lora else 0,
-            )
-            state.seqs.append(self.output_processor.new_sequence(request, i, child_params))
-        spec = params.structured_outputs
-        return PreparedRequest(state, self.structured_output.grammar_init(spec) if spec is not None else None)
-
-    def _check_token_controls(self, params: SamplingParams) -> SamplingParams:
-        """``logit_bias`` / ``allowed_token_ids`` in the vocabulary (ValueError naming the field);
-        ``bad_words`` tokenized into ``bad_words_token_ids`` (each word with and without a leading
-        space, as vLLM)."""
-        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids",
-                                                                         params.allowed_token_ids or [])):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if not params.bad_words:
-            return params
-        seqs: list[list[int]] = []
-        for word in params.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return params.clone(bad_words_token_ids=seqs)
+        return self.input_processor.process(request_id, prompt, sampling_params, priority=priority, tenant=tenant,
+                                            arrival_time=arrival_time, lora=lora)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request made by :meth:`prepare_request`.
@@ -416,17 +312,17 @@ class LLMEngine:
             raise ValueError(f"request_id {state.request_id!r} is already in use")
         if prepared.grammar is not None:
             compiled = prepared.grammar.result()
-            for seq in state.seqs:  # one matcher per sequence (n > 1 included)
-                seq.request.structured_output = self.structured_output.new_grammar(compiled)
+            for request in prepared.requests:  # one matcher per sequence (n > 1 included)
+                request.structured_output = self.structured_output.new_grammar(compiled)
         added: list[str] = []
         try:
-            for seq in state.seqs:
-                self.scheduler.add_request(seq.request)
-                added.append(seq.request.request_id)
+            for request in prepared.requests:
+                self.scheduler.add_request(request)
+                added.append(request.request_id)
         except ValueError:
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
             raise
-        self.output_processor.add(state)
+        self.output_processor.add_request(state)
 
     def add_request(
         self,
@@ -472,41 +368,21 @@ class LLMEngine:
         """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        proc = self.output_processor
-        now = time.monotonic()
         iteration = IterationStats()
-        touched: dict[str, RequestState] = {}
-        for rid in request_ids:
-            if rid in proc.requests:
-                state = proc.requests[rid]
-                seqs = state.seqs
-            elif rid in proc.seqs:
-                state, seq = proc.seqs[rid]
-                seqs = [seq]
-            else:
-                continue
-            ids = [s.request.request_id for s in seqs if s.finish_reason is None]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-            for s in seqs:
-                if s.finish_reason is None:
-                    s.request.status = RequestStatus.FINISHED_ABORTED
-                    proc.finish_sequence(state, s, "abort", now, iteration)
-            touched[state.request_id] = state
-        outputs = [proc.make_output(state) for state in touched.values()]
-        for state in touched.values():
-            if state.finished:
-                proc.drop(state)
+        result = self.output_processor.abort_requests(request_ids, time.monotonic(), iteration)
+        self._finish(result)
         if iteration.finished_requests:
             self._record_stats(self.scheduler.make_stats(), iteration)
-        return [o for o in outputs if o.finished]
+        return result.request_outputs
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration.
 
-        Returns: a cumulative :class:`RequestOutput` for every user request that got a new
-        token or finished this step.
+        Returns: a :class:`RequestOutput` for every user request that got a new token or
+        finished this step, as its ``SamplingParams.output_kind`` asks (cumulative by
+        default; a delta; or only the final one, when it finished).
 
         Raises:
             Exception: only from the forward pass or the sampler (engine-level failures);
@@ -516,29 +392,18 @@ class LLMEngine:
         proc = self.output_processor
         scheduler_output = self.scheduler.schedule()
         iteration = IterationStats()
-        touched: dict[str, RequestState] = {}
+        updates: list[SequenceUpdate] = []
         if scheduler_output.scheduled:
-            now = time.monotonic()
+            cached = {sr.request.request_id: sr.request.num_cached_tokens for sr in scheduler_output.scheduled}
+            proc.record_scheduled(cached, time.monotonic())
             for sr in scheduler_output.scheduled:
-                entry = proc.seqs.get(sr.request.request_id)
-                if entry is not None and entry[1].first_scheduled_time is None:
-                    entry[1].first_scheduled_time = now
                 num_prompt = sr.request.num_prompt_tokens
                 if sr.start_pos < num_prompt:
                     iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
             result = self.runner.execute_model(scheduler_output)
             sampling, logits = result.sampling, result.logits
-            for rid, plp in result.prompt_logprobs.items():
-                entry = proc.seqs.get(rid)
-                if entry is None:
-                    continue
-                state, seq = entry
-                try:
-                    proc.add_prompt_logprobs(state, seq, plp)
-                except Exception as exc:  # one bad request must not take the engine down
-                    logger.exception("request %s failed while processing its prompt logprobs", rid)
-                    proc.abort_sequence(state, seq, exc, time.monotonic(), iteration)
-                    touched[state.request_id] = state
+            if result.prompt_logprobs:
+                self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)
             requests = [s.request for s in sampling]
             if any(r.structured_output is not None for r in requests):  # before penalties and temperature
                 self.structured_output.apply_bitmask(logits, requests)
@@ -546,32 +411,37 @@ class LLMEngine:
             tokens = {r.request_id: t for r, t in zip(requests, sampled.token_ids)}
             logprobs = {r.request_id: lp for r, lp in zip(requests, sampled.logprobs) if lp is not None}
             changed = self.scheduler.update_from_output(scheduler_output, tokens)
-            now = time.monotonic()
             iteration.num_generation_tokens = len(changed)
-            for request in changed:
-                entry = proc.seqs.get(request.request_id)
-                if entry is None:
-                    continue
-                state, seq = entry
-                try:
-                    proc.process_token(state, seq, logprobs.get(request.request_id), now, iteration)
-                except Exception as exc:  # one bad request must not take the engine down
-                    logger.exception("request %s failed while processing its output", request.request_id)
-                    proc.abort_sequence(state, seq, exc, now, iteration)
-                touched[state.request_id] = state
+            updates = [
+                SequenceUpdate(r.request_id, [r.output_token_ids[-1]], r.status.finish_reason, r.stop_reason,
+                               logprobs.get(r.request_id))
+                for r in changed
+            ]
         self.num_steps += 1
-        outputs = []
-        for state in touched.values():
-            try:
-                outputs.append(proc.make_output(state))
-            except Exception as exc:
-                logger.exception("request %s failed while building its output", state.request_id)
-                self.abort_request(state.request_id)
-                outputs.append(proc.error_output(state, exc))
-            if state.finished:
-                proc.drop(state)
+        processed = proc.process_outputs(updates, time.monotonic(), iteration)
+        self._finish(processed)
         self._record_stats(self.scheduler.make_stats(), iteration)
-        return outputs
+        return processed.request_outputs
+
+    def _add_prompt_logprobs(self, scheduler_output, prompt_logprobs: dict, iteration: IterationStats) -> None:
+        """Hand the step's prompt logprobs to the output processor; tell each request how many
+        prompt positions it holds (the runner does not compute them again after a preemption)."""
+        requests = {sr.request.request_id: sr.request for sr in scheduler_output.scheduled}
+        for rid, plp in prompt_logprobs.items():
+            try:
+                done = self.output_processor.add_prompt_logprobs(rid, plp)
+            except Exception as exc:  # one bad request must not take the engine down
+                logger.exception("request %s failed while processing its prompt logprobs", rid)
+                failed = self.output_processor.fail_sequence(rid, exc, time.monotonic(), iteration)
+                self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+                continue
+            if done is not None and rid in requests:
+                requests[rid].num_prompt_logprobs_done = done
+
+    def _finish(self, processed: OutputProcessorOutput) -> None:
+        """Finish in the scheduler the sequences the output processor ended (stop strings, errors)."""
+        for status, request_ids in processed.finish.items():
+            self.scheduler.finish_requests(request_ids, status)
 
     def _record_stats(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None:
         for stat_logger in self.stat_loggers:

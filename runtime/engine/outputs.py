@@ -1,4 +1,9 @@
-"""What the engine returns: one ``RequestOutput`` per user request (vLLM's shapes)."""
+"""What the engine returns: one ``RequestOutput`` per user request (vLLM's shapes).
+
+An output is cumulative, a delta or the final one, as the request's
+``SamplingParams.output_kind`` asks (:class:`~kvfleet.runtime.sampling_params.RequestOutputKind`);
+:meth:`RequestOutput.add` merges consecutive deltas (the async engine coalesces outputs its
+consumer has not taken yet)."""
 
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 @dataclass
 class CompletionOutput:
-    """One of the ``n`` output sequences of a request. ``text``/``token_ids`` are cumulative."""
+    """One of the ``n`` output sequences of a request. ``text``/``token_ids``/``logprobs`` are
+    cumulative, or with ``RequestOutputKind.DELTA`` what is new since the previous output
+    (``cumulative_logprob`` is always the running total)."""
 
     index: int
     text: str
@@ -56,7 +63,10 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one user request after an engine step (cumulative, not a delta)."""
+    """The state of one user request after an engine step: cumulative, or with
+    ``RequestOutputKind.DELTA`` what changed since its previous output (only the sequences
+    with something new are in ``outputs``; ``prompt_logprobs`` holds the entries not sent
+    before, None when there are none)."""
 
     request_id: str
     prompt: str | None
@@ -73,3 +83,32 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     priority: int = 0
     extra: dict = field(default_factory=dict)
+
+    def add(self, later: RequestOutput, aggregate: bool) -> RequestOutput:
+        """This output followed by ``later`` (the request's next one) as one output (vLLM's
+        ``RequestOutput.add``): with ``aggregate`` (deltas) ``later``'s new pieces are appended
+        to this one's, in place; otherwise (cumulative outputs) ``later`` is returned."""
+        if not aggregate:
+            return later
+        self.finished = later.finished
+        self.metrics = later.metrics
+        self.num_cached_tokens = later.num_cached_tokens
+        self.extra.update(later.extra)
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            have = mine.get(c.index)
+            if have is None:
+                self.outputs.append(c)
+                continue
+            have.text += c.text
+            have.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                if have.logprobs is None:
+                    have.logprobs = list(c.logprobs)
+                else:
+                    have.logprobs.extend(c.logprobs)
+            have.cumulative_logprob = c.cumulative_logprob
+            have.finish_reason, have.stop_reason = c.finish_reason, c.stop_reason
+        return self

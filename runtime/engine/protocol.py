@@ -3,11 +3,12 @@
 The OpenAI server is typed against this protocol alone; :class:`~kvfleet.runtime.engine.async_llm.AsyncLLMEngine`
 implements it. Torch-free: importing this module loads no model code.
 
-Contract: ``generate`` yields cumulative :class:`~kvfleet.runtime.engine.outputs.RequestOutput` s until
-one is ``finished`` (closing it early aborts the request), raises ``ValueError`` for invalid input
-before yielding anything (``StructuredOutputError``, a subclass, for a grammar that does not
-compile); ``abort`` frees the request's KV blocks before it returns. The counts and
-``kv_cache_usage`` and ``heartbeat_age`` are live values, read from the event loop.
+Contract: ``generate`` yields :class:`~kvfleet.runtime.engine.outputs.RequestOutput` s (cumulative,
+deltas or only the final one, as ``SamplingParams.output_kind`` asks) until one is ``finished``
+(closing it early aborts the request), raises ``ValueError`` for invalid input before yielding
+anything (``StructuredOutputError``, a subclass, for a grammar that does not compile); ``abort``
+frees the request's KV blocks before it returns. The counts and ``kv_cache_usage`` and
+``heartbeat_age`` are live values, read from the event loop.
 """
 
 from __future__ import annotations

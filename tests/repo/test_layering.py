@@ -81,6 +81,20 @@ def test_core_imports_without_torch_in_a_fresh_interpreter():
     assert "torch" not in loaded and "transformers" not in loaded
 
 
+def test_the_prompt_rules_import_without_torch_in_a_fresh_interpreter():
+    # the server checks prompts early with the engine's own rules (engine/input_processor)
+    loaded = _fresh_import("kvfleet.runtime.engine.input_processor", "kvfleet.runtime.engine.output_processor")
+    assert "torch" not in loaded and "transformers" not in loaded
+
+
+def test_the_server_reaches_the_engine_only_through_its_protocol_outputs_and_prompt_rules():
+    allowed = {"kvfleet.runtime.engine", "kvfleet.runtime.engine.protocol", "kvfleet.runtime.engine.outputs",
+               "kvfleet.runtime.engine.input_processor", "kvfleet.runtime.engine.async_llm"}
+    bad = [(m, d) for m, d in _edges("kvfleet.runtime.entrypoints")
+           if d.startswith("kvfleet.runtime.engine") and d not in allowed]
+    assert not bad
+
+
 def test_router_imports_without_torch_in_a_fresh_interpreter():
     # kvfleet router is a pure proxy: no engine, no worker, no torch/transformers/numpy
     router_modules = sorted(m for m in MODULES if m.startswith("kvfleet.runtime.router"))

@@ -144,8 +144,8 @@ class _ChatStream(StreamWriter):
             for idx in range(self.n)
         ]
 
-    def logprobs(self, c: CompletionOutput, idx: int, k0: int) -> P.ChatChoiceLogprobs | None:
-        return self.req.logprobs(c, k0)
+    def logprobs(self, c: CompletionOutput, idx: int) -> P.ChatChoiceLogprobs | None:
+        return self.req.logprobs(c, 0)
 
     def delta(self, idx: int, text: str, lp: P.ChatChoiceLogprobs | None) -> P.ChatCompletionStreamChoice | None:
         if not self.req.parses_tools:
@@ -165,7 +165,8 @@ class _ChatStream(StreamWriter):
         made_calls = None
         chunks = []
         if self.req.parses_tools:
-            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(c.text)
+            text = self.texts.get(idx, "")  # the deltas so far (c is the last delta)
+            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(text)
             chunks = [ch for ch in [self._tool_delta(idx, content, calls)] if ch is not None]
         return chunks + [
             P.ChatCompletionStreamChoice(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from kvfleet.runtime.engine.input_processor import out_of_vocab
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import logprobs as LP
@@ -34,13 +35,12 @@ from kvfleet.runtime.sampling_params import SamplingParams
 
 
 def _check_token_ids(ids: list[int], vocab_size: int) -> None:
-    if ids and 0 <= min(ids) and max(ids) < vocab_size:  # C loops: ~0.1 s for 10M ids on the event loop
-        return
-    for t in ids:  # the first id out of range, for the message
-        if t < 0 or t >= vocab_size:
-            raise APIError(
-                400, f"prompt token id {t} is out of range [0, {vocab_size})", param="prompt", code="invalid_value"
-            )
+    """The engine's own check (``out_of_vocab``), answered as a 400 before anything is tokenized."""
+    bad = out_of_vocab(ids, vocab_size, limit=1)  # C loops: ~0.1 s for 10M ids on the event loop
+    if bad:
+        raise APIError(
+            400, f"prompt token id {bad[0]} is out of range [0, {vocab_size})", param="prompt", code="invalid_value"
+        )
 
 
 @dataclass
@@ -138,11 +138,11 @@ class _CompletionStream(StreamWriter):
         lp, self.offsets[idx] = self.echoed[i]
         return self.req.prompt_texts[i], lp
 
-    def logprobs(self, c: CompletionOutput, idx: int, k0: int) -> P.CompletionLogProbs | None:
+    def logprobs(self, c: CompletionOutput, idx: int) -> P.CompletionLogProbs | None:
         if self.req.body.logprobs is None:
             return None
         lp, self.offsets[idx] = LP.completion_logprobs(
-            c, k0, len(c.token_ids), self.req.k, self.req.detok, self.offsets.get(idx, 0)
+            c, 0, len(c.token_ids), self.req.k, self.req.detok, self.offsets.get(idx, 0)
         )
         return lp
 

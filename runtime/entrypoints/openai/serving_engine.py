@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.input_processor import fits_context
 from kvfleet.runtime.engine.outputs import CompletionOutput, RequestOutput
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import protocol as P
@@ -33,7 +34,7 @@ from kvfleet.runtime.entrypoints.openai.streaming import SSE_DONE, Submission, m
 from kvfleet.runtime.entrypoints.openai.structured_outputs import grammar_error
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound
 from kvfleet.runtime.metrics import PrometheusStatLogger
-from kvfleet.runtime.sampling_params import SamplingParams, StructuredOutputError
+from kvfleet.runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputError
 
 T = TypeVar("T")
 
@@ -123,7 +124,7 @@ def resolve_max_tokens(
     if requested is not None and (isinstance(requested, bool) or requested < 1):
         raise APIError(400, f"{param} must be an integer >= 1, got {requested}", param=param, code="invalid_value")
     if requested is None:
-        if prompt_len >= max_model_len:
+        if not fits_context(prompt_len, 1, max_model_len):
             raise APIError(
                 400,
                 f"This model's maximum context length is {max_model_len} tokens. However, your prompt is "
@@ -132,7 +133,7 @@ def resolve_max_tokens(
                 code="context_length_exceeded",
             )
         return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
+    if not fits_context(prompt_len, requested, max_model_len):
         raise APIError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -144,9 +145,10 @@ def resolve_max_tokens(
     return requested
 
 
-def usage(prompt_lens: list[int], outputs: list[CompletionOutput]) -> P.UsageInfo:
+def usage(prompt_lens: list[int], outputs: list[CompletionOutput] | int) -> P.UsageInfo:
+    """Token counts of a response: ``outputs`` its (cumulative) choices, or their token count."""
     prompt = sum(prompt_lens)
-    completion = sum(len(c.token_ids) for c in outputs)
+    completion = outputs if isinstance(outputs, int) else sum(len(c.token_ids) for c in outputs)
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -168,10 +170,10 @@ StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
 class StreamWriter(ABC):
     """The chunks of one streamed request. Choice ``c`` of prompt ``i`` is index ``i * n + c.index``.
 
-    Each new piece of a choice is one chunk of ``delta(index, text, logprobs)`` (None: nothing to
-    send yet) and its end the chunk(s) of ``finish(index, output)``; ``logprobs(output, index,
-    first_new_token)`` gives the new tokens'
-    logprobs (None: not requested). ``opening()`` choices are sent first, one chunk each;
+    The engine's outputs are deltas (``RequestOutputKind.DELTA``): each new piece of a choice is
+    one chunk of ``delta(index, text, logprobs)`` (None: nothing to send yet) and its end the
+    chunk(s) of ``finish(index, output)``; ``logprobs(output, index)`` gives the logprobs of the
+    delta's tokens (None: not requested). ``opening()`` choices are sent first, one chunk each;
     ``echo(prompt index, index, output)`` gives ``(text, logprobs)`` sent as a choice's first chunk
     (None: no echo); with ``echo_only`` the choice's own tokens are not sent, only its end."""
 
@@ -196,7 +198,7 @@ class StreamWriter(ABC):
     def echo(self, i: int, idx: int, out: RequestOutput) -> tuple[str, StreamLogprobs | None] | None:
         return None
 
-    def logprobs(self, c: CompletionOutput, idx: int, k0: int) -> StreamLogprobs | None:
+    def logprobs(self, c: CompletionOutput, idx: int) -> StreamLogprobs | None:
         return None
 
     @abstractmethod
@@ -282,9 +284,12 @@ class OpenAIServing:
         grammar_param: str | None = None,
     ) -> Generation:
         """Check the queue, submit ``(prompt ids, params, request id)`` s, abort them if the client
-        disconnects, and wait for the first output. On any error the streams are closed before it
+        disconnects, and wait for the first output. A stream gets the engine's deltas, a JSON
+        answer only each request's final output. On any error the streams are closed before it
         propagates; a grammar that does not compile is a 400 naming ``grammar_param``."""
         self.check_queue(engine)
+        kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        requests = [(ids, sp.clone(output_kind=kind), rid) for ids, sp, rid in requests]
         sub = Submission(self.state, engine, http_request, sum(sp.n for _, sp, _ in requests))
         if self.state.is_lora(body.model or ""):  # the adapter the request's model names
             sub.lora_name = body.model
@@ -338,10 +343,9 @@ class OpenAIServing:
     async def _events(self, gen: Generation, w: StreamWriter) -> AsyncIterator[str]:
         """The SSE frames: the chunks, the usage chunk (include_usage) and ``[DONE]``; a failure is
         an error event and ``[DONE]``. The streams are closed at the end, also when the client goes."""
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        started: set[int] = set()
         done: set[int] = set()
-        last: dict[int, RequestOutput] = {}
+        num_tokens = 0
         try:
             for choice in w.opening():
                 yield w.event([choice])
@@ -349,23 +353,20 @@ class OpenAIServing:
             while item is not None:
                 i, out = item
                 raise_for_error(out)
-                last[i] = out
-                for c in out.outputs:
+                for c in out.outputs:  # a delta: the choices with something new
                     idx = i * w.n + c.index
                     if idx in done:
                         continue
-                    if idx not in sent_text and (echo := w.echo(i, idx, out)) is not None:
+                    if idx not in started and (echo := w.echo(i, idx, out)) is not None:
                         yield w.event([w.delta(idx, *echo)])
-                        sent_text[idx] = sent_tokens[idx] = 0
                         await asyncio.sleep(0)  # a prompt's echo chunk can be MBs: let /health etc. in between
-                    t0, k0 = sent_text.get(idx, 0), sent_tokens.get(idx, 0)
-                    delta = c.text[t0:]
-                    lp = w.logprobs(c, idx, k0) if len(c.token_ids) > k0 else None
-                    if (delta or lp is not None) and not w.echo_only:
-                        choice = w.delta(idx, delta, lp)
+                    started.add(idx)
+                    lp = w.logprobs(c, idx) if c.token_ids else None
+                    if (c.text or lp is not None) and not w.echo_only:
+                        choice = w.delta(idx, c.text, lp)
                         if choice is not None:
                             yield w.event([choice])
-                    sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                    num_tokens += len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(idx)
                         end = w.finish(idx, c)
@@ -376,7 +377,7 @@ class OpenAIServing:
                 except StopAsyncIteration:
                     item = None
             if w.include_usage:
-                yield w.event([], usage(w.prompt_lens, [c for out in last.values() for c in out.outputs]))
+                yield w.event([], usage(w.prompt_lens, num_tokens))
             yield SSE_DONE
         except Exception as exc:
             yield sse_error(self.engine_error(exc).body)
