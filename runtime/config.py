@@ -66,9 +66,10 @@ class EngineConfig(BaseModel):
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Weights, activations and KV cache. ``auto``: float32 on a CPU, also with ``quantization``
-    (the fused C decoder's dtype: the fastest path on every CPU measured;
-    :mod:`kvfleet.runtime.worker.cpu_plan`); bfloat16 on a CUDA GPU that supports it, else float16.
+    """Weights, activations and KV cache. ``auto``: float32 activations on a CPU, also with
+    ``quantization`` (the fused C decoder's dtype: the fastest path on every CPU measured), weights
+    as the checkpoint stores them when smaller (a GGUF file's Q4_1 blocks, a bf16 checkpoint's bf16)
+    (:mod:`kvfleet.runtime.worker.cpu_plan`); bfloat16 on a CUDA GPU that supports it, else float16.
     An explicit ``bfloat16`` / ``float16`` on the CPU runs through torch (the fused decoder off).
     Logits and sampling are float32 whatever the dtype."""
     quantization: Literal["int8", "int4"] | None = None

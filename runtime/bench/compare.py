@@ -158,15 +158,8 @@ def add_arguments(p) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
 
 
-def main(args) -> int:
-    """Run ``kvfleet bench compare`` with parsed arguments; returns the exit status."""
-    import torch
-    from tqdm import tqdm
-
-    from kvfleet.runtime.bench.serve import source_revision
-    from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY
-    from kvfleet.runtime.worker.model_loader import load_model, resolve_model_path
-
+def _levels_and_systems(args) -> tuple[list[int], list[str]]:
+    """The concurrency levels and systems asked for; ValueError for bad ones."""
     levels = sorted({int(c) for c in str(args.concurrency).split(",") if c.strip()})
     if not levels or levels[0] < 1:
         raise ValueError("concurrency levels must be integers >= 1")
@@ -174,6 +167,80 @@ def main(args) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    return levels, systems
+
+
+def _measure_peaks(hf_model, prefill_tokens: int, levels: list[int]) -> tuple[float, dict[int, float]]:
+    """The fp32 matmul FLOP/s at ``prefill_tokens`` rows, and at each level's rows."""
+    print("measuring matmul FLOP/s on the model's shapes ...")
+    peak_fps = measure_matmul_flops(
+        model_linear_weights(hf_model, include_lm_head=False), prefill_tokens, min_seconds=0.3, repeats=5
+    )
+    decode_fps = {
+        c: measure_matmul_flops(model_linear_weights(hf_model), c, min_seconds=0.3, repeats=3) for c in levels
+    }
+    print(
+        f"matmul: {peak_fps / 1e9:.1f} GFLOP/s at {prefill_tokens} rows; "
+        + ", ".join(f"{v / 1e9:.1f} at {c}" for c, v in decode_fps.items())
+    )
+    return peak_fps, decode_fps
+
+
+def _run_level(c, wl, systems, runners, roof, shape, args, in_range, out_range) -> list[RunResult]:
+    """Every system on workload ``wl`` at concurrency ``c``; prints the level's table."""
+    from tqdm import tqdm
+
+    runs = []
+    for s in systems:
+        bar = tqdm(total=len(wl), desc=f"C={c} {s}", unit="req", disable=args.disable_tqdm)
+        try:
+            run = runners[s](wl, c, bar)
+        except Exception as exc:  # one failing system must not lose the others' figures
+            run = RunResult(s, c, 0.0, error=f"{type(exc).__name__}: {exc}")
+        bar.close()
+        runs.append(run)
+    print(
+        f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: "
+        f"prompts {in_range[0]}-{in_range[1]} tokens (total {sum(wl.prompt_lens)}), "
+        f"outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n"
+    )
+    print(format_level_table(runs, roof))
+    waste = static_batch_flops(wl.prompt_lens, wl.output_lens, c, shape) / 1e9
+    print(
+        f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roof.gflop:.2f}x the workload's "
+        f"{roof.gflop:.0f} GFLOP (padding and past-the-end tokens)"
+    )
+    return runs
+
+
+def _kv_report(args, hf_model, shape, in_range, out_range, max_level: int) -> list:
+    """The KV memory table of ``--kv-report-requests`` sampled requests (printed, returned)."""
+    from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY
+
+    max_len = args.max_model_len or int(getattr(hf_model.config, "max_position_embeddings", 0) or 2048)
+    budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+    kv_p, kv_o = sample_lengths(
+        args.kv_report_requests, in_range, out_range, args.seed + 7, args.length_dist, args.sigma
+    )
+    kv_rows = kv_memory_report(kv_p, kv_o, args.block_size, max_len, shape.kv_bytes_per_token(4), budget, max_level)
+    print(
+        f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, "
+        f"prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
+        f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = "
+        f"{budget // shape.kv_bytes_per_token(4)} token slots\n"
+    )
+    print(format_kv_table(kv_rows))
+    return kv_rows
+
+
+def main(args) -> int:
+    """Run ``kvfleet bench compare`` with parsed arguments; returns the exit status."""
+    import torch
+
+    from kvfleet.runtime.bench.serve import source_revision
+    from kvfleet.runtime.worker.model_loader import load_model, resolve_model_path
+
+    levels, systems = _levels_and_systems(args)
     in_range, out_range = parse_range(args.input_len_range), parse_range(args.output_len_range)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -192,18 +259,7 @@ def main(args) -> int:
     special = getattr(tok, "all_special_ids", []) or []
     n_max = max(args.num_prompts or c for c in levels)
     full = make_workload(n_max, in_range, out_range, shape.vocab_size, special, args.seed, args.length_dist, args.sigma)
-
-    print("measuring matmul FLOP/s on the model's shapes ...")
-    peak_fps = measure_matmul_flops(
-        model_linear_weights(hf_model, include_lm_head=False), args.prefill_tokens, min_seconds=0.3, repeats=5
-    )
-    decode_fps = {
-        c: measure_matmul_flops(model_linear_weights(hf_model), c, min_seconds=0.3, repeats=3) for c in levels
-    }
-    print(
-        f"matmul: {peak_fps / 1e9:.1f} GFLOP/s at {args.prefill_tokens} rows; "
-        + ", ".join(f"{v / 1e9:.1f} at {c}" for c, v in decode_fps.items())
-    )
+    peak_fps, decode_fps = _measure_peaks(hf_model, args.prefill_tokens, levels)
 
     runners = build_runners(systems, hf_model, pad, model_path, args)
     by_level: dict[int, list[RunResult]] = {}
@@ -211,41 +267,8 @@ def main(args) -> int:
     for c in levels:
         wl = full.take(args.num_prompts or c)
         roofs[c] = roofline(wl, shape, peak_fps, decode_fps[c])
-        runs = []
-        for s in systems:
-            bar = tqdm(total=len(wl), desc=f"C={c} {s}", unit="req", disable=args.disable_tqdm)
-            try:
-                run = runners[s](wl, c, bar)
-            except Exception as exc:  # one failing system must not lose the others' figures
-                run = RunResult(s, c, 0.0, error=f"{type(exc).__name__}: {exc}")
-            bar.close()
-            runs.append(run)
-        by_level[c] = runs
-        print(
-            f"\n### {len(wl)} requests, concurrency {c}, {args.length_dist} lengths: "
-            f"prompts {in_range[0]}-{in_range[1]} tokens (total {sum(wl.prompt_lens)}), "
-            f"outputs {out_range[0]}-{out_range[1]} tokens (total {sum(wl.output_lens)})\n"
-        )
-        print(format_level_table(runs, roofs[c]))
-        waste = static_batch_flops(wl.prompt_lens, wl.output_lens, c, shape) / 1e9
-        print(
-            f"\nstatic batches of {c} compute {waste:.0f} GFLOP, {waste / roofs[c].gflop:.2f}x the workload's "
-            f"{roofs[c].gflop:.0f} GFLOP (padding and past-the-end tokens)"
-        )
-
-    max_len = args.max_model_len or int(getattr(hf_model.config, "max_position_embeddings", 0) or 2048)
-    budget = args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-    kv_p, kv_o = sample_lengths(
-        args.kv_report_requests, in_range, out_range, args.seed + 7, args.length_dist, args.sigma
-    )
-    kv_rows = kv_memory_report(kv_p, kv_o, args.block_size, max_len, shape.kv_bytes_per_token(4), budget, max(levels))
-    print(
-        f"\n### KV memory: {args.kv_report_requests} requests, {args.length_dist} lengths, "
-        f"prompts {in_range[0]}-{in_range[1]}, outputs {out_range[0]}-{out_range[1]} tokens; "
-        f"{shape.kv_bytes_per_token(4)} KV bytes per token (fp32), budget {budget / 2**30:.2f} GiB = "
-        f"{budget // shape.kv_bytes_per_token(4)} token slots\n"
-    )
-    print(format_kv_table(kv_rows))
+        by_level[c] = _run_level(c, wl, systems, runners, roofs[c], shape, args, in_range, out_range)
+    kv_rows = _kv_report(args, hf_model, shape, in_range, out_range, max(levels))
 
     if args.output_json:
         doc = {

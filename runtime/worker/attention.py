@@ -26,12 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.kernels import paged_attention, reshape_and_cache, select_backend
-from kvfleet.kernels.reference import (
-    PagedAttentionPlan,
-    paged_attention_torch,
-    plan_paged_attention_torch,
-    reshape_and_cache_torch,
-)
+from kvfleet.kernels.attention_plan import PagedAttentionPlan, plan_paged_attention_torch
+from kvfleet.kernels.reference import paged_attention_torch, reshape_and_cache_torch
 
 ATTN_IMPLEMENTATION = "kvfleet_paged"
 """Name under which the paged attention is registered in ``transformers.AttentionInterface``."""
@@ -73,7 +69,7 @@ class AttentionMetadata:
             -1) nor attended. None: all of them.
 
     On the torch (CPU) attention path, :meth:`torch_plan` keeps one
-    :class:`~kvfleet.kernels.reference.PagedAttentionPlan` per sliding window and cache
+    :class:`~kvfleet.kernels.attention_plan.PagedAttentionPlan` per sliding window and cache
     geometry in the plain attribute ``_torch_plans`` (not a dataclass field, so
     ``dataclasses.replace`` / ``fields`` copies of the metadata start without it): the
     step's gather chunks, block ids and masks are computed by the first layer and reused
@@ -93,7 +89,7 @@ class AttentionMetadata:
     num_actual_tokens: int | None = None
 
     def torch_plan(self, key_cache: torch.Tensor, sliding_window: int | None) -> PagedAttentionPlan:
-        """The step's :func:`~kvfleet.kernels.reference.plan_paged_attention_torch` for
+        """The step's :func:`~kvfleet.kernels.attention_plan.plan_paged_attention_torch` for
         caches shaped like ``key_cache`` and this ``sliding_window``, computed on first use
         and shared by every layer that asks for the same one."""
         plans = self.__dict__.setdefault("_torch_plans", {})

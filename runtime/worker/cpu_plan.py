@@ -16,9 +16,11 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   stream ran 44.7 tok/s in fp32 against 10.9 in bf16 (int8 weights: 102 against 15.1), and 48
   requests at once ran 89.8 tok/s in both. In float32 a seeded request also kept its text beside
   other requests where bf16 on that CPU did not (tests/test_determinism.py). Weights: the quantization
-  if given, else bf16 on a CPU with native bf16 where :data:`BF16_WEIGHT_STORAGE` is on and the
-  fused decoder is expected (half the bytes per decode token; prefill in oneDNN's native bf16),
-  else float32.
+  if given; else the checkpoint's own when they are smaller and the kernels run them (a GGUF file's
+  Q4_1 blocks on the int4 kernels, :mod:`kvfleet.runtime.worker.gguf_weights`; a bf16 checkpoint's
+  bf16 weights, on every CPU: lossless); else bf16 on a CPU with native bf16 where
+  :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected (half the bytes per decode
+  token; prefill in oneDNN's native bf16); else float32.
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
@@ -84,6 +86,8 @@ class CpuPlan:
         native_bf16_prefill: prefill matmuls run in bf16 on native bf16 hardware (AVX512-BF16 or
             AMX): bf16 weights or activations on a CPU with :attr:`CpuFeatures.native_bf16`.
         reason: why, in one sentence.
+        gguf_q4_1: the loader swaps the float32 linear layers for the GGUF file's own Q4_1 blocks
+            on the int4 kernels (:mod:`kvfleet.runtime.worker.gguf_weights`; ``weights`` is ``int4``).
     """
 
     dtype: str
@@ -92,6 +96,7 @@ class CpuPlan:
     fused_decoder: bool
     native_bf16_prefill: bool
     reason: str
+    gguf_q4_1: bool = False
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -103,8 +108,11 @@ class CpuPlan:
         return {"float32": "fp32", "bfloat16": "bf16 (emulated)", "float16": "fp16"}[self.dtype]
 
 
+CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
+
+
 def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = None, *,
-         facts: CpuFacts, bf16_weight_storage: bool | None = None) -> CpuPlan:
+         facts: CpuFacts, bf16_weight_storage: bool | None = None, checkpoint_weights: str = "fp32") -> CpuPlan:
     """The fastest correct way to run on this CPU what was asked (the rules: module docstring).
 
     Args:
@@ -113,25 +121,37 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         quantization: ``--quantization``: ``int8``, ``int4`` or None.
         facts: what the process can run (:class:`CpuFacts`).
         bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
+        checkpoint_weights: how the checkpoint stores its linear weights: ``fp32`` (or fp16),
+            ``bf16`` (``torch_dtype`` bfloat16), ``q4_1`` (a GGUF file's Q4_1 blocks).
 
     Raises:
-        ValueError: an unknown dtype or quantization.
+        ValueError: an unknown dtype, quantization or checkpoint_weights.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} (or unset); got {quantization!r}")
+    if checkpoint_weights not in CHECKPOINT_WEIGHTS:
+        raise ValueError(f"checkpoint_weights must be one of {', '.join(CHECKPOINT_WEIGHTS)}; "
+                         f"got {checkpoint_weights!r}")
     bf16_storage = BF16_WEIGHT_STORAGE if bf16_weight_storage is None else bf16_weight_storage
     kernels = facts.kernels and features.isa_level is not None
     single = facts.tensor_parallel_size == 1
     # The fused decoder reads float32 activations and fp32 / kvfleet int8 / int4 (/ bf16) weights.
     fused_possible = kernels and facts.fused_decoder and single and (quantization is None or facts.woq_kernels)
     why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
+    native_q4_1 = checkpoint_weights == "q4_1" and facts.woq_kernels
+    if dtype == "auto" and quantization is None and fused_possible and native_q4_1:
+        return CpuPlan("float32", "int4", False, True, False,
+                       "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
+                       "re-quantized: a quarter of float32's bytes per decode token), float32 activations",
+                       gguf_q4_1=True)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
                                          and fused_possible):
+        lossless = checkpoint_weights == "bf16"
         store_bf16 = (quantization is None and bf16_storage and fused_possible
-                      and (dtype == "bfloat16" or (dtype == "auto" and features.native_bf16)))
+                      and (dtype == "bfloat16" or (dtype == "auto" and (features.native_bf16 or lossless))))
         weights = quantization or ("bf16" if store_bf16 else "fp32")
         if dtype == "float32":
             reason = "--dtype float32"
@@ -143,7 +163,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
             reason = ("dtype auto: float32 activations, the fused C decoder's (kvfleet's fastest decode on "
                       "every CPU measured)")
             if store_bf16:
-                reason += "; bf16 weight storage: half the bytes per decode token"
+                reason += ("; bf16 weight storage (the checkpoint's own bf16 weights, lossless)" if lossless
+                           else "; bf16 weight storage") + ": half the bytes per decode token"
         native = features.native_bf16 and weights == "bf16"
         return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason)
 

@@ -28,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # 681 MB in a 7-minute bf16 soak on a Zen 4 (fp32, which runs MKL's sgemm, 107 MB): issue 25.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
 
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -145,10 +146,33 @@ def cpu_facts(tensor_parallel_size: int = 1) -> CpuFacts:
                     tensor_parallel_size=tensor_parallel_size)
 
 
-def resolve_cpu_plan(dtype: str = "auto", quantization: str | None = None, tensor_parallel_size: int = 1) -> CpuPlan:
+def resolve_cpu_plan(dtype: str = "auto", quantization: str | None = None, tensor_parallel_size: int = 1,
+                     checkpoint: str = "fp32") -> CpuPlan:
     """:func:`kvfleet.runtime.worker.cpu_plan.plan` on this machine (:func:`cpu_features.detect`,
-    :func:`cpu_facts`)."""
-    return cpu_plan.plan(cpu_features.detect(), dtype, quantization, facts=cpu_facts(tensor_parallel_size))
+    :func:`cpu_facts`) for a checkpoint whose linear weights are ``checkpoint`` (:func:`checkpoint_weights`)."""
+    return cpu_plan.plan(cpu_features.detect(), dtype, quantization, facts=cpu_facts(tensor_parallel_size),
+                         checkpoint_weights=checkpoint)
+
+
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file ``model`` (``--model``) loads from: the embedded default's, a ``.gguf`` path, or None."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
+
+
+def checkpoint_weights(model: str | None, hf_config, cache_root: Path | None = None) -> str:
+    """How the checkpoint stores its linear weights (:data:`cpu_plan.CHECKPOINT_WEIGHTS`): ``q4_1`` for a
+    Llama-family GGUF file with Q4_1 linear weights, ``bf16`` for a checkpoint whose ``torch_dtype`` is
+    bfloat16, else ``fp32``."""
+    gguf = gguf_source(model)
+    if gguf is not None:
+        from kvfleet.runtime.worker import gguf_weights
+
+        return "q4_1" if gguf_weights.has_q4_1_layers(gguf, gguf_cache_path(gguf, cache_root)) else "fp32"
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return "bf16" if str(declared).removeprefix("torch.") == "bfloat16" else "fp32"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: str | None = None) -> torch.dtype:
@@ -177,12 +201,19 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: 
 
 
 def file_fingerprint(path: Path, chunk_size: int = 1 << 22) -> str:
-    """``<size>-<first 16 hex digits of sha256>`` of a file (the GGUF cache key)."""
+    """``<size>-<first 16 hex digits of sha256>`` of a file (the GGUF cache key); remembered per
+    path, size and modification time within a process."""
+    st = Path(path).stat()
+    return _fingerprint(str(path), st.st_size, st.st_mtime_ns, chunk_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(path: str, size: int, mtime_ns: int, chunk_size: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(chunk_size):
             digest.update(chunk)
-    return f"{path.stat().st_size}-{digest.hexdigest()[:16]}"
+    return f"{size}-{digest.hexdigest()[:16]}"
 
 
 def gguf_cache_path(gguf_file: Path, root: Path | None = None) -> Path:
@@ -340,10 +371,15 @@ def load_model(
 
     t0 = time.monotonic()
     dev = resolve_device(device)
+    path, name = resolve_model_path(model, cache_root)
+    hf_config = AutoConfig.from_pretrained(path)
+    check_attention_support(hf_config)
     plan = None
     if dev.type == "cpu":
         asked = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-        plan = resolve_cpu_plan(asked, quantization, tensor_parallel_size)
+        native = asked == "auto" and not quantization
+        checkpoint = checkpoint_weights(model, hf_config, cache_root) if native else "fp32"
+        plan = resolve_cpu_plan(asked, quantization, tensor_parallel_size, checkpoint)
         torch_dtype = _DTYPES[plan.dtype]
         logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
     else:
@@ -351,9 +387,6 @@ def load_model(
         if dtype == "auto":
             logger.info("dtype auto -> %s on %s", str(torch_dtype).removeprefix("torch."), dev.type)
     check_quantization(quantization, dev, torch_dtype, tensor_parallel_size)
-    path, name = resolve_model_path(model, cache_root)
-    hf_config = AutoConfig.from_pretrained(path)
-    check_attention_support(hf_config)
     attn_implementation = _initial_attn_implementation(hf_config)
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation)
     if tensor_parallel_size > 1:  # kvfleet.runtime.worker.executor: each rank loads its shard on its device
@@ -367,6 +400,12 @@ def load_model(
     hf_model.requires_grad_(False)
     if quantization is not None:
         quantize_model(hf_model, quantization)
+    if plan is not None and plan.gguf_q4_1:
+        from kvfleet.runtime.worker.gguf_weights import use_q4_1_weights
+
+        gguf = gguf_source(model)
+        replaced = use_q4_1_weights(hf_model, gguf, gguf_cache_path(gguf, cache_root))
+        logger.info("GGUF Q4_1 weights kept as stored: %d linear layers on the int4 kernels", replaced)
     if plan is not None and plan.bf16_weights:  # cpu_plan.BF16_WEIGHT_STORAGE: bf16 storage, float32 compute
         from kvfleet.runtime.worker.woq_linear import to_bf16_weights
 

@@ -110,11 +110,19 @@ class Int4Linear(torch.nn.Linear):
         q = _quantize_affine_tinygemm(w, block, scale, zero, torch.int32, 0, 15)
         scale = scale.reshape(w.shape[0], -1).float()
         zero = zero.reshape(w.shape[0], -1).float()
+        return cls.from_blocks(linear, cpu_woq.pack_int4(q), scale, zero - 8 * scale, group_size)
+
+    @classmethod
+    def from_blocks(cls, linear: torch.nn.Linear, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                    group_size: int) -> Int4Linear:
+        """From weights already in the kernel's layout: ``packed [N, K/2]`` uint8 (byte ``j`` of each
+        32-weight run holds weight ``j`` low, ``16 + j`` high), ``scale`` and ``shift [N, K/G]``
+        (``w = q * scale + shift``; a GGUF Q4_1 block's ``d`` and ``m``); ``linear`` gives the bias."""
         new = _shell(cls, linear)
         new.group_size = group_size
-        new.register_buffer("weight", cpu_woq.pack_int4(q), persistent=False)
-        new.register_buffer("qscale", scale.contiguous(), persistent=False)
-        new.register_buffer("qshift", (zero - 8 * scale).contiguous(), persistent=False)
+        new.register_buffer("weight", packed.contiguous(), persistent=False)
+        new.register_buffer("qscale", scale.float().contiguous(), persistent=False)
+        new.register_buffer("qshift", shift.float().contiguous(), persistent=False)
         bias = linear.bias
         new.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)

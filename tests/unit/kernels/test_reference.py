@@ -82,17 +82,17 @@ def test_reference_sliding_window_decode_chunks():
     # that makes long and short ones read similar block counts.
     lens = [1, 2, 15, 16, 17, 33, 100, 257, 600, 31, 64, 65, 5, 700]
     b = make_paged_batch([(L, 1) for L in lens], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
-    import kvfleet.kernels.reference as ref_mod
+    import kvfleet.kernels.attention_plan as plan_mod
 
-    old = ref_mod._DECODE_CHUNK_BYTES
+    old = plan_mod._DECODE_CHUNK_BYTES
     try:
-        ref_mod._DECODE_CHUNK_BYTES = 32 * 1024
-        plan = ref_mod.plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache,
-                                                  sliding_window=40)
+        plan_mod._DECODE_CHUNK_BYTES = 32 * 1024
+        plan = plan_mod.plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache,
+                                                   sliding_window=40)
         assert len(plan.chunks) > 1, "one gather chunk: the test does not cover chunking"
         out = paged_attention_torch(*b.attn_args, sliding_window=40, softcap=30.0, plan=plan)
     finally:
-        ref_mod._DECODE_CHUNK_BYTES = old
+        plan_mod._DECODE_CHUNK_BYTES = old
     torch.testing.assert_close(out.double(), naive_attention(b, sliding_window=40, softcap=30.0),
                                atol=1e-5, rtol=1e-5)
 
@@ -118,14 +118,14 @@ def test_reference_decode_chunking_and_long_ragged():
     # Many decode sequences of very different lengths: several chunks, padding per chunk.
     lens = [1, 2, 15, 16, 17, 33, 100, 257, 600, 31, 64, 65, 5, 700]
     b = make_paged_batch([(L, 1) for L in lens], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
-    import kvfleet.kernels.reference as ref_mod
+    import kvfleet.kernels.attention_plan as plan_mod
 
-    old = ref_mod._DECODE_CHUNK_BYTES
+    old = plan_mod._DECODE_CHUNK_BYTES
     try:
-        ref_mod._DECODE_CHUNK_BYTES = 64 * 1024  # force multi-sequence and single-sequence chunks
+        plan_mod._DECODE_CHUNK_BYTES = 64 * 1024  # force multi-sequence and single-sequence chunks
         out = paged_attention_torch(*b.attn_args)
     finally:
-        ref_mod._DECODE_CHUNK_BYTES = old
+        plan_mod._DECODE_CHUNK_BYTES = old
     torch.testing.assert_close(out.double(), naive_attention(b), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(paged_attention_torch(*b.attn_args), out, atol=1e-6, rtol=1e-6)
 
@@ -241,7 +241,7 @@ def test_public_entry_points_use_torch_on_cpu(monkeypatch):
 def test_plan_shared_by_layers_is_bit_exact(sliding_window, softcap):
     # One plan per step, reused by every layer (each with its own cache contents), gives the
     # same bits as planning in every call, and matches the naive fp64 attention.
-    from kvfleet.kernels.reference import plan_paged_attention_torch
+    from kvfleet.kernels.attention_plan import plan_paged_attention_torch
 
     seqs = seq_mix(16) + [(L, 1) for L in (300, 57, 130, 1, 64)] + [(200, 37)]
     layers = [make_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_size=64, block_size=16, seed=seed)
@@ -262,7 +262,7 @@ def test_plan_shared_by_layers_is_bit_exact(sliding_window, softcap):
 
 
 def test_plan_for_another_batch_geometry_or_window_is_refused():
-    from kvfleet.kernels.reference import plan_paged_attention_torch
+    from kvfleet.kernels.attention_plan import plan_paged_attention_torch
 
     b = make_paged_batch([(20, 1), (9, 3)], num_heads=4, num_kv_heads=2, block_size=8)
     plan = plan_paged_attention_torch(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache)

@@ -115,7 +115,27 @@ def test_explicit_bf16_says_why_it_is_slower():
     assert "bf16 (native)" in native.describe()
 
 
+@pytest.mark.parametrize("machine", list(MACHINES))
+def test_auto_keeps_a_checkpoints_own_smaller_weights(machine):
+    # A GGUF file's Q4_1 blocks run as stored on the int4 kernels; a bf16 checkpoint keeps bf16 weights
+    # (lossless) on every CPU, AVX2 included; asked-for dtypes and quantizations are not overridden.
+    q4 = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="q4_1")
+    assert (q4.dtype, q4.weights, q4.gguf_q4_1, q4.bf16_weights, q4.fused_decoder) == ("float32", "int4", True, False,
+                                                                                      True)
+    assert "Q4_1" in q4.reason
+    for dtype, quant in (("float32", None), ("auto", "int8"), ("bfloat16", None)):
+        assert not cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights="q4_1").gguf_q4_1
+    no_woq = cp.plan(cpu(machine), "auto", None, facts=cp.CpuFacts(kernels=True, woq_kernels=False),
+                     checkpoint_weights="q4_1")
+    assert not no_woq.gguf_q4_1 and no_woq.weights != "int4"
+    bf16 = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="bf16")
+    assert (bf16.dtype, bf16.weights, bf16.bf16_weights) == ("float32", "bf16", True) and "lossless" in bf16.reason
+    assert cp.plan(cpu(machine), "float32", None, facts=KERNELS, checkpoint_weights="bf16").weights == "fp32"
+
+
 def test_bad_names_are_refused():
+    with pytest.raises(ValueError, match="checkpoint_weights must be one of"):
+        cp.plan(cpu("zen3"), "auto", None, facts=KERNELS, checkpoint_weights="q8_0")
     with pytest.raises(ValueError, match="dtype must be one of"):
         cp.plan(cpu("zen3"), "float8", None, facts=KERNELS)
     with pytest.raises(ValueError, match=r"^--quantization must be one of"):
