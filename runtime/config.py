@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvfleet.runtime.spec_decode.config import SpeculativeConfig
+
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 """Default KV cache budget on CPU, bytes (2 GiB: ~37k tokens of SmolLM2-135M in fp32)."""
 
@@ -140,6 +142,16 @@ class EngineConfig(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1)
     """Adapters kept loaded in host memory (LRU; the others are re-read from disk when asked
     for); None: ``max_loras``. Must be ``>= max_loras``."""
+
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (vLLM's ``--speculative-config``, a JSON object such as
+    ``{"method": "ngram", "num_speculative_tokens": 4}``); None: off. See
+    :mod:`kvfleet.runtime.spec_decode` and docs/engine.md, "Speculative decoding"."""
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        return SpeculativeConfig.parse(value)
 
     skip_failed_lora_modules: bool = False
     """A ``lora_modules`` entry that cannot be loaded at start is logged and skipped instead of

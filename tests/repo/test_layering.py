@@ -139,6 +139,10 @@ def test_operator_uses_only_torch_free_runtime_modules():
         ("kvfleet.runtime.structured_output", ("kvfleet.runtime.engine", "kvfleet.runtime.worker",
                                                "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench",
                                                "kvfleet.operator")),
+        # proposers and the acceptance rule: used by the worker, above nothing but top-level modules
+        ("kvfleet.runtime.spec_decode", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.core",
+                                         "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench",
+                                         "kvfleet.runtime.structured_output", "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],

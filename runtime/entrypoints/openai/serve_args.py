@@ -119,6 +119,8 @@ _HELP = {
     "max_lora_rank": "largest LoRA rank accepted",
     "max_cpu_loras": "LoRA adapters kept in host memory (default: max_loras)",
     "skip_failed_lora_modules": "log and skip --lora-modules entries that cannot be loaded (instead of failing)",
+    "speculative_config": "speculative decoding, a JSON object: {\"method\": \"ngram\"|\"suffix\", "
+                          "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": n}",
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 
