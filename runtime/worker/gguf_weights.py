@@ -42,9 +42,11 @@ _LLAMA_NAMES = {
 _ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
-CACHE_FILE = "q4_1_layers.safetensors"
-"""The file, in the GGUF file's conversion cache folder, that holds its Q4_1 layers in the kernels'
-layout (written once, after every layer matched the converted float32 weights)."""
+CACHE_FILE = "kvfleet/q4_1_layers.st"
+"""The file, under the GGUF file's conversion cache folder, that holds its Q4_1 layers in the
+kernels' layout (safetensors format; written once, after every layer matched the converted float32
+weights). It sits in a subfolder with its own suffix because that folder is a plain Hugging Face
+checkpoint other servers load too (vLLM reads every ``*.safetensors`` file at its top level)."""
 
 
 def _reader(gguf_file: Path):
@@ -147,6 +149,7 @@ def _write_cache(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
     except OSError as exc:  # a read-only cache (an image) only costs the check again next time

@@ -36,6 +36,7 @@ def test_every_q4_1_layer_matches_and_is_cached(tmp_path):
     for name, layer in layers.items():
         torch.testing.assert_close(layer.dequantized(), want[name], rtol=1e-6, atol=1e-7)
     assert (tmp_path / gguf_weights.CACHE_FILE).is_file()
+    assert not list(tmp_path.glob("*.safetensors"))  # other servers load that folder's *.safetensors
     # From the cache: the same layers, without reading the GGUF file again.
     again = _fp32_default()
     assert gguf_weights.use_q4_1_weights(again, gguf, tmp_path) == 210
