@@ -27,3 +27,10 @@ def test_vllm_json_form_parses():
 def test_bad_configs_name_the_problem(value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=value)
+
+
+def test_the_engine_refuses_it_until_its_step_runs_it():
+    # Accepted by the parser, refused when an engine would start: never silently ignored.
+    cfg = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    with pytest.raises(ValueError, match="not wired into the engine"):
+        cfg.check_engine_support()
