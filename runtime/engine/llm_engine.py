@@ -400,16 +400,17 @@ class LLMEngine:
                 num_prompt = sr.request.num_prompt_tokens
                 if sr.start_pos < num_prompt:
                     iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
-            result = self.runner.execute_model(scheduler_output)
-            sampling, logits = result.sampling, result.logits
+            result = self.runner.execute_model(scheduler_output)  # reads only the output's plain view
+            req_ids, logits = result.req_ids, result.logits
             if result.prompt_logprobs:
                 self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)
-            requests = [s.request for s in sampling]
-            if any(r.structured_output is not None for r in requests):  # before penalties and temperature
-                self.structured_output.apply_bitmask(logits, requests)
-            sampled = self.sampler(logits, requests)
-            tokens = {r.request_id: t for r, t in zip(requests, sampled.token_ids)}
-            logprobs = {r.request_id: lp for r, lp in zip(requests, sampled.logprobs) if lp is not None}
+            live = self.scheduler.requests  # a sequence failed above is gone: unconstrained, its token dropped
+            grammars = [live[rid].structured_output if rid in live else None for rid in req_ids]
+            if any(g is not None for g in grammars):  # before penalties and temperature
+                self.structured_output.apply_bitmask(logits, grammars)
+            sampled = self.sampler(logits, self.runner.sampling_rows(req_ids))
+            tokens = dict(zip(req_ids, sampled.token_ids))
+            logprobs = {rid: lp for rid, lp in zip(req_ids, sampled.logprobs) if lp is not None}
             changed = self.scheduler.update_from_output(scheduler_output, tokens)
             iteration.num_generation_tokens = len(changed)
             updates = [

@@ -152,6 +152,15 @@ def test_layers_import_only_downwards(package, forbidden):
     assert not bad
 
 
+def test_the_worker_reads_plain_data_never_the_schedulers_requests():
+    # issue 26: the scheduler -> runner seam is plain data (core/sched/output's runner view);
+    # nothing under worker/ reaches for the scheduler's mutable Request objects.
+    bad = [(m, d) for m, d in _edges("kvfleet.runtime.worker")
+           if d in ("kvfleet.runtime.core.request", "kvfleet.runtime.core.sched.scheduler")]
+    assert not bad
+    assert "kvfleet.runtime.worker.request_state" in GRAPH["kvfleet.runtime.worker.model_runner"]
+
+
 def test_no_module_imports_torch_in_core():
     for path in (ROOT / "runtime" / "core").rglob("*.py"):
         tree = ast.parse(path.read_text())

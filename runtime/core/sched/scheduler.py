@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.request import Request, RequestStatus
-from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.sched.output import RunnerFeed, ScheduledRequest, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.sched.request_queue import create_request_queue
 
 
@@ -70,6 +70,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self._feed = RunnerFeed()
+        """What the model runner holds (the runner's plain view of each step, see ``output``)."""
         self._stats = SchedulerStats()
         self.max_loras: int | None = config.max_loras if config.enable_lora else None
         """Most distinct LoRA adapters among the running requests (None: LoRA off)."""
@@ -133,6 +135,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        self._feed.drop(request.request_id)
 
     # -- the step -------------------------------------------------------------------
     def _victim(self) -> Request:
@@ -250,6 +253,7 @@ class Scheduler:
                 out.num_prefill_tokens += sr.num_new_tokens
             else:
                 out.num_decode_tokens += sr.num_new_tokens
+        self._feed.fill(out)
         return out
 
     def _next_waiting(self, scheduled: dict[str, ScheduledRequest], loras: set[int] | None = None) -> Request | None:
