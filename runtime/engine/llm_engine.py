@@ -121,8 +121,6 @@ class LLMEngine:
                 self.executor.shutdown(terminate=True)
             raise
         self.runner.initialize_kv_cache(num_blocks)
-        if self.executor is not None:
-            self.executor.wrap_runner(self.runner)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
         self.sampler = Sampler(loaded.device, seed=config.seed)
@@ -400,7 +398,11 @@ class LLMEngine:
                 num_prompt = sr.request.num_prompt_tokens
                 if sr.start_pos < num_prompt:
                     iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
-            result = self.runner.execute_model(scheduler_output)  # reads only the output's plain view
+            step = scheduler_output.runner_input  # plain data: no scheduler Request crosses to the runner
+            if self.executor is None:
+                result = self.runner.execute_model(step)
+            else:  # every tensor-parallel rank runs the same step
+                result = self.executor.execute_model(self.runner, step)
             req_ids, logits = result.req_ids, result.logits
             if result.prompt_logprobs:
                 self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)

@@ -1,7 +1,7 @@
 """Model runner: one forward pass of a transformers model over a packed, unpadded batch.
 
-Takes the plain view of a :class:`~kvfleet.runtime.core.sched.output.SchedulerOutput` (a
-request's data once, then per-step diffs) into its own per-request state
+Takes a step's plain :class:`~kvfleet.runtime.core.sched.output.RunnerInput` (a request's
+data once, then per-step diffs; never the scheduler's ``Request`` objects) into its own per-request state
 (:mod:`kvfleet.runtime.worker.request_state`), and turns the step into ``input_ids[T]``,
 ``positions[T]``, ``slot_mapping[T]`` (``block_id * block_size + offset``),
 ``block_tables[B, max_blocks]``, ``seq_lens[B]``, ``query_start_loc[B + 1]``; runs the model
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from kvfleet.runtime.core.sched.output import RunnerInput
 from kvfleet.runtime.worker import cpu_decode
 from kvfleet.runtime.worker.attention import (
     METADATA_KWARG,
@@ -430,7 +431,7 @@ class ModelRunner:
         return [self.states.requests[rid] for rid in req_ids]
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+    def execute_model(self, runner_input: RunnerInput) -> ModelRunnerOutput:
         """Run one forward pass over the scheduled tokens.
 
         Returns:
@@ -444,7 +445,7 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
-        scheduled = self.states.update(scheduler_output)
+        scheduled = self.states.update(runner_input)
         sampling = [s.request_id for s in scheduled if s.sample]
         if not scheduled:
             empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)

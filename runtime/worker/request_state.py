@@ -1,6 +1,6 @@
 """The model runner's own per-request state, kept from step to step (vLLM v1's ``CachedRequestState``).
 
-Contract: :meth:`RequestStates.update` takes the plain view of a ``SchedulerOutput``
+Contract: :meth:`RequestStates.update` takes the plain view of a step, a ``RunnerInput``
 (:mod:`kvfleet.runtime.core.sched.output`: ``scheduled_new_reqs`` once per request,
 ``scheduled_cached_reqs`` diffs afterwards, ``num_scheduled_tokens`` in scheduling order,
 ``finished_request_ids``) and returns the step's :class:`ScheduledRow` s, in scheduling order:
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvfleet.runtime.core.sched.output import RunnerInput
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -88,7 +89,7 @@ class RequestStates:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def update(self, scheduler_output) -> list[ScheduledRow]:
+    def update(self, scheduler_output: RunnerInput) -> list[ScheduledRow]:
         """Apply one step's plain view (drop finished, add new, apply diffs); the step's rows."""
         for rid in scheduler_output.finished_request_ids:
             self.requests.pop(rid, None)

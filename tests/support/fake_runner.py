@@ -57,7 +57,7 @@ class FakeRunner:
                 for q in self.s.waiting if q.prompt_leader is not None}
         out = self.s.schedule()
         # The runner's plain view (new data once, then diffs) rebuilds exactly the scheduler's step.
-        rows = self.runner_states.update(out)
+        rows = self.runner_states.update(out.runner_input)
         assert [(r.request_id, r.start_pos, r.token_ids, list(r.block_ids), r.sample) for r in rows] == [
             (sr.request_id, sr.start_pos, sr.token_ids, sr.block_ids, sr.sample) for sr in out.scheduled]
         assert not out.finished_request_ids & self.runner_states.requests.keys()  # finished: dropped

@@ -5,7 +5,8 @@
 - the scheduler's own (``scheduled``: one ``ScheduledRequest`` per request, running ones first,
   then newly admitted, holding the scheduler's ``Request``; the engine and
   ``Scheduler.update_from_output`` use it, it never crosses to the model runner);
-- the model runner's, plain data only (vLLM v1's contract): ``scheduled_new_reqs`` gives a
+- the model runner's, ``runner_input`` (:class:`RunnerInput`), plain data only (vLLM v1's
+  contract): ``scheduled_new_reqs`` gives a
   request's data once (:class:`NewRequestData`: prompt, sampling parameters, LoRA id, block
   table, tokens already computed), ``scheduled_cached_reqs`` the per-step diff of a request the
   runner already holds (:class:`CachedRequestData`: blocks and output tokens appended since,
@@ -106,8 +107,8 @@ class RunnerFeed:
     def drop(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
 
-    def fill(self, out: SchedulerOutput) -> None:
-        for sr in out.scheduled:
+    def fill(self, scheduled: list[ScheduledRequest], out: RunnerInput) -> None:
+        for sr in scheduled:
             r = sr.request
             out.num_scheduled_tokens[r.request_id] = sr.num_new_tokens
             sent = self._sent.get(r.request_id)
@@ -127,6 +128,21 @@ class RunnerFeed:
 
 
 @dataclass
+class RunnerInput:
+    """The step as the model runner gets it: plain data only (picklable: the tensor-parallel
+    driver broadcasts it to every rank)."""
+
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests finished since the previous schedule(): the runner drops their state."""
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    """The runner's view: requests it has not seen, their data once."""
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    """The runner's view: requests it holds, what changed."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    """The runner's view: request id -> tokens to compute this step, in scheduling order."""
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     """The scheduler's view: running requests first (in running order), then newly admitted ones."""
@@ -134,12 +150,8 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests finished since the previous schedule() (the runner drops their state)."""
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    """The runner's view: requests it has not seen, their data once."""
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    """The runner's view: requests it holds, what changed."""
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    """The runner's view: request id -> tokens to compute this step, in scheduling order."""
+    runner_input: RunnerInput = field(default_factory=RunnerInput)
+    """The model runner's view of the step (plain data; see :class:`RunnerInput`)."""
     num_prefill_tokens: int = 0
     """Tokens of requests still in their prompt (chunked or not), this step."""
     num_decode_tokens: int = 0

@@ -253,7 +253,8 @@ class Scheduler:
                 out.num_prefill_tokens += sr.num_new_tokens
             else:
                 out.num_decode_tokens += sr.num_new_tokens
-        self._feed.fill(out)
+        out.runner_input.finished_request_ids = out.finished_request_ids
+        self._feed.fill(out.scheduled, out.runner_input)
         return out
 
     def _next_waiting(self, scheduled: dict[str, ScheduledRequest], loras: set[int] | None = None) -> Request | None:
