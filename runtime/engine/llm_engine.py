@@ -100,7 +100,7 @@ class LLMEngine:
             loaded = self.executor.loaded
         elif loaded is None:
             loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
-                                quantization=config.quantization)  # fmt: skip
+                                quantization=config.quantization)
         if config.quantization != loaded.quantization:
             raise ValueError(f"--quantization {config.quantization}: the engine was given a model loaded with "
                              f"quantization={loaded.quantization} (load it with load_model(..., quantization=))")
@@ -128,7 +128,7 @@ class LLMEngine:
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                         [self.eos_token_id, *self._extra_eos_ids])  # fmt: skip
+                                                         [self.eos_token_id, *self._extra_eos_ids])
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_id,
                                               self._extra_eos_ids, self.runner.prompt_logprobs_error,
                                               self.structured_output.grammar_init)

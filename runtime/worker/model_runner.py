@@ -354,7 +354,7 @@ class ModelRunner:
         try:
             probe_attention(self.model, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                             block_size=self.block_size, sliding_windows=self.sliding_windows,
-                            device=self.device, dtype=self.dtype)  # fmt: skip
+                            device=self.device, dtype=self.dtype)
         finally:
             h1.remove()
             h2.remove()

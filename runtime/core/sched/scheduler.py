@@ -385,7 +385,7 @@ class Scheduler:
         stats.kv_cache_usage = self.kv_cache_manager.usage
         if self.max_loras is not None:
             for counts, requests in ((stats.running_lora_adapters, self.running),
-                                     (stats.waiting_lora_adapters, self.waiting)):  # fmt: skip
+                                     (stats.waiting_lora_adapters, self.waiting)):
                 for r in requests:
                     if r.lora_name:
                         counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
