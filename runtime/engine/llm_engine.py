@@ -2,11 +2,13 @@
 
 One :meth:`LLMEngine.step` is one iteration of continuous batching::
 
-    scheduler.schedule()            which requests, which tokens, which blocks
-    runner.execute_model()          one forward pass over the packed batch -> logits [S, V]
-                                    (and the prompt logprobs of requests that asked for them)
-    grammar bitmask                 constrained rows: tokens their grammar forbids -> -inf
-    sampler(logits)                 one token per sampling request
+    scheduler.schedule()            which requests, which tokens, which blocks; the runner's view
+                                    (``runner_input``) is plain data: new requests once, then diffs
+    runner.execute_model()          one forward pass over the packed batch -> logits [S, V] keyed by
+                                    request id (and the prompt logprobs of requests that asked);
+                                    with tensor parallelism every rank runs the same plain step
+    runner.sample()                 grammar bitmask (constrained rows: forbidden tokens -> -inf), then
+                                    one token per sampling request -> {request id: token}, logprobs
     scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
     output_processor                detokenize, stop strings, logprobs: the RequestOutputs to send and
                                     the sequences to finish (:mod:`kvfleet.runtime.engine.output_processor`)
@@ -51,7 +53,6 @@ from kvfleet.runtime.structured_output.manager import StructuredOutputManager
 from kvfleet.runtime.worker.executor import MultiprocExecutor
 from kvfleet.runtime.worker.model_loader import LoadedModel, load_model
 from kvfleet.runtime.worker.model_runner import ModelRunner
-from kvfleet.runtime.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,6 @@ class LLMEngine:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
-        self.sampler = Sampler(loaded.device, seed=config.seed)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -403,16 +403,10 @@ class LLMEngine:
                 result = self.runner.execute_model(step)
             else:  # every tensor-parallel rank runs the same step
                 result = self.executor.execute_model(self.runner, step)
-            req_ids, logits = result.req_ids, result.logits
             if result.prompt_logprobs:
                 self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)
-            live = self.scheduler.requests  # a sequence failed above is gone: unconstrained, its token dropped
-            grammars = [live[rid].structured_output if rid in live else None for rid in req_ids]
-            if any(g is not None for g in grammars):  # before penalties and temperature
-                self.structured_output.apply_bitmask(logits, grammars)
-            sampled = self.sampler(logits, self.runner.sampling_rows(req_ids))
-            tokens = dict(zip(req_ids, sampled.token_ids))
-            logprobs = {rid: lp for rid, lp in zip(req_ids, sampled.logprobs) if lp is not None}
+            sampled = self.runner.sample(result, self._grammar_mask)  # rows keyed by request id
+            tokens, logprobs = sampled.token_ids, sampled.logprobs
             changed = self.scheduler.update_from_output(scheduler_output, tokens)
             iteration.num_generation_tokens = len(changed)
             updates = [
@@ -425,6 +419,14 @@ class LLMEngine:
         self._finish(processed)
         self._record_stats(self.scheduler.make_stats(), iteration)
         return processed.request_outputs
+
+    def _grammar_mask(self, logits: torch.Tensor, req_ids: list[str]) -> None:
+        """Mask in place the rows of constrained sequences (before penalties and temperature).
+        A sequence failed this step (its prompt logprobs) is gone: unconstrained, its token dropped."""
+        live = self.scheduler.requests
+        grammars = [live[rid].structured_output if rid in live else None for rid in req_ids]
+        if any(g is not None for g in grammars):
+            self.structured_output.apply_bitmask(logits, grammars)
 
     def _add_prompt_logprobs(self, scheduler_output, prompt_logprobs: dict, iteration: IterationStats) -> None:
         """Hand the step's prompt logprobs to the output processor; tell each request how many

@@ -44,6 +44,7 @@ from kvfleet.runtime.worker.cpu_decode import CpuDecodePath
 from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
 from kvfleet.runtime.worker.request_state import CachedRequestState, RequestStates, ScheduledRow
+from kvfleet.runtime.worker.sampler import SampledRows, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class ModelRunner:
             self.lora = shared_lora_manager(self.model, config, self.device, self.dtype)
         self._pin = self.device.type == "cuda"
         windowed = any(w is not None for w in self.sliding_windows or ())
+        self.sampler = Sampler(self.device, seed=config.seed)
         self.states = RequestStates()
         """The runner's own per-request state, by request id (plain data from the scheduler's output)."""
         self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
@@ -426,9 +428,15 @@ class ModelRunner:
             )
         return out
 
-    def sampling_rows(self, req_ids: list[str]) -> list[CachedRequestState]:
-        """The runner's state of these requests (plain data: what the sampler reads)."""
-        return [self.states.requests[rid] for rid in req_ids]
+    @torch.inference_mode()
+    def sample(self, output: ModelRunnerOutput, grammar_mask=None) -> SampledRows:
+        """Sample one token per row of ``output`` from the runner's own state of each request;
+        ``grammar_mask(logits, req_ids)`` first masks constrained rows in place (the engine's
+        grammars). Returns the sampled tokens and logprobs keyed by request id."""
+        if grammar_mask is not None:
+            grammar_mask(output.logits, output.req_ids)
+        rows: list[CachedRequestState] = [self.states.requests[rid] for rid in output.req_ids]
+        return SampledRows.of(output.req_ids, self.sampler(output.logits, rows))
 
     @torch.inference_mode()
     def execute_model(self, runner_input: RunnerInput) -> ModelRunnerOutput:

@@ -135,6 +135,20 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None]
 
 
+@dataclass
+class SampledRows:
+    """A step's sampled tokens keyed by request id (what the model runner returns):
+    ``token_ids`` for every row, in row order; ``logprobs`` for the requests that asked."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, SampleLogprobs]
+
+    @classmethod
+    def of(cls, req_ids: list[str], out: SamplerOutput) -> SampledRows:
+        return cls(dict(zip(req_ids, out.token_ids)),
+                   {rid: lp for rid, lp in zip(req_ids, out.logprobs) if lp is not None})
+
+
 class Sampler:
     """Samples one token per row.
 
