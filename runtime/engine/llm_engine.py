@@ -2,11 +2,13 @@
 
 One :meth:`LLMEngine.step` is one iteration of continuous batching::
 
-    scheduler.schedule()            which requests, which tokens, which blocks
-    runner.execute_model()          one forward pass over the packed batch -> logits [S, V]
-                                    (and the prompt logprobs of requests that asked for them)
-    grammar bitmask                 constrained rows: tokens their grammar forbids -> -inf
-    sampler(logits)                 one token per sampling request
+    scheduler.schedule()            which requests, which tokens, which blocks; the runner's view
+                                    (``runner_input``) is plain data: new requests once, then diffs
+    runner.execute_model()          one forward pass over the packed batch -> logits [S, V] keyed by
+                                    request id (and the prompt logprobs of requests that asked);
+                                    with tensor parallelism every rank runs the same plain step
+    runner.sample()                 grammar bitmask (constrained rows: forbidden tokens -> -inf), then
+                                    one token per sampling request -> {request id: token}, logprobs
     scheduler.update_from_output()  append tokens; finish on EOS / stop ids / max_tokens / max_model_len
     output_processor                detokenize, stop strings, logprobs: the RequestOutputs to send and
                                     the sequences to finish (:mod:`kvfleet.runtime.engine.output_processor`)
@@ -51,7 +53,6 @@ from kvfleet.runtime.structured_output.manager import StructuredOutputManager
 from kvfleet.runtime.worker.executor import MultiprocExecutor
 from kvfleet.runtime.worker.model_loader import LoadedModel, load_model
 from kvfleet.runtime.worker.model_runner import ModelRunner
-from kvfleet.runtime.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class LLMEngine:
             loaded = self.executor.loaded
         elif loaded is None:
             loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
-                                quantization=config.quantization)  # fmt: skip
+                                quantization=config.quantization)
         if config.quantization != loaded.quantization:
             raise ValueError(f"--quantization {config.quantization}: the engine was given a model loaded with "
                              f"quantization={loaded.quantization} (load it with load_model(..., quantization=))")
@@ -121,16 +122,13 @@ class LLMEngine:
                 self.executor.shutdown(terminate=True)
             raise
         self.runner.initialize_kv_cache(num_blocks)
-        if self.executor is not None:
-            self.executor.wrap_runner(self.runner)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
-        self.sampler = Sampler(loaded.device, seed=config.seed)
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size,
-                                                         [self.eos_token_id, *self._extra_eos_ids])  # fmt: skip
+                                                         [self.eos_token_id, *self._extra_eos_ids])
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_id,
                                               self._extra_eos_ids, self.runner.prompt_logprobs_error,
                                               self.structured_output.grammar_init)
@@ -400,16 +398,15 @@ class LLMEngine:
                 num_prompt = sr.request.num_prompt_tokens
                 if sr.start_pos < num_prompt:
                     iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
-            result = self.runner.execute_model(scheduler_output)
-            sampling, logits = result.sampling, result.logits
+            step = scheduler_output.runner_input  # plain data: no scheduler Request crosses to the runner
+            if self.executor is None:
+                result = self.runner.execute_model(step)
+            else:  # every tensor-parallel rank runs the same step
+                result = self.executor.execute_model(self.runner, step)
             if result.prompt_logprobs:
                 self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)
-            requests = [s.request for s in sampling]
-            if any(r.structured_output is not None for r in requests):  # before penalties and temperature
-                self.structured_output.apply_bitmask(logits, requests)
-            sampled = self.sampler(logits, requests)
-            tokens = {r.request_id: t for r, t in zip(requests, sampled.token_ids)}
-            logprobs = {r.request_id: lp for r, lp in zip(requests, sampled.logprobs) if lp is not None}
+            sampled = self.runner.sample(result, self._grammar_mask)  # rows keyed by request id
+            tokens, logprobs = sampled.token_ids, sampled.logprobs
             changed = self.scheduler.update_from_output(scheduler_output, tokens)
             iteration.num_generation_tokens = len(changed)
             updates = [
@@ -422,6 +419,14 @@ class LLMEngine:
         self._finish(processed)
         self._record_stats(self.scheduler.make_stats(), iteration)
         return processed.request_outputs
+
+    def _grammar_mask(self, logits: torch.Tensor, req_ids: list[str]) -> None:
+        """Mask in place the rows of constrained sequences (before penalties and temperature).
+        A sequence failed this step (its prompt logprobs) is gone: unconstrained, its token dropped."""
+        live = self.scheduler.requests
+        grammars = [live[rid].structured_output if rid in live else None for rid in req_ids]
+        if any(g is not None for g in grammars):
+            self.structured_output.apply_bitmask(logits, grammars)
 
     def _add_prompt_logprobs(self, scheduler_output, prompt_logprobs: dict, iteration: IterationStats) -> None:
         """Hand the step's prompt logprobs to the output processor; tell each request how many

@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xgrammar as xgr
 
-from kvfleet.runtime.core.request import Request
+from kvfleet.runtime.core.request import GrammarState
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 from kvfleet.runtime.structured_output.grammar import Grammar, compile_spec
 
@@ -117,27 +117,27 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the step
-    def apply_bitmask(self, logits: torch.Tensor, requests: list[Request]) -> int:
-        """Mask, in place, the logits of every row whose request has a grammar: tokens the
-        grammar does not allow next become ``-inf``.
+    def apply_bitmask(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> int:
+        """Mask, in place, the logits of every row with a grammar: tokens the grammar does not
+        allow next become ``-inf``.
 
         Args:
-            logits: ``[S, vocab_size]`` float32, row ``i`` for ``requests[i]`` (any device).
-            requests: the step's sampling requests.
+            logits: ``[S, vocab_size]`` float32, row ``i`` for ``grammars[i]`` (any device).
+            grammars: the step's sampling rows' grammar matchers (None: unconstrained).
 
         Returns: the number of rows masked.
         """
-        rows = [i for i, r in enumerate(requests) if r.structured_output is not None]
+        rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return 0
         width = (logits.shape[1] + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(requests) or self._bitmask.shape[1] != width:
-            self._bitmask = xgr.allocate_token_bitmask(max(len(requests), 16), logits.shape[1])
+        if self._bitmask is None or self._bitmask.shape[0] < len(grammars) or self._bitmask.shape[1] != width:
+            self._bitmask = xgr.allocate_token_bitmask(max(len(grammars), 16), logits.shape[1])
         bitmask = self._bitmask
-        masked = [i for i in rows if requests[i].structured_output.fill_bitmask(bitmask, i)]  # type: ignore[union-attr]
+        masked = [i for i in rows if grammars[i].fill_bitmask(bitmask, i)]  # type: ignore[union-attr]
         if not masked:
             return 0
-        mask = bitmask[: len(requests)]
+        mask = bitmask[: len(grammars)]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, indices=masked)

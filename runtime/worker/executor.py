@@ -4,8 +4,9 @@ spawns ``tensor_parallel_size - 1`` *workers* (ranks 1..tp-1), vLLM's process la
 Weights are sharded by the model's own transformers tensor-parallel plan
 (``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``);
 each rank's runner holds the KV cache of its ``num_kv_heads / tp`` heads, with rank 0's block
-ids. Rank 0 schedules, samples and detokenizes; its model is wrapped (:class:`_DriverModel`)
-so that every forward (and LM-head) call is broadcast to the workers, which replay it.
+ids. Rank 0 schedules, samples and detokenizes; each step, :meth:`MultiprocExecutor.execute_model`
+broadcasts the step's plain data (the scheduler output's ``RunnerInput``) and every rank's
+runner runs it (nano-vllm's ``call("run", ...)``): each keeps the same per-request state.
 :meth:`MultiprocExecutor.shutdown` stops them; a dead worker or a failed collective is raised
 as :class:`TensorParallelError` (naming the rank), never a hang. Limits: one node, no
 pipeline parallelism, one tensor-parallel engine per process, ``device`` ``auto``/``cpu``/``cuda``.
@@ -16,7 +17,6 @@ Sharding layout, broadcast protocol, lifecycle and KV sizing: docs/engine.md,
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import json
 import logging
 import os
@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.runtime.config import EngineConfig
-from kvfleet.runtime.worker.attention import METADATA_KWARG
 
 logger = logging.getLogger(__name__)
 
@@ -119,39 +118,6 @@ def _device_for_rank(device: str, rank: int, tp: int) -> str:
 
 
 # ------------------------------------------------------------------------------ messages
-def _to_device(obj: Any, device: torch.device) -> Any:
-    return obj.to(device) if isinstance(obj, torch.Tensor) else obj
-
-
-def _pack_call(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The forward call's keyword arguments as a picklable message: tensors on the CPU, the
-    attention metadata without its KV caches (each rank has its own)."""
-    msg: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key == METADATA_KWARG:
-            cpu = torch.device("cpu")
-            fields = {f.name: _to_device(getattr(value, f.name), cpu) for f in dataclasses.fields(value)}
-            fields["kv_caches"] = None
-            value = dataclasses.replace(value, **fields)
-        else:
-            value = _to_device(value, torch.device("cpu"))
-        msg[key] = value
-    return msg
-
-
-def _unpack_call(msg: dict[str, Any], device: torch.device, kv_caches) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
-    for key, value in msg.items():
-        if key == METADATA_KWARG:
-            fields = {f.name: _to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)}
-            fields["kv_caches"] = kv_caches
-            value = dataclasses.replace(value, **fields)
-        else:
-            value = _to_device(value, device)
-        kwargs[key] = value
-    return kwargs
-
-
 def _min_over_ranks(value: int, group) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
@@ -184,8 +150,8 @@ def _watch_parent(parent_pid: int) -> None:
 
 def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_port: int, parent_pid: int) -> None:
     """Body of worker ``rank`` (its own process, see :func:`main`): join the groups, load this
-    rank's shard, size and allocate the local KV cache, then replay the driver's forward calls
-    until the stop message. Exit status 0 after a stop, 1 on an error (its traceback is written
+    rank's shard, size and allocate the local KV cache, then run the driver's steps (their plain
+    data) until the stop message. Exit status 0 after a stop, 1 on an error (its traceback is written
     to the rendezvous store under ``kvfleet/error/<rank>``)."""
     torch.set_num_threads(int(os.environ.get("KVFLEET_TP_WORKER_THREADS", "1")))
     # Ctrl+C reaches the whole process group: the driver decides when workers stop.
@@ -219,10 +185,8 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
                 kind, payload = box[0]
                 if kind == _STOP:
                     break
-                if kind == "forward":
-                    runner.model(**_unpack_call(payload, runner.device, runner.kv_caches))
-                elif kind == "lm_head":
-                    runner.model.get_output_embeddings()(payload.to(runner.device))
+                if kind == "execute_model":
+                    runner.execute_model(payload)  # the same plain step as rank 0: paired collectives
                 else:
                     raise TensorParallelError(f"unknown message from the driver: {kind!r}")
     except BaseException as exc:  # report, then exit non-zero
@@ -245,51 +209,6 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
 
 
 # ------------------------------------------------------------------------------ driver
-class _DriverModel:
-    """Rank 0's model as the runner sees it: a call first sends its inputs to the workers,
-    then runs the local shard (whose collectives pair with the workers' replays). Every other
-    attribute is the wrapped model's."""
-
-    def __init__(self, model: torch.nn.Module, executor: MultiprocExecutor) -> None:
-        self._model = model
-        self._executor = executor
-
-    def __call__(self, *args, **kwargs):
-        if args:
-            raise TypeError("the tensor-parallel driver forwards keyword arguments only")
-        self._executor.broadcast(("forward", _pack_call(kwargs)))
-        try:
-            return self._model(**kwargs)
-        except BaseException as exc:
-            self._executor.broken = True
-            raise self._executor.failure(exc) from exc
-
-    def get_output_embeddings(self):
-        """The LM head, called on its own (prompt logprobs): its all-gather needs the workers,
-        so a call sends them the hidden states ``[N, hidden_size]`` first."""
-        return _DriverLMHead(self._model.get_output_embeddings(), self._executor)
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-
-class _DriverLMHead:
-    def __init__(self, module: torch.nn.Module, executor: MultiprocExecutor) -> None:
-        self._module = module
-        self._executor = executor
-
-    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        self._executor.broadcast(("lm_head", hidden_states.detach().cpu()))
-        try:
-            return self._module(hidden_states)
-        except BaseException as exc:
-            self._executor.broken = True
-            raise self._executor.failure(exc) from exc
-
-    def __getattr__(self, name: str):
-        return getattr(self._module, name)
-
-
 class MultiprocExecutor:
     """Starts and owns the workers of a tensor-parallel engine; this process becomes rank 0.
 
@@ -301,7 +220,7 @@ class MultiprocExecutor:
 
     After construction, :attr:`loaded` is rank 0's shard of the model. Use
     :meth:`determine_num_blocks` (all ranks agree on the minimum), then
-    :meth:`wrap_runner` once the KV cache is allocated.
+    :meth:`execute_model` for every step once the KV cache is allocated.
 
     Raises:
         ValueError: a bad ``device`` for tensor parallelism (see module docstring).
@@ -448,9 +367,20 @@ class MultiprocExecutor:
         except BaseException as exc:
             self._fail_and_shutdown(exc)
 
-    def wrap_runner(self, runner) -> None:
-        """From now on, every forward of ``runner``'s model is replayed by the workers."""
-        runner.model = _DriverModel(runner.model, self)
+    def execute_model(self, runner, runner_input):
+        """One step on every rank: the step's plain data (a ``RunnerInput``) goes to the
+        workers, whose runners run it as ``runner`` (rank 0's) does here; their collectives
+        (the sharded layers' all-reduces, the LM head's all-gather) pair up. Returns rank 0's
+        ``ModelRunnerOutput``.
+
+        Raises: TensorParallelError: a worker is dead, or the step failed (the ranks may then be
+            out of step: no further step runs)."""
+        self.broadcast(("execute_model", runner_input))
+        try:
+            return runner.execute_model(runner_input)
+        except BaseException as exc:
+            self.broken = True
+            raise self.failure(exc) from exc
 
     def broadcast(self, msg: Any) -> None:
         """Send one message to every worker (``broadcast_object_list`` on the gloo group).

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvfleet.runtime.core.sched.output import ScheduledRequest
 from kvfleet.runtime.worker.attention import AttentionMetadata
+from kvfleet.runtime.worker.request_state import ScheduledRow
 
 
 @dataclass
@@ -43,7 +43,7 @@ class StepArrays:
     max_seq_len: int
 
 
-def _token_arrays(scheduled: list[ScheduledRequest], block_tables: np.ndarray, block_size: int,
+def _token_arrays(scheduled: list[ScheduledRow], block_tables: np.ndarray, block_size: int,
                   num_new: np.ndarray, start: np.ndarray, sample: np.ndarray) -> StepArrays:
     num_reqs = len(scheduled)
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)
@@ -72,7 +72,7 @@ def _token_arrays(scheduled: list[ScheduledRequest], block_tables: np.ndarray, b
     )
 
 
-def build_inputs(scheduled: list[ScheduledRequest], block_size: int) -> StepArrays:
+def build_inputs(scheduled: list[ScheduledRow], block_size: int) -> StepArrays:
     """The step's arrays from scratch (no state): the reference construction."""
     num_reqs = len(scheduled)
     num_new = np.fromiter((len(s.token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
@@ -160,7 +160,7 @@ class InputBatch:
         self._written[row] = None
         self._free.append(row)
 
-    def update(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+    def update(self, scheduled: list[ScheduledRow]) -> np.ndarray:
         """Bring the rows of ``scheduled`` up to date; return their row indices in order
         (int64). Rows of requests not scheduled now are given back."""
         old_rows = self._rows
@@ -182,7 +182,7 @@ class InputBatch:
         self._rows = rows
         return np.fromiter(idx, dtype=np.int64, count=len(idx))
 
-    def build(self, scheduled: list[ScheduledRequest]) -> StepArrays:
+    def build(self, scheduled: list[ScheduledRow]) -> StepArrays:
         """The step's arrays (equal to :func:`build_inputs` of the same ``scheduled``)."""
         bs = self.block_size
         num_reqs = len(scheduled)
@@ -199,7 +199,7 @@ class InputBatch:
         sample = np.fromiter((s.sample for s in scheduled), dtype=bool, count=num_reqs)
         return _token_arrays(scheduled, block_tables, bs, num_new, start, sample)
 
-    def prepare(self, scheduled: list[ScheduledRequest], kv_caches, sliding_windows, device: torch.device,
+    def prepare(self, scheduled: list[ScheduledRow], kv_caches, sliding_windows, device: torch.device,
                 pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The model runner's step inputs: ``(input_ids [1, T], positions [1, T],
         AttentionMetadata, logits_indices [S])`` on ``device`` (see

@@ -152,7 +152,7 @@ def load_lora_weights(path: str | Path, targets: dict[str, tuple[int, int]], max
         leaf = module.rsplit(".", 1)[-1]
         if module not in targets:
             why = ("the embedding or LM head is not adaptable per request" if leaf in _HEAD_MODULES
-                   else "it is not a linear layer of the base model's decoder")  # fmt: skip
+                   else "it is not a linear layer of the base model's decoder")
             raise LoRALoadError(f"lora_path {str(path)!r}: target module {module!r} is not supported: {why}")
         if set(ab) != {"A", "B"}:
             raise LoRALoadError(f"lora_path {str(path)!r}: {module!r} lacks its lora_{'B' if 'A' in ab else 'A'}")

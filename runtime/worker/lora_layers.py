@@ -79,9 +79,9 @@ class LoRALinear(torch.nn.Module):
         self.out_features = base_layer.out_features
         device = base_layer.weight.device
         self.register_buffer("lora_a", torch.zeros((max_loras, max_rank, self.in_features), dtype=dtype,
-                                                   device=device), persistent=False)  # fmt: skip
+                                                   device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros((max_loras, max_rank, self.out_features), dtype=dtype,
-                                                   device=device), persistent=False)  # fmt: skip
+                                                   device=device), persistent=False)
         # [max_loras * max_rank, in / out] views of the slots (set_slot writes through them).
         self._a_flat = self.lora_a.view(max_loras * max_rank, self.in_features)
         self._b_flat = self.lora_b.view(max_loras * max_rank, self.out_features)

@@ -28,11 +28,11 @@ import torch
 
 from kvfleet.kernels import select_backend
 from kvfleet.kernels.lora import slot_mask
-from kvfleet.runtime.core.sched.output import ScheduledRequest
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
 from kvfleet.runtime.worker.lora_checkpoint import LoRAWeights, load_lora_weights
 from kvfleet.runtime.worker.lora_layers import LoRALinear, LoRAStepContext, lora_context
 from kvfleet.runtime.worker.quantization import decoder_linears
+from kvfleet.runtime.worker.request_state import ScheduledRow
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class LoRAManager:
             self.num_slot_loads += 1
         return {i: self._slots[i] for i in wanted}
 
-    def make_context(self, scheduled: Sequence[ScheduledRequest]) -> LoRAStepContext | None:
+    def make_context(self, scheduled: Sequence[ScheduledRow]) -> LoRAStepContext | None:
         """The step's per-token slots (and CPU mask); None when no scheduled request has an adapter."""
         ids = [s.request.lora_int_id for s in scheduled]
         if not any(ids):
@@ -167,7 +167,7 @@ class LoRAManager:
         return LoRAStepContext(token_slots=token_slots, mask=mask)
 
     @contextmanager
-    def step(self, scheduled: Sequence[ScheduledRequest]) -> Iterator[LoRAStepContext | None]:
+    def step(self, scheduled: Sequence[ScheduledRow]) -> Iterator[LoRAStepContext | None]:
         """``with manager.step(scheduled): model(...)``: the forward sees the step's adapters."""
         with lora_context(self.make_context(scheduled)) as ctx:
             yield ctx

@@ -1,6 +1,8 @@
 """Model runner: one forward pass of a transformers model over a packed, unpadded batch.
 
-Turns a :class:`~kvfleet.runtime.core.sched.output.SchedulerOutput` into ``input_ids[T]``,
+Takes a step's plain :class:`~kvfleet.runtime.core.sched.output.RunnerInput` (a request's
+data once, then per-step diffs; never the scheduler's ``Request`` objects) into its own per-request state
+(:mod:`kvfleet.runtime.worker.request_state`), and turns the step into ``input_ids[T]``,
 ``positions[T]``, ``slot_mapping[T]`` (``block_id * block_size + offset``),
 ``block_tables[B, max_blocks]``, ``seq_lens[B]``, ``query_start_loc[B + 1]``; runs the model
 once (the paged attention of :mod:`kvfleet.runtime.worker.attention` reads and writes the
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvfleet.runtime.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput
+from kvfleet.runtime.core.sched.output import RunnerInput
 from kvfleet.runtime.worker import cpu_decode
 from kvfleet.runtime.worker.attention import (
     METADATA_KWARG,
@@ -41,6 +43,8 @@ from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
 from kvfleet.runtime.worker.cpu_decode import CpuDecodePath
 from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
+from kvfleet.runtime.worker.request_state import CachedRequestState, RequestStates, ScheduledRow
+from kvfleet.runtime.worker.sampler import SampledRows, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +81,14 @@ class ModelRunnerOutput:
     """What one :meth:`ModelRunner.execute_model` call returns.
 
     Attributes:
-        sampling: the scheduled requests with ``sample=True``, in scheduling order.
-        logits: their next-token logits ``[len(sampling), vocab_size]`` float32 (model device).
+        req_ids: the ids of the scheduled requests that sample this step, in scheduling order.
+        logits: their next-token logits ``[len(req_ids), vocab_size]`` float32 (model device).
         prompt_logprobs: request id -> prompt logprobs computed this step, for the
             requests with ``sampling_params.prompt_logprobs`` set whose step covered prompt
             positions before the last prompt token.
     """
 
-    sampling: list[ScheduledRequest]
+    req_ids: list[str]
     logits: torch.Tensor
     prompt_logprobs: dict[str, PromptLogprobsTensors] = field(default_factory=dict)
 
@@ -149,6 +153,9 @@ class ModelRunner:
             self.lora = shared_lora_manager(self.model, config, self.device, self.dtype)
         self._pin = self.device.type == "cuda"
         windowed = any(w is not None for w in self.sliding_windows or ())
+        self.sampler = Sampler(self.device, seed=config.seed)
+        self.states = RequestStates()
+        """The runner's own per-request state, by request id (plain data from the scheduler's output)."""
         self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
         """Persistent host state of the step's inputs (block-table rows), see :meth:`prepare_inputs`."""
 
@@ -296,7 +303,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def prepare_inputs(
-        self, scheduled: list[ScheduledRequest]
+        self, scheduled: list[ScheduledRow]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Build the step's tensors (numpy on the host, then one copy each to the device)
         from the persistent :class:`~kvfleet.runtime.worker.input_batch.InputBatch` (block-table
@@ -310,7 +317,7 @@ class ModelRunner:
         return self.input_batch.prepare(scheduled, self.kv_caches, self.sliding_windows, self.device, self._pin)
 
     @staticmethod
-    def _prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int, int]]:
+    def _prompt_logprob_rows(scheduled: list[ScheduledRow]) -> list[tuple[ScheduledRow, int, int, int]]:
         """``(request, first batch row, number of rows, first scored prompt token)`` for every
         scheduled request that wants prompt logprobs and computes prompt positions before its
         last prompt token this step. Position ``p`` scores prompt token ``p + 1``; positions
@@ -349,7 +356,7 @@ class ModelRunner:
         try:
             probe_attention(self.model, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                             block_size=self.block_size, sliding_windows=self.sliding_windows,
-                            device=self.device, dtype=self.dtype)  # fmt: skip
+                            device=self.device, dtype=self.dtype)
         finally:
             h1.remove()
             h2.remove()
@@ -386,7 +393,7 @@ class ModelRunner:
         return logits
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[tuple[ScheduledRequest, int, int, int]]
+        self, hidden: torch.Tensor, rows: list[tuple[ScheduledRow, int, int, int]]
     ) -> dict[str, PromptLogprobsTensors]:
         """Prompt logprobs of ``rows`` (see :meth:`_prompt_logprob_rows`) from the decoder's
         hidden states ``[T, hidden_size]``, in chunks of ``PROMPT_LOGPROBS_CHUNK_BYTES``."""
@@ -422,11 +429,21 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def sample(self, output: ModelRunnerOutput, grammar_mask=None) -> SampledRows:
+        """Sample one token per row of ``output`` from the runner's own state of each request;
+        ``grammar_mask(logits, req_ids)`` first masks constrained rows in place (the engine's
+        grammars). Returns the sampled tokens and logprobs keyed by request id."""
+        if grammar_mask is not None:
+            grammar_mask(output.logits, output.req_ids)
+        rows: list[CachedRequestState] = [self.states.requests[rid] for rid in output.req_ids]
+        return SampledRows.of(output.req_ids, self.sampler(output.logits, rows))
+
+    @torch.inference_mode()
+    def execute_model(self, runner_input: RunnerInput) -> ModelRunnerOutput:
         """Run one forward pass over the scheduled tokens.
 
         Returns:
-            A :class:`ModelRunnerOutput`: the scheduled requests with ``sample=True`` in
+            A :class:`ModelRunnerOutput`: the ids of the scheduled requests that sample, in
             order, their next-token logits ``[len(sampling), vocab_size]`` float32 (on the
             model's device; both empty when nothing samples this step, a prefill chunk),
             and the prompt logprobs computed this step.
@@ -436,8 +453,8 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
-        scheduled = scheduler_output.scheduled
-        sampling = [s for s in scheduled if s.sample]
+        scheduled = self.states.update(runner_input)
+        sampling = [s.request_id for s in scheduled if s.sample]
         if not scheduled:
             empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
             return ModelRunnerOutput(sampling, empty)

@@ -114,7 +114,7 @@ def decoder_linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     embedding (the LM head)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {name: mod for name, mod in model.named_modules()
-            if isinstance(mod, torch.nn.Linear) and mod is not head}  # fmt: skip
+            if isinstance(mod, torch.nn.Linear) and mod is not head}
 
 
 def int4_group_size(model: torch.nn.Module) -> int:

@@ -19,12 +19,26 @@ best. Semantics: docs/engine.md, "Sampling semantics".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvfleet.runtime.core.request import Request
+from kvfleet.runtime.sampling_params import SamplingParams
 
 _MASK63 = (1 << 63) - 1
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one row's request, plain data (the model runner's
+    :class:`~kvfleet.runtime.worker.request_state.CachedRequestState` is one)."""
+
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -36,7 +50,7 @@ def step_seed(seed: int, step: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
-def _plain_greedy(requests: list[Request]) -> bool:
+def _plain_greedy(requests: list[SamplingRow]) -> bool:
     """True when every request is greedy with no penalty, no logprobs and no ``min_tokens``
     ban still in force: the sampled tokens are then the rows' argmax."""
     for r in requests:
@@ -48,7 +62,7 @@ def _plain_greedy(requests: list[Request]) -> bool:
     return True
 
 
-def _min_tokens_bans(r: Request) -> bool:
+def _min_tokens_bans(r: SamplingRow) -> bool:
     """Whether ``min_tokens`` bans a token this step: output still short, and a stop token or
     (without ``ignore_eos``) an EOS token to ban (the ban of step 2 in :class:`Sampler`)."""
     p = r.sampling_params
@@ -60,7 +74,7 @@ def _has_token_controls(p) -> bool:
     return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids)
 
 
-def apply_token_controls(logits: torch.Tensor, requests: list[Request]) -> None:
+def apply_token_controls(logits: torch.Tensor, requests: list[SamplingRow]) -> None:
     """``allowed_token_ids``, ``bad_words`` and ``logit_bias`` of each row, in place (``logits``
     ``[S, vocab_size]``, row ``i`` for ``requests[i]``)."""
     vocab = logits.shape[1]
@@ -121,6 +135,20 @@ class SamplerOutput:
     logprobs: list[SampleLogprobs | None]
 
 
+@dataclass
+class SampledRows:
+    """A step's sampled tokens keyed by request id (what the model runner returns):
+    ``token_ids`` for every row, in row order; ``logprobs`` for the requests that asked."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, SampleLogprobs]
+
+    @classmethod
+    def of(cls, req_ids: list[str], out: SamplerOutput) -> SampledRows:
+        return cls(dict(zip(req_ids, out.token_ids)),
+                   {rid: lp for rid, lp in zip(req_ids, out.logprobs) if lp is not None})
+
+
 class Sampler:
     """Samples one token per row.
 
@@ -135,7 +163,7 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._seeded_generator = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingRow]) -> SamplerOutput:
         """Sample the next token of each request.
 
         Args:
@@ -229,7 +257,8 @@ class Sampler:
 
     # ------------------------------------------------------------------ processors
     @staticmethod
-    def _apply_repetition_penalty(logits: torch.Tensor, requests: list[Request], rows: list[int], vocab: int) -> None:
+    def _apply_repetition_penalty(logits: torch.Tensor, requests: list[SamplingRow], rows: list[int],
+                                  vocab: int) -> None:
         dev = logits.device
         seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=dev)
         row_idx, tok_idx = [], []
@@ -248,7 +277,8 @@ class Sampler:
         logits[idx] = torch.where(seen, penalized, sub)
 
     @staticmethod
-    def _apply_frequency_presence(logits: torch.Tensor, requests: list[Request], rows: list[int], vocab: int) -> None:
+    def _apply_frequency_presence(logits: torch.Tensor, requests: list[SamplingRow], rows: list[int],
+                                  vocab: int) -> None:
         dev = logits.device
         counts = torch.zeros((len(rows), vocab), dtype=logits.dtype, device=dev)
         for j, i in enumerate(rows):

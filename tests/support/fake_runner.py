@@ -13,6 +13,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.request import Request
 from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.request_state import RequestStates
 
 EOS = 0
 
@@ -46,6 +47,7 @@ class FakeRunner:
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
         self.outputs = []
         self.just_admitted = False
+        self.runner_states = RequestStates()  # the model runner's side of the plain-data seam
 
     def step(self):
         waiting = {q.request_id: q.priority for q in self.s.waiting}
@@ -54,6 +56,11 @@ class FakeRunner:
         tied = {q.request_id: (q.prompt_leader, q.prompt_leader.status, q.prompt_leader.num_computed_tokens)
                 for q in self.s.waiting if q.prompt_leader is not None}
         out = self.s.schedule()
+        # The runner's plain view (new data once, then diffs) rebuilds exactly the scheduler's step.
+        rows = self.runner_states.update(out.runner_input)
+        assert [(r.request_id, r.start_pos, r.token_ids, list(r.block_ids), r.sample) for r in rows] == [
+            (sr.request_id, sr.start_pos, sr.token_ids, sr.block_ids, sr.sample) for sr in out.scheduled]
+        assert not out.finished_request_ids & self.runner_states.requests.keys()  # finished: dropped
         this_step = {sr.request_id: sr for sr in out.scheduled}
         for sr in out.scheduled:
             if sr.request_id in tied:

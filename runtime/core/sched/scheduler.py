@@ -21,7 +21,7 @@ from __future__ import annotations
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.request import Request, RequestStatus
-from kvfleet.runtime.core.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.sched.output import RunnerFeed, ScheduledRequest, SchedulerOutput, SchedulerStats
 from kvfleet.runtime.core.sched.request_queue import create_request_queue
 
 
@@ -70,6 +70,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self._feed = RunnerFeed()
+        """What the model runner holds (the runner's plain view of each step, see ``output``)."""
         self._stats = SchedulerStats()
         self.max_loras: int | None = config.max_loras if config.enable_lora else None
         """Most distinct LoRA adapters among the running requests (None: LoRA off)."""
@@ -133,6 +135,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
+        self._feed.drop(request.request_id)
 
     # -- the step -------------------------------------------------------------------
     def _victim(self) -> Request:
@@ -250,6 +253,8 @@ class Scheduler:
                 out.num_prefill_tokens += sr.num_new_tokens
             else:
                 out.num_decode_tokens += sr.num_new_tokens
+        out.runner_input.finished_request_ids = out.finished_request_ids
+        self._feed.fill(out.scheduled, out.runner_input)
         return out
 
     def _next_waiting(self, scheduled: dict[str, ScheduledRequest], loras: set[int] | None = None) -> Request | None:
@@ -380,7 +385,7 @@ class Scheduler:
         stats.kv_cache_usage = self.kv_cache_manager.usage
         if self.max_loras is not None:
             for counts, requests in ((stats.running_lora_adapters, self.running),
-                                     (stats.waiting_lora_adapters, self.waiting)):  # fmt: skip
+                                     (stats.waiting_lora_adapters, self.waiting)):
                 for r in requests:
                     if r.lora_name:
                         counts[r.lora_name] = counts.get(r.lora_name, 0) + 1

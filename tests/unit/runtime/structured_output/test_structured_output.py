@@ -58,12 +58,12 @@ def test_cache_masks_and_matcher(manager, smollm2):
     reqs[1].structured_output = grammar
     logits = torch.randn(2, 49152)
     before_row0 = logits[0].clone()
-    assert manager.apply_bitmask(logits, reqs) == 1
+    assert manager.apply_bitmask(logits, [r.structured_output for r in reqs]) == 1
     assert torch.equal(logits[0], before_row0)
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert allowed and all(tok.decode([t]) and ('say "yes"'.startswith(tok.decode([t])) or
                                                 "no\n".startswith(tok.decode([t]))) for t in allowed)
-    assert manager.apply_bitmask(logits, [reqs[0]]) == 0  # nothing constrained: nothing masked
+    assert manager.apply_bitmask(logits, [None]) == 0  # nothing constrained: nothing masked
     for t in tok.encode("no\n", add_special_tokens=False):
         assert grammar.accept_token(t) is False
     assert grammar.accept_token(tok.eos_token_id) is True  # complete + stop token: the sequence stops

@@ -209,13 +209,13 @@ def test_bf16_engine_is_visible_and_logits_stay_fp32(monkeypatch, caplog):
         assert "CPU plan: activations bfloat16, weights bf16, fused decoder off" in caplog.text
         assert engine.loaded.dtype == torch.bfloat16 and engine.cache_config_info()["cache_dtype"] == "bfloat16"
     seen = []
-    real = engine.sampler
+    real = engine.runner.sampler
 
     def sampler(logits, requests):
         seen.append(logits.dtype)
         return real(logits, requests)
 
-    monkeypatch.setattr(engine, "sampler", sampler)
+    monkeypatch.setattr(engine.runner, "sampler", sampler)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     out = LLM.from_engine(engine).chat(chat, SamplingParams(temperature=0, max_tokens=16))
     assert "Paris" in out[0].outputs[0].text

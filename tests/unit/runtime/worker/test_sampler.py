@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from kvfleet.runtime.core.request import Request
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker.request_state import CachedRequestState
 from kvfleet.runtime.worker.sampler import Sampler, step_seed
 
 VOCAB = 8
@@ -21,10 +21,9 @@ def logits_of(probs, rows=1) -> torch.Tensor:
     return base.repeat(rows, 1)
 
 
-def req(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=None, rid="r") -> Request:
-    r = Request(rid, list(prompt), params, eos_token_id=eos)
-    r.output_token_ids = list(output)
-    return r
+def req(params: SamplingParams, prompt=(1, 2, 3), output=(), eos=None, rid="r") -> CachedRequestState:
+    # the sampler reads the model runner's plain per-request state
+    return CachedRequestState(rid, list(prompt), params, eos, 0, [], 0, list(output))
 
 
 def frequencies(params: SamplingParams, n=4000, probs=PROBS) -> list[float]:
@@ -174,7 +173,7 @@ def test_logit_bias_allowed_token_ids_and_bad_words_in_the_sampler():
         SamplingParams(temperature=0, allowed_token_ids=[2, 6]),
         SamplingParams(temperature=0, bad_words_token_ids=[[0], [9, 1]]),
     ]
-    reqs = [Request(str(i), [1], p) for i, p in enumerate(params)]
+    reqs = [req(p, prompt=[1], rid=str(i)) for i, p in enumerate(params)]
     reqs[3].output_token_ids = [9]  # the output ends with the first token of [9, 1]: token 1 banned too
     out = Sampler(torch.device("cpu"))(logits.clone(), reqs)
     assert out.token_ids == [1, 5, 2, 2]
