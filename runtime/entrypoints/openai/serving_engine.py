@@ -62,6 +62,9 @@ class ServerState:
     """Generation requests being answered (:class:`~.lifecycle.InFlight`)."""
     draining_since: float | None = None
     """``time.monotonic()`` of the signal that started the drain; None while serving."""
+    handing_off: bool = False
+    """The drain's ``--drain-handoff-grace`` passed: router streams end with a ``resume elsewhere``
+    event at their next token (docs/routing.md, "Migration")."""
     on_fatal: Callable[[], None] | None = None
     """Called when the model fails to load (``main`` makes uvicorn exit)."""
     started_at: float = field(default_factory=time.time)
@@ -177,6 +180,9 @@ def body_response(resp: P.CompletionResponse | P.ChatCompletionResponse) -> Resp
     body = head[:at] + ",".join(c.model_dump_json() for c in resp.choices) + head[at:]
     return Response(body.encode("utf-8"), media_type="application/json")
 
+
+RESUME_ELSEWHERE = "kvfleet_resume_elsewhere"
+"""The error code that tells the router to migrate a stream (docs/routing.md)."""
 
 StreamChoice = P.CompletionStreamChoice | P.ChatCompletionStreamChoice
 StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
@@ -407,6 +413,12 @@ class OpenAIServing:
                         end = w.finish(idx, c)
                         for choice in end if isinstance(end, list) else [end]:
                             yield w.event([choice])
+                if self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens):
+                    yield sse_error(P.ErrorResponse(error=P.ErrorInfo(
+                        message="the replica is draining: resume this stream elsewhere", type="server_error",
+                        code=RESUME_ELSEWHERE)))
+                    yield SSE_DONE
+                    return
                 try:
                     item = await gen.merged.__anext__()
                 except StopAsyncIteration:
