@@ -133,7 +133,7 @@ class MigratingResponse(UpstreamResponse):
     def __init__(self, upstream: httpx.Response, endpoint: Endpoint, forwarder: Forwarder, body: dict,
                  target: str, headers):
         super().__init__(upstream, endpoint, forwarder._done)
-        self.forwarder, self.target, self.headers = forwarder, target, headers
+        self.forwarder, self.target, self.upstream_headers = forwarder, target, headers
         self.tried = {endpoint.url}
         self.stream = MigratingStream(body, upstream, self._reopen, forwarder.max_migrations, forwarder.migrated)
         self.upstream = self.stream  # type: ignore[assignment]  # aclose() closes the current replica's
@@ -142,7 +142,7 @@ class MigratingResponse(UpstreamResponse):
         old = self.endpoint
         if reason != "drain":
             self.forwarder.pool.eject(old)
-        answer = await self.forwarder.reopen(self.target, self.headers, body, self.tried)
+        answer = await self.forwarder.reopen(self.target, self.upstream_headers, body, self.tried)
         if isinstance(answer, str):
             return answer
         self.forwarder._done(old, "migrated")
