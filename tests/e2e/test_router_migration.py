@@ -4,7 +4,7 @@ system prompt so the router sends them to one replica, which is then SIGKILLed (
 mid-stream. Every client stream must end with ``[DONE]``, the full token count, ``finish_reason:
 length`` and the text of an uninterrupted run: greedy chat, seeded sampled chat, a ``json_schema``
 chat (valid JSON) and an ``n = 2`` completion; then a greedy completion across a drain hand-off.
-Short streams (80 tokens) keep the module within the CI budget.
+Short streams (64 tokens) keep the module within the CI budget.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 SERVE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--drain-handoff-grace", "1"]
-MAX = 80
+MAX = 64
 SYSTEM = ("You are a patient storyteller for a library's reading hour. " * 6).strip()
 SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string"},
-    "chapters": {"type": "array", "items": {"type": "string"}, "minItems": 12, "maxItems": 12}},
+    "chapters": {"type": "array", "items": {"type": "string"}, "minItems": 5, "maxItems": 5}},
     "required": ["title", "chapters"]}
 
 
@@ -77,7 +77,7 @@ REQUESTS = {
                  response_format={"type": "json_schema", "json_schema": {"name": "book", "schema": SCHEMA}}),
     "n2": ("/v1/completions", {"model": MODEL, "stream": True, "max_tokens": MAX, "ignore_eos": True, "n": 2,
                                "temperature": 0.8, "seed": 5, "stream_options": {"include_usage": True},
-                               "prompt": SYSTEM + "\nOnce upon a time"}),
+                               "prompt": f"system\n{SYSTEM}\nuser\nTell me a story.\nassistant\n"}),
 }
 
 
@@ -119,7 +119,7 @@ def fleet(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda i: start_serve(SERVE_ARGS, tmp / f"r{i}.log", port=ports[i])[0], range(2)))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    router, base = start_router(["--endpoints", ",".join(urls), "--probe-interval", "0.2"], tmp / "router.log")
+    router, base = start_router(["--endpoints", ",".join(urls), "--probe-interval", "0.2", "--min-capacity", "8"], tmp / "router.log")
     state = {"procs": procs, "urls": urls, "ports": ports, "base": base, "tmp": tmp}
     yield state
     router.terminate()
@@ -138,6 +138,8 @@ def disrupt_mid_stream(fleet, requests: dict, sig: signal.Signals) -> dict:
         victim = 0 if _serving(fleet) == fleet["urls"][0] else 1
         fleet["procs"][victim].send_signal(sig)
         results = {name: f.result() for name, f in futures.items()}
+    for name, result in results.items():  # the shared prefix sent them all to the victim: all migrated
+        assert result["replica"] == fleet["urls"][victim], name
     fleet["procs"][victim].wait(30)
     fleet["procs"][victim] = start_serve(SERVE_ARGS, fleet["tmp"] / f"r{victim}b.log", port=fleet["ports"][victim])[0]
     return results
@@ -181,7 +183,7 @@ def test_sigkill_mid_stream_every_stream_completes_identically(fleet):
 def test_sigterm_drain_hands_streams_off(fleet):
     req = {"greedy": ("/v1/completions", {"model": MODEL, "stream": True, "max_tokens": MAX, "ignore_eos": True,
                                           "temperature": 0, "stream_options": {"include_usage": True},
-                                          "prompt": SYSTEM + "\nThe dragon said"})}
+                                          "prompt": f"system\n{SYSTEM}\nuser\nThe dragon said"})}
     reference = read_stream(fleet["base"], *req["greedy"])
     t0 = time.monotonic()
     result = disrupt_mid_stream(fleet, req, signal.SIGTERM)["greedy"]
