@@ -177,7 +177,7 @@ class MigratingStream:
             why = f"the stream broke {self.migrations + 1} times (--max-migrations {self.max_migrations})"
         if why is not None:
             return f"the replica's stream broke ({broken}) and {why}"
-        ids = [c if i not in self.done else c[:-1] for i, c in enumerate(self.committed)]
+        ids = [list(c) if i not in self.done else c[:-1] for i, c in enumerate(self.committed)]
         body = copy.deepcopy(self.body)
         body["kvfleet_resume"] = {"output_token_ids": ids}
         if body.get("echo"):
