@@ -15,8 +15,12 @@ request and returns an ASGI response. The steps:
    when they failed to connect, the request is held again (same deadline) until one is back.
 4. Any other answer is passed through, status and headers as the replica sent them (minus
    hop-by-hop headers, plus ``x-kvfleet-replica``), the body chunk by chunk as it arrives
-   (:class:`UpstreamResponse`). A replica failing after that is passed on as it is: the client's
-   stream is cut (the connection closes without the final chunk), never retried.
+   (:class:`UpstreamResponse`). A streamed completion / chat completion is sent asking for its
+   token ids and answered by a :class:`MigratingResponse`: when its replica fails or drains
+   mid-stream, the stream moves to another replica (:mod:`.migration`, at most
+   ``--max-migrations`` times) or ends with an error event naming why. Any other answer whose
+   replica fails after the first byte is cut (the connection closes without the final chunk),
+   never retried.
 5. A client that disconnects closes the upstream stream at once, so the replica aborts the
    request (``kvfleet serve`` frees its KV blocks on disconnect).
 """
