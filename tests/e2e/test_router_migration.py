@@ -1,5 +1,5 @@
 """End to end (issue 27): streams that survive their replica. Two real `kvfleet serve` replicas
-(the default model, ``--drain-handoff-grace 1``) behind `kvfleet router`; streams share a long
+(the default model, ``--drain-handoff-grace 0.5``) behind `kvfleet router`; streams share a long
 system prompt so the router sends them to one replica, which is then SIGKILLed (or SIGTERMed)
 mid-stream. Every client stream must end with ``[DONE]``, the full token count, ``finish_reason:
 length`` and the text of an uninterrupted run: greedy chat, seeded sampled chat, a ``json_schema``
@@ -25,7 +25,7 @@ from support.serve import free_port, start_serve, stop_serve
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-SERVE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--drain-handoff-grace", "1"]
+SERVE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--drain-handoff-grace", "0.5"]
 MAX = 64
 SYSTEM = ("You are a patient storyteller for a library's reading hour. " * 6).strip()
 SCHEMA = {"type": "object", "properties": {
@@ -181,13 +181,14 @@ def test_sigkill_mid_stream_every_stream_completes_identically(fleet):
 
 
 def test_sigterm_drain_hands_streams_off(fleet):
-    req = {"greedy": ("/v1/completions", {"model": MODEL, "stream": True, "max_tokens": MAX, "ignore_eos": True,
+    req = {"greedy": ("/v1/completions", {"model": MODEL, "stream": True, "max_tokens": 3 * MAX, "ignore_eos": True,
                                           "temperature": 0, "stream_options": {"include_usage": True},
                                           "prompt": f"system\n{SYSTEM}\nuser\nThe dragon said"})}
     reference = read_stream(fleet["base"], *req["greedy"])
     t0 = time.monotonic()
     result = disrupt_mid_stream(fleet, req, signal.SIGTERM)["greedy"]
     check(result, reference)
+    assert result["usage"]["completion_tokens"] == 3 * MAX and result["finish"] == {0: "length"}
     assert time.monotonic() - t0 < 90
     drained = scrape(fleet["base"]).get(("kvfleet:router_migrations_total", (("reason", "drain"),)), 0)
     assert drained >= 1
