@@ -176,6 +176,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         tenant: str | None = None,
         lora_name: str | None = None,
+        resume_output_ids: list[list[int]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes (``lora_name``: a loaded
         LoRA adapter, None: the base model): cumulative, deltas or only the final one, as
@@ -196,7 +197,8 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prepared = self.engine.prepare_request(
-            request_id, prompt, sampling_params, priority=priority, tenant=tenant, lora_name=lora_name
+            request_id, prompt, sampling_params, priority=priority, tenant=tenant, lora_name=lora_name,
+            resume_output_ids=resume_output_ids,
         )
         if prepared.grammar is not None:
             # Compiled on the grammar thread pool; only this request waits (StructuredOutputError: 400).

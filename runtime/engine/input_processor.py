@@ -101,8 +101,15 @@ class InputProcessor:
         tenant: str | None = None,
         arrival_time: float | None = None,
         lora: LoRARequest | None = None,
+        resume_output_ids: list[list[int]] | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request (thread-safe as far as the tokenizer is).
+
+        ``resume_output_ids`` (one list per output sequence, ``n`` of them) resumes a request
+        that another replica started (docs/routing.md, "Resume"): each sequence starts with
+        these output tokens already generated (they count toward ``max_tokens``, penalties,
+        ``min_tokens``, the seeded generator's step and the grammar), and only later tokens and
+        their text are reported.
 
         Raises:
             ValueError: with the offending parameter's name first: ``request_id`` (not a
@@ -124,6 +131,8 @@ class InputProcessor:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt_text, prompt_ids = self._prompt(prompt)
+        if resume_output_ids is not None:
+            self._check_resume(resume_output_ids, len(prompt_ids), sampling_params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         params = sampling_params = self._check_token_controls(sampling_params)
         if self.extra_eos_ids and not params.ignore_eos:
@@ -151,7 +160,11 @@ class InputProcessor:
                 tenant=tenant, prompt_leader=requests[0] if i else None, lora_name=state.lora_name,
                 lora_int_id=state.lora_int_id,
             ))
-            state.seqs.append(SequenceState.start(self.tokenizer, child_id, i, prompt_ids, child_params))
+            resumed = list(resume_output_ids[i]) if resume_output_ids is not None else []
+            # Resumed tokens are output already made (like a preempted request's): prefilled again
+            # with the prompt, never reported again; the detokenizer reads them as context.
+            requests[-1].output_token_ids = resumed
+            state.seqs.append(SequenceState.start(self.tokenizer, child_id, i, prompt_ids + resumed, child_params))
         spec = params.structured_outputs
         return PreparedRequest(state, requests, self.grammar_init(spec) if spec is not None else None)
 
@@ -175,6 +188,26 @@ class InputProcessor:
         if not fits_context(len(prompt_ids), 0, self.max_model_len):
             raise ValueError(f"prompt is {len(prompt_ids)} tokens, longer than max_model_len ({self.max_model_len})")
         return prompt_text, prompt_ids
+
+    def _check_resume(self, resume: list[list[int]], num_prompt: int, params: SamplingParams) -> None:
+        """ValueError (naming ``resume_output_ids``) unless ``resume`` holds ``n`` lists of
+        vocabulary ids, each shorter than ``max_tokens`` and fitting ``max_model_len``."""
+        name = "resume_output_ids"
+        if not isinstance(resume, (list, tuple)) or len(resume) != params.n:
+            raise ValueError(f"{name} must hold one list of token ids per output sequence (n={params.n})")
+        if params.prompt_logprobs is not None:
+            raise ValueError(f"{name} cannot be combined with prompt_logprobs")
+        for ids in resume:
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                             for t in ids):
+                raise ValueError(f"{name} must be lists of integer token ids")
+            bad = out_of_vocab(list(ids), self.vocab_size)
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad}")
+            if params.max_tokens is not None and len(ids) >= params.max_tokens:
+                raise ValueError(f"{name} has {len(ids)} tokens, not fewer than max_tokens ({params.max_tokens})")
+            if not fits_context(num_prompt + len(ids), 1, self.max_model_len):
+                raise ValueError(f"prompt and {name} do not fit max_model_len ({self.max_model_len})")
 
     def _check_token_controls(self, params: SamplingParams) -> SamplingParams:
         """``logit_bias`` / ``allowed_token_ids`` in the vocabulary (ValueError naming the field);

@@ -279,6 +279,7 @@ class LLMEngine:
         tenant: str | None = None,
         arrival_time: float | None = None,
         lora_name: str | None = None,
+        resume_output_ids: list[list[int]] | None = None,
     ) -> PreparedRequest:
         """Validate and tokenize a request without touching engine state (thread-safe as
         far as the tokenizer is): :meth:`InputProcessor.process
@@ -294,7 +295,8 @@ class LLMEngine:
             if lora is None:
                 raise LoRANotFoundError(f"The model `{lora_name}` does not exist (no LoRA adapter of that name).")
         return self.input_processor.process(request_id, prompt, sampling_params, priority=priority, tenant=tenant,
-                                            arrival_time=arrival_time, lora=lora)
+                                            arrival_time=arrival_time, lora=lora,
+                                            resume_output_ids=resume_output_ids)
 
     def add_prepared(self, prepared: PreparedRequest) -> None:
         """Queue a request made by :meth:`prepare_request`.
@@ -312,6 +314,9 @@ class LLMEngine:
             compiled = prepared.grammar.result()
             for request in prepared.requests:  # one matcher per sequence (n > 1 included)
                 request.structured_output = self.structured_output.new_grammar(compiled)
+                for token in request.output_token_ids:  # a resumed request: advance over its output
+                    if request.structured_output.accept_token(token):
+                        raise ValueError("resume_output_ids end or break the request's grammar")
         added: list[str] = []
         try:
             for request in prepared.requests:

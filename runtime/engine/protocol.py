@@ -83,6 +83,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         tenant: str | None = None,
         lora_name: str | None = None,
+        resume_output_ids: list[list[int]] | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

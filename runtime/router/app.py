@@ -69,7 +69,8 @@ def create_app(settings: RouterSettings) -> Starlette:
                         urgent=lambda: len(state.pending) > 0)
         state.prober = prober
         state.forwarder = Forwarder(state.pool, state.pending, state.picker, state.metrics, proxy_client,
-                                    prefix_chars=settings.prefix_chars, on_hold=prober.kick)
+                                    prefix_chars=settings.prefix_chars, on_hold=prober.kick,
+                                    max_migrations=settings.max_migrations)
         tasks = [asyncio.create_task(prober.run())]
         if settings.endpoints:
             state.pool.set_urls(settings.endpoints)

@@ -49,6 +49,10 @@ class RouterMetrics:
                                           "Seconds from sending a request to the replica's response headers.",
                                           ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.endpoints = Gauge(PREFIX + "router_endpoints", "Endpoints by state.", ["state"], registry=r)
+        self.migrations = Counter(PREFIX + "router_migrations", "Streams moved to another replica mid-stream, "
+                                  "by reason (upstream_error, upstream_closed, drain).", ["reason"], registry=r)
+        self.migrated_tokens = Counter(PREFIX + "router_migrated_tokens", "Delivered output tokens replayed "
+                                       "on the replica a stream migrated to.", registry=r)
         for decision in ("hit", "spill", "fallback"):
             self.decisions.labels(decision)
 

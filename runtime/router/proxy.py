@@ -15,8 +15,12 @@ request and returns an ASGI response. The steps:
    when they failed to connect, the request is held again (same deadline) until one is back.
 4. Any other answer is passed through, status and headers as the replica sent them (minus
    hop-by-hop headers, plus ``x-kvfleet-replica``), the body chunk by chunk as it arrives
-   (:class:`UpstreamResponse`). A replica failing after that is passed on as it is: the client's
-   stream is cut (the connection closes without the final chunk), never retried.
+   (:class:`UpstreamResponse`). A streamed completion / chat completion is sent asking for its
+   token ids and answered by a :class:`MigratingResponse`: when its replica fails or drains
+   mid-stream, the stream moves to another replica (:mod:`.migration`, at most
+   ``--max-migrations`` times) or ends with an error event naming why. Any other answer whose
+   replica fails after the first byte is cut (the connection closes without the final chunk),
+   never retried.
 5. A client that disconnects closes the upstream stream at once, so the replica aborts the
    request (``kvfleet serve`` frees its KV blocks on disconnect).
 """
@@ -35,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 from kvfleet.runtime.router.endpoints import Endpoint, EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueFull
 from kvfleet.runtime.router.metrics import RouterMetrics
+from kvfleet.runtime.router.migration import MigratingStream, upstream_body, wants_migration
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.prefix_key import prefix_key
 
@@ -125,6 +130,36 @@ class UpstreamResponse(Response):
             self.on_done(self.endpoint, outcome)
 
 
+class MigratingResponse(UpstreamResponse):
+    """A migratable stream (:mod:`.migration`): the client's body comes from a
+    :class:`MigratingStream`, which moves to another replica when this one's stream breaks."""
+
+    def __init__(self, upstream: httpx.Response, endpoint: Endpoint, forwarder: Forwarder, body: dict,
+                 target: str, headers):
+        super().__init__(upstream, endpoint, forwarder._done)
+        self.forwarder, self.target, self.upstream_headers = forwarder, target, headers
+        self.tried = {endpoint.url}
+        self.stream = MigratingStream(body, upstream, self._reopen, forwarder.max_migrations, forwarder.migrated)
+        self.upstream = self.stream  # type: ignore[assignment]  # aclose() closes the current replica's
+
+    async def _reopen(self, body: dict, reason: str) -> httpx.Response | str:
+        old = self.endpoint
+        if reason != "drain":
+            self.forwarder.pool.eject(old)
+        answer = await self.forwarder.reopen(self.target, self.upstream_headers, body, self.tried)
+        if isinstance(answer, str):
+            return answer
+        self.forwarder._done(old, "migrated")
+        upstream, self.endpoint = answer
+        return upstream
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.stream.events():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class Forwarder:
     """The request path (see the module docstring).
 
@@ -136,7 +171,8 @@ class Forwarder:
     """
 
     def __init__(self, pool: EndpointPool, pending: PendingQueue, picker: Picker, metrics: RouterMetrics,
-                 client: httpx.AsyncClient, *, prefix_chars: int = 256, on_hold=lambda: None):
+                 client: httpx.AsyncClient, *, prefix_chars: int = 256, on_hold=lambda: None,
+                 max_migrations: int = 3):
         self.pool = pool
         self.pending = pending
         self.picker = picker
@@ -144,6 +180,7 @@ class Forwarder:
         self.client = client
         self.prefix_chars = prefix_chars
         self.on_hold = on_hold
+        self.max_migrations = max_migrations
         self.in_flight = 0
 
     def _done(self, ep: Endpoint, outcome: str) -> None:
@@ -153,12 +190,16 @@ class Forwarder:
 
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes) -> Response:
-        key = None
+        key = parsed = None
         if body and method == "POST":
             try:
-                key = prefix_key(path, json.loads(body), self.prefix_chars)
+                parsed = json.loads(body)
+                key = prefix_key(path, parsed, self.prefix_chars)
             except ValueError:
                 key = None
+        migrate = self.max_migrations > 0 and wants_migration(path, parsed)
+        if migrate:
+            body = json.dumps(upstream_body(parsed)).encode()
         fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         target = path + ("?" + query.decode("latin-1") if query else "")
         tried: set[str] = set()
@@ -215,7 +256,46 @@ class Forwarder:
                 self._failed(ep, "HTTP 503")
                 continue
             self.pool.succeeded(ep)
+            if migrate and upstream.status_code == 200:
+                return MigratingResponse(upstream, ep, self, parsed, target, fwd_headers)
             return UpstreamResponse(upstream, ep, self._done)
+
+    async def reopen(self, target: str, headers, body: dict, exclude: set[str]
+                     ) -> tuple[httpx.Response, Endpoint] | str:
+        """Send a resumed stream's body to a ready replica outside ``exclude`` (waiting up to
+        ``--pending-timeout`` for one): ``(response, endpoint)``, or why it could not."""
+        content = json.dumps(body).encode()
+        deadline = time.monotonic() + self.pending.pending_timeout
+        while True:
+            candidates = self.pool.available(exclude=exclude)
+            if not candidates:
+                if time.monotonic() > deadline:
+                    return f"no other replica became ready within {self.pending.pending_timeout:g} s"
+                await asyncio.sleep(0.2)
+                continue
+            decision = self.picker.pick([e.candidate() for e in candidates], None, ring_keys=self.pool.urls())
+            ep = self.pool.get(decision.key)
+            assert ep is not None
+            exclude.add(ep.url)
+            ep.in_flight += 1
+            self.in_flight += 1
+            try:
+                upstream = await self.client.send(
+                    self.client.build_request("POST", ep.url + target, headers=headers, content=content), stream=True)
+            except httpx.HTTPError as exc:
+                self._failed(ep, f"{type(exc).__name__}: {exc}")
+                continue
+            if upstream.status_code == 200:
+                return upstream, ep
+            detail = (await upstream.aread()).decode(errors="replace")[:300]
+            await upstream.aclose()
+            self._done(ep, "error_status")
+            if upstream.status_code != 503:
+                return f"replica {ep.url} refused the resumed request (HTTP {upstream.status_code}: {detail})"
+
+    def migrated(self, reason: str, tokens: int) -> None:
+        self.metrics.migrations.labels(reason).inc()
+        self.metrics.migrated_tokens.inc(tokens)
 
     def _failed(self, ep: Endpoint, why: str) -> None:
         self._done(ep, "retried")

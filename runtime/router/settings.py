@@ -45,6 +45,8 @@ class RouterSettings(BaseModel):
     eject_base_seconds: float = Field(1.0, gt=0)
     eject_max_seconds: float = Field(30.0, gt=0)
     connect_timeout: float = Field(3.0, gt=0)
+    max_migrations: int = Field(3, ge=0)
+    """Moves of one stream to another replica mid-stream (0: never migrate; docs/routing.md)."""
     api_key: str | None = None
     """When set, the router itself checks ``Authorization: Bearer KEY`` on ``/v1/*``."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -114,6 +114,7 @@ def engine_error(exc: BaseException, *, engine_dead: bool) -> APIError:
         return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):  # the engine's messages start with the field they refuse
         first = str(exc).split(" ", 1)[0]
+        first = {"resume_output_ids": "kvfleet_resume"}.get(first, first)  # the engine's name of the router's field
         return APIError(400, str(exc), param=first if first in _REQUEST_FIELDS else None, code="invalid_value")
     logger.error("generation failed: %r", exc, exc_info=exc)
     if engine_dead:

@@ -3,7 +3,9 @@
 - :class:`DrainingServer` (uvicorn): the first SIGTERM/SIGINT starts a drain: ``/ready`` says 503,
   new generation requests get a retryable 503, the ones in flight finish (at most
   ``shutdown_timeout`` seconds, then the engine is shut down and their streams end with an error
-  event); after SIGTERM the listener stays open at least :data:`DRAIN_GRACE` seconds. Then uvicorn's
+  event); with ``drain_handoff_grace`` the streams a router asked token ids for end after that
+  grace with a ``kvfleet_resume_elsewhere`` error event, which the router migrates (docs/routing.md);
+  after SIGTERM the listener stays open at least :data:`DRAIN_GRACE` seconds. Then uvicorn's
   own shutdown; a second signal skips the drain.
 - :class:`InFlight` (ASGI middleware): counts generation requests in flight, refuses new ones while
   draining.
@@ -171,6 +173,10 @@ class DrainingServer(uvicorn.Server):
         if counter % 10 == 0:
             logger.info("draining: %d requests in flight", self.state.in_flight)
         elapsed = time.monotonic() - since
+        handoff = self.state.settings.drain_handoff_grace
+        if handoff is not None and elapsed >= handoff and not self.state.handing_off:
+            logger.info("drain hand-off: %d requests in flight resume elsewhere (router streams)", self.state.in_flight)
+            self.state.handing_off = True
         grace = 0.0 if self._sigint else min(DRAIN_GRACE, self.state.settings.shutdown_timeout)
         if self.state.in_flight == 0 and elapsed >= grace:
             logger.info("drained in %.1f s", elapsed)

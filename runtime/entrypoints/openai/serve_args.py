@@ -58,6 +58,9 @@ class ServerSettings(BaseModel):
     counted as they arrive). Bounds the JSON parsing the event loop does for one request."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """Seconds a SIGTERM waits for the requests in flight (vLLM's name); then their streams end."""
+    drain_handoff_grace: float | None = Field(None, ge=0)
+    """Seconds a SIGTERM drain lets router-fronted streams run before handing them back to the
+    router to migrate (None: they run until ``shutdown_timeout``, the upper bound either way)."""
     engine_iteration_timeout: float = Field(120.0, ge=1)
     """``/health`` fails while one engine step (its heartbeat) is older than this, seconds."""
     termination_log: str | None = None
@@ -108,6 +111,8 @@ _HELP = {
     "metrics_compat": "'vllm': also export the metrics under vLLM's names (vllm:...)",
     "max_request_body_size": "largest request body, bytes or with a unit (32MiB); larger ones get HTTP 413",
     "shutdown_timeout": "seconds SIGTERM waits for requests in flight (new ones get 503) before the process exits",
+    "drain_handoff_grace": "seconds a SIGTERM drain lets streams behind a kvfleet router run before handing them "
+                           "back to the router to resume on another replica (default: no hand-off)",
     "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
     "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",

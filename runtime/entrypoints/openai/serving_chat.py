@@ -135,6 +135,7 @@ class _ChatStream(StreamWriter):
             include_usage=req.body.include_usage,
         )
         self.req = req
+        self.token_ids = req.body.kvfleet_token_ids
         self.parsers: dict[int, HermesStreamParser] = {}
         self.texts: dict[int, str] = {}
 

@@ -125,6 +125,7 @@ class _CompletionStream(StreamWriter):
             echo_only=body.echo_only,
         )
         self.req = req
+        self.token_ids = req.body.kvfleet_token_ids
         self.offsets: dict[int, int] = {}
         self.echoed: dict[int, tuple[P.CompletionLogProbs, int]] = {}  # per prompt: the same for each choice
 

@@ -12,6 +12,7 @@ body (built off the event loop, :func:`body_response`) or an SSE stream whose ch
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -61,6 +62,9 @@ class ServerState:
     """Generation requests being answered (:class:`~.lifecycle.InFlight`)."""
     draining_since: float | None = None
     """``time.monotonic()`` of the signal that started the drain; None while serving."""
+    handing_off: bool = False
+    """The drain's ``--drain-handoff-grace`` passed: router streams end with a ``resume elsewhere``
+    event at their next token (docs/routing.md, "Migration")."""
     on_fatal: Callable[[], None] | None = None
     """Called when the model fails to load (``main`` makes uvicorn exit)."""
     started_at: float = field(default_factory=time.time)
@@ -152,6 +156,20 @@ def usage(prompt_lens: list[int], outputs: list[CompletionOutput] | int) -> P.Us
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def resume_split(body: P.CompletionRequest | P.ChatCompletionRequest,
+                 requests: list[tuple[list[int], SamplingParams, str]]) -> list[list[list[int]] | None]:
+    """Per prompt, the resumed output token ids of its ``n`` choices (``kvfleet_resume``; stream
+    index ``i * n + c``), or Nones; a 400 naming ``kvfleet_resume`` when the count is wrong."""
+    if body.kvfleet_resume is None:
+        return [None] * len(requests)
+    ids = body.kvfleet_resume.output_token_ids
+    n = requests[0][1].n if requests else 1
+    if len(ids) != n * len(requests):
+        raise APIError(400, f"kvfleet_resume.output_token_ids must hold {n * len(requests)} lists (one per choice)",
+                       param="kvfleet_resume", code="invalid_value")
+    return [ids[i * n:(i + 1) * n] for i in range(len(requests))]
+
+
 def body_response(resp: P.CompletionResponse | P.ChatCompletionResponse) -> Response:
     """``resp`` as an ``application/json`` response, its choices encoded one at a time (on a
     worker thread, pydantic's encoder holds the GIL for a whole call: one call per choice keeps
@@ -162,6 +180,9 @@ def body_response(resp: P.CompletionResponse | P.ChatCompletionResponse) -> Resp
     body = head[:at] + ",".join(c.model_dump_json() for c in resp.choices) + head[at:]
     return Response(body.encode("utf-8"), media_type="application/json")
 
+
+RESUME_ELSEWHERE = "kvfleet_resume_elsewhere"
+"""The error code that tells the router to migrate a stream (docs/routing.md)."""
 
 StreamChoice = P.CompletionStreamChoice | P.ChatCompletionStreamChoice
 StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
@@ -207,12 +228,26 @@ class StreamWriter(ABC):
     @abstractmethod
     def finish(self, idx: int, c: CompletionOutput) -> StreamChoice | list[StreamChoice]: ...
 
-    def event(self, choices: list[Any], usage: P.UsageInfo | None = None) -> str:
-        """One chunk of ``choices`` as an SSE event."""
+    token_ids = False
+    """The router asked for each delta's token ids (``kvfleet_token_ids``, docs/routing.md)."""
+
+    def event(self, choices: list[Any], usage: P.UsageInfo | None = None, token_ids: list[int] | None = None) -> str:
+        """One chunk of ``choices`` as an SSE event (``token_ids``: the one choice's delta token
+        ids, added as its ``kvfleet_token_ids`` for the router)."""
         chunk = self.response_type(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
         )
-        return sse_chunk(chunk, self.include_usage)
+        if token_ids is None:
+            return sse_chunk(chunk, self.include_usage)
+        data = chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"})
+        data["choices"][0]["kvfleet_token_ids"] = token_ids
+        return f"data: {json.dumps(data)}\n\n"
+
+    def token_ids_event(self, idx: int, token_ids: list[int]) -> str:
+        """A router-only chunk: tokens whose text the detokenizer still holds back."""
+        chunk = {"id": self.request_id, "object": "kvfleet.token_ids", "choices": [
+            {"index": idx, "kvfleet_token_ids": token_ids, "kvfleet_text_held": True}]}
+        return f"data: {json.dumps(chunk)}\n\n"
 
 
 @dataclass
@@ -290,12 +325,14 @@ class OpenAIServing:
         self.check_queue(engine)
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         requests = [(ids, sp.clone(output_kind=kind), rid) for ids, sp, rid in requests]
+        resume = resume_split(body, requests)
         sub = Submission(self.state, engine, http_request, sum(sp.n for _, sp, _ in requests))
         if self.state.is_lora(body.model or ""):  # the adapter the request's model names
             sub.lora_name = body.model
-        merged = merge(
-            [sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user) for ids, sp, rid in requests]
-        )
+        merged = merge([
+            sub.stream(ids, sp, rid, priority=body.priority, tenant=body.user, resume=resume[i])
+            for i, (ids, sp, rid) in enumerate(requests)
+        ])
         sub.watch_disconnect()
         try:
             try:
@@ -365,13 +402,23 @@ class OpenAIServing:
                     if (c.text or lp is not None) and not w.echo_only:
                         choice = w.delta(idx, c.text, lp)
                         if choice is not None:
-                            yield w.event([choice])
+                            yield w.event([choice], token_ids=list(c.token_ids) if w.token_ids else None)
+                        elif w.token_ids and c.token_ids:
+                            yield w.token_ids_event(idx, list(c.token_ids))
+                    elif w.token_ids and c.token_ids:
+                        yield w.token_ids_event(idx, list(c.token_ids))
                     num_tokens += len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(idx)
                         end = w.finish(idx, c)
                         for choice in end if isinstance(end, list) else [end]:
                             yield w.event([choice])
+                if self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens):
+                    yield sse_error(P.ErrorResponse(error=P.ErrorInfo(
+                        message="the replica is draining: resume this stream elsewhere", type="server_error",
+                        code=RESUME_ELSEWHERE)))
+                    yield SSE_DONE
+                    return
                 try:
                     item = await gen.merged.__anext__()
                 except StopAsyncIteration:

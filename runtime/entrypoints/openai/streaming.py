@@ -120,20 +120,25 @@ class Submission:
         await self.abort_unfinished()
 
     def stream(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None,
+        resume: list[list[int]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The engine's cumulative outputs of one prompt; marks the request finished."""
+        """The engine's cumulative outputs of one prompt (``resume``: its choices' resumed output
+        token ids); marks the request finished."""
         self.request_ids.append(request_id)
-        return self._stream(prompt_ids, params, request_id, priority=priority, tenant=tenant)
+        return self._stream(prompt_ids, params, request_id, priority=priority, tenant=tenant, resume=resume)
 
     async def _stream(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, *, priority: int, tenant: str | None,
+        resume: list[list[int]] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         started = False
+        extra: dict = {"lora_name": self.lora_name} if self.lora_name else {}
+        if resume is not None:
+            extra["resume_output_ids"] = resume
         try:
             async with aclosing(
-                self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant,
-                                     **({"lora_name": self.lora_name} if self.lora_name else {}))
+                self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant, **extra)
             ) as outputs:
                 async for out in outputs:
                     started = True

@@ -21,6 +21,13 @@ class StreamOptions(StrictRequest):
     include_usage: bool | None = False
 
 
+class KvfleetResume(StrictRequest):
+    """The router's resume of a request: ``output_token_ids[k]`` are the tokens choice ``k``
+    (stream index: prompt ``i`` choice ``c`` is ``i * n + c``) already delivered."""
+
+    output_token_ids: list[list[int]]
+
+
 class SamplingFields(StrictRequest):
     """Fields shared by completions and chat completions."""
 
@@ -65,6 +72,11 @@ class SamplingFields(StrictRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # kvfleet router extensions (docs/routing.md, "Resume"); clients never send these
+    kvfleet_resume: KvfleetResume | None = None
+    """Continue a request another replica started from the output token ids it delivered."""
+    kvfleet_token_ids: bool = False
+    """Stream each delta's token ids (``kvfleet_token_ids`` on its choice), text or not."""
 
     def _common_checks(self) -> None:
         if self.n > MAX_N:

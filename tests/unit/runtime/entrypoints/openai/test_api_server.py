@@ -387,6 +387,10 @@ BAD_COMPLETIONS = [
     (b'{"prompt": [1, 99999], "max_tokens": 2}', 400, "prompt"),  # vocabulary: 49152
     (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options"),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
+    # the router's resume (docs/routing.md): one list per choice, vocabulary ids, fewer than max_tokens
+    (b'{"prompt": "hi", "max_tokens": 3, "kvfleet_resume": {"output_token_ids": [[1], [2]]}}', 400, "kvfleet_resume"),
+    (b'{"prompt": "hi", "max_tokens": 3, "kvfleet_resume": {"output_token_ids": [[99999]]}}', 400, "kvfleet_resume"),
+    (b'{"prompt": "hi", "max_tokens": 3, "kvfleet_resume": {"output_token_ids": [[1, 2, 3]]}}', 400, "kvfleet_resume"),
 ]
 
 
