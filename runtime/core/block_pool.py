@@ -13,34 +13,12 @@ the last one: docs/scheduling.md, "Sliding-window models").
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable, Sequence
 
 from kvfleet.runtime.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from kvfleet.runtime.kv_events.hashing import BlockHash, hash_block_tokens
 
-BlockHash = bytes
-"""A 16-byte BLAKE2b digest of (parent block's hash, the block's token ids, extra keys)."""
-
-
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
-    """Prefix-cache hash of one full block (the hash chain of vLLM's automatic prefix caching).
-
-    Args:
-        parent: the hash of the previous block of the same sequence, None for the first block.
-        token_ids: the block's ``block_size`` token ids.
-        extra_keys: anything else that changes the block's K/V (a cache salt, a LoRA id...).
-
-    Returns:
-        16 bytes. A cryptographic hash, so two different prefixes colliding (and one
-        request reading another's K/V) is not a practical concern, unlike Python's ``hash``.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
+__all__ = ["BlockHash", "BlockPool", "FreeBlockQueue", "KVCacheBlock", "hash_block_tokens"]
 
 
 class KVCacheBlock:
