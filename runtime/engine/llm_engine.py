@@ -284,11 +284,13 @@ class LLMEngine:
             self.kv_event_publisher.publish(self.scheduler.kv_cache_manager.take_events())
 
     def kv_events_snapshot(self) -> dict | None:
-        """The cached block hashes (hex) after KV event batch ``seq``; None when events are off."""
+        """The cached block hashes (hex) after KV event batch ``seq`` and the ZMQ endpoint the
+        events go out on (None with ``publisher="null"``); None when events are off."""
         if self.kv_event_publisher is None:
             return None
         snap = self.kv_event_publisher.snapshot()
-        return {"seq": snap.seq, "block_size": snap.block_size, "block_hashes": [h.hex() for h in snap.block_hashes]}
+        return {"seq": snap.seq, "block_size": snap.block_size, "endpoint": self.kv_event_publisher.bound_endpoint,
+                "block_hashes": [h.hex() for h in snap.block_hashes]}
 
     # ------------------------------------------------------------------ requests in
     def prepare_request(

@@ -83,8 +83,8 @@ def create_app(settings: RouterSettings) -> Starlette:
         tasks = [asyncio.create_task(prober.run())]
         if state.kv_index is not None:
             state.forwarder = PreciseForwarder(*fwd_args, index=state.kv_index, **fwd_kw)
-            subscriber = KVSubscriber(state.kv_index, probe_client, port=settings.kv_events_port,
-                                      topic=settings.kv_events_topic, api_key=settings.api_key)
+            subscriber = KVSubscriber(state.kv_index, probe_client, topic=settings.kv_events_topic,
+                                      api_key=settings.api_key)
             tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))
         else:
             state.forwarder = Forwarder(*fwd_args, **fwd_kw)

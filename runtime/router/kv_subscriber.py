@@ -1,12 +1,14 @@
 """Feeds the router's :class:`~.kv_index.KVIndex` from the replicas' KV cache events.
 
-Contract: for every endpoint URL in the pool, one task connects a ZMQ SUB socket to
-``tcp://<replica host>:<kv_events_port>`` (the replicas' ``--kv-events-config`` endpoint port),
-*then* reads ``GET <url>/kv_events/snapshot`` (so no batch falls between the two), and applies
-each received batch. A ``seq`` gap, a malformed message or a restart of the replica (its ``seq``
-goes back) makes the index stale for that endpoint; the task re-reads the snapshot. A replica
-answering 404 (events off) or not at all is retried every ``retry_s`` seconds; meanwhile it scores
-0 and requests are placed by the char-prefix ring. Endpoints that leave the pool are forgotten.
+Contract: for every endpoint URL in the pool, one task reads ``GET <url>/kv_events/snapshot``
+to learn the port of the replica's events socket (its ``endpoint``), connects a ZMQ SUB socket
+to ``tcp://<replica host>:<that port>``, waits ``join_s`` (the time a ZMQ subscription takes to
+reach the publisher), *then* loads the snapshot again (so no batch falls between the two), and
+applies each received batch. A ``seq`` gap or a restart of the replica (its ``seq`` goes back)
+makes the index stale for that endpoint; the task re-reads the snapshot. A replica answering 404
+(events off) or not at all is retried every ``retry_s`` seconds; meanwhile it scores 0 and
+requests are placed by the char-prefix ring. Endpoints that leave the pool are forgotten.
+Known gap: a batch lost with no later batch is only noticed at the next one.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ logger = logging.getLogger("kvfleet.router")
 
 
 class KVSubscriber:
-    def __init__(self, index: KVIndex, client: httpx.AsyncClient, *, port: int, topic: str = "",
+    def __init__(self, index: KVIndex, client: httpx.AsyncClient, *, topic: str = "",
                  api_key: str | None = None, retry_s: float = 5.0) -> None:
         self.index = index
         self.client = client
-        self.port = port
         self.topic = topic.encode()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.retry_s = retry_s
+        self.join_s = 0.5
+        """Wait after connecting before reading the snapshot, so the subscription is in place."""
         self.ctx = zmq.asyncio.Context()
         self.tasks: dict[str, asyncio.Task] = {}
 
@@ -63,23 +66,41 @@ class KVSubscriber:
                     await t
             self.ctx.destroy(linger=0)
 
-    async def _snapshot(self, url: str) -> bool:
+    async def _get_snapshot(self, url: str) -> dict | None:
         try:
             resp = await self.client.get(url + "/kv_events/snapshot", headers=self.headers)
-            if resp.status_code != 200:
-                return False
-            self.index.load_snapshot(url, resp.json())
-            return True
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            return resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
             logger.debug("KV events snapshot of %s: %s", url, exc)
-            return False
+            return None
+
+    async def _snapshot(self, url: str) -> bool:
+        snap = await self._get_snapshot(url)
+        try:
+            if snap is not None:
+                self.index.load_snapshot(url, snap)
+                return True
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("malformed KV events snapshot from %s: %s", url, exc)
+        return False
+
+    async def _events_port(self, url: str) -> int:
+        """The port of ``url``'s events socket, from its snapshot (retried until it has one)."""
+        while True:
+            snap = await self._get_snapshot(url)
+            endpoint = snap.get("endpoint") if isinstance(snap, dict) else None
+            if isinstance(endpoint, str) and endpoint.rsplit(":", 1)[-1].isdigit():
+                return int(endpoint.rsplit(":", 1)[-1])
+            await asyncio.sleep(self.retry_s)
 
     async def _follow(self, url: str) -> None:
         host = urlsplit(url).hostname or "127.0.0.1"
+        port = await self._events_port(url)
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{host}:{self.port}")
+        sock.connect(f"tcp://{host}:{port}")
+        await asyncio.sleep(self.join_s)  # ZMQ's slow joiner: batches sent before the subscription lands are lost
         try:
             while not await self._snapshot(url):
                 await asyncio.sleep(self.retry_s)

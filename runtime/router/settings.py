@@ -35,8 +35,6 @@ class RouterSettings(BaseModel):
     kube_port: str = "http"
     """Port of the EndpointSlices to use: its name, or its number."""
     routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = "prefix-hash"
-    kv_events_port: int = Field(5557, ge=1, le=65535)
-    """Port of the replicas' KV events PUB socket (their ``--kv-events-config`` endpoint)."""
     kv_events_topic: str = ""
     """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
@@ -67,7 +65,6 @@ _HELP = {
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
     "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), precise-prefix-cache (the replicas' KV events: "
                          "longest cached prefix within CHWBL's bound), least-load, or round-robin",
-    "kv_events_port": "precise-prefix-cache: port of the replicas' KV events ZMQ socket (--kv-events-config endpoint)",
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
