@@ -21,6 +21,8 @@ from support.serve import start_serve, stop_serve
 
 from e2e.test_router import API_KEY, MODEL, client, scrape, start_router, system_prompt, value
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
+from kvfleet.runtime.router.picker import HashRing, hash64
+from kvfleet.runtime.router.prefix_key import prefix_key
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +90,20 @@ def test_router_hash_chain_equals_the_replica_snapshot(fleet):
     assert {h.hex() for h in hashes} <= set(snap["block_hashes"])
 
 
+def ring_owner(replicas: list[str], tag: str) -> str:
+    """The replica the char-prefix ring (prefix-hash) owns this prompt's key on."""
+    ring = HashRing(100)
+    ring.update(replicas)
+    body = {"model": MODEL, "messages": messages(tag, "Question 0?")}
+    return next(ring.walk(hash64(prefix_key("/v1/chat/completions", body))))
+
+
 def test_requests_land_where_their_prefix_is_cached(fleet):
-    router = fleet["routers"]["precise"]
-    for i, replica in enumerate(fleet["replicas"]):
-        tag = f"warm{i}"
+    router, replicas = fleet["routers"]["precise"], fleet["replicas"]
+    # two prefixes the char-prefix ring puts on the same replica, cached one on each replica:
+    # CHWBL would send one of them to the replica that lacks it; precise routing must not
+    tags = [t for t in (f"warm{i}" for i in range(40)) if ring_owner(replicas, t) == replicas[0]][:2]
+    for tag, replica in zip(tags, replicas):
         chat(replica, tag, "First question?")  # cached on this replica only, outside the router
         time.sleep(0.5)  # the events reach the router asynchronously
         cached = cached_blocks(replica, tag, "Question 0?")  # leading blocks the replica holds
