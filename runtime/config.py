@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvfleet.runtime.kv_events.config import KVEventsConfig
 from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
@@ -152,6 +153,16 @@ class EngineConfig(BaseModel):
     @classmethod
     def _parse_speculative_config(cls, value):
         return SpeculativeConfig.parse(value)
+
+    kv_events_config: KVEventsConfig | None = None
+    """KV cache events (vLLM's ``--kv-events-config``, a JSON object such as
+    ``{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}``);
+    None: off. See :mod:`kvfleet.runtime.kv_events` and docs/routing.md."""
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _parse_kv_events_config(cls, value):
+        return KVEventsConfig.parse(value)
 
     skip_failed_lora_modules: bool = False
     """A ``lora_modules`` entry that cannot be loaded at start is logged and skipped instead of

@@ -13,32 +13,12 @@ the last one: docs/scheduling.md, "Sliding-window models").
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable, Sequence
 
-BlockHash = bytes
-"""A 16-byte BLAKE2b digest of (parent block's hash, the block's token ids, extra keys)."""
+from kvfleet.runtime.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from kvfleet.runtime.kv_events.hashing import BlockHash, hash_block_tokens
 
-
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
-    """Prefix-cache hash of one full block (the hash chain of vLLM's automatic prefix caching).
-
-    Args:
-        parent: the hash of the previous block of the same sequence, None for the first block.
-        token_ids: the block's ``block_size`` token ids.
-        extra_keys: anything else that changes the block's K/V (a cache salt, a LoRA id...).
-
-    Returns:
-        16 bytes. A cryptographic hash, so two different prefixes colliding (and one
-        request reading another's K/V) is not a practical concern, unlike Python's ``hash``.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
+__all__ = ["BlockHash", "BlockPool", "FreeBlockQueue", "KVCacheBlock", "hash_block_tokens"]
 
 
 class KVCacheBlock:
@@ -120,12 +100,15 @@ class BlockPool:
         enable_caching: automatic prefix caching on/off.
         use_null_block: reserve block ``num_blocks - 1`` as the null block (then
             ``num_blocks - 1`` blocks can be handed out).
+        enable_kv_cache_events: record a :mod:`~kvfleet.runtime.core.kv_events` event each
+            time a hash enters or leaves the prefix-cache map (drained by :meth:`take_events`).
 
     Raises:
         ValueError: no block to hand out (``num_blocks < 1``, or ``< 2`` with a null block).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, use_null_block: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, use_null_block: bool = False,
+                 enable_kv_cache_events: bool = False) -> None:
         if num_blocks < 1 + use_null_block:
             raise ValueError(f"num_blocks must be >= {1 + use_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -136,6 +119,16 @@ class BlockPool:
         usable = self.blocks[:-1] if use_null_block else self.blocks
         self.free_queue = FreeBlockQueue(usable)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.block_size = 0
+        """Tokens per block, stamped on BlockStored events (set by the KV cache manager)."""
+        self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (empty when events are off)."""
+        if not self.kv_event_queue:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     @property
     def num_usable_blocks(self) -> int:
@@ -178,6 +171,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.kv_event_queue is not None:
+                    self.kv_event_queue.append(BlockRemoved([block.block_hash]))
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -209,15 +204,20 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int] = (),
+                    parent_block_hash: BlockHash | None = None, lora_id: int | None = None) -> bool:
         """Register a full block under ``block_hash``. Returns False (and leaves the block
-        uncached) when another block already holds that hash."""
+        uncached) when another block already holds that hash. ``token_ids``,
+        ``parent_block_hash`` and ``lora_id`` only feed the BlockStored event."""
         if not self.enable_caching or block.block_hash is not None or block is self.null_block:
             return False
         if block_hash in self.cached_blocks:
             return False
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(BlockStored([block_hash], parent_block_hash, list(token_ids),
+                                                   self.block_size, lora_id or None))
         return True
 
     def uncache_block(self, block: KVCacheBlock) -> None:
@@ -228,13 +228,15 @@ class BlockPool:
     def reset_prefix_cache(self) -> int:
         """Drop the hash of every unreferenced cached block. Returns how many were dropped.
         Blocks still referenced by running requests keep theirs."""
-        dropped = 0
+        dropped = []
         for block_hash, block in list(self.cached_blocks.items()):
             if block.ref_cnt == 0:
                 del self.cached_blocks[block_hash]
+                dropped.append(block_hash)
                 block.block_hash = None
                 # Unhashed free blocks belong at the head of the queue.
                 self.free_queue.remove(block)
                 self.free_queue.appendleft(block)
-                dropped += 1
-        return dropped
+        if dropped and self.kv_event_queue is not None:
+            self.kv_event_queue.append(BlockRemoved(dropped))
+        return len(dropped)

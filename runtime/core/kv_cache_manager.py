@@ -68,20 +68,23 @@ class KVCacheManager:
         sliding_window: the window (tokens) shared by every attention layer, or None (full
             attention, or a hybrid model): with a window, out-of-window blocks are freed and
             block ``num_blocks - 1`` is reserved as the null block (see the module doc).
+        enable_kv_cache_events: record KV cache events (:meth:`take_events`).
 
     Raises:
         ValueError: ``sliding_window`` not None or an integer >= 1; no block to hand out.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, enable_kv_cache_events: bool = False) -> None:
         if sliding_window is not None and (
                 isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window must be None or an integer >= 1, got {sliding_window!r}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=sliding_window is not None)
+        self.block_pool = BlockPool(num_blocks, enable_caching, use_null_block=sliding_window is not None,
+                                    enable_kv_cache_events=enable_kv_cache_events)
+        self.block_pool.block_size = block_size
         self.null_block = self.block_pool.null_block
         """Placeholder of freed out-of-window blocks (None without a sliding window)."""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -273,10 +276,29 @@ class KVCacheManager:
             start = max(start, len(new_computed_blocks))
             if num_full > start:
                 self._update_block_hashes(request, num_full * self.block_size)
-                for i in range(start, num_full):
-                    self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+                self._cache_blocks(request, blocks, start, num_full)
             self._num_cached_blocks[request.request_id] = max(start, num_full)
         return new_blocks
+
+    def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], start: int, end: int) -> None:
+        """Register ``blocks[start:end]`` under ``request``'s block hashes (with the block's
+        tokens, parent hash and LoRA id when KV events are on)."""
+        pool, bs, hashes = self.block_pool, self.block_size, request.block_hashes
+        events = pool.kv_event_queue is not None
+        for i in range(start, end):
+            if not events:
+                pool.cache_block(blocks[i], hashes[i])
+                continue
+            pool.cache_block(blocks[i], hashes[i], request.token_ids_slice(i * bs, (i + 1) * bs),
+                             hashes[i - 1] if i else None, request.lora_int_id)
+
+    def take_events(self):
+        """The block pool's KV cache events since the last call (:meth:`BlockPool.take_events`)."""
+        return self.block_pool.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash in the prefix cache now (the state behind a KV events snapshot)."""
+        return list(self.block_pool.cached_blocks)
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """With a sliding window, free ``request``'s blocks that no query after its

@@ -263,6 +263,10 @@ class AsyncLLMEngine:
         self._check_alive()
         return await self._call(self.engine.reset_prefix_cache)
 
+    def kv_events_snapshot(self) -> dict | None:
+        """The KV events snapshot (thread-safe: read from the publisher, not the engine thread)."""
+        return self.engine.kv_events_snapshot()
+
     # ------------------------------------------------------------------ engine thread
     def _check_alive(self) -> None:
         if self.dead_error is not None:

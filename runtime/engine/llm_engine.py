@@ -43,6 +43,7 @@ from kvfleet.runtime.core.request import RequestStatus
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.engine.input_processor import InputProcessor, PreparedRequest
+from kvfleet.runtime.engine.kv_event_publisher import KVEventPublisher
 from kvfleet.runtime.engine.output_processor import OutputProcessor, OutputProcessorOutput, SequenceUpdate
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
@@ -124,6 +125,10 @@ class LLMEngine:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
+        kv_events = config.kv_events_config
+        self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size)
+                                   if kv_events is not None and kv_events.enable_kv_cache_events else None)
+        """Publishes the block pool's KV cache events after each step (None: events off)."""
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -231,6 +236,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step after
         it (a step raises ``TensorParallelError``); with ``tensor_parallel_size=1`` a no-op."""
         self.structured_output.shutdown()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -266,7 +273,22 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop unreferenced prefix-cache blocks. Returns True."""
-        return self.scheduler.reset_prefix_cache()
+        done = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self.scheduler.kv_cache_manager.take_events())
+
+    def kv_events_snapshot(self) -> dict | None:
+        """The cached block hashes (hex) after KV event batch ``seq`` and the ZMQ endpoint the
+        events go out on (None with ``publisher="null"``); None when events are off."""
+        if self.kv_event_publisher is None:
+            return None
+        snap = self.kv_event_publisher.snapshot()
+        return {"seq": snap.seq, "block_size": snap.block_size, "endpoint": self.kv_event_publisher.bound_endpoint,
+                "block_hashes": [h.hex() for h in snap.block_hashes]}
 
     # ------------------------------------------------------------------ requests in
     def prepare_request(
@@ -420,6 +442,7 @@ class LLMEngine:
                 for r in changed
             ]
         self.num_steps += 1
+        self._publish_kv_events()
         processed = proc.process_outputs(updates, time.monotonic(), iteration)
         self._finish(processed)
         self._record_stats(self.scheduler.make_stats(), iteration)

@@ -103,3 +103,7 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached KV block; whether the reset happened."""
+
+    def kv_events_snapshot(self) -> dict | None:
+        """``{"seq", "block_size", "block_hashes"}`` (hex): every block hash in the prefix cache
+        after KV event batch ``seq``; None when KV events are off (``--kv-events-config``)."""

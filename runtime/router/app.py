@@ -23,8 +23,11 @@ from starlette.routing import Route
 
 from kvfleet.runtime.router.endpoints import EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue
+from kvfleet.runtime.router.kv_index import KVIndex
+from kvfleet.runtime.router.kv_subscriber import KVSubscriber
 from kvfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvfleet.runtime.router.picker import Picker
+from kvfleet.runtime.router.precise import PreciseForwarder, PrecisePicker
 from kvfleet.runtime.router.probe import Prober
 from kvfleet.runtime.router.proxy import Forwarder, error_response
 from kvfleet.runtime.router.settings import RouterSettings, parse_args
@@ -42,8 +45,15 @@ class RouterState:
         self.pool = EndpointPool(eject_base=settings.eject_base_seconds, eject_max=settings.eject_max_seconds)
         self.pending = PendingQueue(settings.max_pending, settings.pending_timeout)
         self.pool.on_available(self.pending.notify)
-        self.picker = Picker(settings.routing_algorithm, load_factor=settings.load_factor,
-                             virtual_nodes=settings.virtual_nodes, min_capacity=settings.min_capacity)
+        picker_kw = {"load_factor": settings.load_factor, "virtual_nodes": settings.virtual_nodes,
+                     "min_capacity": settings.min_capacity}
+        self.kv_index: KVIndex | None = None
+        """The replicas' cached blocks (``precise-prefix-cache`` only)."""
+        if settings.routing_algorithm == "precise-prefix-cache":
+            self.kv_index = KVIndex()
+            self.picker: Picker = PrecisePicker(self.kv_index, **picker_kw)
+        else:
+            self.picker = Picker(settings.routing_algorithm, **picker_kw)
         self.metrics = RouterMetrics()
         self.source_ready = asyncio.Event()
         self.forwarder: Forwarder | None = None
@@ -68,10 +78,17 @@ def create_app(settings: RouterSettings) -> Starlette:
         prober = Prober(state.pool, probe_client, interval=settings.probe_interval,
                         urgent=lambda: len(state.pending) > 0)
         state.prober = prober
-        state.forwarder = Forwarder(state.pool, state.pending, state.picker, state.metrics, proxy_client,
-                                    prefix_chars=settings.prefix_chars, on_hold=prober.kick,
-                                    max_migrations=settings.max_migrations)
+        fwd_args = (state.pool, state.pending, state.picker, state.metrics, proxy_client)
+        fwd_kw = {"prefix_chars": settings.prefix_chars, "on_hold": prober.kick,
+                  "max_migrations": settings.max_migrations}
         tasks = [asyncio.create_task(prober.run())]
+        if state.kv_index is not None:
+            state.forwarder = PreciseForwarder(*fwd_args, index=state.kv_index, **fwd_kw)
+            subscriber = KVSubscriber(state.kv_index, probe_client, topic=settings.kv_events_topic,
+                                      api_key=settings.api_key)
+            tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))
+        else:
+            state.forwarder = Forwarder(*fwd_args, **fwd_kw)
         if settings.endpoints:
             state.pool.set_urls(settings.endpoints)
             state.source_ready.set()

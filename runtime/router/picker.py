@@ -11,6 +11,14 @@ point is the *affinity* endpoint: picking it is a ``hit``; walking past it becau
 ``spill`` (a hot prefix spreads instead of melting one replica); a request without a prefix key
 (or with ``least-load``) is routed by least load, a ``fallback``.
 
+``precise-prefix-cache`` (llm-d's "precise prefix-cache scorer"): the caller passes, per
+candidate, how many leading blocks of the request's prompt it caches (from the replicas' KV
+events, :mod:`.kv_index`). Among the candidates within CHWBL's bound the one with the most cached
+blocks wins (ties: least load, then the CHWBL ring order); a ``hit`` when that candidate also
+holds the most blocks of all candidates, a ``spill`` when a fuller one was over its bound. When no
+candidate caches any block of the prompt (or no events arrived: ``cached_blocks`` None) the
+request is placed by the char-prefix CHWBL (``prefix-hash``), so new prefixes still spread.
+
 Load of an endpoint (:attr:`Candidate.load`): the requests this router has in flight to it (exact
 and immediate) plus the *foreign* requests its last ``/metrics`` scrape showed: its
 ``num_requests_running + num_requests_waiting`` minus what this router had in flight to it at that
@@ -28,7 +36,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ALGORITHMS = ("prefix-hash", "least-load", "round-robin")
+ALGORITHMS = ("prefix-hash", "precise-prefix-cache", "least-load", "round-robin")
 """Values of ``--routing-algorithm``."""
 
 HIT, SPILL, FALLBACK = "hit", "spill", "fallback"
@@ -143,12 +151,14 @@ class Picker:
         self._rr = itertools.count()
 
     def pick(self, candidates: Sequence[Candidate], prefix_key: str | None, *,
-             ring_keys: Sequence[str] | None = None) -> Decision:
+             ring_keys: Sequence[str] | None = None, cached_blocks: dict[str, int] | None = None) -> Decision:
         """Choose one of ``candidates`` (non-empty) for a request whose prefix key is ``prefix_key``.
 
         ``ring_keys`` are all known endpoints (default: the candidates): the ring is drawn over them,
         so an endpoint that is briefly unavailable (ejected, or already tried by this request)
         moves its prefixes to the next endpoint only, and they come back when it does.
+        ``cached_blocks``: with ``precise-prefix-cache``, endpoint key -> leading prompt blocks
+        it caches (None: no KV events; then as ``prefix-hash``).
 
         Raises: ValueError when ``candidates`` is empty.
         """
@@ -156,9 +166,23 @@ class Picker:
             raise ValueError("no candidates")
         if self.algorithm == "round-robin":
             return Decision(candidates[next(self._rr) % len(candidates)].key, FALLBACK)
-        if self.algorithm == "prefix-hash" and prefix_key is not None:
+        if self.algorithm == "precise-prefix-cache" and cached_blocks and any(cached_blocks.values()):
+            return self._precise(candidates, cached_blocks, prefix_key, ring_keys or [c.key for c in candidates])
+        if self.algorithm in ("prefix-hash", "precise-prefix-cache") and prefix_key is not None:
             return self._chwbl(candidates, prefix_key, ring_keys or [c.key for c in candidates])
         return Decision(self._least_loaded(candidates).key, FALLBACK)
+
+    def _precise(self, candidates: Sequence[Candidate], cached_blocks: dict[str, int],
+                 prefix_key: str | None, ring_keys: Sequence[str]) -> Decision:
+        bound = capacity(sum(c.load for c in candidates), len(candidates), self.load_factor, self.min_capacity)
+        ring_rank = {}
+        if prefix_key is not None:
+            self.ring.update(ring_keys)
+            ring_rank = {k: i for i, k in enumerate(self.ring.walk(hash64(prefix_key)))}
+        fits = [c for c in candidates if c.load + 1 <= bound] or list(candidates)
+        best = max(fits, key=lambda c: (cached_blocks.get(c.key, 0), -c.load, -ring_rank.get(c.key, 0)))
+        top = max(cached_blocks.get(c.key, 0) for c in candidates)
+        return Decision(best.key, HIT if cached_blocks.get(best.key, 0) == top else SPILL)
 
     def _least_loaded(self, candidates: Sequence[Candidate]) -> Candidate:
         best = min((c.load, c.kv_cache_usage) for c in candidates)

@@ -34,7 +34,9 @@ class RouterSettings(BaseModel):
     """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
     kube_port: str = "http"
     """Port of the EndpointSlices to use: its name, or its number."""
-    routing_algorithm: Literal["prefix-hash", "least-load", "round-robin"] = "prefix-hash"
+    routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = "prefix-hash"
+    kv_events_topic: str = ""
+    """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
     load_factor: float = Field(1.25, ge=1.0)
     min_capacity: int = Field(4, ge=1)
@@ -63,7 +65,9 @@ _HELP = {
     "kube_service": "Service whose EndpointSlices list the replicas (ready addresses only)",
     "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
-    "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), least-load, or round-robin",
+    "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), precise-prefix-cache (the replicas' KV events: "
+                         "longest cached prefix within CHWBL's bound), least-load, or round-robin",
+    "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
     "min_capacity": "a replica with fewer requests than this in flight never spills its prefixes (floor of the bound)",

@@ -62,8 +62,9 @@ class Scheduler:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({max_model_len}) when chunked prefill is disabled"
             )
+        events = config.kv_events_config is not None and config.kv_events_config.enable_kv_cache_events
         self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching,
-                                               sliding_window=sliding_window)
+                                               sliding_window=sliding_window, enable_kv_cache_events=events)
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if watermark > 0 else 0
         """Free blocks kept back when admitting a request beside running ones."""
         self.waiting = create_request_queue(self.policy)

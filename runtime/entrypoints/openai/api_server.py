@@ -226,6 +226,16 @@ async def reset_prefix_cache(request: Request):
     return {"reset": bool(await engine.reset_prefix_cache())}
 
 
+@router.get("/kv_events/snapshot", dependencies=_AUTH)
+async def kv_events_snapshot(request: Request):
+    """Every block hash this replica caches after KV event batch ``seq`` (a late router's
+    starting index); 404 when KV events are off."""
+    snapshot = _state(request).require_engine().kv_events_snapshot()
+    if snapshot is None:
+        raise APIError(404, "KV cache events are off (--kv-events-config)")
+    return snapshot
+
+
 # ----------------------------------------------------------------------------- OpenAI routes
 
 

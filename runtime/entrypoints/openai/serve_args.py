@@ -126,6 +126,8 @@ _HELP = {
     "skip_failed_lora_modules": "log and skip --lora-modules entries that cannot be loaded (instead of failing)",
     "speculative_config": "speculative decoding, a JSON object: {\"method\": \"ngram\"|\"suffix\", "
                           "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": n}",
+    "kv_events_config": "KV cache events, a JSON object: {\"enable_kv_cache_events\": true, \"publisher\": "
+                        "\"zmq\"|\"null\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}",
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 

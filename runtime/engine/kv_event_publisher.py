@@ -1,0 +1,85 @@
+"""Publishes the block pool's KV cache events (:mod:`kvfleet.runtime.core.kv_events`) and keeps
+the snapshot a late reader starts from.
+
+Contract: :meth:`KVEventPublisher.publish` is called from the engine thread once per step with
+that step's events; a non-empty list becomes one :class:`~kvfleet.runtime.kv_events.wire.KVEventBatch`
+with the next ``seq`` (1, 2, ...), sent on the ZMQ PUB socket (``publisher="zmq"``; never blocks:
+ZMQ drops messages past ``hwm``, the reader sees a ``seq`` gap and re-reads the snapshot).
+:meth:`snapshot` (any thread) returns ``seq`` and the hashes cached after that batch, so the
+snapshot plus every batch with a larger ``seq`` replays to the replica's current cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvfleet.runtime.core import kv_events as ev
+from kvfleet.runtime.kv_events import wire
+from kvfleet.runtime.kv_events.config import KVEventsConfig
+
+
+def to_wire(event: ev.KVCacheEvent):
+    """The msgspec struct of one core event."""
+    if isinstance(event, ev.BlockStored):
+        return wire.BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                                event.lora_id, event.medium)
+    if isinstance(event, ev.BlockRemoved):
+        return wire.BlockRemoved(event.block_hashes, event.medium)
+    return wire.AllBlocksCleared()
+
+
+class KVEventPublisher:
+    """Args: config (``enable_kv_cache_events`` must be on), block_size (for the snapshot)."""
+
+    def __init__(self, config: KVEventsConfig, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.seq = 0
+        self._cached: set[bytes] = set()
+        self._lock = threading.Lock()
+        self._ctx = self._socket = None
+        if config.publisher == "zmq":
+            import zmq  # only with the zmq publisher
+
+            self._ctx = zmq.Context()
+            self._socket = self._ctx.socket(zmq.PUB)
+            self._socket.setsockopt(zmq.SNDHWM, config.hwm)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.bind(config.endpoint)
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        """The endpoint the socket listens on (port resolved, e.g. for ``tcp://*:0``)."""
+        if self._socket is None:
+            return None
+        import zmq
+
+        return self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def publish(self, events: list[ev.KVCacheEvent]) -> None:
+        """Send one step's events (nothing when empty) and fold them into the snapshot."""
+        if not events:
+            return
+        batch = wire.KVEventBatch(time.time(), [to_wire(e) for e in events])
+        with self._lock:
+            ev.replay(events, self._cached)
+            self.seq += 1
+            seq = self.seq
+        if self._socket is not None:
+            import zmq
+
+            try:
+                self._socket.send_multipart(wire.frames(self.config.topic, seq, batch), flags=zmq.NOBLOCK)
+            except zmq.Again:  # no room past the high-water mark: the reader sees the gap
+                pass
+
+    def snapshot(self) -> ev.BlockSnapshot:
+        with self._lock:
+            return ev.BlockSnapshot(self.seq, self.block_size, sorted(self._cached))
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close(0)
+            self._ctx.term()
+            self._socket = self._ctx = None

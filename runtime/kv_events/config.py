@@ -1,0 +1,57 @@
+"""``--kv-events-config``: whether the engine records KV cache events and how it publishes
+them (vLLM's ``KVEventsConfig`` field names: ``vllm/config/kv_events.py``).
+
+kvfleet differs from vLLM in two places: there is no ZMQ ``replay_endpoint``; a late reader
+instead reads ``GET /kv_events/snapshot`` (every hash cached after batch ``seq``) and then
+applies the batches with a larger ``seq`` (docs/routing.md, "Precise prefix routing").
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KVEventsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enable_kv_cache_events: bool = False
+    """Record an event each time a block hash enters or leaves the prefix cache."""
+    publisher: Literal["null", "zmq"] = "zmq"
+    """``zmq``: a ZMQ PUB socket on ``endpoint``; ``null``: record (the snapshot endpoint still
+    answers) but send nothing. vLLM's default is ``null`` unless events are enabled."""
+    endpoint: str = "tcp://*:5557"
+    """The ZMQ endpoint the PUB socket binds (``tcp://*:PORT``; port 0: any free port)."""
+    topic: str = ""
+    """First frame of every message (subscribers filter on it)."""
+    hwm: int = Field(100_000, ge=1)
+    """ZMQ send high-water mark: messages queued for a slow subscriber before ZMQ drops them."""
+    max_queue_size: int = Field(100_000, ge=1)
+    """Accepted for vLLM compatibility; kvfleet sends from the engine thread without a queue."""
+    buffer_steps: int = Field(10_000, ge=1)
+    """Accepted for vLLM compatibility (its replay buffer); kvfleet replays from the snapshot."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events
+
+    @classmethod
+    def parse(cls, value) -> KVEventsConfig | None:
+        """A JSON object string (the CLI, the environment), a mapping, a config, or None.
+
+        Raises:
+            ValueError: not JSON, not an object, or a field pydantic refuses."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_events_config: not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config: a JSON object is expected, got {type(value).__name__}")
+        return cls.model_validate(value)
