@@ -37,6 +37,7 @@ from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
 from kvfleet.runtime.entrypoints.openai.serving_lora import lora_model_cards, lora_router
 from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
+from kvfleet.runtime.entrypoints.openai.tool_calls import detect_tool_parser
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 
 __all__ = ["DEFAULT_MODEL_NAME", "APIError", "ServerState", "create_app", "main", "served_name"]
@@ -143,6 +144,7 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
                 "prompts longer than %d characters per token of max_model_len are rejected untokenized",
                 state.prompt_bound.chars_per_token,
             )
+        _pick_tool_parser(state, getattr(engine.tokenizer, "chat_template", None))
         await engine.start()
         state.engine = engine
         logger.info(
@@ -154,6 +156,16 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         # does not divide the heads is a ValueError), the traceback after it.
         logger.exception("the engine failed to start: %s: %s", type(exc).__name__, exc)
         lifecycle.report_fatal(state, exc)
+
+
+def _pick_tool_parser(state: ServerState, chat_template: str | None) -> None:
+    """``state.tool_parser``: ``--tool-call-parser`` if given, else the detected one (logged)."""
+    if state.settings.tool_call_parser is not None:
+        state.tool_parser = state.settings.tool_call_parser
+        logger.info("tool_choice auto: parser %s (--tool-call-parser)", state.tool_parser)
+        return
+    state.tool_parser, why = detect_tool_parser(chat_template, state.config.model or state.model_name)
+    logger.info("tool_choice auto: parser %s (%s)", state.tool_parser, why)
 
 
 def _state(request: Request) -> ServerState:

@@ -115,7 +115,14 @@ class HermesToolParser:
         return ParsedOutput(content if content.strip() else None, calls)
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
+def tool_parsers() -> dict[str, Any]:
+    """``--tool-call-parser`` values -> parser classes (``parse(text, final) -> ParsedOutput``)."""
+    from kvfleet.runtime.entrypoints.openai.tool_parsers_json import Llama3JsonToolParser, MistralToolParser
+
+    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}
+
+
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
 """``--tool-call-parser`` values."""
 
 
@@ -132,9 +139,11 @@ def tool_calls_body(calls: list[ParsedCall]) -> list[dict[str, Any]]:
 
 
 class HermesStreamParser:
-    """The deltas of one streamed choice (see the module doc)."""
+    """The deltas of one streamed choice (see the module doc); ``parser``: any parser class of
+    :func:`tool_parsers` (default ``hermes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: Any = HermesToolParser) -> None:
+        self.parser = parser
         self.sent_content = ""
         self.sent_args: list[str] = []
         self.ids: list[str] = []
@@ -166,10 +175,10 @@ class HermesStreamParser:
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """``(content delta, tool_calls deltas)`` for the text so far (it may still grow)."""
-        return self._deltas(HermesToolParser.parse(text, final=False))
+        return self._deltas(self.parser.parse(text, final=False))
 
     def finish(self, text: str) -> tuple[str, list[dict[str, Any]], bool]:
         """The remaining deltas of the final text, and whether it made tool calls."""
-        parsed = HermesToolParser.parse(text, final=True)
+        parsed = self.parser.parse(text, final=True)
         content, calls = self._deltas(parsed)
         return content, calls, bool(parsed.calls)
