@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.protocol import EngineClient
+from kvfleet.runtime.entrypoints.anthropic.serving_messages import create_message
 from kvfleet.runtime.entrypoints.openai import lifecycle
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, add_exception_handlers
@@ -277,6 +278,11 @@ async def chat_completions(request: Request):
     body = await _parse_body(request, P.ChatCompletionRequest)
     serving: OpenAIServingChat = request.app.state.serving_chat
     return await serving.create_chat_completion(body, request)
+
+
+@router.post("/v1/messages")  # Anthropic's Messages API; its own key check and error shape
+async def messages(request: Request):
+    return await create_message(request, request.app.state.serving_chat)
 
 
 @router.post("/tokenize", dependencies=_AUTH)
