@@ -46,7 +46,7 @@ def test_openai_tools_round_trip_with_sdk_defaults(server):
     assert auto.choices[0].message.content or auto.choices[0].message.tool_calls
     # A call the model makes (required: the tool grammar), its result, then the final answer with defaults.
     first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
-                                           temperature=0, max_tokens=60)
+                                           parallel_tool_calls=False, temperature=0, max_tokens=60)
     msg = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls", msg
     call = msg.tool_calls[0]

@@ -32,14 +32,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-class TextBlock(_Strict):
+class _Block(BaseModel):
+    # Clients echo the blocks of earlier responses back (with fields this server never sends,
+    # e.g. the SDK's ``caller``): unknown block fields are ignored, unknown request fields refused.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextBlock(_Block):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = None
     citations: list[dict[str, Any]] | None = None
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(_Block):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -47,7 +53,7 @@ class ToolUseBlock(_Strict):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
