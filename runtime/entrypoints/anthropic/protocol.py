@@ -186,3 +186,20 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error shape for an HTTP status."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _inline(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
+
+
+def openapi_request_body() -> dict[str, Any]:
+    """The route's OpenAPI ``requestBody``: :class:`MessagesRequest`'s JSON schema, self-contained."""
+    schema = MessagesRequest.model_json_schema()
+    return {"required": True, "content": {"application/json": {"schema": _inline(schema, schema.get("$defs", {}))}}}

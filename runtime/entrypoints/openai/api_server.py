@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.protocol import EngineClient
+from kvfleet.runtime.entrypoints.anthropic.protocol import openapi_request_body as messages_request_body
 from kvfleet.runtime.entrypoints.anthropic.serving_messages import create_message
 from kvfleet.runtime.entrypoints.openai import lifecycle
 from kvfleet.runtime.entrypoints.openai import protocol as P
@@ -280,7 +281,7 @@ async def chat_completions(request: Request):
     return await serving.create_chat_completion(body, request)
 
 
-@router.post("/v1/messages")  # Anthropic's Messages API; its own key check and error shape
+@router.post("/v1/messages", openapi_extra={"requestBody": messages_request_body()})  # Anthropic's; own errors
 async def messages(request: Request):
     return await create_message(request, request.app.state.serving_chat)
 
