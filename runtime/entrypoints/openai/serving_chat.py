@@ -36,7 +36,8 @@ from kvfleet.runtime.entrypoints.openai.tool_calls import (
     resolve_tools,
     template_renders_tools,
 )
-from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, tool_calls_body, tool_parsers
+from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, tool_calls_body
+from kvfleet.runtime.entrypoints.openai.tool_parsers_json import tool_parsers
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {

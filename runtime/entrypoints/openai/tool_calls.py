@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.runtime.entrypoints.openai import protocol as P
-from kvfleet.runtime.entrypoints.openai.tool_parsers import TOOL_CALL_END, TOOL_CALL_START, TOOL_PARSER_NAMES
+from kvfleet.runtime.entrypoints.openai.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
+from kvfleet.runtime.entrypoints.openai.tool_parsers_json import TOOL_PARSER_NAMES
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 
 FALLBACK_TOOL_PROMPT = (

@@ -115,17 +115,6 @@ class HermesToolParser:
         return ParsedOutput(content if content.strip() else None, calls)
 
 
-def tool_parsers() -> dict[str, Any]:
-    """``--tool-call-parser`` values -> parser classes (``parse(text, final) -> ParsedOutput``)."""
-    from kvfleet.runtime.entrypoints.openai.tool_parsers_json import Llama3JsonToolParser, MistralToolParser
-
-    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}
-
-
-TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
-"""``--tool-call-parser`` values."""
-
-
 def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -140,7 +129,7 @@ def tool_calls_body(calls: list[ParsedCall]) -> list[dict[str, Any]]:
 
 class HermesStreamParser:
     """The deltas of one streamed choice (see the module doc); ``parser``: any parser class of
-    :func:`tool_parsers` (default ``hermes``)."""
+    :func:`~.tool_parsers_json.tool_parsers` (default ``hermes``)."""
 
     def __init__(self, parser: Any = HermesToolParser) -> None:
         self.parser = parser

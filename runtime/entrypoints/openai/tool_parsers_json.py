@@ -13,6 +13,8 @@ with the same interface as :class:`~.tool_parsers.HermesToolParser`: ``parse(tex
 Both formats only make sense once complete: while streaming (``final=False``) the text after a
 possible start of a call is held back and the calls come whole when the output ends. Invalid
 calls make the whole text ``content`` (as the ``hermes`` parser).
+
+:func:`tool_parsers` is the registry of every ``--tool-call-parser`` name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvfleet.runtime.entrypoints.openai.tool_parsers import ParsedCall, ParsedOutput, _partial_suffix
+from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesToolParser, ParsedCall, ParsedOutput, _partial_suffix
 
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
@@ -116,3 +118,12 @@ def _mistral_calls(rest: str) -> list[ParsedCall] | None:
                 return None
             calls.append(call)
     return calls or None
+
+
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "mistral")
+"""``--tool-call-parser`` values."""
+
+
+def tool_parsers() -> dict[str, Any]:
+    """``--tool-call-parser`` values -> parser classes (``parse(text, final) -> ParsedOutput``)."""
+    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser}

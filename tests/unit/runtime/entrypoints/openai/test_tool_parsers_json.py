@@ -5,8 +5,8 @@ import json
 import pytest
 
 from kvfleet.runtime.entrypoints.openai.tool_calls import detect_tool_parser
-from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, tool_parsers
-from kvfleet.runtime.entrypoints.openai.tool_parsers_json import Llama3JsonToolParser, MistralToolParser
+from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser
+from kvfleet.runtime.entrypoints.openai.tool_parsers_json import Llama3JsonToolParser, MistralToolParser, tool_parsers
 
 
 def test_llama3_json_single_and_multiple_calls():
