@@ -13,8 +13,9 @@ token, the default 256 characters cover ~64 tokens, 4 blocks of 16: requests tha
 prompt (or the first turns of a conversation) longer than that get the same key; prompts that
 agree on fewer characters share at most a few blocks, so losing their affinity costs little.
 
-Key layout: ``model + "\\0" + the first prefix_chars characters`` (chat: ``role\\ncontent\\n`` for
-each message in order, text parts of multi-part contents joined; completions: the prompt, or the
+Key layout: ``model + "\\0" + the first prefix_chars characters`` (chat and Anthropic's
+``/v1/messages``, its ``system`` first: ``role\\ncontent\\n`` for each message in order, text
+parts of multi-part contents joined; completions: the prompt, or the
 first prompt of a batch; token-id prompts: their first ``prefix_chars // 4`` ids as decimals).
 """
 
@@ -55,8 +56,10 @@ def prefix_key(path: str, body: Any, prefix_chars: int = DEFAULT_PREFIX_CHARS) -
         return None
     model = body.get("model") if isinstance(body.get("model"), str) else ""
     text: str | None = None
-    if path.endswith("/chat/completions"):
+    if path.endswith(("/chat/completions", "/v1/messages")):
         messages = body.get("messages")
+        if path.endswith("/v1/messages") and body.get("system") and isinstance(messages, list):
+            messages = [{"role": "system", "content": body["system"]}, *messages]  # Anthropic's system prompt
         if isinstance(messages, list):
             parts: list[str] = []
             size = 0

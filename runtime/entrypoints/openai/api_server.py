@@ -26,6 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.protocol import EngineClient
+from kvfleet.runtime.entrypoints.anthropic.protocol import openapi_request_body as messages_request_body
+from kvfleet.runtime.entrypoints.anthropic.serving_messages import create_message
 from kvfleet.runtime.entrypoints.openai import lifecycle
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, add_exception_handlers
@@ -37,6 +39,7 @@ from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
 from kvfleet.runtime.entrypoints.openai.serving_lora import lora_model_cards, lora_router
 from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
+from kvfleet.runtime.entrypoints.openai.tool_calls import detect_tool_parser
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 
 __all__ = ["DEFAULT_MODEL_NAME", "APIError", "ServerState", "create_app", "main", "served_name"]
@@ -143,6 +146,7 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
                 "prompts longer than %d characters per token of max_model_len are rejected untokenized",
                 state.prompt_bound.chars_per_token,
             )
+        _pick_tool_parser(state, getattr(engine.tokenizer, "chat_template", None))
         await engine.start()
         state.engine = engine
         logger.info(
@@ -154,6 +158,16 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         # does not divide the heads is a ValueError), the traceback after it.
         logger.exception("the engine failed to start: %s: %s", type(exc).__name__, exc)
         lifecycle.report_fatal(state, exc)
+
+
+def _pick_tool_parser(state: ServerState, chat_template: str | None) -> None:
+    """``state.tool_parser``: ``--tool-call-parser`` if given, else the detected one (logged)."""
+    if state.settings.tool_call_parser is not None:
+        state.tool_parser = state.settings.tool_call_parser
+        logger.info("tool_choice auto: parser %s (--tool-call-parser)", state.tool_parser)
+        return
+    state.tool_parser, why = detect_tool_parser(chat_template, state.config.model or state.model_name)
+    logger.info("tool_choice auto: parser %s (%s)", state.tool_parser, why)
 
 
 def _state(request: Request) -> ServerState:
@@ -275,6 +289,11 @@ async def chat_completions(request: Request):
     body = await _parse_body(request, P.ChatCompletionRequest)
     serving: OpenAIServingChat = request.app.state.serving_chat
     return await serving.create_chat_completion(body, request)
+
+
+@router.post("/v1/messages", openapi_extra={"requestBody": messages_request_body()})  # Anthropic's; own errors
+async def messages(request: Request):
+    return await create_message(request, request.app.state.serving_chat)
 
 
 @router.post("/tokenize", dependencies=_AUTH)

@@ -69,11 +69,14 @@ class ServerSettings(BaseModel):
     allow_runtime_lora_updating: bool = False
     """Serve ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (docs/lora.md); also set by
     vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``."""
-    tool_call_parser: Literal["hermes"] | None = None
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     """How ``tool_choice: auto`` output is read into ``tool_calls`` (vLLM's ``--tool-call-parser``);
-    ``hermes``: ``<tool_call>{json}</tool_call>``. None: ``auto`` is refused."""
+    ``hermes``: ``<tool_call>{json}</tool_call>``, ``llama3_json``: ``{"name", "parameters"}``,
+    ``mistral``: ``[TOOL_CALLS][...]``. None: detected from the chat template at start-up
+    (:func:`~.tool_calls.detect_tool_parser`); this overrides the detection."""
     enable_auto_tool_choice: bool = False
-    """Allow ``tool_choice: auto`` (the default when a request has tools); needs ``tool_call_parser``."""
+    """vLLM's flag, accepted with ``tool_call_parser`` (``auto`` works without it whenever a parser
+    is given or detected)."""
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> ServerSettings:
@@ -116,8 +119,9 @@ _HELP = {
     "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
     "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",
-    "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes (<tool_call>{json}</tool_call>)",
-    "enable_auto_tool_choice": "allow tool_choice auto (the default with tools); needs --tool-call-parser",
+    "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes, llama3_json, mistral "
+    "(default: detected from the chat template)",
+    "enable_auto_tool_choice": "vLLM's flag for tool_choice auto (on by default when a parser is given or detected)",
     "enable_lora": "serve LoRA adapters (a request names one in its model field)",
     "lora_modules": "LoRA adapters to load at start: name=path ... or JSON {\"name\",\"path\",\"base_model_name\"}",
     "max_loras": "most distinct LoRA adapters in one engine step",

@@ -36,7 +36,8 @@ from kvfleet.runtime.entrypoints.openai.tool_calls import (
     resolve_tools,
     template_renders_tools,
 )
-from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, HermesToolParser, tool_calls_body
+from kvfleet.runtime.entrypoints.openai.tool_parsers import HermesStreamParser, tool_calls_body
+from kvfleet.runtime.entrypoints.openai.tool_parsers_json import tool_parsers
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -104,13 +105,18 @@ class _Chat:
         return body_response(resp)
 
     @property
+    def parser(self):
+        """The parser class reading this request's output (``hermes`` under the tool grammar)."""
+        return tool_parsers()[self.tools.parser]  # type: ignore[union-attr,index]
+
+    @property
     def parses_tools(self) -> bool:
         return self.tools is not None and self.tools.parser is not None
 
     def message(self, c: CompletionOutput) -> P.ChatResponseMessage:
         if not self.parses_tools:
             return P.ChatResponseMessage(content=c.text)
-        parsed = HermesToolParser.parse(c.text)
+        parsed = self.parser.parse(c.text)
         calls = parsed.calls if self.tools.parallel else parsed.calls[:1]  # type: ignore[union-attr]
         return P.ChatResponseMessage(content=parsed.content, tool_calls=tool_calls_body(calls))
 
@@ -119,7 +125,7 @@ class _Chat:
         if c.finish_reason != "stop" or not self.parses_tools:
             return c.finish_reason
         if made_calls is None:
-            made_calls = bool(HermesToolParser.parse(c.text).calls)
+            made_calls = bool(self.parser.parse(c.text).calls)
         return "tool_calls" if made_calls else c.finish_reason
 
 
@@ -152,7 +158,7 @@ class _ChatStream(StreamWriter):
         if not self.req.parses_tools:
             return P.ChatCompletionStreamChoice(index=idx, delta=P.DeltaMessage(content=text), logprobs=lp)
         self.texts[idx] = self.texts.get(idx, "") + text
-        content, calls = self.parsers.setdefault(idx, HermesStreamParser()).feed(self.texts[idx])
+        content, calls = self.parsers.setdefault(idx, HermesStreamParser(self.req.parser)).feed(self.texts[idx])
         return self._tool_delta(idx, content, calls, lp)
 
     def _tool_delta(self, idx: int, content: str, calls: list, lp=None) -> P.ChatCompletionStreamChoice | None:
@@ -167,7 +173,7 @@ class _ChatStream(StreamWriter):
         chunks = []
         if self.req.parses_tools:
             text = self.texts.get(idx, "")  # the deltas so far (c is the last delta)
-            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser()).finish(text)
+            content, calls, made_calls = self.parsers.setdefault(idx, HermesStreamParser(self.req.parser)).finish(text)
             chunks = [ch for ch in [self._tool_delta(idx, content, calls)] if ch is not None]
         return chunks + [
             P.ChatCompletionStreamChoice(
@@ -185,8 +191,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, body: P.ChatCompletionRequest, http_request: Request) -> Response:
         self.state.check_model(body.model)
         checked(body.check_supported)
-        settings = self.state.settings
-        tools = checked(lambda: resolve_tools(body, settings.tool_call_parser, settings.enable_auto_tool_choice))
+        tools = checked(lambda: resolve_tools(body, self.state.tool_parser))
         spec, spec_param = checked(lambda: structured_outputs_of(body))
         if tools is not None and tools.grammar() is not None:
             if spec is not None:

@@ -71,6 +71,8 @@ class ServerState:
     prompt_bound: PromptLengthBound | None = None
     """Lower bound on a prompt's tokens from its length, set at load (None: the tokenizer
     gives none, prompts are just tokenized)."""
+    tool_parser: str | None = None
+    """The ``tool_choice: auto`` parser: ``--tool-call-parser``, else detected at load."""
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvfleet-tokenizer")
     )

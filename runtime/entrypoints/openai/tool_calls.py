@@ -3,8 +3,9 @@ into the prompt, the grammar of ``required`` / named choices, and which parser r
 
 * ``tools``: OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
 * ``tool_choice``: ``none`` (tools in the prompt, output is text, never parsed), ``auto`` (the
-  default with tools; the model chooses, its output is parsed by the server's
-  ``--tool-call-parser``, which needs ``--enable-auto-tool-choice`` as in vLLM), ``required``
+  default with tools; the model chooses, its output is parsed by the server's parser: the one
+  :func:`detect_tool_parser` picks at start-up, or ``--tool-call-parser``, which overrides it),
+  ``required``
   (at least one call; ``parallel_tool_calls: false``: exactly one) or a named function (exactly
   one call of it). ``required`` and named choices are grammar-constrained (an xgrammar structural
   tag): the output is Hermes-format calls whose arguments are valid against each function's
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfleet.runtime.entrypoints.openai import protocol as P
-from kvfleet.runtime.entrypoints.openai.tool_parsers import TOOL_CALL_END, TOOL_CALL_START, TOOL_PARSERS
+from kvfleet.runtime.entrypoints.openai.tool_parsers import TOOL_CALL_END, TOOL_CALL_START
+from kvfleet.runtime.entrypoints.openai.tool_parsers_json import TOOL_PARSER_NAMES
 from kvfleet.runtime.sampling_params import StructuredOutputsParams
 
 FALLBACK_TOOL_PROMPT = (
@@ -101,12 +103,12 @@ def _check_tools(tools: list[dict[str, Any]]) -> None:
             raise P.ProtocolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
 
 
-def resolve_tools(body: P.ChatCompletionRequest, parser: str | None, enable_auto: bool) -> ToolSetup | None:
-    """The request's tool setup (None: no tools), checked against the server's options.
+def resolve_tools(body: P.ChatCompletionRequest, parser: str | None) -> ToolSetup | None:
+    """The request's tool setup (None: no tools); ``parser``: the server's ``auto`` parser.
 
     Raises:
         ProtocolError: malformed ``tools`` / ``tool_choice``, a named function that is not among
-            the tools, ``auto`` without ``--enable-auto-tool-choice`` and ``--tool-call-parser``.
+            the tools, ``auto`` when the server has no parser (none detected, no ``--tool-call-parser``).
     """
     tools = body.tools or []
     choice = body.tool_choice
@@ -132,11 +134,40 @@ def resolve_tools(body: P.ChatCompletionRequest, parser: str | None, enable_auto
         raise P.ProtocolError(
             f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}', "tool_choice"
         )
-    if choice == "auto" and not (enable_auto and parser in TOOL_PARSERS):
-        raise P.ProtocolError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                              'set (or send tool_choice "none", "required" or a named function)', "tool_choice")
+    if choice == "auto" and parser not in TOOL_PARSER_NAMES:
+        raise P.ProtocolError('"auto" tool choice needs a tool-call parser: none matches this model\'s chat '
+                              'template; start the server with --enable-auto-tool-choice --tool-call-parser NAME '
+                              '(or send tool_choice "none", "required" or a named function)', "tool_choice")
     reader = {"none": None, "auto": parser}.get(choice, "hermes")
     return ToolSetup(tools, choice, name, body.parallel_tool_calls is not False, reader)
+
+
+_TEMPLATE_MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"))
+_FAMILY_NAMES = (("hermes", "hermes"), ("qwen", "hermes"), ("mistral", "mistral"), ("mixtral", "mistral"),
+                 ("llama-3", "llama3_json"), ("llama3", "llama3_json"))
+
+
+def detect_tool_parser(chat_template: str | None, model_name: str) -> tuple[str | None, str]:
+    """The ``auto`` tool-call parser for a model, and why (logged at start-up).
+
+    A template that renders tools is searched for a parser's call marker (``<tool_call>``,
+    ``[TOOL_CALLS]``, ``<|python_tag|>``), then the model's name for its family (Hermes / Qwen,
+    Mistral / Mixtral, Llama 3); a template that renders tools in no known format gets no parser
+    (``auto`` is refused rather than misread). A template that does not render tools (the
+    embedded default model's) gets ``hermes``: the server then puts the tools into the prompt
+    itself with Hermes' system prompt (:data:`FALLBACK_TOOL_PROMPT`), so the model is asked for
+    exactly the format the ``hermes`` parser reads.
+    """
+    if not template_renders_tools(chat_template):
+        return "hermes", "the chat template does not render tools: the server prompts for Hermes-format calls"
+    for marker, name in _TEMPLATE_MARKERS:
+        if marker in (chat_template or ""):
+            return name, f"the chat template renders tools with {marker}"
+    lowered = model_name.lower()
+    for part, name in _FAMILY_NAMES:
+        if part in lowered:
+            return name, f"the model name {model_name!r} is of the {part} family"
+    return None, "the chat template renders tools in a format no parser knows"
 
 
 def template_renders_tools(chat_template: str | None) -> bool:

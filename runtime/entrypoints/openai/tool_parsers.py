@@ -115,10 +115,6 @@ class HermesToolParser:
         return ParsedOutput(content if content.strip() else None, calls)
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser}
-"""``--tool-call-parser`` values."""
-
-
 def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -132,9 +128,11 @@ def tool_calls_body(calls: list[ParsedCall]) -> list[dict[str, Any]]:
 
 
 class HermesStreamParser:
-    """The deltas of one streamed choice (see the module doc)."""
+    """The deltas of one streamed choice (see the module doc); ``parser``: any parser class of
+    :func:`~.tool_parsers_json.tool_parsers` (default ``hermes``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: Any = HermesToolParser) -> None:
+        self.parser = parser
         self.sent_content = ""
         self.sent_args: list[str] = []
         self.ids: list[str] = []
@@ -166,10 +164,10 @@ class HermesStreamParser:
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """``(content delta, tool_calls deltas)`` for the text so far (it may still grow)."""
-        return self._deltas(HermesToolParser.parse(text, final=False))
+        return self._deltas(self.parser.parse(text, final=False))
 
     def finish(self, text: str) -> tuple[str, list[dict[str, Any]], bool]:
         """The remaining deltas of the final text, and whether it made tool calls."""
-        parsed = HermesToolParser.parse(text, final=True)
+        parsed = self.parser.parse(text, final=True)
         content, calls = self._deltas(parsed)
         return content, calls, bool(parsed.calls)

@@ -20,3 +20,16 @@ def test_prefix_key_chat_completions_and_token_ids():
     for body in (None, [], {"prompt": ""}, {"messages": "x"}, {}):
         assert prefix_key("/v1/chat/completions", body) is None
     assert prefix_key("/v1/models", {"model": "m"}) is None
+
+
+def test_anthropic_messages_key_like_chat():
+    """/v1/messages gets the chat key of the same conversation (its system prompt first), so a
+    conversation keeps its replica whichever API it arrives by."""
+    sys_prompt = "You are a helpful assistant. " * 10
+    chat = prefix_key("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": sys_prompt}, {"role": "user", "content": "hi"}]})
+    for system in (sys_prompt, [{"type": "text", "text": sys_prompt}]):
+        anth = prefix_key("/v1/messages", {"model": "m", "max_tokens": 5, "system": system,
+                                           "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+        assert anth == chat
+    assert prefix_key("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]}) is not None

@@ -412,7 +412,8 @@ BAD_CHATS = [
     ({"messages": HI, "top_logprobs": 3}, 400, "top_logprobs"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ({"messages": HI, "tools": [{"type": "function"}]}, 400, "tools"),
-    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),  # auto: off
+    ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, 400,
+     "tool_choice"),  # auto itself works with no flags (test_tools_auto_needs_no_flags)
     ({"messages": HI, "structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs"),
     ({"messages": HI, "presence_penalty": 3}, 400, "presence_penalty"),
     ({"messages": HI, "stop": 5}, 400, "stop"),
@@ -427,6 +428,18 @@ def test_bad_chat_requests(client, reference, body, status, param):
     assert_error(client.post("/v1/chat/completions", json=body), status, param)
     good = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "temperature": 0})
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == reference.chat_text(HI, 4)
+
+
+def test_tools_auto_needs_no_flags(client):
+    """The OpenAI SDK's default (tools, no tool_choice) on a server started with no tool flags:
+    the default model's template renders no tools, so ``hermes`` is detected (see tool_calls).
+    The tool prompt outgrows this app's 64-token context: the request passes the tool checks and
+    is refused for its length (a 200 round trip: tests/e2e/test_messages_server.py)."""
+    body = {"messages": HI, "max_tokens": 4, "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert client.app.state.kvfleet.tool_parser == "hermes"
 
 
 def test_engine_rejection_is_400_and_does_not_disturb_the_request_it_collides_with(client, reference):

@@ -53,8 +53,8 @@ def test_tool_names_follow_openais_rule_and_are_unique():
         return P.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice="required",
                                        tools=[{"type": "function", "function": {"name": n}} for n in names])
 
-    assert resolve_tools(body("get_weather", "get-time2"), "hermes", False).choice == "required"
+    assert resolve_tools(body("get_weather", "get-time2"), "hermes").choice == "required"
     for names, why in ((("g</tool_call>",), "1-64 letters"), (("a" * 65,), "1-64 letters"),
                        (("f", "f"), "given twice")):
         with pytest.raises(P.ProtocolError, match=why):
-            resolve_tools(body(*names), "hermes", False)
+            resolve_tools(body(*names), "hermes")
