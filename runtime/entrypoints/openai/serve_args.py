@@ -66,6 +66,8 @@ class ServerSettings(BaseModel):
     allow_runtime_lora_updating: bool = False
     """Serve ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (docs/lora.md); also set by
     vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``."""
+    max_stored_responses: int = Field(1000, ge=0)
+    """Responses kept for ``GET /v1/responses/{id}`` and ``previous_response_id`` (LRU, per replica)."""
     tool_call_parser: Literal["hermes"] | None = None
     """How ``tool_choice: auto`` output is read into ``tool_calls`` (vLLM's ``--tool-call-parser``);
     ``hermes``: ``<tool_call>{json}</tool_call>``. None: ``auto`` is refused."""
@@ -111,6 +113,7 @@ _HELP = {
     "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
     "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",
+    "max_stored_responses": "responses kept (LRU) for GET /v1/responses/{id} and previous_response_id",
     "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes (<tool_call>{json}</tool_call>)",
     "enable_auto_tool_choice": "allow tool_choice auto (the default with tools); needs --tool-call-parser",
     "enable_lora": "serve LoRA adapters (a request names one in its model field)",
