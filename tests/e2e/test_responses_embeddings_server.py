@@ -1,4 +1,4 @@
-"""``/v1/responses`` end to end with the official ``openai`` SDK on one real server (SmolLM2-135M):
+"""``/v1/responses`` and ``/v1/embeddings`` end to end with the official ``openai`` SDK on one real server (SmolLM2-135M):
 text, streaming events that add up to the final object, a function-tool round trip, structured
 output through ``text.format``, stored responses (retrieve, delete, ``previous_response_id``) and
 400s in OpenAI's shape for what is refused."""
@@ -109,3 +109,57 @@ def test_refused_is_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**kwargs)
     assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
+
+
+# ----------------------------------------------------------------------------- /v1/embeddings (same server)
+
+PAIRS = [
+    ("The cat sat on the mat.", "A cat was sitting on the rug."),
+    ("How do I bake bread at home?", "What is a simple recipe for homemade bread?"),
+    ("The stock market fell sharply today.", "Share prices dropped a lot today."),
+]
+
+
+def _cos(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a), np.asarray(b)
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_embeddings_paraphrases_closer_than_unrelated(client):
+    texts = [t for pair in PAIRS for t in pair]
+    r = client.embeddings.create(model="SmolLM2-135M-Instruct", input=texts, encoding_format="float")
+    vecs = [d.embedding for d in sorted(r.data, key=lambda d: d.index)]
+    assert len(vecs) == 6 and abs(sum(x * x for x in vecs[0]) - 1) < 1e-4  # L2-normalised
+    # Top-1 retrieval: each sentence is closer to its paraphrase than to every unrelated sentence.
+    for i in range(3):
+        para = _cos(vecs[2 * i], vecs[2 * i + 1])
+        unrelated = [_cos(vecs[2 * i], vecs[k]) for k in range(6) if k // 2 != i]
+        assert para > max(unrelated), (i, para, unrelated)
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 6
+
+
+def test_embeddings_alone_equals_batched_and_base64(client):
+    import numpy as np
+
+    batch = client.embeddings.create(model="SmolLM2-135M-Instruct", input=["Hello there.", PAIRS[1][0], "x y z"],
+                                     encoding_format="float")
+    alone = client.embeddings.create(model="SmolLM2-135M-Instruct", input=PAIRS[1][0], encoding_format="float")
+    assert np.allclose(batch.data[1].embedding, alone.data[0].embedding, atol=1e-4)
+    # The SDK's default asks for base64 and decodes it: the same float32 vector.
+    b64 = client.embeddings.create(model="SmolLM2-135M-Instruct", input=PAIRS[1][0])
+    assert np.allclose(b64.data[0].embedding, alone.data[0].embedding, atol=1e-6)
+    tokens = client.embeddings.create(model="SmolLM2-135M-Instruct", input=[[504, 2634, 30]], encoding_format="float")
+    assert len(tokens.data[0].embedding) == len(alone.data[0].embedding) and tokens.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"input": "hi", "dimensions": 7}, "dimensions"),
+    ({"input": ""}, "input"),
+    ({"input": [[10**9]]}, "input"),
+])
+def test_embeddings_bad_input_is_400(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model="SmolLM2-135M-Instruct", encoding_format="float", **kwargs)
+    assert info.value.body["param"] == param
