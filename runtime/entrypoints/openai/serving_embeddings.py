@@ -92,7 +92,14 @@ def _encode(v: list[float], fmt: str) -> list[float] | str:
 def embeddings_router(auth: Sequence[Any], parse_body: Callable[[Request, type], Awaitable[Any]]) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/embeddings", dependencies=list(auth))
+    schema = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": EmbeddingRequest.model_json_schema()}},
+        }
+    }
+
+    @router.post("/v1/embeddings", dependencies=list(auth), openapi_extra=schema, summary="Create embeddings")
     async def create_embedding(request: Request):
         body = await parse_body(request, EmbeddingRequest)
         return await request.app.state.serving_embedding.create_embedding(body)

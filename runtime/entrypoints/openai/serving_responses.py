@@ -340,16 +340,23 @@ def responses_router(auth: Sequence[Any], parse_body: Callable[[Request, type], 
     def serving(request: Request) -> OpenAIServingResponses:
         return request.app.state.serving_responses
 
-    @router.post("/v1/responses", dependencies=list(auth))
+    schema = {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": ResponsesRequest.model_json_schema()}},
+        }
+    }
+
+    @router.post("/v1/responses", dependencies=list(auth), openapi_extra=schema, summary="Create a response")
     async def create_response(request: Request):
         body = await parse_body(request, ResponsesRequest)
         return await serving(request).create(body, request)
 
-    @router.get("/v1/responses/{response_id}", dependencies=list(auth))
+    @router.get("/v1/responses/{response_id}", dependencies=list(auth), summary="Retrieve a stored response")
     async def retrieve_response(request: Request, response_id: str):
         return serving(request).retrieve(response_id)
 
-    @router.delete("/v1/responses/{response_id}", dependencies=list(auth))
+    @router.delete("/v1/responses/{response_id}", dependencies=list(auth), summary="Delete a stored response")
     async def delete_response(request: Request, response_id: str):
         return serving(request).delete(response_id)
 

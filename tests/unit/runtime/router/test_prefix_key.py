@@ -20,3 +20,11 @@ def test_prefix_key_chat_completions_and_token_ids():
     for body in (None, [], {"prompt": ""}, {"messages": "x"}, {}):
         assert prefix_key("/v1/chat/completions", body) is None
     assert prefix_key("/v1/models", {"model": "m"}) is None
+
+
+def test_responses_key_covers_instructions_and_input():
+    a = prefix_key("/v1/responses", {"model": "m", "instructions": "be brief", "input": "hello"})
+    b = prefix_key("/v1/responses", {"model": "m", "instructions": "be brief",
+                                     "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}]})
+    assert a == b == "m\0system\nbe brief\nuser\nhello\n"
+    assert prefix_key("/v1/embeddings", {"model": "m", "input": "x"}) is None
