@@ -37,6 +37,7 @@ from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueFull
 from kvfleet.runtime.router.metrics import RouterMetrics
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.prefix_key import prefix_key
+from kvfleet.runtime.router.response_affinity import RESPONSE_ID_HEADER, ResponseAffinity, wanted_response_id
 
 logger = logging.getLogger("kvfleet.router")
 
@@ -145,6 +146,7 @@ class Forwarder:
         self.prefix_chars = prefix_chars
         self.on_hold = on_hold
         self.in_flight = 0
+        self.affinity = ResponseAffinity()
 
     def _done(self, ep: Endpoint, outcome: str) -> None:
         ep.in_flight -= 1
@@ -154,11 +156,14 @@ class Forwarder:
     async def forward(self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes) -> Response:
         key = None
+        parsed = None
         if body and method == "POST":
             try:
-                key = prefix_key(path, json.loads(body), self.prefix_chars)
+                parsed = json.loads(body)
+                key = prefix_key(path, parsed, self.prefix_chars)
             except ValueError:
                 key = None
+        pinned = self.affinity.replica(wanted_response_id(method, path, parsed))
         fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         target = path + ("?" + query.decode("latin-1") if query else "")
         tried: set[str] = set()
@@ -184,9 +189,11 @@ class Forwarder:
                                           headers={"Retry-After": "5"})
                 tried.clear()
                 continue
-            decision = self.picker.pick([e.candidate() for e in candidates], key, ring_keys=self.pool.urls())
-            self.metrics.decisions.labels(decision.decision).inc()
-            ep = self.pool.get(decision.key)
+            ep = next((e for e in candidates if e.url == pinned), None)  # the replica storing the response
+            if ep is None:
+                decision = self.picker.pick([e.candidate() for e in candidates], key, ring_keys=self.pool.urls())
+                self.metrics.decisions.labels(decision.decision).inc()
+                ep = self.pool.get(decision.key)
             assert ep is not None
             tried.add(ep.url)
             ep.in_flight += 1
@@ -215,6 +222,7 @@ class Forwarder:
                 self._failed(ep, "HTTP 503")
                 continue
             self.pool.succeeded(ep)
+            self.affinity.record(upstream.headers.get(RESPONSE_ID_HEADER), ep.url)
             return UpstreamResponse(upstream, ep, self._done)
 
     def _failed(self, ep: Endpoint, why: str) -> None:

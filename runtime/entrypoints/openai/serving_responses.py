@@ -122,10 +122,11 @@ class OpenAIServingResponses:
             )
             final = _final(shell, result)
             self._keep(body, rid, final, keep, result)
-            return JSONResponse(final)
+            return JSONResponse(final, headers=_id_header(body, rid))
         assert isinstance(chat_response, StreamingResponse)
         events = self._events(body, rid, shell, keep, chat_response.body_iterator)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        headers = {"Cache-Control": "no-cache", **_id_header(body, rid)}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     def _keep(self, body: ResponsesRequest, rid: str, final: dict, keep: list, result: _Result) -> None:
         if body.store:
@@ -247,6 +248,11 @@ class OpenAIServingResponses:
     def delete(self, rid: str) -> dict[str, Any]:
         self.store.delete(rid)
         return {"id": rid, "object": "response", "deleted": True}
+
+
+def _id_header(body: ResponsesRequest, rid: str) -> dict[str, str]:
+    """Names a stored response's id for the router's affinity (:mod:`kvfleet.runtime.router.response_affinity`)."""
+    return {"x-kvfleet-response-id": rid} if body.store else {}
 
 
 def _merge_call(calls: dict[int, dict[str, Any]], tc: dict[str, Any]) -> None:
