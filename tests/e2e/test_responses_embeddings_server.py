@@ -59,6 +59,12 @@ def test_function_tool_round_trip(client):
                                 temperature=0, max_output_tokens=40)
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and calls[0].name == "get_weather" and isinstance(json.loads(calls[0].arguments)["city"], str)
+    events = list(client.responses.create(model="SmolLM2-135M-Instruct", input="What is the weather in Paris?",
+                                          tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                                          temperature=0, max_output_tokens=40, stream=True))
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    streamed = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert done == [streamed[0].arguments] == [calls[0].arguments]
     follow = client.responses.create(
         model="SmolLM2-135M-Instruct", tools=[WEATHER], temperature=0, max_output_tokens=20, tool_choice="none",
         input=[{"role": "user", "content": "What is the weather in Paris?"},

@@ -138,109 +138,26 @@ class OpenAIServingResponses:
     async def _events(
         self, body: ResponsesRequest, rid: str, shell: dict, keep: list, chunks: AsyncIterator[Any]
     ) -> AsyncIterator[str]:
-        seq = 0
-
-        def event(kind: str, **data: Any) -> str:
-            nonlocal seq
-            seq += 1
-            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
-
-        result = _Result()
-        msg_id = P.random_id("msg")
-        started = False
-        yield event("response.created", response={**shell, "status": "in_progress"})
-        yield event("response.in_progress", response={**shell, "status": "in_progress"})
-        calls: dict[int, dict[str, Any]] = {}
+        """The typed events of one streamed response, from the chat path's SSE chunks."""
+        s = _ResponseStream(shell)
+        yield s.event("response.created", response={**shell, "status": "in_progress"})
+        yield s.event("response.in_progress", response={**shell, "status": "in_progress"})
         async for raw in chunks:
             for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    yield event("error", **{k: chunk["error"].get(k) for k in ("message", "code", "param")})
-                    yield event("response.failed", response={**shell, "status": "failed", "error": chunk["error"]})
+                    yield s.event("error", **{k: chunk["error"].get(k) for k in ("message", "code", "param")})
+                    yield s.event("response.failed", response={**shell, "status": "failed", "error": chunk["error"]})
                     return
-                if chunk.get("usage"):
-                    result.usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta", {})
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-                    for tc in delta.get("tool_calls") or []:
-                        _merge_call(calls, tc)
-                    if delta.get("content"):
-                        if not started:
-                            started = True
-                            yield event(
-                                "response.output_item.added", output_index=0, item=_message(msg_id, "", "in_progress")
-                            )
-                            yield event(
-                                "response.content_part.added",
-                                item_id=msg_id,
-                                output_index=0,
-                                content_index=0,
-                                part=_text_part(""),
-                            )
-                        result.text += delta["content"]
-                        yield event(
-                            "response.output_text.delta",
-                            item_id=msg_id,
-                            output_index=0,
-                            content_index=0,
-                            delta=delta["content"],
-                            logprobs=[],
-                        )
-        result.tool_calls = [calls[i] for i in sorted(calls)]
-        final = _final(shell, result, msg_id)
-        for index, item in enumerate(final["output"]):
-            if item["type"] == "message":
-                if not started:
-                    yield event(
-                        "response.output_item.added", output_index=index, item=_message(msg_id, "", "in_progress")
-                    )
-                    yield event(
-                        "response.content_part.added",
-                        item_id=msg_id,
-                        output_index=index,
-                        content_index=0,
-                        part=_text_part(""),
-                    )
-                yield event(
-                    "response.output_text.done",
-                    item_id=msg_id,
-                    output_index=index,
-                    content_index=0,
-                    text=result.text,
-                    logprobs=[],
-                )
-                yield event(
-                    "response.content_part.done",
-                    item_id=msg_id,
-                    output_index=index,
-                    content_index=0,
-                    part=_text_part(result.text),
-                )
-            else:
-                yield event(
-                    "response.output_item.added",
-                    output_index=index,
-                    item={**item, "arguments": "", "status": "in_progress"},
-                )
-                yield event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=index,
-                    delta=item["arguments"],
-                )
-                yield event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    arguments=item["arguments"],
-                )
-            yield event("response.output_item.done", output_index=index, item=item)
-        self._keep(body, rid, final, keep, result)
-        yield event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
+                for event in s.on_chunk(chunk):
+                    yield event
+        final = s.final()
+        for event in s.closing(final):
+            yield event
+        self._keep(body, rid, final, keep, s.result)
+        yield s.event("response.completed" if final["status"] == "completed" else "response.incomplete", response=final)
 
     def retrieve(self, rid: str) -> dict[str, Any]:
         return self.store.get(rid).body
@@ -248,6 +165,90 @@ class OpenAIServingResponses:
     def delete(self, rid: str) -> dict[str, Any]:
         self.store.delete(rid)
         return {"id": rid, "object": "response", "deleted": True}
+
+
+class _ResponseStream:
+    """The state of one streamed response: the sequence numbers, the text and calls so far."""
+
+    def __init__(self, shell: dict[str, Any]):
+        self.shell = shell
+        self.seq = 0
+        self.result = _Result()
+        self.msg_id = P.random_id("msg")
+        self.started = False
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def event(self, kind: str, **data: Any) -> str:
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
+
+    def _open_message(self, index: int) -> list[str]:
+        self.started = True
+        return [
+            self.event("response.output_item.added", output_index=index, item=_message(self.msg_id, "", "in_progress")),
+            self.event(
+                "response.content_part.added",
+                item_id=self.msg_id,
+                output_index=index,
+                content_index=0,
+                part=_text_part(""),
+            ),
+        ]
+
+    def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        if chunk.get("usage"):
+            self.result.usage = chunk["usage"]
+        for choice in chunk.get("choices", []):
+            delta = choice.get("delta", {})
+            if choice.get("finish_reason"):
+                self.result.finish_reason = choice["finish_reason"]
+            for tc in delta.get("tool_calls") or []:
+                _merge_call(self.calls, tc)
+            if delta.get("content"):
+                if not self.started:
+                    out += self._open_message(0)
+                self.result.text += delta["content"]
+                out.append(
+                    self.event(
+                        "response.output_text.delta",
+                        item_id=self.msg_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=delta["content"],
+                        logprobs=[],
+                    )
+                )
+        return out
+
+    def final(self) -> dict[str, Any]:
+        self.result.tool_calls = [self.calls[i] for i in sorted(self.calls)]
+        return _final(self.shell, self.result, self.msg_id)
+
+    def closing(self, final: dict[str, Any]) -> list[str]:
+        """The ``.done`` events of every output item (and the ``.added`` ones not sent yet)."""
+        out: list[str] = []
+        text = self.result.text
+        for index, item in enumerate(final["output"]):
+            if item["type"] == "message":
+                if not self.started:
+                    out += self._open_message(index)
+                ids = {"item_id": self.msg_id, "output_index": index, "content_index": 0}
+                out.append(self.event("response.output_text.done", **ids, text=text, logprobs=[]))
+                out.append(self.event("response.content_part.done", **ids, part=_text_part(text)))
+            else:
+                ids = {"item_id": item["id"], "output_index": index}
+                out.append(
+                    self.event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"},
+                    )
+                )
+                out.append(self.event("response.function_call_arguments.delta", **ids, delta=item["arguments"]))
+                out.append(self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"]))
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
+        return out
 
 
 def _id_header(body: ResponsesRequest, rid: str) -> dict[str, str]:
