@@ -258,6 +258,13 @@ class AsyncLLMEngine:
         """Unload an adapter; its requests end aborted. Raises LoRANotFoundError."""
         await self._call(self.engine.remove_lora, lora_name)
 
+    async def embed(self, seqs: list[list[int]], pooler_config) -> list[list[float]]:
+        """Pooled vectors of ``seqs`` (:func:`kvfleet.runtime.worker.pooler.embed`), one forward
+        with scratch KV caches in the engine thread between steps."""
+        from kvfleet.runtime.worker.pooler import embed
+
+        return await self._call(embed, self.engine.runner, seqs, pooler_config)
+
     async def reset_prefix_cache(self) -> bool:
         """Drop unreferenced prefix-cache blocks (in the engine thread)."""
         self._check_alive()

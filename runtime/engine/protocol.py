@@ -88,6 +88,9 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    async def embed(self, seqs: list[list[int]], pooler_config: Any) -> list[list[float]]:
+        """One pooled vector per token-id sequence (``/v1/embeddings``, :mod:`kvfleet.runtime.worker.pooler`)."""
+
     # -- LoRA adapters (docs/lora.md)
     def list_loras(self) -> list[LoRARequest]:
         """The loaded adapters (empty with LoRA off)."""

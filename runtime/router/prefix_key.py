@@ -72,6 +72,12 @@ def prefix_key(path: str, body: Any, prefix_chars: int = DEFAULT_PREFIX_CHARS) -
                 if size >= prefix_chars:
                     break
             text = "".join(parts)[:prefix_chars]
+    elif path.endswith("/responses"):  # Responses API: instructions, then the input (string or items)
+        inp = body.get("input")
+        items = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp if isinstance(inp, list) else []
+        head = f"system\n{body['instructions']}\n" if isinstance(body.get("instructions"), str) else ""
+        text = (head + "".join(f"{m.get('role', '')}\n{_content_text(m.get('content'))}\n"
+                               for m in items if isinstance(m, dict)))[:prefix_chars]
     elif "prompt" in body:
         text = _prompt_text(body["prompt"], prefix_chars)
     if not text:

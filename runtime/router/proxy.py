@@ -42,6 +42,7 @@ from kvfleet.runtime.router.metrics import RouterMetrics
 from kvfleet.runtime.router.migration import MigratingStream, upstream_body, wants_migration
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.prefix_key import prefix_key
+from kvfleet.runtime.router.response_affinity import RESPONSE_ID_HEADER, ResponseAffinity, wanted_response_id
 
 logger = logging.getLogger("kvfleet.router")
 
@@ -182,6 +183,7 @@ class Forwarder:
         self.on_hold = on_hold
         self.max_migrations = max_migrations
         self.in_flight = 0
+        self.affinity = ResponseAffinity()
 
     def _done(self, ep: Endpoint, outcome: str) -> None:
         ep.in_flight -= 1
@@ -200,6 +202,7 @@ class Forwarder:
         migrate = self.max_migrations > 0 and wants_migration(path, parsed)
         if migrate:
             body = json.dumps(upstream_body(parsed)).encode()
+        pinned = self.affinity.replica(wanted_response_id(method, path, parsed))
         fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
         target = path + ("?" + query.decode("latin-1") if query else "")
         tried: set[str] = set()
@@ -225,9 +228,11 @@ class Forwarder:
                                           headers={"Retry-After": "5"})
                 tried.clear()
                 continue
-            decision = self.picker.pick([e.candidate() for e in candidates], key, ring_keys=self.pool.urls())
-            self.metrics.decisions.labels(decision.decision).inc()
-            ep = self.pool.get(decision.key)
+            ep = next((e for e in candidates if e.url == pinned), None)  # the replica storing the response
+            if ep is None:
+                decision = self.picker.pick([e.candidate() for e in candidates], key, ring_keys=self.pool.urls())
+                self.metrics.decisions.labels(decision.decision).inc()
+                ep = self.pool.get(decision.key)
             assert ep is not None
             tried.add(ep.url)
             ep.in_flight += 1
@@ -256,6 +261,7 @@ class Forwarder:
                 self._failed(ep, "HTTP 503")
                 continue
             self.pool.succeeded(ep)
+            self.affinity.record(upstream.headers.get(RESPONSE_ID_HEADER), ep.url)
             if migrate and upstream.status_code == 200:
                 return MigratingResponse(upstream, ep, self, parsed, target, fwd_headers)
             return UpstreamResponse(upstream, ep, self._done)

@@ -175,6 +175,24 @@ def test_streaming_disconnect_api_key_and_models_pass_through(fleet):
     assert aborts() == before + 1
 
 
+def test_stored_responses_follow_their_replica_under_round_robin(fleet):
+    """A stored response lives on one replica: retrieve, previous_response_id and delete through a
+    round-robin router all reach it (the x-kvfleet-response-id affinity)."""
+    _, rr = fleet["routers"]["rr"]
+    c = client(rr)
+    raw = c.responses.with_raw_response.create(model=MODEL, input="Hi.", max_output_tokens=2)
+    first, home = raw.parse(), raw.headers.get("x-kvfleet-replica")
+    for _ in range(3):  # round robin alone would reach another replica at least twice
+        got = c.responses.with_raw_response.retrieve(first.id)
+        assert got.parse().id == first.id and got.headers.get("x-kvfleet-replica") == home
+    follow = c.responses.with_raw_response.create(model=MODEL, input="And?", max_output_tokens=2,
+                                                  previous_response_id=first.id)
+    assert follow.headers.get("x-kvfleet-replica") == home
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+
+
 def test_sigkill_one_replica_every_new_request_succeeds(fleet):
     replicas, base = fleet["replicas"], fleet["routers"]["prefix"][1]
     homes = fleet["state"].get("homes")

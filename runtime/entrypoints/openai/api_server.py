@@ -35,8 +35,10 @@ from kvfleet.runtime.entrypoints.openai.request_body import BodyT, parse_body
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
 from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvfleet.runtime.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding, embeddings_router
 from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
 from kvfleet.runtime.entrypoints.openai.serving_lora import lora_model_cards, lora_router
+from kvfleet.runtime.entrypoints.openai.serving_responses import OpenAIServingResponses, responses_router
 from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
 from kvfleet.runtime.entrypoints.openai.tool_calls import detect_tool_parser
@@ -121,10 +123,14 @@ def create_app(
     app.state.kvfleet = state
     app.state.serving_completion = OpenAIServingCompletion(state)
     app.state.serving_chat = OpenAIServingChat(state)
+    app.state.serving_responses = OpenAIServingResponses(app.state.serving_chat, settings.max_stored_responses)
+    app.state.serving_embedding = OpenAIServingEmbedding(state)
     app.state.serving_tokenize = OpenAIServingTokenization(state, app.state.serving_chat)
     add_exception_handlers(app)
     app.include_router(router)
     app.include_router(lora_router(_AUTH, _parse_body))
+    app.include_router(responses_router(_AUTH, _parse_body))
+    app.include_router(embeddings_router(_AUTH, _parse_body))
     app.add_middleware(lifecycle.InFlight, state=state)
     return app
 

@@ -43,7 +43,7 @@ DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 """Kubernetes' ``terminationMessagePath`` default; written only where it exists (the kubelet mounts it)."""
 TERMINATION_LOG_LIMIT = 4096
 """Kubernetes keeps at most 4096 bytes of a termination message."""
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
 _OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 

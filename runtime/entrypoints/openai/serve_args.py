@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.pooler_config import PoolerConfig
 
 ENV_PREFIX = "KVFLEET_"
 
@@ -69,6 +70,16 @@ class ServerSettings(BaseModel):
     allow_runtime_lora_updating: bool = False
     """Serve ``POST /v1/load_lora_adapter`` / ``unload_lora_adapter`` (docs/lora.md); also set by
     vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``."""
+    pooler_config: PoolerConfig = Field(default_factory=PoolerConfig)
+    """How ``/v1/embeddings`` pools the decoder's hidden states (vLLM's ``--pooler-config``),
+    JSON ``{"pooling_type": "LAST"|"MEAN", "normalize": true}``."""
+    max_stored_responses: int = Field(1000, ge=0)
+    """Responses kept for ``GET /v1/responses/{id}`` and ``previous_response_id`` (LRU, per replica)."""
+
+    @field_validator("pooler_config", mode="before")
+    @classmethod
+    def _parse_pooler_config(cls, value):
+        return PoolerConfig.parse(value) if isinstance(value, str) else value
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
     """How ``tool_choice: auto`` output is read into ``tool_calls`` (vLLM's ``--tool-call-parser``);
     ``hermes``: ``<tool_call>{json}</tool_call>``, ``llama3_json``: ``{"name", "parameters"}``,
@@ -119,6 +130,8 @@ _HELP = {
     "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
     "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",
+    "pooler_config": "embeddings pooling, JSON {\"pooling_type\": \"LAST\"|\"MEAN\", \"normalize\": true}",
+    "max_stored_responses": "responses kept (LRU) for GET /v1/responses/{id} and previous_response_id",
     "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes, llama3_json, mistral "
     "(default: detected from the chat template)",
     "enable_auto_tool_choice": "vLLM's flag for tool_choice auto (on by default when a parser is given or detected)",

@@ -33,3 +33,11 @@ def test_anthropic_messages_key_like_chat():
                                            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
         assert anth == chat
     assert prefix_key("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]}) is not None
+
+
+def test_responses_key_covers_instructions_and_input():
+    a = prefix_key("/v1/responses", {"model": "m", "instructions": "be brief", "input": "hello"})
+    b = prefix_key("/v1/responses", {"model": "m", "instructions": "be brief",
+                                     "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}]})
+    assert a == b == "m\0system\nbe brief\nuser\nhello\n"
+    assert prefix_key("/v1/embeddings", {"model": "m", "input": "x"}) is None
