@@ -91,3 +91,13 @@ def test_adapters_listed_served_loaded_and_unloaded(server):
     counts = {s.labels["lora_name"]: s.value for s in families["kvfleet:lora_requests"].samples
               if s.name.endswith("_total")}  # fmt: skip
     assert counts == {"a1": 3.0, "a2": 3.0}
+
+
+def test_embeddings_refuse_an_adapter_and_serve_the_base_model(server):
+    # The pooled forward runs the base weights only: an adapter's name is a 400, not base vectors.
+    base, _ = server
+    c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.embeddings.create(model="a1", input="hello")
+    assert err.value.code == "unsupported" and "LoRA adapter" in err.value.message
+    assert len(c.embeddings.create(model=MODEL, input="hello").data[0].embedding) == 576

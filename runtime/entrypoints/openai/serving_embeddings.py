@@ -28,6 +28,11 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, body: EmbeddingRequest) -> dict[str, Any]:
         self.state.check_model(body.model)
+        if body.model is not None and body.model != self.state.model_name and self.state.is_lora(body.model):
+            # The pooled forward runs the base model's weights only: an adapter's vectors would
+            # silently be the base model's.
+            raise APIError(400, f"model: {body.model!r} is a LoRA adapter; embeddings are served for the base "
+                           f"model {self.state.model_name!r} only", param="model", code="unsupported")
         items = checked(body.inputs)
         engine = self.state.require_engine()
         if self.state.config.tensor_parallel_size > 1:
