@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvfleet.kernels import cpu_features
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
@@ -64,8 +65,13 @@ def test_seeded_request_alone_and_beside_eight(llm):
     assert llm.generate([TARGET], SEEDED.clone(seed=99), use_tqdm=False)[0].outputs[0].token_ids != alone.token_ids
 
 
-def test_greedy_batch_equals_each_prompt_alone(llm):
+def test_greedy_batch_equals_each_prompt_alone(llm, request):
     name, llm = llm
+    if name == "bfloat16" and cpu_features.detect().native_bf16:
+        # Found on a Xeon with AMX (issue 25, open): the batch's prefill (> KERNEL_ROWS rows) runs
+        # oneDNN's native bf16 matmul, a prompt alone the C kernel; "Hello, my name is" flips its
+        # 7th greedy token. Strict: when it passes, this marker must go.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="bf16 greedy batch variance on native-bf16 CPUs"))
     prompts = OTHERS + [TARGET]
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
