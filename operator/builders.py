@@ -58,7 +58,8 @@ ENGINE_KEYS = {
 
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
                       "metrics_compat", "shutdown_timeout", "termination_log", "tool_call_parser",
-                      "enable_auto_tool_choice", "allow_runtime_lora_updating")
+                      "enable_auto_tool_choice", "allow_runtime_lora_updating", "pooler_config",
+                      "max_stored_responses", "drain_handoff_grace")
 """``kvfleet serve`` server options (``ServerSettings``) that ``engine.extraArgs`` may set in the
 config file: all but ``host``, ``port`` (the pod's) and ``api_key`` (``apiKeySecretRef``)."""
 
