@@ -90,18 +90,6 @@ class _Timer:
         return timed
 
 
-class _TimedSampler:
-    def __init__(self, sampler, timer: _Timer) -> None:
-        self._call = timer.wrap("sampler", sampler.__call__)
-        self._sampler = sampler
-
-    def __call__(self, *a, **k):
-        return self._call(*a, **k)
-
-    def __getattr__(self, name):
-        return getattr(self._sampler, name)
-
-
 def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub_forward: bool = False) -> dict:
     import torch
 
@@ -133,7 +121,7 @@ def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub
     else:
         model.forward = timer.wrap("forward", model.forward)
     runner.execute_model = timer.wrap("execute_model", runner.execute_model, runner_acc)
-    eng.sampler = _TimedSampler(eng.sampler, timer)
+    runner.sample = timer.wrap("sampler", runner.sample)
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for i in range(concurrency):
         eng.add_request(f"r{i}", prompt(i, 128), params)

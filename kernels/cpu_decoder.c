@@ -46,6 +46,7 @@
 #define KV_MAX_THREADS 64
 #define KV_MAX_ROWS 64
 #define KV_MAX_SPLITS 8     /* attention splits per sequence */
+#define KV_SPLIT_BLOCKS 4   /* fewest cache blocks per split (split_of) */
 #define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
 
 /* ------------------------------------------------------------------ thread pool */
@@ -287,15 +288,35 @@ static void rope(float *x, const float *c, const float *s, int64_t D) {
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m256 acc = _mm256_setzero_ps(), acc2 = acc;   /* two FMA chains: D / 8 in one is latency-bound */
-    int64_t k = 0;
-    for (; k + 16 <= D; k += 16) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc2);
+/* Scores of query q against four keys k0..k3 (D floats each), as one vector: each dot in two FMA
+ * chains, then one tree of horizontal adds for the four (a fixed order per key, wherever the key
+ * sits in its group of four). */
+static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                          int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    int64_t e = 0;
+    for (; e + 16 <= D; e += 16) {
+        const __m256 q0 = _mm256_loadu_ps(q + e), q1 = _mm256_loadu_ps(q + e + 8);
+        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + e), a0);
+        b0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k0 + e + 8), b0);
+        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + e), a1);
+        b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k1 + e + 8), b1);
+        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k2 + e), a2);
+        b2 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k2 + e + 8), b2);
+        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k3 + e), a3);
+        b3 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k3 + e + 8), b3);
     }
-    if (k < D) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc);
-    return hsum(_mm256_add_ps(acc, acc2));
+    if (e < D) {
+        const __m256 q0 = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + e), a1);
+        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k2 + e), a2);
+        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k3 + e), a3);
+    }
+    const __m256 t01 = _mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
+    const __m256 t23 = _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
+    const __m256 t = _mm256_hadd_ps(t01, t23);   /* lane l of each half: key l's partial sum */
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
 /* Serial, before the attention phase: rotary on each row's new queries and keys, and its keys
@@ -336,20 +357,34 @@ static inline void accumulate_values(float *acc, const float *w, const float *v,
     }
 }
 
-/* Partial attention of row i, KV head g, over the cache blocks of split `part` of `s->splits`:
- * for each of the group's query heads, the running maximum, the sum of exp(score - maximum) and
- * the exp-weighted sum of values (online softmax: Milakov & Gimelshein 2018, "Online normalizer
- * calculation for softmax"), stored in s->partial for merge_attention. Splitting a sequence's
- * positions (Flash-Decoding's split-K) gives the threads work when one sequence has few KV
- * heads; a task reads each key and value once for all the query heads that share it. */
+/* How a sequence of `blocks` cache blocks is split: `*per` blocks per split (at least
+ * KV_SPLIT_BLOCKS, more for long sequences so that there are at most KV_MAX_SPLITS); returns the
+ * number of splits. It depends on the sequence's length only, never on the step's other rows or
+ * the thread count: a row's attention sums in the same order in any batch (batch-invariant). */
+static inline int64_t split_of(int64_t blocks, int64_t *per) {
+    int64_t p = (blocks + KV_MAX_SPLITS - 1) / KV_MAX_SPLITS;
+    p = p < KV_SPLIT_BLOCKS ? KV_SPLIT_BLOCKS : p;
+    *per = p;
+    return blocks ? (blocks + p - 1) / p : 1;
+}
+
+/* Partial attention of row i, KV head g, over the cache blocks of split `part` (of the row's
+ * split_of): for each of the group's query heads, the running maximum, the sum of exp(score -
+ * maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein 2018, "Online
+ * normalizer calculation for softmax"), stored in s->partial for merge_attention. Splitting a
+ * sequence's positions (Flash-Decoding's split-K) gives the threads work when one sequence has few
+ * KV heads; a task reads each key and value once for all the query heads that share it. Tasks
+ * past a row's last split return at once. */
 static void task_attention(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
-    const int64_t G = QH / KVH, S = s->splits, stride = KVH * D;
+    const int64_t G = QH / KVH, S = KV_MAX_SPLITS, stride = KVH * D;
     const int64_t i = t / (KVH * S), g = t / S % KVH, part = t % S;
     const int64_t len = s->seq_lens[i], blocks = (len + bs - 1) / bs;
-    const int64_t b0 = blocks * part / S, b1 = blocks * (part + 1) / S;
+    int64_t per;
+    if (part >= split_of(blocks, &per)) return;
+    const int64_t b0 = part * per, b1 = b0 + per < blocks ? b0 + per : blocks;
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
     const float *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
@@ -365,13 +400,16 @@ static void task_attention(const void *ctx, int64_t t) {
     for (int64_t b = b0; b < b1; b++) {
         const int64_t n = len - b * bs < bs ? len - b * bs : bs;
         const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
+        const float *kb = kc + base;
         for (int64_t j = 0; j < G; j++) {
             const float *q = q0 + j * D;
             float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
-            for (int64_t p = 0; p < n; p++) {
-                sc[p] = dot(q, kc + base + p * stride, D) * scale;
-                bmax = sc[p] > bmax ? sc[p] : bmax;
+            for (int64_t p = 0; p < n; p += 4) {   /* past n: the last key again (never used) */
+                const float *k0 = kb + p * stride, *k1 = kb + (p + 1 < n ? p + 1 : p) * stride;
+                const float *k2 = kb + (p + 2 < n ? p + 2 : p) * stride, *k3 = kb + (p + 3 < n ? p + 3 : p) * stride;
+                _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, k0, k1, k2, k3, D), _mm_set1_ps(scale)));
             }
+            for (int64_t p = 0; p < n; p++) bmax = sc[p] > bmax ? sc[p] : bmax;
             if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
                 float corr = expf(o[0] - bmax);
                 o[1] *= corr;
@@ -390,9 +428,12 @@ static void task_attention(const void *ctx, int64_t t) {
 
 /* Serial: each query head's output from its splits' partials (rescaled to the largest maximum). */
 static void merge_attention(const kv_step *s) {
-    const int64_t QH = s->d->num_heads, D = s->d->head_size, S = s->splits;
+    const int64_t QH = s->d->num_heads, D = s->d->head_size, bs = s->d->block_size;
     for (int64_t r = 0; r < s->M * QH; r++) {
-        const float *p = s->partial + r * S * (D + 2);
+        const int64_t stride = KV_MAX_SPLITS * (D + 2);
+        int64_t per;
+        const int64_t S = split_of((s->seq_lens[r / QH] + bs - 1) / bs, &per);
+        const float *p = s->partial + r * stride;
         float mx = -INFINITY, sum = 0.0f, *out = s->attn + r * D;
         for (int64_t k = 0; k < S; k++) mx = p[k * (D + 2)] > mx ? p[k * (D + 2)] : mx;
         memset(out, 0, D * sizeof(float));
@@ -408,12 +449,6 @@ static void merge_attention(const kv_step *s) {
     }
 }
 
-/* Splits per sequence: enough attention tasks for about four per thread, at most KV_MAX_SPLITS. */
-static int64_t attention_splits(const kv_decoder *d, int64_t M) {
-    int64_t want = 4 * (P.helpers + 1), per = M * d->num_kv_heads;
-    int64_t S = (want + per - 1) / per;
-    return S < 1 ? 1 : S > KV_MAX_SPLITS ? KV_MAX_SPLITS : S;
-}
 
 /* Nanoseconds spent per phase since the last kv_decode_profile call, and the steps:
  * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, steps]. */
@@ -440,7 +475,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
                   float *out, float *logits) {
     if (M < 1 || M > KV_MAX_ROWS) return -1;
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
-    const int64_t splits = attention_splits(d, M);
+    const int64_t splits = KV_MAX_SPLITS;
     const int64_t need = M * (H + qkv_width(d) + QD + I + d->num_heads * splits * (d->head_size + 2));
     pthread_mutex_lock(&P.lock);
     if (P.scratch_floats < need) {

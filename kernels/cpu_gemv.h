@@ -12,11 +12,13 @@
  *         (a multiple of 32); the int4 helpers apply scale and shift themselves.
  *
  * K is a multiple of 32 (int4) or 8 (fp32, bf16, int8). A decode step is bound by reading weights:
- * each weight is loaded once, widened to float32 in registers and used for up to 4 rows of x.
- * At one row (the _m1 helpers) each weight row is summed front to back with four independent
- * FMA chains, so a thread reads its weights as one sequential stream; reading four rows at once
- * (four streams a few hundred bytes apart) defeated the hardware prefetcher and halved the rate
- * (docs/performance.md, "One sequential stream per thread").
+ * each weight is loaded once. At one row (the _m1 helpers) each weight row is summed front to back
+ * with four independent FMA chains, so a thread reads its weights as one sequential stream; reading
+ * four rows at once (four streams a few hundred bytes apart) defeated the hardware prefetcher and
+ * halved the rate (docs/performance.md, "One sequential stream per thread"). With several rows of x
+ * each weight row is widened once and every row is summed in exactly the one-row order, so a row's
+ * result does not depend on the rest of the step (kv_matrix_rows). Built with -ffp-contract=off
+ * (cpu_lib.py): the compiler fuses no multiply-add of its own, so equal code is equal arithmetic.
  */
 #ifndef KVFLEET_CPU_GEMV_H
 #define KVFLEET_CPU_GEMV_H
@@ -62,77 +64,6 @@ static inline void widen_i4(const uint8_t *p, __m256 s, __m256 t, __m256 out[4])
     out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, mask)), s, t);
     out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), s, t);
     out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), s, t);
-}
-
-/* R <= 4 rows of x against one weight row: out[r] = sum_k x[r, k] * w[k]. One body for fp32 and
- * int8 weights; LOAD turns 8 weights at p into a float vector. */
-#define KV_DEFINE_ROWS(NAME, T, LOAD)                                                                   \
-    static inline void NAME(const float *x, int64_t ldx, int64_t K, const T *wn, int R, float out[4]) { \
-        __m256 a0[4], a1[4];                                                                            \
-        for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }       \
-        int64_t k = 0;                                                                                  \
-        for (; k + 16 <= K; k += 16) {                                                                  \
-            __m256 w0 = LOAD(wn + k), w1 = LOAD(wn + k + 8);                                            \
-            for (int r = 0; r < R; r++) {                                                               \
-                a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]);                   \
-                a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + k + 8), a1[r]);               \
-            }                                                                                           \
-        }                                                                                               \
-        for (; k + 8 <= K; k += 8) {                                                                    \
-            __m256 w0 = LOAD(wn + k);                                                                   \
-            for (int r = 0; r < R; r++) a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + k), a0[r]); \
-        }                                                                                               \
-        for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));                         \
-    }
-
-KV_DEFINE_ROWS(f32_rows, float, _mm256_loadu_ps)
-KV_DEFINE_ROWS(i8_rows, int8_t, widen_i8)
-KV_DEFINE_ROWS(bf16_rows, uint16_t, widen_bf16)
-
-/* Four rows of x against two weight rows w0, w1 (fp32 or int8): out[j][r] = x[r, :] . w_j. Each x
- * vector loaded serves two weight rows (eight accumulators), where the one-row form loads an x
- * vector per multiply-add and was bound by loads. */
-#define KV_DEFINE_TILE(NAME, T, LOAD)                                                                   \
-    static inline void NAME(const float *x, int64_t ldx, int64_t K, const T *w0, const T *w1,           \
-                            float out[2][4]) {                                                          \
-        __m256 a[2][4];                                                                                 \
-        for (int r = 0; r < 4; r++) { a[0][r] = _mm256_setzero_ps(); a[1][r] = _mm256_setzero_ps(); }   \
-        for (int64_t k = 0; k < K; k += 8) {                                                            \
-            if (((k * (int64_t)sizeof(T)) & 63) == 0) {   /* each row's stream, a line at a time */     \
-                _mm_prefetch((const char *)(w0 + k) + 4096, _MM_HINT_T0);                               \
-                _mm_prefetch((const char *)(w1 + k) + 4096, _MM_HINT_T0);                               \
-            }                                                                                           \
-            __m256 v0 = LOAD(w0 + k), v1 = LOAD(w1 + k);                                                \
-            for (int r = 0; r < 4; r++) {                                                               \
-                __m256 xr = _mm256_loadu_ps(x + r * ldx + k);                                           \
-                a[0][r] = _mm256_fmadd_ps(v0, xr, a[0][r]);                                             \
-                a[1][r] = _mm256_fmadd_ps(v1, xr, a[1][r]);                                             \
-            }                                                                                           \
-        }                                                                                               \
-        for (int r = 0; r < 4; r++) { out[0][r] = hsum(a[0][r]); out[1][r] = hsum(a[1][r]); }           \
-    }
-
-KV_DEFINE_TILE(f32_tile, float, _mm256_loadu_ps)
-KV_DEFINE_TILE(i8_tile, int8_t, widen_i8)
-KV_DEFINE_TILE(bf16_tile, uint16_t, widen_bf16)
-
-/* int4 row n: wn its packed bytes, sn / tn its K/G scales and shifts. */
-static inline void i4_rows(const float *x, int64_t ldx, int64_t K, const uint8_t *wn, const float *sn,
-                           const float *tn, int64_t G, int R, float out[4]) {
-    __m256 a0[4], a1[4];
-    for (int r = 0; r < 4; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
-    for (int64_t k = 0; k < K; k += 32) {
-        __m256 wv[4];
-        widen_i4(wn + k / 2, _mm256_set1_ps(sn[k / G]), _mm256_set1_ps(tn[k / G]), wv);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * ldx + k;
-            a0[r] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), a0[r]);
-            a1[r] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), a1[r]);
-            a0[r] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), a0[r]);
-            a1[r] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), a1[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
 /* One row of x against one weight row (fp32, bf16 or int8, LOAD as above): four accumulators over k,
@@ -184,7 +115,31 @@ KV_DEFINE_M1(f32_m1, float, _mm256_loadu_ps, _mm512_loadu_ps, 0)
 KV_DEFINE_M1(i8_m1, int8_t, widen_i8, widen_i8_16, 4096)
 KV_DEFINE_M1(bf16_m1, uint16_t, widen_bf16, widen_bf16_16, 4096)
 
-/* One row of x against int4 row w (K/2 packed bytes), s / t its K/G scales and shifts. */
+/* One row of x against int4 row w (K/2 packed bytes), s / t its K/G scales and shifts. The avx512
+ * build sums in the 16-wide order of KV_DEFINE_M1 (four chains over 64-weight blocks, a last
+ * 32-weight block into chain 0), so the several-rows path runs 16 wide for int4 too. */
+#ifdef __AVX512F__
+static inline __m512 join8(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
+static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t, int64_t G) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 v[4], u[4];
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        widen_i4(w + k / 2, _mm256_set1_ps(s[k / G]), _mm256_set1_ps(t[k / G]), v);
+        widen_i4(w + k / 2 + 16, _mm256_set1_ps(s[(k + 32) / G]), _mm256_set1_ps(t[(k + 32) / G]), u);
+        a0 = _mm512_fmadd_ps(join8(v[0], v[1]), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(join8(v[2], v[3]), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(join8(u[0], u[1]), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(join8(u[2], u[3]), _mm512_loadu_ps(x + k + 48), a3);
+    }
+    if (k < K) {
+        widen_i4(w + k / 2, _mm256_set1_ps(s[k / G]), _mm256_set1_ps(t[k / G]), v);
+        a0 = _mm512_fmadd_ps(join8(v[0], v[1]), _mm512_loadu_ps(x + k), a0);
+        a0 = _mm512_fmadd_ps(join8(v[2], v[3]), _mm512_loadu_ps(x + k + 16), a0);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#else
 static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const float *s, const float *t, int64_t G) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t g0 = 0; g0 < K; g0 += G, s++, t++) {
@@ -200,6 +155,7 @@ static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const flo
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
+#endif
 
 /* A linear layer's weights in one of the formats above. */
 typedef struct {
@@ -229,15 +185,147 @@ static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
     }
 }
 
+/* ---- Several rows of x: each row summed exactly as the one-row helper sums it ----
+ * With M > 1 rows, each weight row is widened once to float32 (a K-float buffer on the stack, in
+ * L1) and summed against every row of x with the arithmetic of its format's one-row helper: the
+ * same chains over the same k, the same final reduction. So a row's result is bitwise the same
+ * whatever else is in the step (batch-invariant decode), and the widening (int4's unpacking above
+ * all) is paid once per weight for all M rows, where it used to be paid once per four rows. */
+
+/* The tiles below sum NW weight rows (w[j], float32) against R rows of x, out[j * R + r], each sum in
+ * the one-row order; they differ only in how many sums share a load.
+ *
+ * The 8-wide order (every format's one-row helper in the avx2 build): four chains over 32-weight
+ * blocks (chain c takes k = 32b + 8c .. 32b + 8c + 7), then 8-weight blocks into chain 0, then
+ * hsum((a0 + a1) + (a2 + a3)). */
+#define KV_DEFINE_CANON8(NW, R)                                                                          \
+    static inline void canon8_w##NW##_r##R(const float *const *w, const float *x, int64_t ldx, int64_t K,  \
+                                          float *out) {                                                  \
+        __m256 a[NW][R][4];                                                                              \
+        for (int j = 0; j < NW; j++)                                                                     \
+            for (int r = 0; r < R; r++)                                                                  \
+                for (int c = 0; c < 4; c++) a[j][r][c] = _mm256_setzero_ps();                            \
+        int64_t k = 0;                                                                                   \
+        for (; k + 32 <= K; k += 32)                                                                     \
+            for (int c = 0; c < 4; c++)                                                                  \
+                for (int r = 0; r < R; r++) {                                                            \
+                    const __m256 xv = _mm256_loadu_ps(x + r * ldx + k + 8 * c);                          \
+                    for (int j = 0; j < NW; j++)                                                         \
+                        a[j][r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(w[j] + k + 8 * c), xv, a[j][r][c]); \
+                }                                                                                        \
+        for (; k + 8 <= K; k += 8)                                                                       \
+            for (int r = 0; r < R; r++) {                                                                \
+                const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);                                      \
+                for (int j = 0; j < NW; j++)                                                             \
+                    a[j][r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w[j] + k), xv, a[j][r][0]);             \
+            }                                                                                            \
+        for (int j = 0; j < NW; j++)                                                                     \
+            for (int r = 0; r < R; r++)                                                                  \
+                out[j * R + r] = hsum(_mm256_add_ps(_mm256_add_ps(a[j][r][0], a[j][r][1]),               \
+                                                    _mm256_add_ps(a[j][r][2], a[j][r][3])));             \
+    }
+
+#ifdef __AVX512F__
+/* The 16-wide order of the avx512 one-row helpers (KV_DEFINE_M1, i4_m1): four chains over
+ * 64-weight blocks, 16-weight blocks into chain 0, an 8-weight tail summed on its own, then
+ * reduce_add((a0 + a1) + (a2 + a3)) + tail. */
+#define KV_DEFINE_CANON16(NW, R)                                                                         \
+    static inline void canon16_w##NW##_r##R(const float *const *w, const float *x, int64_t ldx, int64_t K, \
+                                           float *out) {                                                 \
+        __m512 a[NW][R][4];                                                                              \
+        for (int j = 0; j < NW; j++)                                                                     \
+            for (int r = 0; r < R; r++)                                                                  \
+                for (int c = 0; c < 4; c++) a[j][r][c] = _mm512_setzero_ps();                            \
+        int64_t k = 0;                                                                                   \
+        for (; k + 64 <= K; k += 64)                                                                     \
+            for (int c = 0; c < 4; c++)                                                                  \
+                for (int r = 0; r < R; r++) {                                                            \
+                    const __m512 xv = _mm512_loadu_ps(x + r * ldx + k + 16 * c);                         \
+                    for (int j = 0; j < NW; j++)                                                         \
+                        a[j][r][c] = _mm512_fmadd_ps(_mm512_loadu_ps(w[j] + k + 16 * c), xv, a[j][r][c]); \
+                }                                                                                        \
+        for (; k + 16 <= K; k += 16)                                                                     \
+            for (int r = 0; r < R; r++) {                                                                \
+                const __m512 xv = _mm512_loadu_ps(x + r * ldx + k);                                      \
+                for (int j = 0; j < NW; j++)                                                             \
+                    a[j][r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(w[j] + k), xv, a[j][r][0]);             \
+            }                                                                                            \
+        for (int j = 0; j < NW; j++)                                                                     \
+            for (int r = 0; r < R; r++) {                                                                \
+                float tail = 0.0f;                                                                       \
+                if (k < K) tail = hsum(_mm256_mul_ps(_mm256_loadu_ps(w[j] + k), _mm256_loadu_ps(x + r * ldx + k))); \
+                out[j * R + r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[j][r][0], a[j][r][1]), \
+                                                                    _mm512_add_ps(a[j][r][2], a[j][r][3]))) + tail; \
+            }                                                                                            \
+    }
+/* 3 weight rows x 2 rows of x: 24 accumulators of the 32 registers; each x load serves three
+ * weight rows, so x (tens of KiB, from L2) is read a third as often as one row at a time. */
+enum { KV_TILE_W = 3, KV_TILE_R = 2 };
+KV_DEFINE_CANON16(3, 2) KV_DEFINE_CANON16(3, 1) KV_DEFINE_CANON16(2, 2) KV_DEFINE_CANON16(2, 1)
+KV_DEFINE_CANON16(1, 2) KV_DEFINE_CANON16(1, 1)
+#define KV_TILE(NW, R) canon16_w##NW##_r##R
+#else
+/* 1 weight row x 3 rows of x: 12 accumulators of the 16 registers. */
+enum { KV_TILE_W = 1, KV_TILE_R = 3 };
+KV_DEFINE_CANON8(1, 3) KV_DEFINE_CANON8(1, 2) KV_DEFINE_CANON8(1, 1)
+#define KV_TILE(NW, R) canon8_w##NW##_r##R
+#endif
+
+/* out[j * R + r] = x[r, :] . w[j] for nw <= KV_TILE_W weight rows and R <= KV_TILE_R rows of x. */
+static inline void canon_tile(int nw, int R, const float *const *w, const float *x, int64_t ldx, int64_t K,
+                              float *out) {
+#ifdef __AVX512F__
+    if (nw == 3) { if (R == 2) KV_TILE(3, 2)(w, x, ldx, K, out); else KV_TILE(3, 1)(w, x, ldx, K, out); return; }
+    if (nw == 2) { if (R == 2) KV_TILE(2, 2)(w, x, ldx, K, out); else KV_TILE(2, 1)(w, x, ldx, K, out); return; }
+    if (R == 2) KV_TILE(1, 2)(w, x, ldx, K, out); else KV_TILE(1, 1)(w, x, ldx, K, out);
+#else
+    (void)nw;
+    if (R == 3) KV_TILE(1, 3)(w, x, ldx, K, out);
+    else if (R == 2) KV_TILE(1, 2)(w, x, ldx, K, out);
+    else KV_TILE(1, 1)(w, x, ldx, K, out);
+#endif
+}
+
+/* Weight row n of m widened to float32 into buf (K floats); fp32 rows are returned in place. The
+ * values are the one-row helpers' (int8 unscaled, int4 dequantized with the same FMA). */
+static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) {
+    const int64_t K = m->K;
+    if (m->fmt == KV_FP32) return (const float *)m->w + n * K;
+    if (m->fmt == KV_INT4) {
+        const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
+        const int64_t G = m->group, groups = K / G;
+        for (int64_t k = 0; k < K; k += 32) {
+            __m256 wv[4];
+            widen_i4(w + k / 2, _mm256_set1_ps(m->scale[n * groups + k / G]), _mm256_set1_ps(m->shift[n * groups + k / G]), wv);
+            for (int c = 0; c < 4; c++) _mm256_storeu_ps(buf + k + 8 * c, wv[c]);
+        }
+        return buf;
+    }
+    int64_t k = 0;
+    if (m->fmt == KV_INT8) {
+        const int8_t *w = (const int8_t *)m->w + n * K;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_i8(w + k));
+    } else {
+        const uint16_t *w = (const uint16_t *)m->w + n * K;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_bf16(w + k));
+    }
+    return buf;
+}
+
+/* A row's finished output: the int8 scale, then the bias (one expression for every path). */
+static inline float finish_dot(const kv_matrix *m, int64_t n, float dot) {
+    const float scaled = m->fmt == KV_INT8 ? dot * m->scale[n] : dot;
+    return m->bias ? scaled + m->bias[n] : scaled;
+}
+
 /* y[m * ldy + (n - n0)] = x[m, :] . dequant(w)[n, :] + bias[n] for m < M, n0 <= n < n1. The
  * weights are read from memory once, in order, row after row. Short quantized rows (a few hundred
  * bytes) are prefetched ahead in software: without it one core streamed int8 weights at about
- * half the rate (EPYC, docs/performance.md). With several rows of x, each weight row is used for
- * up to four of them at a time (from L1 after the first). */
+ * half the rate (EPYC, docs/performance.md). With several rows of x, each weight row is widened
+ * once and summed against all of them in the one-row order (above). */
 static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ldx, int64_t M, int64_t n0,
                                   int64_t n1, float *y, int64_t ldy) {
     const int64_t K = m->K, G = m->group, groups = m->fmt == KV_INT4 ? K / G : 0;
-    float out[4];
     int64_t n = n0;
     prefetch_rows(m, n0, n1 - n0 < 8 ? n1 - n0 : 8);
     if (M == 1) {
@@ -246,78 +334,37 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
          * int4 row by row, its weights only: the hardware prefetcher follows the small scale and
          * shift streams); fp32 rows are long enough for the hardware prefetcher, which software
          * prefetch only disturbed. */
-        const float *bias = m->bias;
         if (m->fmt == KV_FP32) {
             const float *w = (const float *)m->w;
-            for (; n < n1; n++) y[n - n0] = f32_m1(x, K, w + n * K) + (bias ? bias[n] : 0.0f);
+            for (; n < n1; n++) y[n - n0] = finish_dot(m, n, f32_m1(x, K, w + n * K));
         } else if (m->fmt == KV_INT8) {
             const int8_t *w = (const int8_t *)m->w;
-            for (; n < n1; n++) y[n - n0] = i8_m1(x, K, w + n * K) * m->scale[n] + (bias ? bias[n] : 0.0f);
+            for (; n < n1; n++) y[n - n0] = finish_dot(m, n, i8_m1(x, K, w + n * K));
         } else if (m->fmt == KV_BF16) {
             const uint16_t *w = (const uint16_t *)m->w;
-            for (; n < n1; n++) y[n - n0] = bf16_m1(x, K, w + n * K) + (bias ? bias[n] : 0.0f);
+            for (; n < n1; n++) y[n - n0] = finish_dot(m, n, bf16_m1(x, K, w + n * K));
         } else {
             const uint8_t *w = (const uint8_t *)m->w;
             const int64_t half = K / 2, ahead = 4096 / half + 1;
             for (; n < n1; n++) {
                 prefetch_span(w + (n + ahead) * half, half);
-                y[n - n0] = i4_m1(x, K, w + n * half, m->scale + n * groups, m->shift + n * groups, G)
-                            + (bias ? bias[n] : 0.0f);
+                y[n - n0] = finish_dot(m, n, i4_m1(x, K, w + n * half, m->scale + n * groups, m->shift + n * groups, G));
             }
         }
         return;
     }
-    if (M >= 4 && m->fmt != KV_INT4) {   /* pairs of weight rows against groups of four x rows */
-        float tile[2][4];
-        for (; n + 2 <= n1; n += 2) {
-            for (int64_t m0 = 0; m0 + 4 <= M; m0 += 4) {
-                if (m->fmt == KV_FP32)
-                    f32_tile(x + m0 * ldx, ldx, K, (const float *)m->w + n * K, (const float *)m->w + (n + 1) * K, tile);
-                else if (m->fmt == KV_BF16)
-                    bf16_tile(x + m0 * ldx, ldx, K, (const uint16_t *)m->w + n * K,
-                              (const uint16_t *)m->w + (n + 1) * K, tile);
-                else
-                    i8_tile(x + m0 * ldx, ldx, K, (const int8_t *)m->w + n * K, (const int8_t *)m->w + (n + 1) * K,
-                            tile);
-                for (int j = 0; j < 2; j++) {
-                    float sc = m->fmt == KV_INT8 ? m->scale[n + j] : 1.0f, b = m->bias ? m->bias[n + j] : 0.0f;
-                    for (int r = 0; r < 4; r++) y[(m0 + r) * ldy + n + j - n0] = tile[j][r] * sc + b;
-                }
-            }
-            if (M % 4) {   /* the last 1-3 rows of x, one weight row at a time */
-                const int64_t m0 = M - M % 4;
-                for (int64_t j = n; j < n + 2; j++) {
-                    float b = m->bias ? m->bias[j] : 0.0f;
-                    if (m->fmt == KV_FP32) f32_rows(x + m0 * ldx, ldx, K, (const float *)m->w + j * K, (int)(M % 4), out);
-                    else if (m->fmt == KV_BF16)
-                        bf16_rows(x + m0 * ldx, ldx, K, (const uint16_t *)m->w + j * K, (int)(M % 4), out);
-                    else i8_rows(x + m0 * ldx, ldx, K, (const int8_t *)m->w + j * K, (int)(M % 4), out);
-                    for (int r = 0; r < M % 4; r++)
-                        y[(m0 + r) * ldy + j - n0] = (m->fmt == KV_INT8 ? out[r] * m->scale[j] : out[r]) + b;
-                }
-            }
-        }
-    }
-    for (; n < n1; n++) {
-        float b = m->bias ? m->bias[n] : 0.0f;
-        if (n + 8 < n1) prefetch_rows(m, n + 8, 1);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int R = (int)(M - m0 < 4 ? M - m0 : 4);
-            const float *xr = x + m0 * ldx;
-            /* R as a constant (4, or the 1-3 left), so the accumulators stay in registers */
-#define KV_ROWS_CALL(RC)                                                                                 \
-    if (m->fmt == KV_FP32) f32_rows(xr, ldx, K, (const float *)m->w + n * K, RC, out);                   \
-    else if (m->fmt == KV_BF16) bf16_rows(xr, ldx, K, (const uint16_t *)m->w + n * K, RC, out);          \
-    else if (m->fmt == KV_INT8) i8_rows(xr, ldx, K, (const int8_t *)m->w + n * K, RC, out);              \
-    else i4_rows(xr, ldx, K, (const uint8_t *)m->w + n * (K / 2), m->scale + n * groups, m->shift + n * groups, \
-                 G, RC, out);
-            if (R == 4) { KV_ROWS_CALL(4) }
-            else if (R == 3) { KV_ROWS_CALL(3) }
-            else if (R == 2) { KV_ROWS_CALL(2) }
-            else { KV_ROWS_CALL(1) }
-#undef KV_ROWS_CALL
-            for (int r = 0; r < R; r++)
-                y[(m0 + r) * ldy + n - n0] = (m->fmt == KV_INT8 ? out[r] * m->scale[n] : out[r]) + b;
+    float buf[KV_TILE_W * K];
+    float out[KV_TILE_W * KV_TILE_R];
+    const float *wf[KV_TILE_W];
+    for (; n < n1; n += KV_TILE_W) {
+        const int nw = (int)(n1 - n < KV_TILE_W ? n1 - n : KV_TILE_W);
+        if (n + 8 < n1) prefetch_rows(m, n + 8, nw);
+        for (int j = 0; j < nw; j++) wf[j] = widen_row(m, n + j, buf + j * K);
+        for (int64_t m0 = 0; m0 < M; m0 += KV_TILE_R) {
+            const int R = (int)(M - m0 < KV_TILE_R ? M - m0 : KV_TILE_R);
+            canon_tile(nw, R, wf, x + m0 * ldx, ldx, K, out);
+            for (int j = 0; j < nw; j++)
+                for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n + j - n0] = finish_dot(m, n + j, out[j * R + r]);
         }
     }
 }

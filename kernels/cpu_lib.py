@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_decoder.h"))
-COMMON_FLAGS = ("-O3", "-fopenmp", "-pthread", "-shared", "-fPIC")
+COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),

@@ -12,7 +12,7 @@
  *   bf16: w [N, K] bfloat16 (as uint16), no scale
  *   (the layouts and dequantization: cpu_gemv.h, whose helpers do the arithmetic)
  *
- * Output channels are split, four at a time, over the OpenMP threads (libgomp: the same runtime
+ * Output channels are split, four (one row of x) or twelve at a time, over the OpenMP threads (libgomp: the same runtime
  * torch's wheels bundle, so the process keeps one thread pool).
  */
 #include "cpu_gemv.h"
@@ -25,10 +25,11 @@ static int64_t PARALLEL_MIN_WEIGHTS = 1 << 16;
 void kv_woq_set_parallel_min(int64_t weights) { PARALLEL_MIN_WEIGHTS = weights; }
 
 static void woq_linear(const kv_matrix *m, const float *x, int64_t M, int64_t ldx, float *y) {
-    int64_t blocks = (m->N + 3) / 4;
+    /* four channels per block at one row; twelve with several rows (whole tiles: KV_TILE_W) */
+    const int64_t per = M == 1 ? 4 : 12, blocks = (m->N + per - 1) / per;
     #pragma omp parallel for schedule(static) if (m->N * m->K >= PARALLEL_MIN_WEIGHTS)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t n0 = 4 * b, n1 = n0 + 4 < m->N ? n0 + 4 : m->N;
+        int64_t n0 = per * b, n1 = n0 + per < m->N ? n0 + per : m->N;
         kv_matrix_rows(m, x, ldx, M, n0, n1, y + n0, m->N);
     }
 }

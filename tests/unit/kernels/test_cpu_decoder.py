@@ -184,3 +184,26 @@ def test_bad_arguments_are_value_errors():
     weights.layers[0].o = Linear("fp32", torch.zeros(H + 1, QH * D))
     with pytest.raises(ValueError, match="layer 0 o"):
         FusedDecoder(weights)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_a_row_gives_the_same_bits_in_any_batch(fmt):
+    """Batch invariance: each row of a 5-row step equals the same row stepped alone, bit for bit
+    (the linear layers sum every row in the one-row order; attention splits a sequence by its own
+    length, not by the step's row count)."""
+    weights, _, _ = _model(fmt)
+    M = 5
+    x, cos, sin, _, _, lens = _inputs(M, seed=3)
+    # disjoint block tables (here the rows are separate sequences: no row reads another's new key)
+    tables = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(4))[: M * 8].view(M, 8).to(torch.int32)
+    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens.tolist())])
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2)
+    _, together = fused.step(x.clone(), cos, sin, slots, tables, lens)
+    for i in range(M):
+        for layer, (kc, vc) in zip(weights.layers, snapshot):
+            layer.k_cache.copy_(kc)
+            layer.v_cache.copy_(vc)
+        _, alone = fused.step(x[i:i + 1].clone(), cos[i:i + 1], sin[i:i + 1], slots[i:i + 1], tables[i:i + 1],
+                              lens[i:i + 1])
+        assert torch.equal(alone[0], together[i]), f"row {i} (len {int(lens[i])}) differs in the batch"

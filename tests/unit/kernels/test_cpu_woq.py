@@ -42,6 +42,32 @@ def test_int8_and_int4_match_float64(rows, shape):
     assert (got.double() - ref4).abs().max() < 1e-6 * K ** 0.5 * ref4.abs().max().item() + 1e-6
 
 
+@pytest.mark.parametrize("shape", [(1536, 576), (96, 1536), (40, 584), (24, 608)])
+def test_each_row_gives_the_same_bits_in_any_batch(shape):
+    """Batch invariance: a row's output does not depend on the other rows of the call, bit for bit,
+    in every weight format (several rows are summed in the one-row helpers' order). K = 584 and
+    608 leave an 8- and a 32-weight tail after the 64-weight blocks."""
+    gen = torch.Generator().manual_seed(shape[0])
+    N, K = shape
+    x = torch.randn(40, K, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    layers = {
+        "int8": lambda a: cpu_woq.int8_linear(a, torch.randint(-127, 128, (N, K), dtype=torch.int8,
+                                                               generator=torch.Generator().manual_seed(1)),
+                                              torch.rand(N, generator=torch.Generator().manual_seed(2)), bias),
+        "bf16": lambda a: cpu_woq.bf16_linear(a, torch.randn(N, K, generator=torch.Generator().manual_seed(3))
+                                              .bfloat16(), bias, path="kernel"),
+    }
+    if K % 32 == 0:
+        q4 = cpu_woq.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen))
+        scale, shift = torch.rand(N, K // 32, generator=gen), torch.randn(N, K // 32, generator=gen)
+        layers["int4"] = lambda a: cpu_woq.int4_linear(a, q4, scale, shift, 32, bias)
+    for name, layer in layers.items():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+        for rows in (2, 3, 5, 7, 13, 32):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), f"{name}, {rows} rows"
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 40])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_weights_match_float64(rows, shape):
