@@ -4,6 +4,7 @@
 
     python benchmarks/step_profile.py phases [--concurrency 1 32] [--dtype float32 bfloat16] [--steps 40]
     python benchmarks/step_profile.py bench [--baseline REV] [--rounds 2] [--dtype float32 bfloat16]
+    python benchmarks/step_profile.py w48 [--dtype auto] [--batch-invariant]
 
 ``phases`` runs decode steps through ``LLMEngine`` at each concurrency (``C`` requests of
 128-token prompts, decoding) with timers around each part of ``LLMEngine.step``: the
@@ -285,6 +286,41 @@ def bench(args) -> None:
             print(f"| {dtype} | new/old | {r1:.2f}x | | {r2:.2f}x | same tokens: {same} |")
 
 
+def split_w48(dtype: str, batch_invariant: bool) -> None:
+    """The 48-request workload through ``LLMEngine``: wall time of the steps with prompt tokens
+    (prefill, chunked or mixed) and of decode-only steps above / up to 32 rows."""
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=128, batch_invariant=batch_invariant))
+    seen: dict = {}
+    schedule = eng.scheduler.schedule
+
+    def timed_schedule(*a, **k):
+        out = schedule(*a, **k)
+        seen.update(prefill=out.num_prefill_tokens, tokens=out.total_num_scheduled_tokens)
+        return out
+
+    eng.scheduler.schedule = timed_schedule
+    work = workload_48()
+    for i, (p, n) in enumerate(work):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    kinds: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        eng.step()
+        kind = "prefill" if seen["prefill"] else ("decode > 32 rows" if seen["tokens"] > 32 else "decode <= 32 rows")
+        acc = kinds.setdefault(kind, [0, 0.0, 0])
+        acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + time.perf_counter() - t, acc[2] + seen["tokens"]
+    total, out_tokens = time.perf_counter() - t0, sum(n for _, n in work)
+    print(f"\n{dtype}{' --batch-invariant' if batch_invariant else ''}: {total:.2f} s, "
+          f"{out_tokens / total:.1f} output tok/s\n| steps | count | s | tokens | ms/step |\n|---|---:|---:|---:|---:|")
+    for kind, (steps, secs, tokens) in kinds.items():
+        print(f"| {kind} | {steps} | {secs:.2f} | {tokens} | {1e3 * secs / steps:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -303,6 +339,10 @@ def main() -> None:
     b.add_argument("--rounds", type=int, default=2)
     b.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     b.add_argument("--threads", type=int, default=0)
+    w = sub.add_parser("w48", help="the 48-request workload's time by step kind")
+    w.add_argument("--dtype", nargs="+", default=["auto"])
+    w.add_argument("--batch-invariant", action="store_true")
+    w.add_argument("--threads", type=int, default=0)
     o = sub.add_parser("_one")
     o.add_argument("--dtype", default="float32")
     o.add_argument("--threads", type=int, default=0)
@@ -328,6 +368,10 @@ def main() -> None:
                 profile_phases(dtype, c, args.steps, args.cprofile, args.stub_forward)
     elif args.cmd == "bench":
         bench(args)
+    elif args.cmd == "w48":
+        print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+        for dtype in args.dtype:
+            split_w48(dtype, args.batch_invariant)
     else:
         print(json.dumps(run_bench(args.dtype)))
 

@@ -72,3 +72,31 @@ void kv_woq_int4_dequant(const uint8_t *w, int64_t N, int64_t K, const float *sc
         }
     }
 }
+
+/* out [N, K] bf16 (as uint16) = dequant(w) rounded to nearest even (finite values): the int4 weight
+ * for a native bf16 matmul (prefill on CPUs with AVX512-BF16 or AMX), half the bytes of the
+ * float32 dequantization. The rounding is done with integer ops, so every build variant has it. */
+static inline __m256i bf16_round(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+void kv_woq_int4_dequant_bf16(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
+                              int64_t G, uint16_t *out) {
+    int64_t groups = K / G;
+    #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k += 32) {
+            int64_t g = n * groups + k / G;
+            __m256 wv[4];
+            widen_i4(w + n * (K / 2) + k / 2, _mm256_set1_ps(scale[g]), _mm256_set1_ps(shift[g]), wv);
+            uint16_t *o = out + n * K + k;
+            /* packus interleaves 128-bit lanes; the permute puts the 16 values back in order */
+            __m256i lo = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(wv[0]), bf16_round(wv[1])), 0xD8);
+            __m256i hi = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(wv[2]), bf16_round(wv[3])), 0xD8);
+            _mm256_storeu_si256((__m256i *)o, lo);
+            _mm256_storeu_si256((__m256i *)(o + 16), hi);
+        }
+    }
+}

@@ -274,6 +274,24 @@ def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     return out
 
 
+def int4_dequantize_bf16(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`int4_dequantize` rounded to bf16 (nearest even): the weight of a native bf16 matmul
+    (prefill on CPUs with AVX512-BF16 / AMX), into ``out`` (contiguous bf16 ``[N, K]``) when given."""
+    N, half = packed.shape
+    if out is None:
+        out = torch.empty((N, 2 * half), dtype=torch.bfloat16)
+    _lib_or_raise().kv_woq_int4_dequant_bf16(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(),
+                                             group_size, out.data_ptr())
+    return out
+
+
+def bf16_scratch(rows: int, cols: int) -> torch.Tensor:
+    """A bf16 ``[rows, cols]`` view of this thread's :func:`dequant_scratch` buffer (the same
+    memory: overwritten by the next layer)."""
+    return dequant_scratch((rows * cols + 1) // 2, 1).view(-1).view(torch.bfloat16)[: rows * cols].view(rows, cols)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """``q [N, K]`` (integers 0..15, K a multiple of 32) -> ``[N, K/2]`` uint8 in the kernel's
     layout: per block of 32, byte ``j`` = ``q[32b + j] | q[32b + 16 + j] << 4``.

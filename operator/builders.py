@@ -49,6 +49,7 @@ ENGINE_KEYS = {
     "maxNumBatchedTokens": "max_num_batched_tokens",
     "maxModelLen": "max_model_len",
     "enablePrefixCaching": "enable_prefix_caching",
+    "batchInvariant": "batch_invariant",
     "schedulingPolicy": "scheduling_policy",
     "dtype": "dtype",
     "tensorParallelSize": "tensor_parallel_size",

@@ -102,10 +102,13 @@ class LLMEngine:
             loaded = self.executor.loaded
         elif loaded is None:
             loaded = load_model(config.model, tokenizer=config.tokenizer, dtype=config.dtype, device=config.device,
-                                quantization=config.quantization)
+                                quantization=config.quantization, batch_invariant=config.batch_invariant)
         if config.quantization != loaded.quantization:
             raise ValueError(f"--quantization {config.quantization}: the engine was given a model loaded with "
                              f"quantization={loaded.quantization} (load it with load_model(..., quantization=))")
+        if config.batch_invariant and loaded.cpu_plan is not None and loaded.cpu_plan.native_bf16_prefill:
+            raise ValueError("--batch-invariant: the engine was given a model loaded for native bf16 prefill "
+                             "(load it with load_model(..., batch_invariant=True))")
         self.loaded = loaded
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer

@@ -20,7 +20,10 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   Q4_1 blocks on the int4 kernels, :mod:`kvfleet.runtime.worker.gguf_weights`; a bf16 checkpoint's
   bf16 weights, on every CPU: lossless); else bf16 on a CPU with native bf16 where
   :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected (half the bytes per decode
-  token; prefill in oneDNN's native bf16); else float32.
+  token; prefill in oneDNN's native bf16); else float32. With quantized weights (the GGUF Q4_1
+  blocks, or ``--quantization``) on a CPU with native bf16, prefill (steps over 32 rows) runs
+  oneDNN's bf16 matmul on the weights dequantized to bf16 (``native_bf16_prefill``; the rounding
+  is far below the quantization's error); decode keeps the float32 C kernels.
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
@@ -110,9 +113,14 @@ class CpuPlan:
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 
+_INVARIANT = "; --batch-invariant: float32 prefill"
+_BF16_PREFILL = ("; prefill matmuls in bf16 on this CPU's native bf16 (the quantized weights dequantized to "
+                 "bf16: a rounding far below the quantization's own error; decode stays float32)")
+
 
 def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = None, *,
-         facts: CpuFacts, bf16_weight_storage: bool | None = None, checkpoint_weights: str = "fp32") -> CpuPlan:
+         facts: CpuFacts, bf16_weight_storage: bool | None = None, checkpoint_weights: str = "fp32",
+         batch_invariant: bool = False) -> CpuPlan:
     """The fastest correct way to run on this CPU what was asked (the rules: module docstring).
 
     Args:
@@ -123,6 +131,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
         checkpoint_weights: how the checkpoint stores its linear weights: ``fp32`` (or fp16),
             ``bf16`` (``torch_dtype`` bfloat16), ``q4_1`` (a GGUF file's Q4_1 blocks).
+        batch_invariant: ``--batch-invariant``: no native bf16 prefill on the float32-activation
+            paths (its matmuls round differently with the step's row count).
 
     Raises:
         ValueError: an unknown dtype, quantization or checkpoint_weights.
@@ -142,9 +152,11 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
     native_q4_1 = checkpoint_weights == "q4_1" and facts.woq_kernels
     if dtype == "auto" and quantization is None and fused_possible and native_q4_1:
-        return CpuPlan("float32", "int4", False, True, False,
+        bf16_prefill = features.native_bf16 and not batch_invariant
+        return CpuPlan("float32", "int4", False, True, bf16_prefill,
                        "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
-                       "re-quantized: a quarter of float32's bytes per decode token), float32 activations",
+                       "re-quantized: a quarter of float32's bytes per decode token), float32 activations"
+                       + (_BF16_PREFILL if bf16_prefill else _INVARIANT if batch_invariant else ""),
                        gguf_q4_1=True)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
@@ -165,7 +177,12 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
             if store_bf16:
                 reason += ("; bf16 weight storage (the checkpoint's own bf16 weights, lossless)" if lossless
                            else "; bf16 weight storage") + ": half the bytes per decode token"
-        native = features.native_bf16 and weights == "bf16"
+        quantized_auto = dtype == "auto" and quantization is not None
+        native = features.native_bf16 and (weights == "bf16" or quantized_auto) and not batch_invariant
+        if native and quantized_auto:
+            reason += _BF16_PREFILL
+        elif batch_invariant:
+            reason += _INVARIANT
         return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason)
 
     # An explicit float16 / bfloat16 run through torch, as asked.

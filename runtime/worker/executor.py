@@ -174,7 +174,7 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
 
         transformers.utils.logging.disable_progress_bar()  # rank 0 shows the one progress bar
         loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=device,
-                            tensor_parallel_size=tp)
+                            tensor_parallel_size=tp, batch_invariant=config.batch_invariant)
         runner = ModelRunner(config, loaded)
         num_blocks = _min_over_ranks(runner.determine_num_blocks(), cpu_group)
         runner.initialize_kv_cache(num_blocks)
@@ -271,7 +271,7 @@ class MultiprocExecutor:
             from kvfleet.runtime.worker.model_loader import load_model
 
             self.loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=self.device,
-                                     tensor_parallel_size=tp)
+                                     tensor_parallel_size=tp, batch_invariant=config.batch_invariant)
             if model_name:
                 self.loaded.name = model_name
         except BaseException as exc:

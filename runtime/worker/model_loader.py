@@ -147,11 +147,11 @@ def cpu_facts(tensor_parallel_size: int = 1) -> CpuFacts:
 
 
 def resolve_cpu_plan(dtype: str = "auto", quantization: str | None = None, tensor_parallel_size: int = 1,
-                     checkpoint: str = "fp32") -> CpuPlan:
+                     checkpoint: str = "fp32", batch_invariant: bool = False) -> CpuPlan:
     """:func:`kvfleet.runtime.worker.cpu_plan.plan` on this machine (:func:`cpu_features.detect`,
     :func:`cpu_facts`) for a checkpoint whose linear weights are ``checkpoint`` (:func:`checkpoint_weights`)."""
     return cpu_plan.plan(cpu_features.detect(), dtype, quantization, facts=cpu_facts(tensor_parallel_size),
-                         checkpoint_weights=checkpoint)
+                         checkpoint_weights=checkpoint, batch_invariant=batch_invariant)
 
 
 def gguf_source(model: str | None) -> Path | None:
@@ -330,6 +330,7 @@ def load_model(
     cache_root: Path | None = None,
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
 
@@ -345,6 +346,8 @@ def load_model(
             :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's).
         quantization: ``int8`` / ``int4``: quantize the decoder's linear layers after loading
             (:func:`kvfleet.runtime.worker.quantization.quantize_model`); None: as loaded.
+        batch_invariant: the CPU plan keeps prefill in float32 where it would run native bf16
+            (``EngineConfig.batch_invariant``).
 
     Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention, or ``eager`` for
         architectures without sdpa support such as Gemma 2 (the engine switches it to its
@@ -379,7 +382,7 @@ def load_model(
         asked = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         native = asked == "auto" and not quantization
         checkpoint = checkpoint_weights(model, hf_config, cache_root) if native else "fp32"
-        plan = resolve_cpu_plan(asked, quantization, tensor_parallel_size, checkpoint)
+        plan = resolve_cpu_plan(asked, quantization, tensor_parallel_size, checkpoint, batch_invariant)
         torch_dtype = _DTYPES[plan.dtype]
         logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
     else:
@@ -410,6 +413,10 @@ def load_model(
         from kvfleet.runtime.worker.woq_linear import to_bf16_weights
 
         to_bf16_weights(hf_model)
+    if plan is not None:
+        from kvfleet.runtime.worker.woq_linear import set_bf16_prefill
+
+        set_bf16_prefill(hf_model, plan.native_bf16_prefill)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)
     elapsed = time.monotonic() - t0
     nbytes = weight_bytes(hf_model)

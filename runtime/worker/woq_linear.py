@@ -48,7 +48,9 @@ class Int8Linear(torch.nn.Linear):
     """``nn.Linear`` over int8 weights, per-output-channel scales (see the module docstring).
 
     Buffers: ``weight [N, K]`` int8 (torchao's ``qdata``), ``qscale [N]`` float32, ``bias32 [N]``
-    float32 or None."""
+    float32 or None. ``prefill_bf16``: as :class:`Int4Linear`'s."""
+
+    prefill_bf16 = False
 
     @classmethod
     def from_torchao(cls, linear: torch.nn.Linear) -> Int8Linear:
@@ -82,16 +84,25 @@ class Int8Linear(torch.nn.Linear):
             return torch.ops.kvfleet.woq_int8_linear(x, self.weight, self.qscale, self.bias32)
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int8_linear_unchecked(x, self.weight, self.qscale, self.bias32)
-        w = dequant_scratch(*self.weight.shape).copy_(self.weight)  # int8 values as floats
-        y = torch.nn.functional.linear(x, w.to(x.dtype)) * self.qscale.to(x.dtype)
+        if self.prefill_bf16:  # int8 values are exact in bf16; oneDNN's native bf16 matmul
+            w = cpu_woq.bf16_scratch(*self.weight.shape).copy_(self.weight)
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype) * self.qscale.to(x.dtype)
+        else:
+            w = dequant_scratch(*self.weight.shape).copy_(self.weight)  # int8 values as floats
+            y = torch.nn.functional.linear(x, w.to(x.dtype)) * self.qscale.to(x.dtype)
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
 class Int4Linear(torch.nn.Linear):
     """``nn.Linear`` over groupwise int4 weights (see the module docstring).
 
+    ``prefill_bf16``: steps of more than :data:`MAX_KERNEL_ROWS` rows run oneDNN's native bf16
+    matmul (set by :func:`set_bf16_prefill`).
+
     Buffers: ``weight [N, K/2]`` uint8 (packed, :func:`kvfleet.kernels.cpu_woq.pack_int4`),
     ``qscale`` and ``qshift [N, K/G]`` float32, ``bias32 [N]`` float32 or None; ``group_size``."""
+
+    prefill_bf16 = False
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, group_size: int) -> Int4Linear:
@@ -141,9 +152,15 @@ class Int4Linear(torch.nn.Linear):
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
-        w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,
-                                    out=dequant_scratch(self.weight.shape[0], 2 * self.weight.shape[1]))
-        y = torch.nn.functional.linear(x, w.to(x.dtype))
+        N, K = self.weight.shape[0], 2 * self.weight.shape[1]
+        if self.prefill_bf16:  # the dequantized weight rounded to bf16; oneDNN's native bf16 matmul
+            w = cpu_woq.int4_dequantize_bf16(self.weight, self.qscale, self.qshift, self.group_size,
+                                             out=cpu_woq.bf16_scratch(N, K))
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
+        else:
+            w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,
+                                        out=dequant_scratch(N, K))
+            y = torch.nn.functional.linear(x, w.to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
@@ -151,6 +168,8 @@ class Bf16Linear(torch.nn.Linear):
     """``nn.Linear`` over bf16 weights, float32 activations in and out (see the module docstring).
 
     Buffers: ``weight [N, K]`` bfloat16, ``bias32 [N]`` float32 or None."""
+
+    prefill_bf16 = True  # bf16_path's choice: native bf16 prefill where the CPU has it (set_bf16_prefill)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> Bf16Linear:
@@ -165,7 +184,8 @@ class Bf16Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.kvfleet.woq_bf16_linear(x, self.weight, self.bias32)
-        return cpu_woq.bf16_linear_unchecked(x, self.weight, self.bias32)
+        path = None if self.prefill_bf16 else cpu_woq.bf16_path(x.numel() // self.in_features, native_bf16=False)
+        return cpu_woq.bf16_linear_unchecked(x, self.weight, self.bias32, path)
 
 
 def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
@@ -216,3 +236,20 @@ def to_bf16_weights(model: torch.nn.Module) -> int:
     if any(m is head for m in layers.values()) and getattr(model.config, "tie_word_embeddings", False):
         model.config.tie_word_embeddings = False  # the head is its own (bf16) copy now
     return len(layers)
+
+
+def set_bf16_prefill(model: torch.nn.Module, enabled: bool) -> int:
+    """Whether ``model``'s kernel layers run steps of more than :data:`MAX_KERNEL_ROWS` rows
+    (prefill) as oneDNN's native bf16 matmul; the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan`
+    decides (``native_bf16_prefill``), for CPUs with native bf16 only. :class:`Int8Linear` and
+    :class:`Int4Linear`: the weight dequantized to bf16 (int8 values exactly; int4's ``q * scale +
+    shift`` rounded to nearest even), the activations rounded to bf16, float32 sums (AMX /
+    AVX512-BF16); :class:`Bf16Linear`: :func:`kvfleet.kernels.cpu_woq.bf16_path`'s choice, or the
+    float32 matmul when off. Decode (up to :data:`MAX_KERNEL_ROWS` rows) keeps the float32 C kernels
+    either way. Returns the number of layers set."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Int8Linear, Int4Linear, Bf16Linear)):
+            module.prefill_bf16 = enabled
+            count += 1
+    return count

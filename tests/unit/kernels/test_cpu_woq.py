@@ -127,6 +127,31 @@ def test_bf16_activations_and_leading_dims():
     assert cpu_woq.int8_linear(x[:0], q8, s8, None).shape == (0, 3, 16)
 
 
+def test_int4_dequantized_to_bf16_rounds_to_nearest_even_and_runs_prefill():
+    gen = torch.Generator().manual_seed(5)
+    N, K = 96, 576
+    q4 = cpu_woq.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen))
+    scale, shift = torch.rand(N, K // 32, generator=gen) * 0.05, torch.randn(N, K // 32, generator=gen) * 0.1
+    fp32 = cpu_woq.int4_dequantize(q4, scale, shift, 32)
+    assert torch.equal(cpu_woq.int4_dequantize_bf16(q4, scale, shift, 32), fp32.to(torch.bfloat16))
+    assert torch.equal(cpu_woq.int4_dequantize_bf16(q4, scale, shift, 32, out=cpu_woq.bf16_scratch(N, K)),
+                       fp32.to(torch.bfloat16))
+    # The layers' bf16 prefill (more than MAX_KERNEL_ROWS rows): bf16 rounding of weights and activations.
+    from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear, set_bf16_prefill
+
+    linear = torch.nn.Linear(K, N)
+    model = torch.nn.Sequential(Int4Linear.from_linear(linear, 32), Int8Linear.from_float(linear.weight.detach(),
+                                                                                          linear.bias.detach()))
+    x = torch.randn(64, K, generator=gen)
+    before, small = [m(x) for m in model], [m(x[:8]) for m in model]
+    assert set_bf16_prefill(model, True) == 2 and all(m.prefill_bf16 for m in model)
+    for m, fp, fp_small in zip(model, before, small):
+        y = m(x)
+        assert y.dtype == torch.float32 and not torch.equal(y, fp)
+        torch.testing.assert_close(y, fp, rtol=0, atol=0.02 * fp.abs().max().item())
+        assert torch.equal(m(x[:8]), fp_small)  # up to 32 rows (decode): the float32 C kernel, unchanged
+
+
 def test_pack_int4_layout_and_round_trip():
     q = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
     packed = cpu_woq.pack_int4(q)
