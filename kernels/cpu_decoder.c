@@ -46,7 +46,7 @@
 #define KV_MAX_THREADS 64
 #define KV_MAX_ROWS 64
 #define KV_MAX_SPLITS 8     /* attention splits per sequence */
-#define KV_SPLIT_BLOCKS 4   /* fewest cache blocks per split (split_of) */
+#define KV_SPLIT_BLOCKS 8   /* fewest cache blocks per split (split_of) */
 #define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
 
 /* ------------------------------------------------------------------ thread pool */
