@@ -401,6 +401,14 @@ static void task_attention(const void *ctx, int64_t t) {
         const int64_t n = len - b * bs < bs ? len - b * bs : bs;
         const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
         const float *kb = kc + base;
+        if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
+                             * and waiting on each line's miss made attention latency-bound */
+            const int64_t next = ((int64_t)bt[b + 1] * bs * KVH + g) * D;
+            for (int64_t p = 0; p < bs; p++) {
+                prefetch_span(kc + next + p * stride, D * (int64_t)sizeof(float));
+                prefetch_span(vc + next + p * stride, D * (int64_t)sizeof(float));
+            }
+        }
         for (int64_t j = 0; j < G; j++) {
             const float *q = q0 + j * D;
             float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
