@@ -90,6 +90,7 @@ class MigratingStream:
         self.identity: tuple[str, int] | None = None  # the first replica's (id, created)
         self.migrations = 0
         self.resumed_tokens = 0  # delivered before the current replica started (added to usage)
+        self.failed: str | None = None  # why the stream ended with a migration_failed event
 
     async def events(self) -> AsyncIterator[bytes]:
         """The SSE bytes the client receives."""
@@ -102,6 +103,7 @@ class MigratingStream:
                 await self.upstream.aclose()
                 error = await self._migrate(broken)
                 if error is not None:
+                    self.failed = error
                     yield _error_event(error)
                     yield b"data: [DONE]\n\n"
                     return

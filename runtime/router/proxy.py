@@ -137,11 +137,16 @@ class MigratingResponse(UpstreamResponse):
 
     def __init__(self, upstream: httpx.Response, endpoint: Endpoint, forwarder: Forwarder, body: dict,
                  target: str, headers):
-        super().__init__(upstream, endpoint, forwarder._done)
+        super().__init__(upstream, endpoint, self._finish)
         self.forwarder, self.target, self.upstream_headers = forwarder, target, headers
         self.tried = {endpoint.url}
         self.stream = MigratingStream(body, upstream, self._reopen, forwarder.max_migrations, forwarder.migrated)
         self.upstream = self.stream  # type: ignore[assignment]  # aclose() closes the current replica's
+
+    def _finish(self, ep: Endpoint, outcome: str) -> None:
+        # a stream that ended with a migration_failed event passed through whole, but did not succeed
+        failed = outcome == "success" and self.stream.failed is not None
+        self.forwarder._done(ep, "migration_failed" if failed else outcome)
 
     async def _reopen(self, body: dict, reason: str) -> httpx.Response | str:
         old = self.endpoint

@@ -46,7 +46,8 @@ def run(body, upstreams, max_migrations=3):
         return upstreams.pop(0) if upstreams else "no replica"
 
     async def go():
-        stream = MigratingStream(body, upstreams.pop(0), reopen, max_migrations, lambda r, t: moved.append((r, t)))
+        stream = run.stream = MigratingStream(body, upstreams.pop(0), reopen, max_migrations,
+                                              lambda r, t: moved.append((r, t)))
         return [e async for e in stream.events()]
 
     events = asyncio.run(go())
@@ -74,14 +75,43 @@ def test_a_broken_stream_continues_on_another_replica_as_one_stream():
         {"role": "assistant", "content": ""}, {"content": "He"}, {"content": "llo"}, {}]
     assert not any(k.startswith("kvfleet") for c in chunks for ch in c["choices"] for k in ch)
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert run.stream.failed is None  # its outcome stays success; a failed one is migration_failed
 
 
 def test_the_drain_signal_migrates_and_a_stream_that_cannot_ends_with_an_error_event():
     drain = {"error": {"message": "draining", "type": "server_error", "code": "kvfleet_resume_elsewhere"}}
     out, sent, moved = run(BODY, [Upstream([chunk("a", 1, 0, "x", ids=[1]), drain])], max_migrations=0)
-    assert sent == [] and moved == []
+    assert sent == [] and moved == [] and run.stream.failed
     assert json.loads(out[-2])["error"]["code"] == "migration_failed" and out[-1] == "[DONE]"
     out, sent, moved = run(BODY, [Upstream([chunk("a", 1, 0, "x", ids=[1]), drain])])
     assert "could not migrate: no replica" in json.loads(out[-2])["error"]["message"]
     assert why_not_migratable({**BODY, "tools": [{"type": "function"}]})
     assert why_not_migratable(BODY) is None
+
+
+def test_a_stream_that_could_not_migrate_is_counted_as_migration_failed():
+    """router_requests_total's outcome: a migratable stream that ended with the error event passed
+    through whole (status 200) but is not a success."""
+    from kvfleet.runtime.router.proxy import MigratingResponse
+
+    class Forwarder:
+        max_migrations = 1
+        outcomes: list = []
+
+        def _done(self, ep, outcome):
+            self.outcomes.append(outcome)
+
+        def migrated(self, reason, tokens):
+            pass
+
+    class Ep:
+        url = "http://replica"
+
+    first = httpx.Response(200, headers={"content-type": "text/event-stream"})
+    fwd = Forwarder()
+    resp = MigratingResponse(first, Ep(), fwd, dict(BODY), "/v1/chat/completions", {})
+    resp._finish(Ep(), "success")
+    resp.stream.failed = "could not migrate: no replica"
+    resp._finish(Ep(), "success")
+    resp._finish(Ep(), "client_disconnect")
+    assert fwd.outcomes == ["success", "migration_failed", "client_disconnect"]
