@@ -6,7 +6,8 @@ Names use the runtime's ``kvfleet:`` prefix and prometheus-client's suffixes:
   (the replica's answer passed through, 2xx/3xx), ``error_status`` (a 4xx/5xx from the replica
   passed through), ``stream_error`` (the replica failed after the first byte: the client sees the
   stream cut), ``migration_failed`` (a migratable stream broke and could not move on: it ended
-  with a ``migration_failed`` error event), ``migrated`` (the replica a stream left), ``client_disconnect``, ``retried`` (connect error or 503 before the first byte; the
+  with a ``migration_failed`` error event), ``migrated`` (the replica a stream left),
+  ``client_disconnect``, ``retried`` (connect error or 503 before the first byte; the
   request went on to another replica), ``upstream_error`` (502: the replica failed before
   answering, not retried), and with ``endpoint=""``: ``rejected`` (429, hold queue full),
   ``timeout`` (503, held past ``--pending-timeout``), ``unauthorized`` (401 at the router).

@@ -96,7 +96,9 @@ def test_a_stream_that_could_not_migrate_is_counted_as_migration_failed():
 
     class Forwarder:
         max_migrations = 1
-        outcomes: list = []
+
+        def __init__(self):
+            self.outcomes = []
 
         def _done(self, ep, outcome):
             self.outcomes.append(outcome)
