@@ -15,8 +15,9 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
 ``I`` MLP width, ``V`` vocabulary):
 
 - :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``bf16`` (``w [N, K]`` bfloat16, widened to
-  float32 in registers), ``int8`` (``w [N, K]`` int8, ``scale [N]``) or ``int4`` (``w [N, K/2]``
-  uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``);
+  float32 in registers), ``int8`` (``w [N, K]`` int8, ``scale [N]``), ``int4`` (``w [N, K/2]``
+  uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``) or
+  ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``: grouped int8, a GGUF Q8_0 tensor's layout);
   ``bias [N]`` float32 or None.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
@@ -44,7 +45,7 @@ processes loses at most this much per step."""
 
 PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
 """The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
-_FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3}
+_FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3, "int8g": 4}
 
 
 _Matrix, _Layer, _Decoder = cpu_lib.Matrix, cpu_lib.Layer, cpu_lib.Decoder
@@ -71,17 +72,18 @@ class Linear:
         """ValueError unless this is a valid ``[n, k]`` layer in its format."""
         if self.fmt not in _FORMATS:
             raise ValueError(f"{name}: unknown format {self.fmt!r}")
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[self.fmt]
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
+                 "int8g": torch.int8}[self.fmt]
         if self.w.dtype != dtype or not self.w.is_contiguous() or self.w.device.type != "cpu":
             raise ValueError(f"{name}: weight must be a contiguous CPU {dtype} tensor, got {self.w.dtype}")
         if self.shape != (n, k):
             raise ValueError(f"{name}: weight is {self.shape}, expected {(n, k)}")
         if k % (32 if self.fmt == "int4" else 8):
             raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
-        wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)},
+        wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)}, "int8g": {"scale": (n, k // max(self.group, 1))},
                   "int4": {"scale": (n, k // max(self.group, 1)), "shift": (n, k // max(self.group, 1))}}[self.fmt]
-        if self.fmt == "int4" and (self.group % 32 or k % self.group):
-            raise ValueError(f"{name}: int4 group size {self.group} must be a multiple of 32 dividing {k}")
+        if self.fmt in ("int4", "int8g") and (self.group % 32 or k % self.group):
+            raise ValueError(f"{name}: {self.fmt} group size {self.group} must be a multiple of 32 dividing {k}")
         for field, shape in {**wanted, **({"bias": (n,)} if self.bias is not None else {})}.items():
             t = getattr(self, field)
             if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():

@@ -6,6 +6,8 @@
  *
  *   fp32: w [N, K] float32, row-major
  *   int8: w [N, K] int8 row-major; dequant(w)[n, k] = w[n, k] * scale[n]  (the caller scales)
+ *   int8g: w [N, K] int8, scale [N, K/G] float32 (G a multiple of 32): dequant(w)[n, k] =
+ *         w[n, k] * scale[n, k / G], multiplied in float32 before the sum (a GGUF Q8_0 tensor's layout)
  *   int4: w [N, K/2] uint8; per row, block b of 32 weights (k = 32b .. 32b+31) is 16 bytes:
  *         byte j holds k = 32b + j in its low nibble and k = 32b + 16 + j in its high nibble;
  *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
@@ -27,7 +29,7 @@
 #include <stdint.h>
 #include <stddef.h>
 
-enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3 };
+enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2, KV_BF16 = 3, KV_INT8G = 4 };
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -44,6 +46,12 @@ static inline __m256 widen_i8(const int8_t *p) {
 /* 8 bf16 weights widened to float32: exact (bf16 is the high half of a float32). */
 static inline __m256 widen_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* k / G for a group size G: a shift when G is a power of two (always, for GGUF's 32 and the usual
+ * 64 / 128), so the inner loops pay no integer division per block. */
+static inline int64_t gidx(int64_t k, int64_t G) {
+    return (G & (G - 1)) == 0 ? k >> __builtin_ctzll((unsigned long long)G) : k / G;
 }
 
 /* 32 int4 weights (16 bytes) widened to four float vectors, dequantized: q * s + t (out[i] holds
@@ -134,6 +142,42 @@ static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const flo
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
+/* One row of x against grouped int8 row w (scales s[K/G]): each weight multiplied by its group's
+ * scale in float32, then summed in the order of KV_DEFINE_M1 (16 wide in the avx512 build). */
+#ifdef __AVX512F__
+static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const float *s, int64_t G) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        _mm_prefetch((const char *)(w + k) + 4096, _MM_HINT_T0);
+        a0 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k), _mm512_set1_ps(s[gidx(k, G)])), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k + 16), _mm512_set1_ps(s[gidx(k + 16, G)])),
+                             _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k + 32), _mm512_set1_ps(s[gidx(k + 32, G)])),
+                             _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k + 48), _mm512_set1_ps(s[gidx(k + 48, G)])),
+                             _mm512_loadu_ps(x + k + 48), a3);
+    }
+    for (; k + 16 <= K; k += 16)
+        a0 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k), _mm512_set1_ps(s[gidx(k, G)])), _mm512_loadu_ps(x + k), a0);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#else
+static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const float *s, int64_t G) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w + k) + 4096, _MM_HINT_T0);
+        const __m256 sv = _mm256_set1_ps(s[gidx(k, G)]);   /* G is a multiple of 32 */
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k), sv), _mm256_loadu_ps(x + k), a0);
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k + 8), sv), _mm256_loadu_ps(x + k + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k + 16), sv), _mm256_loadu_ps(x + k + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k + 24), sv), _mm256_loadu_ps(x + k + 24), a3);
+    }
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+#endif
+
 /* Rows of x up to which kv_matrix_rows widens weights in registers (few_rows); above, into a buffer
  * for the tiles (canon_tile). Measured on a Xeon with AMX: at 8 rows the register form was 13 %
  * faster a decode step, at 48 the buffer form 13 %. */
@@ -159,8 +203,10 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
 /* Prefetch rows n .. n + count - 1 of m (weights, and int4 scales and shifts). */
 static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
     const int64_t K = m->K;
-    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_BF16 ? 2 * K : m->fmt == KV_INT8 ? K : K / 2;
+    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_BF16 ? 2 * K
+                        : (m->fmt == KV_INT8 || m->fmt == KV_INT8G) ? K : K / 2;
     prefetch_span((const char *)m->w + n * row, count * row);
+    if (m->fmt == KV_INT8G) prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
     if (m->fmt == KV_INT4) {
         prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
         prefetch_span(m->shift + n * (K / m->group), count * (K / m->group) * 4);
@@ -311,7 +357,7 @@ static inline void canon_tile(int wide, int nw, int R, const float *const *w, co
             for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();                                  \
         for (int64_t k = 0; k < K; k += 32) {                                                           \
             __m256 wv[4];                                                                               \
-            widen_i4(w + k / 2, _mm256_set1_ps(s[k / G]), _mm256_set1_ps(t[k / G]), wv);                \
+            widen_i4(w + k / 2, _mm256_set1_ps(s[gidx(k, G)]), _mm256_set1_ps(t[gidx(k, G)]), wv);                \
             for (int c = 0; c < 4; c++)                                                                 \
                 for (int r = 0; r < R; r++)                                                             \
                     a[r][c] = _mm256_fmadd_ps(wv[c], _mm256_loadu_ps(x + r * ldx + k + 8 * c), a[r][c]); \
@@ -386,7 +432,7 @@ static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) 
         const int64_t G = m->group, groups = K / G;
         for (int64_t k = 0; k < K; k += 32) {
             __m256 wv[4];
-            widen_i4(w + k / 2, _mm256_set1_ps(m->scale[n * groups + k / G]), _mm256_set1_ps(m->shift[n * groups + k / G]), wv);
+            widen_i4(w + k / 2, _mm256_set1_ps(m->scale[n * groups + gidx(k, G)]), _mm256_set1_ps(m->shift[n * groups + gidx(k, G)]), wv);
             for (int c = 0; c < 4; c++) _mm256_storeu_ps(buf + k + 8 * c, wv[c]);
         }
         return buf;
@@ -395,6 +441,10 @@ static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) 
     if (m->fmt == KV_INT8) {
         const int8_t *w = (const int8_t *)m->w + n * K;
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_i8(w + k));
+    } else if (m->fmt == KV_INT8G) {
+        const int8_t *w = (const int8_t *)m->w + n * K;
+        const float *s = m->scale + n * (K / m->group);
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, _mm256_mul_ps(widen_i8(w + k), _mm256_set1_ps(s[gidx(k, m->group)])));
     } else {
         const uint16_t *w = (const uint16_t *)m->w + n * K;
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_bf16(w + k));
@@ -433,6 +483,9 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
         } else if (m->fmt == KV_BF16) {
             const uint16_t *w = (const uint16_t *)m->w;
             for (; n < n1; n++) y[n - n0] = finish_dot(m, n, bf16_m1(x, K, w + n * K));
+        } else if (m->fmt == KV_INT8G) {
+            const int8_t *w = (const int8_t *)m->w;
+            for (; n < n1; n++) y[n - n0] = finish_dot(m, n, i8g_m1(x, K, w + n * K, m->scale + n * (K / G), G));
         } else {
             const uint8_t *w = (const uint8_t *)m->w;
             const int64_t half = K / 2, ahead = 4096 / half + 1;
@@ -443,7 +496,7 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
         }
         return;
     }
-    if (M <= KV_FEW_ROWS) {   /* widened in registers, up to four rows at a time */
+    if (M <= KV_FEW_ROWS && m->fmt != KV_INT8G) {   /* widened in registers, up to four rows at a time */
         float few[4];
         for (; n < n1; n++) {
             if (n + 8 < n1) prefetch_rows(m, n + 8, 1);

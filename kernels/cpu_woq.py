@@ -249,6 +249,20 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
     return _as_input(y, x)
 
 
+def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (qdata * scale.repeat_interleave(G, 1)).T + bias`` for grouped int8 weights (``qdata [N,
+    K]`` int8, ``scale [N, K/G]`` float32, G a multiple of 32: a GGUF Q8_0 tensor's layout), each
+    weight multiplied by its scale in float32 before the sum; unchecked (see
+    :func:`int8_linear_unchecked`)."""
+    N, K = qdata.shape
+    x2 = _rows(x)
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    _lib_or_raise().kv_woq_int8g_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
+                                        group_size, _ptr(bias), y.data_ptr())
+    return _as_input(y, x)
+
+
 def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
                           group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`int4_linear` without the argument checks or the op dispatch (see

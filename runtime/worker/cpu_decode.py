@@ -35,7 +35,7 @@ import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear
-from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8Linear
+from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ def _linear(module: torch.nn.Module) -> Linear | None:
         return Linear("bf16", module.weight, bias=module.bias32)
     if isinstance(module, Int4Linear):
         return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
+    if isinstance(module, Int8GroupLinear):
+        return Linear("int8g", module.weight, module.qscale, group=module.group_size, bias=module.bias32)
     if type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter:
         w = module.weight.detach()
         bias = module.bias.detach().float().contiguous() if module.bias is not None else None

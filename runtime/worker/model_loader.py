@@ -409,6 +409,10 @@ def load_model(
         gguf = gguf_source(model)
         replaced = use_q4_1_weights(hf_model, gguf, gguf_cache_path(gguf, cache_root))
         logger.info("GGUF Q4_1 weights kept as stored: %d linear layers on the int4 kernels", replaced)
+        from kvfleet.runtime.worker.woq_linear import exact_int8_head
+
+        if exact_int8_head(hf_model):  # the file's Q8_0 output tensor, as stored: the same logits
+            logger.info("GGUF LM head kept as stored: grouped int8 (Q8_0), a quarter of float32's bytes")
     if plan is not None and plan.bf16_weights:  # cpu_plan.BF16_WEIGHT_STORAGE: bf16 storage, float32 compute
         from kvfleet.runtime.worker.woq_linear import to_bf16_weights
 

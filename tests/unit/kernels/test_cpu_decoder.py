@@ -30,6 +30,10 @@ def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) 
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         return Linear("int8", q, scale.contiguous(), bias=b), q.double() * scale.double()[:, None]
     G = 32
+    if fmt == "int8g":  # Q8_0's layout: a scale per 32 weights
+        scale = (w.view(n, k // G, G).abs().amax(-1) / 127).contiguous()
+        q = torch.round(w / scale.repeat_interleave(G, 1)).clamp(-127, 127).to(torch.int8)
+        return Linear("int8g", q, scale, group=G, bias=b), q.double() * scale.double().repeat_interleave(G, 1)
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, k // G, generator=gen) * 0.05
     shift = -8 * scale
@@ -108,7 +112,7 @@ def _inputs(M: int, seed: int = 1):
     return (torch.randn(M, H, generator=gen), angles.cos().float(), angles.sin().float(), slots, tables, lens)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int8g"])
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_step_matches_the_float64_reference(fmt, M):
     weights, ref, head_ref = _model(fmt, bias=(fmt in ("fp32", "bf16")))
@@ -186,7 +190,7 @@ def test_bad_arguments_are_value_errors():
         FusedDecoder(weights)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int8g"])
 def test_a_row_gives_the_same_bits_in_any_batch(fmt):
     """Batch invariance: each row of a 5-row step equals the same row stepped alone, bit for bit
     (the linear layers sum every row in the one-row order; attention splits a sequence by its own

@@ -59,6 +59,9 @@ def test_each_row_gives_the_same_bits_in_any_batch(shape):
                                               .bfloat16(), bias, path="kernel"),
     }
     if K % 32 == 0:
+        q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+        s8 = torch.rand(N, K // 32, generator=gen)
+        layers["int8g"] = lambda a: cpu_woq.int8g_linear_unchecked(a, q8, s8, 32, bias)
         q4 = cpu_woq.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen))
         scale, shift = torch.rand(N, K // 32, generator=gen), torch.randn(N, K // 32, generator=gen)
         layers["int4"] = lambda a: cpu_woq.int4_linear(a, q4, scale, shift, 32, bias)
@@ -125,6 +128,27 @@ def test_bf16_activations_and_leading_dims():
     assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
     assert torch.equal(cpu_woq.int8_linear_unchecked(x, q8, s8, None), y)
     assert cpu_woq.int8_linear(x[:0], q8, s8, None).shape == (0, 3, 16)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40, 300])
+def test_grouped_int8_matches_float64_and_is_built_only_when_exact(rows):
+    from kvfleet.runtime.worker.woq_linear import Int8GroupLinear
+
+    gen = torch.Generator().manual_seed(rows)
+    N, K = 200, 576
+    q = torch.randint(-127, 128, (N, K), generator=gen).float()
+    q.view(N, K // 32, 32)[..., 0] = 127  # Q8_0: each block's largest magnitude is 127 * d
+    d = (torch.rand(N, K // 32, generator=gen) * 0.01).half().float()
+    linear = torch.nn.Linear(K, N)
+    linear.weight.data.copy_((q.view(N, K // 32, 32) * d[..., None]).view(N, K))
+    layer = Int8GroupLinear.from_exact(linear)
+    assert layer is not None and torch.equal(layer.dequantized(), linear.weight.detach())
+    x = torch.randn(rows, K, generator=gen)
+    ref = x.double() @ linear.weight.detach().double().T + linear.bias.detach().double()
+    tol = 1e-6 * K ** 0.5 * ref.abs().max().item() + 1e-6
+    assert (layer(x).double() - ref).abs().max() < tol
+    linear.weight.data[3, 5] += 1e-3  # no longer q * d: refused, never approximated
+    assert Int8GroupLinear.from_exact(linear) is None
 
 
 def test_int4_dequantized_to_bf16_rounds_to_nearest_even_and_runs_prefill():

@@ -1,7 +1,7 @@
 """A GGUF file's own Q4_1 weights on the int4 kernels (runtime/worker/gguf_weights.py): every layer
 of the default model matches the float32 weights transformers dequantized from the same file, the
 check guards against a layout it does not know, the verified layers are cached, and the default
-engine's greedy tokens equal ``--dtype float32``'s."""
+engine's greedy tokens equal ``--dtype float32``'s (its LM head the file's Q8_0 tensor as grouped int8)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvfleet.runtime.worker import gguf_weights, model_loader
-from kvfleet.runtime.worker.woq_linear import Int4Linear
+from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8GroupLinear
 
 pytestmark = pytest.mark.skipif(
     not model_loader.cpu_facts().kernels, reason="kvfleet's C kernels do not build on this machine"
@@ -66,6 +66,8 @@ def test_the_default_engine_runs_the_files_weights_with_float32_greedy_tokens():
     default = LLM()
     plan = default.llm_engine.loaded.cpu_plan
     assert plan.gguf_q4_1 and plan.weights == "int4"
+    # the file's Q8_0 output tensor kept as grouped int8 (exact: the same weights as the float32 head)
+    assert isinstance(default.llm_engine.loaded.model.get_output_embeddings(), Int8GroupLinear)
     native = [o.outputs[0].token_ids for o in default.generate(prompts, params)]
     fp32 = [o.outputs[0].token_ids for o in LLM(dtype="float32").generate(prompts, params)]
     assert native == fp32
