@@ -4,7 +4,7 @@
 
     python benchmarks/step_profile.py phases [--concurrency 1 32] [--dtype float32 bfloat16] [--steps 40]
     python benchmarks/step_profile.py bench [--baseline REV] [--rounds 2] [--dtype float32 bfloat16]
-    python benchmarks/step_profile.py w48 [--dtype auto] [--batch-invariant]
+    python benchmarks/step_profile.py w48 [--dtype auto] [--no-batch-invariant]
 
 ``phases`` runs decode steps through ``LLMEngine`` at each concurrency (``C`` requests of
 128-token prompts, decoding) with timers around each part of ``LLMEngine.step``: the
@@ -315,7 +315,7 @@ def split_w48(dtype: str, batch_invariant: bool) -> None:
         acc = kinds.setdefault(kind, [0, 0.0, 0])
         acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + time.perf_counter() - t, acc[2] + seen["tokens"]
     total, out_tokens = time.perf_counter() - t0, sum(n for _, n in work)
-    print(f"\n{dtype}{' --batch-invariant' if batch_invariant else ''}: {total:.2f} s, "
+    print(f"\n{dtype}{'' if batch_invariant else ' --no-batch-invariant'}: {total:.2f} s, "
           f"{out_tokens / total:.1f} output tok/s\n| steps | count | s | tokens | ms/step |\n|---|---:|---:|---:|---:|")
     for kind, (steps, secs, tokens) in kinds.items():
         print(f"| {kind} | {steps} | {secs:.2f} | {tokens} | {1e3 * secs / steps:.1f} |")
@@ -341,7 +341,7 @@ def main() -> None:
     b.add_argument("--threads", type=int, default=0)
     w = sub.add_parser("w48", help="the 48-request workload's time by step kind")
     w.add_argument("--dtype", nargs="+", default=["auto"])
-    w.add_argument("--batch-invariant", action="store_true")
+    w.add_argument("--no-batch-invariant", action="store_true")
     w.add_argument("--threads", type=int, default=0)
     o = sub.add_parser("_one")
     o.add_argument("--dtype", default="float32")
@@ -371,7 +371,7 @@ def main() -> None:
     elif args.cmd == "w48":
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         for dtype in args.dtype:
-            split_w48(dtype, args.batch_invariant)
+            split_w48(dtype, not args.no_batch_invariant)
     else:
         print(json.dumps(run_bench(args.dtype)))
 

@@ -186,8 +186,8 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
     "maxNumBatchedTokens": _int("Token budget of one engine step.", minimum=1, maximum=1048576),
     "maxModelLen": _int("Longest prompt + output, tokens.", minimum=1, maximum=10485760),
     "enablePrefixCaching": _bool("Reuse the KV blocks of shared prompt prefixes."),
-    "batchInvariant": _bool("Outputs independent of the batch (kvfleet serve --batch-invariant): float32 "
-                            "prefill where the CPU default runs native bf16; slower there."),
+    "batchInvariant": _bool("Outputs independent of the batch (kvfleet serve --batch-invariant, on by default); "
+                            "false: native bf16 prefill on AVX512-BF16 / AMX CPUs, faster, batch-dependent."),
     "schedulingPolicy": {"type": "string", "description": "Order of waiting requests.",
                          "enum": ["fcfs", "priority", "fair"]},
     "dtype": {"type": "string", "description": "Weights and activations dtype.",

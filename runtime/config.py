@@ -99,12 +99,15 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     """Token budget of one engine step (prefill + decode tokens)."""
     enable_prefix_caching: bool = True
-    batch_invariant: bool = False
-    """A request's output does not depend on what else runs beside it, at the cost of speed where the
-    default differs (vLLM's ``VLLM_BATCH_INVARIANT``, SGLang's deterministic inference). On the CPU:
-    prefill matmuls stay float32 where the default runs them in native bf16 (quantized weights on an
-    AVX512-BF16 / AMX CPU); decode is batch-invariant in every mode (kvfleet's C kernels sum each row
-    alike in any batch). Runs with bf16/fp16 activations through torch are not covered."""
+    batch_invariant: bool = True
+    """A request's output does not depend on what else runs beside it (vLLM's opt-in
+    ``VLLM_BATCH_INVARIANT``, SGLang's deterministic inference; on by default here: the same greedy
+    or seeded request gives the same text under load). On the CPU, decode is bitwise batch-invariant
+    in every mode (kvfleet's C kernels sum each row alike in any batch) and prefill runs float32;
+    ``False`` (``--no-batch-invariant``) lets prefill of quantized or bf16 weights run oneDNN's
+    native bf16 matmul on AVX512-BF16 / AMX CPUs, whose rounding depends on the step's rows
+    (measured on a Xeon with AMX: W48 +24 %, and identical greedy requests sent together can differ).
+    Runs with bf16/fp16 activations through torch are not covered."""
     scheduling_policy: Literal["fcfs", "priority", "fair"] = "fcfs"
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = Field(1, ge=1)

@@ -113,14 +113,14 @@ class CpuPlan:
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 
-_INVARIANT = "; --batch-invariant: float32 prefill"
+_INVARIANT = "; prefill float32 (--batch-invariant; --no-batch-invariant: native bf16 prefill, faster)"
 _BF16_PREFILL = ("; prefill matmuls in bf16 on this CPU's native bf16 (the quantized weights dequantized to "
                  "bf16: a rounding far below the quantization's own error; decode stays float32)")
 
 
 def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = None, *,
          facts: CpuFacts, bf16_weight_storage: bool | None = None, checkpoint_weights: str = "fp32",
-         batch_invariant: bool = False) -> CpuPlan:
+         batch_invariant: bool = True) -> CpuPlan:
     """The fastest correct way to run on this CPU what was asked (the rules: module docstring).
 
     Args:
@@ -131,8 +131,9 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
         checkpoint_weights: how the checkpoint stores its linear weights: ``fp32`` (or fp16),
             ``bf16`` (``torch_dtype`` bfloat16), ``q4_1`` (a GGUF file's Q4_1 blocks).
-        batch_invariant: ``--batch-invariant``: no native bf16 prefill on the float32-activation
-            paths (its matmuls round differently with the step's row count).
+        batch_invariant: ``--batch-invariant`` (the default): no native bf16 prefill on the
+            float32-activation paths (its matmuls round differently with the step's row count);
+            False: native bf16 prefill of quantized and bf16 weights where the CPU has it.
 
     Raises:
         ValueError: an unknown dtype, quantization or checkpoint_weights.
@@ -156,7 +157,7 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         return CpuPlan("float32", "int4", False, True, bf16_prefill,
                        "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
                        "re-quantized: a quarter of float32's bytes per decode token), float32 activations"
-                       + (_BF16_PREFILL if bf16_prefill else _INVARIANT if batch_invariant else ""),
+                       + (_BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else ""),
                        gguf_q4_1=True)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
@@ -181,7 +182,7 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         native = features.native_bf16 and (weights == "bf16" or quantized_auto) and not batch_invariant
         if native and quantized_auto:
             reason += _BF16_PREFILL
-        elif batch_invariant:
+        elif batch_invariant and features.native_bf16 and (weights == "bf16" or quantized_auto):
             reason += _INVARIANT
         return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason)
 

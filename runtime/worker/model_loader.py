@@ -147,7 +147,7 @@ def cpu_facts(tensor_parallel_size: int = 1) -> CpuFacts:
 
 
 def resolve_cpu_plan(dtype: str = "auto", quantization: str | None = None, tensor_parallel_size: int = 1,
-                     checkpoint: str = "fp32", batch_invariant: bool = False) -> CpuPlan:
+                     checkpoint: str = "fp32", batch_invariant: bool = True) -> CpuPlan:
     """:func:`kvfleet.runtime.worker.cpu_plan.plan` on this machine (:func:`cpu_features.detect`,
     :func:`cpu_facts`) for a checkpoint whose linear weights are ``checkpoint`` (:func:`checkpoint_weights`)."""
     return cpu_plan.plan(cpu_features.detect(), dtype, quantization, facts=cpu_facts(tensor_parallel_size),
@@ -330,7 +330,7 @@ def load_model(
     cache_root: Path | None = None,
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = True,
 ) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
 
@@ -346,8 +346,8 @@ def load_model(
             :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's).
         quantization: ``int8`` / ``int4``: quantize the decoder's linear layers after loading
             (:func:`kvfleet.runtime.worker.quantization.quantize_model`); None: as loaded.
-        batch_invariant: the CPU plan keeps prefill in float32 where it would run native bf16
-            (``EngineConfig.batch_invariant``).
+        batch_invariant: the CPU plan keeps prefill in float32 (``EngineConfig.batch_invariant``,
+            on by default); False: native bf16 prefill where the CPU has it.
 
     Returns: a :class:`LoadedModel` in eval mode with ``sdpa`` attention, or ``eager`` for
         architectures without sdpa support such as Gemma 2 (the engine switches it to its

@@ -364,7 +364,10 @@ class TestKubelet:
         dep_name = dep["metadata"]["name"]
         template = (dep.get("spec") or {}).get("template") or {}
         name = f"{dep_name}-{(thash or 'x')[:8]}-{next(self._names)}"
+        taken = {p.port for p in self.pods.values()}
         port = free_port()
+        while port in taken:  # a port handed to a pod still starting looks free to bind(0)
+            port = free_port()
         proc, log_path = self._spawn(name, port, template)
         pod = FakePod(name, dep_name, thash, port, proc, log_path, time.monotonic())
         self.pods[name] = pod

@@ -114,8 +114,8 @@ _HELP = {
     "max_num_seqs": "most sequences in one engine step",
     "max_num_batched_tokens": "token budget of one engine step",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "batch_invariant": "outputs independent of the batch (float32 prefill where the CPU default uses native bf16; "
-                       "slower there)",
+    "batch_invariant": "outputs independent of the batch (on; --no-batch-invariant: native bf16 prefill of "
+                       "quantized/bf16 weights on AVX512-BF16 / AMX CPUs, faster, batch-dependent rounding)",
     "scheduling_policy": "order of admission: fcfs, priority (request field), fair (per tenant = user field)",
     "enable_chunked_prefill": "split long prompts over several steps",
     "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism, one node",

@@ -1,9 +1,9 @@
 """Reproducible in every dtype the CPU runs (issue 25), on the real default model: the same request
 with a ``seed`` (temperature > 0) gives the same text alone and beside 8 concurrent requests, and
-greedy outputs of a batch equal each prompt run alone -- with ``--batch-invariant`` in the default
-(the GGUF's Q4_1 weights), int8 / int4 weights (float32 activations, the plan's choice for
-``--quantization`` alone), and in float32 and bfloat16; the default without the flag keeps the
-seeded check (its bf16 prefill on native-bf16 CPUs can flip a greedy token: a strict xfail there).
+greedy outputs of a batch equal each prompt run alone -- in the default (the GGUF's Q4_1 weights,
+``--batch-invariant`` on), int8 / int4 weights (float32 activations, the plan's choice for
+``--quantization`` alone), float32 and bfloat16; ``--no-batch-invariant`` keeps the seeded check
+(its native bf16 prefill can flip a greedy token: a strict xfail on such CPUs).
 
 Token-level checks: decode steps are bitwise batch-invariant (the fused decoder sums each row alike
 in any batch: tests/unit/kernels), prefill is not (torch's fp32 matmul rounds a step of 5 rows and
@@ -38,11 +38,11 @@ TARGET = "Tell me a story about a dragon."
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 VARIANTS = {  # name: (dtype, quantization, batch_invariant)
-    "default": ("auto", None, False),  # `kvfleet serve`: the GGUF's Q4_1 weights (bf16 prefill on native-bf16 CPUs)
-    "batch-invariant": ("auto", None, True),  # the same with --batch-invariant
-    "float32": ("float32", None, False),
-    "bfloat16": ("bfloat16", None, False),
-    "int8": ("auto", "int8", True),  # --quantization alone (bf16 prefill on native-bf16 CPUs without the flag)
+    "default": ("auto", None, True),  # `kvfleet serve`: the GGUF's Q4_1 weights, --batch-invariant (on)
+    "no-batch-invariant": ("auto", None, False),  # the same with native bf16 prefill where the CPU has it
+    "float32": ("float32", None, True),
+    "bfloat16": ("bfloat16", None, True),
+    "int8": ("auto", "int8", True),  # --quantization alone
     "int4": ("auto", "int4", True),
 }
 
@@ -71,13 +71,12 @@ def test_seeded_request_alone_and_beside_eight(llm):
 
 def test_greedy_batch_equals_each_prompt_alone(llm, request):
     name, llm = llm
-    if name in ("bfloat16", "default") and cpu_features.detect().native_bf16:
+    if name == "no-batch-invariant" and cpu_features.detect().native_bf16:
         # Found on a Xeon with AMX (issue 25): the batch's prefill (> KERNEL_ROWS rows) runs oneDNN's
         # native bf16 matmul, a prompt alone the C kernel; greedy tokens flip ("Hello, my name is",
-        # 7th token). The default takes that speed (W48 +24 % there) and --batch-invariant gives it
-        # back (docs/performance.md). Strict: when it passes, this marker must go.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="bf16 prefill: greedy batch variance on "
-                                                                  "native-bf16 CPUs (use --batch-invariant)"))
+        # 7th token). --no-batch-invariant takes that speed (W48 +24 % there); the default does not
+        # (docs/performance.md). Strict: when it passes, this marker must go.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="native bf16 prefill: greedy batch variance"))
     prompts = OTHERS + [TARGET]
     batch = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

@@ -37,11 +37,10 @@ def expected(machine: str, dtype: str, quant: str | None, storage: bool) -> tupl
     native = machine in ("zen4", "spr")
     if dtype in ("auto", "float32"):
         bf16 = storage and quant is None and dtype == "auto" and native
-        # quantized weights under auto: prefill in native bf16 where the CPU has it
-        prefill = native and (bf16 or (dtype == "auto" and quant is not None))
-        return "float32", quant or ("bf16" if bf16 else "fp32"), bf16, True, prefill
+        # float32 prefill by default (--batch-invariant); see test_batch_invariant_keeps_prefill_in_float32
+        return "float32", quant or ("bf16" if bf16 else "fp32"), bf16, True, False
     if dtype == "bfloat16" and quant is None and storage:
-        return "float32", "bf16", True, True, native
+        return "float32", "bf16", True, True, False
     weights = quant or {"bfloat16": "bf16", "float16": "fp16"}[dtype]
     return dtype, weights, False, False, dtype == "bfloat16" and native
 
@@ -119,14 +118,16 @@ def test_explicit_bf16_says_why_it_is_slower():
 
 @pytest.mark.parametrize("machine", list(MACHINES))
 def test_batch_invariant_keeps_prefill_in_float32(machine):
-    # --batch-invariant: no native bf16 prefill on the float32-activation paths (the default's Q4_1,
-    # --quantization alone, bf16 weight storage); the weights and the fused decoder are unchanged.
+    # --batch-invariant (the default): no native bf16 prefill on the float32-activation paths (the
+    # default's Q4_1, --quantization alone, bf16 weight storage); --no-batch-invariant turns it on where
+    # the CPU has native bf16. The weights and the fused decoder are the same either way.
     for dtype, quant, checkpoint in (("auto", None, "q4_1"), ("auto", "int8", "fp32"), ("auto", "int4", "fp32"),
                                      ("auto", None, "fp32"), ("bfloat16", None, "fp32")):
-        fast = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint)
-        inv = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint, batch_invariant=True)
+        inv = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint)
+        fast = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint, batch_invariant=False)
         assert (inv.dtype, inv.weights, inv.fused_decoder) == (fast.dtype, fast.weights, fast.fused_decoder)
-        assert not inv.native_bf16_prefill and "--batch-invariant" in inv.reason
+        assert not inv.native_bf16_prefill
+        assert ("--no-batch-invariant" in inv.reason) == (machine != "zen3")
         assert fast.native_bf16_prefill == (machine != "zen3")
 
 
@@ -138,8 +139,10 @@ def test_auto_keeps_a_checkpoints_own_smaller_weights(machine):
     assert (q4.dtype, q4.weights, q4.gguf_q4_1, q4.bf16_weights, q4.fused_decoder) == ("float32", "int4", True, False,
                                                                                       True)
     assert "Q4_1" in q4.reason
-    # prefill in native bf16 where the CPU has it (the rounding is below Q4_1's own error); decode float32
-    assert q4.native_bf16_prefill == (machine != "zen3") and ("prefill matmuls in bf16" in q4.reason) == (machine != "zen3")
+    # --no-batch-invariant: prefill in native bf16 where the CPU has it (below Q4_1's own error); decode float32
+    fast = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="q4_1", batch_invariant=False)
+    assert fast.native_bf16_prefill == (machine != "zen3") and ("prefill matmuls in bf16" in fast.reason) == (
+        machine != "zen3")
     for dtype, quant in (("float32", None), ("auto", "int8"), ("bfloat16", None)):
         assert not cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights="q4_1").gguf_q4_1
     no_woq = cp.plan(cpu(machine), "auto", None, facts=cp.CpuFacts(kernels=True, woq_kernels=False),
