@@ -18,8 +18,9 @@
  * with four independent FMA chains, so a thread reads its weights as one sequential stream; reading
  * four rows at once (four streams a few hundred bytes apart) defeated the hardware prefetcher and
  * halved the rate (docs/performance.md, "One sequential stream per thread"). With several rows of x
- * each weight row is widened once and every row is summed in exactly the one-row order, so a row's
- * result does not depend on the rest of the step (kv_matrix_rows). Built with -ffp-contract=off
+ * the weights are widened in registers for four rows at a time (up to KV_FEW_ROWS rows) or once into
+ * a buffer (more), and every row is summed in exactly the one-row order, so a row's result does not
+ * depend on the rest of the step (kv_matrix_rows). Built with -ffp-contract=off
  * (cpu_lib.py): the compiler fuses no multiply-add of its own, so equal code is equal arithmetic.
  */
 #ifndef KVFLEET_CPU_GEMV_H

@@ -60,50 +60,44 @@ void kv_woq_bf16_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const
     woq_linear(&m, x, M, ldx, y);
 }
 
-/* out [N, K] float32 = dequant(w): the int4 weight as floats, for steps of many rows, where
- * torch's matmul on the dequantized weight is compute-bound and beats re-widening per row. */
-void kv_woq_int4_dequant(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
-                         int64_t G, float *out) {
-    int64_t groups = K / G;
-    #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t k = 0; k < K; k += 32) {
-            int64_t g = n * groups + k / G;
-            __m256 wv[4];
-            widen_i4(w + n * (K / 2) + k / 2, _mm256_set1_ps(scale[g]), _mm256_set1_ps(shift[g]), wv);
-            float *o = out + n * K + k;
-            _mm256_storeu_ps(o, wv[0]);
-            _mm256_storeu_ps(o + 8, wv[1]);
-            _mm256_storeu_ps(o + 16, wv[2]);
-            _mm256_storeu_ps(o + 24, wv[3]);
-        }
-    }
-}
-
-/* out [N, K] bf16 (as uint16) = dequant(w) rounded to nearest even (finite values): the int4 weight
- * for a native bf16 matmul (prefill on CPUs with AVX512-BF16 or AMX), half the bytes of the
- * float32 dequantization. The rounding is done with integer ops, so every build variant has it. */
-static inline __m256i bf16_round(__m256 v) {
+/* dequant(w) [N, K] of an int4 weight, row by row with the kernels' own widening (widen_row):
+ * into out32 (float32), or, when out32 is NULL, rounded to bf16 into out16. */
+static inline __m256i bf16_round(__m256 v) {   /* nearest even, finite values; integer ops only */
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
 }
 
-void kv_woq_int4_dequant_bf16(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
-                              int64_t G, uint16_t *out) {
-    int64_t groups = K / G;
+static void int4_dequant(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift, int64_t G,
+                         float *out32, uint16_t *out16) {
+    const kv_matrix m = {KV_INT4, N, K, w, scale, shift, G, NULL};
     #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_WEIGHTS)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t k = 0; k < K; k += 32) {
-            int64_t g = n * groups + k / G;
-            __m256 wv[4];
-            widen_i4(w + n * (K / 2) + k / 2, _mm256_set1_ps(scale[g]), _mm256_set1_ps(shift[g]), wv);
-            uint16_t *o = out + n * K + k;
+        if (out32) {
+            widen_row(&m, n, out32 + n * K);
+            continue;
+        }
+        float row[K];
+        widen_row(&m, n, row);
+        for (int64_t k = 0; k < K; k += 16) {   /* K is a multiple of 32 */
             /* packus interleaves 128-bit lanes; the permute puts the 16 values back in order */
-            __m256i lo = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(wv[0]), bf16_round(wv[1])), 0xD8);
-            __m256i hi = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_round(wv[2]), bf16_round(wv[3])), 0xD8);
-            _mm256_storeu_si256((__m256i *)o, lo);
-            _mm256_storeu_si256((__m256i *)(o + 16), hi);
+            const __m256i h = _mm256_packus_epi32(bf16_round(_mm256_loadu_ps(row + k)),
+                                                  bf16_round(_mm256_loadu_ps(row + k + 8)));
+            _mm256_storeu_si256((__m256i *)(out16 + n * K + k), _mm256_permute4x64_epi64(h, 0xD8));
         }
     }
+}
+
+/* out [N, K] float32 = dequant(w): the int4 weight as floats, for steps of many rows, where
+ * torch's matmul on the dequantized weight is compute-bound and beats re-widening per row. */
+void kv_woq_int4_dequant(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
+                         int64_t G, float *out) {
+    int4_dequant(w, N, K, scale, shift, G, out, NULL);
+}
+
+/* out [N, K] bf16 (as uint16) = dequant(w) rounded to nearest even: the int4 weight for a native
+ * bf16 matmul (prefill on CPUs with AVX512-BF16 or AMX), half the bytes of the float32 one. */
+void kv_woq_int4_dequant_bf16(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
+                              int64_t G, uint16_t *out) {
+    int4_dequant(w, N, K, scale, shift, G, NULL, out);
 }

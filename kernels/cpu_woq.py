@@ -7,7 +7,8 @@ Why our own kernel: torch's CPU kernels for weight-only int8/int4 (``aten._weigh
 machine they ran 5-10x slower than the fp32 matmul they replace (docs/performance.md,
 "Weight-only quantization"), and torchao 0.18's wheels carry no x86 low-bit kernels. A decode
 step is bound by reading weights, so the kernel reads each weight once, widens it to float32 in
-registers and uses it for up to four rows of ``x`` (``kernels/cpu_gemv.h`` states the layouts).
+registers and sums every row of ``x`` in one order, whatever their number (``kernels/cpu_gemv.h``
+states the layouts and the order).
 
 Build and load: :mod:`kvfleet.kernels.cpu_lib` (one library per ISA level, chosen at run time;
 ``cpu_woq.c`` holds these ops, ``cpu_decoder.c`` the fused decode step). :func:`load`,
@@ -276,27 +277,17 @@ def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 def int4_dequantize(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 ``[N, K]`` weight of an int4 layer (``q * scale + shift`` per group), for
-    steps with many rows (unchecked, like :func:`int4_linear_unchecked`), written into ``out``
-    (a contiguous float32 ``[N, K]`` tensor) when given."""
+                    out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[N, K]`` weight of an int4 layer (``q * scale + shift`` per group), for steps with many
+    rows (unchecked, like :func:`int4_linear_unchecked`): ``dtype`` float32, or bfloat16 rounded to
+    nearest even (the weight of a native bf16 matmul on AVX512-BF16 / AMX CPUs), written into ``out``
+    (a contiguous ``[N, K]`` tensor of ``dtype``) when given."""
     N, half = packed.shape
     if out is None:
-        out = torch.empty((N, 2 * half), dtype=torch.float32)
-    _lib_or_raise().kv_woq_int4_dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(),
-                                        group_size, out.data_ptr())
-    return out
-
-
-def int4_dequantize_bf16(packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, group_size: int,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`int4_dequantize` rounded to bf16 (nearest even): the weight of a native bf16 matmul
-    (prefill on CPUs with AVX512-BF16 / AMX), into ``out`` (contiguous bf16 ``[N, K]``) when given."""
-    N, half = packed.shape
-    if out is None:
-        out = torch.empty((N, 2 * half), dtype=torch.bfloat16)
-    _lib_or_raise().kv_woq_int4_dequant_bf16(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(),
-                                             group_size, out.data_ptr())
+        out = torch.empty((N, 2 * half), dtype=dtype)
+    lib = _lib_or_raise()
+    dequant = lib.kv_woq_int4_dequant_bf16 if dtype == torch.bfloat16 else lib.kv_woq_int4_dequant
+    dequant(packed.data_ptr(), N, 2 * half, scale.data_ptr(), shift.data_ptr(), group_size, out.data_ptr())
     return out
 
 

@@ -19,7 +19,9 @@ finds layers by type or name, LoRA included, keeps working). The quantization it
 
 Rows: a step of at most :data:`MAX_KERNEL_ROWS` rows runs the kernel (decode); a larger one
 (prefill, large batches, where the matmul is compute-bound) dequantizes the weight into a
-per-thread float32 scratch buffer (:func:`dequant_scratch`) and runs torch's matmul.
+per-thread float32 scratch buffer (:func:`dequant_scratch`) and runs torch's matmul, or, with
+``prefill_bf16`` (:func:`set_bf16_prefill`, the CPU plan's ``--no-batch-invariant`` choice), a
+bf16 weight and oneDNN's native bf16 matmul.
 Activations may be fp32, bf16 or fp16; the kernel computes in fp32. :class:`Bf16Linear`'s
 large steps run :func:`kvfleet.kernels.cpu_woq.bf16_linear`'s choice (native bf16 matmul on
 CPUs with AVX512-BF16 / AMX, else the fp32 matmul on the widened weight).
@@ -154,8 +156,8 @@ class Int4Linear(torch.nn.Linear):
                                                  self.bias32)
         N, K = self.weight.shape[0], 2 * self.weight.shape[1]
         if self.prefill_bf16:  # the dequantized weight rounded to bf16; oneDNN's native bf16 matmul
-            w = cpu_woq.int4_dequantize_bf16(self.weight, self.qscale, self.qshift, self.group_size,
-                                             out=cpu_woq.bf16_scratch(N, K))
+            w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,
+                                        out=cpu_woq.bf16_scratch(N, K), dtype=torch.bfloat16)
             y = torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
         else:
             w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,

@@ -157,9 +157,9 @@ def test_int4_dequantized_to_bf16_rounds_to_nearest_even_and_runs_prefill():
     q4 = cpu_woq.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen))
     scale, shift = torch.rand(N, K // 32, generator=gen) * 0.05, torch.randn(N, K // 32, generator=gen) * 0.1
     fp32 = cpu_woq.int4_dequantize(q4, scale, shift, 32)
-    assert torch.equal(cpu_woq.int4_dequantize_bf16(q4, scale, shift, 32), fp32.to(torch.bfloat16))
-    assert torch.equal(cpu_woq.int4_dequantize_bf16(q4, scale, shift, 32, out=cpu_woq.bf16_scratch(N, K)),
-                       fp32.to(torch.bfloat16))
+    assert torch.equal(cpu_woq.int4_dequantize(q4, scale, shift, 32, dtype=torch.bfloat16), fp32.to(torch.bfloat16))
+    assert torch.equal(cpu_woq.int4_dequantize(q4, scale, shift, 32, out=cpu_woq.bf16_scratch(N, K),
+                                               dtype=torch.bfloat16), fp32.to(torch.bfloat16))
     # The layers' bf16 prefill (more than MAX_KERNEL_ROWS rows): bf16 rounding of weights and activations.
     from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear, set_bf16_prefill
 
