@@ -218,13 +218,7 @@ class EngineConfig(BaseModel):
 
         Raises:
             ValueError: ``--enable-lora`` with ``tensor_parallel_size > 1`` or without
-                ``--enforce-eager``; ``--quantization`` with ``tensor_parallel_size > 1``;
-                ``--speculative-config`` (its proposers and verification rule exist, the engine's
-                step does not run them yet: refused rather than silently ignored)."""
-        if self.speculative_config is not None:
-            raise ValueError("--speculative-config: speculative decoding is not wired into the engine's step yet "
-                             "(kvfleet.runtime.spec_decode holds the proposers and the verification rule); "
-                             "start without it")
+                ``--enforce-eager``; ``--quantization`` with ``tensor_parallel_size > 1``."""
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("--enable-lora: not supported with tensor_parallel_size > 1 (the adapters' stacked "
                              "slots are not sharded over the ranks)")

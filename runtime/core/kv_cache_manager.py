@@ -270,8 +270,10 @@ class KVCacheManager:
             # this step's forward pass, before any later step can read them. A request asking
             # for prompt logprobs registers its blocks too (their K/V does not depend on it;
             # only its lookup is skipped, as in vLLM v1).
+            # Speculative drafts (tokens past ``request.num_tokens``) may be rejected: a block
+            # is registered only once it is full of the request's own tokens.
             num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-            num_full = (num_computed + num_new_tokens) // self.block_size
+            num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             start = self._num_cached_blocks.get(request.request_id, len(new_computed_blocks))
             start = max(start, len(new_computed_blocks))
             if num_full > start:

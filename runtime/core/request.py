@@ -53,6 +53,11 @@ class GrammarState(Protocol):
         terminated (its stop token was accepted) or rejected the token."""
         ...
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (speculative proposals) the grammar accepts in a row from its
+        state now, without ending there; the state is left unchanged."""
+        ...
+
 
 class Request:
     """One sequence being generated.
@@ -83,6 +88,9 @@ class Request:
         lora_name / lora_int_id: the LoRA adapter it runs with (``lora_int_id`` unique per
             adapter load, see :class:`kvfleet.runtime.lora_request.LoRARequest`); None / 0: the
             base model. The id seeds the prefix-cache hash chain and counts against ``max_loras``.
+        spec_token_ids: speculative decoding's proposed next tokens (from the model runner's
+            previous step), verified in the request's next decode step; never output tokens
+            until the runner accepts them. Emptied on preemption.
     """
 
     def __init__(
@@ -121,6 +129,7 @@ class Request:
         self.structured_output: GrammarState | None = None
         self.lora_name = lora_name
         self.lora_int_id = lora_int_id
+        self.spec_token_ids: list[int] = []
         # Prefix-cache accounting: counted once per successful schedule from WAITING.
         self.num_cached_tokens = -1
 

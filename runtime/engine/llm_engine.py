@@ -436,14 +436,15 @@ class LLMEngine:
             if result.prompt_logprobs:
                 self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)
             sampled = self.runner.sample(result, self._grammar_mask)  # rows keyed by request id
-            tokens, logprobs = sampled.token_ids, sampled.logprobs
-            changed = self.scheduler.update_from_output(scheduler_output, tokens)
-            iteration.num_generation_tokens = len(changed)
+            logprobs = sampled.logprobs
+            before = {sr.request_id: sr.request.num_output_tokens for sr in scheduler_output.scheduled}
+            changed = self.scheduler.update_from_output(scheduler_output, sampled.token_ids, sampled.spec_token_ids)
             updates = [
-                SequenceUpdate(r.request_id, [r.output_token_ids[-1]], r.status.finish_reason, r.stop_reason,
-                               logprobs.get(r.request_id))
+                SequenceUpdate(r.request_id, r.output_token_ids[before[r.request_id]:], r.status.finish_reason,
+                               r.stop_reason, logprobs.get(r.request_id))
                 for r in changed
             ]
+            iteration.num_generation_tokens = sum(len(u.new_token_ids) for u in updates)
         self.num_steps += 1
         self._publish_kv_events()
         processed = proc.process_outputs(updates, time.monotonic(), iteration)
@@ -451,13 +452,14 @@ class LLMEngine:
         self._record_stats(self.scheduler.make_stats(), iteration)
         return processed.request_outputs
 
-    def _grammar_mask(self, logits: torch.Tensor, req_ids: list[str]) -> None:
-        """Mask in place the rows of constrained sequences (before penalties and temperature).
+    def _grammar_mask(self, logits: torch.Tensor, req_ids: list[str], drafts: list[list[int]] | None = None) -> None:
+        """Mask in place the rows of constrained sequences (before penalties and temperature);
+        ``drafts``: per sequence, the speculative tokens its extra rows verify.
         A sequence failed this step (its prompt logprobs) is gone: unconstrained, its token dropped."""
         live = self.scheduler.requests
         grammars = [live[rid].structured_output if rid in live else None for rid in req_ids]
         if any(g is not None for g in grammars):
-            self.structured_output.apply_bitmask(logits, grammars)
+            self.structured_output.apply_bitmask(logits, grammars, drafts)
 
     def _add_prompt_logprobs(self, scheduler_output, prompt_logprobs: dict, iteration: IterationStats) -> None:
         """Hand the step's prompt logprobs to the output processor; tell each request how many

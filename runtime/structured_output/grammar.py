@@ -107,6 +107,31 @@ class Grammar:
         self.num_accepted += 1
         return self.matcher.is_terminated()
 
+    def validate_tokens(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar accepts in a row from its state now, stopping before
+        one it rejects or after the one that completes it; the state is rolled back."""
+        n = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, draft: list[int]) -> list[bool]:
+        """Rows ``row .. row + len(draft)`` of ``bitmask``: the allowed tokens now and after each
+        prefix of ``draft`` (speculative verification: row ``j`` scores the token after
+        ``draft[:j]``); the state is rolled back. ``draft`` must be valid
+        (:meth:`validate_tokens`). Per row, False when every token is allowed."""
+        out = [self.matcher.fill_next_token_bitmask(bitmask, row)]
+        for j, token in enumerate(draft):
+            self.matcher.accept_token(token)
+            out.append(self.matcher.fill_next_token_bitmask(bitmask, row + j + 1))
+        if draft:
+            self.matcher.rollback(len(draft))
+        return out
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed next tokens into ``bitmask[row]`` (int32, 32 tokens per word, CPU);
         False when every token is allowed (the row need not be masked)."""

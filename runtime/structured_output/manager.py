@@ -117,27 +117,40 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the step
-    def apply_bitmask(self, logits: torch.Tensor, grammars: list[GrammarState | None]) -> int:
+    def apply_bitmask(self, logits: torch.Tensor, grammars: list[GrammarState | None],
+                      drafts: list[list[int]] | None = None) -> int:
         """Mask, in place, the logits of every row with a grammar: tokens the grammar does not
         allow next become ``-inf``.
 
         Args:
-            logits: ``[S, vocab_size]`` float32, row ``i`` for ``grammars[i]`` (any device).
-            grammars: the step's sampling rows' grammar matchers (None: unconstrained).
+            logits: ``[R, vocab_size]`` float32 (any device): one row per entry of ``grammars``,
+                or with ``drafts``, ``1 + len(drafts[i])`` consecutive rows for entry ``i``.
+            grammars: the step's sampling sequences' grammar matchers (None: unconstrained).
+            drafts: per sequence, the speculative tokens its extra rows verify (row ``j`` of a
+                sequence is masked by the grammar's state after ``draft[:j]``); None: none.
 
         Returns: the number of rows masked.
         """
-        rows = [i for i, g in enumerate(grammars) if g is not None]
-        if not rows:
+        if not any(g is not None for g in grammars):
             return 0
+        starts, num_rows = [], 0
+        for i in range(len(grammars)):
+            starts.append(num_rows)
+            num_rows += 1 + (len(drafts[i]) if drafts else 0)
         width = (logits.shape[1] + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < len(grammars) or self._bitmask.shape[1] != width:
-            self._bitmask = xgr.allocate_token_bitmask(max(len(grammars), 16), logits.shape[1])
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != width:
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 16), logits.shape[1])
         bitmask = self._bitmask
-        masked = [i for i in rows if grammars[i].fill_bitmask(bitmask, i)]  # type: ignore[union-attr]
+        masked = []
+        for i, g in enumerate(grammars):
+            if g is None:
+                continue
+            draft = drafts[i] if drafts else []
+            flags = g.fill_bitmasks(bitmask, starts[i], draft) if draft else [g.fill_bitmask(bitmask, starts[i])]
+            masked.extend(starts[i] + j for j, f in enumerate(flags) if f)
         if not masked:
             return 0
-        mask = bitmask[: len(grammars)]
+        mask = bitmask[:num_rows]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, indices=masked)

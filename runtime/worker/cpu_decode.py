@@ -21,8 +21,9 @@ still runs prefill and mixed steps reads the same memory. Models shared by sever
 fused once.
 
 :meth:`CpuDecodePath.applies` says whether a step qualifies: every scheduled sequence has exactly
-one new token (decode, or a one-token prompt chunk), at most
-:data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` of them, and no prompt logprobs.
+one new token (decode, or a one-token prompt chunk) or, with speculative decoding, at most
+``1 + k`` (its last token and its drafts: one row each), at most
+:data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` rows, and no prompt logprobs.
 """
 
 from __future__ import annotations
@@ -171,20 +172,33 @@ class CpuDecodePath:
         self._compute_logits = runner.compute_logits
 
     @staticmethod
-    def applies(num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool) -> bool:
-        """Whether a step with these properties runs fused: one token per sequence, at most
-        ``MAX_ROWS`` of them, no prompt logprobs, no padding rows."""
-        return num_tokens == num_seqs <= MAX_ROWS and not prompt_logprobs and not padded
+    def applies(num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool, max_query_len: int = 1,
+                max_query: int = 1) -> bool:
+        """Whether a step with these properties runs fused: at most ``MAX_ROWS`` rows, each
+        sequence with one new token (decode), or with speculative decoding up to ``max_query``
+        (its last token and the drafts it verifies), no prompt logprobs, no padding rows."""
+        if num_tokens > MAX_ROWS or prompt_logprobs or padded:
+            return False
+        return num_tokens == num_seqs or 1 < max_query_len <= max_query
 
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor
                 ) -> torch.Tensor:
         """Logits ``[S, V]`` float32 of the rows ``logits_indices`` for a step that
-        :meth:`applies`; writes every row's key and value into the caches."""
+        :meth:`applies`; writes every row's key and value into the caches. A sequence with
+        several new tokens runs as that many rows, row ``j`` attending over the positions up to
+        its own (the C step writes every row's key and value before any row's attention), so
+        each row's numbers are those of a one-token decode at its position."""
+        num_tokens = input_ids.shape[1]
+        block_tables, seq_lens = meta.block_tables, meta.seq_lens
+        if num_tokens != seq_lens.shape[0]:
+            per_seq = torch.diff(meta.query_start_loc)
+            block_tables = block_tables.repeat_interleave(per_seq, dim=0)
+            seq_lens = (positions[0] + 1).to(torch.int32)
         x = self._embed(input_ids[0]).float().contiguous()
         cos, sin = self._rotary(x.unsqueeze(0), positions)
         hidden, logits = self._fused.step(
             x, cos[0].float().contiguous(), sin[0].float().contiguous(), meta.slot_mapping.contiguous(),
-            meta.block_tables, meta.seq_lens.contiguous(),
+            block_tables, seq_lens.contiguous(),
         )
         if logits is None:
             return self._compute_logits(hidden.index_select(0, logits_indices))

@@ -14,7 +14,8 @@ back), so rows never outlive their requests and no finished-request bookkeeping 
 kept as the reference the persistent batch must equal (tests/unit/runtime/worker/test_input_batch.py) and for
 callers without a runner. Both give the same arrays: ``input_ids [T]``, ``positions [T]``,
 ``slot_mapping [T]`` int64, ``block_tables [B, max_blocks]`` (rows padded with 0),
-``seq_lens [B]``, ``query_start_loc [B + 1]``, ``logits_indices [S]``.
+``seq_lens [B]``, ``query_start_loc [B + 1]``, ``logits_indices [S]`` (the last token of each
+request that samples; with speculative drafts, its last ``1 + k`` tokens).
 """
 
 from __future__ import annotations
@@ -43,8 +44,23 @@ class StepArrays:
     max_seq_len: int
 
 
+def _num_logits(scheduled: list[ScheduledRow]) -> np.ndarray:
+    """Rows of logits each request keeps: 0 (no sampling), 1, or ``1 + k`` with ``k`` drafts."""
+    return np.fromiter((s.sample * (1 + len(s.spec_token_ids)) for s in scheduled), dtype=np.int64,
+                       count=len(scheduled))
+
+
+def _logits_indices(qsl: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
+    """The batch rows of each request's last ``num_logits[i]`` tokens, in order."""
+    if num_logits.max(initial=0) <= 1:
+        return qsl[1:][num_logits > 0] - 1
+    ends = np.repeat(qsl[1:], num_logits)
+    back = np.concatenate([np.arange(n, 0, -1) for n in num_logits if n]) if num_logits.any() else ends
+    return ends - back
+
+
 def _token_arrays(scheduled: list[ScheduledRow], block_tables: np.ndarray, block_size: int,
-                  num_new: np.ndarray, start: np.ndarray, sample: np.ndarray) -> StepArrays:
+                  num_new: np.ndarray, start: np.ndarray, num_logits: np.ndarray) -> StepArrays:
     num_reqs = len(scheduled)
     qsl = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_new, out=qsl[1:])
@@ -66,7 +82,7 @@ def _token_arrays(scheduled: list[ScheduledRow], block_tables: np.ndarray, block
         block_tables=block_tables,
         seq_lens=seq_lens,
         query_start_loc=qsl,
-        logits_indices=qsl[1:][sample] - 1,
+        logits_indices=_logits_indices(qsl, num_logits),
         max_query_len=int(num_new.max()),
         max_seq_len=int(seq_lens.max()),
     )
@@ -82,8 +98,7 @@ def build_inputs(scheduled: list[ScheduledRow], block_size: int) -> StepArrays:
     for i, s in enumerate(scheduled):
         n = int(nblocks[i])
         block_tables[i, :n] = s.block_ids[:n]
-    sample = np.fromiter((s.sample for s in scheduled), dtype=bool, count=num_reqs)
-    return _token_arrays(scheduled, block_tables, block_size, num_new, start, sample)
+    return _token_arrays(scheduled, block_tables, block_size, num_new, start, _num_logits(scheduled))
 
 
 class InputBatch:
@@ -196,8 +211,7 @@ class InputBatch:
         nblocks = (start + num_new + bs - 1) // bs
         if width and (nblocks < width).any():
             block_tables[np.arange(width) >= nblocks[:, None]] = 0
-        sample = np.fromiter((s.sample for s in scheduled), dtype=bool, count=num_reqs)
-        return _token_arrays(scheduled, block_tables, bs, num_new, start, sample)
+        return _token_arrays(scheduled, block_tables, bs, num_new, start, _num_logits(scheduled))
 
     def prepare(self, scheduled: list[ScheduledRow], kv_caches, sliding_windows, device: torch.device,
                 pin: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

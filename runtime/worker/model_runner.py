@@ -45,6 +45,7 @@ from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
 from kvfleet.runtime.worker.request_state import CachedRequestState, RequestStates, ScheduledRow
 from kvfleet.runtime.worker.sampler import SampledRows, Sampler
+from kvfleet.runtime.worker.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,8 @@ class ModelRunnerOutput:
 
     Attributes:
         req_ids: the ids of the scheduled requests that sample this step, in scheduling order.
-        logits: their next-token logits ``[len(req_ids), vocab_size]`` float32 (model device).
+        logits: their next-token logits ``[R, vocab_size]`` float32 (model device): one row per
+            request, ``1 + k`` for one verifying ``k`` drafts.
         prompt_logprobs: request id -> prompt logprobs computed this step, for the
             requests with ``sampling_params.prompt_logprobs`` set whose step covered prompt
             positions before the last prompt token.
@@ -91,6 +93,9 @@ class ModelRunnerOutput:
     req_ids: list[str]
     logits: torch.Tensor
     prompt_logprobs: dict[str, PromptLogprobsTensors] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: request id -> the drafts its rows verify (``1 + k`` consecutive
+    rows of ``logits`` for such a request, in ``req_ids`` order)."""
 
 
 class ModelRunner:
@@ -158,6 +163,10 @@ class ModelRunner:
         """The runner's own per-request state, by request id (plain data from the scheduler's output)."""
         self.input_batch = InputBatch(self.block_size, sliding_window=windowed)
         """Persistent host state of the step's inputs (block-table rows), see :meth:`prepare_inputs`."""
+        self.speculator: Speculator | None = None
+        """Speculative decoding (``--speculative-config``): verifies and proposes drafts."""
+        if config.speculative_config is not None:
+            self.speculator = Speculator(config.speculative_config, self.sampler)
 
     @property
     def logit_scale(self) -> float:
@@ -274,6 +283,8 @@ class ModelRunner:
             num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
         )
         self.cpu_decode = cpu_decode.build(self)
+        if self.speculator is not None and self.cpu_decode is not None:
+            self.speculator.max_step_rows = cpu_decode.MAX_ROWS  # drafts never push a step off the fused path
         settings = compile_settings(self.config, self.device, self.prompt_logprobs_error)
         if settings is not None:
             self.compiled = CompiledForward(self.model.get_decoder(), self.device, **settings)
@@ -430,13 +441,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, output: ModelRunnerOutput, grammar_mask=None) -> SampledRows:
-        """Sample one token per row of ``output`` from the runner's own state of each request;
-        ``grammar_mask(logits, req_ids)`` first masks constrained rows in place (the engine's
-        grammars). Returns the sampled tokens and logprobs keyed by request id."""
+        """Sample each request of ``output`` from the runner's own state of it (with speculative
+        decoding: verify its drafts, then propose its next ones); ``grammar_mask(logits, req_ids,
+        drafts)`` first masks constrained rows in place (the engine's grammars; ``drafts`` per
+        request, or None). Returns the tokens and logprobs keyed by request id."""
+        drafts = output.draft_token_ids
         if grammar_mask is not None:
-            grammar_mask(output.logits, output.req_ids)
+            grammar_mask(output.logits, output.req_ids, [drafts.get(r, []) for r in output.req_ids] if drafts else None)
         rows: list[CachedRequestState] = [self.states.requests[rid] for rid in output.req_ids]
-        return SampledRows.of(output.req_ids, self.sampler(output.logits, rows))
+        if self.speculator is None:
+            return SampledRows.of(output.req_ids, self.sampler(output.logits, rows))
+        tokens, logprobs = self.speculator.verify(output.logits, output.req_ids, rows, drafts)
+        return SampledRows(tokens, logprobs, self.speculator.propose(output.req_ids, rows, tokens))
 
     @torch.inference_mode()
     def execute_model(self, runner_input: RunnerInput) -> ModelRunnerOutput:
@@ -453,21 +469,29 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        if self.speculator is not None and runner_input.finished_request_ids:
+            done = {rid: st.prompt_token_ids + st.output_token_ids for rid in runner_input.finished_request_ids
+                    if (st := self.states.requests.get(rid)) is not None}
+            self.speculator.finish(runner_input.finished_request_ids, done)
         scheduled = self.states.update(runner_input)
         sampling = [s.request_id for s in scheduled if s.sample]
+        drafts = {s.request_id: s.spec_token_ids for s in scheduled if s.sample and s.spec_token_ids}
         if not scheduled:
             empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
             return ModelRunnerOutput(sampling, empty)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
         rows = self._prompt_logprob_rows(scheduled)
+        max_query = 1 + (self.speculator.config.num_speculative_tokens if self.speculator is not None else 0)
         if self.cpu_decode is not None and self.cpu_decode.applies(
-            input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None
+            input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None,
+            meta.max_query_len, max_query,
         ):
-            return ModelRunnerOutput(sampling, self.cpu_decode.execute(input_ids, positions, meta, logits_indices))
+            logits = self.cpu_decode.execute(input_ids, positions, meta, logits_indices)
+            return ModelRunnerOutput(sampling, logits, draft_token_ids=drafts)
         if self.compiled is not None:
             hidden = self.compiled(input_ids, positions, meta)  # [T, hidden_size]
             logits = self.compute_logits(hidden.index_select(0, logits_indices))
-            return ModelRunnerOutput(sampling, logits, self._prompt_logprobs(hidden, rows) if rows else {})
+            return ModelRunnerOutput(sampling, logits, self._prompt_logprobs(hidden, rows) if rows else {}, drafts)
         captured: list[torch.Tensor] = []
         hook = None
         if rows:
@@ -491,4 +515,4 @@ class ModelRunner:
         if logits.dtype != torch.float32:
             logits = logits.float()
         prompt_logprobs = self._prompt_logprobs(captured[0][0], rows) if rows else {}
-        return ModelRunnerOutput(sampling, logits, prompt_logprobs)
+        return ModelRunnerOutput(sampling, logits, prompt_logprobs, drafts)

@@ -3,8 +3,9 @@
 Contract: :meth:`RequestStates.update` takes the plain view of a step, a ``RunnerInput``
 (:mod:`kvfleet.runtime.core.sched.output`: ``scheduled_new_reqs`` once per request,
 ``scheduled_cached_reqs`` diffs afterwards, ``num_scheduled_tokens`` in scheduling order,
-``finished_request_ids``) and returns the step's :class:`ScheduledRow` s, in scheduling order:
-which tokens to compute at which positions into which blocks, and whether to sample. It never
+``finished_request_ids``, ``scheduled_spec_decode_tokens``) and returns the step's
+:class:`ScheduledRow` s, in scheduling order: which tokens to compute at which positions into
+which blocks, whether to sample, and which of the tokens are speculative drafts to verify. It never
 sees the scheduler's ``Request`` objects; the state is plain data (lists and
 ``SamplingParams``) the sampler, the LoRA context and the input batch read. Torch-free.
 """
@@ -66,6 +67,9 @@ class ScheduledRow:
     token_ids: list[int]
     block_ids: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the last ``len`` of ``token_ids`` are proposed tokens this step
+    verifies; the runner then keeps the logits of the last ``1 + len`` rows."""
 
     @property
     def request_id(self) -> str:
@@ -110,11 +114,13 @@ class RequestStates:
             state.num_prompt_logprobs_done = diff.num_prompt_logprobs_done
             state.num_preemptions += diff.resumed_from_preemption
         rows = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             state = self.requests[rid]
             start = state.num_computed_tokens
-            end = start + n
-            rows.append(ScheduledRow(state, start, state.token_ids_slice(start, end), state.block_ids,
-                                     end == state.num_tokens))
-            state.num_computed_tokens = end
+            drafts = spec.get(rid, [])
+            end = start + n - len(drafts)
+            rows.append(ScheduledRow(state, start, state.token_ids_slice(start, end) + drafts, state.block_ids,
+                                     end == state.num_tokens, drafts))
+            state.num_computed_tokens = end + len(drafts)
         return rows

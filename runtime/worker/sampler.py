@@ -18,7 +18,7 @@ best. Semantics: docs/engine.md, "Sampling semantics".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -138,14 +138,17 @@ class SamplerOutput:
 @dataclass
 class SampledRows:
     """A step's sampled tokens keyed by request id (what the model runner returns):
-    ``token_ids`` for every row, in row order; ``logprobs`` for the requests that asked."""
+    ``token_ids`` for every request that sampled (one token, or with speculative decoding the
+    1 .. k + 1 its verified drafts gave), ``logprobs`` for the requests that asked, and
+    ``spec_token_ids``, the drafts proposed for each request's next step."""
 
-    token_ids: dict[str, int]
+    token_ids: dict[str, list[int]]
     logprobs: dict[str, SampleLogprobs]
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, req_ids: list[str], out: SamplerOutput) -> SampledRows:
-        return cls(dict(zip(req_ids, out.token_ids)),
+        return cls({rid: [t] for rid, t in zip(req_ids, out.token_ids)},
                    {rid: lp for rid, lp in zip(req_ids, out.logprobs) if lp is not None})
 
 
@@ -183,29 +186,7 @@ class Sampler:
         dev = logits.device
         params = [r.sampling_params for r in requests]
         vocab = logits.shape[1]
-
-        # 0. Token controls (allowed_token_ids, bad_words, logit_bias).
-        if any(_has_token_controls(p) for p in params):
-            apply_token_controls(logits, requests)
-
-        # 1. Penalties.
-        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if rep_rows:
-            self._apply_repetition_penalty(logits, requests, rep_rows, vocab)
-        fp_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-        if fp_rows:
-            self._apply_frequency_presence(logits, requests, fp_rows, vocab)
-
-        # 2. min_tokens.
-        for i, r in enumerate(requests):
-            p = params[i]
-            if p.min_tokens and r.num_output_tokens < p.min_tokens:
-                banned = [t for t in p.stop_token_ids if t < vocab]
-                if not p.ignore_eos and r.eos_token_id is not None and r.eos_token_id < vocab:
-                    banned.append(r.eos_token_id)
-                if banned:
-                    logits[i, banned] = float("-inf")
-
+        self._process(logits, requests)
         greedy = [p.temperature == 0.0 for p in params]
         all_greedy = all(greedy)
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -255,6 +236,52 @@ class Sampler:
                 logprobs[i] = SampleLogprobs(chosen_l[j], ranks_l[j], top_ids_l[j][:ki], top_lp_l[j][:ki])
         return SamplerOutput(token_list, logprobs)
 
+    def _process(self, logits: torch.Tensor, requests: list[SamplingRow]) -> None:
+        """Steps 0-2, in place: token controls, penalties, ``min_tokens`` bans."""
+        params = [r.sampling_params for r in requests]
+        vocab = logits.shape[1]
+        # 0. Token controls (allowed_token_ids, bad_words, logit_bias).
+        if any(_has_token_controls(p) for p in params):
+            apply_token_controls(logits, requests)
+        # 1. Penalties.
+        rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep_rows:
+            self._apply_repetition_penalty(logits, requests, rep_rows, vocab)
+        fp_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        if fp_rows:
+            self._apply_frequency_presence(logits, requests, fp_rows, vocab)
+        # 2. min_tokens.
+        for i, r in enumerate(requests):
+            p = params[i]
+            if p.min_tokens and r.num_output_tokens < p.min_tokens:
+                banned = [t for t in p.stop_token_ids if t < vocab]
+                if not p.ignore_eos and r.eos_token_id is not None and r.eos_token_id < vocab:
+                    banned.append(r.eos_token_id)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def probs(self, logits: torch.Tensor, requests: list[SamplingRow]) -> torch.Tensor:
+        """The distributions sampling draws from, ``[S, vocab_size]`` float32 (rows of sampled,
+        not greedy, requests): logits after the token controls, penalties, ``min_tokens``,
+        temperature and top-k / top-p / min-p, softmaxed. ``logits`` is modified in place.
+        Speculative verification (:mod:`kvfleet.runtime.spec_decode.rejection`) accepts against them."""
+        self._process(logits, requests)
+        params = [r.sampling_params for r in requests]
+        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+        logits.div_(temps.unsqueeze(1))
+        self._truncate(logits, params)
+        return torch.softmax(logits, dim=-1)
+
+    def generator_for(self, request: SamplingRow, step: int) -> torch.Generator:
+        """The generator of ``request``'s output position ``step``: seeded requests get one seeded
+        from ``(seed, step)`` (a new generator each call), others the shared one."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self.generator
+        g = torch.Generator(device=self.device)
+        g.manual_seed(step_seed(seed, step))
+        return g
+
     # ------------------------------------------------------------------ processors
     @staticmethod
     def _apply_repetition_penalty(logits: torch.Tensor, requests: list[SamplingRow], rows: list[int],
@@ -268,9 +295,9 @@ class Sampler:
             toks.update(r.output_token_ids)
             row_idx.extend([j] * len(toks))
             tok_idx.extend(toks)
-        rows = torch.tensor(row_idx, dtype=torch.long, device=dev)
-        seen[rows, torch.tensor(tok_idx, dtype=torch.long, device=dev).clamp_(max=vocab - 1)] = True
-        idx = torch.tensor(rows, device=dev)
+        flat_rows = torch.tensor(row_idx, dtype=torch.long, device=dev)
+        seen[flat_rows, torch.tensor(tok_idx, dtype=torch.long, device=dev).clamp_(max=vocab - 1)] = True
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
         sub = logits.index_select(0, idx)
         penalty = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows], device=dev).unsqueeze(1)
         penalized = torch.where(sub > 0, sub / penalty, sub * penalty)

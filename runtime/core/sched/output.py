@@ -45,7 +45,10 @@ class ScheduledRequest:
     logical order); block ``i`` holds positions ``[i*block_size, (i+1)*block_size)``."""
     sample: bool = False
     """True when this step reaches the request's last known token (end of the prompt for
-    a prefill, always for a decode): the runner samples one token."""
+    a prefill, always for a decode): the runner samples one token (1 .. k + 1 with drafts)."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: the ``k`` proposed tokens this decode step verifies; they are the
+    last ``k`` of ``token_ids`` and not (yet) output tokens."""
 
     @property
     def num_new_tokens(self) -> int:
@@ -111,6 +114,8 @@ class RunnerFeed:
         for sr in scheduled:
             r = sr.request
             out.num_scheduled_tokens[r.request_id] = sr.num_new_tokens
+            if sr.spec_token_ids:
+                out.scheduled_spec_decode_tokens[r.request_id] = sr.spec_token_ids
             sent = self._sent.get(r.request_id)
             self._sent[r.request_id] = (sr.block_ids, r.num_output_tokens, r.num_preemptions)
             if sent is None:
@@ -139,7 +144,11 @@ class RunnerInput:
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
     """The runner's view: requests it holds, what changed."""
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    """The runner's view: request id -> tokens to compute this step, in scheduling order."""
+    """The runner's view: request id -> tokens to compute this step, in scheduling order
+    (drafts included)."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: request id -> the proposed tokens it verifies this step (the
+    last ``len`` of its scheduled tokens); requests without drafts are absent."""
 
 
 @dataclass
@@ -177,3 +186,28 @@ class SchedulerStats:
     """With LoRA enabled: adapter name -> running requests using it (vLLM's scheduler stat)."""
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
     """With LoRA enabled: adapter name -> waiting requests asking for it."""
+    spec_decoding: SpecDecodingStats | None = None
+    """Delta: speculative decoding's drafts and acceptances this step (None: speculation off)."""
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding counters of one step (vLLM's ``SpecDecodingStats``): drafts verified,
+    tokens proposed, tokens accepted, and acceptances by draft position (0-based)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verified draft of ``num_draft_tokens`` of which the first
+        ``num_accepted_tokens`` were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_accepted_tokens:
+            per_pos.extend([0] * (num_accepted_tokens - len(per_pos)))
+        for j in range(num_accepted_tokens):
+            per_pos[j] += 1

@@ -21,7 +21,13 @@ from __future__ import annotations
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.request import Request, RequestStatus
-from kvfleet.runtime.core.sched.output import RunnerFeed, ScheduledRequest, SchedulerOutput, SchedulerStats
+from kvfleet.runtime.core.sched.output import (
+    RunnerFeed,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from kvfleet.runtime.core.sched.request_queue import create_request_queue
 
 
@@ -144,6 +150,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.spec_token_ids = []
         # Called before the step's num_computed_tokens advance: blocks registered for this
         # step (which will not run for the victim) are not in the prefix cache afterwards.
         self.kv_cache_manager.free(request, num_written_tokens=request.num_computed_tokens)
@@ -176,6 +183,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            spec = self._drafts(request, budget) if request.spec_token_ids else []
+            request.spec_token_ids = []
+            num_new += len(spec)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self._victim()
                 unschedule(victim)
@@ -184,7 +194,8 @@ class Scheduler:
             else:
                 start = request.num_computed_tokens
                 scheduled[request.request_id] = ScheduledRequest(
-                    request, start, request.token_ids_slice(start, start + num_new)
+                    request, start, request.token_ids_slice(start, start + num_new - len(spec)) + spec,
+                    spec_token_ids=spec,
                 )
                 budget -= num_new
 
@@ -249,7 +260,7 @@ class Scheduler:
             request = sr.request
             sr.block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             request.num_computed_tokens = sr.seq_len
-            sr.sample = sr.seq_len == request.num_tokens
+            sr.sample = sr.seq_len >= request.num_tokens  # beyond it: the drafts it verifies
             if sr.start_pos < request.num_prompt_tokens:
                 out.num_prefill_tokens += sr.num_new_tokens
             else:
@@ -257,6 +268,24 @@ class Scheduler:
         out.runner_input.finished_request_ids = out.finished_request_ids
         self._feed.fill(out.scheduled, out.runner_input)
         return out
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The proposed tokens ``request`` verifies in this decode step: its drafts, cut so that
+        the step stays within ``budget``, the output within ``max_tokens`` and the sequence within
+        ``max_model_len`` even when all are accepted (plus the bonus token), and to the prefix its
+        grammar accepts. Only a decoding request (one known token not yet computed) verifies."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        k = min(len(request.spec_token_ids), budget - 1, self.max_model_len - request.num_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        drafts = request.spec_token_ids[:k]
+        if request.structured_output is not None:
+            drafts = drafts[: request.structured_output.validate_tokens(drafts)]
+        return drafts
 
     def _next_waiting(self, scheduled: dict[str, ScheduledRequest], loras: set[int] | None = None) -> Request | None:
         """The first waiting request, in policy order, that may be admitted now: not a
@@ -327,11 +356,17 @@ class Scheduler:
         unschedule(victim)
         return True
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Append each sampled token and finish requests that are done.
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]],
+                           spec_token_ids: dict[str, list[int]] | None = None) -> list[Request]:
+        """Append each request's new tokens and finish requests that are done.
 
-        A request finishes (its blocks freed at once) when its grammar (``structured_output``)
-        accepts its stop token, on its EOS token (unless
+        ``sampled_token_ids``: request id -> the token sampled, or the tokens a speculative step
+        emitted (the accepted drafts and one more; the request's ``num_computed_tokens`` goes back
+        by the drafts rejected: their K/V slots are overwritten later, never cached).
+        ``spec_token_ids``: request id -> drafts the runner proposes for the request's next step.
+
+        A request finishes (its blocks freed at once, its later tokens of this step dropped) when
+        its grammar (``structured_output``) accepts its stop token, on its EOS token (unless
         ``ignore_eos``) or one of its ``stop_token_ids`` -- both only after ``min_tokens``
         -- or when it reaches ``max_tokens`` or ``max_model_len``. With a sliding window,
         every scheduled request still running frees the blocks that fell out of its window
@@ -340,24 +375,45 @@ class Scheduler:
         Returns:
             The requests that got a token this step, finished or not, in scheduled order.
         """
-        changed = []
+        emitted: dict[str, list[int]] = {}
+        for sr in scheduler_output.scheduled:
+            tokens = sampled_token_ids.get(sr.request_id)
+            if tokens is None or sr.request.is_finished:
+                continue
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            emitted[sr.request_id] = tokens
+            if sr.spec_token_ids:
+                num_accepted = len(tokens) - 1
+                sr.request.num_computed_tokens -= len(sr.spec_token_ids) - num_accepted
+                self._spec_stats().observe(len(sr.spec_token_ids), num_accepted)
         if self.kv_cache_manager.sliding_window is not None:
             for sr in scheduler_output.scheduled:
                 if sr.request.status == RequestStatus.RUNNING:
                     self.kv_cache_manager.remove_skipped_blocks(sr.request)
+        changed = []
         for sr in scheduler_output.scheduled:
             request = sr.request
-            token = sampled_token_ids.get(request.request_id)
-            if token is None or request.is_finished:
+            tokens = emitted.get(request.request_id)
+            if tokens is None:
                 continue
-            request.output_token_ids.append(token)
             changed.append(request)
-            status = self._check_stop(request, token)
-            if status is not None:
-                if request.status == RequestStatus.RUNNING:
-                    self.running.remove(request)
-                self._free(request, status)
+            for token in tokens:
+                request.output_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    if request.status == RequestStatus.RUNNING:
+                        self.running.remove(request)
+                    self._free(request, status)
+                    break
+            else:
+                if spec_token_ids:
+                    request.spec_token_ids = spec_token_ids.get(request.request_id, [])
         return changed
+
+    def _spec_stats(self):
+        if self._stats.spec_decoding is None:
+            self._stats.spec_decoding = SpecDecodingStats()
+        return self._stats.spec_decoding
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -13,6 +13,7 @@ from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +164,20 @@ def test_lora_over_an_int8_quantized_base(setup):
     out = tokens(llm.generate([prompts[0]] * 2, GREEDY, lora_request=["a1", None], use_tqdm=False))
     assert out[0] != out[1]
     assert out[0][:2] == refs["a1"][0][:2]  # int8 rounding may move later tokens
+
+
+def test_speculative_decoding_with_an_adapter_gives_the_same_tokens(setup):
+    # Issue 30: drafts verified in one step through the adapters' per-token deltas (the
+    # transformers path: LoRA turns the fused CPU decoder off) give the tokens plain decoding gives.
+    llm, _, _, _, _ = setup
+    base = llm.llm_engine
+    recorder = Recorder()
+    spec = LLMEngine(base.config.model_copy(update={"speculative_config": SpeculativeConfig(method="ngram")}),
+                     [recorder], loaded=base.loaded)
+    text = "one two three four, one two three four, one two three four, one two"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = tokens(llm.generate([text], params, lora_request="a1", use_tqdm=False))
+    got = tokens(LLM.from_engine(spec).generate([text], params, lora_request="a1", use_tqdm=False))
+    assert got == want
+    assert sum(s.spec_decoding.num_accepted_tokens for s in recorder.stats if s.spec_decoding) > 0
+    assert spec.scheduler.kv_cache_manager.usage == 0.0

@@ -56,6 +56,9 @@ def test_the_path_is_off_where_it_does_not_apply(smollm2_two_layers, monkeypatch
     assert eng.runner.cpu_decode is None
     assert cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=False, padded=False)
     assert not cpu_decode.CpuDecodePath.applies(5, 4, prompt_logprobs=False, padded=False)  # a prefill chunk
+    # Speculative decoding: a sequence's last token and its drafts, up to 1 + k rows.
+    assert cpu_decode.CpuDecodePath.applies(7, 4, False, False, max_query_len=4, max_query=5)
+    assert not cpu_decode.CpuDecodePath.applies(9, 4, False, False, max_query_len=6, max_query=5)
     assert not cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=True, padded=False)
     assert not cpu_decode.CpuDecodePath.applies(65, 65, prompt_logprobs=False, padded=False)
 

@@ -80,6 +80,16 @@ def test_repetition_and_frequency_presence_penalties():
     assert logits[0].tolist() == pytest.approx([2.0 - 1.0 - 0.25, -1.0 - 0.5 - 0.25, 0.5, 0.0])
 
 
+def test_repetition_penalty_of_a_later_row_changes_that_row_only():
+    # A batch whose only penalised request is row 1 (the row index and the penalised-rows index
+    # differ): row 0 untouched, row 1 penalised by its own tokens.
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0], [2.0, -1.0, 0.5, 0.0]])
+    plain = req(SamplingParams(), prompt=[0], output=[1])
+    pen = req(SamplingParams(repetition_penalty=2.0), prompt=[2], output=[1])
+    Sampler._apply_repetition_penalty(logits, [plain, pen], [1], 4)
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 0.0], [2.0, -2.0, 0.25, 0.0]]
+
+
 def test_penalties_change_the_greedy_choice():
     sampler = Sampler(torch.device("cpu"))
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])

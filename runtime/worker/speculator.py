@@ -1,0 +1,180 @@
+"""Speculative decoding in the model runner: verify last step's drafts, propose the next ones.
+
+The scheduler sends a decoding request's drafts with its step (``ScheduledRow.spec_token_ids``:
+the step computes the last known token and the ``k`` drafts at once); the runner keeps the
+logits of those ``k + 1`` rows and :meth:`Speculator.verify` turns them into the tokens the step
+emits (1 .. k + 1) by :mod:`kvfleet.runtime.spec_decode.rejection`: exact match for greedy
+requests (so their text is the one decoding without speculation gives), rejection sampling for
+the others (the target distribution is kept). Row ``j`` of a request is processed as the
+request would be after ``draft[:j]`` (penalties over those tokens too, ``min_tokens`` counted
+with them; a seeded request draws position ``i`` from ``(seed, i)``). Then
+:meth:`Speculator.propose` guesses the next drafts of every request that sampled, by the
+configured model-free method (``ngram``: prompt lookup; ``suffix``: suffix decoding), with an
+adaptive ``k`` per request and a cap on the step's rows.
+
+Which requests speculate: not those asking for logprobs (their per-token logprobs would need
+every verified row's), and none while ``disable_by_batch_size`` or more requests sample. A
+request whose drafts keep being rejected (acceptance below ``min_acceptance_rate``, an
+exponential average) stops proposing and probes with one draft every ``PROBE_EVERY`` steps.
+Plain data in and out; the model runner owns one per engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.runtime.spec_decode import ngram, rejection
+from kvfleet.runtime.spec_decode.config import SpeculativeConfig
+from kvfleet.runtime.spec_decode.suffix import SuffixProposer
+from kvfleet.runtime.worker.sampler import SampleLogprobs, Sampler, SamplingRow
+
+PROBE_EVERY = 8
+"""Steps between one-token probes of a request whose acceptance fell below the threshold."""
+EMA_WEIGHT = 0.3
+"""Weight of the latest draft's acceptance in a request's running average."""
+
+
+@dataclass
+class _Row:
+    """A request as its row ``j`` of a verification sees it: its output plus ``draft[:j]``."""
+
+    sampling_params: object
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def _rows_of(request: SamplingRow, draft: list[int]) -> list[_Row]:
+    out = request.output_token_ids
+    return [_Row(request.sampling_params, request.prompt_token_ids, out + draft[:j], request.eos_token_id)
+            for j in range(len(draft) + 1)]
+
+
+@dataclass
+class _Acceptance:
+    rate: float = 1.0
+    idle: int = 0
+
+
+class Speculator:
+    """One engine's proposer and verifier.
+
+    Args:
+        config: the engine's ``--speculative-config``.
+        sampler: the model runner's sampler (its logits processing and generators).
+        max_step_rows: the most rows a step should have (the fused CPU decoder's limit), or None.
+    """
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_step_rows: int | None = None) -> None:
+        self.config = config
+        self.sampler = sampler
+        self.max_step_rows = max_step_rows
+        self.suffix = None
+        if config.method == "suffix":
+            self.suffix = SuffixProposer(config.suffix_decoding_max_tree_depth,
+                                         config.suffix_decoding_max_cached_requests,
+                                         config.suffix_decoding_min_token_prob)
+        self._acceptance: dict[str, _Acceptance] = {}
+
+    # ------------------------------------------------------------------ verification
+    def verify(self, logits: torch.Tensor, req_ids: list[str], requests: list[SamplingRow],
+               drafts: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, SampleLogprobs]]:
+        """The tokens each request emits this step.
+
+        Args:
+            logits: ``[R, V]`` float32 (grammar-masked): one row per request, ``1 + k`` for a
+                request with ``k`` drafts, in ``req_ids`` order; modified in place.
+            req_ids, requests: the sampling requests and the runner's state of each.
+            drafts: request id -> the drafts its rows verify (absent: none).
+
+        Returns: ``(tokens, logprobs)`` by request id (logprobs only for plain rows that asked).
+        """
+        plain, spans = [], []
+        row = 0
+        for rid, req in zip(req_ids, requests):
+            draft = drafts.get(rid, [])
+            (spans if draft else plain).append((rid, req, draft, row))
+            row += 1 + len(draft)
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, SampleLogprobs] = {}
+        if plain:
+            rows = [r for _, _, _, r in plain]
+            sub = logits if len(rows) == logits.shape[0] else logits[rows]
+            out = self.sampler(sub, [req for _, req, _, _ in plain])
+            for (rid, _, _, _), token, lp in zip(plain, out.token_ids, out.logprobs):
+                tokens[rid] = [token]
+                if lp is not None:
+                    logprobs[rid] = lp
+        for rid, req, draft, row in spans:
+            tokens[rid] = self._verify_one(logits[row : row + 1 + len(draft)], req, draft)
+            self._observe(rid, len(draft), len(tokens[rid]) - 1)
+        return tokens, logprobs
+
+    def _verify_one(self, logits: torch.Tensor, request: SamplingRow, draft: list[int]) -> list[int]:
+        rows = _rows_of(request, draft)
+        if request.sampling_params.temperature == 0.0:
+            return rejection.accept_greedy(self.sampler(logits, rows).token_ids, draft)
+        probs = self.sampler.probs(logits, rows)
+        n = request.num_output_tokens
+        generators = [self.sampler.generator_for(request, n + j) for j in range(len(draft) + 1)]
+        return rejection.accept_sampled(probs, draft, generators)
+
+    def _observe(self, rid: str, num_draft: int, num_accepted: int) -> None:
+        acc = self._acceptance.setdefault(rid, _Acceptance())
+        acc.rate = (1 - EMA_WEIGHT) * acc.rate + EMA_WEIGHT * (num_accepted / num_draft)
+
+    # ------------------------------------------------------------------ proposals
+    def propose(self, req_ids: list[str], requests: list[SamplingRow],
+                emitted: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled, by request id (requests with
+        none are absent). ``emitted``: the tokens each got this step (not yet in its state)."""
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and len(req_ids) >= cfg.disable_by_batch_size:
+            return {}
+        spare = None if self.max_step_rows is None else self.max_step_rows - len(req_ids)
+        out: dict[str, list[int]] = {}
+        for rid, req in zip(req_ids, requests):
+            if spare is not None and spare <= 0:
+                break
+            if req.sampling_params.logprobs is not None:
+                continue
+            k = self._budget(rid)
+            if spare is not None:
+                k = min(k, spare)
+            if k <= 0:
+                continue
+            context = req.prompt_token_ids + req.output_token_ids + emitted.get(rid, [])
+            if self.suffix is not None:
+                draft = self.suffix.propose(rid, context, len(req.prompt_token_ids), k)
+            else:
+                draft = ngram.propose(context, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if draft:
+                out[rid] = draft
+                if spare is not None:
+                    spare -= len(draft)
+        return out
+
+    def _budget(self, rid: str) -> int:
+        """Drafts request ``rid`` may propose now (adaptive k, see the module docstring)."""
+        acc = self._acceptance.get(rid)
+        if acc is None or acc.rate >= self.config.min_acceptance_rate:
+            return self.config.num_speculative_tokens
+        acc.idle += 1
+        if acc.idle < PROBE_EVERY:
+            return 0
+        acc.idle = 0
+        return 1
+
+    def finish(self, request_ids, final_tokens: dict[str, list[int]] | None = None) -> None:
+        """Forget finished requests (suffix decoding: their outputs join the replica-wide table
+        when ``final_tokens`` gives their prompt + output)."""
+        for rid in request_ids:
+            self._acceptance.pop(rid, None)
+            if self.suffix is not None:
+                self.suffix.finish(rid, (final_tokens or {}).get(rid))
