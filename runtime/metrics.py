@@ -158,6 +158,15 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prefix_cache_hits = fan(
             Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        self.counter_spec_drafts = fan(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.counter_spec_draft_tokens = fan(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.counter_spec_accepted_tokens = fan(Counter, "spec_decode_num_accepted_tokens",
+                                                "Number of accepted tokens.")
+        self._spec_accepted_per_pos = [
+            Counter(p + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                    labelnames=["model_name", "position"], registry=self.registry)
+            for p in self.prefixes
+        ]
         vllm_only = [p for p in self.prefixes if p == VLLM_PREFIX]
         # Gateway API Inference Extension's endpoint picker reads v0's name by default.
         self.gauge_gpu_cache_usage = _Fanout(
@@ -313,6 +322,14 @@ class PrometheusStatLogger(StatLoggerBase):
             self.counter_prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)
             if self._lora_info:
                 self._set_lora_info(scheduler_stats.running_lora_adapters, scheduler_stats.waiting_lora_adapters)
+            spec = scheduler_stats.spec_decoding
+            if spec is not None:
+                self.counter_spec_drafts.inc(spec.num_drafts)
+                self.counter_spec_draft_tokens.inc(spec.num_draft_tokens)
+                self.counter_spec_accepted_tokens.inc(spec.num_accepted_tokens)
+                for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                    for c in self._spec_accepted_per_pos:
+                        c.labels(self.model_name, str(pos)).inc(n)
         if iteration_stats is None:
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)

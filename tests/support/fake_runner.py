@@ -2,7 +2,10 @@
 without a model. It "writes" each scheduled token id into the slot the block table gives, and
 then checks that every position a request attends to holds that request's token -- which is what
 correct paging, sharing and prefix caching mean -- and the block-accounting invariants after
-every step. ``make_scheduler`` / ``make_request`` build small schedulers and requests;
+every step. With ``speculate=k`` it proposes ``k`` drafts per request and step (right two times
+in three) and verifies them as the real runner does (greedy acceptance): the rejected drafts' slots
+must never be read as the request's tokens nor end up in the prefix cache.
+``make_scheduler`` / ``make_request`` build small schedulers and requests;
 ``run_counting`` runs a workload to its end, counting preemptions and prefill tokens."""
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.request import Request
 from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.spec_decode.rejection import accept_greedy
 from kvfleet.runtime.worker.request_state import RequestStates
 
 EOS = 0
@@ -31,17 +35,26 @@ def make_request(rid, prompt, max_tokens=8, **kw) -> Request:
     return Request(rid, prompt, params, eos_token_id=EOS, **{k: v for k, v in kw.items() if k in ("priority", "tenant", "arrival_time")})
 
 
-def next_token(request: Request) -> int:
-    """Deterministic stand-in for the sampler; EOS now and then."""
-    h = hash((request.request_id, request.num_output_tokens)) % 97
+def next_token(request: Request, position: int | None = None) -> int:
+    """Deterministic stand-in for the sampler: the token at output ``position`` (default: the
+    next one) depends only on the request and the position; EOS now and then."""
+    h = hash((request.request_id, request.num_output_tokens if position is None else position)) % 97
     return EOS if h == 0 else 1 + h
+
+
+def guess(request: Request, position: int) -> int:
+    """A stand-in proposer's draft of output ``position``: right two times in three."""
+    right = next_token(request, position)
+    return right if hash((request.request_id, position, "draft")) % 3 else 1 + right % 97
 
 
 class FakeRunner:
     """Plays the model runner's part in the paging contract."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, speculate: int = 0) -> None:
         self.s = scheduler
+        self.speculate = speculate
+        """Drafts proposed per request and step (speculative decoding; 0: none)."""
         self.bs = scheduler.block_size
         self.slots: dict[int, int] = {}  # slot -> token id "stored" there
         self.hash_tokens: dict[bytes, tuple[int, ...]] = {}
@@ -58,8 +71,9 @@ class FakeRunner:
         out = self.s.schedule()
         # The runner's plain view (new data once, then diffs) rebuilds exactly the scheduler's step.
         rows = self.runner_states.update(out.runner_input)
-        assert [(r.request_id, r.start_pos, r.token_ids, list(r.block_ids), r.sample) for r in rows] == [
-            (sr.request_id, sr.start_pos, sr.token_ids, sr.block_ids, sr.sample) for sr in out.scheduled]
+        assert [(r.request_id, r.start_pos, r.token_ids, list(r.block_ids), r.sample, r.spec_token_ids)
+                for r in rows] == [(sr.request_id, sr.start_pos, sr.token_ids, sr.block_ids, sr.sample,
+                                    sr.spec_token_ids) for sr in out.scheduled]
         assert not out.finished_request_ids & self.runner_states.requests.keys()  # finished: dropped
         this_step = {sr.request_id: sr for sr in out.scheduled}
         for sr in out.scheduled:
@@ -90,7 +104,7 @@ class FakeRunner:
         window = kv.sliding_window
         null_id = kv.null_block.block_id if kv.null_block is not None else None
         for sr in out.scheduled:  # attention reads after every write of the step
-            tokens = sr.request.all_token_ids
+            tokens = sr.request.all_token_ids + sr.spec_token_ids
             assert len(sr.block_ids) * self.bs >= sr.seq_len
             # Keys the step's queries see: all, or with a window W those of the first
             # query's window on (p - W < k <= p for the query at p = start_pos).
@@ -106,8 +120,16 @@ class FakeRunner:
                 assert all(b == null_id for b in sr.block_ids[:first // self.bs])
                 live = sum(b != null_id for b in sr.block_ids)
                 assert live <= kv.max_num_blocks_per_request(sr.seq_len, sr.num_new_tokens)
-        sampled = {sr.request_id: next_token(sr.request) for sr in out.scheduled if sr.sample}
-        self.s.update_from_output(out, sampled)
+        sampled, drafts = {}, {}
+        for sr in out.scheduled:
+            if not sr.sample:
+                continue
+            n = sr.request.num_output_tokens
+            truth = [next_token(sr.request, n + j) for j in range(len(sr.spec_token_ids) + 1)]
+            sampled[sr.request_id] = accept_greedy(truth, sr.spec_token_ids)
+            nxt = n + len(sampled[sr.request_id])  # the output's length after this step
+            drafts[sr.request_id] = [guess(sr.request, nxt + j) for j in range(self.speculate)]
+        self.s.update_from_output(out, sampled, drafts if self.speculate else None)
         self.outputs.append(out)
         self.check_invariants()
         return out

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.runtime.core.sched.output import SchedulerStats
+from kvfleet.runtime.core.sched.output import SchedulerStats, SpecDecodingStats
 from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
 from kvfleet.runtime.metrics import (
     ITERATION_TOKENS_BUCKETS,
@@ -86,6 +86,20 @@ def test_record_updates_every_series():
     assert not [n for n in f if not n.startswith("kvfleet:")]
 
 
+def test_speculative_decoding_counters_are_vllms():
+    lg = PrometheusStatLogger("m", max_model_len=512)
+    spec = SpecDecodingStats()
+    spec.observe(4, 2)
+    spec.observe(3, 3)
+    lg.record(SchedulerStats(spec_decoding=spec), None)
+    f = families(lg)
+    assert value(f, "kvfleet:spec_decode_num_drafts", "_total") == 2
+    assert value(f, "kvfleet:spec_decode_num_draft_tokens", "_total") == 7
+    assert value(f, "kvfleet:spec_decode_num_accepted_tokens", "_total") == 5
+    per_pos = [value(f, "kvfleet:spec_decode_num_accepted_tokens_per_pos", "_total", position=str(i)) for i in range(3)]
+    assert per_pos == [2, 2, 1]
+
+
 def test_vllm_compat_exports_the_same_series_under_vllm_names():
     lg = PrometheusStatLogger("m", prefixes=("kvfleet:", "vllm:"), max_model_len=512)
     lg.log_engine_initialized(512, {"block_size": "16", "num_blocks": "8", "gpu_memory_utilization": "0.9"})
@@ -94,7 +108,7 @@ def test_vllm_compat_exports_the_same_series_under_vllm_names():
     f = families(lg)
     kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
     vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
-    assert vl == kv | {"gpu_cache_usage_perc"} and len(kv) == 22  # v0's name, which GIE's picker reads
+    assert vl == kv | {"gpu_cache_usage_perc"} and len(kv) == 26  # v0's name, which GIE's picker reads
     assert value(f, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75
     assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
     assert value(f, "vllm:kv_cache_usage_perc") == 0.75

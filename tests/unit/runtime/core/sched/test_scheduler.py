@@ -215,15 +215,17 @@ op = st.one_of(
     caching=st.booleans(),
     policy=st.sampled_from(["fcfs", "priority", "fair"]),
     window=st.sampled_from([None, None, 1, 3, 8]),
+    speculate=st.sampled_from([0, 0, 3]),
 )
-def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, caching, policy, window):
+def test_random_workloads_never_leak_or_double_free(ops, num_blocks, block_size, budget, caching, policy, window,
+                                                    speculate):
     usable = num_blocks - (window is not None)
     s = make_scheduler(
         num_blocks=num_blocks, block_size=block_size, max_model_len=usable * block_size,
         max_num_seqs=4, max_num_batched_tokens=budget, enable_prefix_caching=caching, scheduling_policy=policy,
         sliding_window=window,
     )
-    r = FakeRunner(s)
+    r = FakeRunner(s, speculate=speculate)
     added = []
     for o in ops:
         if o[0] == "add":
@@ -279,4 +281,37 @@ def test_victim_of_the_allocating_step_leaves_no_unwritten_block_cached(window):
     assert len(low.block_hashes) == 10 and pool.get_cached_block(low.block_hashes[9]) is None
     r.run_until_done()
     assert low.num_output_tokens == 6
+    assert_all_free(s)
+
+
+# -- speculative decoding -------------------------------------------------------------------
+def test_drafts_are_verified_in_one_step_and_rejected_ones_rolled_back():
+    s = make_scheduler(max_model_len=64)
+    r = FakeRunner(s, speculate=3)
+    s.add_request(make_request("a", [5] * 6, max_tokens=20, ignore_eos=True))
+    r.step()  # prefill: samples one token, proposes 3 drafts
+    req = s.requests["a"]
+    assert len(req.spec_token_ids) == 3
+    out = r.step()
+    sr = out.scheduled[0]
+    assert sr.num_new_tokens == 4 and sr.spec_token_ids and sr.sample
+    assert sr.token_ids[1:] == sr.spec_token_ids
+    # After verification only the accepted tokens count as computed: one token is left to compute.
+    assert req.num_computed_tokens == req.num_tokens - 1
+    r.run_until_done()
+    assert_all_free(s)
+
+
+def test_drafts_are_cut_to_max_tokens_the_budget_and_max_model_len():
+    s = make_scheduler(max_model_len=16, max_num_batched_tokens=32)
+    r = FakeRunner(s, speculate=8)
+    s.add_request(make_request("a", [5] * 6, max_tokens=4, ignore_eos=True))
+    r.step()
+    out = r.step()
+    # 1 output token so far, max_tokens 4: at most 2 drafts (all accepted + the bonus = 4).
+    assert len(out.scheduled[0].spec_token_ids) <= 2
+    r.run_until_done()
+    s.add_request(make_request("b", [5] * 12, max_tokens=30, ignore_eos=True))
+    r.run_until_done()  # max_model_len 16: drafts never run a sequence past it
+    assert all(sr.seq_len <= 16 for o in r.outputs for sr in o.scheduled)
     assert_all_free(s)
