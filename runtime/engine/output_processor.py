@@ -32,7 +32,7 @@ from kvfleet.runtime.engine.stats import FinishedRequestStats, IterationStats
 from kvfleet.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from kvfleet.runtime.worker.model_runner import PromptLogprobsTensors
+    from kvfleet.runtime.worker.prompt_logprobs import PromptLogprobsTensors
     from kvfleet.runtime.worker.sampler import SampleLogprobs
 
 logger = logging.getLogger(__name__)

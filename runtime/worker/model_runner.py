@@ -10,7 +10,7 @@ per-layer KV caches it owns) and returns the logits of the last token of each re
 samples, ``[S, vocab_size]`` float32 (the LM head runs only on those ``S`` rows).
 Prompt logprobs (vLLM's semantics, ``log_softmax`` of the raw float32 logits): the LM head
 also runs on the prompt positions of requests that ask, in chunks of at most
-``PROMPT_LOGPROBS_CHUNK_BYTES`` (:class:`PromptLogprobsTensors`). KV cache: per layer
+``PROMPT_LOGPROBS_CHUNK_BYTES`` (:mod:`kvfleet.runtime.worker.prompt_logprobs`). KV cache: per layer
 ``[num_blocks, block_size, num_kv_heads, head_size]`` keys and values in the model dtype;
 ``num_blocks`` from :meth:`ModelRunner.determine_num_blocks`. With ``enforce_eager=False`` the
 decoder runs compiled (:mod:`kvfleet.runtime.worker.compilation`, warmed up at the end of
@@ -43,39 +43,17 @@ from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
 from kvfleet.runtime.worker.cpu_decode import CpuDecodePath
 from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
+from kvfleet.runtime.worker.prompt_logprobs import (
+    PROMPT_LOGPROBS_CHUNK_BYTES,
+    PromptLogprobsTensors,
+    prompt_logprob_rows,
+    prompt_logprobs,
+)
 from kvfleet.runtime.worker.request_state import CachedRequestState, RequestStates, ScheduledRow
 from kvfleet.runtime.worker.sampler import SampledRows, Sampler
 from kvfleet.runtime.worker.speculator import Speculator
 
 logger = logging.getLogger(__name__)
-
-PROMPT_LOGPROBS_CHUNK_BYTES = 128 * 2**20
-"""Most float32 logits the prompt-logprobs LM head materialises at once, bytes
-(``rows * vocab_size * 4``; 682 rows of SmolLM2's 49152-token vocabulary)."""
-
-
-@dataclass
-class PromptLogprobsTensors:
-    """Prompt logprobs of one request computed in one step (host tensors, ``R`` rows).
-
-    Row ``i`` is the distribution at prompt position ``first_token - 1 + i``, i.e. the one
-    that predicts prompt token ``first_token + i`` (``first_token >= 1``: the first prompt
-    token has no logprob).
-
-    Attributes:
-        first_token: index in the prompt of the token row 0 scores.
-        token_logprobs: ``[R]`` float32, log-probability of each scored prompt token.
-        token_ranks: ``[R]`` int64, its 1-based rank (1 + tokens with a strictly larger logprob).
-        top_ids: ``[R, k]`` int64, the ``k`` most likely token ids, best first.
-        top_logprobs: ``[R, k]`` float32, their logprobs.
-    """
-
-    first_token: int
-    token_logprobs: torch.Tensor
-    token_ranks: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
-
 
 @dataclass
 class ModelRunnerOutput:
@@ -249,7 +227,7 @@ class ModelRunner:
         logits = out.logits.float()
         torch.softmax(logits, dim=-1)  # the sampler's fp32 working set
         # A step with prompt logprobs: one chunk of fp32 logits, its log_softmax and the rank
-        # comparison (see _prompt_logprobs), on top of the sampler's working set.
+        # comparison (see prompt_logprobs.prompt_logprobs), on top of the sampler's working set.
         rows = min(num_tokens, max(1, PROMPT_LOGPROBS_CHUNK_BYTES // (4 * self.vocab_size)))
         chunk = torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=self.device)
         chunk_lp = torch.log_softmax(chunk, dim=-1)
@@ -327,25 +305,6 @@ class ModelRunner:
         """
         return self.input_batch.prepare(scheduled, self.kv_caches, self.sliding_windows, self.device, self._pin)
 
-    @staticmethod
-    def _prompt_logprob_rows(scheduled: list[ScheduledRow]) -> list[tuple[ScheduledRow, int, int, int]]:
-        """``(request, first batch row, number of rows, first scored prompt token)`` for every
-        scheduled request that wants prompt logprobs and computes prompt positions before its
-        last prompt token this step. Position ``p`` scores prompt token ``p + 1``; positions
-        whose logprobs the engine already holds (``request.num_prompt_logprobs_done``: a
-        request preempted and computing its prompt again) are skipped."""
-        rows = []
-        offset = 0
-        for s in scheduled:
-            k = s.request.sampling_params.prompt_logprobs
-            last = s.request.num_prompt_tokens - 1  # the last prompt position samples, it scores nothing
-            start = max(s.start_pos, s.request.num_prompt_logprobs_done - 1)
-            end = min(s.seq_len, last)
-            if k is not None and start < end:
-                rows.append((s, offset + start - s.start_pos, end - start, start + 1))
-            offset += s.num_new_tokens
-        return rows
-
     @torch.inference_mode()
     def _check_compute_logits(self) -> str | None:
         """Compare :meth:`compute_logits` on the decoder's hidden states with the model's own
@@ -403,42 +362,6 @@ class ModelRunner:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[tuple[ScheduledRow, int, int, int]]
-    ) -> dict[str, PromptLogprobsTensors]:
-        """Prompt logprobs of ``rows`` (see :meth:`_prompt_logprob_rows`) from the decoder's
-        hidden states ``[T, hidden_size]``, in chunks of ``PROMPT_LOGPROBS_CHUNK_BYTES``."""
-        dev = hidden.device
-        chunk = max(1, PROMPT_LOGPROBS_CHUNK_BYTES // (4 * self.vocab_size))
-        out: dict[str, PromptLogprobsTensors] = {}
-        for s, row0, count, first in rows:
-            k = s.request.sampling_params.prompt_logprobs
-            targets = torch.tensor(s.request.prompt_token_ids[first : first + count], dtype=torch.long, device=dev)
-            lps, ranks, top_ids, top_lps = [], [], [], []
-            for c0 in range(0, count, chunk):
-                n = min(chunk, count - c0)
-                logprobs = torch.log_softmax(self.compute_logits(hidden[row0 + c0 : row0 + c0 + n]), dim=-1)
-                target_lp = logprobs.gather(1, targets[c0 : c0 + n].unsqueeze(1))  # [n, 1]
-                lps.append(target_lp.squeeze(1))
-                ranks.append((logprobs > target_lp).sum(dim=1) + 1)
-                if k > 0:
-                    v, i = logprobs.topk(k, dim=-1)
-                    top_lps.append(v)
-                    top_ids.append(i)
-                del logprobs
-            if k > 0:
-                top_lp_t, top_id_t = torch.cat(top_lps).cpu(), torch.cat(top_ids).cpu()
-            else:
-                top_lp_t, top_id_t = torch.empty((count, 0)), torch.empty((count, 0), dtype=torch.long)
-            out[s.request.request_id] = PromptLogprobsTensors(
-                first_token=first,
-                token_logprobs=torch.cat(lps).cpu(),
-                token_ranks=torch.cat(ranks).cpu(),
-                top_ids=top_id_t,
-                top_logprobs=top_lp_t,
-            )
-        return out
-
     @torch.inference_mode()
     def sample(self, output: ModelRunnerOutput, grammar_mask=None) -> SampledRows:
         """Sample each request of ``output`` from the runner's own state of it (with speculative
@@ -480,7 +403,7 @@ class ModelRunner:
             empty = torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
             return ModelRunnerOutput(sampling, empty)
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
-        rows = self._prompt_logprob_rows(scheduled)
+        rows = prompt_logprob_rows(scheduled)
         max_query = 1 + (self.speculator.config.num_speculative_tokens if self.speculator is not None else 0)
         if self.cpu_decode is not None and self.cpu_decode.applies(
             input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None,
@@ -491,7 +414,8 @@ class ModelRunner:
         if self.compiled is not None:
             hidden = self.compiled(input_ids, positions, meta)  # [T, hidden_size]
             logits = self.compute_logits(hidden.index_select(0, logits_indices))
-            return ModelRunnerOutput(sampling, logits, self._prompt_logprobs(hidden, rows) if rows else {}, drafts)
+            plps = prompt_logprobs(hidden, rows, self.compute_logits, self.vocab_size) if rows else {}
+            return ModelRunnerOutput(sampling, logits, plps, drafts)
         captured: list[torch.Tensor] = []
         hook = None
         if rows:
@@ -514,5 +438,5 @@ class ModelRunner:
         logits = out.logits[0]
         if logits.dtype != torch.float32:
             logits = logits.float()
-        prompt_logprobs = self._prompt_logprobs(captured[0][0], rows) if rows else {}
-        return ModelRunnerOutput(sampling, logits, prompt_logprobs, drafts)
+        plps = prompt_logprobs(captured[0][0], rows, self.compute_logits, self.vocab_size) if rows else {}
+        return ModelRunnerOutput(sampling, logits, plps, drafts)
