@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -115,6 +116,8 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
         if snake == "tensor_parallel_size" and (int(engine[camel]) <= 1 or snake not in known):
             continue  # GPUs and /dev/shm still follow it; the runtime may not take the key yet
         config[snake] = engine[camel]
+    if engine.get("speculative"):
+        config["speculative_config"] = speculative_config(engine["speculative"])
     for key, value in sorted((engine.get("extraArgs") or {}).items()):
         if key in config:
             raise InvalidSpec("ConflictingEngineArg",
@@ -127,6 +130,25 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
         if key not in known:
             raise InvalidSpec("UnknownEngineArg", f"the runtime does not accept {key!r}")
     return config
+
+
+def speculative_config(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec.engine.speculative`` (camelCase) as ``--speculative-config``'s object (vLLM's
+    snake_case fields), checked as the runtime checks it.
+
+    Raises:
+        InvalidSpec: a value the runtime would refuse (reason ``InvalidSpeculativeConfig``)."""
+    from pydantic import ValidationError
+
+    from kvfleet.runtime.spec_decode.config import SpeculativeConfig  # pydantic only, no torch
+
+    out = {re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower(): value for key, value in spec.items()}
+    try:
+        SpeculativeConfig.model_validate(out)
+    except ValidationError as exc:
+        msg = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'speculative'}: {e['msg']}" for e in exc.errors())
+        raise InvalidSpec("InvalidSpeculativeConfig", f"engine.speculative: {msg}") from None
+    return out
 
 
 def _engine_config_fields() -> list[str]:

@@ -197,6 +197,18 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
                      "(torchao): int8 (CPU and GPU) or int4 (CPU); unset: weights in dtype.",
                      "enum": ["int8", "int4"]},
     "enforceEager": _bool("Run the model eagerly, without torch.compile (kvfleet serve --enforce-eager)."),
+    "speculative": _obj(
+        "Speculative decoding (kvfleet serve --speculative-config, vLLM's fields): model-free drafts "
+        "verified in one step; greedy output unchanged. Unset: off.", {
+            "method": {"type": "string", "description": "ngram: prompt lookup; suffix: suffix decoding.",
+                       "enum": ["ngram", "suffix"], "default": "ngram"},
+            "numSpeculativeTokens": _int("Most tokens proposed per step (k).", minimum=1, maximum=16),
+            "promptLookupMax": _int("ngram: the longest n-gram looked up.", minimum=1, maximum=64),
+            "promptLookupMin": _int("ngram: the shortest n-gram looked up.", minimum=1, maximum=64),
+            "disableByBatchSize": _int("Speculate only while fewer requests than this run.", minimum=1),
+            "minAcceptanceRate": _num("A request whose acceptance falls below this stops proposing "
+                                      "(probing now and then).", minimum=0, maximum=1),
+        }),
     "extraArgs": {
         "type": "object",
         "description": "Further options of kvfleet serve's config file, snake_case: engine options "

@@ -277,6 +277,18 @@ def test_quantization_and_enforce_eager_reach_the_engine_config():
     assert "quantization" not in unset and "enforce_eager" not in unset  # the runtime's defaults
 
 
+def test_speculative_reaches_the_engine_config_and_bad_values_are_invalid():
+    spec = {"method": "ngram", "numSpeculativeTokens": 3, "promptLookupMin": 2}
+    cm = by_kind(builders.desired_children(minimal(engine={"speculative": spec})))["ConfigMap"]
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    engine = EngineConfig.model_validate({k: v for k, v in config.items() if k in EngineConfig.model_fields})
+    assert engine.speculative_config.num_speculative_tokens == 3
+    with pytest.raises(InvalidSpec) as e:
+        builders.desired_children(minimal(engine={"speculative": {"promptLookupMin": 5, "promptLookupMax": 2}}))
+    assert e.value.reason == "InvalidSpeculativeConfig" and "prompt_lookup_min" in str(e.value)
+
+
 def test_tuned_values_from_status_only_when_tuning_is_enabled():
     tuned = minimal(engine={"blockSize": 16}, tuning={"enabled": True})
     tuned["status"] = {"engine": {"blockSize": 32, "gpuMemoryUtilization": 0.85}}
