@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,9 +131,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(name: str, ctx: Context, port: int, max_num_seqs: int, max_model_len: int) -> tuple[list[str], dict]:
-    """``(argv, extra environment)`` of ``name``'s OpenAI-compatible server on ``port``; the
-    path that answers 200 once it is ready is :func:`ready_path`'s."""
+def server_command(name: str, ctx: Context, port: int, max_num_seqs: int, max_model_len: int,
+                   extra_args: Sequence[str] = ()) -> tuple[list[str], dict]:
+    """``(argv, extra environment)`` of ``name``'s OpenAI-compatible server on ``port`` (with
+    ``extra_args`` appended); the path that answers 200 once it is ready is :func:`ready_path`'s."""
+    argv, env = _server_command(name, ctx, port, max_num_seqs, max_model_len)
+    return argv + list(extra_args), env
+
+
+def _server_command(name: str, ctx: Context, port: int, max_num_seqs: int,
+                    max_model_len: int) -> tuple[list[str], dict]:
     if name.startswith("kvfleet"):
         compiled, quant = kvfleet_variant(name)
         argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", HOST, "--port", str(port),
@@ -161,13 +168,15 @@ def ready_path(name: str) -> str:
 
 
 @contextlib.contextmanager
-def serve(name: str, ctx: Context, max_num_seqs: int, max_model_len: int, startup_timeout: float) -> Iterator[str]:
-    """Start ``name``'s server, wait until it is ready, yield its base URL; stop it on exit
-    (SIGTERM, then SIGKILL of its process group after 20 s). Raises :class:`PeerUnavailable`
-    or ``RuntimeError`` (died or not ready in time, with the log's tail)."""
+def serve(name: str, ctx: Context, max_num_seqs: int, max_model_len: int, startup_timeout: float,
+          extra_args: Sequence[str] = (), log_name: str | None = None) -> Iterator[str]:
+    """Start ``name``'s server (``extra_args`` appended to its command line), wait until it is
+    ready, yield its base URL; stop it on exit (SIGTERM, then SIGKILL of its process group after
+    20 s). Raises :class:`PeerUnavailable` or ``RuntimeError`` (died or not ready in time, with
+    the log's tail)."""
     port = free_port()
-    argv, env = server_command(name, ctx, port, max_num_seqs, max_model_len)
-    log_path = ctx.log_dir / f"serve-{name}.log"
+    argv, env = server_command(name, ctx, port, max_num_seqs, max_model_len, extra_args)
+    log_path = ctx.log_dir / f"serve-{log_name or name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONSAFEPATH": "1", **env})  # a checkout's operator/ folder
