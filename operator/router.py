@@ -3,9 +3,16 @@
 With ``spec.router.enabled`` the operator runs ``kvfleet router`` in front of the runtime pods:
 a ServiceAccount, a Role that may only ``get``/``list``/``watch`` EndpointSlices in the
 namespace (what the router's watch needs, nothing else), a RoleBinding, the router Deployment
-(``kvfleet router --kube-service <runtime Service>``, from the runtime image) and its ClusterIP
-Service ``<name>-router`` on port 8000; ``status.url`` then points at that Service. All are
-owned by the InferenceService (ownerReferences). :func:`scale_from_zero_condition` is the
+(``kvfleet router --kube-service <runtime Service>``, from the runtime image), its ClusterIP
+Service ``<name>-router`` on port 8000 and a PodDisruptionBudget; ``status.url`` then points at
+that Service. All are owned by the InferenceService (ownerReferences).
+
+No single router: ``spec.router.replicas`` pods (default 2, spread over nodes where the scheduler
+can), a PodDisruptionBudget of ``maxUnavailable: 1`` (a node drain takes one router at a time;
+with one replica it still lets the drain proceed), a rolling update that adds a ready router before
+taking one away (``maxSurge: 1``, ``maxUnavailable: 0``, readiness on ``/ready``), and a pod
+that on SIGTERM drains (``--shutdown-timeout``, ``spec.router.shutdownTimeoutSeconds``) within its
+``terminationGracePeriodSeconds``. :func:`scale_from_zero_condition` is the
 ``ScaleFromZero`` status condition that makes ``minReplicas: 0`` without a router an explicit,
 visible choice. Routing itself: docs/routing.md.
 """
@@ -22,8 +29,11 @@ COMPONENT = "router"
 PORT = 8000
 """The router's container port and Service port (the same as the runtime's: only the host of
 the OpenAI base URL changes when the router is turned on)."""
-KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service")
+KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget")
+"""Every kind of router child, all named :func:`name` (pruned together when the router is turned off)."""
 DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+TERMINATION_MARGIN = 5
+"""Seconds of ``terminationGracePeriodSeconds`` beyond the router's ``--shutdown-timeout`` (its exit)."""
 
 
 IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
@@ -86,7 +96,8 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
             "--kube-namespace", isvc["metadata"].get("namespace") or "default", "--kube-port", "http",
             "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
-            "--pending-timeout", str(r["pendingTimeoutSeconds"])]
+            "--pending-timeout", str(r["pendingTimeoutSeconds"]),
+            "--shutdown-timeout", str(r["shutdownTimeoutSeconds"])]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,6 +145,10 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "securityContext": {"runAsNonRoot": True, "runAsUser": service_spec.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
+        "terminationGracePeriodSeconds": int(r["shutdownTimeoutSeconds"]) + TERMINATION_MARGIN,
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": selector_labels(isvc)},
+                                               "topologyKey": "kubernetes.io/hostname"}}]}},
     }
     if runtime.get("imagePullSecrets"):
         pod_spec["imagePullSecrets"] = copy.deepcopy(runtime["imagePullSecrets"])
@@ -160,6 +175,12 @@ def build_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
                                 "appProtocol": "http"}]}}
 
 
+def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """At most one router pod down through voluntary disruptions (node drains, evictions)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(isvc),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(isvc)}}}
+
+
 def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The router's children in apply order (RBAC first), or ``[]`` when the router is off.
 
@@ -169,7 +190,7 @@ def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not enabled(isvc):
         return []
     return [build_service_account(isvc), build_role(isvc), build_role_binding(isvc), build_deployment(isvc),
-            build_service(isvc)]
+            build_service(isvc), build_pdb(isvc)]
 
 
 def scale_from_zero_condition(isvc: Mapping[str, Any]) -> tuple[str, str, str] | None:
