@@ -301,9 +301,9 @@ ROUTER = _obj(
                          "up through voluntary disruptions and rolls add one before taking one away).",
                          minimum=1, maximum=100, default=2),
         "shutdownTimeoutSeconds": _int("On SIGTERM a router pod stops taking requests and lets the ones in flight "
-                                       "finish for at most this long (kvfleet router --shutdown-timeout); its "
-                                       "terminationGracePeriodSeconds is 5 s more.", minimum=0, maximum=86400,
-                                       default=30),
+                                       "finish for at most this long (kvfleet router --shutdown-timeout), after a "
+                                       "10 s preStop sleep; its terminationGracePeriodSeconds is 15 s more.",
+                                       minimum=0, maximum=86400, default=30),
         "algorithm": {"type": "string", "enum": ["prefix-hash", "least-load", "round-robin"],
                       "default": "prefix-hash",
                       "description": "prefix-hash: consistent hashing with bounded loads on the prompt prefix, "

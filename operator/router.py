@@ -11,7 +11,8 @@ No single router: ``spec.router.replicas`` pods (default 2, spread over nodes wh
 can), a PodDisruptionBudget of ``maxUnavailable: 1`` (a node drain takes one router at a time;
 with one replica it still lets the drain proceed), a rolling update that adds a ready router before
 taking one away (``maxSurge: 1``, ``maxUnavailable: 0``, readiness on ``/ready``), and a pod
-that on SIGTERM drains (``--shutdown-timeout``, ``spec.router.shutdownTimeoutSeconds``) within its
+that, after the runtime's preStop sleep (endpoints removed first), drains on SIGTERM
+(``--shutdown-timeout``, ``spec.router.shutdownTimeoutSeconds``) within its
 ``terminationGracePeriodSeconds``. :func:`scale_from_zero_condition` is the
 ``ScaleFromZero`` status condition that makes ``minReplicas: 0`` without a router an explicit,
 visible choice. Routing itself: docs/routing.md.
@@ -33,7 +34,8 @@ KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodD
 """Every kind of router child, all named :func:`name` (pruned together when the router is turned off)."""
 DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 TERMINATION_MARGIN = 5
-"""Seconds of ``terminationGracePeriodSeconds`` beyond the router's ``--shutdown-timeout`` (its exit)."""
+"""Seconds of ``terminationGracePeriodSeconds`` beyond the preStop sleep and the router's
+``--shutdown-timeout`` (its listener grace and exit)."""
 
 
 IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
@@ -118,6 +120,11 @@ def build_role_binding(isvc: Mapping[str, Any]) -> dict[str, Any]:
             "subjects": [{"kind": "ServiceAccount", "name": meta["name"], "namespace": meta["namespace"]}]}
 
 
+def termination_grace_seconds(isvc: Mapping[str, Any]) -> int:
+    """The router pod's grace: the preStop sleep, the drain (``shutdownTimeoutSeconds``), a margin."""
+    return service_spec.PRESTOP_SECONDS + int(router_spec(isvc)["shutdownTimeoutSeconds"]) + TERMINATION_MARGIN
+
+
 def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """The router Deployment (``spec.router.replicas`` pods; the runtime image unless
     ``spec.router.image``)."""
@@ -136,6 +143,8 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "readinessProbe": probe("/ready", 5),
         "livenessProbe": probe("/health", 10),
         "resources": copy.deepcopy(r.get("resources") or DEFAULT_RESOURCES),
+        # as the runtime's: endpoints are removed while the pod sleeps; only then does SIGTERM start the drain
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(service_spec.PRESTOP_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
     }
@@ -145,7 +154,7 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "securityContext": {"runAsNonRoot": True, "runAsUser": service_spec.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "terminationGracePeriodSeconds": int(r["shutdownTimeoutSeconds"]) + TERMINATION_MARGIN,
+        "terminationGracePeriodSeconds": termination_grace_seconds(isvc),
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
             "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": selector_labels(isvc)},
                                                "topologyKey": "kubernetes.io/hostname"}}]}},

@@ -63,11 +63,12 @@ def test_no_single_router_two_pods_a_pdb_and_rolls_that_never_leave_zero():
     term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
     assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert term["podAffinityTerm"]["labelSelector"] == deploy["selector"]
-    # SIGTERM drain bound < the kubelet's grace
+    # preStop sleep (endpoints go first), then the SIGTERM drain, both within the kubelet's grace
     flags = dict(zip(c["args"][1::2], c["args"][2::2]))
-    assert flags["--shutdown-timeout"] == "30" and pod["terminationGracePeriodSeconds"] == 35
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+    assert flags["--shutdown-timeout"] == "30" and pod["terminationGracePeriodSeconds"] == 10 + 30 + 5
     longer = by_kind(router.desired_children(isvc(router={"enabled": True, "shutdownTimeoutSeconds": 600})))
-    assert longer["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 605
+    assert longer["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 615
     one = by_kind(router.desired_children(isvc(router={"enabled": True, "replicas": 1})))
     assert one["Deployment"]["spec"]["replicas"] == 1 and one["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
 
