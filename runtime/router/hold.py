@@ -4,10 +4,10 @@ order, until one is (scale from zero, every replica restarting), or until their 
 Bounded (``max_pending``: one more is refused with :class:`QueueFull`, HTTP 429) and timed
 (``pending_timeout`` seconds: :class:`PendingTimeout`, HTTP 503); :meth:`PendingQueue.close`
 (the router's SIGTERM drain) answers every held request :class:`QueueClosed` (HTTP 503, retryable).
-:meth:`PendingQueue.notify` wakes every waiter in FIFO order; a waiter that finds nothing available after all (another took
-the endpoint's place, or it was ejected again) goes back to the *head* of the queue, so arrival
-order holds. ``len(queue)`` is the ``kvfleet:router_pending_requests`` gauge the operator's
-autoscaler reads to scale from zero.
+:meth:`PendingQueue.notify` wakes every waiter in FIFO order; a waiter that finds nothing
+available after all (another took the endpoint's place, or it was ejected again) goes back to
+the *head* of the queue, so arrival order holds. ``len(queue)`` is the
+``kvfleet:router_pending_requests`` gauge the operator's autoscaler reads to scale from zero.
 """
 
 from __future__ import annotations
