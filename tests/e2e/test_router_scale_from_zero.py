@@ -7,7 +7,10 @@ An InferenceService with ``spec.router.enabled`` and ``minReplicas: 0`` sits at 
 request sent to the router is held, the operator scales to 1 on the router's pending metric
 (Event ScaledFromZero), the runtime pod comes up, the router's endpoints follow it, the request
 gets its 200; with no more requests it scales back to 0 after the (6 s) window and the router's
-endpoints follow the pod going away.
+endpoints follow the pod going away. No single router: the operator runs two router pods (the
+default) with a PodDisruptionBudget, and a change of ``spec.router`` rolls them surge-first
+(``maxSurge: 1``, ``maxUnavailable: 0``, as the kubelet plays the Deployment controller): never
+fewer than two ready routers, and each old one drains on SIGTERM and exits 0.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import concurrent.futures
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,7 +69,8 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
              "--namespace", NS, "--standalone", "--verbose"], stdout=op_log, stderr=subprocess.STDOUT, env=env)
         kubelet = TestKubelet(kube.url, NS, tmp_path / "kubelet", config_overrides={"model": None},
                               serve_args=["--kv-cache-memory", "64MiB"], kubeconfig=kubeconfig,
-                              env={"OMP_WAIT_POLICY": "PASSIVE", "PYTHONSAFEPATH": "1"})
+                              env={"OMP_WAIT_POLICY": "PASSIVE", "PYTHONSAFEPATH": "1"},
+                              rollout="surge", prestop_seconds=0.5)
 
         def tail() -> str:
             op_log.flush()
@@ -77,8 +82,12 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
         try:
             kubelet.start()
             kube.create(ISVC, manifest())
-            (router_pod,) = kube.wait_for(lambda: kubelet.ready_pods(f"{NAME}-router"), timeout=90,
-                                          message=f"the router pod ready\n{tail()}")
+            routers = kube.wait_for(lambda: len(kubelet.ready_pods(f"{NAME}-router")) == 2
+                                    and kubelet.ready_pods(f"{NAME}-router"), timeout=90,
+                                    message=f"two router pods ready\n{tail()}")
+            router_pod = routers[0]
+            pdb = kube.get("policy/v1/poddisruptionbudgets", NS, f"{NAME}-router")
+            assert pdb["spec"]["maxUnavailable"] == 1, pdb
             status = kube.wait_for(lambda: (kube.get(ISVC, NS, NAME) or {}).get("status", {}).get("url"), 30,
                                    message="status.url")
             assert status == f"http://{NAME}-router.{NS}.svc.cluster.local:8000/v1"
@@ -117,6 +126,7 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
             kube.wait_for(lambda: not kubelet.pods.get(NAME) and not kubelet.ready_pods(NAME), 60,
                           message="the runtime pod gone")
             kube.wait_for(lambda: router_endpoints(router_pod.port) == 0, 30, message="the router's endpoints at 0")
+            roll_routers(kube, kubelet, tail)
             assert operator.poll() is None, tail()
             assert not kubelet.errors, kubelet.errors[-3:]
         finally:
@@ -128,3 +138,34 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
                 operator.wait()
             kubelet.stop()
             op_log.close()
+
+
+def roll_routers(kube: EmulatorThread, kubelet: TestKubelet, tail) -> None:
+    """A ``spec.router`` change rolls the two routers without ever fewer than two ready; the old
+    ones drain on SIGTERM and exit 0."""
+    deployment = f"{NAME}-router"
+    old = {p.name: p for p in kubelet.ready_pods(deployment)}
+    assert len(old) == 2
+    fewest = [2]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            fewest[0] = min(fewest[0], len(kubelet.ready_pods(deployment)))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        kube.patch(ISVC, NS, NAME, {"spec": {"router": {"loadFactor": 1.5}}})
+        kube.wait_for(lambda: all(p.process.poll() is not None for p in old.values())
+                      and len(kubelet.ready_pods(deployment)) == 2
+                      and not set(old) & {p.name for p in kubelet.ready_pods(deployment)}, timeout=120,
+                      message=f"the routers rolled\n{tail()}")
+    finally:
+        stop.set()
+        sampler.join()
+    assert fewest[0] >= 2, fewest
+    assert [p.process.returncode for p in old.values()] == [0, 0]  # drained, not killed
+    for pod in kubelet.ready_pods(deployment):
+        assert "1.5" in pod.process.args
