@@ -309,7 +309,13 @@ ROUTER = _obj(
     "wake a service from zero replicas). status.url points at the router when enabled. docs/routing.md.",
     {
         "enabled": _bool("Run the router (a Deployment and Service <name>-router).", default=False),
-        "replicas": _int("Router pods.", minimum=1, maximum=100, default=1),
+        "replicas": _int("Router pods (2 by default: no single router; a PodDisruptionBudget keeps all but one "
+                         "up through voluntary disruptions and rolls add one before taking one away).",
+                         minimum=1, maximum=100, default=2),
+        "shutdownTimeoutSeconds": _int("On SIGTERM a router pod stops taking requests and lets the ones in flight "
+                                       "finish for at most this long (kvfleet router --shutdown-timeout), after a "
+                                       "10 s preStop sleep; its terminationGracePeriodSeconds is 15 s more.",
+                                       minimum=0, maximum=86400, default=30),
         "algorithm": {"type": "string", "enum": ["prefix-hash", "least-load", "round-robin"],
                       "default": "prefix-hash",
                       "description": "prefix-hash: consistent hashing with bounded loads on the prompt prefix, "

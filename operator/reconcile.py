@@ -222,9 +222,9 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
             out.error = e
             live_deployment = kube.get("Deployment", namespace, service_spec.names(isvc)["deployment"])
         else:
-            kinds = set()
+            wanted = set()
             for child in desired:
-                kinds.add(child["kind"])
+                wanted.add((child["kind"], child["metadata"]["name"]))
                 live = kube.get(child["kind"], namespace, child["metadata"]["name"])
                 if needs_apply(child, live):
                     live = kube.apply(child)
@@ -232,10 +232,10 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
                 if child["kind"] == "Deployment":
                     live_deployment, desired_deployment = live, child
             names = service_spec.names(isvc)
-            for kind in PRUNABLE_KINDS:
-                if kind in kinds:
-                    continue
+            for kind in PRUNABLE_KINDS:  # by kind and name: the router's PDB is not the runtime's
                 child_name = names["pdb" if kind == "PodDisruptionBudget" else "hpa"]
+                if (kind, child_name) in wanted:
+                    continue
                 live = kube.get(kind, namespace, child_name)
                 if live is not None and owned_by(live, isvc):
                     kube.delete(kind, namespace, child_name)

@@ -3,9 +3,17 @@
 With ``spec.router.enabled`` the operator runs ``kvfleet router`` in front of the runtime pods:
 a ServiceAccount, a Role that may only ``get``/``list``/``watch`` EndpointSlices in the
 namespace (what the router's watch needs, nothing else), a RoleBinding, the router Deployment
-(``kvfleet router --kube-service <runtime Service>``, from the runtime image) and its ClusterIP
-Service ``<name>-router`` on port 8000; ``status.url`` then points at that Service. All are
-owned by the InferenceService (ownerReferences). :func:`scale_from_zero_condition` is the
+(``kvfleet router --kube-service <runtime Service>``, from the runtime image), its ClusterIP
+Service ``<name>-router`` on port 8000 and a PodDisruptionBudget; ``status.url`` then points at
+that Service. All are owned by the InferenceService (ownerReferences).
+
+No single router: ``spec.router.replicas`` pods (default 2, spread over nodes where the scheduler
+can), a PodDisruptionBudget of ``maxUnavailable: 1`` (a node drain takes one router at a time;
+with one replica it still lets the drain proceed), a rolling update that adds a ready router before
+taking one away (``maxSurge: 1``, ``maxUnavailable: 0``, readiness on ``/ready``), and a pod
+that, after the runtime's preStop sleep (endpoints removed first), drains on SIGTERM
+(``--shutdown-timeout``, ``spec.router.shutdownTimeoutSeconds``) within its
+``terminationGracePeriodSeconds``. :func:`scale_from_zero_condition` is the
 ``ScaleFromZero`` status condition that makes ``minReplicas: 0`` without a router an explicit,
 visible choice. Routing itself: docs/routing.md.
 """
@@ -22,8 +30,12 @@ COMPONENT = "router"
 PORT = 8000
 """The router's container port and Service port (the same as the runtime's: only the host of
 the OpenAI base URL changes when the router is turned on)."""
-KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service")
+KINDS = ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget")
+"""Every kind of router child, all named :func:`name` (pruned together when the router is turned off)."""
 DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+TERMINATION_MARGIN = 5
+"""Seconds of ``terminationGracePeriodSeconds`` beyond the preStop sleep and the router's
+``--shutdown-timeout`` (its listener grace and exit)."""
 
 
 IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
@@ -86,7 +98,8 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
             "--kube-namespace", isvc["metadata"].get("namespace") or "default", "--kube-port", "http",
             "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
-            "--pending-timeout", str(r["pendingTimeoutSeconds"])]
+            "--pending-timeout", str(r["pendingTimeoutSeconds"]),
+            "--shutdown-timeout", str(r["shutdownTimeoutSeconds"])]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,6 +120,11 @@ def build_role_binding(isvc: Mapping[str, Any]) -> dict[str, Any]:
             "subjects": [{"kind": "ServiceAccount", "name": meta["name"], "namespace": meta["namespace"]}]}
 
 
+def termination_grace_seconds(isvc: Mapping[str, Any]) -> int:
+    """The router pod's grace: the preStop sleep, the drain (``shutdownTimeoutSeconds``), a margin."""
+    return service_spec.PRESTOP_SECONDS + int(router_spec(isvc)["shutdownTimeoutSeconds"]) + TERMINATION_MARGIN
+
+
 def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """The router Deployment (``spec.router.replicas`` pods; the runtime image unless
     ``spec.router.image``)."""
@@ -125,6 +143,8 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "readinessProbe": probe("/ready", 5),
         "livenessProbe": probe("/health", 10),
         "resources": copy.deepcopy(r.get("resources") or DEFAULT_RESOURCES),
+        # as the runtime's: endpoints are removed while the pod sleeps; only then does SIGTERM start the drain
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(service_spec.PRESTOP_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
     }
@@ -134,6 +154,10 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "securityContext": {"runAsNonRoot": True, "runAsUser": service_spec.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
+        "terminationGracePeriodSeconds": termination_grace_seconds(isvc),
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": selector_labels(isvc)},
+                                               "topologyKey": "kubernetes.io/hostname"}}]}},
     }
     if runtime.get("imagePullSecrets"):
         pod_spec["imagePullSecrets"] = copy.deepcopy(runtime["imagePullSecrets"])
@@ -160,6 +184,12 @@ def build_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
                                 "appProtocol": "http"}]}}
 
 
+def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """At most one router pod down through voluntary disruptions (node drains, evictions)."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(isvc),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(isvc)}}}
+
+
 def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The router's children in apply order (RBAC first), or ``[]`` when the router is off.
 
@@ -169,7 +199,7 @@ def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not enabled(isvc):
         return []
     return [build_service_account(isvc), build_role(isvc), build_role_binding(isvc), build_deployment(isvc),
-            build_service(isvc)]
+            build_service(isvc), build_pdb(isvc)]
 
 
 def scale_from_zero_condition(isvc: Mapping[str, Any]) -> tuple[str, str, str] | None:

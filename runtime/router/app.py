@@ -3,8 +3,9 @@
 Routes: ``/v1/{path}`` (every method; :class:`~.proxy.Forwarder`), ``/health`` (liveness:
 the process serves), ``/ready`` (200 once the endpoint source has been read, even with no
 replica ready: the router must accept requests to hold them while replicas scale from zero; the
-body lists the endpoint counts), ``/metrics`` (:mod:`.metrics`). The lifespan owns the HTTP
-clients, the probe loop and the endpoint source (static list or EndpointSlice watch).
+body lists the endpoint counts; 503 while draining), ``/metrics`` (:mod:`.metrics`). The lifespan
+owns the HTTP clients, the probe loop and the endpoint source (static list or EndpointSlice
+watch). SIGTERM drains (:mod:`.shutdown`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -31,6 +33,7 @@ from kvfleet.runtime.router.precise import PreciseForwarder, PrecisePicker
 from kvfleet.runtime.router.probe import Prober
 from kvfleet.runtime.router.proxy import Forwarder, error_response
 from kvfleet.runtime.router.settings import RouterSettings, parse_args
+from kvfleet.runtime.router.shutdown import Drain, DrainingServer, DrainMiddleware
 
 logger = logging.getLogger("kvfleet.router")
 
@@ -45,6 +48,8 @@ class RouterState:
         self.pool = EndpointPool(eject_base=settings.eject_base_seconds, eject_max=settings.eject_max_seconds)
         self.pending = PendingQueue(settings.max_pending, settings.pending_timeout)
         self.pool.on_available(self.pending.notify)
+        self.drain = Drain(settings.shutdown_timeout)
+        self.drain.on_start(self.pending.close)  # held requests: 503 at once, retried on another router
         picker_kw = {"load_factor": settings.load_factor, "virtual_nodes": settings.virtual_nodes,
                      "min_capacity": settings.min_capacity}
         self.kv_index: KVIndex | None = None
@@ -138,8 +143,10 @@ def create_app(settings: RouterSettings) -> Starlette:
 
     async def ready(request: Request) -> Response:
         eps = list(state.pool)
-        body = {"endpoints": len(eps), "available": len(state.pool.available()), "pending": len(state.pending)}
-        return JSONResponse(body, status_code=200 if state.source_ready.is_set() else 503)
+        body = {"endpoints": len(eps), "available": len(state.pool.available()), "pending": len(state.pending),
+                "draining": state.drain.draining}
+        ok = state.source_ready.is_set() and not state.drain.draining
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
         in_flight = state.forwarder.in_flight if state.forwarder else 0
@@ -152,7 +159,9 @@ def create_app(settings: RouterSettings) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/{path:path}", proxy, methods=METHODS),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    refused = state.metrics.requests.labels("", "shutting_down").inc
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(DrainMiddleware, drain=state.drain, on_refused=refused)])
     app.state.router = state
     return app
 
@@ -165,5 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False)
+    DrainingServer(config, app.state.router.drain).run()
     return 0

@@ -2,11 +2,12 @@
 order, until one is (scale from zero, every replica restarting), or until their deadline.
 
 Bounded (``max_pending``: one more is refused with :class:`QueueFull`, HTTP 429) and timed
-(``pending_timeout`` seconds: :class:`PendingTimeout`, HTTP 503). :meth:`PendingQueue.notify`
-wakes every waiter in FIFO order; a waiter that finds nothing available after all (another took
-the endpoint's place, or it was ejected again) goes back to the *head* of the queue, so arrival
-order holds. ``len(queue)`` is the ``kvfleet:router_pending_requests`` gauge the operator's
-autoscaler reads to scale from zero.
+(``pending_timeout`` seconds: :class:`PendingTimeout`, HTTP 503); :meth:`PendingQueue.close`
+(the router's SIGTERM drain) answers every held request :class:`QueueClosed` (HTTP 503, retryable).
+:meth:`PendingQueue.notify` wakes every waiter in FIFO order; a waiter that finds nothing
+available after all (another took the endpoint's place, or it was ejected again) goes back to
+the *head* of the queue, so arrival order holds. ``len(queue)`` is the
+``kvfleet:router_pending_requests`` gauge the operator's autoscaler reads to scale from zero.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class PendingTimeout(Exception):
     """No replica became available within ``pending_timeout`` seconds."""
 
 
+class QueueClosed(Exception):
+    """The router is shutting down (:meth:`PendingQueue.close`): nothing more is held."""
+
+
 class PendingQueue:
     """FIFO of held requests (see the module docstring).
 
@@ -36,6 +41,7 @@ class PendingQueue:
         self.max_pending = max_pending
         self.pending_timeout = pending_timeout
         self._waiters: deque[asyncio.Future] = deque()
+        self.closed = False
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -44,9 +50,11 @@ class PendingQueue:
         """Wait until ``available()`` is true. Returns the deadline (loop time) so that a caller
         holding again for the same request keeps its original one.
 
-        Raises: QueueFull, PendingTimeout.
+        Raises: QueueFull, PendingTimeout, QueueClosed.
         """
         loop = asyncio.get_running_loop()
+        if self.closed:
+            raise QueueClosed()
         if available():  # e.g. an ejection ran out between the caller's look and this call
             return deadline if deadline is not None else loop.time() + self.pending_timeout
         if deadline is None:
@@ -63,6 +71,8 @@ class PendingQueue:
                 await asyncio.wait([fut], timeout=remaining)
                 if not fut.done():
                     raise PendingTimeout()
+                if self.closed:
+                    raise QueueClosed()
                 if available():
                     return deadline
                 fut = loop.create_future()
@@ -70,6 +80,11 @@ class PendingQueue:
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
+
+    def close(self) -> None:
+        """Hold nothing more: every held request and every later :meth:`hold` raises QueueClosed."""
+        self.closed = True
+        self.notify()
 
     def notify(self) -> None:
         """Wake every held request, oldest first."""

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from kvfleet.runtime.router.endpoints import Endpoint, EndpointPool
-from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueFull
+from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueClosed, QueueFull
 from kvfleet.runtime.router.metrics import RouterMetrics
 from kvfleet.runtime.router.migration import MigratingStream, upstream_body, wants_migration
 from kvfleet.runtime.router.picker import Picker
@@ -70,6 +70,12 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
     """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def shutting_down_response() -> JSONResponse:
+    """The retryable 503 of a draining router (a new request, or one it held)."""
+    return error_response(503, "this router is shutting down; retry (another router takes it)",
+                          "service_unavailable", "shutting_down", headers={"Retry-After": "1"})
 
 
 class UpstreamResponse(Response):
@@ -226,6 +232,9 @@ class Forwarder:
                     return error_response(429, f"the router holds {self.pending.max_pending} requests already "
                                           "(--max-pending); retry later", "rate_limit_error", "too_many_pending",
                                           headers={"Retry-After": "5"})
+                except QueueClosed:
+                    self.metrics.requests.labels("", "shutting_down").inc()
+                    return shutting_down_response()
                 except PendingTimeout:
                     self.metrics.requests.labels("", "timeout").inc()
                     return error_response(503, f"no replica became ready within {self.pending.pending_timeout:g} s "

@@ -47,6 +47,8 @@ class RouterSettings(BaseModel):
     eject_base_seconds: float = Field(1.0, gt=0)
     eject_max_seconds: float = Field(30.0, gt=0)
     connect_timeout: float = Field(3.0, gt=0)
+    shutdown_timeout: float = Field(30.0, ge=0)
+    """Seconds a SIGTERM drain lets the requests in flight finish (vLLM's name); then the process exits."""
     max_migrations: int = Field(3, ge=0)
     """Moves of one stream to another replica mid-stream (0: never migrate; docs/routing.md)."""
     api_key: str | None = None
@@ -78,6 +80,9 @@ _HELP = {
     "eject_base_seconds": "first ejection of a failed replica, seconds (doubles per failure)",
     "eject_max_seconds": "longest ejection, seconds",
     "connect_timeout": "seconds to connect to a replica before trying another",
+    "shutdown_timeout": "seconds SIGTERM lets requests in flight finish (new ones get 503, /ready fails) "
+                        "before the router exits",
+    "max_migrations": "times one stream may move to another replica mid-stream (0: never migrate)",
     "api_key": "check 'Authorization: Bearer KEY' at the router (it is passed on to the replicas either way)",
     "host": "address to listen on",
     "port": "TCP port to listen on",

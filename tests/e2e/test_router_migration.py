@@ -3,8 +3,10 @@
 system prompt so the router sends them to one replica, which is then SIGKILLed (or SIGTERMed)
 mid-stream. Every client stream must end with ``[DONE]``, the full token count, ``finish_reason:
 length`` and the text of an uninterrupted run: greedy chat, seeded sampled chat, a ``json_schema``
-chat (valid JSON) and an ``n = 2`` completion; then a greedy completion across a drain hand-off.
-Short streams (64 tokens) keep the module within the CI budget.
+chat (valid JSON) and an ``n = 2`` completion; then a greedy completion across a drain hand-off;
+then the router's own SIGTERM drain (a second router over one of the replicas): its stream
+completes, a new request is refused, the process exits 0. Short streams (64 tokens) keep the
+module within the CI budget.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["title", "chapters"]}
 
 
-def start_router(args: list[str], log) -> tuple[subprocess.Popen, str]:
-    """`kvfleet router --port <free> *args`, waiting until both endpoints are available."""
+def start_router(args: list[str], log, available: int = 2) -> tuple[subprocess.Popen, str]:
+    """`kvfleet router --port <free> *args`, waiting until ``available`` endpoints are."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "router", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "wb") as fh:
@@ -46,7 +48,7 @@ def start_router(args: list[str], log) -> tuple[subprocess.Popen, str]:
         assert proc.poll() is None, log.read_text()
         try:
             r = httpx.get(base + "/ready", timeout=2)
-            if r.status_code == 200 and r.json()["available"] >= 2:
+            if r.status_code == 200 and r.json()["available"] >= available:
                 return proc, base
         except httpx.TransportError:
             pass
@@ -192,3 +194,34 @@ def test_sigterm_drain_hands_streams_off(fleet):
     assert time.monotonic() - t0 < 90
     drained = scrape(fleet["base"]).get(("kvfleet:router_migrations_total", (("reason", "drain"),)), 0)
     assert drained >= 1
+
+
+def test_router_sigterm_lets_its_stream_finish_refuses_new_requests_and_exits_0(fleet):
+    log = fleet["tmp"] / "router-drain.log"
+    proc, base = start_router(["--endpoints", fleet["urls"][0], "--shutdown-timeout", "60",
+                               "--probe-interval", "0.2"], log, available=1)
+    body = {"model": MODEL, "stream": True, "max_tokens": 3 * MAX, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}, "prompt": "Once upon a time"}
+    started = threading.Event()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(read_stream, base, "/v1/completions", body, started)
+            assert started.wait(60), log.read_text()
+            proc.send_signal(signal.SIGTERM)
+            # the listener stays open while the stream runs (and >= 2 s): a new request gets a retryable 503
+            refused = httpx.post(base + "/v1/completions", json={**body, "stream": False, "stream_options": None},
+                                 timeout=10)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1", refused.text
+            assert refused.json()["error"]["code"] == "shutting_down"
+            assert httpx.get(base + "/ready", timeout=5).status_code == 503
+            result = stream.result(timeout=120)
+        assert result["done"] and not result["errors"], result
+        assert result["finish"] == {0: "length"} and result["usage"]["completion_tokens"] == 3 * MAX
+        assert proc.wait(30) == 0, log.read_text()
+        assert "drained in" in log.read_text()
+        with pytest.raises(httpx.TransportError):  # gone: nothing listens any more
+            httpx.get(base + "/ready", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -7,15 +7,21 @@ An InferenceService with ``spec.router.enabled`` and ``minReplicas: 0`` sits at 
 request sent to the router is held, the operator scales to 1 on the router's pending metric
 (Event ScaledFromZero), the runtime pod comes up, the router's endpoints follow it, the request
 gets its 200; with no more requests it scales back to 0 after the (6 s) window and the router's
-endpoints follow the pod going away.
+endpoints follow the pod going away. No single router: the operator runs two router pods (the
+default) with a PodDisruptionBudget, and a change of ``spec.router`` while a stream runs through
+one of them rolls them surge-first (``maxSurge: 1``, ``maxUnavailable: 0``, as the kubelet plays
+the Deployment controller): never fewer than two ready routers, the stream completes, and each old
+router drains on SIGTERM and exits 0.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NS = "llm"
 NAME = "smollm2"
 DOWN_WINDOW = 6  # seconds; the assertion below allows the 1 s metric interval and polling
+STREAM_TOKENS = 300  # the stream through a router while the routers roll
 
 
 def manifest() -> dict:
@@ -65,7 +72,8 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
              "--namespace", NS, "--standalone", "--verbose"], stdout=op_log, stderr=subprocess.STDOUT, env=env)
         kubelet = TestKubelet(kube.url, NS, tmp_path / "kubelet", config_overrides={"model": None},
                               serve_args=["--kv-cache-memory", "64MiB"], kubeconfig=kubeconfig,
-                              env={"OMP_WAIT_POLICY": "PASSIVE", "PYTHONSAFEPATH": "1"})
+                              env={"OMP_WAIT_POLICY": "PASSIVE", "PYTHONSAFEPATH": "1"},
+                              rollout="surge", prestop_seconds=0.5)
 
         def tail() -> str:
             op_log.flush()
@@ -77,8 +85,12 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
         try:
             kubelet.start()
             kube.create(ISVC, manifest())
-            (router_pod,) = kube.wait_for(lambda: kubelet.ready_pods(f"{NAME}-router"), timeout=90,
-                                          message=f"the router pod ready\n{tail()}")
+            routers = kube.wait_for(lambda: len(kubelet.ready_pods(f"{NAME}-router")) == 2
+                                    and kubelet.ready_pods(f"{NAME}-router"), timeout=90,
+                                    message=f"two router pods ready\n{tail()}")
+            router_pod = routers[0]
+            pdb = kube.get("policy/v1/poddisruptionbudgets", NS, f"{NAME}-router")
+            assert pdb["spec"]["maxUnavailable"] == 1, pdb
             status = kube.wait_for(lambda: (kube.get(ISVC, NS, NAME) or {}).get("status", {}).get("url"), 30,
                                    message="status.url")
             assert status == f"http://{NAME}-router.{NS}.svc.cluster.local:8000/v1"
@@ -109,6 +121,9 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
             assert resp.json()["choices"][0]["text"]
             assert resp.headers["x-kvfleet-replica"].startswith("http://127.0.0.1:")
 
+            # ---- a spec.router change rolls the two routers under a stream: nothing cut ---------
+            router_pod = roll_routers(kube, kubelet, tail, stream_via=router_pod)
+
             # ---- idle: back to zero after the window; the router's endpoints follow -------------
             t_idle = time.monotonic()
             kube.wait_for(lambda: replicas() == 0, timeout=DOWN_WINDOW + 60, interval=0.2,
@@ -128,3 +143,62 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
                 operator.wait()
             kubelet.stop()
             op_log.close()
+
+
+def read_stream(port: int, out: dict, started: threading.Event) -> None:
+    body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=180) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: {"):
+                choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+                out["chunks"] = out.get("chunks", 0) + 1
+                out["finish"] = choice.get("finish_reason") or out.get("finish")
+                if out["chunks"] == 5:
+                    started.set()
+
+
+def roll_routers(kube: EmulatorThread, kubelet: TestKubelet, tail, stream_via) -> object:
+    """A ``spec.router`` change while a stream runs through ``stream_via`` rolls the two routers
+    without ever fewer than two ready; the stream completes; the old routers drain on SIGTERM and
+    exit 0. Returns a new router pod."""
+    deployment = f"{NAME}-router"
+    old = {p.name: p for p in kubelet.ready_pods(deployment)}
+    assert len(old) == 2 and stream_via.name in old
+    fewest = [2]
+    stop, started, stream = threading.Event(), threading.Event(), {}
+
+    def sample() -> None:
+        while not stop.is_set():
+            fewest[0] = min(fewest[0], len(kubelet.ready_pods(deployment)))
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=sample, daemon=True),
+               threading.Thread(target=read_stream, args=(stream_via.port, stream, started), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        assert started.wait(60), stream
+        kube.patch(ISVC, NS, NAME, {"spec": {"router": {"loadFactor": 1.5}}})
+        kube.wait_for(lambda: all(p.process.poll() is not None for p in old.values())
+                      and len(kubelet.ready_pods(deployment)) == 2
+                      and not set(old) & {p.name for p in kubelet.ready_pods(deployment)}, timeout=180,
+                      message=f"the routers rolled\n{tail()}")
+        threads[1].join(60)
+    finally:
+        stop.set()
+        threads[0].join()
+    assert stream.get("status") == 200 and stream.get("done") and stream.get("finish") == "length", stream
+    assert fewest[0] >= 2, fewest
+    assert [p.process.returncode for p in old.values()] == [0, 0]  # drained, not killed
+    # whether the stream outlived its router's SIGTERM depends on this machine's speed: said, not asserted
+    # (tests/e2e/test_router_migration.py checks a drain with a stream in flight deterministically)
+    drain = next((line for line in stream_via.log_path.read_text().splitlines() if "SIGTERM: draining" in line), "")
+    print(f"router roll: {stream['chunks']} chunks and [DONE] through {stream_via.name}; its log: {drain[24:]}")
+    new = kubelet.ready_pods(deployment)
+    for pod in new:
+        assert "1.5" in pod.process.args
+    return new[0]

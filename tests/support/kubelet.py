@@ -13,7 +13,8 @@ For every Deployment it keeps ``spec.replicas`` pods whose pod-template hash
   reads (every test pod has podIP 127.0.0.1);
 * the pod is reported ``Pending`` until the process answers ``GET /ready`` with 200, then
   ``Running`` with ``podIP: 127.0.0.1`` and ``Ready=True``;
-* pods above the replica count, or with a stale template hash (a Recreate-style rollout:
+* pods above the replica count, or with a stale template hash (the runtime's config hash, else
+  a hash of the whole pod template; a Recreate-style rollout:
   stale pods go first), are deleted and their processes stopped;
 * a process that exits is reported in ``containerStatuses[].lastState.terminated``
   (exit code, reason ``Error``, last log line as the message) and restarted;
@@ -39,7 +40,9 @@ closed-loop test drops ``model`` so every process serves the embedded default.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +65,15 @@ METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    """What tells a pod's template apart: the runtime's config-hash annotation where the template
+    has one (the runtime pods), else a hash of the whole template (the router's pods)."""
+    annotations = (template.get("metadata") or {}).get("annotations") or {}
+    if CONFIG_HASH_ANNOTATION in annotations:
+        return annotations[CONFIG_HASH_ANNOTATION]
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -225,7 +237,7 @@ class TestKubelet:
         spec = dep.get("spec") or {}
         template = spec.get("template") or {}
         want = int(spec.get("replicas", 1))
-        thash = ((template.get("metadata") or {}).get("annotations") or {}).get(CONFIG_HASH_ANNOTATION, "")
+        thash = template_hash(template)
         mine = [p for p in self.pods.values() if p.deployment == name]
 
         for pod in mine:

@@ -9,7 +9,7 @@ import yaml
 from support.kube_emulator import ISVC, EmulatorThread
 from support.paths import ROOT
 
-from kvfleet.operator import builders, reconcile, service_spec
+from kvfleet.operator import builders, reconcile, router, service_spec
 from kvfleet.operator.kube import ApiError, Kube
 
 NS = "default"
@@ -295,3 +295,23 @@ def test_one_lock_per_resource_and_the_count_the_probe_reports():
     assert reconcile.lock_for("ns-lock-test", "a") is a
     assert reconcile.lock_for("ns-lock-test", "b") is not a
     assert reconcile.locked_count() == before + 2
+
+
+def test_router_pdb_is_its_own_child_and_pruned_with_the_router(kube_env):
+    emu, kube = kube_env
+    pdbs = "policy/v1/poddisruptionbudgets"
+    emu.create(ISVC, example(router={"enabled": True}, disruption={"maxUnavailable": 1}))
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert {"PodDisruptionBudget/smollm2", "PodDisruptionBudget/smollm2-router"} <= set(out.applied)
+    assert emu.get("apps/v1/deployments", NS, "smollm2-router")["spec"]["replicas"] == 2
+    # the runtime's PDB goes with spec.disruption although a (router) PDB is still desired
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"disruption": None}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.deleted == ["PodDisruptionBudget/smollm2"]
+    assert emu.get(pdbs, NS, "smollm2-router")["spec"]["maxUnavailable"] == 1
+    # router off: every router child goes, its PDB included
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"router": {"enabled": False}}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.deleted == [f"{k}/smollm2-router" for k in router.KINDS]
+    assert emu.get(pdbs, NS, "smollm2-router") is None and emu.get("apps/v1/deployments", NS, "smollm2-router") is None
+    assert not reconcile.reconcile(kube, NS, "smollm2").wrote

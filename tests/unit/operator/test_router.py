@@ -36,13 +36,41 @@ def by_kind(children):
 def test_router_children_only_when_enabled_and_owned():
     assert router.desired_children(isvc()) == []
     assert router.desired_children(isvc(router={"enabled": False})) == []
-    kids = by_kind(router.desired_children(isvc(router={"enabled": True, "replicas": 2})))
-    assert list(kids) == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+    kids = by_kind(router.desired_children(isvc(router={"enabled": True, "replicas": 3})))
+    assert list(kids) == list(router.KINDS)
     for child in kids.values():
         assert child["metadata"]["name"] == "chat-router" and child["metadata"]["namespace"] == "llm"
         assert child["metadata"]["ownerReferences"][0]["uid"] == UID
         kubernetes_validate.validate(child, "1.30.0", strict=True)
-    assert kids["Deployment"]["spec"]["replicas"] == 2
+    assert kids["Deployment"]["spec"]["replicas"] == 3
+
+
+def test_no_single_router_two_pods_a_pdb_and_rolls_that_never_leave_zero():
+    obj = isvc(router={"enabled": True})
+    kids = by_kind(router.desired_children(obj))
+    deploy, pdb = kids["Deployment"]["spec"], kids["PodDisruptionBudget"]
+    assert deploy["replicas"] == 2  # the default
+    assert deploy["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    pod = deploy["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # the PDB covers exactly the router pods, one down at a time, and not the runtime pods
+    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+    assert "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"] == deploy["selector"] == {"matchLabels": router.selector_labels(obj)}
+    assert pdb["metadata"]["name"] != service_spec.names(obj)["pdb"]
+    assert pdb["spec"]["selector"]["matchLabels"] != service_spec.selector_labels(obj)
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"] == deploy["selector"]
+    # preStop sleep (endpoints go first), then the SIGTERM drain, both within the kubelet's grace
+    flags = dict(zip(c["args"][1::2], c["args"][2::2]))
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]
+    assert flags["--shutdown-timeout"] == "30" and pod["terminationGracePeriodSeconds"] == 10 + 30 + 5
+    longer = by_kind(router.desired_children(isvc(router={"enabled": True, "shutdownTimeoutSeconds": 600})))
+    assert longer["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 615
+    one = by_kind(router.desired_children(isvc(router={"enabled": True, "replicas": 1})))
+    assert one["Deployment"]["spec"]["replicas"] == 1 and one["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
 
 
 def test_router_rbac_is_least_privilege():
@@ -75,6 +103,7 @@ def test_router_deployment_watches_the_runtime_service_and_is_not_selected_by_it
     from kvfleet.runtime.router.settings import parse_args
     s = parse_args(args[1:], environ={})
     assert s.kube_service == "chat" and s.pending_timeout == 900 and s.routing_algorithm == "least-load"
+    assert s.shutdown_timeout == 30
 
 
 def test_status_url_points_at_the_router_when_enabled():
@@ -103,7 +132,7 @@ def test_reconcile_desires_router_children_and_pool():
     objs = reconcile.desired_objects(isvc(router={"enabled": True, "inferencePool": {"enabled": True}}))
     kinds = [o["kind"] for o in objs]
     assert kinds[:3] == ["ConfigMap", "Service", "Deployment"]
-    assert kinds[-6:] == ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "InferencePool"]
+    assert kinds[-7:] == [*router.KINDS, "InferencePool"]
     config = yaml.safe_load(objs[0]["data"]["config.yaml"])
     assert config["metrics_compat"] == "vllm"  # GIE's endpoint picker reads vllm: names
     assert "metrics_compat" not in yaml.safe_load(reconcile.desired_objects(isvc())[0]["data"]["config.yaml"])
@@ -149,7 +178,8 @@ def test_inference_pool_validates_against_the_published_crd():
 def test_crd_rejects_bad_router_values():
     base = {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "x"},
             "spec": {"model": {"uri": "hf://a/b"}}}
-    for bad in ({"algorithm": "random"}, {"replicas": 0}, {"loadFactor": 0.5},
+    for bad in ({"algorithm": "random"}, {"replicas": 0}, {"replicas": 101}, {"shutdownTimeoutSeconds": -1},
+                {"loadFactor": 0.5},
                 {"inferencePool": {"enabled": True, "endpointPickerRef": {}}}):
         obj = copy.deepcopy(base)
         obj["spec"]["router"] = bad

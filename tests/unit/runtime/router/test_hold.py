@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueFull
+from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueClosed, QueueFull
 
 
 def test_hold_queue_fifo_bound_and_timeout():
@@ -42,5 +42,22 @@ def test_hold_queue_fifo_bound_and_timeout():
         up = True
         q.notify()
         await late
+
+    asyncio.run(main())
+
+
+def test_close_releases_every_held_request_and_holds_nothing_more():
+    async def main():
+        q = PendingQueue(max_pending=4, pending_timeout=30)
+        held = [asyncio.create_task(q.hold(lambda: False)) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        assert len(q) == 2
+        q.close()
+        for t in held:
+            with pytest.raises(QueueClosed):
+                await t
+        assert len(q) == 0
+        with pytest.raises(QueueClosed):
+            await q.hold(lambda: False)
 
     asyncio.run(main())
