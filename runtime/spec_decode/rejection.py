@@ -18,6 +18,12 @@ at once: row ``j`` (0-based) is the distribution of the token after ``d_1 .. d_j
 Randomness: position ``i`` of a request's output draws from ``generators[j]``, the caller's
 generator for that output position (seeded requests: ``step_seed(seed, i)``), so a seeded
 request's text depends only on its own tokens.
+
+The engine's model-free proposers are deterministic, and for them the model runner
+(:mod:`kvfleet.runtime.worker.speculator`) applies :func:`accept_greedy` to the rows' own samples
+(each drawn as decoding without speculation draws it): :func:`accept_sampled`'s rule with its two
+draws coupled, the same distribution, and the same tokens as without speculation.
+:func:`accept_sampled` is the rule for a proposer with a distribution of its own (``draft_probs``).
 """
 
 from __future__ import annotations

@@ -260,28 +260,6 @@ class Sampler:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def probs(self, logits: torch.Tensor, requests: list[SamplingRow]) -> torch.Tensor:
-        """The distributions sampling draws from, ``[S, vocab_size]`` float32 (rows of sampled,
-        not greedy, requests): logits after the token controls, penalties, ``min_tokens``,
-        temperature and top-k / top-p / min-p, softmaxed. ``logits`` is modified in place.
-        Speculative verification (:mod:`kvfleet.runtime.spec_decode.rejection`) accepts against them."""
-        self._process(logits, requests)
-        params = [r.sampling_params for r in requests]
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
-        logits.div_(temps.unsqueeze(1))
-        self._truncate(logits, params)
-        return torch.softmax(logits, dim=-1)
-
-    def generator_for(self, request: SamplingRow, step: int) -> torch.Generator:
-        """The generator of ``request``'s output position ``step``: seeded requests get one seeded
-        from ``(seed, step)`` (a new generator each call), others the shared one."""
-        seed = request.sampling_params.seed
-        if seed is None:
-            return self.generator
-        g = torch.Generator(device=self.device)
-        g.manual_seed(step_seed(seed, step))
-        return g
-
     # ------------------------------------------------------------------ processors
     @staticmethod
     def _apply_repetition_penalty(logits: torch.Tensor, requests: list[SamplingRow], rows: list[int],

@@ -3,11 +3,14 @@
 The scheduler sends a decoding request's drafts with its step (``ScheduledRow.spec_token_ids``:
 the step computes the last known token and the ``k`` drafts at once); the runner keeps the
 logits of those ``k + 1`` rows and :meth:`Speculator.verify` turns them into the tokens the step
-emits (1 .. k + 1) by :mod:`kvfleet.runtime.spec_decode.rejection`: exact match for greedy
-requests (so their text is the one decoding without speculation gives), rejection sampling for
-the others (the target distribution is kept). Row ``j`` of a request is processed as the
-request would be after ``draft[:j]`` (penalties over those tokens too, ``min_tokens`` counted
-with them; a seeded request draws position ``i`` from ``(seed, i)``). Then
+emits (1 .. k + 1): each row is sampled exactly as decoding without speculation samples it (row
+``j`` processed as the request would be after ``draft[:j]``: penalties over those tokens too,
+``min_tokens`` counted with them; greedy: the argmax; a seeded request draws position ``i`` from
+``(seed, i)``), and the drafts are accepted while they equal those samples. For the model-free
+(deterministic) proposers this is rejection sampling (:mod:`kvfleet.runtime.spec_decode.rejection`)
+with its two draws coupled: a draft is accepted with probability ``p(draft)`` and a rejected
+position emits a sample of ``p``, so the target distribution is kept, and greedy and seeded
+requests emit exactly the tokens they emit without speculation, whatever the batch. Then
 :meth:`Speculator.propose` guesses the next drafts of every request that sampled, by the
 configured model-free method (``ngram``: prompt lookup; ``suffix``: suffix decoding), with an
 adaptive ``k`` per request and a cap on the step's rows.
@@ -117,13 +120,12 @@ class Speculator:
         return tokens, logprobs
 
     def _verify_one(self, logits: torch.Tensor, request: SamplingRow, draft: list[int]) -> list[int]:
-        rows = _rows_of(request, draft)
-        if request.sampling_params.temperature == 0.0:
-            return rejection.accept_greedy(self.sampler(logits, rows).token_ids, draft)
-        probs = self.sampler.probs(logits, rows)
-        n = request.num_output_tokens
-        generators = [self.sampler.generator_for(request, n + j) for j in range(len(draft) + 1)]
-        return rejection.accept_sampled(probs, draft, generators)
+        """Each row sampled as plain decoding samples it (greedy: argmax; seeded: the generator
+        of its output position), then the drafts accepted while they equal those samples: for a
+        deterministic (model-free) proposer this is rejection sampling's rule with the two draws
+        coupled -- a draft is accepted with probability p(draft), a rejected position emits a
+        sample of p -- and every emitted token is the one decoding without speculation draws."""
+        return rejection.accept_greedy(self.sampler(logits, _rows_of(request, draft)).token_ids, draft)
 
     def _observe(self, rid: str, num_draft: int, num_accepted: int) -> None:
         acc = self._acceptance.setdefault(rid, _Acceptance())

@@ -1,7 +1,7 @@
-"""Speculative decoding in the engine (issue 30), on the real default model: greedy output with
-speculation equals output without it, token for token, in a mixed batch with chunked prefill,
-prefix-cache hits, penalties and a grammar; under preemption; with suffix decoding; and every KV
-block comes back when the requests are done (rejected drafts leave nothing behind)."""
+"""Speculative decoding in the engine (issue 30), on the real default model: greedy and seeded
+output with speculation equals output without it, token for token, in a mixed batch with chunked
+prefill, prefix-cache hits, penalties and a grammar; under preemption; with suffix decoding; and
+every KV block comes back when the requests are done (rejected drafts leave nothing behind)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ BATCH = [
     (GROUNDED, greedy()),
     (FREE, greedy()),
     (GROUNDED + " Each", greedy(repetition_penalty=1.1, frequency_penalty=0.2)),
+    (GROUNDED + " He", SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=MAX, ignore_eos=True)),
     ("Give the keeper's name and age as JSON.", SamplingParams(
         temperature=0.0, max_tokens=MAX, structured_outputs=StructuredOutputsParams(json={
             "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
