@@ -32,7 +32,7 @@ import traceback
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The shared helpers and the engine sections live beside the device scripts.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "device"))
-from engine_sections import section_compiled, section_engine
+from engine_sections import section_compiled, section_engine, section_spec_decode
 from gpu_common import (
     GPU_PEAKS,
     Budget,
@@ -45,7 +45,7 @@ from gpu_common import (
 )
 
 __all__ = ["GPU_PEAKS", "Budget", "Sizes", "cuda_time", "log", "lookup_peaks", "measured_copy_bandwidth",
-           "section_compiled", "section_engine", "sync"]
+           "section_compiled", "section_engine", "section_spec_decode", "sync"]
 
 # --------------------------------------------------------------------------- sections
 
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=280.0, help="overall time budget, seconds (default 280)")
     ap.add_argument("--quick", action="store_true", help="smaller timing grids")
     ap.add_argument("--skip-engine", action="store_true", help="kernels only")
-    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine", "compiled", "lora"],
+    ap.add_argument("--only", choices=["correctness", "decode", "prefill", "engine", "compiled", "lora", "spec_decode"],
                     action="append",
                     help="run only these sections (repeatable)")
     ap.add_argument("--engine-max-tokens", type=int, default=32)
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
     sz = Sizes(args.smoke, args.quick)
     report["device"] = name
 
-    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine", "compiled", "lora")}
+    recs = {sec: {} for sec in ("correctness", "decode", "prefill", "engine", "compiled", "lora", "spec_decode")}
     sections = [
         ("correctness", lambda: section_correctness(torch, device, budget, sz, recs["correctness"], args.shard),
          5 if args.smoke else 60),
@@ -408,13 +408,16 @@ def main(argv=None) -> int:
         ("compiled", lambda: section_compiled(torch, budget, args.engine_max_tokens, recs["compiled"],
                                               args.engine_model, smoke=args.smoke), 5 if args.smoke else 90),
         ("lora", lambda: section_lora(torch, device, budget, sz, recs["lora"]), 5 if args.smoke else 15),
+        ("spec_decode", lambda: section_spec_decode(torch, budget, args.engine_max_tokens, recs["spec_decode"],
+                                                    args.engine_model, smoke=args.smoke), 5 if args.smoke else 40),
     ]
     results = {}
     for sec, fn, min_left in sections:
         if args.only and sec not in args.only:
             continue
         smoke_skip = args.smoke and not (args.only and sec in args.only)
-        if sec in ("engine", "compiled") and (args.skip_engine or smoke_skip) or sec == "lora" and smoke_skip:
+        engine_sec = sec in ("engine", "compiled", "spec_decode")
+        if engine_sec and (args.skip_engine or smoke_skip) or sec == "lora" and smoke_skip:
             continue
         rec = recs[sec]
         report["sections"][sec] = rec

@@ -286,14 +286,16 @@ def bench(args) -> None:
             print(f"| {dtype} | new/old | {r1:.2f}x | | {r2:.2f}x | same tokens: {same} |")
 
 
-def split_w48(dtype: str, batch_invariant: bool) -> None:
+def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None = None) -> None:
     """The 48-request workload through ``LLMEngine``: wall time of the steps with prompt tokens
-    (prefill, chunked or mixed) and of decode-only steps above / up to 32 rows."""
+    (prefill, chunked or mixed) and of decode-only steps above / up to 32 rows (tokens: drafts
+    verified included)."""
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=128, batch_invariant=batch_invariant))
+    eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=128, batch_invariant=batch_invariant,
+                                 speculative_config=speculative_config))
     seen: dict = {}
     schedule = eng.scheduler.schedule
 
@@ -315,7 +317,9 @@ def split_w48(dtype: str, batch_invariant: bool) -> None:
         acc = kinds.setdefault(kind, [0, 0.0, 0])
         acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + time.perf_counter() - t, acc[2] + seen["tokens"]
     total, out_tokens = time.perf_counter() - t0, sum(n for _, n in work)
-    print(f"\n{dtype}{'' if batch_invariant else ' --no-batch-invariant'}: {total:.2f} s, "
+    flags = "" if batch_invariant else " --no-batch-invariant"
+    flags += f" {speculative_config}" if speculative_config else ""
+    print(f"\n{dtype}{flags}: {total:.2f} s, "
           f"{out_tokens / total:.1f} output tok/s\n| steps | count | s | tokens | ms/step |\n|---|---:|---:|---:|---:|")
     for kind, (steps, secs, tokens) in kinds.items():
         print(f"| {kind} | {steps} | {secs:.2f} | {tokens} | {1e3 * secs / steps:.1f} |")
@@ -342,6 +346,7 @@ def main() -> None:
     w = sub.add_parser("w48", help="the 48-request workload's time by step kind")
     w.add_argument("--dtype", nargs="+", default=["auto"])
     w.add_argument("--no-batch-invariant", action="store_true")
+    w.add_argument("--speculative-config", default=None, help="e.g. '{\"method\": \"ngram\"}'")
     w.add_argument("--threads", type=int, default=0)
     o = sub.add_parser("_one")
     o.add_argument("--dtype", default="float32")
@@ -371,7 +376,7 @@ def main() -> None:
     elif args.cmd == "w48":
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         for dtype in args.dtype:
-            split_w48(dtype, not args.no_batch_invariant)
+            split_w48(dtype, not args.no_batch_invariant, args.speculative_config)
     else:
         print(json.dumps(run_bench(args.dtype)))
 

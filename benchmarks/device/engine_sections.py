@@ -1,6 +1,7 @@
 """The engine sections of benchmarks/gpu_check.py: ``engine`` (``LLM`` on CUDA vs CPU: identical
-greedy tokens, prompt and sampled logprobs within ``ENGINE_LOGPROB_ATOL``) and ``compiled``
-(``enforce_eager=False`` with CUDA graphs vs the eager engine on the same device). Each returns
+greedy tokens, prompt and sampled logprobs within ``ENGINE_LOGPROB_ATOL``), ``compiled``
+(``enforce_eager=False`` with CUDA graphs vs the eager engine on the same device) and
+``spec_decode`` (speculative decoding vs plain decoding on the same device). Each returns
 True when it passed and fills ``rec`` with its rows; ``torch`` is passed in, as in gpu_check.py."""
 
 from __future__ import annotations
@@ -153,3 +154,53 @@ def section_compiled(torch, budget: Budget, max_tokens: int, rec: dict, model: s
         ok = ok and compiled_run["graph_replays"] > 0
     log(f"  greedy tokens {'identical' if same else 'DIFFER'} over {len(prompts)} prompts x {max_tokens}")
     return ok
+
+
+def section_spec_decode(torch, budget: Budget, max_tokens: int, rec: dict, model: str | None = None,
+                        smoke: bool = False) -> bool:
+    """Speculative decoding (``--speculative-config`` ngram) vs plain decoding on the same device
+    (CUDA; CPU under ``smoke``), fp32, greedy, on prompts that repeat their context: records the
+    prompts whose tokens are identical (the verification rows run as a short prefill on CUDA, whose
+    rounding may differ from decode's: a divergence late in a text is reported, not failed), the
+    acceptance rate and each engine's tok/s. Fails when fewer than half the texts are identical or
+    no draft was accepted."""
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.llm import LLM
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    device = "cpu" if smoke else "cuda"
+    text = "The lighthouse keeper climbed the stairs, lit the lamp and wrote in his log: wind west, sea calm."
+    prompts = [f"Copy this text exactly: {text}\nCopy: {text[:i]}" for i in (10, 30, 50, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    torch.set_float32_matmul_precision("highest")
+    rec.update(device=device, dtype="float32", max_tokens=max_tokens, runs={})
+    accepted, tokens = [], {}
+
+    class Counter:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            if scheduler_stats.spec_decoding is not None:
+                accepted.append((scheduler_stats.spec_decoding.num_draft_tokens,
+                                 scheduler_stats.spec_decoding.num_accepted_tokens))
+
+    for mode in ("plain", "ngram"):
+        if budget.left() < 20:
+            return False
+        spec = '{"method": "ngram", "num_speculative_tokens": 4}' if mode == "ngram" else None
+        engine = LLMEngine(EngineConfig(model=model, device=device, dtype="float32", kv_cache_memory=512 * 2**20,
+                                        speculative_config=spec), [Counter()])
+        t0 = time.monotonic()
+        outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
+        sync(torch, torch.device(device))
+        wall = time.monotonic() - t0
+        tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        rec["runs"][mode] = {"tok_s": sum(map(len, tokens[mode])) / wall}
+    drafted = sum(d for d, _ in accepted)
+    rec["acceptance"] = sum(a for _, a in accepted) / drafted if drafted else 0.0
+    rec["identical"] = sum(a == b for a, b in zip(tokens["plain"], tokens["ngram"]))
+    rec["first_divergence"] = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                               for a, b in zip(tokens["plain"], tokens["ngram"])]
+    runs = rec["runs"]
+    log(f"  spec decode on {device}: {rec['identical']}/{len(prompts)} texts identical, acceptance "
+        f"{rec['acceptance']:.2f}, tok/s plain {runs['plain']['tok_s']:.1f} ngram {runs['ngram']['tok_s']:.1f}")
+    return rec["identical"] * 2 >= len(prompts) and rec["acceptance"] > 0
