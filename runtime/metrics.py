@@ -16,7 +16,10 @@ and (counts) ``request_prompt_tokens``, ``request_generation_tokens``, ``request
 vLLM's ``lora_requests_info`` gauge (labels ``running_lora_adapters``, ``waiting_lora_adapters``:
 comma-separated adapter names, ``max_lora``; value: the wall-clock time of the last step; only the
 current label set is kept) and ``kvfleet:lora_requests_total{lora_name}`` (finished requests per
-adapter, ``kvfleet:`` only). Meanings: docs/server.md, "Metrics"; docs/lora.md.
+adapter, ``kvfleet:`` only). Peer KV pull (``--kv-transfer-config``, ``kvfleet:`` only):
+``kv_pull_tokens_total`` (prompt tokens whose KV came from a peer; they count as prefix-cache hits
+too) and ``kv_pull_failures_total{reason}`` (refused or failed pulls). Meanings: docs/server.md,
+"Metrics"; docs/lora.md; docs/routing.md.
 """
 
 from __future__ import annotations
@@ -133,6 +136,12 @@ class PrometheusStatLogger(StatLoggerBase):
         self.max_lora: str | None = None
         self._lora_info: list[Gauge] = []
         self._lora_requests: Counter | None = None
+        self.counter_kv_pull_tokens = Counter(
+            KVFLEET_PREFIX + "kv_pull_tokens", "Prompt tokens whose KV was pulled from a peer replica.",
+            labelnames=["model_name"], registry=self.registry).labels(self.model_name)
+        self.counter_kv_pull_failures = Counter(
+            KVFLEET_PREFIX + "kv_pull_failures", "Refused or failed KV pulls from a peer replica, by reason.",
+            labelnames=["model_name", "reason"], registry=self.registry)
 
     def _fan(self, cls, name: str, doc: str, **kw) -> _Fanout:
         """One series ``name`` per prefix, labelled with the model name, updated together."""
@@ -316,6 +325,10 @@ class PrometheusStatLogger(StatLoggerBase):
         if iteration_stats is None:
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        if iteration_stats.num_pulled_tokens:
+            self.counter_kv_pull_tokens.inc(iteration_stats.num_pulled_tokens)
+        for reason in iteration_stats.kv_pull_failures:
+            self.counter_kv_pull_failures.labels(self.model_name, reason).inc()
         self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
         step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
         if step_tokens:  # an abort's stats carry no step

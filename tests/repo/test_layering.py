@@ -143,6 +143,10 @@ def test_operator_uses_only_torch_free_runtime_modules():
         ("kvfleet.runtime.spec_decode", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.core",
                                          "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench",
                                          "kvfleet.runtime.structured_output", "kvfleet.operator")),
+        # the KV block wire format and the pulling side's HTTP client: torch-free, below the engine
+        ("kvfleet.runtime.kv_transfer", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.core",
+                                         "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench", "kvfleet.runtime.router",
+                                         "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],
