@@ -79,7 +79,7 @@ def test_nine_requests_over_three_replicas_compute_the_prefix_once(fleet):
     hits = totals(replicas, "kvfleet:prefix_cache_hits_total")
     assert hits >= 8 * (prompt_len - 3 * 16)  # pulled tokens are prefix-cache hits as well
     assert totals(replicas, "kvfleet:kv_pull_failures_total") == 0
-    print(f"prompt {prompt_len} tokens; computed {computed:.0f}, pulled {pulled:.0f}, hits {hits:.0f}")  # noqa: T201
+    print(f"prompt {prompt_len} tokens; computed {computed:.0f}, pulled {pulled:.0f}, hits {hits:.0f}")
     router_hints = value(scrape(router), "kvfleet:router_kv_peer_hints_total")
     assert router_hints >= 2
 
