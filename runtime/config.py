@@ -229,7 +229,7 @@ class EngineConfig(BaseModel):
 
         Raises:
             ValueError: ``--enable-lora`` with ``tensor_parallel_size > 1`` or without
-                ``--enforce-eager``; ``--quantization`` with ``tensor_parallel_size > 1``;
+                ``--enforce-eager``; ``--quantization`` or ``--kv-transfer-config`` with ``tensor_parallel_size > 1``;
                 ``--speculative-config`` (its proposers and verification rule exist, the engine's
                 step does not run them yet: refused rather than silently ignored)."""
         if self.speculative_config is not None:

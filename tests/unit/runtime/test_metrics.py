@@ -94,7 +94,8 @@ def test_vllm_compat_exports_the_same_series_under_vllm_names():
     f = families(lg)
     kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
     vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
-    assert vl == kv | {"gpu_cache_usage_perc"} and len(kv) == 22  # v0's name, which GIE's picker reads
+    kvfleet_only = {"kv_pull_tokens", "kv_pull_failures"}  # peer KV pull: vLLM has no such series
+    assert vl == (kv - kvfleet_only) | {"gpu_cache_usage_perc"} and len(kv) == 24  # v0's name, which GIE's picker reads
     assert value(f, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75
     assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
     assert value(f, "vllm:kv_cache_usage_perc") == 0.75
@@ -138,3 +139,14 @@ def test_vllm_request_phase_iteration_and_param_histograms():
     assert value(f, "kvfleet:request_params_max_tokens", "_sum") == 32
     assert bucket_bounds(f, "kvfleet:request_params_max_tokens") == build_1_2_5_buckets(512)
     assert "kvfleet:gpu_cache_usage_perc" not in f  # the alias is vllm:'s only
+
+
+def test_kv_pull_counters():
+    lg = PrometheusStatLogger("m", max_model_len=512)
+    lg.record(None, IterationStats(num_pulled_tokens=64))
+    lg.record(None, IterationStats(num_pulled_tokens=32, kv_pull_failures=["digest", "digest", "http"]))
+    f = families(lg)
+    assert value(f, "kvfleet:kv_pull_tokens", "_total", model_name="m") == 96
+    assert value(f, "kvfleet:kv_pull_failures", "_total", reason="digest") == 2
+    assert value(f, "kvfleet:kv_pull_failures", "_total", reason="http") == 1
+    assert value(f, "kvfleet:prompt_tokens", "_total") == 0  # pulled tokens are not computed ones
