@@ -11,10 +11,11 @@ between equal replicas (docs/routing.md, "Peer KV pull").
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvfleet.runtime.json_option import parse_json_option
 
 DEFAULT_MIN_PULL_BLOCKS = 4
 """Pull only when at least this many prefix blocks are missing locally: below it (64 tokens at
@@ -48,15 +49,4 @@ class KVTransferConfig(BaseModel):
 
         Raises:
             ValueError: not JSON, not an object, or a field pydantic refuses."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_transfer_config: not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config: a JSON object is expected, got {type(value).__name__}")
-        return cls.model_validate(value)
+        return parse_json_option(cls, value, "kv_transfer_config")
