@@ -18,7 +18,8 @@ comma-separated adapter names, ``max_lora``; value: the wall-clock time of the l
 current label set is kept) and ``kvfleet:lora_requests_total{lora_name}`` (finished requests per
 adapter, ``kvfleet:`` only). Peer KV pull (``--kv-transfer-config``, ``kvfleet:`` only):
 ``kv_pull_tokens_total`` (prompt tokens whose KV came from a peer; they count as prefix-cache hits
-too) and ``kv_pull_failures_total{reason}`` (refused or failed pulls). Meanings: docs/server.md,
+too), ``kv_disk_load_tokens_total`` (the same from the disk tier) and
+``kv_pull_failures_total{reason}`` (refused or failed pulls and disk reads). Meanings: docs/server.md,
 "Metrics"; docs/lora.md; docs/routing.md.
 """
 
@@ -138,6 +139,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self._lora_requests: Counter | None = None
         self.counter_kv_pull_tokens = Counter(
             KVFLEET_PREFIX + "kv_pull_tokens", "Prompt tokens whose KV was pulled from a peer replica.",
+            labelnames=["model_name"], registry=self.registry).labels(self.model_name)
+        self.counter_kv_disk_load_tokens = Counter(
+            KVFLEET_PREFIX + "kv_disk_load_tokens", "Prompt tokens whose KV was loaded from the disk tier.",
             labelnames=["model_name"], registry=self.registry).labels(self.model_name)
         self.counter_kv_pull_failures = Counter(
             KVFLEET_PREFIX + "kv_pull_failures", "Refused or failed KV pulls from a peer replica, by reason.",
@@ -327,6 +331,8 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         if iteration_stats.num_pulled_tokens:
             self.counter_kv_pull_tokens.inc(iteration_stats.num_pulled_tokens)
+        if iteration_stats.num_disk_loaded_tokens:
+            self.counter_kv_disk_load_tokens.inc(iteration_stats.num_disk_loaded_tokens)
         for reason in iteration_stats.kv_pull_failures:
             self.counter_kv_pull_failures.labels(self.model_name, reason).inc()
         self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)

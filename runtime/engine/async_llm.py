@@ -97,8 +97,10 @@ class AsyncLLMEngine:
         self._heartbeat = time.monotonic()
         """``time.monotonic()`` when the engine loop last went round (idle: every ``IDLE_WAIT`` s)."""
         transfer = self.config.kv_transfer_config
-        self.kv_puller = KVPuller(self.engine, self._call) if transfer is not None and transfer.pulls else None
-        """Pulls a request's missing prefix blocks from the peer the router names (``--kv-transfer-config``)."""
+        self.kv_puller = (KVPuller(self.engine, self._call)
+                          if transfer is not None and (transfer.pulls or transfer.disk_path) else None)
+        """Fills a request's missing prefix blocks from the disk tier and the peer the router names
+        (``--kv-transfer-config``)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -214,7 +216,7 @@ class AsyncLLMEngine:
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        if kv_peer is not None and self.kv_puller is not None:
+        if self.kv_puller is not None and (kv_peer is not None or self.kv_puller.disk is not None):
             await self.kv_puller.pull(prepared.requests[0], kv_peer, kv_peer_auth)
             self._check_alive()
             if request_id in self._streams:

@@ -9,12 +9,16 @@ differently or must be computed), fetches them from the peer
 :func:`install_blocks` (engine thread) writes them into fresh blocks and registers them in the
 prefix cache as if computed, before the request is queued: the scheduler then sees prefix hits.
 A refused or failed transfer installs nothing (the prompt is computed as without a peer).
+With a disk tier (``disk_path``, :mod:`kvfleet.runtime.engine.kv_disk`) the prompt's leading
+blocks found on disk are loaded the same way first, with or without a peer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
+from kvfleet.runtime.engine.kv_disk import DiskWriter
 from kvfleet.runtime.engine.stats import IterationStats
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
 from kvfleet.runtime.kv_transfer.peer_pull import PeerFetcher
@@ -75,14 +79,16 @@ def install_blocks(engine, hashes: list[bytes], token_ids: list[int], start: int
 
 class KVPuller:
     """The pulling side of one engine (``LLMEngine`` ``engine``); ``call(fn, *args)`` awaits
-    ``fn`` in the engine thread."""
+    ``fn`` in the engine thread. Sources, in order: the disk tier (``disk_path``), then the peer
+    the router names (``kv_role`` ``kv_both`` / ``kv_consumer``)."""
 
     def __init__(self, engine, call) -> None:
         self.engine = engine
         self.call = call
         self.config = engine.config.kv_transfer_config
         self.layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
-        self.fetcher = PeerFetcher(self.config, self.layout)
+        self.fetcher = PeerFetcher(self.config, self.layout) if self.config.pulls else None
+        self.disk = next((s.disk for s in engine.kv_event_sinks if isinstance(s, DiskWriter)), None)
 
     def missing_blocks(self, request) -> tuple[list[bytes], int]:
         """The prompt's hash chain (blocks a hit may cover) and how many lead it cached locally
@@ -95,24 +101,46 @@ class KVPuller:
     def eligible(self, request) -> bool:
         return not (request.lora_int_id or request.cache_salt or request.sampling_params.prompt_logprobs is not None)
 
-    async def pull(self, request, peer: str, authorization: str | None = None) -> int:
-        """Pull ``request``'s missing prefix blocks from ``peer`` when worth it; the tokens installed."""
+    async def pull(self, request, peer: str | None = None, authorization: str | None = None) -> int:
+        """Fill ``request``'s missing prefix blocks from the disk tier, then from ``peer`` when
+        worth it; the tokens installed."""
         if not self.eligible(request):
             return 0
         hashes, local = self.missing_blocks(request)
-        if len(hashes) - local < self.config.min_pull_blocks:
-            return 0
+        total = 0
+        if self.disk is not None and local < len(hashes) and self.disk.leading_run(hashes[local:local + 1]):
+            loaded = await asyncio.to_thread(self._read_disk, hashes[local:])
+            if loaded:
+                tokens = await self.call(install_blocks, self.engine, hashes, list(request.prompt_token_ids), local,
+                                         loaded)
+                self._record(IterationStats(num_disk_loaded_tokens=tokens))
+                total += tokens
+                hashes, local = self.missing_blocks(request)
+        if peer is None or self.fetcher is None or len(hashes) - local < self.config.min_pull_blocks:
+            return total
         try:
             pulled = await self.fetcher.fetch(peer, hashes[local:], authorization)
         except TransferError as exc:
             logger.warning("KV pull from %s refused, recomputing: %s", peer, exc)
             self._record(IterationStats(kv_pull_failures=[exc.reason]))
-            return 0
+            return total
         if not pulled:
-            return 0
+            return total
         tokens = await self.call(install_blocks, self.engine, hashes, list(request.prompt_token_ids), local, pulled)
         self._record(IterationStats(num_pulled_tokens=tokens))
-        return tokens
+        return total + tokens
+
+    def _read_disk(self, hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """The leading run of ``hashes`` the disk tier holds, read and checked (a worker thread)."""
+        out = []
+        for h in hashes[:self.disk.leading_run(hashes)]:
+            try:
+                out.append((h, self.disk.get(h)))
+            except TransferError as exc:
+                logger.warning("KV disk tier: block %s refused: %s", h.hex(), exc)
+                self._record(IterationStats(kv_pull_failures=["disk_" + exc.reason]))
+                break
+        return out
 
     def _record(self, iteration: IterationStats) -> None:
         for stat_logger in self.engine.stat_loggers:  # prometheus-client is thread-safe

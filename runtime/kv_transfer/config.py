@@ -6,7 +6,8 @@ kvfleet's one connector is ``PeerPullConnector``: a replica serves its cached bl
 carries the router's ``x-kvfleet-kv-peer`` hint, pulls the prompt's missing prefix blocks from
 that peer (``kv_consumer`` or ``kv_both``). vLLM's connectors (NIXL, LMCache, P2P NCCL) move
 blocks between a prefill and a decode instance over RDMA/NCCL; kvfleet's moves them over HTTP
-between equal replicas (docs/routing.md, "Peer KV pull").
+between equal replicas (docs/routing.md, "Peer KV pull"). ``disk_path`` adds a disk tier
+(docs/routing.md, "Disk tier"), with or without peers.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ class KVTransferConfig(BaseModel):
     """Pulls in flight at once on this replica (more requests wait for a slot)."""
     pull_timeout: float = Field(30.0, gt=0)
     """Seconds a pull may take in all; past it the request recomputes its prefix."""
+    disk_path: str | None = None
+    """The disk tier's folder (``<disk_path>/<block hash>.kv``); None: no disk tier. Every block
+    the replica caches is written there after the step that computed it, and a prompt's leading
+    blocks found there are loaded instead of computed (a restarted replica starts warm)."""
+    disk_max_bytes: int = Field(2**30, ge=1)
+    """The disk tier's bound: least recently used files go past it."""
 
     @property
     def serves(self) -> bool:
