@@ -7,8 +7,8 @@ replicas, so without a pull each replica would prefill the prefix once (three pr
 router's hint each replica that lacks the prefix pulls it from one that has it: the fleet computes
 about one prefix plus the nine suffixes (the replicas' own `prompt_tokens_total`), counts the
 pulled tokens in `kv_pull_tokens_total` and as prefix-cache hits, and answers the same greedy
-texts as a replica that computes the whole prompt itself (after `/reset_prefix_cache`, asked
-directly, without a hint).
+text as the replica that computed the whole prompt itself. Every replica also has a disk tier: one restarted from it serves the
+prefix with hits (`kv_disk_load_tokens_total`) and the same greedy text.
 """
 
 from __future__ import annotations
@@ -26,9 +26,16 @@ from e2e.test_router import API_KEY, MODEL, WORDS, client, scrape, start_router,
 pytestmark = pytest.mark.slow
 
 EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0"})
-TRANSFER = json.dumps({"kv_connector": "PeerPullConnector", "kv_role": "kv_both", "min_pull_blocks": 4})
 SERVE_ARGS = ["--max-model-len", "2048", "--kv-cache-memory", "160MiB", "--api-key", API_KEY,
-              "--max-num-batched-tokens", "2048", "--kv-events-config", EVENTS, "--kv-transfer-config", TRANSFER]
+              "--max-num-batched-tokens", "2048", "--kv-events-config", EVENTS]
+
+
+def serve_args(disk) -> list[str]:
+    """SERVE_ARGS and the replica's --kv-transfer-config: peer pull, and a disk tier in ``disk``."""
+    transfer = {"kv_connector": "PeerPullConnector", "kv_role": "kv_both", "min_pull_blocks": 4,
+                "disk_path": str(disk), "disk_max_bytes": 256 * 2**20}
+    return [*SERVE_ARGS, "--kv-transfer-config", json.dumps(transfer)]
+
 PREFIX = "You answer for the support desk. " + " ".join(WORDS[i % len(WORDS)] for i in range(1480)) + "\n"
 QUESTIONS = [f"Question {i}: which {WORDS[i]} do you mean?" for i in range(9)]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -38,16 +45,16 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pull")
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        replicas = [f.result() for f in [pool.submit(start_serve, SERVE_ARGS, tmp / f"replica{i}.log")
+        replicas = [f.result() for f in [pool.submit(start_serve, serve_args(tmp / f"disk{i}"), tmp / f"replica{i}.log")
                                          for i in range(3)]]
     urls = [base for _, base in replicas]
     router = start_router(["--endpoints", ",".join(urls), "--routing-algorithm", "round-robin", "--kv-peer-hint",
                            "--api-key", API_KEY], tmp / "router.log", 3)
-    yield {"replicas": urls, "router": router[1]}
+    yield {"replicas": urls, "router": router[1], "procs": replicas, "tmp": tmp}
     router[0].kill()
     router[0].wait()
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        list(pool.map(stop_serve, [proc for proc, _ in replicas]))
+        list(pool.map(stop_serve, [proc for proc, _ in replicas]))  # (a restarted one replaces its entry)
 
 
 def complete(base: str, question: str) -> tuple[str, str, int]:
@@ -83,16 +90,15 @@ def test_nine_requests_over_three_replicas_compute_the_prefix_once(fleet):
     router_hints = value(scrape(router), "kvfleet:router_kv_peer_hints_total")
     assert router_hints >= 2
 
-    # the same greedy texts as a replica computing the whole prompt: drop the cached prefix of the
-    # two replicas that pulled (neither is hinted: asked directly), ask them again
-    pulled_by = [r for _, r, _ in answers[1:3]]
-    for r in pulled_by:
-        assert httpx.post(r + "/reset_prefix_cache", headers=AUTH, timeout=30).json() == {"reset": True}
-    before = totals(pulled_by, "kvfleet:prompt_tokens_total")
+    # the same greedy text as computing the whole prompt: the first request was computed from scratch;
+    # the two replicas that pulled the prefix answer its prompt (asked directly: no hint) from the
+    # pulled blocks
+    assert answers[0][1] not in [r for _, r, _ in answers[1:3]]
+    before = totals(replicas, "kvfleet:kv_pull_tokens_total")
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        again = list(pool.map(complete, pulled_by, QUESTIONS[1:3]))
-    assert totals(pulled_by, "kvfleet:prompt_tokens_total") - before >= 2 * prompt_len - 32  # recomputed
-    assert [t for t, _, _ in again] == [t for t, _, _ in answers[1:3]]
+        again = list(pool.map(complete, [r for _, r, _ in answers[1:3]], QUESTIONS[:1] * 2))
+    assert totals(replicas, "kvfleet:kv_pull_tokens_total") == before  # nothing new pulled
+    assert [t for t, _, _ in again] == [answers[0][0]] * 2
 
 
 def test_kv_blocks_endpoint_refuses_bad_hashes(fleet):
@@ -102,3 +108,22 @@ def test_kv_blocks_endpoint_refuses_bad_hashes(fleet):
     r = httpx.post(base + "/kv_blocks", json={"block_hashes": ["00" * 16]}, headers=AUTH, timeout=10)
     assert r.status_code == 200 and r.content == b""  # nothing cached under that hash: an empty run
     assert httpx.get(base + "/kv_blocks", timeout=10).status_code == 401
+
+
+def test_a_replica_restarted_from_its_disk_tier_serves_the_prefix_with_hits(fleet):
+    # runs after the nine requests: every replica wrote the prefix's blocks to its disk tier
+    replica, tmp = fleet["replicas"][0], fleet["tmp"]
+    before_restart = complete(replica, QUESTIONS[0])[0]
+    proc, _ = fleet["procs"][0]
+    stop_serve(proc)  # SIGTERM: the queued disk writes finish first
+    assert len(list((tmp / "disk0").glob("*.kv"))) >= 1480 // 16
+    port = int(replica.rsplit(":", 1)[1])
+    fleet["procs"][0] = start_serve(serve_args(tmp / "disk0"), tmp / "replica0-restarted.log", port=port)
+    text, _, prompt_len = complete(replica, QUESTIONS[0])  # directly: no router, no peer hint
+    m = scrape(replica)
+    loaded = value(m, "kvfleet:kv_disk_load_tokens_total")
+    assert loaded >= prompt_len - 2 * 16
+    assert value(m, "kvfleet:prefix_cache_hits_total") >= loaded  # loaded tokens are prefix-cache hits
+    assert value(m, "kvfleet:prompt_tokens_total") <= prompt_len - loaded + 16
+    assert value(m, "kvfleet:kv_pull_tokens_total") == 0
+    assert text == before_restart
