@@ -16,7 +16,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema, service_spec
+from kvfleet.operator import crd, crd_schema, kv_tiers, service_spec
 
 COMPONENT = "router"
 PORT = 8000
@@ -86,7 +86,8 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
             "--kube-namespace", isvc["metadata"].get("namespace") or "default", "--kube-port", "http",
             "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
-            "--pending-timeout", str(r["pendingTimeoutSeconds"])]
+            "--pending-timeout", str(r["pendingTimeoutSeconds"]),
+            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"])]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
