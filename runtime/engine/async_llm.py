@@ -169,6 +169,8 @@ class AsyncLLMEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 60)
         self._fail_streams(EngineDeadError("the engine was shut down"))
+        if self.kv_puller is not None:
+            await self.kv_puller.aclose()
         if self._thread is None or not self._thread.is_alive():
             await asyncio.to_thread(self.engine.shutdown)  # tensor-parallel workers, if any
 

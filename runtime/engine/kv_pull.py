@@ -99,7 +99,13 @@ class KVPuller:
         return hashes, len(_cached_run(self.engine.scheduler.kv_cache_manager.block_pool, hashes))
 
     def eligible(self, request) -> bool:
-        return not (request.lora_int_id or request.cache_salt or request.sampling_params.prompt_logprobs is not None)
+        """Base-model prompts without a cache salt or prompt logprobs, with prefix caching on."""
+        return self.engine.config.enable_prefix_caching and not (
+            request.lora_int_id or request.cache_salt or request.sampling_params.prompt_logprobs is not None)
+
+    async def aclose(self) -> None:
+        if self.fetcher is not None:
+            await self.fetcher.aclose()
 
     async def pull(self, request, peer: str | None = None, authorization: str | None = None) -> int:
         """Fill ``request``'s missing prefix blocks from the disk tier, then from ``peer`` when
