@@ -17,6 +17,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvfleet.runtime.core.kv_events import BlockStored
+from kvfleet.runtime.engine.stats import IterationStats
 from kvfleet.runtime.kv_transfer.disk_tier import DiskTier
 from kvfleet.runtime.worker.kv_blocks import block_layout, read_blocks
 
@@ -52,7 +53,16 @@ class DiskWriter:
                 self.disk.put(block_hash, payload)
             except OSError as exc:  # a full or read-only disk costs hits, never the engine
                 logger.warning("KV disk tier: block %s not written: %s", block_hash.hex(), exc)
-                return
+                break
+        self.report_size()
+
+    def report_size(self) -> None:
+        """The tier's bytes to the stat loggers (the ``kv_disk_usage_bytes`` gauge)."""
+        for stat_logger in self.engine.stat_loggers:
+            try:
+                stat_logger.record(None, IterationStats(kv_disk_bytes=self.disk.num_bytes))
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
 
     def close(self) -> None:
         """Finish the queued writes."""
@@ -71,4 +81,6 @@ def disk_writer(engine) -> DiskWriter | None:
     layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
     disk = DiskTier(transfer.disk_path, transfer.disk_max_bytes, layout)
     logger.info("KV disk tier %s: %d blocks (%.1f MiB) indexed", transfer.disk_path, len(disk), disk.num_bytes / 2**20)
-    return DiskWriter(engine, disk)
+    writer = DiskWriter(engine, disk)
+    writer.report_size()
+    return writer

@@ -126,4 +126,5 @@ def test_a_replica_restarted_from_its_disk_tier_serves_the_prefix_with_hits(flee
     assert value(m, "kvfleet:prefix_cache_hits_total") >= loaded  # loaded tokens are prefix-cache hits
     assert value(m, "kvfleet:prompt_tokens_total") <= prompt_len - loaded + 16
     assert value(m, "kvfleet:kv_pull_tokens_total") == 0
+    assert value(m, "kvfleet:kv_disk_usage_bytes") >= 1480 // 16 * 16 * 22 * 1024  # >= 22 KiB a token (bf16)
     assert text == before_restart

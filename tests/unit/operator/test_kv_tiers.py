@@ -87,3 +87,23 @@ def test_extra_args_keep_their_own_kv_config():
     obj = isvc(PEER)
     obj["spec"]["engine"]["extraArgs"] = {"kv_events_config": {"enable_kv_cache_events": True, "topic": "t"}}
     assert builders.engine_config(obj)["kv_events_config"]["topic"] == "t"
+
+
+def test_the_disk_tiers_size_reaches_status_metrics():
+    from kvfleet.operator.metrics_source import parse_metrics
+    from kvfleet.operator.pod_metrics import aggregate, metrics_changed
+    from kvfleet.runtime.core.sched.output import SchedulerStats
+    from kvfleet.runtime.engine.stats import IterationStats
+    from kvfleet.runtime.metrics import PrometheusStatLogger, exposition
+
+    def pod(name: str, disk_bytes: int | None):
+        lg = PrometheusStatLogger("m")
+        lg.record(SchedulerStats(), IterationStats(kv_disk_bytes=disk_bytes))
+        return parse_metrics(name, exposition(lg.registry).decode())
+
+    status = aggregate(1.0, [pod("a", 3 * 2**20), pod("b", 2**20)]).to_status()
+    assert status["kvDiskBytes"] == 4 * 2**20
+    assert "kvDiskBytes" not in aggregate(1.0, [pod("a", None)]).to_status()  # no disk tier: no field
+    grown = aggregate(2.0, [pod("a", 30 * 2**20), pod("b", 2**20)]).to_status()
+    assert metrics_changed(status, grown)
+    assert not metrics_changed(status, aggregate(2.0, [pod("a", 3 * 2**20 + 10), pod("b", 2**20)]).to_status())
