@@ -89,6 +89,8 @@ class KVPuller:
         self.layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
         self.fetcher = PeerFetcher(self.config, self.layout) if self.config.pulls else None
         self.disk = next((s.disk for s in engine.kv_event_sinks if isinstance(s, DiskWriter)), None)
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        """First missing block hash -> the fill in progress from there (event loop only)."""
 
     def missing_blocks(self, request) -> tuple[list[bytes], int]:
         """The prompt's hash chain (blocks a hit may cover) and how many lead it cached locally
@@ -109,18 +111,33 @@ class KVPuller:
 
     async def pull(self, request, peer: str | None = None, authorization: str | None = None) -> int:
         """Fill ``request``'s missing prefix blocks from the disk tier, then from ``peer`` when
-        worth it; the tokens installed."""
+        worth it; the tokens installed. Requests whose first missing block is the same (a burst
+        sharing a new prefix) take turns: each looks again once the one before is done, so a
+        prefix is fetched once."""
         if not self.eligible(request):
             return 0
         hashes, local = self.missing_blocks(request)
+        while local < len(hashes) and (pending := self._inflight.get(hashes[local])) is not None:
+            await asyncio.shield(pending)
+            hashes, local = self.missing_blocks(request)
+        if local == len(hashes):
+            return 0
+        done = self._inflight[hashes[local]] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._fill(request, hashes, local, peer, authorization)
+        finally:
+            del self._inflight[hashes[local]]
+            done.set_result(None)
+
+    async def _fill(self, request, hashes: list[bytes], local: int, peer: str | None, authorization: str | None
+                    ) -> int:
+        tokens = list(request.prompt_token_ids)
         total = 0
-        if self.disk is not None and local < len(hashes) and self.disk.leading_run(hashes[local:local + 1]):
+        if self.disk is not None and self.disk.leading_run(hashes[local:local + 1]):
             loaded = await asyncio.to_thread(self._read_disk, hashes[local:])
             if loaded:
-                tokens = await self.call(install_blocks, self.engine, hashes, list(request.prompt_token_ids), local,
-                                         loaded)
-                self._record(IterationStats(num_disk_loaded_tokens=tokens))
-                total += tokens
+                total = await self.call(install_blocks, self.engine, hashes, tokens, local, loaded)
+                self._record(IterationStats(num_disk_loaded_tokens=total))
                 hashes, local = self.missing_blocks(request)
         if peer is None or self.fetcher is None or len(hashes) - local < self.config.min_pull_blocks:
             return total
@@ -132,9 +149,9 @@ class KVPuller:
             return total
         if not pulled:
             return total
-        tokens = await self.call(install_blocks, self.engine, hashes, list(request.prompt_token_ids), local, pulled)
-        self._record(IterationStats(num_pulled_tokens=tokens))
-        return total + tokens
+        installed = await self.call(install_blocks, self.engine, hashes, tokens, local, pulled)
+        self._record(IterationStats(num_pulled_tokens=installed))
+        return total + installed
 
     def _read_disk(self, hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
         """The leading run of ``hashes`` the disk tier holds, read and checked (a worker thread)."""

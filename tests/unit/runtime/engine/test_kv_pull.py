@@ -153,3 +153,22 @@ def test_a_good_pull_through_http_and_when_a_pull_is_not_tried(smollm2_two_layer
     salted.cache_salt = "tenant-a"
     assert not KVPuller(engine, None).eligible(salted)  # salted (and adapter) prompts never pull
     assert run(engine, prompt, "pulled") == computed
+
+
+def test_a_burst_sharing_a_new_prefix_fetches_it_once(smollm2_two_layers, prompt, source):
+    peer, computed = source
+    engine, recorder = make_engine(smollm2_two_layers)
+    fake = FakePeer(peer)
+    puller = KVPuller(engine, lambda fn, *a: asyncio.sleep(0, fn(*a)))
+    puller.fetcher._client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+    tok = smollm2_two_layers.tokenizer
+    prompts = [prompt[:-8] + tok(f" Question {i}?", add_special_tokens=False)["input_ids"] for i in range(3)]
+    requests = [engine.input_processor.process(f"b{i}", p, GREEDY).requests[0] for i, p in enumerate(prompts)]
+
+    async def burst():
+        return await asyncio.gather(*(puller.pull(r, "http://peer:8000") for r in requests))
+
+    pulled = asyncio.run(burst())
+    assert fake.calls == 1 and pulled[0] > 0 and pulled[1:] == [0, 0]  # the others found it installed
+    assert not puller._inflight
+    assert run(engine, prompt, "after") == computed
