@@ -187,10 +187,14 @@ KV_CACHE = _obj(
                               "emptyDir's sizeLimit."),
             "path": _str("disk: the folder in the runtime container.", max_length=1024),
             "hostPath": _str("disk: a folder of the node instead of an emptyDir.", max_length=1024),
+            "claimName": _str("disk: a PersistentVolumeClaim (ReadWriteMany) the replicas share instead of an "
+                              "emptyDir: a scaled-up replica starts warm too."),
         }, required=["type"]),
         "x-kubernetes-validations": [
             {"rule": "self.all(t, self.exists_one(u, u.type == t.type))", "message": "each tier type at most once"},
             {"rule": "self.all(t, t.type != 'disk' || has(t.size))", "message": "a disk tier needs a size"},
+            {"rule": "self.all(t, !has(t.hostPath) || !has(t.claimName))",
+             "message": "a disk tier takes hostPath or claimName, not both"},
         ],
     }},
 )

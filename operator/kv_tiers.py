@@ -6,8 +6,10 @@ runtime's config keys, the runtime pod's disk-tier volume and the router's flag.
   follows it), and ``--kv-peer-hint`` on the router (``spec.router``);
 - ``disk``: ``disk_path`` (the tier's ``path``, default :data:`DEFAULT_DISK_PATH`) and
   ``disk_max_bytes`` (its ``size``), on a volume ``kv-disk``: an ``emptyDir`` whose
-  ``sizeLimit`` is that size (a restarted container starts warm), or the node's ``hostPath``
-  (a pod restarted on the same node does).
+  ``sizeLimit`` is that size (a restarted container starts warm), the node's ``hostPath`` (a pod
+  restarted on the same node does) or a shared ``claimName`` (a scaled-up replica does: the
+  replicas write to one folder, renames are atomic; a file another replica's bound deleted is a
+  miss, counted and recomputed).
 
 Keys the user sets in ``engine.extraArgs`` are not overridden (the builder refuses duplicates).
 """
@@ -75,6 +77,8 @@ def disk_volume(engine: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[d
     mount = {"name": VOLUME, "mountPath": disk.get("path") or DEFAULT_DISK_PATH}
     if disk.get("hostPath"):
         volume = {"name": VOLUME, "hostPath": {"path": disk["hostPath"], "type": "DirectoryOrCreate"}}
+    elif disk.get("claimName"):
+        volume = {"name": VOLUME, "persistentVolumeClaim": {"claimName": disk["claimName"]}}
     else:
         volume = {"name": VOLUME, "emptyDir": {"sizeLimit": str(disk["size"])}}
     return [mount], [volume]

@@ -7,7 +7,8 @@ tier holds more than ``max_bytes``; :meth:`DiskTier.get` reads one back and chec
 reader's layout and the hash asked for (a bad file raises
 :class:`~kvfleet.runtime.kv_transfer.wire.TransferError` and is deleted). The index is built at
 start from the files already there (oldest modification time first), so a restarted replica
-finds what it wrote before. Thread-safe (one lock around the index). Torch-free.
+finds what it wrote before; a file another replica wrote to a shared folder later is found by
+:meth:`DiskTier.leading_run` when asked for. Thread-safe (one lock around the index). Torch-free.
 """
 
 from __future__ import annotations
@@ -54,14 +55,27 @@ class DiskTier:
         return block_hash in self._index
 
     def leading_run(self, hashes: list[bytes]) -> int:
-        """How many of ``hashes``, from the first, the tier holds."""
+        """How many of ``hashes``, from the first, the tier holds (a file another process wrote
+        to a shared folder since the index was built is found and indexed too)."""
         n = 0
-        with self._lock:
-            for h in hashes:
-                if h not in self._index:
-                    break
-                n += 1
+        for h in hashes:
+            with self._lock:
+                held = h in self._index
+            if not held and not self._adopt(h):
+                break
+            n += 1
         return n
+
+    def _adopt(self, block_hash: bytes) -> bool:
+        try:
+            size = self._file(block_hash).stat().st_size
+        except OSError:
+            return False
+        with self._lock:
+            if block_hash not in self._index:
+                self._index[block_hash] = size
+                self.num_bytes += size
+        return True
 
     def put(self, block_hash: bytes, payload: bytes) -> None:
         """Store one block (a block already held only becomes the most recently used)."""

@@ -36,6 +36,7 @@ def by_kind(children) -> dict:
 @pytest.mark.parametrize(("tiers", "message"), [
     ([PEER, PEER], "each tier type at most once"),
     ([{"type": "disk"}], "a disk tier needs a size"),
+    ([{"type": "disk", "size": "1Gi", "hostPath": "/x", "claimName": "c"}], "hostPath or claimName, not both"),
 ])
 def test_admission_refuses_bad_tiers(tiers, message):
     assert any(message in e for e in admit(isvc(*tiers))), admit(isvc(*tiers))
@@ -77,6 +78,9 @@ def test_a_disk_tier_alone_on_a_host_path_and_no_tiers_at_all():
     pod = by_kind(builders.desired_children(obj))["Deployment"]["spec"]["template"]["spec"]
     assert {"name": "kv-disk", "hostPath": {"path": "/mnt/kv", "type": "DirectoryOrCreate"}} in pod["volumes"]
     assert "--kv-peer-hint" not in router.router_args(obj)
+    shared = by_kind(builders.desired_children(isvc({"type": "disk", "size": "5Gi", "claimName": "kv-shared"})))
+    assert {"name": "kv-disk", "persistentVolumeClaim": {"claimName": "kv-shared"}} in \
+        shared["Deployment"]["spec"]["template"]["spec"]["volumes"]
     plain = isvc()
     assert "kv_transfer_config" not in builders.engine_config(plain)
     assert not [v for v in by_kind(builders.desired_children(plain))["Deployment"]["spec"]["template"]["spec"]

@@ -64,3 +64,11 @@ def test_a_bad_file_is_refused_and_deleted(tmp_path):
     (tmp_path / (H[2].hex() + ".kv")).write_bytes(b"")
     with pytest.raises(TransferError):
         DiskTier(tmp_path, 10**6, LAYOUT).get(H[2])
+
+
+def test_a_shared_folder_finds_what_another_replica_wrote_later(tmp_path):
+    mine, theirs = DiskTier(tmp_path, 10**6, LAYOUT), DiskTier(tmp_path, 10**6, LAYOUT)
+    theirs.put(H[0], payload(0))
+    theirs.put(H[1], payload(1))
+    assert mine.leading_run(H) == 2 and mine.get(H[1]) == payload(1)
+    assert mine.num_bytes == theirs.num_bytes
