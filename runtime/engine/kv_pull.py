@@ -59,20 +59,22 @@ def install_blocks(engine, hashes: list[bytes], token_ids: list[int], start: int
         return 0
     pool.touch(chain)  # no allocation below may evict the prefix the pulled blocks extend
     todo = []  # (index in the chain, hash, payload, fresh block)
-    for i, (h, payload) in enumerate(pulled, start):
-        block = pool.get_cached_block(h)
-        if block is not None:
-            pool.touch([block])
-        elif pool.num_free_blocks == 0:
-            break
-        else:
-            (block,) = pool.get_new_blocks(1)
-            todo.append((i, h, payload, block))
-        chain.append(block)
-    write_blocks(engine.runner.kv_caches, [t[3].block_id for t in todo], [t[2] for t in todo])
-    for i, h, _, block in todo:
-        pool.cache_block(block, h, token_ids[i * bs:(i + 1) * bs], hashes[i - 1] if i else None)
-    pool.free_blocks(reversed(chain))  # the deepest block is evicted first, as a finished request's
+    try:
+        for i, (h, payload) in enumerate(pulled, start):
+            block = pool.get_cached_block(h)
+            if block is not None:
+                pool.touch([block])
+            elif pool.num_free_blocks == 0:
+                break
+            else:
+                (block,) = pool.get_new_blocks(1)
+                todo.append((i, h, payload, block))
+            chain.append(block)
+        write_blocks(engine.runner.kv_caches, [t[3].block_id for t in todo], [t[2] for t in todo])
+        for i, h, _, block in todo:
+            pool.cache_block(block, h, token_ids[i * bs:(i + 1) * bs], hashes[i - 1] if i else None)
+    finally:  # whatever happens, every reference taken here is dropped (fresh blocks unwritten: uncached)
+        pool.free_blocks(reversed(chain))  # the deepest block is evicted first, as a finished request's
     engine._publish_kv_events()
     return len(todo) * bs
 
@@ -125,6 +127,10 @@ class KVPuller:
         done = self._inflight[hashes[local]] = asyncio.get_running_loop().create_future()
         try:
             return await self._fill(request, hashes, local, peer, authorization)
+        except Exception:  # an optimisation: its failure must never fail the request
+            logger.exception("KV fill failed, recomputing")
+            self._record(IterationStats(kv_pull_failures=["error"]))
+            return 0
         finally:
             del self._inflight[hashes[local]]
             done.set_result(None)

@@ -172,3 +172,25 @@ def test_a_burst_sharing_a_new_prefix_fetches_it_once(smollm2_two_layers, prompt
     assert fake.calls == 1 and pulled[0] > 0 and pulled[1:] == [0, 0]  # the others found it installed
     assert not puller._inflight
     assert run(engine, prompt, "after") == computed
+
+
+def test_a_failed_install_leaks_no_block_and_never_fails_the_request(smollm2_two_layers, prompt, source,
+                                                                     monkeypatch):
+    import kvfleet.runtime.engine.kv_pull as kv_pull
+
+    peer, computed = source
+    engine, recorder = make_engine(smollm2_two_layers)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+
+    def broken(*_):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(kv_pull, "write_blocks", broken)
+    hashes = prompt_block_hashes(prompt[:len(prompt) - 1], 16)
+    with pytest.raises(RuntimeError):
+        install_blocks(engine, hashes, prompt, 0, export_blocks(peer, hashes))
+    assert pool.num_free_blocks == pool.num_usable_blocks and not pool.cached_blocks
+    assert pull_through(engine, FakePeer(peer), prompt) == 0  # the request goes on, recomputing
+    assert [r for i in recorder.iterations for r in i.kv_pull_failures] == ["error"]
+    monkeypatch.undo()
+    assert run(engine, prompt, "recomputed") == computed
