@@ -169,6 +169,36 @@ RUNTIME = _obj("The runtime pods.", {
                        "additionalProperties": {"type": "string"}},
 })
 
+KV_CACHE = _obj(
+    "KV cache tiers beyond each replica's memory (docs/routing.md, \"Peer KV pull\" and \"Disk tier\"): "
+    "the runtime's --kv-transfer-config.",
+    {"tiers": {
+        "type": "array", "maxItems": 2,
+        "description": "peer: a replica pulls a prompt's missing prefix blocks from the replica the router names "
+                       "(the replicas publish KV events; spec.router runs with --kv-peer-hint). disk: every cached "
+                       "block is written through to a bounded folder and loaded back on a hit, so a restarted "
+                       "container (emptyDir) or pod on the same node (hostPath) starts warm.",
+        "items": _obj("One tier.", {
+            "type": {"type": "string", "enum": ["peer", "disk"], "description": "The tier."},
+            "minPullBlocks": _int("peer: pull only when this many leading blocks are missing.", minimum=1,
+                                  maximum=65536),
+            "maxConcurrentPulls": _int("peer: pulls in flight at once per replica.", minimum=1, maximum=64),
+            "size": _quantity("disk: the tier's bound (least recently used blocks go past it); also the "
+                              "emptyDir's sizeLimit."),
+            "path": _str("disk: the folder in the runtime container.", max_length=1024),
+            "hostPath": _str("disk: a folder of the node instead of an emptyDir.", max_length=1024),
+            "claimName": _str("disk: a PersistentVolumeClaim (ReadWriteMany) the replicas share instead of an "
+                              "emptyDir: a scaled-up replica starts warm too."),
+        }, required=["type"]),
+        "x-kubernetes-validations": [
+            {"rule": "self.all(t, self.exists_one(u, u.type == t.type))", "message": "each tier type at most once"},
+            {"rule": "self.all(t, t.type != 'disk' || has(t.size))", "message": "a disk tier needs a size"},
+            {"rule": "self.all(t, !has(t.hostPath) || !has(t.claimName))",
+             "message": "a disk tier takes hostPath or claimName, not both"},
+        ],
+    }},
+)
+
 ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMap).", {
     "blockSize": _int("Tokens per KV block.", default=16, enum=BLOCK_SIZES,
                       **{"x-kubernetes-validations": [{
@@ -209,6 +239,7 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
             "minAcceptanceRate": _num("A request whose acceptance falls below this stops proposing "
                                       "(probing now and then).", minimum=0, maximum=1),
         }),
+    "kvCache": KV_CACHE,
     "extraArgs": {
         "type": "object",
         "description": "Further options of kvfleet serve's config file, snake_case: engine options "

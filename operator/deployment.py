@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import adapters
+from kvfleet.operator import adapters, kv_tiers
 from kvfleet.operator.service_spec import (
     ANNOTATION_CONFIG_HASH,
     CACHE_DIR,
@@ -116,8 +116,9 @@ def _runtime_env(isvc: Mapping[str, Any], rt: Mapping[str, Any]) -> list[dict[st
 
 def _storage(isvc: Mapping[str, Any], spec: Mapping[str, Any],
              model: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(runtime mounts, pod volumes, init containers)``: config, caches, /dev/shm and the
-    model volume of the URI's scheme (fetched by an init container for ``hf://``)."""
+    """``(runtime mounts, pod volumes, init containers)``: config, caches, /dev/shm, the
+    model volume of the URI's scheme (fetched by an init container for ``hf://``) and the KV
+    disk tier's volume, if any."""
     mounts = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "cache", "mountPath": CACHE_DIR},
@@ -146,7 +147,8 @@ def _storage(isvc: Mapping[str, Any], spec: Mapping[str, Any],
     elif model["scheme"] == "pvc":
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": model["claim"], "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-    return mounts, volumes, init_containers
+    disk_mounts, disk_volumes = kv_tiers.disk_volume(spec["engine"])  # spec.engine.kvCache.tiers
+    return mounts + disk_mounts, volumes + disk_volumes, init_containers
 
 
 def _runtime_container(isvc: Mapping[str, Any], spec: Mapping[str, Any], resources: dict[str, Any],

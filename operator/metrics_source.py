@@ -41,6 +41,7 @@ _FIELDS = {
     "request_prompt_tokens_count": "request_prompt_tokens_count",
     "request_generation_tokens_sum": "request_generation_tokens_sum",
     "request_generation_tokens_count": "request_generation_tokens_count",
+    "kv_disk_usage_bytes": "kv_disk_bytes",
 }
 _REQUIRED = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc")
 

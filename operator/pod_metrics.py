@@ -41,6 +41,8 @@ class PodMetrics:
     request_generation_tokens_sum: float = 0.0
     """Sum of the output lengths of finished requests, tokens (histogram ``_sum``)."""
     request_generation_tokens_count: float = 0.0
+    kv_disk_bytes: float = 0.0
+    """Bytes held by the pod's KV disk tier (``kvfleet:kv_disk_usage_bytes``; 0 without one)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,9 @@ class MetricsAggregate:
             "kvCacheUsage": None if kv is None else round(kv, 4),
             "preemptionRate": None if self.preemption_rate is None else round(self.preemption_rate, 4),
         }
+        disk = sum(p.kv_disk_bytes for p in self.pods)
+        if disk:
+            out["kvDiskBytes"] = int(disk)  # spec.engine.kvCache.tiers: the disk tiers' size, all pods
         if self.failed:
             out["failedPods"] = [f"{pod}: {reason}"[:200] for pod, reason in self.failed]
         if self.not_ready:
@@ -115,19 +120,22 @@ KV_USAGE_NOISE = 0.05
 """A change of the mean KV cache usage (0-1) below this is noise: not worth a status write."""
 PREEMPTION_RATE_NOISE = 0.01
 """Preemptions per second: a change below this (or below 20 %) is noise."""
+KV_DISK_BYTES_NOISE = 2**20
+"""Bytes of the disk tiers: a change below this (or below 10 %) is noise."""
 
 
 def metrics_changed(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
     """Whether ``status.metrics`` must be rewritten: ``new`` (:meth:`MetricsAggregate.to_status`)
-    differs from ``old`` (what is written) in a count or a pod list, or in KV usage or
-    preemption rate by more than noise. ``time`` is not compared, so an idle service (and one
+    differs from ``old`` (what is written) in a count or a pod list, or in KV usage,
+    preemption rate or the disk tiers' bytes by more than noise. ``time`` is not compared, so an idle service (and one
     whose load wanders within the noise) gets no writes; ``time`` says when it last changed."""
     if not old:
         return True
     for key in ("podsRead", "queueDepth", "running", "failedPods", "notReadyPods"):
         if old.get(key) != new.get(key):
             return True
-    for key, noise, rel in (("kvCacheUsage", KV_USAGE_NOISE, 0.0), ("preemptionRate", PREEMPTION_RATE_NOISE, 0.2)):
+    for key, noise, rel in (("kvCacheUsage", KV_USAGE_NOISE, 0.0), ("preemptionRate", PREEMPTION_RATE_NOISE, 0.2),
+                            ("kvDiskBytes", KV_DISK_BYTES_NOISE, 0.1)):
         a, b = float(old.get(key) or 0.0), float(new.get(key) or 0.0)  # None: not known yet
         if abs(a - b) > max(noise, rel * max(abs(a), abs(b))):
             return True

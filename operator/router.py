@@ -24,7 +24,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema, service_spec
+from kvfleet.operator import crd, crd_schema, kv_tiers, service_spec
 
 COMPONENT = "router"
 PORT = 8000
@@ -99,7 +99,8 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
             "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
             "--pending-timeout", str(r["pendingTimeoutSeconds"]),
-            "--shutdown-timeout", str(r["shutdownTimeoutSeconds"])]
+            "--shutdown-timeout", str(r["shutdownTimeoutSeconds"]),
+            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"])]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:

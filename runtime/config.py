@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvfleet.runtime.kv_events.config import KVEventsConfig
+from kvfleet.runtime.kv_transfer.config import KVTransferConfig
 from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 
 DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
@@ -173,6 +174,16 @@ class EngineConfig(BaseModel):
     def _parse_kv_events_config(cls, value):
         return KVEventsConfig.parse(value)
 
+    kv_transfer_config: KVTransferConfig | None = None
+    """Peer KV pull (vLLM's ``--kv-transfer-config`` name, a JSON object such as
+    ``{"kv_connector": "PeerPullConnector", "kv_role": "kv_both", "min_pull_blocks": 4}``); None:
+    off. See :mod:`kvfleet.runtime.kv_transfer` and docs/routing.md, "Peer KV pull"."""
+
+    @field_validator("kv_transfer_config", mode="before")
+    @classmethod
+    def _parse_kv_transfer_config(cls, value):
+        return KVTransferConfig.parse(value)
+
     skip_failed_lora_modules: bool = False
     """A ``lora_modules`` entry that cannot be loaded at start is logged and skipped instead of
     stopping the start (the operator sets it: one bad adapter in the list must not keep new pods
@@ -218,13 +229,17 @@ class EngineConfig(BaseModel):
 
         Raises:
             ValueError: ``--enable-lora`` with ``tensor_parallel_size > 1`` or without
-                ``--enforce-eager``; ``--quantization`` with ``tensor_parallel_size > 1``."""
+                ``--enforce-eager``; ``--quantization`` or ``--kv-transfer-config`` with
+                ``tensor_parallel_size > 1``."""
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("--enable-lora: not supported with tensor_parallel_size > 1 (the adapters' stacked "
                              "slots are not sharded over the ranks)")
         if self.enable_lora and not self.enforce_eager:
             raise ValueError("--enable-lora needs --enforce-eager: the compiled decoder graph does not read the "
                              "step's per-token adapter indices")
+        if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("--kv-transfer-config: not supported with tensor_parallel_size > 1 (each rank caches "
+                             "only its share of the KV heads)")
         if self.tensor_parallel_size > 1 and self.quantization is not None:
             raise ValueError(f"--quantization {self.quantization}: not supported with tensor_parallel_size > 1 "
                              "(the tensor-parallel plan shards plain weights)")

@@ -16,7 +16,12 @@ and (counts) ``request_prompt_tokens``, ``request_generation_tokens``, ``request
 vLLM's ``lora_requests_info`` gauge (labels ``running_lora_adapters``, ``waiting_lora_adapters``:
 comma-separated adapter names, ``max_lora``; value: the wall-clock time of the last step; only the
 current label set is kept) and ``kvfleet:lora_requests_total{lora_name}`` (finished requests per
-adapter, ``kvfleet:`` only). Meanings: docs/server.md, "Metrics"; docs/lora.md.
+adapter, ``kvfleet:`` only). Peer KV pull (``--kv-transfer-config``, ``kvfleet:`` only):
+``kv_pull_tokens_total`` (prompt tokens whose KV came from a peer; they count as prefix-cache hits
+too), ``kv_disk_load_tokens_total`` (the same from the disk tier), the gauge
+``kv_disk_usage_bytes`` (the disk tier's size) and
+``kv_pull_failures_total{reason}`` (refused or failed pulls and disk reads). Meanings: docs/server.md,
+"Metrics"; docs/lora.md; docs/routing.md.
 """
 
 from __future__ import annotations
@@ -133,6 +138,24 @@ class PrometheusStatLogger(StatLoggerBase):
         self.max_lora: str | None = None
         self._lora_info: list[Gauge] = []
         self._lora_requests: Counter | None = None
+        self._make_kv_tier_series()
+
+    def _make_kv_tier_series(self) -> None:
+        """Peer KV pull and the disk tier (``--kv-transfer-config``): ``kvfleet:`` only (vLLM has no
+        such series), none when that prefix is not exported."""
+        own = [p for p in self.prefixes if p == KVFLEET_PREFIX]
+
+        def one(cls, name: str, doc: str) -> _Fanout:
+            return _Fanout([cls(p + name, doc, labelnames=["model_name"], registry=self.registry)
+                            .labels(self.model_name) for p in own])
+
+        self.counter_kv_pull_tokens = one(Counter, "kv_pull_tokens", "Prompt tokens whose KV was pulled from a peer.")
+        self.counter_kv_disk_load_tokens = one(Counter, "kv_disk_load_tokens",
+                                               "Prompt tokens whose KV was loaded from the disk tier.")
+        self.gauge_kv_disk_bytes = one(Gauge, "kv_disk_usage_bytes", "Bytes of KV blocks held by the disk tier.")
+        self._kv_pull_failures = [Counter(p + "kv_pull_failures", "Refused or failed KV pulls and disk reads, by "
+                                          "reason.", labelnames=["model_name", "reason"], registry=self.registry)
+                                  for p in own]
 
     def _fan(self, cls, name: str, doc: str, **kw) -> _Fanout:
         """One series ``name`` per prefix, labelled with the model name, updated together."""
@@ -333,6 +356,15 @@ class PrometheusStatLogger(StatLoggerBase):
         if iteration_stats is None:
             return
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        if iteration_stats.num_pulled_tokens:
+            self.counter_kv_pull_tokens.inc(iteration_stats.num_pulled_tokens)
+        if iteration_stats.kv_disk_bytes is not None:
+            self.gauge_kv_disk_bytes.set(iteration_stats.kv_disk_bytes)
+        if iteration_stats.num_disk_loaded_tokens:
+            self.counter_kv_disk_load_tokens.inc(iteration_stats.num_disk_loaded_tokens)
+        for reason in iteration_stats.kv_pull_failures:
+            for counter in self._kv_pull_failures:
+                counter.labels(self.model_name, reason).inc()
         self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
         step_tokens = iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
         if step_tokens:  # an abort's stats carry no step

@@ -34,6 +34,7 @@ from concurrent.futures import Future, InvalidStateError
 import torch
 
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.kv_pull import KVPuller, export_blocks
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.lora_request import LoRARequest
@@ -95,6 +96,11 @@ class AsyncLLMEngine:
         self.dead_error: BaseException | None = None
         self._heartbeat = time.monotonic()
         """``time.monotonic()`` when the engine loop last went round (idle: every ``IDLE_WAIT`` s)."""
+        transfer = self.config.kv_transfer_config
+        self.kv_puller = (KVPuller(self.engine, self._call)
+                          if transfer is not None and (transfer.pulls or transfer.disk_path) else None)
+        """Fills a request's missing prefix blocks from the disk tier and the peer the router names
+        (``--kv-transfer-config``)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -163,6 +169,8 @@ class AsyncLLMEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 60)
         self._fail_streams(EngineDeadError("the engine was shut down"))
+        if self.kv_puller is not None:
+            await self.kv_puller.aclose()
         if self._thread is None or not self._thread.is_alive():
             await asyncio.to_thread(self.engine.shutdown)  # tensor-parallel workers, if any
 
@@ -177,10 +185,14 @@ class AsyncLLMEngine:
         tenant: str | None = None,
         lora_name: str | None = None,
         resume_output_ids: list[list[int]] | None = None,
+        kv_peer: str | None = None,
+        kv_peer_auth: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes (``lora_name``: a loaded
         LoRA adapter, None: the base model): cumulative, deltas or only the final one, as
-        ``sampling_params.output_kind`` asks.
+        ``sampling_params.output_kind`` asks. ``kv_peer``: the base URL of a replica that caches
+        the prompt's prefix (the router's hint); with ``--kv-transfer-config`` its missing prefix
+        blocks are pulled from there first (``kv_peer_auth``: the Authorization header to send).
 
         Consecutive outputs produced while the consumer was busy are coalesced into one
         (cumulative: the latest; deltas: joined with ``RequestOutput.add``).
@@ -203,6 +215,11 @@ class AsyncLLMEngine:
         if prepared.grammar is not None:
             # Compiled on the grammar thread pool; only this request waits (StructuredOutputError: 400).
             await asyncio.shield(asyncio.wrap_future(prepared.grammar))  # a cancelled wait keeps the shared compile
+            self._check_alive()
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.kv_puller is not None and (kv_peer is not None or self.kv_puller.disk is not None):
+            await self.kv_puller.pull(prepared.requests[0], kv_peer, kv_peer_auth)
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -273,6 +290,20 @@ class AsyncLLMEngine:
     def kv_events_snapshot(self) -> dict | None:
         """The KV events snapshot (thread-safe: read from the publisher, not the engine thread)."""
         return self.engine.kv_events_snapshot()
+
+    async def kv_blocks(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]] | None:
+        """``(hash, payload)`` of the leading run of ``block_hashes`` this replica caches (read in
+        the engine thread); None when it does not serve blocks (``--kv-transfer-config``)."""
+        transfer = self.config.kv_transfer_config
+        if transfer is None or not transfer.serves:
+            return None
+        return await self._call(export_blocks, self.engine, block_hashes)
+
+    def kv_block_layout(self):
+        """The :class:`~kvfleet.runtime.kv_transfer.wire.BlockLayout` of this replica's blocks."""
+        from kvfleet.runtime.worker.kv_blocks import block_layout
+
+        return block_layout(self.engine.runner, self.engine.model_name, self.engine.loaded.quantization)
 
     # ------------------------------------------------------------------ engine thread
     def _check_alive(self) -> None:

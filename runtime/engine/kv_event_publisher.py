@@ -78,6 +78,13 @@ class KVEventPublisher:
         with self._lock:
             return ev.BlockSnapshot(self.seq, self.block_size, sorted(self._cached))
 
+    def snapshot_json(self) -> dict:
+        """The snapshot as ``GET /kv_events/snapshot`` answers it: ``seq``, ``block_size``, the
+        ``endpoint`` the events go out on (None with ``publisher="null"``), ``block_hashes`` (hex)."""
+        snap = self.snapshot()
+        return {"seq": snap.seq, "block_size": snap.block_size, "endpoint": self.bound_endpoint,
+                "block_hashes": [h.hex() for h in snap.block_hashes]}
+
     def close(self) -> None:
         if self._socket is not None:
             self._socket.close(0)

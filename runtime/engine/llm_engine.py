@@ -43,6 +43,7 @@ from kvfleet.runtime.core.request import RequestStatus
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.engine.input_processor import InputProcessor, PreparedRequest
+from kvfleet.runtime.engine.kv_disk import disk_writer
 from kvfleet.runtime.engine.kv_event_publisher import KVEventPublisher
 from kvfleet.runtime.engine.output_processor import OutputProcessor, OutputProcessorOutput, SequenceUpdate
 from kvfleet.runtime.engine.outputs import RequestOutput
@@ -131,7 +132,8 @@ class LLMEngine:
         kv_events = config.kv_events_config
         self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size)
                                    if kv_events is not None and kv_events.enable_kv_cache_events else None)
-        """Publishes the block pool's KV cache events after each step (None: events off)."""
+        self.kv_event_sinks = [s for s in (self.kv_event_publisher, disk_writer(self)) if s is not None]
+        """Each step's KV events go to these: the ZMQ publisher (None: events off), the disk tier's writer."""
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -239,8 +241,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (idempotent). The engine cannot step after
         it (a step raises ``TensorParallelError``); with ``tensor_parallel_size=1`` a no-op."""
         self.structured_output.shutdown()
-        if self.kv_event_publisher is not None:
-            self.kv_event_publisher.close()
+        for sink in self.kv_event_sinks:
+            sink.close()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -281,17 +283,14 @@ class LLMEngine:
         return done
 
     def _publish_kv_events(self) -> None:
-        if self.kv_event_publisher is not None:
-            self.kv_event_publisher.publish(self.scheduler.kv_cache_manager.take_events())
+        events = self.scheduler.kv_cache_manager.take_events()
+        for sink in self.kv_event_sinks:
+            sink.publish(events)
 
     def kv_events_snapshot(self) -> dict | None:
         """The cached block hashes (hex) after KV event batch ``seq`` and the ZMQ endpoint the
         events go out on (None with ``publisher="null"``); None when events are off."""
-        if self.kv_event_publisher is None:
-            return None
-        snap = self.kv_event_publisher.snapshot()
-        return {"seq": snap.seq, "block_size": snap.block_size, "endpoint": self.kv_event_publisher.bound_endpoint,
-                "block_hashes": [h.hex() for h in snap.block_hashes]}
+        return None if self.kv_event_publisher is None else self.kv_event_publisher.snapshot_json()
 
     # ------------------------------------------------------------------ requests in
     def prepare_request(

@@ -84,7 +84,11 @@ class EngineClient(Protocol):
         tenant: str | None = None,
         lora_name: str | None = None,
         resume_output_ids: list[list[int]] | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+        kv_peer: str | None = None,
+        kv_peer_auth: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """``kv_peer`` (the router's hint, docs/routing.md "Peer KV pull"): a replica to pull the
+        prompt's missing prefix blocks from before queueing it; ``kv_peer_auth`` its Authorization."""
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -106,6 +110,13 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every unreferenced cached KV block; whether the reset happened."""
+
+    async def kv_blocks(self, block_hashes: list[bytes]) -> list[tuple[bytes, bytes]] | None:
+        """``(hash, payload)`` of the leading run of ``block_hashes`` this replica caches; None when it
+        does not serve blocks (``--kv-transfer-config`` off or ``kv_role`` ``kv_consumer``)."""
+
+    def kv_block_layout(self) -> Any:
+        """The :class:`~kvfleet.runtime.kv_transfer.wire.BlockLayout` of this replica's KV blocks."""
 
     def kv_events_snapshot(self) -> dict | None:
         """``{"seq", "block_size", "block_hashes"}`` (hex): every block hash in the prefix cache

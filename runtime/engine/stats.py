@@ -46,6 +46,14 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     """ITL of each request that got a further token this step, seconds."""
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    num_pulled_tokens: int = 0
+    """Delta: prompt tokens whose KV was pulled from a peer replica (``--kv-transfer-config``)."""
+    num_disk_loaded_tokens: int = 0
+    """Delta: prompt tokens whose KV was loaded from the disk tier (``kv_transfer_config.disk_path``)."""
+    kv_disk_bytes: int | None = None
+    """A state, not a delta: the disk tier's bytes after its latest writes (None: not reported here)."""
+    kv_pull_failures: list[str] = field(default_factory=list)
+    """The reason of each refused or failed pull (:class:`kvfleet.runtime.kv_transfer.wire.TransferError`)."""
 
 
 class StatLoggerBase:

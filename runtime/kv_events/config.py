@@ -8,10 +8,11 @@ applies the batches with a larger ``seq`` (docs/routing.md, "Precise prefix rout
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvfleet.runtime.json_option import parse_json_option
 
 
 class KVEventsConfig(BaseModel):
@@ -43,15 +44,4 @@ class KVEventsConfig(BaseModel):
 
         Raises:
             ValueError: not JSON, not an object, or a field pydantic refuses."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config: not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config: a JSON object is expected, got {type(value).__name__}")
-        return cls.model_validate(value)
+        return parse_json_option(cls, value, "kv_events_config")

@@ -53,9 +53,10 @@ class RouterState:
         picker_kw = {"load_factor": settings.load_factor, "virtual_nodes": settings.virtual_nodes,
                      "min_capacity": settings.min_capacity}
         self.kv_index: KVIndex | None = None
-        """The replicas' cached blocks (``precise-prefix-cache`` only)."""
-        if settings.routing_algorithm == "precise-prefix-cache":
+        """The replicas' cached blocks (``precise-prefix-cache`` or ``--kv-peer-hint``)."""
+        if settings.routing_algorithm == "precise-prefix-cache" or settings.kv_peer_hint:
             self.kv_index = KVIndex()
+        if settings.routing_algorithm == "precise-prefix-cache":
             self.picker: Picker = PrecisePicker(self.kv_index, **picker_kw)
         else:
             self.picker = Picker(settings.routing_algorithm, **picker_kw)
@@ -88,7 +89,8 @@ def create_app(settings: RouterSettings) -> Starlette:
                   "max_migrations": settings.max_migrations}
         tasks = [asyncio.create_task(prober.run())]
         if state.kv_index is not None:
-            state.forwarder = PreciseForwarder(*fwd_args, index=state.kv_index, **fwd_kw)
+            state.forwarder = PreciseForwarder(*fwd_args, index=state.kv_index, kv_peer_hint=settings.kv_peer_hint,
+                                               **fwd_kw)
             subscriber = KVSubscriber(state.kv_index, probe_client, topic=settings.kv_events_topic,
                                       api_key=settings.api_key)
             tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))

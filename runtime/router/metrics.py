@@ -55,6 +55,8 @@ class RouterMetrics:
                                   "by reason (upstream_error, upstream_closed, drain).", ["reason"], registry=r)
         self.migrated_tokens = Counter(PREFIX + "router_migrated_tokens", "Delivered output tokens replayed "
                                        "on the replica a stream migrated to.", registry=r)
+        self.kv_peer_hints = Counter(PREFIX + "router_kv_peer_hints", "Requests sent with an x-kvfleet-kv-peer hint "
+                                     "(--kv-peer-hint: another replica caches a longer prefix).", registry=r)
         for decision in ("hit", "spill", "fallback"):
             self.decisions.labels(decision)
 

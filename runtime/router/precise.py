@@ -10,6 +10,10 @@ yet) the request carries no hashes and the picker falls back to the char-prefix 
 a LoRA adapter or with a ``cache_salt`` hash differently on the replica, match no block, and so
 fall back the same way.
 
+With ``--kv-peer-hint`` (any routing algorithm) the forwarder also tells the chosen replica, in
+``x-kvfleet-kv-peer``, which other available replica caches a longer prefix of the prompt, so that
+the replica pulls those blocks instead of recomputing them (docs/routing.md, "Peer KV pull").
+
 :class:`PreciseForwarder` computes the hashes once per request and hands them to
 :class:`PrecisePicker` through a context variable (the proxy's pick call is unchanged).
 """
@@ -24,7 +28,7 @@ import httpx
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
 from kvfleet.runtime.router.kv_index import KVIndex
 from kvfleet.runtime.router.picker import Picker
-from kvfleet.runtime.router.proxy import Forwarder
+from kvfleet.runtime.router.proxy import KV_PEER_HEADER, Forwarder
 
 _HASHES: contextvars.ContextVar[list[bytes] | None] = contextvars.ContextVar("kvfleet_block_hashes", default=None)
 TOKENIZE_PATHS = {"/v1/completions", "/v1/chat/completions"}
@@ -56,9 +60,25 @@ class PrecisePicker(Picker):
 
 
 class PreciseForwarder(Forwarder):
-    def __init__(self, *args, index: KVIndex, **kw) -> None:
+    """Args: index (the replicas' cached blocks); kv_peer_hint: name, in ``x-kvfleet-kv-peer``, the
+    available replica that caches the longest prefix of the prompt when it is not the one chosen."""
+
+    def __init__(self, *args, index: KVIndex, kv_peer_hint: bool = False, **kw) -> None:
         super().__init__(*args, **kw)
         self.index = index
+        self.kv_peer_hint = kv_peer_hint
+
+    def upstream_headers(self, ep, headers):
+        hashes = _HASHES.get()
+        if not self.kv_peer_hint or not hashes:
+            return headers
+        mine = self.index.matched_blocks(ep.url, hashes)
+        best = max(((self.index.matched_blocks(e.url, hashes), e.url) for e in self.pool.available()
+                    if e.url != ep.url), default=(0, ""))
+        if best[0] <= mine:
+            return headers
+        self.metrics.kv_peer_hints.inc()
+        return [*headers, (KV_PEER_HEADER, best[1].encode())]
 
     async def block_hashes(self, path: str, headers, body: bytes) -> list[bytes] | None:
         block_size = self.index.block_size()

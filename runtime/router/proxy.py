@@ -63,6 +63,8 @@ HOP_BY_HOP = frozenset(
 )
 """Request/response headers never forwarded (RFC 9110 7.6.1; host and content-length are re-derived)."""
 REPLICA_HEADER = "x-kvfleet-replica"
+KV_PEER_HEADER = b"x-kvfleet-kv-peer"
+"""The router's pull hint to a replica (docs/routing.md, "Peer KV pull"); never taken from a client."""
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None,
@@ -214,7 +216,7 @@ class Forwarder:
         if migrate:
             body = json.dumps(upstream_body(parsed)).encode()
         pinned = self.affinity.replica(wanted_response_id(method, path, parsed))
-        fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+        fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() != KV_PEER_HEADER]
         target = path + ("?" + query.decode("latin-1") if query else "")
         tried: set[str] = set()
         deadline: float | None = None
@@ -251,7 +253,8 @@ class Forwarder:
             tried.add(ep.url)
             ep.in_flight += 1
             self.in_flight += 1
-            request = self.client.build_request(method, ep.url + target, headers=fwd_headers, content=body)
+            request = self.client.build_request(method, ep.url + target, headers=self.upstream_headers(ep, fwd_headers),
+                                                content=body)
             t0 = time.perf_counter()
             try:
                 upstream = await self.client.send(request, stream=True)
@@ -279,6 +282,10 @@ class Forwarder:
             if migrate and upstream.status_code == 200:
                 return MigratingResponse(upstream, ep, self, parsed, target, fwd_headers)
             return UpstreamResponse(upstream, ep, self._done)
+
+    def upstream_headers(self, ep: Endpoint, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The headers sent to ``ep`` (a subclass may add its own, e.g. the KV peer hint)."""
+        return headers
 
     async def reopen(self, target: str, headers, body: dict, exclude: set[str]
                      ) -> tuple[httpx.Response, Endpoint] | str:

@@ -37,6 +37,9 @@ class RouterSettings(BaseModel):
     routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = "prefix-hash"
     kv_events_topic: str = ""
     """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
+    kv_peer_hint: bool = False
+    """Read the replicas' KV events (any algorithm) and name, in ``x-kvfleet-kv-peer``, the replica
+    caching a longer prefix than the chosen one (the replicas' ``--kv-transfer-config`` pulls it)."""
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
     load_factor: float = Field(1.25, ge=1.0)
     min_capacity: int = Field(4, ge=1)
@@ -70,6 +73,8 @@ _HELP = {
     "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), precise-prefix-cache (the replicas' KV events: "
                          "longest cached prefix within CHWBL's bound), least-load, or round-robin",
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
+    "kv_peer_hint": "tell the chosen replica (header x-kvfleet-kv-peer) which replica caches a longer prefix of the "
+                    "prompt, from the replicas' KV events, so it pulls the KV instead of recomputing it",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
     "min_capacity": "a replica with fewer requests than this in flight never spills its prefixes (floor of the bound)",
@@ -104,6 +109,8 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
         kw = {"dest": name, "default": argparse.SUPPRESS, "help": _HELP.get(name)}
         if name == "routing_algorithm":
             kw["choices"] = list(ALGORITHMS)
+        if RouterSettings.model_fields[name].annotation is bool:
+            kw["action"] = argparse.BooleanOptionalAction  # --kv-peer-hint / --no-kv-peer-hint
         parser.add_argument(flag, **kw)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items()}
     values: dict[str, object] = {}

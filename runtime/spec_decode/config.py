@@ -7,10 +7,11 @@ unknown fields are refused with their name. Torch-free: the operator and the CLI
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvfleet.runtime.json_option import parse_json_option
 
 
 class SpeculativeConfig(BaseModel):
@@ -55,15 +56,4 @@ class SpeculativeConfig(BaseModel):
 
         Raises:
             ValueError: not JSON, not an object, or a field pydantic refuses."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config: not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: a JSON object is expected, got {type(value).__name__}")
-        return cls.model_validate(value)
+        return parse_json_option(cls, value, "speculative_config")

@@ -113,7 +113,7 @@ def test_operator_imports_without_torch_in_a_fresh_interpreter():
 # Modules of kvfleet.runtime that import neither torch nor transformers, at any depth:
 # the operator may use these (the engine config it writes into the ConfigMap).
 TORCH_FREE_RUNTIME = {"kvfleet.runtime", "kvfleet.runtime.config", "kvfleet.runtime.sampling_params",
-                      "kvfleet.runtime.spec_decode", "kvfleet.runtime.spec_decode.config"}
+                      "kvfleet.runtime.spec_decode", "kvfleet.runtime.spec_decode.config", "kvfleet.runtime.json_option"}
 
 
 def test_operator_uses_only_torch_free_runtime_modules():
@@ -144,6 +144,10 @@ def test_operator_uses_only_torch_free_runtime_modules():
         ("kvfleet.runtime.spec_decode", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.core",
                                          "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench",
                                          "kvfleet.runtime.structured_output", "kvfleet.operator")),
+        # the KV block wire format and the pulling side's HTTP client: torch-free, below the engine
+        ("kvfleet.runtime.kv_transfer", ("kvfleet.runtime.engine", "kvfleet.runtime.worker", "kvfleet.runtime.core",
+                                         "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench", "kvfleet.runtime.router",
+                                         "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],

@@ -37,6 +37,7 @@ from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvfleet.runtime.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding, embeddings_router
 from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
+from kvfleet.runtime.entrypoints.openai.serving_kv_blocks import kv_blocks_router
 from kvfleet.runtime.entrypoints.openai.serving_lora import lora_model_cards, lora_router
 from kvfleet.runtime.entrypoints.openai.serving_responses import OpenAIServingResponses, responses_router
 from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
@@ -131,6 +132,7 @@ def create_app(
     app.include_router(lora_router(_AUTH, _parse_body))
     app.include_router(responses_router(_AUTH, _parse_body))
     app.include_router(embeddings_router(_AUTH, _parse_body))
+    app.include_router(kv_blocks_router(_AUTH))
     app.add_middleware(lifecycle.InFlight, state=state)
     return app
 

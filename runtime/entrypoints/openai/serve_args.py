@@ -147,6 +147,9 @@ _HELP = {
                           "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": n}",
     "kv_events_config": "KV cache events, a JSON object: {\"enable_kv_cache_events\": true, \"publisher\": "
                         "\"zmq\"|\"null\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}",
+    "kv_transfer_config": "peer KV pull, a JSON object: {\"kv_connector\": \"PeerPullConnector\", \"kv_role\": "
+                          "\"kv_both\"|\"kv_producer\"|\"kv_consumer\", \"min_pull_blocks\": 4, "
+                          "\"max_concurrent_pulls\": 2, \"pull_timeout\": 30}",
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 

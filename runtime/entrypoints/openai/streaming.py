@@ -20,6 +20,7 @@ from fastapi import Request
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import protocol as P
+from kvfleet.runtime.kv_transfer.peer_pull import PEER_HEADER as KV_PEER_HEADER
 from kvfleet.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvfleet.server")
@@ -136,6 +137,10 @@ class Submission:
         extra: dict = {"lora_name": self.lora_name} if self.lora_name else {}
         if resume is not None:
             extra["resume_output_ids"] = resume
+        peer = self.http_request.headers.get(KV_PEER_HEADER)
+        if peer:  # the router's hint: a replica that caches this prompt's prefix (docs/routing.md)
+            extra["kv_peer"] = peer
+            extra["kv_peer_auth"] = self.http_request.headers.get("authorization")
         try:
             async with aclosing(
                 self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant, **extra)

@@ -108,7 +108,8 @@ def test_vllm_compat_exports_the_same_series_under_vllm_names():
     f = families(lg)
     kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
     vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
-    assert vl == kv | {"gpu_cache_usage_perc"} and len(kv) == 26  # v0's name, which GIE's picker reads
+    kvfleet_only = {"kv_pull_tokens", "kv_pull_failures", "kv_disk_load_tokens", "kv_disk_usage_bytes"}  # peer pull, disk tier: not vLLM's
+    assert vl == (kv - kvfleet_only) | {"gpu_cache_usage_perc"} and len(kv) == 30  # v0's name, which GIE's picker reads
     assert value(f, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75
     assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
     assert value(f, "vllm:kv_cache_usage_perc") == 0.75
@@ -152,3 +153,20 @@ def test_vllm_request_phase_iteration_and_param_histograms():
     assert value(f, "kvfleet:request_params_max_tokens", "_sum") == 32
     assert bucket_bounds(f, "kvfleet:request_params_max_tokens") == build_1_2_5_buckets(512)
     assert "kvfleet:gpu_cache_usage_perc" not in f  # the alias is vllm:'s only
+
+
+def test_kv_pull_counters():
+    lg = PrometheusStatLogger("m", max_model_len=512)
+    lg.record(None, IterationStats(num_pulled_tokens=64))
+    lg.record(None, IterationStats(num_pulled_tokens=32, kv_pull_failures=["digest", "digest", "http"]))
+    f = families(lg)
+    assert value(f, "kvfleet:kv_pull_tokens", "_total", model_name="m") == 96
+    assert value(f, "kvfleet:kv_pull_failures", "_total", reason="digest") == 2
+    assert value(f, "kvfleet:kv_pull_failures", "_total", reason="http") == 1
+    assert value(f, "kvfleet:prompt_tokens", "_total") == 0  # pulled tokens are not computed ones
+    lg.record(None, IterationStats(num_disk_loaded_tokens=16, kv_disk_bytes=5000))
+    f = families(lg)
+    assert value(f, "kvfleet:kv_disk_load_tokens", "_total") == 16
+    assert value(f, "kvfleet:kv_disk_usage_bytes") == 5000
+    vllm_only = families(PrometheusStatLogger("m", prefixes=("vllm:",), max_model_len=512))
+    assert not [n for n in vllm_only if n.startswith("kvfleet:")]

@@ -1,0 +1,89 @@
+"""Pure: ``spec.engine.kvCache.tiers`` (docs/routing.md, "Peer KV pull" and "Disk tier") into the
+runtime's config keys, the runtime pod's disk-tier volume and the router's flag.
+
+- ``peer``: ``kv_transfer_config`` with ``kv_role: kv_both`` (and the tier's ``minPullBlocks`` /
+  ``maxConcurrentPulls``), ``kv_events_config`` publishing on ``tcp://*:5557`` (the router
+  follows it), and ``--kv-peer-hint`` on the router (``spec.router``);
+- ``disk``: ``disk_path`` (the tier's ``path``, default :data:`DEFAULT_DISK_PATH`) and
+  ``disk_max_bytes`` (its ``size``), on a volume ``kv-disk``: an ``emptyDir`` whose
+  ``sizeLimit`` is that size (a restarted container starts warm), the node's ``hostPath`` (a pod
+  restarted on the same node does) or a shared ``claimName`` (a scaled-up replica does: the
+  replicas write to one folder, renames are atomic; a file another replica's bound deleted is a
+  miss, counted and recomputed).
+
+Keys the user sets in ``engine.extraArgs`` are not overridden (the builder refuses duplicates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvfleet.operator.crd import InvalidSpec
+
+DEFAULT_DISK_PATH = "/var/cache/kvfleet/kv"
+KV_EVENTS_ENDPOINT = "tcp://*:5557"
+VOLUME = "kv-disk"
+
+
+def tiers(engine: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The tiers of an (effective) ``spec.engine``, by type."""
+    return {t["type"]: t for t in ((engine.get("kvCache") or {}).get("tiers") or [])}
+
+
+def _bytes(size: Any) -> int:
+    from kubernetes.utils import parse_quantity
+
+    try:
+        value = int(parse_quantity(size))
+    except ValueError as e:
+        raise InvalidSpec("InvalidKVCacheTier", f"engine.kvCache.tiers: disk size {size!r}: {e}") from None
+    if value < 1:
+        raise InvalidSpec("InvalidKVCacheTier", f"engine.kvCache.tiers: disk size {size!r} must be positive")
+    return value
+
+
+def engine_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime config keys of the tiers (empty without tiers)."""
+    by_type = tiers(engine)
+    if not by_type:
+        return {}
+    extra = engine.get("extraArgs") or {}
+    transfer: dict[str, Any] = {"kv_connector": "PeerPullConnector",
+                                "kv_role": "kv_both" if "peer" in by_type else "kv_producer"}
+    keys: dict[str, Any] = {}
+    peer = by_type.get("peer")
+    if peer is not None:
+        for camel, snake in (("minPullBlocks", "min_pull_blocks"), ("maxConcurrentPulls", "max_concurrent_pulls")):
+            if peer.get(camel) is not None:
+                transfer[snake] = peer[camel]
+        if "kv_events_config" not in extra:
+            keys["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                        "endpoint": KV_EVENTS_ENDPOINT}
+    disk = by_type.get("disk")
+    if disk is not None:
+        transfer["disk_path"] = disk.get("path") or DEFAULT_DISK_PATH
+        transfer["disk_max_bytes"] = _bytes(disk["size"])
+    if "kv_transfer_config" not in extra:
+        keys["kv_transfer_config"] = transfer
+    return keys
+
+
+def disk_volume(engine: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(runtime mounts, pod volumes)`` of the disk tier (both empty without one)."""
+    disk = tiers(engine).get("disk")
+    if disk is None:
+        return [], []
+    mount = {"name": VOLUME, "mountPath": disk.get("path") or DEFAULT_DISK_PATH}
+    if disk.get("hostPath"):
+        volume = {"name": VOLUME, "hostPath": {"path": disk["hostPath"], "type": "DirectoryOrCreate"}}
+    elif disk.get("claimName"):
+        volume = {"name": VOLUME, "persistentVolumeClaim": {"claimName": disk["claimName"]}}
+    else:
+        volume = {"name": VOLUME, "emptyDir": {"sizeLimit": str(disk["size"])}}
+    return [mount], [volume]
+
+
+def router_args(engine: Mapping[str, Any]) -> list[str]:
+    """``--kv-peer-hint`` with a peer tier (the router names the peer a replica pulls from)."""
+    return ["--kv-peer-hint"] if "peer" in tiers(engine) else []

@@ -1,0 +1,179 @@
+"""Peer KV pull in the engine (issue 29; ``--kv-transfer-config``, docs/routing.md "Peer KV pull").
+
+Serving side: :func:`export_blocks` (engine thread) reads the leading run of the asked hashes
+that the block pool caches. Pulling side: :class:`KVPuller` (event loop) decides from the
+prompt's hash chain whether a pull is worth it (at least ``min_pull_blocks`` leading blocks
+missing locally; never for a LoRA adapter, a ``cache_salt`` or prompt logprobs, whose blocks hash
+differently or must be computed), fetches them from the peer
+(:class:`~kvfleet.runtime.kv_transfer.peer_pull.PeerFetcher`: every frame checked) and
+:func:`install_blocks` (engine thread) writes them into fresh blocks and registers them in the
+prefix cache as if computed, before the request is queued: the scheduler then sees prefix hits.
+A refused or failed transfer installs nothing (the prompt is computed as without a peer).
+With a disk tier (``disk_path``, :mod:`kvfleet.runtime.engine.kv_disk`) the prompt's leading
+blocks found on disk are loaded the same way first, with or without a peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvfleet.runtime.engine.kv_disk import DiskWriter
+from kvfleet.runtime.engine.stats import IterationStats
+from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
+from kvfleet.runtime.kv_transfer.peer_pull import PeerFetcher
+from kvfleet.runtime.kv_transfer.wire import TransferError
+from kvfleet.runtime.worker.kv_blocks import block_layout, read_blocks, write_blocks
+
+logger = logging.getLogger(__name__)
+
+
+def _cached_run(pool, hashes) -> list:
+    """The pool's blocks of the leading run of ``hashes`` it caches."""
+    out = []
+    for h in hashes:
+        block = pool.get_cached_block(h)
+        if block is None:
+            break
+        out.append(block)
+    return out
+
+
+def export_blocks(engine, hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """``(hash, payload)`` of the leading run of ``hashes`` this engine caches (engine thread)."""
+    blocks = _cached_run(engine.scheduler.kv_cache_manager.block_pool, hashes)
+    return list(zip(hashes, read_blocks(engine.runner.kv_caches, [b.block_id for b in blocks])))
+
+
+def install_blocks(engine, hashes: list[bytes], token_ids: list[int], start: int,
+                   pulled: list[tuple[bytes, bytes]]) -> int:
+    """Register ``pulled`` (blocks ``start, start + 1, ...`` of the chain ``hashes`` of
+    ``token_ids``) in the prefix cache (engine thread). Blocks cached meanwhile are kept as
+    they are; the run stops where the pool has no free block left. Returns the tokens installed
+    (0 when the cached prefix the pull extends was evicted meanwhile)."""
+    pool, bs = engine.scheduler.kv_cache_manager.block_pool, engine.config.block_size
+    if not pool.enable_caching:
+        return 0
+    chain = _cached_run(pool, hashes[:start])
+    if len(chain) < start:
+        return 0
+    pool.touch(chain)  # no allocation below may evict the prefix the pulled blocks extend
+    todo = []  # (index in the chain, hash, payload, fresh block)
+    try:
+        for i, (h, payload) in enumerate(pulled, start):
+            block = pool.get_cached_block(h)
+            if block is not None:
+                pool.touch([block])
+            elif pool.num_free_blocks == 0:
+                break
+            else:
+                (block,) = pool.get_new_blocks(1)
+                todo.append((i, h, payload, block))
+            chain.append(block)
+        write_blocks(engine.runner.kv_caches, [t[3].block_id for t in todo], [t[2] for t in todo])
+        for i, h, _, block in todo:
+            pool.cache_block(block, h, token_ids[i * bs:(i + 1) * bs], hashes[i - 1] if i else None)
+    finally:  # whatever happens, every reference taken here is dropped (fresh blocks unwritten: uncached)
+        pool.free_blocks(reversed(chain))  # the deepest block is evicted first, as a finished request's
+    engine._publish_kv_events()
+    return len(todo) * bs
+
+
+class KVPuller:
+    """The pulling side of one engine (``LLMEngine`` ``engine``); ``call(fn, *args)`` awaits
+    ``fn`` in the engine thread. Sources, in order: the disk tier (``disk_path``), then the peer
+    the router names (``kv_role`` ``kv_both`` / ``kv_consumer``)."""
+
+    def __init__(self, engine, call) -> None:
+        self.engine = engine
+        self.call = call
+        self.config = engine.config.kv_transfer_config
+        self.layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
+        self.fetcher = PeerFetcher(self.config, self.layout) if self.config.pulls else None
+        self.disk = next((s.disk for s in engine.kv_event_sinks if isinstance(s, DiskWriter)), None)
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        """First missing block hash -> the fill in progress from there (event loop only)."""
+
+    def missing_blocks(self, request) -> tuple[list[bytes], int]:
+        """The prompt's hash chain (blocks a hit may cover) and how many lead it cached locally
+        (read from the event loop: a hint, :func:`install_blocks` checks again)."""
+        bs = self.engine.config.block_size
+        tokens = request.prompt_token_ids
+        hashes = prompt_block_hashes(tokens[:((len(tokens) - 1) // bs) * bs], bs)
+        return hashes, len(_cached_run(self.engine.scheduler.kv_cache_manager.block_pool, hashes))
+
+    def eligible(self, request) -> bool:
+        """Base-model prompts without a cache salt or prompt logprobs, with prefix caching on."""
+        return self.engine.config.enable_prefix_caching and not (
+            request.lora_int_id or request.cache_salt or request.sampling_params.prompt_logprobs is not None)
+
+    async def aclose(self) -> None:
+        if self.fetcher is not None:
+            await self.fetcher.aclose()
+
+    async def pull(self, request, peer: str | None = None, authorization: str | None = None) -> int:
+        """Fill ``request``'s missing prefix blocks from the disk tier, then from ``peer`` when
+        worth it; the tokens installed. Requests whose first missing block is the same (a burst
+        sharing a new prefix) take turns: each looks again once the one before is done, so a
+        prefix is fetched once."""
+        if not self.eligible(request):
+            return 0
+        hashes, local = self.missing_blocks(request)
+        while local < len(hashes) and (pending := self._inflight.get(hashes[local])) is not None:
+            await asyncio.shield(pending)
+            hashes, local = self.missing_blocks(request)
+        if local == len(hashes):
+            return 0
+        done = self._inflight[hashes[local]] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._fill(request, hashes, local, peer, authorization)
+        except Exception:  # an optimisation: its failure must never fail the request
+            logger.exception("KV fill failed, recomputing")
+            self._record(IterationStats(kv_pull_failures=["error"]))
+            return 0
+        finally:
+            del self._inflight[hashes[local]]
+            done.set_result(None)
+
+    async def _fill(self, request, hashes: list[bytes], local: int, peer: str | None, authorization: str | None
+                    ) -> int:
+        tokens = list(request.prompt_token_ids)
+        total = 0
+        if self.disk is not None and self.disk.leading_run(hashes[local:local + 1]):
+            loaded = await asyncio.to_thread(self._read_disk, hashes[local:])
+            if loaded:
+                total = await self.call(install_blocks, self.engine, hashes, tokens, local, loaded)
+                self._record(IterationStats(num_disk_loaded_tokens=total))
+                hashes, local = self.missing_blocks(request)
+        if peer is None or self.fetcher is None or len(hashes) - local < self.config.min_pull_blocks:
+            return total
+        try:
+            pulled = await self.fetcher.fetch(peer, hashes[local:], authorization)
+        except TransferError as exc:
+            logger.warning("KV pull from %s refused, recomputing: %s", peer, exc)
+            self._record(IterationStats(kv_pull_failures=[exc.reason]))
+            return total
+        if not pulled:
+            return total
+        installed = await self.call(install_blocks, self.engine, hashes, tokens, local, pulled)
+        self._record(IterationStats(num_pulled_tokens=installed))
+        return total + installed
+
+    def _read_disk(self, hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """The leading run of ``hashes`` the disk tier holds, read and checked (a worker thread)."""
+        out = []
+        for h in hashes[:self.disk.leading_run(hashes)]:
+            try:
+                out.append((h, self.disk.get(h)))
+            except TransferError as exc:
+                logger.warning("KV disk tier: block %s refused: %s", h.hex(), exc)
+                self._record(IterationStats(kv_pull_failures=["disk_" + exc.reason]))
+                break
+        return out
+
+    def _record(self, iteration: IterationStats) -> None:
+        for stat_logger in self.engine.stat_loggers:  # prometheus-client is thread-safe
+            try:
+                stat_logger.record(None, iteration)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
