@@ -13,7 +13,8 @@ position emits a sample of ``p``, so the target distribution is kept, and greedy
 requests emit exactly the tokens they emit without speculation, whatever the batch. Then
 :meth:`Speculator.propose` guesses the next drafts of every request that sampled, by the
 configured model-free method (``ngram``: prompt lookup; ``suffix``: suffix decoding), with an
-adaptive ``k`` per request and a cap on the step's rows.
+adaptive ``k`` per request and a cap on the step's rows (``CPU_STEP_ROWS`` with the fused CPU
+decoder, shared evenly by the requests).
 
 Which requests speculate: not those asking for logprobs (their per-token logprobs would need
 every verified row's), and none while ``disable_by_batch_size`` or more requests sample. A
@@ -37,6 +38,10 @@ PROBE_EVERY = 8
 """Steps between one-token probes of a request whose acceptance fell below the threshold."""
 EMA_WEIGHT = 0.3
 """Weight of the latest draft's acceptance in a request's running average."""
+CPU_STEP_ROWS = 32
+"""Most rows (one per request plus the drafts) a step of the fused CPU decoder is given with
+drafts: beyond it a step is compute-bound and a draft row costs about what a plain row does, for
+less than a token (docs/benchmarks.md, "Speculative decoding")."""
 
 
 @dataclass
@@ -135,20 +140,21 @@ class Speculator:
     def propose(self, req_ids: list[str], requests: list[SamplingRow],
                 emitted: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled, by request id (requests with
-        none are absent). ``emitted``: the tokens each got this step (not yet in its state)."""
+        none are absent). ``emitted``: the tokens each got this step (not yet in its state). With
+        ``max_step_rows``, the drafts of a step share what is left of it after one row per
+        request, evenly (what a request does not use goes to the ones after it)."""
         cfg = self.config
         if cfg.disable_by_batch_size is not None and len(req_ids) >= cfg.disable_by_batch_size:
             return {}
         spare = None if self.max_step_rows is None else self.max_step_rows - len(req_ids)
+        candidates = [(rid, req) for rid, req in zip(req_ids, requests) if req.sampling_params.logprobs is None]
         out: dict[str, list[int]] = {}
-        for rid, req in zip(req_ids, requests):
-            if spare is not None and spare <= 0:
-                break
-            if req.sampling_params.logprobs is not None:
-                continue
+        for i, (rid, req) in enumerate(candidates):
             k = self._budget(rid)
             if spare is not None:
-                k = min(k, spare)
+                if spare <= 0:
+                    break
+                k = min(k, max(1, spare // (len(candidates) - i)))
             if k <= 0:
                 continue
             context = req.prompt_token_ids + req.output_token_ids + emitted.get(rid, [])

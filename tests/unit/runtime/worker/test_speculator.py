@@ -66,8 +66,10 @@ def test_proposals_respect_the_step_rows_batch_size_and_logprobs():
     ids = ["a", "b", "c"]
     reqs = [state(SamplingParams(temperature=0.0), prompt=(7, 8, 9, 7, 8, 9, 7, 8), rid=r) for r in ids]
     spec = speculator(num_speculative_tokens=3)
-    spec.max_step_rows = 5  # 3 rows + 2 drafts
-    assert spec.propose(ids, reqs, {}) == {"a": [9, 7]}
+    spec.max_step_rows = 5  # 3 rows + 2 drafts, shared: one each for the first two
+    assert spec.propose(ids, reqs, {}) == {"a": [9], "b": [9]}
+    spec.max_step_rows = 12  # 9 drafts: three each
+    assert spec.propose(ids, reqs, {}) == {r: [9, 7, 8] for r in ids}
     assert speculator(disable_by_batch_size=3).propose(ids, reqs, {}) == {}
     lp = state(SamplingParams(temperature=0.0, logprobs=1), prompt=(7, 8, 9, 7, 8))
     assert speculator().propose(["x"], [lp], {}) == {}
