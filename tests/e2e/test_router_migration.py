@@ -284,7 +284,7 @@ def read_sdk_stream(base: str, kind: str, kwargs: dict, started: threading.Event
     """One streamed chat request through the official ``openai`` SDK (no retries: a resent request
     would hide a cut). Same result shape as :func:`read_stream`; an error event raises ``APIError``."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=180)
-    out = {"text": {}, "finish": {}, "ids": set(), "usage": None, "errors": [], "done": True, "replica": None}
+    out = {"text": {}, "finish": {}, "ids": set(), "usage": None, "errors": [], "done": False, "replica": None}
     assert kind == "chat"
     tokens = 0
     with client.chat.completions.with_streaming_response.create(**kwargs) as response:
@@ -301,6 +301,8 @@ def read_sdk_stream(base: str, kind: str, kwargs: dict, started: threading.Event
                     out["finish"][c.index] = c.finish_reason
             if started is not None and tokens >= AT:
                 started.set()
+    # the SDK consumes ``[DONE]`` itself; the usage chunk is the last one the server sends before it
+    out["done"] = out["usage"] is not None
     return out
 
 
