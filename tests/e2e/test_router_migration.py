@@ -1,12 +1,17 @@
 """End to end (issue 27): streams that survive their replica. Two real `kvfleet serve` replicas
-(the default model, ``--drain-handoff-grace 0.5``) behind `kvfleet router`; streams share a long
+(the default model, ``--drain-handoff-grace 2``) behind `kvfleet router`; streams share a long
 system prompt so the router sends them to one replica, which is then SIGKILLed (or SIGTERMed)
-mid-stream. Every client stream must end with ``[DONE]``, the full token count, ``finish_reason:
-length`` and the text of an uninterrupted run: greedy chat, seeded sampled chat, a ``json_schema``
-chat (valid JSON) and an ``n = 2`` completion; then a greedy completion across a drain hand-off;
-then the router's own SIGTERM drain (a second router over one of the replicas): its stream
-completes, a new request is refused, the process exits 0. Short streams (64 tokens) keep the
-module within the CI budget.
+mid-stream and restarted in the background. Every client stream must end with the full token
+count, ``finish_reason: length`` and the text of an uninterrupted run of the same requests.
+
+- Short (64 tokens, raw SSE: ``[DONE]``, no ``kvfleet_*`` field leaks): greedy chat, seeded sampled
+  chat, a ``json_schema`` chat and an ``n = 2`` completion, one SIGKILL.
+- The issue's sizes, through the official ``openai`` SDK: 6 greedy 300-token chat streams plus a
+  seeded sampled one, a ``json_schema`` one (valid JSON, greedy: identical) and an ``n = 2`` one
+  (both choices complete), SIGKILL after ~50 tokens; the 6 greedy ones again with SIGTERM, handed
+  off after the 2 s drain grace (``migrations_total{reason="drain"}`` counts all 6).
+- The router's own SIGTERM drain (a second router over one replica): its stream completes, a new
+  request is refused, the process exits 0.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.serve import free_port, start_serve, stop_serve
@@ -27,7 +33,7 @@ from support.serve import free_port, start_serve, stop_serve
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-SERVE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "64MiB", "--drain-handoff-grace", "0.5"]
+SERVE_ARGS = ["--max-model-len", "512", "--kv-cache-memory", "192MiB", "--drain-handoff-grace", "2"]
 MAX = 64
 SYSTEM = ("You are a patient storyteller for a library's reading hour. " * 6).strip()
 SCHEMA = {"type": "object", "properties": {
@@ -121,29 +127,59 @@ def fleet(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda i: start_serve(SERVE_ARGS, tmp / f"r{i}.log", port=ports[i])[0], range(2)))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    router, base = start_router(["--endpoints", ",".join(urls), "--probe-interval", "0.2", "--min-capacity", "8"], tmp / "router.log")
-    state = {"procs": procs, "urls": urls, "ports": ports, "base": base, "tmp": tmp}
+    router, base = start_router(["--endpoints", ",".join(urls), "--probe-interval", "0.2", "--min-capacity", "16"], tmp / "router.log")
+    restarter = concurrent.futures.ThreadPoolExecutor(1)
+    state = {"procs": procs, "urls": urls, "ports": ports, "base": base, "tmp": tmp, "restarter": restarter,
+             "restarting": None}
     yield state
     router.terminate()
+    if state["restarting"] is not None:
+        victim, future = state["restarting"]
+        state["procs"][victim] = future.result()
+    restarter.shutdown()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each drains ~2 s: stop them (and the router) at once
+        list(pool.map(stop_serve, state["procs"]))
     router.wait(20)
-    for proc in state["procs"]:
-        stop_serve(proc)
 
 
-def disrupt_mid_stream(fleet, requests: dict, sig: signal.Signals) -> dict:
-    """Run ``requests`` at once; after 20 chunks of the first, send ``sig`` to its replica; restart it."""
+def _restart_when_gone(fleet, victim: int) -> None:
+    """In the background: wait for the signalled replica to exit, start it again at its address
+    (its model load overlaps the migrated streams); :func:`ready_fleet` joins it."""
+    def restart() -> subprocess.Popen:
+        fleet["procs"][victim].wait(30)
+        log = fleet["tmp"] / f"r{victim}-{time.monotonic_ns()}.log"
+        return start_serve(SERVE_ARGS, log, port=fleet["ports"][victim])[0]
+    fleet["restarting"] = (victim, fleet["restarter"].submit(restart))
+
+
+def ready_fleet(fleet) -> None:
+    """Both replicas up (a restart under way joined) and available at the router, so that the
+    shared prefix sends every stream of a disruption to one of them."""
+    if fleet["restarting"] is not None:
+        victim, future = fleet["restarting"]
+        fleet["restarting"] = None
+        fleet["procs"][victim] = future.result()
+    deadline = time.monotonic() + 60
+    while httpx.get(fleet["base"] + "/ready", timeout=5).json()["available"] < 2:
+        assert time.monotonic() < deadline, "the router does not see both replicas"
+        time.sleep(0.1)
+
+
+def disrupt_mid_stream(fleet, requests: dict, sig: signal.Signals, read=read_stream) -> dict:
+    """Run ``requests`` at once (each with ``read``); once the first has streamed a while (20
+    chunks; ``read_sdk_stream``: ``AT`` tokens), send ``sig`` to its replica; restart it."""
+    ready_fleet(fleet)
     started = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
-        futures = {name: pool.submit(read_stream, fleet["base"], *req, started if i == 0 else None)
+        futures = {name: pool.submit(read, fleet["base"], *req, started if i == 0 else None)
                    for i, (name, req) in enumerate(requests.items())}
         assert started.wait(60)
         victim = 0 if _serving(fleet) == fleet["urls"][0] else 1
         fleet["procs"][victim].send_signal(sig)
+        _restart_when_gone(fleet, victim)
         results = {name: f.result() for name, f in futures.items()}
     for name, result in results.items():  # the shared prefix sent them all to the victim: all migrated
         assert result["replica"] == fleet["urls"][victim], name
-    fleet["procs"][victim].wait(30)
-    fleet["procs"][victim] = start_serve(SERVE_ARGS, fleet["tmp"] / f"r{victim}b.log", port=fleet["ports"][victim])[0]
     return results
 
 
@@ -182,21 +218,8 @@ def test_sigkill_mid_stream_every_stream_completes_identically(fleet):
     assert moved >= 1
 
 
-def test_sigterm_drain_hands_streams_off(fleet):
-    req = {"greedy": ("/v1/completions", {"model": MODEL, "stream": True, "max_tokens": 3 * MAX, "ignore_eos": True,
-                                          "temperature": 0, "stream_options": {"include_usage": True},
-                                          "prompt": f"system\n{SYSTEM}\nuser\nThe dragon said"})}
-    reference = read_stream(fleet["base"], *req["greedy"])
-    t0 = time.monotonic()
-    result = disrupt_mid_stream(fleet, req, signal.SIGTERM)["greedy"]
-    check(result, reference)
-    assert result["usage"]["completion_tokens"] == 3 * MAX and result["finish"] == {0: "length"}
-    assert time.monotonic() - t0 < 90
-    drained = scrape(fleet["base"]).get(("kvfleet:router_migrations_total", (("reason", "drain"),)), 0)
-    assert drained >= 1
-
-
 def test_router_sigterm_lets_its_stream_finish_refuses_new_requests_and_exits_0(fleet):
+    ready_fleet(fleet)
     log = fleet["tmp"] / "router-drain.log"
     proc, base = start_router(["--endpoints", fleet["urls"][0], "--shutdown-timeout", "60",
                                "--probe-interval", "0.2"], log, available=1)
@@ -225,3 +248,99 @@ def test_router_sigterm_lets_its_stream_finish_refuses_new_requests_and_exits_0(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+# --- the issue's full sizes: 300-token streams through the official OpenAI SDK, disrupted after ~50 tokens ---
+
+FULL = 300
+AT = 50  # tokens the first stream has received when its replica is signalled
+TOPICS = ["a dragon", "a lighthouse keeper", "a lost key", "a clockmaker", "a river otter", "a snowstorm"]
+LONG_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40},
+    "chapters": {"type": "array", "minItems": 5, "maxItems": 5,
+                 "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                                            "summary": {"type": "string", "maxLength": 80}},
+                           "required": ["name", "summary"]}}},
+    "required": ["title", "chapters"]}
+
+
+def sdk_chat(question: str, **extra) -> tuple[str, dict]:
+    """A streamed chat request as ``openai`` SDK arguments (300 tokens, EOS ignored, usage at the end)."""
+    return "chat", {"model": MODEL, "stream": True, "max_tokens": FULL, "stream_options": {"include_usage": True},
+                    "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+                    "extra_body": {"ignore_eos": True}, **extra}
+
+
+GREEDY6 = {f"greedy{i}": sdk_chat(f"Tell me a story about {topic}.", temperature=0) for i, topic in enumerate(TOPICS)}
+MIXED = {
+    "seeded": sdk_chat("Tell me a story about a fox.", temperature=0.9, top_p=0.95, seed=11),
+    "json": sdk_chat("Describe a long book as JSON.", temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "book", "schema": LONG_SCHEMA}}),
+    "n2": sdk_chat("Tell me a story about a garden.", temperature=0.8, seed=5, n=2),
+}
+
+
+def read_sdk_stream(base: str, kind: str, kwargs: dict, started: threading.Event | None = None) -> dict:
+    """One streamed chat request through the official ``openai`` SDK (no retries: a resent request
+    would hide a cut). Same result shape as :func:`read_stream`; an error event raises ``APIError``."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=180)
+    out = {"text": {}, "finish": {}, "ids": set(), "usage": None, "errors": [], "done": False, "replica": None}
+    assert kind == "chat"
+    tokens = 0
+    with client.chat.completions.with_streaming_response.create(**kwargs) as response:
+        out["replica"] = response.headers.get("x-kvfleet-replica")
+        for chunk in response.parse():
+            out["ids"].add((chunk.id, chunk.created))
+            if chunk.usage is not None:
+                out["usage"] = chunk.usage.model_dump(exclude_none=True)
+            for c in chunk.choices:
+                assert not any(k.startswith("kvfleet") for k in (c.model_extra or {})), c
+                out["text"][c.index] = out["text"].get(c.index, "") + (c.delta.content or "")
+                tokens += bool(c.delta.content) and c.index == 0
+                if c.finish_reason:
+                    out["finish"][c.index] = c.finish_reason
+            if started is not None and tokens >= AT:
+                started.set()
+    # the SDK consumes ``[DONE]`` itself; the usage chunk is the last one the server sends before it
+    out["done"] = out["usage"] is not None
+    return out
+
+
+def _migrations(base: str) -> dict[str, float]:
+    return {dict(labels)["reason"]: v for (k, labels), v in scrape(base).items()
+            if k == "kvfleet:router_migrations_total"}
+
+
+@pytest.fixture(scope="module")
+def full_reference(fleet) -> dict:
+    """Every full-size request at once, uninterrupted (one replica: the shared prefix sends them together)."""
+    requests = {**GREEDY6, **MIXED}
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        return dict(zip(requests, pool.map(lambda r: read_sdk_stream(fleet["base"], *r), requests.values())))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm-drain-2s"])
+def test_full_size_streams_survive_their_replica(fleet, full_reference, sig):
+    """Issue 27 at its sizes: 6 greedy 300-token streams, and with the SIGKILL a seeded sampled one, a
+    ``json_schema`` one and an ``n = 2`` one; after ~50 tokens their replica gets SIGKILL (or SIGTERM,
+    hand-off after a 2 s drain grace): every stream completes with 300 tokens (the JSON: where its
+    grammar ends), ``length``, the uninterrupted text (greedy, seeded, the JSON), valid JSON."""
+    requests = {**GREEDY6, **MIXED} if sig == signal.SIGKILL else GREEDY6
+    before = _migrations(fleet["base"])
+    results = disrupt_mid_stream(fleet, requests, sig, read=read_sdk_stream)
+    for name, result in results.items():
+        check(result, full_reference[name])
+        n = 2 if name == "n2" else 1
+        if name != "json":
+            assert result["finish"] == {i: "length" for i in range(n)}, name
+            assert result["usage"]["completion_tokens"] == FULL * n, name
+            assert all(result["text"][i] for i in range(n)), name
+    after = _migrations(fleet["base"])
+    moved = {r: after[r] - before.get(r, 0) for r in after if after[r] - before.get(r, 0)}
+    if sig == signal.SIGTERM:  # every stream was handed off by the draining replica, none cut
+        assert moved == {"drain": len(requests)}, moved
+        return
+    assert sum(moved.values()) == len(requests) and "drain" not in moved, moved  # each moved once
+    book = json.loads(results["json"]["text"][0])
+    assert len(book["chapters"]) == 5 and results["json"]["finish"] == {0: "stop"}
+    assert results["json"]["usage"]["completion_tokens"] > 2 * AT  # it was still streaming at the kill
