@@ -189,6 +189,7 @@ typedef struct {
     const int32_t *block_tables, *seq_lens;
     int64_t bt_stride;
     int64_t span;           /* output channels per task in the current phase (see spans()) */
+    const int64_t *group;   /* [M]: rows in the group row i leads (0: row i is in an earlier row's group) */
 } kv_step;
 
 static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float *out) {
@@ -368,39 +369,85 @@ static inline int64_t split_of(int64_t blocks, int64_t *per) {
     return blocks ? (blocks + p - 1) / p : 1;
 }
 
-/* Partial attention of row i, KV head g, over the cache blocks of split `part` (of the row's
- * split_of): for each of the group's query heads, the running maximum, the sum of exp(score -
+/* Partial attention of row i, KV head g, over the cache blocks [b0, b1) of split `part` (of the
+ * row's split_of): for each of the group's query heads, the running maximum, the sum of exp(score -
  * maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein 2018, "Online
- * normalizer calculation for softmax"), stored in s->partial for merge_attention. Splitting a
- * sequence's positions (Flash-Decoding's split-K) gives the threads work when one sequence has few
- * KV heads; a task reads each key and value once for all the query heads that share it. Tasks
- * past a row's last split return at once. */
-static void task_attention(const void *ctx, int64_t t) {
-    const kv_step *s = ctx;
+ * normalizer calculation for softmax"), stored in s->partial for merge_attention. `first` starts
+ * the split's sums; blocks are added one call at a time, in order. */
+static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
+                         float *sc) {
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
     const int64_t G = QH / KVH, S = KV_MAX_SPLITS, stride = KVH * D;
-    const int64_t i = t / (KVH * S), g = t / S % KVH, part = t % S;
-    const int64_t len = s->seq_lens[i], blocks = (len + bs - 1) / bs;
-    int64_t per;
-    if (part >= split_of(blocks, &per)) return;
-    const int64_t b0 = part * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+    const int64_t len = s->seq_lens[i];
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
     const float *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const float scale = (float)d->scale;
     float *out = s->partial + ((i * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
+    if (first)
+        for (int64_t j = 0; j < G; j++) {
+            float *o = out + j * S * (D + 2);
+            o[0] = -INFINITY;
+            o[1] = 0.0f;
+            memset(o + 2, 0, D * sizeof(float));
+        }
+    const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+    const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
+    const float *kb = kc + base;
     for (int64_t j = 0; j < G; j++) {
-        float *o = out + j * S * (D + 2);
-        o[0] = -INFINITY;
-        o[1] = 0.0f;
-        memset(o + 2, 0, D * sizeof(float));
+        const float *q = q0 + j * D;
+        float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
+        for (int64_t p = 0; p < n; p += 4) {   /* past n: the last key again (never used) */
+            const float *k0 = kb + p * stride, *k1 = kb + (p + 1 < n ? p + 1 : p) * stride;
+            const float *k2 = kb + (p + 2 < n ? p + 2 : p) * stride, *k3 = kb + (p + 3 < n ? p + 3 : p) * stride;
+            _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, k0, k1, k2, k3, D), _mm_set1_ps(scale)));
+        }
+        for (int64_t p = 0; p < n; p++) bmax = sc[p] > bmax ? sc[p] : bmax;
+        if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
+            float corr = expf(o[0] - bmax);
+            o[1] *= corr;
+            for (int64_t e = 0; e < D; e++) acc[e] *= corr;
+            o[0] = bmax;
+        }
+        __m256 vmx = _mm256_set1_ps(o[0]);
+        for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
+        for (int64_t p = 0; p < n; p++) o[1] += sc[p];
+        if (D == 64) accumulate_values(acc, sc, vc + base, stride, n, 64);
+        else if (D == 128) accumulate_values(acc, sc, vc + base, stride, n, 128);
+        else accumulate_values(acc, sc, vc + base, stride, n, D);
     }
+}
+
+/* Task t = (row i, KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
+ * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
+ * value once for all the query heads that share it. Rows of one sequence at consecutive positions
+ * (a speculative step's last token and drafts: s->group) are done by their first row's tasks,
+ * block by block for all of them, so each block is read from memory once for the group; every
+ * row still sums exactly as it would alone (the same blocks in the same order, its own split and
+ * length). Tasks of rows led by another and past a row's last split return at once. */
+static void task_attention(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, bs = s->d->block_size;
+    const int64_t i = t / (KVH * S), g = t / S % KVH, part = t % S;
+    const int64_t rows = s->group[i];
+    if (rows == 0) return;
+    int64_t b0 = -1, b1 = 0;
+    for (int64_t r = i; r < i + rows; r++) {
+        const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
+        int64_t per;
+        if (part >= split_of(blocks, &per)) continue;
+        const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
+        b0 = b0 < 0 || lo < b0 ? lo : b0;
+        b1 = hi > b1 ? hi : b1;
+    }
+    if (b0 < 0) return;
+    const kv_decoder *d = s->d;
+    const int64_t D = d->head_size, stride = KVH * D;
+    const float *kc = s->L->k_cache, *vc = s->L->v_cache;
+    const int32_t *bt = s->block_tables + i * s->bt_stride;
     float sc[bs + 8];
     for (int64_t b = b0; b < b1; b++) {
-        const int64_t n = len - b * bs < bs ? len - b * bs : bs;
-        const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
-        const float *kb = kc + base;
         if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
                              * and waiting on each line's miss made attention latency-bound */
             const int64_t next = ((int64_t)bt[b + 1] * bs * KVH + g) * D;
@@ -409,27 +456,37 @@ static void task_attention(const void *ctx, int64_t t) {
                 prefetch_span(vc + next + p * stride, D * (int64_t)sizeof(float));
             }
         }
-        for (int64_t j = 0; j < G; j++) {
-            const float *q = q0 + j * D;
-            float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
-            for (int64_t p = 0; p < n; p += 4) {   /* past n: the last key again (never used) */
-                const float *k0 = kb + p * stride, *k1 = kb + (p + 1 < n ? p + 1 : p) * stride;
-                const float *k2 = kb + (p + 2 < n ? p + 2 : p) * stride, *k3 = kb + (p + 3 < n ? p + 3 : p) * stride;
-                _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, k0, k1, k2, k3, D), _mm_set1_ps(scale)));
-            }
-            for (int64_t p = 0; p < n; p++) bmax = sc[p] > bmax ? sc[p] : bmax;
-            if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
-                float corr = expf(o[0] - bmax);
-                o[1] *= corr;
-                for (int64_t e = 0; e < D; e++) acc[e] *= corr;
-                o[0] = bmax;
-            }
-            __m256 vmx = _mm256_set1_ps(o[0]);
-            for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
-            for (int64_t p = 0; p < n; p++) o[1] += sc[p];
-            if (D == 64) accumulate_values(acc, sc, vc + base, stride, n, 64);
-            else if (D == 128) accumulate_values(acc, sc, vc + base, stride, n, 128);
-            else accumulate_values(acc, sc, vc + base, stride, n, D);
+        for (int64_t r = i; r < i + rows; r++) {
+            const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
+            int64_t per;
+            if (part >= split_of(blocks, &per)) continue;
+            const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
+            if (b >= lo && b < hi) attend_block(s, r, g, part, b, b == lo, sc);
+        }
+    }
+}
+
+/* s->group: row i leads a group of the rows i, i + 1, ... of one sequence at consecutive
+ * positions (the same block table, seq_lens one apart, the same split size), at most
+ * KV_GROUP_ROWS; group[i] = its row count, 0 for the rows it leads. */
+enum { KV_GROUP_ROWS = 8 };
+static void group_rows(const kv_step *s, int64_t *group) {
+    const int64_t bs = s->d->block_size;
+    int64_t lead = 0;
+    group[0] = 1;
+    for (int64_t i = 1; i < s->M; i++) {
+        const int64_t blocks = (s->seq_lens[i] + bs - 1) / bs;
+        int64_t per_i, per_l;
+        split_of(blocks, &per_i);
+        split_of((s->seq_lens[lead] + bs - 1) / bs, &per_l);
+        if (s->seq_lens[i] == s->seq_lens[i - 1] + 1 && group[lead] < KV_GROUP_ROWS && per_i == per_l
+            && !memcmp(s->block_tables + i * s->bt_stride, s->block_tables + lead * s->bt_stride,
+                       blocks * sizeof(int32_t))) {
+            group[lead]++;
+            group[i] = 0;
+        } else {
+            lead = i;
+            group[i] = 1;
         }
     }
 }
@@ -495,8 +552,11 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
             return -1;
         }
     }
+    int64_t group[KV_MAX_ROWS];
     kv_step s = {.d = d, .M = M, .x = x, .h = P.scratch, .cos = cos, .sin = sin, .slots = slots,
-                 .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits};
+                 .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits,
+                 .group = group};
+    group_rows(&s, group);
     s.qkv = s.h + M * H;
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;

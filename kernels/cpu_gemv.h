@@ -367,6 +367,58 @@ static inline void canon_tile(int wide, int nw, int R, const float *const *w, co
             out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]))); \
     }
 KV_DEFINE_FEW_I4(1) KV_DEFINE_FEW_I4(2) KV_DEFINE_FEW_I4(3) KV_DEFINE_FEW_I4(4)
+#ifdef __AVX512F__
+/* Six rows in one pass (24 of the 32 registers): a decode step verifying a speculative draft has
+ * 1 + k rows of one sequence (k = 4 by default), which four-row passes widened twice. */
+KV_DEFINE_FEW_I4(5) KV_DEFINE_FEW_I4(6)
+enum { KV_FEW_I4_CHUNK = 6 };
+#else
+enum { KV_FEW_I4_CHUNK = 4 };
+#endif
+
+/* Grouped int8 (i8g_m1's order): each weight block widened and scaled once for all R rows. */
+#ifdef __AVX512F__
+#define KV_DEFINE_FEW_I8G(R)                                                                            \
+    static inline void i8g_few_r##R(const int8_t *w, const float *s, int64_t G, const float *x, int64_t ldx, \
+                                    int64_t K, float *out) {                                            \
+        __m512 a[R][4];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();                                  \
+        int64_t k = 0;                                                                                  \
+        for (; k + 64 <= K; k += 64)                                                                    \
+            for (int c = 0; c < 4; c++) {                                                               \
+                const __m512 wc = _mm512_mul_ps(widen_i8_16(w + k + 16 * c), _mm512_set1_ps(s[gidx(k + 16 * c, G)])); \
+                for (int r = 0; r < R; r++)                                                             \
+                    a[r][c] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x + r * ldx + k + 16 * c), a[r][c]);  \
+            }                                                                                           \
+        for (; k + 16 <= K; k += 16) {                                                                  \
+            const __m512 wc = _mm512_mul_ps(widen_i8_16(w + k), _mm512_set1_ps(s[gidx(k, G)]));         \
+            for (int r = 0; r < R; r++) a[r][0] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x + r * ldx + k), a[r][0]); \
+        }                                                                                               \
+        for (int r = 0; r < R; r++)                                                                     \
+            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]),                \
+                                                        _mm512_add_ps(a[r][2], a[r][3])));              \
+    }
+#else
+#define KV_DEFINE_FEW_I8G(R)                                                                            \
+    static inline void i8g_few_r##R(const int8_t *w, const float *s, int64_t G, const float *x, int64_t ldx, \
+                                    int64_t K, float *out) {                                            \
+        __m256 a[R][4];                                                                                 \
+        for (int r = 0; r < R; r++)                                                                     \
+            for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();                                  \
+        for (int64_t k = 0; k + 32 <= K; k += 32) {                                                     \
+            const __m256 sv = _mm256_set1_ps(s[gidx(k, G)]);                                            \
+            for (int c = 0; c < 4; c++) {                                                               \
+                const __m256 wc = _mm256_mul_ps(widen_i8(w + k + 8 * c), sv);                           \
+                for (int r = 0; r < R; r++)                                                             \
+                    a[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x + r * ldx + k + 8 * c), a[r][c]);   \
+            }                                                                                           \
+        }                                                                                               \
+        for (int r = 0; r < R; r++)                                                                     \
+            out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]))); \
+    }
+#endif
+KV_DEFINE_FEW_I8G(1) KV_DEFINE_FEW_I8G(2) KV_DEFINE_FEW_I8G(3) KV_DEFINE_FEW_I8G(4)
 
 #ifdef __AVX512F__
 #define KV_DEFINE_FEW16(NAME, T, LOAD, LOAD16, R)                                                       \
@@ -405,7 +457,7 @@ KV_FEW(i8_few, int8_t, widen_i8, widen_i8)
 KV_FEW(bf16_few, uint16_t, widen_bf16, widen_bf16)
 #endif
 
-/* out[r] = x[r, :] . w_n for R <= 4 rows (KV_DEFINE_FEW*). */
+/* out[r] = x[r, :] . w_n for R <= 4 rows (KV_DEFINE_FEW*), R <= 6 for int4 in the avx512 build. */
 static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64_t ldx, int R, float *out) {
     const int64_t K = m->K;
 #define KV_FEW_CALL(RC)                                                                                   \
@@ -413,9 +465,20 @@ static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64
     case KV_FP32: f32_few_r##RC((const float *)m->w + n * K, x, ldx, K, out); break;                      \
     case KV_INT8: i8_few_r##RC((const int8_t *)m->w + n * K, x, ldx, K, out); break;                      \
     case KV_BF16: bf16_few_r##RC((const uint16_t *)m->w + n * K, x, ldx, K, out); break;                  \
+    case KV_INT8G: i8g_few_r##RC((const int8_t *)m->w + n * K, m->scale + n * (K / m->group), m->group, x,  \
+                                 ldx, K, out); break;                                                     \
     default: i4_few_r##RC((const uint8_t *)m->w + n * (K / 2), m->scale + n * (K / m->group),             \
                           m->shift + n * (K / m->group), m->group, x, ldx, K, out);                       \
     }
+#ifdef __AVX512F__
+    if (R == 6 || R == 5) {   /* int4 only (KV_FEW_I4_CHUNK) */
+        const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
+        const float *sc = m->scale + n * (K / m->group), *sh = m->shift + n * (K / m->group);
+        if (R == 6) i4_few_r6(w, sc, sh, m->group, x, ldx, K, out);
+        else i4_few_r5(w, sc, sh, m->group, x, ldx, K, out);
+        return;
+    }
+#endif
     if (R == 4) { KV_FEW_CALL(4) }
     else if (R == 3) { KV_FEW_CALL(3) }
     else if (R == 2) { KV_FEW_CALL(2) }
@@ -497,12 +560,13 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
         }
         return;
     }
-    if (M <= KV_FEW_ROWS && m->fmt != KV_INT8G) {   /* widened in registers, up to four rows at a time */
-        float few[4];
+    if (M <= KV_FEW_ROWS) {   /* widened in registers, four rows at a time (int4 on avx512: six) */
+        const int64_t chunk = m->fmt == KV_INT4 ? KV_FEW_I4_CHUNK : 4;
+        float few[6];
         for (; n < n1; n++) {
             if (n + 8 < n1) prefetch_rows(m, n + 8, 1);
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int R = (int)(M - m0 < 4 ? M - m0 : 4);
+            for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+                const int R = (int)(M - m0 < chunk ? M - m0 : chunk);
                 few_rows(m, n, x + m0 * ldx, ldx, R, few);
                 for (int r = 0; r < R; r++) y[(m0 + r) * ldy + n - n0] = finish_dot(m, n, few[r]);
             }
