@@ -51,7 +51,7 @@ from kvfleet.runtime.worker.prompt_logprobs import (
 )
 from kvfleet.runtime.worker.request_state import CachedRequestState, RequestStates, ScheduledRow
 from kvfleet.runtime.worker.sampler import SampledRows, Sampler
-from kvfleet.runtime.worker.speculator import CPU_STEP_ROWS, Speculator
+from kvfleet.runtime.worker.speculator import CPU_ROW_COST, CPU_STEP_ROWS, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +263,7 @@ class ModelRunner:
         self.cpu_decode = cpu_decode.build(self)
         if self.speculator is not None and self.cpu_decode is not None:
             self.speculator.max_step_rows = CPU_STEP_ROWS  # within the fused path's rows, where drafts pay
+            self.speculator.row_cost = CPU_ROW_COST
         settings = compile_settings(self.config, self.device, self.prompt_logprobs_error)
         if settings is not None:
             self.compiled = CompiledForward(self.model.get_decoder(), self.device, **settings)

@@ -17,9 +17,13 @@ adaptive ``k`` per request and a cap on the step's rows (``CPU_STEP_ROWS`` with 
 decoder, shared evenly by the requests).
 
 Which requests speculate: not those asking for logprobs (their per-token logprobs would need
-every verified row's), and none while ``disable_by_batch_size`` or more requests sample. A
-request whose drafts keep being rejected (acceptance below ``min_acceptance_rate``, an
-exponential average) stops proposing and probes with one draft every ``PROBE_EVERY`` steps.
+every verified row's), and none while ``disable_by_batch_size`` or more requests sample. How many
+drafts (adaptive k): each request keeps an estimate ``p`` of its draft tokens' acceptance, and
+proposes the ``k`` that makes the most tokens per unit of step cost (:func:`best_k`: a row costs
+``row_cost`` of a one-row step, ``CPU_ROW_COST`` on the fused CPU path, so in a step of many
+requests only likely drafts pay);
+when no ``k`` pays (or ``p`` is below ``min_acceptance_rate``) it proposes nothing and probes with
+one draft every ``PROBE_EVERY`` steps.
 Plain data in and out; the model runner owns one per engine.
 """
 
@@ -35,9 +39,15 @@ from kvfleet.runtime.spec_decode.suffix import SuffixProposer
 from kvfleet.runtime.worker.sampler import SampleLogprobs, Sampler, SamplingRow
 
 PROBE_EVERY = 8
-"""Steps between one-token probes of a request whose acceptance fell below the threshold."""
-EMA_WEIGHT = 0.3
-"""Weight of the latest draft's acceptance in a request's running average."""
+"""Steps between one-token probes of a request for which no draft pays."""
+DECAY = 0.7
+"""Weight of a request's acceptance history against its latest draft (an exponential average)."""
+CPU_ROW_COST = 0.45
+"""What one more row adds to a fused CPU decode step, as a fraction of a one-row step (measured on
+a Xeon with AMX, int4 weights, ~1,000 tokens of context: 7.5 ms for one row, 21 ms for five)."""
+ROW_COST = 0.1
+"""The same elsewhere (GPUs: a decode step's rows are nearly free until it turns compute-bound);
+not measured here."""
 CPU_STEP_ROWS = 32
 """Most rows (one per request plus the drafts) a step of the fused CPU decoder is given with
 drafts: beyond it a step is compute-bound and a draft row costs about what a plain row does, for
@@ -66,8 +76,30 @@ def _rows_of(request: SamplingRow, draft: list[int]) -> list[_Row]:
 
 @dataclass
 class _Acceptance:
-    rate: float = 1.0
+    """A request's draft record: accepted drafts and trials (accepted drafts plus the first
+    rejection of each draft), both decayed; ``accepted / trials`` estimates the chance that a draft
+    token is accepted once the ones before it were."""
+
+    accepted: float = 4.0   # a prior of 4 in 5: prompt lookup's drafts, when there are any, are often right
+    trials: float = 5.0
     idle: int = 0
+
+
+def best_k(p: float, max_k: int, row_cost: float, batch: int = 1) -> int:
+    """The number of drafts (0 .. max_k) of one request that makes its step yield the most tokens
+    per unit of cost, when each draft token is accepted with probability ``p`` once the ones before
+    it were and the step has ``batch`` requests: tokens ``batch - 1 + (1 + p + ... + p^k)`` over
+    cost ``1 + row_cost * (batch - 1 + k)`` one-row steps. The more rows a step already has, the
+    likelier a draft must be to pay for its row."""
+    base_tokens, base_cost = batch - 1.0, 1.0 + row_cost * (batch - 1)
+    best, best_rate, tokens, term = 0, (base_tokens + 1.0) / base_cost, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        term *= p
+        tokens += term
+        rate = (base_tokens + tokens) / (base_cost + row_cost * k)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 class Speculator:
@@ -77,12 +109,15 @@ class Speculator:
         config: the engine's ``--speculative-config``.
         sampler: the model runner's sampler (its logits processing and generators).
         max_step_rows: the most rows a step should have (the fused CPU decoder's limit), or None.
+        row_cost: what one more row adds to a step, as a fraction of a one-row step.
     """
 
-    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_step_rows: int | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler, max_step_rows: int | None = None,
+                 row_cost: float = ROW_COST) -> None:
         self.config = config
         self.sampler = sampler
         self.max_step_rows = max_step_rows
+        self.row_cost = row_cost
         self.suffix = None
         if config.method == "suffix":
             self.suffix = SuffixProposer(config.suffix_decoding_max_tree_depth,
@@ -134,7 +169,8 @@ class Speculator:
 
     def _observe(self, rid: str, num_draft: int, num_accepted: int) -> None:
         acc = self._acceptance.setdefault(rid, _Acceptance())
-        acc.rate = (1 - EMA_WEIGHT) * acc.rate + EMA_WEIGHT * (num_accepted / num_draft)
+        acc.accepted = DECAY * acc.accepted + num_accepted
+        acc.trials = DECAY * acc.trials + num_accepted + (num_accepted < num_draft)
 
     # ------------------------------------------------------------------ proposals
     def propose(self, req_ids: list[str], requests: list[SamplingRow],
@@ -150,7 +186,7 @@ class Speculator:
         candidates = [(rid, req) for rid, req in zip(req_ids, requests) if req.sampling_params.logprobs is None]
         out: dict[str, list[int]] = {}
         for i, (rid, req) in enumerate(candidates):
-            k = self._budget(rid)
+            k = self._budget(rid, len(req_ids))
             if spare is not None:
                 if spare <= 0:
                     break
@@ -168,11 +204,17 @@ class Speculator:
                     spare -= len(draft)
         return out
 
-    def _budget(self, rid: str) -> int:
-        """Drafts request ``rid`` may propose now (adaptive k, see the module docstring)."""
-        acc = self._acceptance.get(rid)
-        if acc is None or acc.rate >= self.config.min_acceptance_rate:
-            return self.config.num_speculative_tokens
+    def _budget(self, rid: str, batch: int = 1) -> int:
+        """Drafts request ``rid`` may propose now, in a step of ``batch`` requests: :func:`best_k` of
+        its acceptance and the step's row cost, none below ``min_acceptance_rate``; a request for which none pays probes with one
+        draft every ``PROBE_EVERY`` steps (its text may change character)."""
+        acc = self._acceptance.setdefault(rid, _Acceptance())
+        p = acc.accepted / acc.trials
+        max_k = self.config.num_speculative_tokens
+        k = 0 if p < self.config.min_acceptance_rate else best_k(p, max_k, self.row_cost, batch)
+        if k > 0:
+            acc.idle = 0
+            return k
         acc.idle += 1
         if acc.idle < PROBE_EVERY:
             return 0

@@ -211,3 +211,30 @@ def test_a_row_gives_the_same_bits_in_any_batch(fmt):
         _, alone = fused.step(x[i:i + 1].clone(), cos[i:i + 1], sin[i:i + 1], slots[i:i + 1], tables[i:i + 1],
                               lens[i:i + 1])
         assert torch.equal(alone[0], together[i]), f"row {i} (len {int(lens[i])}) differs in the batch"
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_a_sequences_rows_in_one_step_equal_one_row_steps(fmt):
+    """Speculative verification: one sequence's tokens at consecutive positions as the rows of one
+    step (each attending up to its own position, over keys the step itself writes; the rows attend
+    as a group) give the bits of stepping them one at a time."""
+    weights, _, _ = _model(fmt)
+    R, start = 5, 3 * BS - 2   # the rows cross a block boundary
+    gen = torch.Generator().manual_seed(7)
+    table = torch.randperm(BLOCKS, generator=gen)[:8].to(torch.int32)
+    pos = torch.arange(start, start + R)
+    lens = (pos + 1).to(torch.int32)
+    slots = torch.tensor([int(table[p // BS]) * BS + p % BS for p in pos.tolist()])
+    freqs = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D))
+    angles = torch.cat([pos.double()[:, None] * freqs, pos.double()[:, None] * freqs], -1)
+    x, cos, sin = torch.randn(R, H, generator=gen), angles.cos().float(), angles.sin().float()
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2)
+    _, together = fused.step(x.clone(), cos, sin, slots, table.repeat(R, 1).contiguous(), lens)
+    for layer, (kc, vc) in zip(weights.layers, snapshot):
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    for j in range(R):
+        _, alone = fused.step(x[j:j + 1].clone(), cos[j:j + 1], sin[j:j + 1], slots[j:j + 1], table[None].clone(),
+                              lens[j:j + 1])
+        assert torch.equal(alone[0], together[j]), f"row {j} (position {int(pos[j])}) differs"

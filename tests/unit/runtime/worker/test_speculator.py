@@ -11,7 +11,7 @@ from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.spec_decode.config import SpeculativeConfig
 from kvfleet.runtime.worker.request_state import CachedRequestState
 from kvfleet.runtime.worker.sampler import Sampler
-from kvfleet.runtime.worker.speculator import PROBE_EVERY, Speculator
+from kvfleet.runtime.worker.speculator import PROBE_EVERY, Speculator, best_k
 
 CHI2_3_P001 = 16.27  # chi-square critical value, 3 degrees of freedom, p = 0.001
 
@@ -52,14 +52,26 @@ def test_greedy_rows_see_the_drafts_before_them():
     assert tokens["r"] == [2, 2, 3]  # both accepted and the bonus token
 
 
+def test_k_is_the_one_that_pays_best():
+    assert best_k(0.95, 4, 0.1) == 4  # cheap rows, likely drafts: all of them
+    assert best_k(0.88, 8, 0.45) == 3  # CPU rows: fewer
+    assert best_k(0.5, 4, 0.45) == 1
+    assert best_k(0.3, 4, 0.45) == 0  # nothing pays
+    assert best_k(0.6, 4, 0.45, batch=8) == 0 < best_k(0.6, 4, 0.45)  # a full step: only likely drafts pay
+
+
 def test_proposals_back_off_when_rejected_and_probe_again():
-    spec = speculator(num_speculative_tokens=3, min_acceptance_rate=0.5)
+    spec = speculator(num_speculative_tokens=3, min_acceptance_rate=0.3)
+    spec.row_cost = 0.45
     req = state(SamplingParams(temperature=0.0), prompt=(7, 8, 9, 7, 8, 9, 7, 8))
-    assert spec.propose(["r"], [req], {}) == {"r": [9, 7, 8]}
-    for _ in range(3):  # three drafts with nothing accepted
+    assert spec.propose(["r"], [req], {}) == {"r": [9, 7]}  # the 4-in-5 prior: two drafts pay best
+    for _ in range(4):  # drafts with nothing accepted
         spec._observe("r", 3, 0)
     proposals = [spec.propose(["r"], [req], {}) for _ in range(PROBE_EVERY)]
     assert proposals[:-1] == [{}] * (PROBE_EVERY - 1) and proposals[-1] == {"r": [9]}
+    for _ in range(6):  # then everything accepted: back to the most that pays
+        spec._observe("r", 3, 3)
+    assert spec.propose(["r"], [req], {}) == {"r": [9, 7, 8]}
 
 
 def test_proposals_respect_the_step_rows_batch_size_and_logprobs():
