@@ -206,8 +206,9 @@ class Speculator:
 
     def _budget(self, rid: str, batch: int = 1) -> int:
         """Drafts request ``rid`` may propose now, in a step of ``batch`` requests: :func:`best_k` of
-        its acceptance and the step's row cost, none below ``min_acceptance_rate``; a request for which none pays probes with one
-        draft every ``PROBE_EVERY`` steps (its text may change character)."""
+        its acceptance and the step's row cost, none below ``min_acceptance_rate``; a request for
+        which none pays probes with one draft every ``PROBE_EVERY`` steps (its text may change
+        character)."""
         acc = self._acceptance.setdefault(rid, _Acceptance())
         p = acc.accepted / acc.trials
         max_k = self.config.num_speculative_tokens
