@@ -180,7 +180,9 @@ class MigratingStream:
         if why is not None:
             return f"the replica's stream broke ({broken}) and {why}"
         ids = [list(c) if i not in self.done else c[:-1] for i, c in enumerate(self.committed)]
-        body = copy.deepcopy(self.body)
+        # the resumed replica too must send token ids: for a later migration, and for its drain
+        # hand-off (a replica hands off only the streams that asked for them)
+        body = upstream_body(copy.deepcopy(self.body))
         body["kvfleet_resume"] = {"output_token_ids": ids}
         if body.get("echo"):
             body["echo"] = False  # the client has the prompt's echo already

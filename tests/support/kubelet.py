@@ -148,8 +148,16 @@ class TestKubelet:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        for pod in list(self.pods.values()):
-            self._kill(pod)
+        pods = list(self.pods.values())
+        for pod in pods:  # all at once: each drains for a moment (the runtime, the router)
+            if pod.process.poll() is None:
+                pod.process.terminate()
+        for pod in pods:
+            try:
+                pod.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pod.process.kill()
+                pod.process.wait(timeout=10)
         self._client.close()
 
     def __enter__(self) -> TestKubelet:

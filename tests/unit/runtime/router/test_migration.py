@@ -78,6 +78,20 @@ def test_a_broken_stream_continues_on_another_replica_as_one_stream():
     assert run.stream.failed is None  # its outcome stays success; a failed one is migration_failed
 
 
+def test_a_stream_migrates_twice_with_every_delivered_token():
+    """The resumed request asks for token ids too (the client's body may not): the second replica's
+    tokens count as delivered for a second migration, and its drain can hand the stream off."""
+    drain = {"error": {"message": "draining", "type": "server_error", "code": "kvfleet_resume_elsewhere"}}
+    first = Upstream([chunk("a", 1, 0, "He", ids=[5, 6]), drain])
+    second = Upstream([chunk("b", 2, 0, "ll", ids=[7, 8]), drain])
+    third = Upstream([chunk("c", 3, 0, "o", ids=[9], finish="length"), "[DONE]"])
+    out, sent, moved = run(BODY, [first, second, third])
+    assert [b["kvfleet_token_ids"] for b in sent] == [True, True]
+    assert [b["kvfleet_resume"] for b in sent] == [{"output_token_ids": [[5, 6]]}, {"output_token_ids": [[5, 6, 7, 8]]}]
+    assert moved == [("drain", 2), ("drain", 4)]
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in out[:-1]) == "Hello"
+
+
 def test_the_drain_signal_migrates_and_a_stream_that_cannot_ends_with_an_error_event():
     drain = {"error": {"message": "draining", "type": "server_error", "code": "kvfleet_resume_elsewhere"}}
     out, sent, moved = run(BODY, [Upstream([chunk("a", 1, 0, "x", ids=[1]), drain])], max_migrations=0)
