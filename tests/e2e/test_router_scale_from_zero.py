@@ -125,6 +125,11 @@ def test_request_through_the_router_wakes_the_service_from_zero_and_it_sleeps_ag
             router_pod = roll_routers(kube, kubelet, tail, stream_via=router_pod)
 
             # ---- idle: back to zero after the window; the router's endpoints follow -------------
+            # The window runs from the routers' last request: one more now, so that it does not
+            # start at the roll's stream, which may have ended seconds before the roll did.
+            last = httpx.post(f"http://127.0.0.1:{router_pod.port}/v1/completions", timeout=120,
+                              json={"model": NAME, "prompt": "Hello", "max_tokens": 1})
+            assert last.status_code == 200, last.text
             t_idle = time.monotonic()
             kube.wait_for(lambda: replicas() == 0, timeout=DOWN_WINDOW + 60, interval=0.2,
                           message=f"the operator to scale back to 0\n{tail()}")
