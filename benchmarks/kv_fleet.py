@@ -2,7 +2,8 @@
 routing + peer KV pull, over three real ``kvfleet serve`` replicas behind ``kvfleet router``,
 with a scale-up in the middle of each workload.
 
-    PYTHONSAFEPATH=1 python benchmarks/kv_fleet.py                   # the full run (~10 min, 2 cores)
+    PYTHONSAFEPATH=1 python benchmarks/kv_fleet.py                   # the full run (~5 min, 2 cores)
+    PYTHONSAFEPATH=1 python benchmarks/kv_fleet.py --repeats 2       # docs/benchmarks.md's table (~9 min)
     PYTHONSAFEPATH=1 python benchmarks/kv_fleet.py --smoke           # 1-2 requests per phase
 
 For each workload and router mode a fresh fleet: replicas 0 and 1 start (the default model,
