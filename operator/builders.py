@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, hpa, kv_tiers
+from kvfleet.operator import adapters, hpa, kv_tiers, router
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.deployment import build_deployment
 from kvfleet.operator.service_spec import (
@@ -110,7 +110,8 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
                                                       else isvc["metadata"]["name"])
     config["served_model_name"] = served
     config.update(adapters.engine_keys(isvc))  # LoRA adapters: see kvfleet.operator.adapters
-    config.update(kv_tiers.engine_keys(engine))  # spec.engine.kvCache.tiers: see kvfleet.operator.kv_tiers
+    # spec.engine.kvCache.tiers and the KV events precise routing reads: see kvfleet.operator.kv_tiers
+    config.update(kv_tiers.engine_keys(engine, kv_events=router.precise(isvc)))
     for camel, snake in ENGINE_KEYS.items():
         if engine.get(camel) is None:
             continue

@@ -347,10 +347,14 @@ ROUTER = _obj(
                                        "finish for at most this long (kvfleet router --shutdown-timeout), after a "
                                        "10 s preStop sleep; its terminationGracePeriodSeconds is 15 s more.",
                                        minimum=0, maximum=86400, default=30),
-        "algorithm": {"type": "string", "enum": ["prefix-hash", "least-load", "round-robin"],
+        "algorithm": {"type": "string",
+                      "enum": ["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"],
                       "default": "prefix-hash",
                       "description": "prefix-hash: consistent hashing with bounded loads on the prompt prefix, "
-                                     "over least load; least-load; round-robin (for comparison)."},
+                                     "over least load; precise-prefix-cache: the replica caching the longest "
+                                     "prefix of the prompt's KV blocks, from the replicas' KV events (the "
+                                     "operator turns them on), within the same bound; least-load; round-robin "
+                                     "(for comparison)."},
         "prefixChars": _int("Characters of the prompt the prefix key covers.", minimum=1, maximum=65536,
                             default=256),
         "loadFactor": _num("CHWBL bound: a replica takes at most ceil(loadFactor x mean load) before its "

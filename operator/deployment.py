@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import adapters, kv_tiers
+from kvfleet.operator import adapters, kv_tiers, router
 from kvfleet.operator.service_spec import (
     ANNOTATION_CONFIG_HASH,
     CACHE_DIR,
@@ -163,7 +163,8 @@ def _runtime_container(isvc: Mapping[str, Any], spec: Mapping[str, Any], resourc
         "imagePullPolicy": rt["imagePullPolicy"],
         "command": ["kvfleet"],
         "args": ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(PORT)],
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
+                  *kv_tiers.events_ports(spec["engine"], kv_events=router.precise(isvc))],
         "env": _runtime_env(isvc, rt),
         "startupProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": probe_period,
                          "timeoutSeconds": 5,

@@ -2,8 +2,14 @@
 runtime's config keys, the runtime pod's disk-tier volume and the router's flag.
 
 - ``peer``: ``kv_transfer_config`` with ``kv_role: kv_both`` (and the tier's ``minPullBlocks`` /
-  ``maxConcurrentPulls``), ``kv_events_config`` publishing on ``tcp://*:5557`` (the router
-  follows it), and ``--kv-peer-hint`` on the router (``spec.router``);
+  ``maxConcurrentPulls``), the replicas' KV events (below), and ``--kv-peer-hint`` on the router
+  (``spec.router``);
+- KV events, for the peer tier and for ``spec.router.algorithm: precise-prefix-cache`` (the caller
+  says which: ``kv_events``): ``kv_events_config`` publishing on ``tcp://*:5557`` (port
+  ``kv-events`` of the runtime container); the router finds the port in each replica's
+  ``/kv_events/snapshot`` and gets ``--kv-events-topic`` when ``extraArgs`` sets a topic. An
+  ``extraArgs.kv_events_config`` that turns events off or publishes nothing is refused
+  (``ConflictingEngineArg``): the router would silently fall back to the char-prefix ring;
 - ``disk``: ``disk_path`` (the tier's ``path``, default :data:`DEFAULT_DISK_PATH`) and
   ``disk_max_bytes`` (its ``size``), on a volume ``kv-disk``: an ``emptyDir`` whose
   ``sizeLimit`` is that size (a restarted container starts warm), the node's ``hostPath`` (a pod
@@ -43,23 +49,47 @@ def _bytes(size: Any) -> int:
     return value
 
 
-def engine_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
-    """The runtime config keys of the tiers (empty without tiers)."""
+def _events_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"kv_events_config": ...}`` publishing on :data:`KV_EVENTS_ENDPOINT`, or ``{}`` when
+    ``extraArgs`` sets its own (checked: it must publish over ZMQ).
+
+    Raises:
+        InvalidSpec: ``extraArgs.kv_events_config`` with events off or ``publisher: null``.
+    """
+    own = (engine.get("extraArgs") or {}).get("kv_events_config")
+    if own is None:
+        return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                     "endpoint": KV_EVENTS_ENDPOINT}}
+    if not isinstance(own, Mapping) or not own.get("enable_kv_cache_events") or own.get("publisher") == "null":
+        raise InvalidSpec("ConflictingEngineArg",
+                          "engine.extraArgs.kv_events_config must publish KV events over ZMQ "
+                          "(enable_kv_cache_events: true) for the peer tier and precise-prefix-cache routing")
+    return {}
+
+
+def engine_keys(engine: Mapping[str, Any], *, kv_events: bool = False) -> dict[str, Any]:
+    """The runtime config keys of the tiers and of the replicas' KV events (empty with neither).
+
+    Args:
+        kv_events: the router routes on the replicas' KV events (``precise-prefix-cache``); the
+            peer tier turns them on either way.
+
+    Raises:
+        InvalidSpec: a disk size that is not a positive quantity; an ``extraArgs.kv_events_config``
+            that publishes nothing while events are needed.
+    """
     by_type = tiers(engine)
+    keys: dict[str, Any] = _events_keys(engine) if kv_events or "peer" in by_type else {}
     if not by_type:
-        return {}
+        return keys
     extra = engine.get("extraArgs") or {}
     transfer: dict[str, Any] = {"kv_connector": "PeerPullConnector",
                                 "kv_role": "kv_both" if "peer" in by_type else "kv_producer"}
-    keys: dict[str, Any] = {}
     peer = by_type.get("peer")
     if peer is not None:
         for camel, snake in (("minPullBlocks", "min_pull_blocks"), ("maxConcurrentPulls", "max_concurrent_pulls")):
             if peer.get(camel) is not None:
                 transfer[snake] = peer[camel]
-        if "kv_events_config" not in extra:
-            keys["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                        "endpoint": KV_EVENTS_ENDPOINT}
     disk = by_type.get("disk")
     if disk is not None:
         transfer["disk_path"] = disk.get("path") or DEFAULT_DISK_PATH
@@ -67,6 +97,14 @@ def engine_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
     if "kv_transfer_config" not in extra:
         keys["kv_transfer_config"] = transfer
     return keys
+
+
+def events_ports(engine: Mapping[str, Any], *, kv_events: bool = False) -> list[dict[str, Any]]:
+    """The runtime container's ``kv-events`` port when the operator writes ``kv_events_config``."""
+    wanted = kv_events or "peer" in tiers(engine)
+    if not wanted or "kv_events_config" in (engine.get("extraArgs") or {}):
+        return []
+    return [{"name": "kv-events", "containerPort": int(KV_EVENTS_ENDPOINT.rsplit(":", 1)[1]), "protocol": "TCP"}]
 
 
 def disk_volume(engine: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -84,6 +122,13 @@ def disk_volume(engine: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[d
     return [mount], [volume]
 
 
-def router_args(engine: Mapping[str, Any]) -> list[str]:
-    """``--kv-peer-hint`` with a peer tier (the router names the peer a replica pulls from)."""
-    return ["--kv-peer-hint"] if "peer" in tiers(engine) else []
+def router_args(engine: Mapping[str, Any], *, kv_events: bool = False) -> list[str]:
+    """``--kv-peer-hint`` with a peer tier (the router names the peer a replica pulls from), and
+    ``--kv-events-topic`` when the router reads the replicas' events and ``extraArgs`` sets a topic."""
+    peer = "peer" in tiers(engine)
+    args = ["--kv-peer-hint"] if peer else []
+    own = (engine.get("extraArgs") or {}).get("kv_events_config")
+    topic = own.get("topic") if isinstance(own, Mapping) else None
+    if (peer or kv_events) and topic:
+        args += ["--kv-events-topic", str(topic)]
+    return args

@@ -38,6 +38,8 @@ TERMINATION_MARGIN = 5
 ``--shutdown-timeout`` (its listener grace and exit)."""
 
 
+PRECISE = "precise-prefix-cache"
+"""The algorithm that routes on the replicas' KV events (docs/routing.md, "Precise prefix routing")."""
 IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
 """The operator's default router image (the chart's ``router.image``); unset: the runtime image."""
 
@@ -90,6 +92,28 @@ def status_url(isvc: Mapping[str, Any]) -> str:
     return url(isvc) if enabled(isvc) else service_spec.service_url(isvc)
 
 
+def precise(isvc: Mapping[str, Any]) -> bool:
+    """The router routes on the replicas' KV events (enabled, ``algorithm: precise-prefix-cache``):
+    the replicas must publish them (:func:`kv_tiers.engine_keys` with ``kv_events``)."""
+    return enabled(isvc) and router_spec(isvc)["algorithm"] == PRECISE
+
+
+def reads_kv_events(isvc: Mapping[str, Any]) -> bool:
+    """The router follows the replicas' KV events: precise routing, or the peer tier's hints."""
+    return precise(isvc) or "peer" in kv_tiers.tiers(service_spec.effective_spec(isvc)["engine"])
+
+
+def router_env(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``KVFLEET_ROUTER_API_KEY`` from ``runtime.apiKeySecretRef`` when the router reads the
+    replicas' KV events: it sends the key on its own ``/kv_events/snapshot`` reads (which the
+    replicas' key guards) and then also checks it on ``/v1``, as the replicas do anyway."""
+    key_ref = service_spec.effective_spec(isvc)["runtime"].get("apiKeySecretRef")
+    if not key_ref or not reads_kv_events(isvc):
+        return []
+    return [{"name": "KVFLEET_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}}]
+
+
 def router_args(isvc: Mapping[str, Any]) -> list[str]:
     """``kvfleet router`` arguments for the Deployment."""
     r = router_spec(isvc)
@@ -100,7 +124,7 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
             "--pending-timeout", str(r["pendingTimeoutSeconds"]),
             "--shutdown-timeout", str(r["shutdownTimeoutSeconds"]),
-            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"])]
+            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"], kv_events=precise(isvc))]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,6 +168,7 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "readinessProbe": probe("/ready", 5),
         "livenessProbe": probe("/health", 10),
         "resources": copy.deepcopy(r.get("resources") or DEFAULT_RESOURCES),
+        **({"env": env} if (env := router_env(isvc)) else {}),
         # as the runtime's: endpoints are removed while the pod sleeps; only then does SIGTERM start the drain
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(service_spec.PRESTOP_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

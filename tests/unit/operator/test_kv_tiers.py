@@ -111,3 +111,69 @@ def test_the_disk_tiers_size_reaches_status_metrics():
     grown = aggregate(2.0, [pod("a", 30 * 2**20), pod("b", 2**20)]).to_status()
     assert metrics_changed(status, grown)
     assert not metrics_changed(status, aggregate(2.0, [pod("a", 3 * 2**20 + 10), pod("b", 2**20)]).to_status())
+
+
+def precise_isvc(**router_extra) -> dict:
+    obj = isvc()
+    obj["spec"]["engine"].pop("kvCache")
+    obj["spec"]["router"] = {"enabled": True, "algorithm": "precise-prefix-cache", **router_extra}
+    return crd.apply_defaults(obj)
+
+
+def test_precise_routing_turns_on_the_replicas_kv_events_and_the_router_follows_them(tmp_path):
+    obj = precise_isvc()
+    assert admit(obj) == []
+    config = builders.engine_config(obj)
+    assert config["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": kv_tiers.KV_EVENTS_ENDPOINT}
+    assert "kv_transfer_config" not in config  # events only: no tier, no pull
+    path = tmp_path / "config.yaml"
+    path.write_text(builders.config_text(config))
+    assert parse_serve_args(["--config", str(path)], environ={}).engine.kv_events_config.enabled
+    runtime = by_kind(builders.desired_children(obj))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in runtime["ports"]
+    args = router.router_args(obj)
+    settings = parse_router_args(args[1:], environ={})
+    assert settings.routing_algorithm == "precise-prefix-cache" and not settings.kv_peer_hint
+    # the same algorithm without the router, or another algorithm: no events, no port
+    off = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": False,
+                                                                         "algorithm": "precise-prefix-cache"}}})
+    plain = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": True}}})
+    for other in (off, plain):
+        assert "kv_events_config" not in builders.engine_config(other)
+        ports = by_kind(builders.desired_children(other))["Deployment"]["spec"]["template"]["spec"]
+        assert [p["name"] for p in ports["containers"][0]["ports"]] == ["http"]
+
+
+def test_precise_routing_with_its_own_events_config_gets_the_topic_and_the_api_key():
+    obj = precise_isvc()
+    obj["spec"]["engine"]["extraArgs"] = {"kv_events_config": {"enable_kv_cache_events": True,
+                                                               "endpoint": "tcp://*:6000", "topic": "kv"}}
+    obj["spec"]["runtime"]["apiKeySecretRef"] = {"name": "chat-key"}
+    assert builders.engine_config(obj)["kv_events_config"]["topic"] == "kv"
+    settings = parse_router_args(router.router_args(obj)[1:], environ={})
+    assert settings.kv_events_topic == "kv"
+    deploy = by_kind(router.desired_children(obj))["Deployment"]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    assert {"name": "KVFLEET_ROUTER_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "chat-key", "key": "api-key"}}} in container["env"]
+    kubernetes_validate.validate(deploy, "1.30.0", strict=True)
+    # the user's own endpoint: the operator declares no port it did not choose
+    runtime = by_kind(builders.desired_children(obj))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert [p["name"] for p in runtime["ports"]] == ["http"]
+    # a router that reads no events gets no key (it checks none today)
+    plain = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": True}}})
+    (container,) = by_kind(router.desired_children(plain))["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "env" not in container
+
+
+@pytest.mark.parametrize("events", [{"enable_kv_cache_events": False}, {"enable_kv_cache_events": True,
+                                                                          "publisher": "null"}])
+def test_an_events_config_that_publishes_nothing_is_refused_when_events_are_needed(events):
+    for obj in (precise_isvc(), isvc(PEER)):
+        obj["spec"]["engine"]["extraArgs"] = {"kv_events_config": events}
+        with pytest.raises(crd.InvalidSpec, match="kv_events_config must publish"):
+            builders.engine_config(obj)
+    obj = isvc()
+    obj["spec"]["engine"]["extraArgs"] = {"kv_events_config": events}
+    assert builders.engine_config(obj)["kv_events_config"] == events  # nothing needs them: the user's choice
