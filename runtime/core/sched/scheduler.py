@@ -183,9 +183,6 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            spec = self._drafts(request, budget) if request.spec_token_ids else []
-            request.spec_token_ids = []
-            num_new += len(spec)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self._victim()
                 unschedule(victim)
@@ -194,10 +191,27 @@ class Scheduler:
             else:
                 start = request.num_computed_tokens
                 scheduled[request.request_id] = ScheduledRequest(
-                    request, start, request.token_ids_slice(start, start + num_new - len(spec)) + spec,
-                    spec_token_ids=spec,
+                    request, start, request.token_ids_slice(start, start + num_new)
                 )
                 budget -= num_new
+
+        # 1b. Speculative drafts, only from what is left: never a preemption, nor the watermark's
+        # blocks (a request's draft slots stay in its table for its next tokens).
+        for sr in scheduled.values():
+            request = sr.request
+            spec = self._drafts(request, budget + 1) if request.spec_token_ids else []   # its 1 token is counted
+            request.spec_token_ids = []
+            if not spec:
+                continue
+            kv = self.kv_cache_manager
+            need = kv.get_num_blocks_to_allocate(request, request.num_computed_tokens + sr.num_new_tokens + len(spec))
+            if kv.num_free_blocks - need < self.watermark_blocks:
+                continue
+            if kv.allocate_slots(request, sr.num_new_tokens + len(spec)) is None:
+                continue
+            sr.token_ids = sr.token_ids + spec
+            sr.spec_token_ids = spec
+            budget -= len(spec)
 
         # 2. Waiting requests, in policy order, while budget, sequence cap and blocks allow.
         # No admission in a step that had to preempt for memory: memory is short.

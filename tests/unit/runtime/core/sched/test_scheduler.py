@@ -10,7 +10,7 @@ test_request_queue.py."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.fake_runner import EOS, FakeRunner, assert_all_free, make_request, make_scheduler, run_counting
 
@@ -207,6 +207,9 @@ op = st.one_of(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Drafts once took blocks the admission rule had kept for the running requests' next tokens.
+@example(ops=[("add", 0, 1, 9, 0, 2, False), ("add", 0, 1, 5, 0, 2, False)], num_blocks=8, block_size=2, budget=8,
+         caching=False, policy="fcfs", window=None, speculate=3)
 @given(
     ops=st.lists(op, min_size=1, max_size=60),
     num_blocks=st.integers(8, 40),
