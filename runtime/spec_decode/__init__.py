@@ -6,11 +6,12 @@
 - ``suffix``: suffix decoding: a bounded table of the continuations seen after every context of
   up to ``max_depth`` tokens in the request's own prompt and output and in recent requests'
   outputs; proposes the most frequent path while it stays likely enough.
-- ``rejection``: verification of k proposed tokens against the target model's k + 1
-  distributions in one step (exact match for greedy rows, Leviathan et al. 2023 / Chen et al.
-  2023 rejection sampling otherwise, which keeps the target distribution).
+- ``rejection``: verification of k proposed tokens against the target model's k + 1 rows in
+  one step: accepted while they equal the rows' own tokens (greedy: exact; sampled: Leviathan et
+  al. 2023 / Chen et al. 2023 rejection sampling with coupled draws, which keeps the target
+  distribution).
 
-Proposers are plain Python/NumPy over token-id lists (no torch); ``rejection`` uses torch.
+Proposers and ``rejection`` are plain Python/NumPy over token-id lists (no torch).
 The model runner owns one proposer per engine and calls it after sampling
 (docs/engine.md, "Speculative decoding").
 """

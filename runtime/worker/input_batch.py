@@ -55,8 +55,7 @@ def _logits_indices(qsl: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
     if num_logits.max(initial=0) <= 1:
         return qsl[1:][num_logits > 0] - 1
     ends = np.repeat(qsl[1:], num_logits)
-    back = np.concatenate([np.arange(n, 0, -1) for n in num_logits if n]) if num_logits.any() else ends
-    return ends - back
+    return ends - np.concatenate([np.arange(n, 0, -1) for n in num_logits if n])
 
 
 def _token_arrays(scheduled: list[ScheduledRow], block_tables: np.ndarray, block_size: int,

@@ -89,8 +89,9 @@ def best_k(p: float, max_k: int, row_cost: float, batch: int = 1) -> int:
     """The number of drafts (0 .. max_k) of one request that makes its step yield the most tokens
     per unit of cost, when each draft token is accepted with probability ``p`` once the ones before
     it were and the step has ``batch`` requests: tokens ``batch - 1 + (1 + p + ... + p^k)`` over
-    cost ``1 + row_cost * (batch - 1 + k)`` one-row steps. The more rows a step already has, the
-    likelier a draft must be to pay for its row."""
+    cost ``1 + row_cost * (batch - 1 + k)`` one-row steps (the expected tokens of a k-draft step
+    with a constant acceptance rate: Leviathan et al. 2023, eq. 1). The more rows a step already
+    has, the likelier a draft must be to pay for its row."""
     base_tokens, base_cost = batch - 1.0, 1.0 + row_cost * (batch - 1)
     best, best_rate, tokens, term = 0, (base_tokens + 1.0) / base_cost, 1.0, 1.0
     for k in range(1, max_k + 1):
