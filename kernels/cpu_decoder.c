@@ -190,7 +190,27 @@ typedef struct {
     int64_t bt_stride;
     int64_t span;           /* output channels per task in the current phase (see spans()) */
     const int64_t *group;   /* [M]: rows in the group row i leads (0: row i is in an earlier row's group) */
+    uint16_t *xb;           /* AMX: the current phase's input in the tiles' order (pack_input), else NULL */
 } kv_step;
+
+/* AMX (d->amx, cpu_amx.h): the next phase's input rows packed once into s->xb for every task. */
+static void pack_input(const kv_step *s, const float *x, int64_t K) {
+#if KV_HAVE_AMX
+    if (s->xb) kv_amx_pack_x(x, K, s->M, K, s->xb);
+#else
+    (void)s; (void)x; (void)K;
+#endif
+}
+
+/* y[m * ldy + n - n0] = x[m] . w[n] for the step's rows: on AMX tiles from s->xb (pack_input of
+ * x), else kvfleet's float32 kernels. */
+static inline void rows_of(const kv_step *s, const kv_matrix *w, const float *x, int64_t n0, int64_t n1, float *y,
+                           int64_t ldy) {
+#if KV_HAVE_AMX
+    if (s->xb && kv_amx_rows(w, s->xb, s->M, n0, n1, y, ldy) == 0) return;   /* -1: no buffer memory */
+#endif
+    kv_matrix_rows(w, x, w->K, s->M, n0, n1, y, ldy);
+}
 
 static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float *out) {
     __m256 acc = _mm256_setzero_ps();
@@ -223,7 +243,7 @@ static int64_t spans(kv_step *s, int64_t N) {
 static void task_qkv(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t N = qkv_width(s->d), n0 = t * s->span;
-    kv_matrix_rows(&s->L->qkv, s->h, s->d->hidden, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
+    rows_of(s, &s->L->qkv, s->h, n0, min64(n0 + s->span, N), s->qkv + n0, N);
 }
 
 /* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream. */
@@ -232,7 +252,7 @@ static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64
     float tmp[KV_MAX_ROWS * KV_CHUNK];
     for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
         const int64_t n1 = min64(n0 + KV_CHUNK, end);
-        kv_matrix_rows(w, a, w->K, s->M, n0, n1, tmp, KV_CHUNK);
+        rows_of(s, w, a, n0, n1, tmp, KV_CHUNK);
         for (int64_t m = 0; m < s->M; m++)
             for (int64_t n = n0; n < n1; n++) s->x[m * H + n] += tmp[m * KV_CHUNK + n - n0];
     }
@@ -254,8 +274,8 @@ static void task_mlp(const void *ctx, int64_t t) {
     float g[KV_MAX_ROWS * KV_CHUNK], u[KV_MAX_ROWS * KV_CHUNK];
     for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK) {
         const int64_t j1 = min64(j0 + KV_CHUNK, end);
-        kv_matrix_rows(&s->L->gate_up, s->h, s->d->hidden, s->M, j0, j1, g, KV_CHUNK);
-        kv_matrix_rows(&s->L->gate_up, s->h, s->d->hidden, s->M, I + j0, I + j1, u, KV_CHUNK);
+        rows_of(s, &s->L->gate_up, s->h, j0, j1, g, KV_CHUNK);
+        rows_of(s, &s->L->gate_up, s->h, I + j0, I + j1, u, KV_CHUNK);
         for (int64_t m = 0; m < s->M; m++) {
             int64_t j = j0;
             for (; j + 8 <= j1; j += 8) {   /* silu(a) * u = a / (1 + exp(-a)) * u */
@@ -276,7 +296,7 @@ static void task_head(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const kv_matrix *w = s->d->head;
     const int64_t n0 = t * s->span;
-    kv_matrix_rows(w, s->h, s->d->hidden, s->M, n0, min64(n0 + s->span, w->N), s->logits + n0, w->N);
+    rows_of(s, w, s->h, n0, min64(n0 + s->span, w->N), s->logits + n0, w->N);
 }
 
 /* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
@@ -541,7 +561,14 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     if (M < 1 || M > KV_MAX_ROWS) return -1;
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
     const int64_t splits = KV_MAX_SPLITS;
-    const int64_t need = M * (H + qkv_width(d) + QD + I + d->num_heads * splits * (d->head_size + 2));
+    const int64_t widest = I > H ? (I > QD ? I : QD) : (H > QD ? H : QD);
+#if KV_HAVE_AMX
+    const int amx = d->amx && kv_amx_ready();
+#else
+    const int amx = 0;
+#endif
+    const int64_t packed = amx ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0;   /* in floats */
+    const int64_t need = M * (H + qkv_width(d) + QD + I + d->num_heads * splits * (d->head_size + 2)) + packed;
     pthread_mutex_lock(&P.lock);
     if (P.scratch_floats < need) {
         free(P.scratch);
@@ -561,23 +588,28 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;
     s.partial = s.act + M * I;
+    s.xb = packed ? (uint16_t *)(s.partial + M * d->num_heads * splits * (d->head_size + 2)) : NULL;
     s.splits = splits;
     int64_t t = now_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
         norm_rows(&s, s.L->input_norm, s.h);
+        pack_input(&s, s.h, H);
         timed(PROF_NORM, &t);
         kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
         timed(PROF_QKV, &t);
         write_kv(&s);
         kv_parallel(task_attention, &s, M * d->num_kv_heads * splits);
         merge_attention(&s);
+        pack_input(&s, s.attn, QD);
         timed(PROF_ATTN, &t);
         kv_parallel(task_o, &s, spans(&s, H));
         timed(PROF_O, &t);
         norm_rows(&s, s.L->post_norm, s.h);
+        pack_input(&s, s.h, H);
         timed(PROF_NORM, &t);
         kv_parallel(task_mlp, &s, spans(&s, I));
+        pack_input(&s, s.act, I);
         timed(PROF_MLP, &t);
         kv_parallel(task_down, &s, spans(&s, H));
         timed(PROF_DOWN, &t);
@@ -586,6 +618,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     timed(PROF_NORM, &t);
     if (d->head && logits) {
         s.h = out;
+        pack_input(&s, out, H);
         kv_parallel(task_head, &s, spans(&s, d->head->N));
         timed(PROF_HEAD, &t);
     }

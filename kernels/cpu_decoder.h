@@ -5,6 +5,7 @@
 #ifndef KVFLEET_CPU_DECODER_H
 #define KVFLEET_CPU_DECODER_H
 
+#include "cpu_amx.h"
 #include "cpu_gemv.h"
 
 typedef struct {
@@ -22,6 +23,7 @@ typedef struct {
     const kv_layer *layers;
     const float *final_norm;               /* [H] */
     const kv_matrix *head;                 /* LM head [V, H], or NULL */
+    int64_t amx;                           /* 1: matmuls on AMX tiles (cpu_amx.h; the `amx` build only) */
 } kv_decoder;
 
 

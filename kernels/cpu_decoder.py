@@ -129,6 +129,12 @@ class DecoderWeights:
     head: Linear | None
 
 
+def amx_available() -> bool:
+    """Whether the loaded library has the AMX kernels and this process may use the tiles."""
+    lib = cpu_lib.load()
+    return bool(lib is not None and lib.kv_amx_available())
+
+
 class FusedDecoder:
     """A checked :class:`DecoderWeights` bound to the C library.
 
@@ -137,9 +143,14 @@ class FusedDecoder:
             cover (head size not a multiple of 8, query heads not a multiple of the
             KV heads, KV caches not float32 ``[blocks, block_size, KVH, D]``).
         RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_lib.available`).
+
+    ``amx``: run the matmuls on AMX tiles (``kernels/cpu_amx.h``: activations and dequantized
+    weights rounded to bf16, float32 sums; every row's bits independent of the step's other rows
+    as on the float32 kernels). It takes effect only where :func:`amx_available` and every
+    matrix has a multiple of 16 rows and of 32 columns (:attr:`amx` says whether it did).
     """
 
-    def __init__(self, weights: DecoderWeights, threads: int | None = None) -> None:
+    def __init__(self, weights: DecoderWeights, threads: int | None = None, amx: bool = False) -> None:
         lib = cpu_lib.load()
         if lib is None:
             raise RuntimeError(f"kvfleet CPU kernels unavailable: {cpu_lib.unavailable_reason()}")
@@ -173,9 +184,13 @@ class FusedDecoder:
                    layer.gate_up.struct(), layer.down.struct(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
             for layer in w.layers])
         self._head = w.head.struct() if w.head is not None else None
+        matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        matrices += [w.head] if w.head is not None else []
+        self.amx = bool(amx and lib.kv_amx_available()
+                        and all(m.shape[0] % 16 == 0 and m.shape[1] % 32 == 0 for m in matrices))
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
-                                ctypes.pointer(self._head) if self._head is not None else None)
+                                ctypes.pointer(self._head) if self._head is not None else None, int(self.amx))
         self._lib = lib
         spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)

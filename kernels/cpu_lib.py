@@ -3,8 +3,8 @@ the ABI check. The one module that compiles, names, loads and binds it; the ops 
 :mod:`kvfleet.kernels.cpu_woq` (weight-only linear layers) and :mod:`kvfleet.kernels.cpu_decoder`
 (the fused decode step).
 
-Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``; ``cpu_decoder.h`` holds the
-decoder's structs and their sizes for the ABI check), one ``.so``.
+Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h`` and ``cpu_amx.h``;
+``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -14,8 +14,10 @@ Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
   products run 16 wide (``cpu_gemv.h``, ``__AVX512F__``).
 - ``avx512_bf16``: adds ``-mavx512bf16 -mavx512vnni`` (the compiler may use them; the code is the
   ``avx512`` code: widening a bf16 weight is one shift, and ``vdpbf16ps`` would round the float32
-  activations to bf16). AMX machines load this variant (AMX is reached through oneDNN's matmuls,
-  :func:`kvfleet.kernels.cpu_woq.bf16_path`).
+  activations to bf16).
+- ``amx``: adds ``-mamx-tile -mamx-bf16``: the ``avx512_bf16`` code plus the AMX tile kernels of
+  ``cpu_amx.h`` (the fused decoder's matmuls in bf16 on tiles, when its caller asks). A compiler
+  without AMX support falls back to ``avx512_bf16``.
 
 Build: the system C compiler (``$CC``, else ``cc`` / ``gcc``) with :data:`COMMON_FLAGS` and the
 variant's flags, into ``<cache>/kernels/kvfleet_cpu-<variant>-<hash>.so`` (``<cache>`` is
@@ -48,16 +50,17 @@ from kvfleet.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_decoder.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_amx.h", "cpu_decoder.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "avx512": ("-mavx2", "-mfma", "-mf16c", *_AVX512),
     "avx512_bf16": ("-mavx2", "-mfma", "-mf16c", *_AVX512, "-mavx512bf16", "-mavx512vnni"),
+    "amx": ("-mavx2", "-mfma", "-mf16c", *_AVX512, "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
 }
 """Compiler flags of each build variant (beyond :data:`COMMON_FLAGS`)."""
-_LEVEL_VARIANT = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16", "amx": "avx512_bf16"}
+_LEVEL_VARIANT = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16", "amx": "amx"}
 CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
 PREBUILT_DIR_ENV = "KVFLEET_KERNELS_DIR"
 """A folder of prebuilt libraries (:func:`prebuild`), looked in before the cache folder."""
@@ -92,7 +95,7 @@ class Decoder(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
-                ("head", ctypes.POINTER(Matrix))]
+                ("head", ctypes.POINTER(Matrix)), ("amx", _i64)]
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),
@@ -222,6 +225,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("kv_woq_int4_dequant", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_int4_dequant_bf16", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_set_parallel_min", [i64], None),
+        ("kv_amx_available", [], i64),
+        ("kv_amx_linear", [p, p, i64, i64, p], i64),
         ("kv_pool_start", [i64, i64], i64),
         ("kv_decode_profile", [p], None),
         ("kv_decode", [p, i64, p, p, p, p, p, i64, p, p, p], i64),
@@ -267,9 +272,19 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
         try:
             lib = open_variant(variant, cache_root)
         except OSError as exc:  # AbiMismatch included
-            _error = f"{variant} build: {exc}"
-            logger.warning("kvfleet CPU kernels unavailable: %s", _error)
-            return None
+            if variant != "amx":
+                _error = f"{variant} build: {exc}"
+                logger.warning("kvfleet CPU kernels unavailable: %s", _error)
+                return None
+            # A compiler without -mamx-tile: the same CPU's avx512_bf16 kernels (no tiles).
+            logger.warning("kvfleet CPU kernels: the amx build failed (%s); using avx512_bf16", exc)
+            variant = "avx512_bf16"
+            try:
+                lib = open_variant(variant, cache_root)
+            except OSError as exc2:
+                _error = f"{variant} build: {exc2}"
+                logger.warning("kvfleet CPU kernels unavailable: %s", _error)
+                return None
         _lib, _variant = lib, variant
         logger.info("kvfleet CPU kernels: %s variant (%s)", variant, features.summary())
         return lib

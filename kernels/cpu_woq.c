@@ -16,7 +16,10 @@
  * Output channels are split, four (one row of x) or twelve at a time, over the OpenMP threads (libgomp: the same runtime
  * torch's wheels bundle, so the process keeps one thread pool).
  */
+#include "cpu_amx.h"
 #include "cpu_gemv.h"
+
+#include <stdlib.h>
 
 /* Weights below which one thread does the whole layer: waking a sleeping OpenMP thread
  * (OMP_WAIT_POLICY=PASSIVE, the engine's default) costs tens of microseconds, more than a
@@ -100,4 +103,37 @@ void kv_woq_int4_dequant(const uint8_t *w, int64_t N, int64_t K, const float *sc
 void kv_woq_int4_dequant_bf16(const uint8_t *w, int64_t N, int64_t K, const float *scale, const float *shift,
                               int64_t G, uint16_t *out) {
     int4_dequant(w, N, K, scale, shift, G, NULL, out);
+}
+
+/* 1 when this build has the AMX kernels (cpu_amx.h) and the process may use the tiles. */
+int64_t kv_amx_available(void) {
+#if KV_HAVE_AMX
+    return kv_amx_ready();
+#else
+    return 0;
+#endif
+}
+
+/* y [M, N] = the AMX kernel's output for x [M, K] (rows ldx apart) and m (cpu_amx.h's contract);
+ * N a multiple of 16, K of 32. Returns 0, or -1 without AMX here or memory. The tests' entry to
+ * cpu_amx.h (the fused decoder calls it directly). */
+int64_t kv_amx_linear(const kv_matrix *m, const float *x, int64_t M, int64_t ldx, float *y) {
+#if KV_HAVE_AMX
+    if (!kv_amx_ready() || m->N % 16 || m->K % 32) return -1;
+    uint16_t *xb = aligned_alloc(64, (size_t)((kv_amx_packed_size(M, m->K) * 2 + 63) / 64 * 64));
+    if (!xb) return -1;
+    kv_amx_pack_x(x, ldx, M, m->K, xb);
+    const int64_t blocks = (m->N + KV_AMX_CH - 1) / KV_AMX_CH;
+    int failed = 0;
+    #pragma omp parallel for schedule(static) reduction(|: failed)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * KV_AMX_CH, n1 = n0 + KV_AMX_CH < m->N ? n0 + KV_AMX_CH : m->N;
+        failed |= kv_amx_rows(m, xb, M, n0, n1, y + n0, m->N) != 0;
+    }
+    free(xb);
+    return failed ? -1 : 0;
+#else
+    (void)m; (void)x; (void)M; (void)ldx; (void)y;
+    return -1;
+#endif
 }

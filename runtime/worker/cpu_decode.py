@@ -36,12 +36,15 @@ import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear
+from kvfleet.runtime.worker.cpu_plan import CpuPlan
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
 ENV = "KVFLEET_CPU_DECODER"
 """``0`` turns the fused decode path off (every step runs transformers' modules)."""
+AMX_ENV = "KVFLEET_CPU_AMX"
+"""``0``: the fused decoder keeps its float32 matmuls where the CPU plan chose AMX tiles."""
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 _FUSED_ATTR = "_kvfleet_fused"
 
@@ -53,6 +56,7 @@ class Runner(Protocol):
     hf_config: Any
     device: torch.device
     dtype: torch.dtype
+    cpu_plan: CpuPlan | None
     tp_size: int
     lora: object | None
     sliding_windows: list[int | None] | None
@@ -229,10 +233,12 @@ def build(runner: Runner) -> CpuDecodePath | None:
     weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
                              float(decoder.layers[0].self_attn.scaling), layers, decoder.norm.weight.detach(), head)
     try:
-        fused = FusedDecoder(weights)
+        amx = runner.cpu_plan is not None and runner.cpu_plan.amx and os.environ.get(AMX_ENV, "") != "0"
+        fused = FusedDecoder(weights, amx=amx)
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s)", len(layers), layers[0].qkv.fmt,
-                head.fmt if head is not None else "in torch")
+    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, matmuls %s)", len(layers),
+                layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
+                "on AMX tiles (bf16)" if fused.amx else "float32")
     return CpuDecodePath(runner, fused)

@@ -91,6 +91,9 @@ class CpuPlan:
         reason: why, in one sentence.
         gguf_q4_1: the loader swaps the float32 linear layers for the GGUF file's own Q4_1 blocks
             on the int4 kernels (:mod:`kvfleet.runtime.worker.gguf_weights`; ``weights`` is ``int4``).
+        amx: the fused decoder's matmuls run on AMX tiles (``kernels/cpu_amx.h``): each activation
+            row and dequantized weight rounded to bf16, float32 sums; still bitwise batch-invariant.
+            On CPUs with AMX-BF16, with quantized or bf16 weights, unless ``--dtype float32``.
     """
 
     dtype: str
@@ -100,11 +103,13 @@ class CpuPlan:
     native_bf16_prefill: bool
     reason: str
     gguf_q4_1: bool = False
+    amx: bool = False
 
     def describe(self) -> str:
         """One line for the start-up log."""
         return (f"activations {self.dtype}, weights {self.weights}, fused decoder "
-                f"{'expected' if self.fused_decoder else 'off'}, prefill matmuls "
+                f"{'expected' if self.fused_decoder else 'off'}{' on AMX tiles (bf16 matmuls)' if self.amx else ''}, "
+                "prefill matmuls "
                 f"{'bf16 (native)' if self.native_bf16_prefill else self._prefill_dtype()}: {self.reason}")
 
     def _prefill_dtype(self) -> str:
@@ -113,6 +118,8 @@ class CpuPlan:
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 
+_AMX = ("; the fused decoder's matmuls on AMX tiles (activations and dequantized weights rounded to bf16, "
+        "float32 sums: every row summed alike in any batch)")
 _INVARIANT = "; prefill float32 (--batch-invariant; --no-batch-invariant: native bf16 prefill, faster)"
 _BF16_PREFILL = ("; prefill matmuls in bf16 on this CPU's native bf16 (the quantized weights dequantized to "
                  "bf16: a rounding far below the quantization's own error; decode stays float32)")
@@ -152,13 +159,15 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     fused_possible = kernels and facts.fused_decoder and single and (quantization is None or facts.woq_kernels)
     why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
     native_q4_1 = checkpoint_weights == "q4_1" and facts.woq_kernels
+    amx_tiles = features.isa_level == "amx" and fused_possible and dtype != "float32"
     if dtype == "auto" and quantization is None and fused_possible and native_q4_1:
         bf16_prefill = features.native_bf16 and not batch_invariant
         return CpuPlan("float32", "int4", False, True, bf16_prefill,
                        "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
                        "re-quantized: a quarter of float32's bytes per decode token), float32 activations"
-                       + (_BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else ""),
-                       gguf_q4_1=True)
+                       + (_BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else "")
+                       + (_AMX if amx_tiles else ""),
+                       gguf_q4_1=True, amx=amx_tiles)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
                                          and fused_possible):
@@ -184,7 +193,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
             reason += _BF16_PREFILL
         elif batch_invariant and features.native_bf16 and (weights == "bf16" or quantized_auto):
             reason += _INVARIANT
-        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason)
+        amx = amx_tiles and weights != "fp32"
+        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason + (_AMX if amx else ""), amx=amx)
 
     # An explicit float16 / bfloat16 run through torch, as asked.
     weights = quantization or {"bfloat16": "bf16", "float16": "fp16"}[dtype]

@@ -92,6 +92,7 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.cpu_plan = loaded.cpu_plan
         self.block_size = config.block_size
         text_config = self.model.config.get_text_config()
         self.hf_config = text_config

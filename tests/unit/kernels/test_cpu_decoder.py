@@ -11,7 +11,16 @@ from kvfleet.kernels import cpu_woq
 
 pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
 
-from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear  # noqa: E402
+from kvfleet.kernels.cpu_decoder import (  # noqa: E402
+    MAX_ROWS,
+    DecoderWeights,
+    FusedDecoder,
+    Layer,
+    Linear,
+    amx_available,
+)
+
+AMX = pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 here (or the amx build is not loaded)")
 
 H, QH, KVH, D, FF, V, BS, BLOCKS = 128, 6, 2, 64, 320, 300, 16, 40
 
@@ -41,7 +50,7 @@ def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) 
     return Linear("int4", cpu_woq.pack_int4(q), scale.contiguous(), shift.contiguous(), G, b), deq
 
 
-def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False):
+def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False, vocab: int = V):
     gen = torch.Generator().manual_seed(seed)
     built, ref = [], []
     for _ in range(layers):
@@ -53,7 +62,7 @@ def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False):
         kc, vc = torch.randn(BLOCKS, BS, KVH, D, generator=gen), torch.randn(BLOCKS, BS, KVH, D, generator=gen)
         built.append(Layer(n1, n2, qkv, o, gu, down, kc, vc))
         ref.append((n1, n2, qkv_ref, None if qkv.bias is None else qkv.bias.double(), o_ref, gu_ref, down_ref))
-    head, head_ref = _linear(fmt, V, H, gen)
+    head, head_ref = _linear(fmt, vocab, H, gen)
     final = 1 + 0.1 * torch.randn(H, generator=gen)
     weights = DecoderWeights(QH, KVH, D, 1e-5, D ** -0.5, built, final, head)
     return weights, ref, head_ref
@@ -238,3 +247,55 @@ def test_a_sequences_rows_in_one_step_equal_one_row_steps(fmt):
         _, alone = fused.step(x[j:j + 1].clone(), cos[j:j + 1], sin[j:j + 1], slots[j:j + 1], table[None].clone(),
                               lens[j:j + 1])
         assert torch.equal(alone[0], together[j]), f"row {j} (position {int(pos[j])}) differs"
+
+
+def _separate_rows(M: int, seed: int):
+    """M rows of distinct sequences with disjoint block tables (no row reads another's new key)."""
+    x, cos, sin, _, _, lens = _inputs(M, seed=seed)
+    tables = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed + 1))[: M * 2].view(M, 2)
+    lens = lens.clamp(max=2 * BS)
+    slots = torch.tensor([int(tables[i, (n - 1) // BS]) * BS + (n - 1) % BS for i, n in enumerate(lens.tolist())])
+    return x, cos, sin, slots, tables.to(torch.int32).contiguous(), lens
+
+
+@AMX
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int8g"])
+@pytest.mark.parametrize("M", [1, 20])
+def test_amx_step_matches_the_float64_reference(fmt, M):
+    """On AMX tiles (activations and dequantized weights rounded to bf16, float32 sums): the
+    narrow (<= 16 rows) and wide paths, within bf16's rounding of the float64 reference."""
+    weights, ref, head_ref = _model(fmt, vocab=304)
+    x, cos, sin, slots, tables, lens = _separate_rows(M, seed=11)
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2, amx=True)
+    assert fused.amx
+    hidden, logits = fused.step(x.clone(), cos, sin, slots, tables, lens)
+    for layer, (kc, vc) in zip(weights.layers, caches):
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens)
+    for got, want in ((hidden, expect_hidden), (logits, expect_logits)):  # bf16: 8 significant bits
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@AMX
+@pytest.mark.parametrize("fmt", ["int4", "int8g"])
+def test_amx_rows_give_the_same_bits_in_any_batch(fmt):
+    """Batch invariance on tiles: each row of a 20-row step (the wide path) equals the row stepped
+    alone (the narrow path) and in a 5-row step, bit for bit."""
+    weights, _, _ = _model(fmt, vocab=304)
+    x, cos, sin, slots, tables, lens = _separate_rows(20, seed=5)
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2, amx=True)
+
+    def step(rows):
+        for layer, (kc, vc) in zip(weights.layers, snapshot):
+            layer.k_cache.copy_(kc)
+            layer.v_cache.copy_(vc)
+        return fused.step(x[rows].clone(), cos[rows], sin[rows], slots[rows], tables[rows].contiguous(), lens[rows])[1]
+
+    together = step(slice(0, 20))
+    five = step(slice(7, 12))
+    assert torch.equal(five, together[7:12])
+    for i in (0, 9, 19):
+        assert torch.equal(step(slice(i, i + 1))[0], together[i]), f"row {i} differs in the batch"

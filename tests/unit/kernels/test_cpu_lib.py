@@ -21,7 +21,7 @@ X86 = cpu_features.detect().x86_64
 
 @pytest.mark.parametrize(("name", "variant"), [("avx2_epyc_zen3.txt", "avx2"),
                                                ("avx512bf16_epyc_zen4.txt", "avx512_bf16"),
-                                               ("amx_xeon_sapphire_rapids.txt", "avx512_bf16")])
+                                               ("amx_xeon_sapphire_rapids.txt", "amx")])
 def test_variant_of_recorded_machines(name, variant):
     f = cpu_features.CpuFeatures.from_cpuinfo((DATA / name).read_text())
     assert cpu_lib.variant_for(f) == variant
@@ -104,3 +104,55 @@ def test_the_abi_check_refuses_a_mismatch(cache, monkeypatch):
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
     assert cpu_lib.load(cache) is None and not cpu_lib.available()
     assert "differ" in cpu_lib.unavailable_reason() and "kv_matrix" in cpu_lib.unavailable_reason()
+
+
+@pytest.mark.skipif(_runs("amx") is not None, reason=str(_runs("amx")))
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8g", "int4"])
+def test_amx_kernel_matches_float64_and_each_row_is_alone(fmt, cache):
+    """cpu_amx.h: the tile kernel against float64 over the bf16-rounded activations and dequantized
+    weights, and each row's bits alone (the narrow path) equal to its bits among 40 (the wide one)."""
+    lib = cpu_lib.open_variant("amx", cache)
+    assert lib.kv_amx_available() == 1
+    gen = torch.Generator().manual_seed(3)
+    N, K, G = 48, 576, 32
+    w = torch.randn(N, K, generator=gen) * 0.1
+    keep: tuple = ()
+    if fmt == "bf16":
+        wb = w.bfloat16()
+        m, deq = cpu_lib.Matrix(3, N, K, wb.data_ptr(), None, None, 0, None), wb.double()
+        keep = (wb,)
+    elif fmt == "int8":
+        s = (w.abs().amax(1) / 127).contiguous()
+        q = torch.round(w / s[:, None]).to(torch.int8)
+        m, deq = cpu_lib.Matrix(1, N, K, q.data_ptr(), s.data_ptr(), None, 0, None), q.double()
+        keep = (q, s)
+    elif fmt == "int8g":
+        s = (w.view(N, K // G, G).abs().amax(-1) / 127).contiguous()
+        q = torch.round(w / s.repeat_interleave(G, 1)).to(torch.int8)
+        m, deq = cpu_lib.Matrix(4, N, K, q.data_ptr(), s.data_ptr(), None, G, None), q.double() * s.double().repeat_interleave(G, 1)
+        keep = (q, s)
+    else:
+        from kvfleet.kernels import cpu_woq
+
+        q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+        s, t = torch.rand(N, K // G, generator=gen) * 0.02, -torch.rand(N, K // G, generator=gen) * 0.1
+        packed = cpu_woq.pack_int4(q)
+        m = cpu_lib.Matrix(2, N, K, packed.data_ptr(), s.data_ptr(), t.data_ptr(), G, None)
+        deq = q.double() * s.double().repeat_interleave(G, 1) + t.double().repeat_interleave(G, 1)
+        keep = (packed, s, t)
+    x = torch.randn(40, K, generator=gen)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(rows.shape[0], N)
+        assert lib.kv_amx_linear(ctypes.byref(m), rows.data_ptr(), rows.shape[0], K, y.data_ptr()) == 0
+        return y
+
+    y = run(x)
+    ref = x.bfloat16().double() @ deq.bfloat16().double().T
+    if fmt == "int8":
+        ref = ref * (w.abs().amax(1) / 127).double()   # the per-channel scale after the sum
+    assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    for i in (0, 17, 39):
+        assert torch.equal(run(x[i:i + 1].clone())[0], y[i])
+    assert torch.equal(run(x[3:24].clone()), y[3:24])
+    assert keep

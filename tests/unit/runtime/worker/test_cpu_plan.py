@@ -54,6 +54,9 @@ def test_plan_on_recorded_cpus(machine, dtype, quant, storage):
     assert p.reason and p.describe().startswith(f"activations {p.dtype}, weights {p.weights}")
     if dtype != "auto":
         assert f"--dtype {dtype}" in p.reason
+    # AMX tiles: on the AMX machine, on the fused path, unless float32 was asked or weights are fp32
+    assert p.amx == (machine == "spr" and p.fused_decoder and dtype != "float32" and p.weights != "fp32")
+    assert ("AMX tiles" in p.describe()) == p.amx
 
 
 # Measured on an AMD EPYC Zen 4 (AVX-512, AVX512-BF16, VNNI; 2 cores), issue 25: output tok/s of
@@ -74,6 +77,15 @@ def test_auto_is_never_slower_than_another_measured_path(quant):
         if q == quant:
             assert all(c >= f for c, f in zip(chosen, figures)), (dtype, figures, chosen)
     assert p.fused_decoder and "fused C decoder" in p.reason
+
+
+def test_the_gguf_default_runs_on_amx_tiles_where_the_cpu_has_them():
+    for machine, amx in (("zen3", False), ("zen4", False), ("spr", True)):
+        p = cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="q4_1")
+        assert p.gguf_q4_1 and p.amx == amx, machine
+    assert not cp.plan(cpu("spr"), "auto", facts=cp.CpuFacts(kernels=True, fused_decoder=False),
+                       checkpoint_weights="q4_1").amx
+    assert not cp.plan(cpu("spr").capped("avx512_bf16"), "auto", facts=KERNELS, checkpoint_weights="q4_1").amx
 
 
 @pytest.mark.parametrize("machine", list(MACHINES))

@@ -1,0 +1,279 @@
+/* kvfleet CPU kernels: linear layers on AMX tiles (bf16 x bf16, float32 sums), for CPUs with
+ * AMX-BF16 (Intel Sapphire Rapids and later). Compiled into the `amx` build variant only
+ * (cpu_lib.py: -mamx-tile -mamx-bf16); elsewhere KV_HAVE_AMX is 0 and none of this exists.
+ *
+ * Contract: y[m * ldy + n - n0] = finish_dot(sum_k bf16(x[m, k]) * bf16(dequant(w)[n, k])) for
+ * m < M, n0 <= n < n1, a kv_matrix in any format (cpu_gemv.h): each dequantized weight (int4's
+ * q * scale + shift, int8g's q * scale, int8's q, bf16 as stored, fp32) rounded to bf16 to nearest
+ * even, int8's per-channel scale and the bias applied after the sum as everywhere (finish_dot).
+ * The activations are rounded to bf16 once per phase by kv_amx_pack_x, into the tiles' order.
+ *
+ * Batch invariance: every output is one tile accumulation over K in 32-wide blocks, in the same
+ * order whatever M is; the tile unit computes each (channel, token) dot on its own, so a row's
+ * result is the same bits alone, in any batch and at any position in it (tests/unit/kernels check
+ * it bitwise; so did a probe on a Xeon with AMX: 1, 5 and 16 tokens per tile give equal bits).
+ *
+ * Layout. Weights are the A operand: 16 channels x 32 bf16 of K, row-major, which is how a
+ * dequantized weight row lies, so each weight block is widened straight into a small buffer
+ * (KV_AMX_CH channels x K, reused for every group of tokens). Activations are the B operand:
+ * for each 16 tokens and each 32-wide block of K, 16 rows (the K pairs 2r, 2r + 1) of 16 tokens x
+ * 2 bf16 ("VNNI" pairs), written by kv_amx_pack_x. C tiles: 16 channels x up to 16 tokens. Four
+ * C tiles (2 channel tiles x 2 token tiles), two A and two B: 32 channels x 32 tokens per pass.
+ *
+ * Linux hands out the tile state only on request: kv_amx_ready asks once per process
+ * (arch_prctl ARCH_REQ_XCOMP_PERM) and says whether it was granted.
+ */
+#ifndef KVFLEET_CPU_AMX_H
+#define KVFLEET_CPU_AMX_H
+
+#include "cpu_gemv.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KV_HAVE_AMX 1
+
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define KV_AMX_CH 32      /* channels widened per pass: two A tiles */
+#define KV_AMX_TOK 32     /* tokens per pass: two B tiles */
+
+/* 1 when this process may use the tile registers (asked once; later calls return the answer). */
+static inline int kv_amx_ready(void) {
+    static int state;   /* 0: not asked, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Elements (uint16) of kv_amx_pack_x's output for M rows of K. */
+static inline int64_t kv_amx_packed_size(int64_t M, int64_t K) { return (M + 15) / 16 * 16 * K; }
+
+/* r[0..15] (16 x 16 dwords) transposed in place: r[i][j] <- r[j][i]. */
+static inline void amx_transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* x [M, K] float32 (rows ldx apart) -> xb in the B tiles' order (above), rounded to bf16 to
+ * nearest even: per 16 rows and 32-wide block, each row's 16 pairs (as dwords) transposed so that
+ * tile row r holds pair r of every token. Rows past M in the last group of 16 are zero. */
+static inline void kv_amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb) {
+    const int64_t KB = K / 32;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        for (int64_t kb = 0; kb < KB; kb++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const float *row = x + (m0 + i) * ldx + 32 * kb;
+                r[i] = m0 + i < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
+                                  : _mm512_setzero_si512();
+            }
+            amx_transpose16(r);
+            uint16_t *dst = xb + ((m0 / 16) * KB + kb) * 512;
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 32 * i, r[i]);
+        }
+    }
+}
+
+/* Weights k .. k + 31 of row n of m, dequantized and rounded to bf16, into dst [32]. */
+static inline void amx_widen32(const kv_matrix *m, int64_t n, int64_t k, uint16_t *dst) {
+    const int64_t K = m->K;
+    if (m->fmt == KV_BF16) {
+        _mm512_storeu_si512(dst, _mm512_loadu_si512((const uint16_t *)m->w + n * K + k));
+        return;
+    }
+    {
+        __m512 lo, hi;
+        if (m->fmt == KV_INT4) {   /* byte j: k = j (low nibble), k = 16 + j (high nibble) */
+            const int64_t g = n * (K / m->group) + gidx(k, m->group);
+            const __m512 s = _mm512_set1_ps(m->scale[g]), t = _mm512_set1_ps(m->shift[g]);
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)m->w + n * (K / 2) + k / 2)));
+            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s, t);
+            hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, t);
+        } else if (m->fmt == KV_FP32) {
+            lo = _mm512_loadu_ps((const float *)m->w + n * K + k);
+            hi = _mm512_loadu_ps((const float *)m->w + n * K + k + 16);
+        } else {   /* int8 (unscaled: finish_dot scales) and int8g (scaled per group) */
+            const int8_t *w = (const int8_t *)m->w + n * K + k;
+            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
+            if (m->fmt == KV_INT8G) {
+                const __m512 s = _mm512_set1_ps(m->scale[n * (K / m->group) + gidx(k, m->group)]);
+                lo = _mm512_mul_ps(lo, s);
+                hi = _mm512_mul_ps(hi, s);
+            }
+        }
+        _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* Weight row n of m, dequantized and rounded to bf16, into dst [K]. */
+static inline void amx_widen_row(const kv_matrix *m, int64_t n, uint16_t *dst) {
+    for (int64_t k = 0; k < m->K; k += 32) amx_widen32(m, n, k, dst + k);
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} kv_tilecfg;
+
+/* The tile registers are not renamed: a tile is loaded again only once the product reading it
+ * is done, so each accumulator's chain (load, multiply) runs at the product's latency, and speed
+ * comes from independent chains. Two layouts, by the tokens of the call:
+ * - wide (t1 >= 0; more than 16 tokens): 0..3 C (channel tile a, token tile b at 2b + a), 4, 5 A,
+ *   6, 7 B; t0, t1 tokens in each B tile (t1 = 0: the second unused); four chains;
+ * - narrow (t1 < 0; at most 16 tokens, t0 of them): 0..2 C, 3..5 A, 6 B: three channel tiles
+ *   against one token tile, three chains.
+ * Loaded only when it changes (per thread). */
+static inline void amx_configure(int t0, int t1) {
+    static __thread int current = -1;
+    const int key = t0 * 64 + t1 + 32;
+    if (key == current) return;
+    kv_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    if (t1 < 0) {
+        for (int i = 0; i < 7; i++) { c.rows[i] = 16; c.colsb[i] = (uint16_t)(i >= 3 && i < 6 ? 64 : 4 * t0); }
+    } else {
+        const int tok[2] = {t0, t1 ? t1 : t0};
+        for (int i = 0; i < 4; i++) { c.rows[i] = 16; c.colsb[i] = (uint16_t)(4 * tok[i / 2]); }
+        for (int i = 4; i < 6; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
+        for (int i = 6; i < 8; i++) { c.rows[i] = 16; c.colsb[i] = (uint16_t)(4 * tok[i - 6]); }
+    }
+    _tile_loadconfig(&c);
+    current = key;
+}
+
+/* A per-thread buffer of at least `elems` uint16 (grown as needed, never freed: one per thread). */
+static inline uint16_t *amx_buffer(int64_t elems) {
+    static __thread uint16_t *buf;
+    static __thread int64_t size;
+    if (size < elems) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)((elems * 2 + 63) / 64 * 64));
+        size = buf ? elems : 0;
+    }
+    return buf;
+}
+
+/* One C tile (channels c0 .. c0 + 15, tokens t0 .., `nt` of them) finished into y: stored,
+ * transposed to token rows, then finish_dot's scale and bias as vectors (the same two roundings). */
+static inline void amx_store(const kv_matrix *m, int tile, int64_t c0, int64_t t0, int nt, int64_t n0, float *y,
+                             int64_t ldy) {
+    __m512i r[16];
+    switch (tile) {   /* the tile number must be an immediate */
+    case 0: _tile_stored(0, r, 64); break;
+    case 1: _tile_stored(1, r, 64); break;
+    case 2: _tile_stored(2, r, 64); break;
+    default: _tile_stored(3, r, 64); break;
+    }
+    amx_transpose16(r);   /* r[t]: token t's 16 channels */
+    const __m512 scale = m->fmt == KV_INT8 ? _mm512_loadu_ps(m->scale + c0) : _mm512_set1_ps(1.0f);
+    const __m512 bias = m->bias ? _mm512_loadu_ps(m->bias + c0) : _mm512_setzero_ps();
+    for (int t = 0; t < nt; t++) {
+        __m512 v = _mm512_castsi512_ps(r[t]);
+        if (m->fmt == KV_INT8) v = _mm512_mul_ps(v, scale);
+        if (m->bias) v = _mm512_add_ps(v, bias);
+        _mm512_storeu_ps(y + (t0 + t) * ldy + c0 - n0, v);
+    }
+}
+
+/* At most 16 tokens (decode): three channel tiles at a time. Their weights are widened row after
+ * row first (one sequential stream per thread, prefetched ahead: interleaving the rows block by
+ * block made 48 streams that the hardware prefetcher did not follow), into wb [48, K]. */
+static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M, int64_t n0, int64_t n1, float *y,
+                                   int64_t ldy, uint16_t *wb) {
+    const int64_t K = m->K, KB = K / 32;
+    amx_configure(M, -1);
+    for (int64_t n = n0; n < n1; n += 48) {
+        const int nc = (int)((n1 - n) / 16 < 3 ? (n1 - n) / 16 : 3);
+        prefetch_rows(m, n + 16 * nc, 8);
+        for (int j = 0; j < 16 * nc; j++) {
+            if (j % 8 == 0) prefetch_rows(m, n + 16 * nc + 8 + j, 8);
+            amx_widen_row(m, n + j, wb + j * K);
+        }
+        _tile_zero(0); _tile_zero(1); _tile_zero(2);
+        for (int64_t kb = 0; kb < KB; kb++) {
+            _tile_loadd(6, xb + kb * 512, 64);
+            _tile_loadd(3, wb + kb * 32, K * 2);
+            _tile_dpbf16ps(0, 3, 6);
+            if (nc > 1) { _tile_loadd(4, wb + 16 * K + kb * 32, K * 2); _tile_dpbf16ps(1, 4, 6); }
+            if (nc > 2) { _tile_loadd(5, wb + 32 * K + kb * 32, K * 2); _tile_dpbf16ps(2, 5, 6); }
+        }
+        for (int c = 0; c < nc; c++) amx_store(m, c, n + 16 * c, 0, M, n0, y, ldy);
+    }
+}
+
+/* The contract at the top: n1 - n0 a multiple of 16, K of 32; xb from kv_amx_pack_x of M rows.
+ * Returns 0, or -1 when the widening buffer could not be allocated. */
+static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M, int64_t n0, int64_t n1, float *y,
+                              int64_t ldy) {
+    const int64_t K = m->K, KB = K / 32;
+    uint16_t *wb = amx_buffer(48 * K);
+    if (!wb) return -1;
+    if (M <= 16) {
+        amx_rows_narrow(m, xb, (int)M, n0, n1, y, ldy, wb);
+        return 0;
+    }
+    for (int64_t n = n0; n < n1; n += KV_AMX_CH) {
+        const int two = n1 - n > 16;
+        prefetch_rows(m, n + 32, 8);
+        for (int64_t j = 0; j < (two ? 32 : 16); j++) {
+            if (j % 8 == 0) prefetch_rows(m, n + 40 + j, 8);
+            amx_widen_row(m, n + j, wb + j * K);
+        }
+        for (int64_t t0 = 0; t0 < M; t0 += KV_AMX_TOK) {
+            const int nt0 = (int)(M - t0 < 16 ? M - t0 : 16);
+            const int nt1 = (int)(M - t0 - 16 <= 0 ? 0 : M - t0 - 16 < 16 ? M - t0 - 16 : 16);
+            amx_configure(nt0, nt1);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            const uint16_t *b0 = xb + (t0 / 16) * KB * 512, *b1 = b0 + KB * 512;
+            for (int64_t kb = 0; kb < KB; kb++) {
+                _tile_loadd(4, wb + kb * 32, K * 2);
+                _tile_loadd(6, b0 + kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(5, wb + 16 * K + kb * 32, K * 2);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+                if (nt1) {
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    if (two) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            amx_store(m, 0, n, t0, nt0, n0, y, ldy);
+            if (two) amx_store(m, 1, n + 16, t0, nt0, n0, y, ldy);
+            if (nt1) {
+                amx_store(m, 2, n, t0 + 16, nt1, n0, y, ldy);
+                if (two) amx_store(m, 3, n + 16, t0 + 16, nt1, n0, y, ldy);
+            }
+        }
+    }
+    return 0;
+}
+
+#else
+#define KV_HAVE_AMX 0
+#endif
+
+#endif
