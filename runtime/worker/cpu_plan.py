@@ -24,6 +24,13 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   blocks, or ``--quantization``) on a CPU with native bf16, prefill (steps over 32 rows) runs
   oneDNN's bf16 matmul on the weights dequantized to bf16 (``native_bf16_prefill``; the rounding
   is far below the quantization's error); decode keeps the float32 C kernels.
+- **AMX tiles** (``amx``): on a CPU with AMX-BF16 (Sapphire Rapids and later), wherever the fused
+  decoder is expected with quantized or bf16 weights and ``--dtype float32`` was not asked, its
+  matmuls run on AMX tiles (``kernels/cpu_amx.h``): each activation row and each dequantized weight
+  rounded to bf16, float32 sums, every row's bits independent of the step's other rows. Steps of
+  48 rows ran their matmuls ~5x faster than the float32 kernels; one stream is slower (widening
+  the weights to bf16 costs more than reading them), so ``--dtype float32`` (or
+  ``$KVFLEET_CPU_AMX=0``) keeps the float32 kernels (docs/performance.md, "AMX tiles").
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
