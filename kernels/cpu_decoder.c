@@ -36,8 +36,8 @@
  * helpers and runs every task on its calling thread.
  *
  * Large steps (prefill chunks): each linear-layer task still owns a run of output channels and
- * goes through it KV_CHUNK channels at a time, each chunk for every block of KV_ROW_BLOCK rows, so
- * its weights stay in cache while all rows read them; attention runs KV_ATTN_ROWS rows a pass. No
+ * goes through the rows KV_ROW_BLOCK at a time, its weights staying in cache from one block to the
+ * next; attention runs KV_ATTN_ROWS rows a pass. No
  * blocking changes a row's arithmetic: every row is summed in the one-row order (cpu_gemv.h), so a
  * row's result is bitwise independent of the step's other rows (batch-invariant).
  */
@@ -238,21 +238,15 @@ static int64_t spans(kv_step *s, int64_t N) {
     return (N + span - 1) / span;
 }
 
-/* y[m * ldy + n - n0] for the M rows of x and n0 <= n < n1. Up to KV_ROW_BLOCK rows (decode) one
- * call, so the task's weights are one stream; more rows (a prefill chunk) go KV_CHUNK channels at a
- * time, row block after row block, so the chunk's weights stay in cache while every row reads them.
- * Either way each row is summed in the one-row order (kv_matrix_rows): the blocking changes no bit. */
+/* y[m * ldy + n - n0] for the M rows of x and n0 <= n < n1, KV_ROW_BLOCK rows at a time: up to
+ * that (decode) one call, so the task's weights are one stream; with more rows (a prefill chunk)
+ * the task's weights stay in cache from one row block to the next, and each block of rows is
+ * read once per task. Each row is summed in the one-row order (kv_matrix_rows) either way: the
+ * blocking changes no bit. */
 static void matrix_rows(const kv_matrix *w, const float *x, int64_t ldx, int64_t M, int64_t n0, int64_t n1,
                         float *y, int64_t ldy) {
-    if (M <= KV_ROW_BLOCK) {
-        kv_matrix_rows(w, x, ldx, M, n0, n1, y, ldy);
-        return;
-    }
-    for (int64_t c0 = n0; c0 < n1; c0 += KV_CHUNK) {
-        const int64_t c1 = min64(c0 + KV_CHUNK, n1);
-        for (int64_t m0 = 0; m0 < M; m0 += KV_ROW_BLOCK)
-            kv_matrix_rows(w, x + m0 * ldx, ldx, min64(KV_ROW_BLOCK, M - m0), c0, c1, y + m0 * ldy + c0 - n0, ldy);
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += KV_ROW_BLOCK)
+        kv_matrix_rows(w, x + m0 * ldx, ldx, min64(KV_ROW_BLOCK, M - m0), n0, n1, y + m0 * ldy, ldy);
 }
 
 static void task_qkv(const void *ctx, int64_t t) {
@@ -261,15 +255,15 @@ static void task_qkv(const void *ctx, int64_t t) {
     matrix_rows(&s->L->qkv, s->h, s->d->hidden, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
 }
 
-/* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream, KV_CHUNK
- * channels at a time, each for every row block (the chunk's weights stay in cache). */
+/* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream, row block
+ * after row block (matrix_rows), KV_CHUNK channels at a time. */
 static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t) {
     const int64_t H = s->d->hidden, K = w->K, end = min64((t + 1) * s->span, H);
     float tmp[KV_ROW_BLOCK * KV_CHUNK];
-    for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
-        const int64_t n1 = min64(n0 + KV_CHUNK, end);
-        for (int64_t m0 = 0; m0 < s->M; m0 += KV_ROW_BLOCK) {
-            const int64_t rows = min64(KV_ROW_BLOCK, s->M - m0);
+    for (int64_t m0 = 0; m0 < s->M; m0 += KV_ROW_BLOCK) {
+        const int64_t rows = min64(KV_ROW_BLOCK, s->M - m0);
+        for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
+            const int64_t n1 = min64(n0 + KV_CHUNK, end);
             kv_matrix_rows(w, a + m0 * K, K, rows, n0, n1, tmp, KV_CHUNK);
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t n = n0; n < n1; n++) s->x[(m0 + m) * H + n] += tmp[m * KV_CHUNK + n - n0];
@@ -287,8 +281,8 @@ static void task_down(const void *ctx, int64_t t) {
     add_rows(s, &s->L->down, s->act, t);
 }
 
-/* act[m, j] = silu(h Wg^T) * (h Wu^T) over rows of at most KV_ROW_BLOCK (silu_rows), KV_CHUNK
- * channels at a time, each for every row block. */
+/* act[m, j] = silu(h Wg^T) * (h Wu^T) for rows m0 .. m0 + rows - 1 (at most KV_ROW_BLOCK) and
+ * channels j0 .. j1 - 1 (at most KV_CHUNK). */
 static void silu_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, int64_t j1) {
     const int64_t I = s->d->intermediate, H = s->d->hidden;
     float g[KV_ROW_BLOCK * KV_CHUNK], u[KV_ROW_BLOCK * KV_CHUNK];
@@ -313,8 +307,8 @@ static void silu_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, in
 static void task_mlp(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t I = s->d->intermediate, end = min64((t + 1) * s->span, I);
-    for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK)
-        for (int64_t m0 = 0; m0 < s->M; m0 += KV_ROW_BLOCK)
+    for (int64_t m0 = 0; m0 < s->M; m0 += KV_ROW_BLOCK)   /* the task's weights stay in cache across row blocks */
+        for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK)
             silu_rows(s, m0, min64(KV_ROW_BLOCK, s->M - m0), j0, min64(j0 + KV_CHUNK, end));
 }
 
