@@ -62,6 +62,8 @@ def test_fused_decode_matches_the_transformers_path(smollm2_two_layers, plain_ru
 def _fused_prefill_engine(loaded, monkeypatch, recorder=None, **config) -> LLMEngine:
     """An engine whose every step must run fused (transformers' forward raises)."""
     monkeypatch.setenv(cpu_decode.PREFILL_ENV, "1")
+    if "forward" in vars(loaded.model):  # an earlier engine's guard (the model is shared): start-up probes it
+        monkeypatch.delattr(loaded.model, "forward")
     eng = LLMEngine(EngineConfig(**config), [recorder or Recorder()], loaded=loaded)
     assert eng.runner.cpu_decode is not None and eng.runner.cpu_decode.prefill
 
