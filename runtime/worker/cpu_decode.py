@@ -226,6 +226,13 @@ class CpuDecodePath:
         return self._compute_logits(hidden.index_select(0, logits_indices)) if logits is None else logits
 
 
+def fused_prefill() -> bool:
+    """Whether a fused path built now runs prefill and mixed steps too: ``$KVFLEET_CPU_FUSED_PREFILL``
+    (``1`` / ``0``), else :data:`PREFILL_DEFAULT`."""
+    value = os.environ.get(PREFILL_ENV, "")
+    return value == "1" if value else PREFILL_DEFAULT
+
+
 def build(runner: Runner) -> CpuDecodePath | None:
     """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`
     whose KV caches exist), or None with the reason logged at INFO."""
@@ -254,7 +261,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    prefill = os.environ.get(PREFILL_ENV, "") == "1" if os.environ.get(PREFILL_ENV) else PREFILL_DEFAULT
+    prefill = fused_prefill()
     logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, prefill %s)", len(layers),
                 layers[0].qkv.fmt, head.fmt if head is not None else "in torch", "fused" if prefill else "in torch")
     return CpuDecodePath(runner, fused, prefill)
