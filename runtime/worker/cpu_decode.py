@@ -32,8 +32,9 @@ padding rows. Otherwise:
   every step of up to :data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` tokens, a prompt chunk's
   tokens one row each like speculative drafts. Then every token of the engine goes through one
   code path whose rows are bitwise independent of each other (batch-invariant), prefill included,
-  and prefill skips transformers' per-op overhead; in float32 on a 2-core Xeon it was slower than
-  torch's prefill (oneDNN's GEMMs against the one-row-order sums; docs/performance.md), hence off.
+  and prefill skips transformers' per-op overhead; in float32 on a 2-core Xeon with AMX it was
+  2.2-2.6x slower than torch's prefill (oneDNN's GEMMs against the one-row-order sums;
+  docs/performance.md, "Fused prefill"), hence off by default.
 
 Either way the LM head runs only on the rows that sample (``logits_indices``).
 """
