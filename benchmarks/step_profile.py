@@ -5,6 +5,7 @@
     python benchmarks/step_profile.py phases [--concurrency 1 32] [--dtype float32 bfloat16] [--steps 40]
     python benchmarks/step_profile.py bench [--baseline REV] [--rounds 2] [--dtype float32 bfloat16]
     python benchmarks/step_profile.py w48 [--dtype auto] [--no-batch-invariant]
+    python benchmarks/step_profile.py prefill [--lengths 400] [--rounds 5] [--dtype float32]
 
 ``phases`` runs decode steps through ``LLMEngine`` at each concurrency (``C`` requests of
 128-token prompts, decoding) with timers around each part of ``LLMEngine.step``: the
@@ -22,6 +23,15 @@ revision's ``runtime/`` and ``kernels/`` (``git archive``) into a temporary fold
 same measurement with that code (``PYTHONPATH`` puts it ahead of the editable install) and
 alternates old/new runs ``--rounds`` times, so machine noise hits both alike; it prints the best
 of the rounds for each and new/old.
+
+``w48`` runs the 48-request workload in one engine and splits its wall time by step kind
+(prefill or mixed, decode above / up to 32 rows). ``$KVFLEET_CPU_FUSED_PREFILL=1`` runs its
+prefill and mixed steps through the fused C decoder (runtime/worker/cpu_decode.py).
+
+``prefill`` times one step that prefills prompts of ``--lengths`` tokens (random ids, prefix cache
+off), through torch's modules and through the fused C decoder alternately in one engine, and
+prints the median and best of ``--rounds`` for each: an A/B that a shared machine's load hits
+alike.
 
 Both set ``OMP_WAIT_POLICY=PASSIVE`` as the engine does; torch uses its default threads
 (``torch.get_num_threads()``, printed) unless ``--threads``.
@@ -325,6 +335,39 @@ def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None 
         print(f"| {kind} | {steps} | {secs:.2f} | {tokens} | {1e3 * secs / steps:.1f} |")
 
 
+def prefill_ab(dtype: str, lengths: list[int], rounds: int) -> None:
+    """One prefill step of prompts of ``lengths`` tokens, torch's modules against the fused C
+    decoder (``CpuDecodePath.prefill``), alternating in one engine."""
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(dtype=dtype, enable_prefix_caching=False,
+                                 max_num_batched_tokens=max(2048, sum(lengths))))
+    path = eng.runner.cpu_decode
+    if path is None:
+        print(f"{dtype}: the fused CPU decoder is off here (see the log)")
+        return
+    rng = random.Random(0)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for fused in (False, True):
+            path.prefill = fused
+            for i, n in enumerate(lengths):
+                eng.add_request(f"{r}-{fused}-{i}", [rng.randint(100, 20000) for _ in range(n)],
+                                SamplingParams(temperature=0, max_tokens=1))
+            t = time.perf_counter()
+            eng.step()  # every prompt's whole prefill
+            times[fused].append(time.perf_counter() - t)
+            while eng.has_unfinished_requests():
+                eng.step()
+    print(f"\n{dtype}, one step prefilling {lengths} tokens, {rounds} rounds, load average {os.getloadavg()[0]:.1f}")
+    print("| prefill | median ms | best ms |\n|---|---:|---:|")
+    for fused in (False, True):
+        print(f"| {'fused C decoder' if fused else 'torch modules'} | {1e3 * statistics.median(times[fused]):.0f} | "
+              f"{1e3 * min(times[fused]):.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -348,6 +391,11 @@ def main() -> None:
     w.add_argument("--no-batch-invariant", action="store_true")
     w.add_argument("--speculative-config", default=None, help="e.g. '{\"method\": \"ngram\"}'")
     w.add_argument("--threads", type=int, default=0)
+    f = sub.add_parser("prefill", help="one prefill step, torch against the fused C decoder")
+    f.add_argument("--dtype", default="float32")
+    f.add_argument("--lengths", type=int, nargs="+", default=[400])
+    f.add_argument("--rounds", type=int, default=5)
+    f.add_argument("--threads", type=int, default=0)
     o = sub.add_parser("_one")
     o.add_argument("--dtype", default="float32")
     o.add_argument("--threads", type=int, default=0)
@@ -377,6 +425,9 @@ def main() -> None:
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         for dtype in args.dtype:
             split_w48(dtype, not args.no_batch_invariant, args.speculative_config)
+    elif args.cmd == "prefill":
+        print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
+        prefill_ab(args.dtype, args.lengths, args.rounds)
     else:
         print(json.dumps(run_bench(args.dtype)))
 

@@ -1,18 +1,24 @@
-/* kvfleet CPU kernels: one decode step of a Llama-family decoder in one call, x86-64 AVX2 + FMA.
+/* kvfleet CPU kernels: one engine step of a Llama-family decoder in one call, x86-64 AVX2 + FMA.
  *
  * Contract (kernels/cpu_decoder.py builds the kv_decoder description once from the model's
- * tensors, checks every shape, and calls kv_decode once per decode step; nothing here validates):
+ * tensors, checks every shape, and calls kv_decode once per step; nothing here validates):
  *
+ *   M rows, 1 <= M <= KV_MAX_ROWS: each row is one token, a one-token decode at its position (a
+ *                        decode step's sequences; a speculative step's last token and drafts; a
+ *                        prefill chunk's prompt tokens: row j of a sequence attends up to its own
+ *                        position, over keys this step writes, since every row's key and value
+ *                        is written before any row's attention)
  *   x [M, H] float32     in: the M rows' token embeddings; out: the residual stream after the
  *                        last layer (overwritten)
  *   out [M, H] float32   the final RMSNorm of x (the LM head's input)
- *   logits [M, V]        the LM head on out, when the decoder has a head (else NULL)
+ *   logits [L, V]        the LM head on the rows logits_indices [L] of out (all M rows when
+ *                        logits_indices is NULL), when the decoder has a head (else NULL)
  *   cos, sin [M, D]      each row's rotary embedding (transformers' rotary module output:
  *                        rotate-half convention, attention scaling included), D = head size
  *   slots [M] int64      cache slot of each row's new key/value (block * block_size + offset;
  *                        -1: not written)
- *   block_tables [M, W] int32 (rows `bt_stride` apart), seq_lens [M] int32: each row is one
- *                        sequence with one new token; it attends over positions 0 .. len - 1
+ *   block_tables [M, W] int32 (rows `bt_stride` apart), seq_lens [M] int32: row i attends over
+ *                        positions 0 .. len - 1 of its block table
  *   caches               per layer [num_blocks, block_size, KVH, D] float32 keys and values
  *
  * Per layer: h = rmsnorm(x); q|k|v = h Wqkv^T; rotary on q and k; k, v written at the slot;
@@ -28,6 +34,12 @@
  * helper spins `spin_us` after its last task (a decode step's phases come microseconds apart),
  * then sleeps on a futex; the caller wakes it when it publishes a phase. A forked child has no
  * helpers and runs every task on its calling thread.
+ *
+ * Large steps (prefill chunks): each linear-layer task still owns a run of output channels and
+ * goes through the rows KV_ROW_BLOCK at a time, its weights staying in cache from one block to the
+ * next; attention runs KV_ATTN_ROWS rows a pass. No
+ * blocking changes a row's arithmetic: every row is summed in the one-row order (cpu_gemv.h), so a
+ * row's result is bitwise independent of the step's other rows (batch-invariant).
  */
 #define _GNU_SOURCE
 #include "cpu_decoder.h"
@@ -44,7 +56,10 @@
 #include <unistd.h>
 
 #define KV_MAX_THREADS 64
-#define KV_MAX_ROWS 64
+#define KV_MAX_ROWS 8192    /* rows one step takes (cpu_decoder.py MAX_ROWS) */
+#define KV_ROW_BLOCK 64     /* rows per kv_matrix_rows call in a large step */
+#define KV_AMX_ROW_BLOCK 256   /* rows per AMX call: each call widens its weights to bf16 once */
+#define KV_ATTN_ROWS 256    /* rows per attention pass (the size of s->partial) */
 #define KV_MAX_SPLITS 8     /* attention splits per sequence */
 #define KV_SPLIT_BLOCKS 8   /* fewest cache blocks per split (split_of) */
 #define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
@@ -65,6 +80,8 @@ static struct {
     pthread_mutex_t lock;       /* one kv_decode at a time (the pool and scratch are global) */
     float *scratch;
     int64_t scratch_floats;
+    int64_t *group;             /* [2 M]: kv_step's group and leads */
+    int64_t group_rows;
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 200000};
 
 static inline int64_t now_ns(void) {
@@ -182,7 +199,7 @@ typedef struct {
     const kv_layer *L;
     int64_t M;
     float *x, *h, *qkv, *attn, *act, *logits;
-    float *partial;         /* [M, QH, splits, 2 + D]: per split, max, sum and weighted values */
+    float *partial;         /* [rows of the pass, QH, splits, 2 + D]: per split, max, sum and weighted values */
     int64_t splits;
     const float *cos, *sin;
     const int64_t *slots;
@@ -190,27 +207,10 @@ typedef struct {
     int64_t bt_stride;
     int64_t span;           /* output channels per task in the current phase (see spans()) */
     const int64_t *group;   /* [M]: rows in the group row i leads (0: row i is in an earlier row's group) */
-    uint16_t *xb;           /* AMX: the current phase's input in the tiles' order (pack_input), else NULL */
+    const int64_t *leads;   /* the attention pass's group leads, in order (task_attention) */
+    int64_t a0;             /* the attention pass's first row */
+    uint16_t *xb;           /* AMX: the current phase's input rows in the tiles' order (pack_input), else NULL */
 } kv_step;
-
-/* AMX (d->amx, cpu_amx.h): the next phase's input rows packed once into s->xb for every task. */
-static void pack_input(const kv_step *s, const float *x, int64_t K) {
-#if KV_HAVE_AMX
-    if (s->xb) kv_amx_pack_x(x, K, s->M, K, s->xb);
-#else
-    (void)s; (void)x; (void)K;
-#endif
-}
-
-/* y[m * ldy + n - n0] = x[m] . w[n] for the step's rows: on AMX tiles from s->xb (pack_input of
- * x), else kvfleet's float32 kernels. */
-static inline void rows_of(const kv_step *s, const kv_matrix *w, const float *x, int64_t n0, int64_t n1, float *y,
-                           int64_t ldy) {
-#if KV_HAVE_AMX
-    if (s->xb && kv_amx_rows(w, s->xb, s->M, n0, n1, y, ldy) == 0) return;   /* -1: no buffer memory */
-#endif
-    kv_matrix_rows(w, x, w->K, s->M, n0, n1, y, ldy);
-}
 
 static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float *out) {
     __m256 acc = _mm256_setzero_ps();
@@ -240,21 +240,58 @@ static int64_t spans(kv_step *s, int64_t N) {
     return (N + span - 1) / span;
 }
 
+/* AMX (d->amx, cpu_amx.h): the next phase's input rows x [M, K], packed once into s->xb for every task. */
+static void pack_input(const kv_step *s, const float *x, int64_t K) {
+#if KV_HAVE_AMX
+    if (s->xb) kv_amx_pack_x(x, K, s->M, K, s->xb);
+#else
+    (void)s; (void)x; (void)K;
+#endif
+}
+
+/* Rows per block of a task's loop over the step's rows: an AMX call widens its weights once for
+ * its rows, so it takes more of them (its blocks start at multiples of 16, as the tiles do). */
+static inline int64_t row_block(const kv_step *s) { return s->xb ? KV_AMX_ROW_BLOCK : KV_ROW_BLOCK; }
+
+/* y[m * ldy + n - n0] = x[m0 + m] . w[n] for m < rows, n0 <= n < n1: on AMX tiles from s->xb
+ * (pack_input of x; m0 a multiple of 16), else kvfleet's float32 kernels (one-row order). */
+static inline void rows_of(const kv_step *s, const kv_matrix *w, const float *x, int64_t m0, int64_t rows,
+                           int64_t n0, int64_t n1, float *y, int64_t ldy) {
+#if KV_HAVE_AMX
+    if (s->xb && kv_amx_rows(w, s->xb + m0 / 16 * (w->K / 32) * 512, rows, n0, n1, y, ldy) == 0) return;
+#endif
+    kv_matrix_rows(w, x + m0 * w->K, w->K, rows, n0, n1, y, ldy);   /* (-1 above: no buffer memory) */
+}
+
+/* y[m * ldy + n - n0] for the M rows of x [M, w->K] and n0 <= n < n1, row_block rows at a time: up
+ * to that (decode) one call, so the task's weights are one stream; with more rows (a prefill
+ * chunk) the task's weights stay in cache from one row block to the next, and each block of rows
+ * is read once per task. Each row is summed alike whatever the blocking (rows_of): it changes no bit. */
+static void matrix_rows(const kv_step *s, const kv_matrix *w, const float *x, int64_t M, int64_t n0, int64_t n1,
+                        float *y, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < M; m0 += row_block(s))
+        rows_of(s, w, x, m0, min64(row_block(s), M - m0), n0, n1, y + m0 * ldy, ldy);
+}
+
 static void task_qkv(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t N = qkv_width(s->d), n0 = t * s->span;
-    rows_of(s, &s->L->qkv, s->h, n0, min64(n0 + s->span, N), s->qkv + n0, N);
+    matrix_rows(s, &s->L->qkv, s->h, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
 }
 
-/* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream. */
+/* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream, row block
+ * after row block (matrix_rows), KV_CHUNK channels at a time. */
 static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t) {
     const int64_t H = s->d->hidden, end = min64((t + 1) * s->span, H);
-    float tmp[KV_MAX_ROWS * KV_CHUNK];
-    for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
-        const int64_t n1 = min64(n0 + KV_CHUNK, end);
-        rows_of(s, w, a, n0, n1, tmp, KV_CHUNK);
-        for (int64_t m = 0; m < s->M; m++)
-            for (int64_t n = n0; n < n1; n++) s->x[m * H + n] += tmp[m * KV_CHUNK + n - n0];
+    float tmp[KV_AMX_ROW_BLOCK * KV_CHUNK];
+    for (int64_t m0 = 0; m0 < s->M; m0 += row_block(s)) {
+        const int64_t rows = min64(row_block(s), s->M - m0);
+        for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
+            const int64_t n1 = min64(n0 + KV_CHUNK, end);
+            rows_of(s, w, a, m0, rows, n0, n1, tmp, KV_CHUNK);
+            for (int64_t m = 0; m < rows; m++)
+                for (int64_t n = n0; n < n1; n++) s->x[(m0 + m) * H + n] += tmp[m * KV_CHUNK + n - n0];
+        }
     }
 }
 
@@ -268,35 +305,42 @@ static void task_down(const void *ctx, int64_t t) {
     add_rows(s, &s->L->down, s->act, t);
 }
 
+/* act[m, j] = silu(h Wg^T) * (h Wu^T) for rows m0 .. m0 + rows - 1 (at most row_block) and
+ * channels j0 .. j1 - 1 (at most KV_CHUNK). */
+static void silu_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, int64_t j1) {
+    const int64_t I = s->d->intermediate, H = s->d->hidden;
+    float g[KV_AMX_ROW_BLOCK * KV_CHUNK], u[KV_AMX_ROW_BLOCK * KV_CHUNK];
+    rows_of(s, &s->L->gate_up, s->h, m0, rows, j0, j1, g, KV_CHUNK);
+    rows_of(s, &s->L->gate_up, s->h, m0, rows, I + j0, I + j1, u, KV_CHUNK);
+    float *act = s->act + m0 * I;
+    for (int64_t m = 0; m < rows; m++) {
+        int64_t j = j0;
+        for (; j + 8 <= j1; j += 8) {   /* silu(a) * u = a / (1 + exp(-a)) * u */
+            __m256 a = _mm256_loadu_ps(g + m * KV_CHUNK + j - j0);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            _mm256_storeu_ps(act + m * I + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                            _mm256_loadu_ps(u + m * KV_CHUNK + j - j0)));
+        }
+        for (; j < j1; j++) {
+            float a = g[m * KV_CHUNK + j - j0];
+            act[m * I + j] = a / (1.0f + expf(-a)) * u[m * KV_CHUNK + j - j0];
+        }
+    }
+}
+
 static void task_mlp(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t I = s->d->intermediate, end = min64((t + 1) * s->span, I);
-    float g[KV_MAX_ROWS * KV_CHUNK], u[KV_MAX_ROWS * KV_CHUNK];
-    for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK) {
-        const int64_t j1 = min64(j0 + KV_CHUNK, end);
-        rows_of(s, &s->L->gate_up, s->h, j0, j1, g, KV_CHUNK);
-        rows_of(s, &s->L->gate_up, s->h, I + j0, I + j1, u, KV_CHUNK);
-        for (int64_t m = 0; m < s->M; m++) {
-            int64_t j = j0;
-            for (; j + 8 <= j1; j += 8) {   /* silu(a) * u = a / (1 + exp(-a)) * u */
-                __m256 a = _mm256_loadu_ps(g + m * KV_CHUNK + j - j0);
-                __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
-                _mm256_storeu_ps(s->act + m * I + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                                                   _mm256_loadu_ps(u + m * KV_CHUNK + j - j0)));
-            }
-            for (; j < j1; j++) {
-                float a = g[m * KV_CHUNK + j - j0];
-                s->act[m * I + j] = a / (1.0f + expf(-a)) * u[m * KV_CHUNK + j - j0];
-            }
-        }
-    }
+    for (int64_t m0 = 0; m0 < s->M; m0 += row_block(s))   /* the task's weights stay in cache across row blocks */
+        for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK)
+            silu_rows(s, m0, min64(row_block(s), s->M - m0), j0, min64(j0 + KV_CHUNK, end));
 }
 
 static void task_head(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const kv_matrix *w = s->d->head;
     const int64_t n0 = t * s->span;
-    rows_of(s, w, s->h, n0, min64(n0 + s->span, w->N), s->logits + n0, w->N);
+    matrix_rows(s, w, s->h, s->M, n0, min64(n0 + s->span, w->N), s->logits + n0, w->N);
 }
 
 /* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
@@ -404,7 +448,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
     const float *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const float scale = (float)d->scale;
-    float *out = s->partial + ((i * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
+    float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
     if (first)
         for (int64_t j = 0; j < G; j++) {
             float *o = out + j * S * (D + 2);
@@ -439,7 +483,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
     }
 }
 
-/* Task t = (row i, KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
+/* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
  * value once for all the query heads that share it. Rows of one sequence at consecutive positions
  * (a speculative step's last token and drafts: s->group) are done by their first row's tasks,
@@ -449,9 +493,8 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
 static void task_attention(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, bs = s->d->block_size;
-    const int64_t i = t / (KVH * S), g = t / S % KVH, part = t % S;
+    const int64_t i = s->leads[t / (KVH * S)], g = t / S % KVH, part = t % S;
     const int64_t rows = s->group[i];
-    if (rows == 0) return;
     int64_t b0 = -1, b1 = 0;
     for (int64_t r = i; r < i + rows; r++) {
         const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
@@ -488,38 +531,43 @@ static void task_attention(const void *ctx, int64_t t) {
 
 /* s->group: row i leads a group of the rows i, i + 1, ... of one sequence at consecutive
  * positions (the same block table, seq_lens one apart, the same split size), at most
- * KV_GROUP_ROWS; group[i] = its row count, 0 for the rows it leads. */
+ * KV_GROUP_ROWS, never across an attention pass (KV_ATTN_ROWS); group[i] = its row count, 0 for
+ * the rows it leads. leads: the leading rows in order; returns their count. */
 enum { KV_GROUP_ROWS = 8 };
-static void group_rows(const kv_step *s, int64_t *group) {
+static int64_t group_rows(const kv_step *s, int64_t *group, int64_t *leads) {
     const int64_t bs = s->d->block_size;
-    int64_t lead = 0;
+    int64_t lead = 0, n = 1;
     group[0] = 1;
+    leads[0] = 0;
     for (int64_t i = 1; i < s->M; i++) {
         const int64_t blocks = (s->seq_lens[i] + bs - 1) / bs;
         int64_t per_i, per_l;
         split_of(blocks, &per_i);
         split_of((s->seq_lens[lead] + bs - 1) / bs, &per_l);
-        if (s->seq_lens[i] == s->seq_lens[i - 1] + 1 && group[lead] < KV_GROUP_ROWS && per_i == per_l
+        if (i % KV_ATTN_ROWS && s->seq_lens[i] == s->seq_lens[i - 1] + 1 && group[lead] < KV_GROUP_ROWS
+            && per_i == per_l
             && !memcmp(s->block_tables + i * s->bt_stride, s->block_tables + lead * s->bt_stride,
                        blocks * sizeof(int32_t))) {
             group[lead]++;
             group[i] = 0;
         } else {
-            lead = i;
+            lead = leads[n++] = i;
             group[i] = 1;
         }
     }
+    return n;
 }
 
-/* Serial: each query head's output from its splits' partials (rescaled to the largest maximum). */
-static void merge_attention(const kv_step *s) {
+/* Serial: each query head's output from its splits' partials (rescaled to the largest maximum),
+ * for the `rows` rows of the attention pass. */
+static void merge_attention(const kv_step *s, int64_t rows) {
     const int64_t QH = s->d->num_heads, D = s->d->head_size, bs = s->d->block_size;
-    for (int64_t r = 0; r < s->M * QH; r++) {
+    for (int64_t r = 0; r < rows * QH; r++) {
         const int64_t stride = KV_MAX_SPLITS * (D + 2);
         int64_t per;
-        const int64_t S = split_of((s->seq_lens[r / QH] + bs - 1) / bs, &per);
+        const int64_t S = split_of((s->seq_lens[s->a0 + r / QH] + bs - 1) / bs, &per);
         const float *p = s->partial + r * stride;
-        float mx = -INFINITY, sum = 0.0f, *out = s->attn + r * D;
+        float mx = -INFINITY, sum = 0.0f, *out = s->attn + (s->a0 * QH + r) * D;
         for (int64_t k = 0; k < S; k++) mx = p[k * (D + 2)] > mx ? p[k * (D + 2)] : mx;
         memset(out, 0, D * sizeof(float));
         for (int64_t k = 0; k < S; k++) {
@@ -553,43 +601,90 @@ static inline void timed(int which, int64_t *t) {
     *t = now;
 }
 
-/* One decode step over M <= 64 rows (see the contract at the top). Returns 0, or -1 when M is
- * out of range or scratch memory could not be allocated. */
+/* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the groups
+ * led in the pass, then their merge. */
+static void attention(kv_step *s, int64_t num_leads) {
+    const int64_t tasks_per_lead = s->d->num_kv_heads * KV_MAX_SPLITS;
+    const int64_t *all = s->leads;
+    int64_t l0 = 0;
+    for (s->a0 = 0; s->a0 < s->M; s->a0 += KV_ATTN_ROWS) {
+        const int64_t a1 = min64(s->a0 + KV_ATTN_ROWS, s->M);
+        int64_t l1 = l0;
+        while (l1 < num_leads && all[l1] < a1) l1++;
+        s->leads = all + l0;
+        kv_parallel(task_attention, s, (l1 - l0) * tasks_per_lead);
+        merge_attention(s, a1 - s->a0);
+        l0 = l1;
+    }
+    s->leads = all;
+    s->a0 = 0;
+}
+
+/* Scratch for a step of M rows, grown as needed (P.lock held): floats (with AMX, the packed
+ * input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
+static int grow_scratch(const kv_decoder *d, int64_t M, int amx) {
+    const int64_t QD = d->num_heads * d->head_size, pass = min64(M, KV_ATTN_ROWS), I = d->intermediate;
+    const int64_t widest = I > d->hidden ? (I > QD ? I : QD) : (d->hidden > QD ? d->hidden : QD);
+    const int64_t need = M * (d->hidden + qkv_width(d) + QD + d->intermediate)
+                         + pass * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2)
+                         + (amx ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0);   /* the packed bf16 input */
+    if (P.scratch_floats < need) {
+        free(P.scratch);
+        P.scratch = malloc(need * sizeof(float));
+        P.scratch_floats = P.scratch ? need : 0;
+        if (!P.scratch) return -1;
+    }
+    if (P.group_rows < M) {
+        free(P.group);
+        P.group = malloc(2 * M * sizeof(int64_t));
+        P.group_rows = P.group ? M : 0;
+        if (!P.group) return -1;
+    }
+    return 0;
+}
+
+/* The LM head on the rows `logits_indices` of out (all M rows when NULL): logits [L, V]. The rows
+ * are gathered into the scratch first (h is free by then). */
+static void lm_head(kv_step *s, const float *out, const int64_t *logits_indices, int64_t L) {
+    const int64_t H = s->d->hidden;
+    if (logits_indices) {
+        for (int64_t r = 0; r < L; r++) memcpy(s->h + r * H, out + logits_indices[r] * H, H * sizeof(float));
+    } else {
+        s->h = (float *)out;
+    }
+    s->M = L;
+    pack_input(s, s->h, H);
+    kv_parallel(task_head, s, spans(s, s->d->head->N));
+}
+
+/* One step over 1 <= M <= KV_MAX_ROWS rows (see the contract at the top). logits_indices [L]:
+ * the rows whose logits are computed, in order (NULL: all M; L is then ignored). Returns 0, or -1
+ * when M or L is out of range or scratch memory could not be allocated. */
 int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, const float *sin,
                   const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                  float *out, float *logits) {
-    if (M < 1 || M > KV_MAX_ROWS) return -1;
+                  float *out, float *logits, const int64_t *logits_indices, int64_t L) {
+    if (M < 1 || M > KV_MAX_ROWS || (logits_indices && (L < 0 || L > M))) return -1;
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
-    const int64_t splits = KV_MAX_SPLITS;
-    const int64_t widest = I > H ? (I > QD ? I : QD) : (H > QD ? H : QD);
 #if KV_HAVE_AMX
     const int amx = d->amx && kv_amx_ready();
 #else
     const int amx = 0;
 #endif
-    const int64_t packed = amx ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0;   /* in floats */
-    const int64_t need = M * (H + qkv_width(d) + QD + I + d->num_heads * splits * (d->head_size + 2)) + packed;
     pthread_mutex_lock(&P.lock);
-    if (P.scratch_floats < need) {
-        free(P.scratch);
-        P.scratch = malloc(need * sizeof(float));
-        P.scratch_floats = P.scratch ? need : 0;
-        if (!P.scratch) {
-            pthread_mutex_unlock(&P.lock);
-            return -1;
-        }
+    if (grow_scratch(d, M, amx)) {
+        pthread_mutex_unlock(&P.lock);
+        return -1;
     }
-    int64_t group[KV_MAX_ROWS];
     kv_step s = {.d = d, .M = M, .x = x, .h = P.scratch, .cos = cos, .sin = sin, .slots = slots,
                  .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits,
-                 .group = group};
-    group_rows(&s, group);
+                 .group = P.group, .leads = P.group + M, .splits = KV_MAX_SPLITS};
+    const int64_t num_leads = group_rows(&s, P.group, P.group + M);
     s.qkv = s.h + M * H;
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;
     s.partial = s.act + M * I;
-    s.xb = packed ? (uint16_t *)(s.partial + M * d->num_heads * splits * (d->head_size + 2)) : NULL;
-    s.splits = splits;
+    s.xb = amx ? (uint16_t *)(s.partial + min64(M, KV_ATTN_ROWS) * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2))
+               : NULL;
     int64_t t = now_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
@@ -599,8 +694,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
         kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
         timed(PROF_QKV, &t);
         write_kv(&s);
-        kv_parallel(task_attention, &s, M * d->num_kv_heads * splits);
-        merge_attention(&s);
+        attention(&s, num_leads);
         pack_input(&s, s.attn, QD);
         timed(PROF_ATTN, &t);
         kv_parallel(task_o, &s, spans(&s, H));
@@ -616,10 +710,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     }
     norm_rows(&s, d->final_norm, out);
     timed(PROF_NORM, &t);
-    if (d->head && logits) {
-        s.h = out;
-        pack_input(&s, out, H);
-        kv_parallel(task_head, &s, spans(&s, d->head->N));
+    if (d->head && logits && (logits_indices == NULL || L > 0)) {
+        lm_head(&s, out, logits_indices, logits_indices ? L : M);
         timed(PROF_HEAD, &t);
     }
     PROF[PROF_STEPS]++;

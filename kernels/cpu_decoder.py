@@ -1,6 +1,13 @@
-"""The fused CPU decoder: one decode step of a Llama-family decoder in one C call
+"""The fused CPU decoder: one engine step of a Llama-family decoder in one C call
 (``kernels/cpu_decoder.c``, built into the same library as :mod:`kvfleet.kernels.cpu_woq` by
 :mod:`kvfleet.kernels.cpu_lib`, which also holds the ctypes mirrors of its structs).
+
+A step is up to :data:`MAX_ROWS` rows, each one token run as a one-token decode at its position:
+a decode step's sequences, a speculative step's last token and drafts, a prefill chunk's prompt
+tokens (row ``j`` of a sequence attends up to its own position; every row's key and value is
+written before any row's attention). Every row is summed in the one-row order whatever the other
+rows (``cpu_gemv.h``), so a row's result is bitwise the same in any step (batch-invariant), and
+the LM head runs only on the rows whose logits are asked for (``logits_indices``).
 
 Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
 and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
@@ -34,8 +41,9 @@ import torch
 
 from kvfleet.kernels import cpu_lib
 
-MAX_ROWS = 64
-"""Most rows (sequences) one step takes (``KV_MAX_ROWS`` in the C file)."""
+MAX_ROWS = 8192
+"""Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
+``max_num_batched_tokens`` is 2048)."""
 SPIN_ENV = "KVFLEET_CPU_SPIN_US"
 SPIN_US = 200
 """Microseconds a helper thread spins after its last task before it sleeps
@@ -205,27 +213,37 @@ class FusedDecoder:
             "steps": steps}
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-             block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One decode step: each of the ``M`` rows is one sequence with one new token.
+             block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step: each of the ``M`` rows is one token, a one-token decode at its position.
 
         Args:
             x: ``[M, H]`` float32 token embeddings (overwritten: the residual stream).
             cos, sin: ``[M, D]`` float32 rotary embeddings of each row's position.
             slots: ``[M]`` int64 cache slot of each row's new key/value (-1: not written).
-            block_tables: ``[M, W]`` int32 block ids of each sequence.
+            block_tables: ``[M, W]`` int32 block ids of each row's sequence.
             seq_lens: ``[M]`` int32 positions each row attends over (its own included).
+            logits_indices: ``[L]`` int64 rows whose logits the LM head computes, in order
+                (None: every row).
 
         Returns:
-            ``(hidden [M, H] float32, logits [M, V] float32 or None)``: the final norm's output
-            and the LM head's (None without a head).
+            ``(hidden [M, H] float32, logits [L, V] float32 or None)``: the final norm's output
+            and the LM head's on the rows ``logits_indices`` (None without a head).
 
         Raises:
-            ValueError: ``M`` outside 1..64 or an argument of the wrong shape or dtype.
+            ValueError: ``M`` outside 1..:data:`MAX_ROWS`, a row index outside ``0..M - 1``, or an
+                argument of the wrong shape or dtype.
         """
         M = x.shape[0]
         D = self.weights.head_size
         if not 1 <= M <= MAX_ROWS:
-            raise ValueError(f"a fused decode step takes 1..{MAX_ROWS} rows, got {M}")
+            raise ValueError(f"a fused step takes 1..{MAX_ROWS} rows, got {M}")
+        if logits_indices is not None:
+            if logits_indices.dim() != 1 or logits_indices.dtype != torch.int64 \
+                    or not logits_indices.is_contiguous():
+                raise ValueError("logits_indices must be a contiguous int64 [L] tensor")
+            if logits_indices.numel() and not (0 <= int(logits_indices.min()) and int(logits_indices.max()) < M):
+                raise ValueError(f"logits_indices must be rows 0..{M - 1}")
         for name, t, shape, dtype in (("x", x, (M, self.hidden), torch.float32), ("cos", cos, (M, D), torch.float32),
                                       ("sin", sin, (M, D), torch.float32), ("slots", slots, (M,), torch.int64),
                                       ("seq_lens", seq_lens, (M,), torch.int32)):
@@ -235,10 +253,12 @@ class FusedDecoder:
                 or block_tables.stride(1) != 1:
             raise ValueError(f"block_tables must be int32 [{M}, W] with contiguous rows")
         out = torch.empty((M, self.hidden), dtype=torch.float32)
-        logits = torch.empty((M, self.vocab_size), dtype=torch.float32) if self._head is not None else None
+        L = M if logits_indices is None else logits_indices.numel()
+        logits = torch.empty((L, self.vocab_size), dtype=torch.float32) if self._head is not None else None
         rc = self._lib.kv_decode(ctypes.addressof(self._struct), M, x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                  slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-                                 seq_lens.data_ptr(), out.data_ptr(), _data(logits))
+                                 seq_lens.data_ptr(), out.data_ptr(), _data(logits) if L else None,
+                                 _data(logits_indices), L)
         if rc != 0:
             raise MemoryError("kv_decode could not allocate its scratch memory")
         return out, logits

@@ -229,7 +229,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("kv_amx_linear", [p, p, i64, i64, p], i64),
         ("kv_pool_start", [i64, i64], i64),
         ("kv_decode_profile", [p], None),
-        ("kv_decode", [p, i64, p, p, p, p, p, i64, p, p, p], i64),
+        ("kv_decode", [p, i64, p, p, p, p, p, i64, p, p, p, p, i64], i64),
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res

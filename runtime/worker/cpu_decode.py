@@ -1,5 +1,6 @@
-"""The fused CPU decode path: decode steps of a Llama-family model in one C call
-(:mod:`kvfleet.kernels.cpu_decoder`) instead of transformers' modules.
+"""The fused CPU decode path: steps of a Llama-family model in one C call
+(:mod:`kvfleet.kernels.cpu_decoder`) instead of transformers' modules: decode steps, and with
+fused prefill on, prefill chunks and mixed steps too.
 
 :func:`build` decides once, after the KV caches exist, whether an engine can use it, and returns
 a :class:`CpuDecodePath` or None (the reason is logged). It can when all of these hold:
@@ -17,13 +18,25 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 
 Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
 into one tensor, and the modules' own weights become views of it, so the transformers path that
-still runs prefill and mixed steps reads the same memory. Models shared by several engines are
+runs the steps the fused one does not reads the same memory. Models shared by several engines are
 fused once.
 
-:meth:`CpuDecodePath.applies` says whether a step qualifies: every scheduled sequence has exactly
-one new token (decode, or a one-token prompt chunk) or, with speculative decoding, at most
-``1 + k`` (its last token and its drafts: one row each), at most
-:data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` rows, and no prompt logprobs.
+:meth:`CpuDecodePath.applies` says whether a step qualifies. Never with prompt logprobs or
+padding rows. Otherwise:
+
+- fused prefill off (the default, ``$KVFLEET_CPU_FUSED_PREFILL`` unset or ``0``): every scheduled
+  sequence has exactly one new token (decode, or a one-token prompt chunk) or, with speculative
+  decoding, at most ``1 + k`` (its last token and its drafts: one row each), at most
+  :data:`DECODE_ROWS` rows; prefill chunks and mixed steps run transformers' modules;
+- fused prefill on (``$KVFLEET_CPU_FUSED_PREFILL=1``, or ``CpuDecodePath(..., prefill=True)``):
+  every step of up to :data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` tokens, a prompt chunk's
+  tokens one row each like speculative drafts. Then every token of the engine goes through one
+  code path whose rows are bitwise independent of each other (batch-invariant), prefill included,
+  and prefill skips transformers' per-op overhead; in float32 on a 2-core Xeon with AMX it was
+  2.2-2.6x slower than torch's prefill (oneDNN's GEMMs against the one-row-order sums;
+  docs/performance.md, "Fused prefill"), hence off by default.
+
+Either way the LM head runs only on the rows that sample (``logits_indices``).
 """
 
 from __future__ import annotations
@@ -45,6 +58,10 @@ ENV = "KVFLEET_CPU_DECODER"
 """``0`` turns the fused decode path off (every step runs transformers' modules)."""
 AMX_ENV = "KVFLEET_CPU_AMX"
 """``0``: the fused decoder keeps its float32 matmuls where the CPU plan chose AMX tiles."""
+PREFILL_ENV = "KVFLEET_CPU_FUSED_PREFILL"
+"""``1`` runs prefill chunks and mixed steps fused too, ``0`` never; unset: :func:`fused_prefill`'s default."""
+DECODE_ROWS = 64
+"""Most rows of a decode or speculative step that runs fused while fused prefill is off."""
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 _FUSED_ATTR = "_kvfleet_fused"
 
@@ -168,30 +185,35 @@ def _unsupported(runner: Runner) -> str | None:
 class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
-    def __init__(self, runner: Runner, fused: FusedDecoder) -> None:
+    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
         self._fused = fused
         self._compute_logits = runner.compute_logits
+        self.prefill = prefill
+        """Whether prefill chunks and mixed steps run fused too (the module docstring)."""
 
-    @staticmethod
-    def applies(num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool, max_query_len: int = 1,
+    def applies(self, num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool, max_query_len: int = 1,
                 max_query: int = 1) -> bool:
-        """Whether a step with these properties runs fused: at most ``MAX_ROWS`` rows, each
-        sequence with one new token (decode), or with speculative decoding up to ``max_query``
-        (its last token and the drafts it verifies), no prompt logprobs, no padding rows."""
-        if num_tokens > MAX_ROWS or prompt_logprobs or padded:
+        """Whether a step with these properties runs fused: no prompt logprobs, no padding rows,
+        and with :attr:`prefill` at most ``MAX_ROWS`` tokens; without it at most ``DECODE_ROWS``
+        rows, each sequence with one new token (decode) or with speculative decoding up to
+        ``max_query`` (its last token and the drafts it verifies)."""
+        if prompt_logprobs or padded:
             return False
-        return num_tokens == num_seqs or 1 < max_query_len <= max_query
+        if self.prefill:
+            return num_tokens <= MAX_ROWS
+        return num_tokens <= DECODE_ROWS and (num_tokens == num_seqs or 1 < max_query_len <= max_query)
 
     def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor
                 ) -> torch.Tensor:
-        """Logits ``[S, V]`` float32 of the rows ``logits_indices`` for a step that
-        :meth:`applies`; writes every row's key and value into the caches. A sequence with
-        several new tokens runs as that many rows, row ``j`` attending over the positions up to
-        its own (the C step writes every row's key and value before any row's attention), so
-        each row's numbers are those of a one-token decode at its position."""
+        """Logits ``[S, V]`` float32 of the rows ``logits_indices`` (the LM head runs on those
+        only) for a step that :meth:`applies`; writes every row's key and value into the caches.
+        A sequence with several new tokens (a prompt chunk, or a last token and its drafts) runs
+        as that many rows, row ``j`` attending over the positions up to its own (the C step
+        writes every row's key and value before any row's attention), so each row's numbers are
+        those of a one-token decode at its position."""
         num_tokens = input_ids.shape[1]
         block_tables, seq_lens = meta.block_tables, meta.seq_lens
         if num_tokens != seq_lens.shape[0]:
@@ -202,11 +224,19 @@ class CpuDecodePath:
         cos, sin = self._rotary(x.unsqueeze(0), positions)
         hidden, logits = self._fused.step(
             x, cos[0].float().contiguous(), sin[0].float().contiguous(), meta.slot_mapping.contiguous(),
-            block_tables, seq_lens.contiguous(),
+            block_tables, seq_lens.contiguous(), logits_indices.contiguous(),
         )
-        if logits is None:
-            return self._compute_logits(hidden.index_select(0, logits_indices))
-        return logits if logits_indices.numel() == logits.shape[0] else logits.index_select(0, logits_indices)
+        return self._compute_logits(hidden.index_select(0, logits_indices)) if logits is None else logits
+
+
+def fused_prefill(amx: bool) -> bool:
+    """Whether a fused path built now runs prefill and mixed steps too: ``$KVFLEET_CPU_FUSED_PREFILL``
+    (``1`` / ``0``), else where its matmuls run on AMX tiles (``amx``): there the whole step is one
+    code path (bitwise batch-invariant from the prompt on) and faster than torch's prefill; with
+    the float32 kernels the fused prefill was 2.2-2.6x slower than torch's (docs/performance.md,
+    "Fused prefill"), so those engines keep prefill in torch."""
+    value = os.environ.get(PREFILL_ENV, "")
+    return value == "1" if value else amx
 
 
 def build(runner: Runner) -> CpuDecodePath | None:
@@ -238,7 +268,8 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, matmuls %s)", len(layers),
+    prefill = fused_prefill(fused.amx)
+    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, matmuls %s, prefill %s)", len(layers),
                 layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
-                "on AMX tiles (bf16)" if fused.amx else "float32")
-    return CpuDecodePath(runner, fused)
+                "on AMX tiles (bf16)" if fused.amx else "float32", "fused" if prefill else "in torch")
+    return CpuDecodePath(runner, fused, prefill)

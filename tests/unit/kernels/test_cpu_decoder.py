@@ -1,8 +1,12 @@
 """kvfleet.kernels.cpu_decoder: the fused C decode step against a float64 torch reference of the
 same Llama layer (RMSNorm, q|k|v, rotary, paged grouped-query attention, o, SiLU MLP, LM head),
-for fp32, bf16, int8 and int4 weights, one and several rows, scattered block tables and partial blocks."""
+for fp32, bf16, int8 and int4 weights, one and several rows, scattered block tables and partial blocks;
+and batch invariance: a row's bits do not depend on the step's other rows, prefill-sized steps
+(hundreds of rows of several sequences) included; the LM head on the asked rows only."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -185,8 +189,12 @@ def test_bad_arguments_are_value_errors():
     weights, _, _ = _model("fp32", layers=1)
     fused = FusedDecoder(weights)
     x, cos, sin, slots, tables, lens = _inputs(2)
-    with pytest.raises(ValueError, match="1..64 rows"):
+    with pytest.raises(ValueError, match=f"1..{MAX_ROWS} rows"):
         fused.step(torch.zeros(MAX_ROWS + 1, H), cos, sin, slots, tables, lens)
+    # the C bound is the same (it returns before reading an argument)
+    assert fused._lib.kv_decode(ctypes.addressof(fused._struct), MAX_ROWS + 1, *[None] * 5, 0, *[None] * 4, 0) == -1
+    with pytest.raises(ValueError, match="logits_indices"):
+        fused.step(x, cos, sin, slots, tables, lens, torch.tensor([2]))
     with pytest.raises(ValueError, match="slots"):
         fused.step(x, cos, sin, slots.int(), tables, lens)
     with pytest.raises(ValueError, match="block_tables"):
@@ -299,3 +307,57 @@ def test_amx_rows_give_the_same_bits_in_any_batch(fmt):
     assert torch.equal(five, together[7:12])
     for i in (0, 9, 19):
         assert torch.equal(step(slice(i, i + 1))[0], together[i]), f"row {i} differs in the batch"
+
+
+def _prefill_rows(seqs: list[tuple[int, int]], gen: torch.Generator):
+    """Rows of prompt chunks: sequence ``i`` has tokens at positions ``start .. start + n - 1``
+    (``seqs[i] = (start, n)``; the positions before ``start`` are in the cache already), its own
+    blocks; the rows of a sequence are consecutive, as the engine packs a chunk."""
+    width = max(s + n for s, n in seqs) // BS + 1
+    blocks = torch.randperm(BLOCKS, generator=gen)[: width * len(seqs)].view(len(seqs), width).to(torch.int32)
+    pos = torch.cat([torch.arange(s, s + n) for s, n in seqs])
+    tables = torch.cat([blocks[i].repeat(n, 1) for i, (_, n) in enumerate(seqs)]).contiguous()
+    slots = torch.tensor([int(tables[r, p // BS]) * BS + p % BS for r, p in enumerate(pos.tolist())])
+    freqs = 1.0 / (10000 ** (torch.arange(0, D, 2).double() / D))
+    angles = torch.cat([pos.double()[:, None] * freqs, pos.double()[:, None] * freqs], -1)
+    x = torch.randn(pos.numel(), H, generator=gen)
+    return x, angles.cos().float(), angles.sin().float(), slots, tables, (pos + 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4", pytest.param("int4-amx", marks=AMX)])
+def test_a_prefill_sized_step_equals_one_row_steps(fmt):
+    """Three prompt chunks in one step, 300 rows (more than a row block of the linear layers, 64
+    (AMX: 256), and an attention pass, 256; one chunk after a cached prefix): every row's hidden
+    state and logits are bitwise those of stepping its tokens one at a time, in order."""
+    weights, _, _ = _model(fmt.removesuffix("-amx"), vocab=304)
+    gen = torch.Generator().manual_seed(11)
+    x, cos, sin, slots, tables, lens = _prefill_rows([(0, 110), (37, 100), (5, 90)], gen)
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2, amx=fmt.endswith("-amx"))
+    assert fused.amx == fmt.endswith("-amx")
+    hidden, together = fused.step(x.clone(), cos, sin, slots, tables, lens)
+    for layer, (kc, vc) in zip(weights.layers, snapshot):
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    for j in range(x.shape[0]):
+        h, alone = fused.step(x[j:j + 1].clone(), cos[j:j + 1], sin[j:j + 1], slots[j:j + 1],
+                              tables[j:j + 1].clone(), lens[j:j + 1])
+        assert torch.equal(h[0], hidden[j]) and torch.equal(alone[0], together[j]), f"row {j} differs"
+
+
+def test_logits_indices_select_the_rows_of_the_head():
+    weights, _, _ = _model("fp32", layers=1)
+    gen = torch.Generator().manual_seed(12)
+    args = _prefill_rows([(0, 70), (3, 9)], gen)
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2)
+    results = []
+    for rows in (None, torch.tensor([78, 0, 69, 5]), torch.tensor([], dtype=torch.int64)):
+        for layer, (kc, vc) in zip(weights.layers, snapshot):
+            layer.k_cache.copy_(kc)
+            layer.v_cache.copy_(vc)
+        results.append(fused.step(args[0].clone(), *args[1:], logits_indices=rows))
+    (hidden, every), (hidden2, some), (_, none) = results
+    assert torch.equal(hidden, hidden2)
+    assert every.shape == (79, V) and torch.equal(some, every[[78, 0, 69, 5]])
+    assert none.shape == (0, V)

@@ -1,7 +1,9 @@
 """The fused CPU decode path (kvfleet.runtime.worker.cpu_decode) inside the engine: the same
 greedy tokens and log-probabilities (within 1e-4) as transformers' modules over a workload that
 chunks prefills, mixes prefill and decode, hits the prefix cache and preempts; decode steps run
-fused and the others do not; and the path is off where it does not apply. The engines run the
+fused and the others do not; with fused prefill every step runs fused, and a request's tokens
+and log-probabilities are bitwise the same in a batch, chunked, from the prefix cache, or alone,
+and with speculative decoding; and the path is off where it does not apply. The engines run the
 default model cut to its first two decoder layers (conftest's ``smollm2_two_layers``); the
 quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers."""
 
@@ -11,25 +13,34 @@ import pytest
 from support.engine_workload import CONFIG, Recorder, prompts, run
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq
-from kvfleet.kernels.cpu_decoder import FusedDecoder
+from kvfleet.kernels.cpu_decoder import MAX_ROWS, FusedDecoder
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.worker import cpu_decode
 
 pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
 
 
-def test_fused_decode_matches_the_transformers_path(smollm2_two_layers, monkeypatch):
+@pytest.fixture(scope="module")
+def plain_run(smollm2_two_layers):
+    """The workload through transformers' modules: (token ids, cached prompt tokens,
+    log-probabilities, preemptions)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_decode.ENV, "0")
+        rec = Recorder()
+        plain = LLMEngine(EngineConfig(**CONFIG), [rec], loaded=smollm2_two_layers)
+        assert plain.runner.cpu_decode is None
+        return (*run(plain, prompts(smollm2_two_layers.tokenizer)), rec.preemptions)
+
+
+def test_fused_decode_matches_the_transformers_path(smollm2_two_layers, plain_run, monkeypatch):
     batch = prompts(smollm2_two_layers.tokenizer)
-    monkeypatch.setenv(cpu_decode.ENV, "0")
-    plain_rec = Recorder()
-    plain = LLMEngine(EngineConfig(**CONFIG), [plain_rec], loaded=smollm2_two_layers)
-    assert plain.runner.cpu_decode is None
-    expected, plain_cached, expected_lp = run(plain, batch)
-    monkeypatch.delenv(cpu_decode.ENV)
+    expected, plain_cached, expected_lp, plain_preemptions = plain_run
+    monkeypatch.setenv(cpu_decode.PREFILL_ENV, "0")
     fused_rec = Recorder()
     fused = LLMEngine(EngineConfig(**CONFIG), [fused_rec], loaded=smollm2_two_layers)
-    assert fused.runner.cpu_decode is not None
+    assert fused.runner.cpu_decode is not None and not fused.runner.cpu_decode.prefill
     rows = []
     step = FusedDecoder.step
 
@@ -45,22 +56,105 @@ def test_fused_decode_matches_the_transformers_path(smollm2_two_layers, monkeypa
     assert rows and max(rows) > 1, rows  # decode steps of several sequences ran fused
     # every token after each request's first came from a fused step or a mixed (unfused) one
     assert sum(rows) < sum(len(t) for t in got)
-    assert cached > 0 and plain_cached > 0 and fused_rec.preemptions > 0 and plain_rec.preemptions > 0
+    assert cached > 0 and plain_cached > 0 and fused_rec.preemptions > 0 and plain_preemptions > 0
+
+
+def _fused_prefill_engine(loaded, monkeypatch, recorder=None, **config) -> LLMEngine:
+    """An engine whose every step must run fused (transformers' forward raises)."""
+    monkeypatch.setenv(cpu_decode.PREFILL_ENV, "1")
+    if "forward" in vars(loaded.model):  # an earlier engine's guard (the model is shared): start-up probes it
+        monkeypatch.delattr(loaded.model, "forward")
+    eng = LLMEngine(EngineConfig(**config), [recorder or Recorder()], loaded=loaded)
+    assert eng.runner.cpu_decode is not None and eng.runner.cpu_decode.prefill
+
+    def unfused(*args, **kwargs):
+        raise AssertionError("a step ran transformers' modules")
+
+    monkeypatch.setattr(eng.runner.model, "forward", unfused)
+    return eng
+
+
+def test_fused_prefill_matches_the_transformers_path(smollm2_two_layers, plain_run, monkeypatch):
+    """Prefill chunks and mixed steps fused (the same workload: chunked prefills, prefix-cache
+    hits, preemption): the greedy tokens of transformers' modules, log-probabilities within 1e-4
+    (each request's first token comes from the fused prefill's logits)."""
+    expected, _, expected_lp, _ = plain_run
+    rows = []
+    step = FusedDecoder.step
+
+    def counting(self, x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return step(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "step", counting)
+    fused = _fused_prefill_engine(smollm2_two_layers, monkeypatch, **CONFIG)
+    got, cached, got_lp = run(fused, prompts(smollm2_two_layers.tokenizer))
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-4, worst
+    assert max(rows) == CONFIG["max_num_batched_tokens"] and cached > 0  # whole chunks ran fused
+
+
+def test_fused_prefill_gives_a_request_the_same_bits_in_any_batch(smollm2_two_layers, monkeypatch):
+    """Batch invariance of the whole engine: each request's greedy tokens and log-probabilities
+    in one batch (prefills chunked into 64-token steps, mixed with decodes, the shared system
+    prompt from the prefix cache) equal, bit for bit, those of the request alone in an engine that
+    prefills it in one step without the prefix cache."""
+    batch = prompts(smollm2_two_layers.tokenizer)[:5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    together, cached, together_lp = run(
+        _fused_prefill_engine(smollm2_two_layers, monkeypatch, **CONFIG), batch, params)
+    assert cached > 0
+    alone_engine = _fused_prefill_engine(smollm2_two_layers, monkeypatch, num_blocks=64,
+                                         enable_prefix_caching=False)
+    for i, prompt in enumerate(batch):
+        alone, _, alone_lp = run(alone_engine, [prompt], params)
+        assert alone[0] == together[i] and alone_lp[0] == together_lp[i], f"request {i} differs in the batch"
+
+
+def test_fused_prefill_with_speculative_decoding(smollm2_two_layers, monkeypatch):
+    """n-gram drafts verified by fused steps that also prefill: the greedy tokens of the same
+    engine without speculation, and drafts were verified."""
+    tok = smollm2_two_layers.tokenizer
+    text = "one two three four five six seven eight nine ten " * 4
+    batch = [tok(text, add_special_tokens=False)["input_ids"], tok("Count: " + text, add_special_tokens=False)["input_ids"]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    expected, _, _ = run(_fused_prefill_engine(smollm2_two_layers, monkeypatch, num_blocks=64), batch, params)
+    drafts = []
+
+    class Drafts:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            if scheduler_stats.spec_decoding is not None:
+                drafts.append(scheduler_stats.spec_decoding.num_draft_tokens)
+
+    spec = _fused_prefill_engine(smollm2_two_layers, monkeypatch, Drafts(), num_blocks=64, max_num_batched_tokens=48,
+                                 speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    got, _, _ = run(spec, batch, params)
+    assert got == expected
+    assert sum(drafts) > 0
 
 
 def test_the_path_is_off_where_it_does_not_apply(smollm2_two_layers, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "triton")  # the user's attention backend wins
     assert LLMEngine(EngineConfig(num_blocks=8), loaded=smollm2_two_layers).runner.cpu_decode is None
     monkeypatch.delenv(BACKEND_ENV)
+    monkeypatch.setenv(cpu_decode.PREFILL_ENV, "0")
+    path = LLMEngine(EngineConfig(num_blocks=8), loaded=smollm2_two_layers).runner.cpu_decode
+    assert path is not None and not path.prefill
+    assert path.applies(4, 4, prompt_logprobs=False, padded=False)
+    assert not path.applies(5, 4, prompt_logprobs=False, padded=False)  # a prefill chunk
+    # Speculative decoding: a sequence's last token and its drafts, up to 1 + k rows.
+    assert path.applies(7, 4, False, False, max_query_len=4, max_query=5)
+    assert not path.applies(9, 4, False, False, max_query_len=6, max_query=5)
+    assert not path.applies(4, 4, prompt_logprobs=True, padded=False)
+    assert not path.applies(65, 65, prompt_logprobs=False, padded=False)
+    path.prefill = True  # prefill chunks and mixed steps too, up to MAX_ROWS tokens
+    assert path.applies(5, 4, False, False, max_query_len=2) and path.applies(MAX_ROWS, 3, False, False, 4000)
+    assert not path.applies(MAX_ROWS + 1, 3, False, False, 4000)
+    assert not path.applies(400, 1, prompt_logprobs=True, padded=False)
+    assert not path.applies(400, 1, prompt_logprobs=False, padded=True)
     eng = LLMEngine(EngineConfig(num_blocks=8, enable_lora=True, max_lora_rank=8), loaded=smollm2_two_layers)
     assert eng.runner.cpu_decode is None
-    assert cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=False, padded=False)
-    assert not cpu_decode.CpuDecodePath.applies(5, 4, prompt_logprobs=False, padded=False)  # a prefill chunk
-    # Speculative decoding: a sequence's last token and its drafts, up to 1 + k rows.
-    assert cpu_decode.CpuDecodePath.applies(7, 4, False, False, max_query_len=4, max_query=5)
-    assert not cpu_decode.CpuDecodePath.applies(9, 4, False, False, max_query_len=6, max_query=5)
-    assert not cpu_decode.CpuDecodePath.applies(4, 4, prompt_logprobs=True, padded=False)
-    assert not cpu_decode.CpuDecodePath.applies(65, 65, prompt_logprobs=False, padded=False)
 
 
 def test_bf16_weights_keep_the_fused_path(smollm2_two_layers, monkeypatch):
