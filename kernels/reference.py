@@ -198,7 +198,9 @@ def _prefill_one(
     k = key_cache[p.blocks].view(nbk * block_size, kvh, d)[:L].transpose(0, 1)  # [kvh, L, d]
     v = value_cache[p.blocks].view(nbk * block_size, kvh, d)[:L].transpose(0, 1)
     if q.dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
+        q = q.float()
+    if k.dtype != torch.float32:  # a cache in another dtype than the activations (--kv-cache-dtype)
+        k, v = k.float(), v.float()
     mask, causal = p.mask, p.causal
     if softcap is not None:
         if mask is None:

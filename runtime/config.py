@@ -85,6 +85,14 @@ class EngineConfig(BaseModel):
     """``auto`` (cuda if available else cpu), ``cpu``, ``cuda``, ``cuda:N``."""
     seed: int = 0
 
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The KV cache's dtype (vLLM's ``--kv-cache-dtype``); activations keep ``dtype``. ``auto``: the
+    activation dtype, except on a CPU where the fused C decoder runs (float32 activations): bf16
+    there (half the bytes attention reads per decode step and per cached token, measured faster with
+    greedy output kept: docs/performance.md, "bf16 KV cache"). ``bfloat16`` on the CPU: keys and
+    values rounded to bf16 on write, widened to float32 on read, in the fused decoder and the torch
+    path alike. On CUDA a dtype other than the activations' is refused (``auto`` keeps them equal)."""
+
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV block."""
     num_blocks: int | None = Field(None, ge=1)

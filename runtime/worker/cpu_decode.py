@@ -13,7 +13,9 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
   :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
-  :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`).
+  :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
+- KV caches in float32 or bf16 (``kv_cache_dtype``; the runner's ``auto`` picks bf16 when
+  :func:`unsupported` finds nothing, so the torch path of prefill and mixed steps shares the bf16 cache).
 
 Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
 into one tensor, and the modules' own weights become views of it, so the transformers path that
@@ -129,7 +131,7 @@ def _fused_layer(layer: torch.nn.Module) -> tuple[Linear, Linear] | None:
     return qkv, gate_up
 
 
-def _unsupported(runner: Runner) -> str | None:
+def unsupported(runner: Runner) -> str | None:
     """Why this engine cannot take the fused path (None: it can)."""
     cfg = runner.hf_config
     if os.environ.get(ENV, "") == "0":
@@ -208,7 +210,7 @@ class CpuDecodePath:
 def build(runner: Runner) -> CpuDecodePath | None:
     """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`
     whose KV caches exist), or None with the reason logged at INFO."""
-    reason = _unsupported(runner)
+    reason = unsupported(runner)
     decoder = runner.model.get_decoder() if reason is None else None
     layers = []
     if decoder is not None:
@@ -233,6 +235,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s)", len(layers), layers[0].qkv.fmt,
-                head.fmt if head is not None else "in torch")
+    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, KV cache %s)", len(layers),
+                layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
+                str(fused.cache_dtype).removeprefix("torch."))
     return CpuDecodePath(runner, fused)
