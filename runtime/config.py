@@ -87,11 +87,12 @@ class EngineConfig(BaseModel):
 
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The KV cache's dtype (vLLM's ``--kv-cache-dtype``); activations keep ``dtype``. ``auto``: the
-    activation dtype, except on a CPU where the fused C decoder runs (float32 activations): bf16
-    there (half the bytes attention reads per decode step and per cached token, measured faster with
-    greedy output kept: docs/performance.md, "bf16 KV cache"). ``bfloat16`` on the CPU: keys and
-    values rounded to bf16 on write, widened to float32 on read, in the fused decoder and the torch
-    path alike. On CUDA a dtype other than the activations' is refused (``auto`` keeps them equal)."""
+    activation dtype (on a CPU where the fused C decoder runs: ``model_runner.CPU_AUTO_KV_CACHE_DTYPE``,
+    float32 for now). ``bfloat16`` beside float32 activations on the CPU: keys and values rounded to
+    bf16 (nearest even) on write and widened to float32 on read, by the fused decoder and the torch
+    path alike: half the cache's bytes (twice the blocks of a ``kv_cache_memory`` budget), attention
+    21-27 % faster at 48 rows, greedy tokens may flip at near-ties (docs/performance.md, "bf16 KV
+    cache"). On CUDA a dtype other than the activations' is refused."""
 
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV block."""

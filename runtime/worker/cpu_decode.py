@@ -14,8 +14,8 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
   :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
-- KV caches in float32 or bf16 (``kv_cache_dtype``; the runner's ``auto`` picks bf16 when
-  :func:`unsupported` finds nothing, so the torch path of prefill and mixed steps shares the bf16 cache).
+- KV caches in float32 or bf16 (``kv_cache_dtype``; the torch path of prefill and mixed steps reads
+  and writes the same cache; the runner's ``auto`` asks :func:`unsupported` whether this path will run).
 
 Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
 into one tensor, and the modules' own weights become views of it, so the transformers path that
