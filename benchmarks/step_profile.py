@@ -68,7 +68,8 @@ def make_engine(dtype: str, max_num_seqs: int = 128, kv_cache_dtype: str = "auto
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype))
+    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}  # a --baseline may lack it
+    return LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_num_seqs, **extra))
 
 
 def prompt(i: int, n: int, rng: random.Random | None = None) -> list[int]:
