@@ -1,8 +1,9 @@
 """Weight-only quantization, measured: memory, accuracy and speed of fp32, bf16, int8, int4.
 
 For every variant (``fp32``, ``bf16``, ``int8``, ``int4``; a quantized one's activations in
-``--quant-dtype``, default float32; ``+compiled`` appended runs it with ``enforce_eager=False``)
-on the default model (SmolLM2-135M-Instruct) through the engine:
+``--quant-dtype``, default float32; ``+compiled`` appended runs it with ``enforce_eager=False``,
+``+kvf32`` / ``+kvbf16`` with ``kv_cache_dtype`` float32 / bfloat16, e.g. ``fp32+kvbf16``;
+``--kv-cache-dtype`` sets it for every variant) on the default model (SmolLM2-135M-Instruct) through the engine:
 
 - memory: weight bytes of the replica (``LoadedModel.weight_bytes``: parameters and buffers
   as stored, tied tensors once);
@@ -76,14 +77,16 @@ TEXT = (
 )
 
 
-def variant_config(name: str, quant_dtype: str) -> dict:
-    base, _, mode = name.partition("+")
-    cfg: dict = {"device": "cpu", "kv_cache_memory": 1024**3, "max_num_batched_tokens": 2048}
+def variant_config(name: str, quant_dtype: str, kv_cache_dtype: str = "auto") -> dict:
+    base, *modes = name.split("+")
+    cfg: dict = {"device": "cpu", "kv_cache_memory": 1024**3, "max_num_batched_tokens": 2048,
+                 "kv_cache_dtype": {"kvf32": "float32", "kvbf16": "bfloat16"}.get(
+                     next((m for m in modes if m.startswith("kv")), ""), kv_cache_dtype)}
     if base in ("fp32", "bf16"):
         cfg["dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[base]
     else:
         cfg.update(dtype=quant_dtype, quantization=base)
-    if mode == "compiled":
+    if "compiled" in modes:
         cfg["enforce_eager"] = False
     return cfg
 
@@ -108,7 +111,7 @@ def throughput_workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], lis
 
 
 def measure(name: str, args) -> dict:
-    cfg = variant_config(name, args.quant_dtype)
+    cfg = variant_config(name, args.quant_dtype, args.kv_cache_dtype)
     t0 = time.monotonic()
     loaded = load_model(None, dtype=cfg["dtype"], device="cpu", quantization=cfg.get("quantization"))
     engine = LLMEngine(EngineConfig(**cfg), loaded=loaded)
@@ -169,6 +172,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--quant-dtype", default="float32", help="activation dtype of the quantized variants")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache dtype of variants without +kvf32 / +kvbf16")
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--requests", type=int, default=48, help="the first N requests of the 48-request workload")

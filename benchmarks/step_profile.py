@@ -3,8 +3,9 @@
 ::
 
     python benchmarks/step_profile.py phases [--concurrency 1 32] [--dtype float32 bfloat16] [--steps 40]
+        [--kv-cache-dtype auto float32 bfloat16]
     python benchmarks/step_profile.py bench [--baseline REV] [--rounds 2] [--dtype float32 bfloat16]
-    python benchmarks/step_profile.py w48 [--dtype auto] [--no-batch-invariant]
+    python benchmarks/step_profile.py w48 [--dtype auto] [--no-batch-invariant] [--kv-cache-dtype float32 bfloat16]
     python benchmarks/step_profile.py prefill [--lengths 400] [--rounds 5] [--dtype float32]
 
 ``phases`` runs decode steps through ``LLMEngine`` at each concurrency (``C`` requests of
@@ -12,8 +13,11 @@
 scheduler's ``schedule()``, the model runner's input preparation (``prepare_inputs``), the
 model's forward, the rest of ``execute_model``, the sampler, the scheduler's
 ``update_from_output`` and the output side (detokenizer, ``RequestOutput``s, stats: the step's
-remainder). It prints the median of each per step, ms, and its share. ``--cprofile N`` also
-prints the top ``N`` functions of ``cProfile`` over the same steps (tottime).
+remainder). It prints the median of each per step, ms, and its share, and, when the fused CPU
+decoder runs the steps, the C step's own phases (``FusedDecoder.profile``: norm, qkv, attention,
+o, mlp, down, head; mean ms per step). ``--cprofile N`` also prints the top ``N`` functions of
+``cProfile`` over the same steps (tottime). ``--kv-cache-dtype`` (``phases``, ``w48``): one run
+per cache dtype (``EngineConfig.kv_cache_dtype``).
 
 ``bench`` measures two workloads, each in a fresh process per build and dtype, greedy with EOS
 ignored: one stream (a 128-token prompt, 256 new tokens; tok/s of the decode, first token
@@ -70,11 +74,12 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def make_engine(dtype: str, max_num_seqs: int = 128):
+def make_engine(dtype: str, max_num_seqs: int = 128, kv_cache_dtype: str = "auto"):
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_num_seqs))
+    extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}  # a --baseline may lack it
+    return LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_num_seqs, **extra))
 
 
 def prompt(i: int, n: int, rng: random.Random | None = None) -> list[int]:
@@ -101,12 +106,13 @@ class _Timer:
         return timed
 
 
-def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub_forward: bool = False) -> dict:
+def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub_forward: bool = False,
+                   kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     from kvfleet.runtime.sampling_params import SamplingParams
 
-    eng = make_engine(dtype)
+    eng = make_engine(dtype, kv_cache_dtype=kv_cache_dtype)
     timer = _Timer()
     runner = eng.runner
     runner_acc = {"execute_model": 0.0}
@@ -140,6 +146,9 @@ def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub
         eng.step()
     for _ in range(3):
         eng.step()
+    fused = runner.cpu_decode._fused if getattr(runner, "cpu_decode", None) is not None else None
+    if fused is not None:
+        fused.profile()  # reset the C step's counters
     rows: dict[str, list[float]] = {p: [] for p in (*PHASES, "step")}
     prof = None
     if cprofile:
@@ -165,19 +174,24 @@ def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub
         rows["step"].append(total * 1e3)
     med = {p: statistics.median(v) for p, v in rows.items()}
     stub = ", forward stubbed (host work only)" if stub_forward else ""
-    print(f"\n{dtype}, C={concurrency}, {steps} decode steps{stub}, torch threads {torch.get_num_threads()}, "
-          f"context ~{128 + 3}..{128 + 3 + steps}")
+    cache = str(runner.kv_caches[0][0].dtype).removeprefix("torch.")
+    print(f"\n{dtype}, KV cache {cache}, C={concurrency}, {steps} decode steps{stub}, torch threads "
+          f"{torch.get_num_threads()}, context ~{128 + 3}..{128 + 3 + steps}")
     print("| phase | median ms | share of the median step |\n|---|---:|---:|")
     for p in PHASES:
         print(f"| {p} | {med[p]:.2f} | {100 * med[p] / med['step']:.1f}% |")
     outside = med["step"] - med["forward"]
     print(f"| **step** | **{med['step']:.2f}** | outside the forward: {outside:.2f} ms "
           f"({100 * outside / med['step']:.1f}%) |")
+    c_step = fused.profile() if fused is not None else {}
+    if c_step.get("steps"):
+        print(f"fused C step, mean ms over {c_step['steps']} steps: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in c_step.items() if k != "steps"))
     if prof is not None:
         import pstats
 
         pstats.Stats(prof).sort_stats("tottime").print_stats(cprofile)
-    return {"dtype": dtype, "concurrency": concurrency, "median_ms": med}
+    return {"dtype": dtype, "concurrency": concurrency, "median_ms": med, "fused_ms": c_step}
 
 
 # ---------------------------------------------------------------------- throughput
@@ -296,7 +310,8 @@ def bench(args) -> None:
             print(f"| {dtype} | new/old | {r1:.2f}x | | {r2:.2f}x | same tokens: {same} |")
 
 
-def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None = None) -> None:
+def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None = None,
+              kv_cache_dtype: str = "auto") -> None:
     """The 48-request workload through ``LLMEngine``: wall time of the steps with prompt tokens
     (prefill, chunked or mixed) and of decode-only steps above / up to 32 rows (tokens: drafts
     verified included)."""
@@ -305,7 +320,7 @@ def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None 
     from kvfleet.runtime.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=128, batch_invariant=batch_invariant,
-                                 speculative_config=speculative_config))
+                                 speculative_config=speculative_config, kv_cache_dtype=kv_cache_dtype))
     seen: dict = {}
     schedule = eng.scheduler.schedule
 
@@ -329,6 +344,7 @@ def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None 
     total, out_tokens = time.perf_counter() - t0, sum(n for _, n in work)
     flags = "" if batch_invariant else " --no-batch-invariant"
     flags += f" {speculative_config}" if speculative_config else ""
+    flags += f", KV cache {str(eng.runner.kv_caches[0][0].dtype).removeprefix('torch.')}"
     print(f"\n{dtype}{flags}: {total:.2f} s, "
           f"{out_tokens / total:.1f} output tok/s\n| steps | count | s | tokens | ms/step |\n|---|---:|---:|---:|---:|")
     for kind, (steps, secs, tokens) in kinds.items():
@@ -380,6 +396,7 @@ def main() -> None:
     p.add_argument("--baseline", default=None, metavar="REV", help="profile REV's code first (own process)")
     p.add_argument("--stub-forward", action="store_true",
                    help="replace the model's forward by fixed logits: time the host work alone")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     b = sub.add_parser("bench")
     b.add_argument("--baseline", default=None, metavar="REV")
     b.add_argument("--new", default=None, metavar="REV", help="measure REV's code as 'new' (default: the working tree)")
@@ -391,6 +408,7 @@ def main() -> None:
     w.add_argument("--no-batch-invariant", action="store_true")
     w.add_argument("--speculative-config", default=None, help="e.g. '{\"method\": \"ngram\"}'")
     w.add_argument("--threads", type=int, default=0)
+    w.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
     f = sub.add_parser("prefill", help="one prefill step, torch against the fused C decoder")
     f.add_argument("--dtype", default="float32")
     f.add_argument("--lengths", type=int, nargs="+", default=[400])
@@ -417,14 +435,16 @@ def main() -> None:
             print("===== current tree", flush=True)
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         for dtype in args.dtype:
-            for c in args.concurrency:
-                profile_phases(dtype, c, args.steps, args.cprofile, args.stub_forward)
+            for kv in args.kv_cache_dtype:
+                for c in args.concurrency:
+                    profile_phases(dtype, c, args.steps, args.cprofile, args.stub_forward, kv)
     elif args.cmd == "bench":
         bench(args)
     elif args.cmd == "w48":
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
         for dtype in args.dtype:
-            split_w48(dtype, not args.no_batch_invariant, args.speculative_config)
+            for kv in args.kv_cache_dtype:
+                split_w48(dtype, not args.no_batch_invariant, args.speculative_config, kv)
     elif args.cmd == "prefill":
         print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
         prefill_ab(args.dtype, args.lengths, args.rounds)

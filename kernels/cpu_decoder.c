@@ -19,7 +19,10 @@
  *                        -1: not written)
  *   block_tables [M, W] int32 (rows `bt_stride` apart), seq_lens [M] int32: row i attends over
  *                        positions 0 .. len - 1 of its block table
- *   caches               per layer [num_blocks, block_size, KVH, D] float32 keys and values
+ *   caches               per layer [num_blocks, block_size, KVH, D] keys and values, float32 or
+ *                        bf16 (d->cache_dtype): a bf16 cache stores each key and value rounded to
+ *                        nearest even (torch's .to(torch.bfloat16)) and attention widens them to
+ *                        float32 in registers (a shift); all arithmetic stays float32
  *
  * Per layer: h = rmsnorm(x); q|k|v = h Wqkv^T; rotary on q and k; k, v written at the slot;
  * attention of each query head over its KV head's cached positions (grouped-query attention,
@@ -353,36 +356,61 @@ static void rope(float *x, const float *c, const float *s, int64_t D) {
     }
 }
 
-/* Scores of query q against four keys k0..k3 (D floats each), as one vector: each dot in two FMA
- * chains, then one tree of horizontal adds for the four (a fixed order per key, wherever the key
- * sits in its group of four). */
-static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
-                          int64_t D) {
+/* 8 cache elements from c (float32, or bf16 when bf16) at element index i, as float32. Inlined with
+ * bf16 a constant, so each caller is compiled once per cache dtype with no branch in its loops. */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *c, int64_t i, int bf16) {
+    return bf16 ? widen_bf16((const uint16_t *)c + i) : _mm256_loadu_ps((const float *)c + i);
+}
+
+/* Scores of query q against four keys at element offsets k0..k3 of the cache kc (D elements each),
+ * as one vector: each dot in two FMA chains, then one tree of horizontal adds for the four (a fixed
+ * order per key, wherever the key sits in its group of four). */
+static inline __attribute__((always_inline)) __m128 dot4(const float *q, const void *kc, int64_t k0, int64_t k1,
+                                                         int64_t k2, int64_t k3, int64_t D, int bf16) {
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     int64_t e = 0;
     for (; e + 16 <= D; e += 16) {
         const __m256 q0 = _mm256_loadu_ps(q + e), q1 = _mm256_loadu_ps(q + e + 8);
-        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + e), a0);
-        b0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k0 + e + 8), b0);
-        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + e), a1);
-        b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k1 + e + 8), b1);
-        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k2 + e), a2);
-        b2 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k2 + e + 8), b2);
-        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k3 + e), a3);
-        b3 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k3 + e + 8), b3);
+        a0 = _mm256_fmadd_ps(q0, load_kv8(kc, k0 + e, bf16), a0);
+        b0 = _mm256_fmadd_ps(q1, load_kv8(kc, k0 + e + 8, bf16), b0);
+        a1 = _mm256_fmadd_ps(q0, load_kv8(kc, k1 + e, bf16), a1);
+        b1 = _mm256_fmadd_ps(q1, load_kv8(kc, k1 + e + 8, bf16), b1);
+        a2 = _mm256_fmadd_ps(q0, load_kv8(kc, k2 + e, bf16), a2);
+        b2 = _mm256_fmadd_ps(q1, load_kv8(kc, k2 + e + 8, bf16), b2);
+        a3 = _mm256_fmadd_ps(q0, load_kv8(kc, k3 + e, bf16), a3);
+        b3 = _mm256_fmadd_ps(q1, load_kv8(kc, k3 + e + 8, bf16), b3);
     }
     if (e < D) {
         const __m256 q0 = _mm256_loadu_ps(q + e);
-        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + e), a0);
-        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + e), a1);
-        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k2 + e), a2);
-        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k3 + e), a3);
+        a0 = _mm256_fmadd_ps(q0, load_kv8(kc, k0 + e, bf16), a0);
+        a1 = _mm256_fmadd_ps(q0, load_kv8(kc, k1 + e, bf16), a1);
+        a2 = _mm256_fmadd_ps(q0, load_kv8(kc, k2 + e, bf16), a2);
+        a3 = _mm256_fmadd_ps(q0, load_kv8(kc, k3 + e, bf16), a3);
     }
     const __m256 t01 = _mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
     const __m256 t23 = _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
     const __m256 t = _mm256_hadd_ps(t01, t23);   /* lane l of each half: key l's partial sum */
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
+
+/* f rounded to bf16, nearest even (torch's round_to_nearest_even: NaN -> 0x7fc0). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* D floats into the cache c (d's cache dtype) at element offset at. */
+static void store_kv(const kv_decoder *d, void *c, int64_t at, const float *x, int64_t D) {
+    if (d->cache_dtype == KV_CACHE_BF16)
+        for (int64_t e = 0; e < D; e++) ((uint16_t *)c)[at + e] = to_bf16(x[e]);
+    else
+        memcpy((float *)c + at, x, D * sizeof(float));
+}
+
+/* Bytes per cache element. */
+static inline int64_t kv_elem(const kv_decoder *d) { return d->cache_dtype == KV_CACHE_BF16 ? 2 : 4; }
 
 /* Serial, before the attention phase: rotary on each row's new queries and keys, and its keys
  * and values into the cache (so that every attention task reads a complete cache). */
@@ -397,26 +425,27 @@ static void write_kv(const kv_step *s) {
             float *k = row + (QH + g) * D, *v = row + (QH + KVH + g) * D;
             rope(k, c, sn, D);
             if (s->slots[i] >= 0) {
-                memcpy(s->L->k_cache + (s->slots[i] * KVH + g) * D, k, D * sizeof(float));
-                memcpy(s->L->v_cache + (s->slots[i] * KVH + g) * D, v, D * sizeof(float));
+                store_kv(d, s->L->k_cache, (s->slots[i] * KVH + g) * D, k, D);
+                store_kv(d, s->L->v_cache, (s->slots[i] * KVH + g) * D, v, D);
             }
         }
     }
 }
 
-/* acc[0 .. D) += sum_p w[p] * v[p * stride + e] over the n positions of one block. Called with
+/* acc[0 .. D) += sum_p w[p] * vc[v + p * stride + e] over the n positions of one block. Called with
  * D = 64 and 128 as constants, so the accumulators stay in registers for the whole block
  * (instead of a load and a store per position and 8 values). */
-static inline void accumulate_values(float *acc, const float *w, const float *v, int64_t stride, int64_t n,
-                                     int64_t D) {
+static inline __attribute__((always_inline)) void accumulate_values(float *acc, const float *w, const void *vc,
+                                                                    int64_t v, int64_t stride, int64_t n, int64_t D,
+                                                                    int bf16) {
     for (int64_t e0 = 0; e0 < D; e0 += 64) {
         const int64_t width = D - e0 < 64 ? D - e0 : 64;
         __m256 a[8];
         for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_loadu_ps(acc + e0 + 8 * e);
         for (int64_t p = 0; p < n; p++) {
             const __m256 wp = _mm256_set1_ps(w[p]);
-            const float *vp = v + p * stride + e0;
-            for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * e), a[e]);
+            const int64_t vp = v + p * stride + e0;
+            for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_fmadd_ps(wp, load_kv8(vc, vp + 8 * e, bf16), a[e]);
         }
         for (int64_t e = 0; e < width / 8; e++) _mm256_storeu_ps(acc + e0 + 8 * e, a[e]);
     }
@@ -437,15 +466,17 @@ static inline int64_t split_of(int64_t blocks, int64_t *per) {
  * row's split_of): for each of the group's query heads, the running maximum, the sum of exp(score -
  * maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein 2018, "Online
  * normalizer calculation for softmax"), stored in s->partial for merge_attention. `first` starts
- * the split's sums; blocks are added one call at a time, in order. */
-static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
-                         float *sc) {
+ * the split's sums; blocks are added one call at a time, in order. bf16: the cache's dtype
+ * (attend_block below compiles this once per dtype). */
+static inline __attribute__((always_inline)) void attend_block_as(const kv_step *s, int64_t i, int64_t g,
+                                                                  int64_t part, int64_t b, int first, float *sc,
+                                                                  int bf16) {
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
     const int64_t G = QH / KVH, S = KV_MAX_SPLITS, stride = KVH * D;
     const int64_t len = s->seq_lens[i];
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
-    const float *kc = s->L->k_cache, *vc = s->L->v_cache;
+    const void *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const float scale = (float)d->scale;
     float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
@@ -458,14 +489,13 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
         }
     const int64_t n = len - b * bs < bs ? len - b * bs : bs;
     const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
-    const float *kb = kc + base;
     for (int64_t j = 0; j < G; j++) {
         const float *q = q0 + j * D;
         float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
         for (int64_t p = 0; p < n; p += 4) {   /* past n: the last key again (never used) */
-            const float *k0 = kb + p * stride, *k1 = kb + (p + 1 < n ? p + 1 : p) * stride;
-            const float *k2 = kb + (p + 2 < n ? p + 2 : p) * stride, *k3 = kb + (p + 3 < n ? p + 3 : p) * stride;
-            _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, k0, k1, k2, k3, D), _mm_set1_ps(scale)));
+            const int64_t k0 = base + p * stride, k1 = base + (p + 1 < n ? p + 1 : p) * stride;
+            const int64_t k2 = base + (p + 2 < n ? p + 2 : p) * stride, k3 = base + (p + 3 < n ? p + 3 : p) * stride;
+            _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, kc, k0, k1, k2, k3, D, bf16), _mm_set1_ps(scale)));
         }
         for (int64_t p = 0; p < n; p++) bmax = sc[p] > bmax ? sc[p] : bmax;
         if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
@@ -477,10 +507,15 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
         __m256 vmx = _mm256_set1_ps(o[0]);
         for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
         for (int64_t p = 0; p < n; p++) o[1] += sc[p];
-        if (D == 64) accumulate_values(acc, sc, vc + base, stride, n, 64);
-        else if (D == 128) accumulate_values(acc, sc, vc + base, stride, n, 128);
-        else accumulate_values(acc, sc, vc + base, stride, n, D);
+        if (D == 64) accumulate_values(acc, sc, vc, base, stride, n, 64, bf16);
+        else if (D == 128) accumulate_values(acc, sc, vc, base, stride, n, 128, bf16);
+        else accumulate_values(acc, sc, vc, base, stride, n, D, bf16);
     }
+}
+
+static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first, float *sc) {
+    if (s->d->cache_dtype == KV_CACHE_BF16) attend_block_as(s, i, g, part, b, first, sc, 1);
+    else attend_block_as(s, i, g, part, b, first, sc, 0);
 }
 
 /* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
@@ -506,8 +541,8 @@ static void task_attention(const void *ctx, int64_t t) {
     }
     if (b0 < 0) return;
     const kv_decoder *d = s->d;
-    const int64_t D = d->head_size, stride = KVH * D;
-    const float *kc = s->L->k_cache, *vc = s->L->v_cache;
+    const int64_t D = d->head_size, stride = KVH * D, es = kv_elem(d);
+    const char *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     float sc[bs + 8];
     for (int64_t b = b0; b < b1; b++) {
@@ -515,8 +550,8 @@ static void task_attention(const void *ctx, int64_t t) {
                              * and waiting on each line's miss made attention latency-bound */
             const int64_t next = ((int64_t)bt[b + 1] * bs * KVH + g) * D;
             for (int64_t p = 0; p < bs; p++) {
-                prefetch_span(kc + next + p * stride, D * (int64_t)sizeof(float));
-                prefetch_span(vc + next + p * stride, D * (int64_t)sizeof(float));
+                prefetch_span(kc + (next + p * stride) * es, D * es);
+                prefetch_span(vc + (next + p * stride) * es, D * es);
             }
         }
         for (int64_t r = i; r < i + rows; r++) {

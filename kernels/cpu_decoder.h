@@ -14,8 +14,11 @@ typedef struct {
     kv_matrix o;                           /* [H, QH D] */
     kv_matrix gate_up;                     /* [2 I, H]: gate rows, then up rows */
     kv_matrix down;                        /* [H, I] */
-    float *k_cache, *v_cache;              /* [num_blocks, block_size, KVH, D] */
+    void *k_cache, *v_cache;               /* [num_blocks, block_size, KVH, D], kv_decoder.cache_dtype */
 } kv_layer;
+
+/* kv_decoder.cache_dtype: the KV caches' element type (activations are float32 either way). */
+enum { KV_CACHE_F32 = 0, KV_CACHE_BF16 = 1 };
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
@@ -23,6 +26,7 @@ typedef struct {
     const kv_layer *layers;
     const float *final_norm;               /* [H] */
     const kv_matrix *head;                 /* LM head [V, H], or NULL */
+    int64_t cache_dtype;                   /* KV_CACHE_F32 or KV_CACHE_BF16 (round to nearest even) */
     int64_t amx;                           /* 1: matmuls on AMX tiles (cpu_amx.h; the `amx` build only) */
 } kv_decoder;
 

@@ -28,7 +28,10 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   ``bias [N]`` float32 or None.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
-  caches ``[num_blocks, block_size, KVH, D]`` float32.
+  caches ``[num_blocks, block_size, KVH, D]`` float32 or bfloat16 (every layer's alike: the
+  decoder's :attr:`FusedDecoder.cache_dtype`). A bf16 cache holds each new key and value rounded to
+  nearest even (bitwise what ``.to(torch.bfloat16)`` gives, so the torch attention path can share the
+  cache), and attention widens them to float32 in registers; activations and sums stay float32.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ processes loses at most this much per step."""
 PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
 """The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
 _FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3, "int8g": 4}
+CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""KV cache dtypes the C step reads (``KV_CACHE_F32`` / ``KV_CACHE_BF16`` in cpu_decoder.h)."""
 
 
 _Matrix, _Layer, _Decoder = cpu_lib.Matrix, cpu_lib.Layer, cpu_lib.Decoder
@@ -149,7 +154,8 @@ class FusedDecoder:
     Raises:
         ValueError: a tensor of the wrong shape, dtype or layout, or a model the C step does not
             cover (head size not a multiple of 8, query heads not a multiple of the
-            KV heads, KV caches not float32 ``[blocks, block_size, KVH, D]``).
+            KV heads, KV caches not float32 or bfloat16 ``[blocks, block_size, KVH, D]``, all of
+            one dtype).
         RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_lib.available`).
 
     ``amx``: run the matmuls on AMX tiles (``kernels/cpu_amx.h``: activations and dequantized
@@ -169,6 +175,9 @@ class FusedDecoder:
         H = w.final_norm.shape[0]
         inter = w.layers[0].gate_up.shape[0] // 2
         block_size = w.layers[0].k_cache.shape[1]
+        cache_dtype = w.layers[0].k_cache.dtype
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"KV caches must be float32 or bfloat16, got {cache_dtype}")
         for i, layer in enumerate(w.layers):
             layer.qkv.check(f"layer {i} qkv", (QH + 2 * KVH) * D, H)
             layer.o.check(f"layer {i} o", H, QH * D)
@@ -178,14 +187,17 @@ class FusedDecoder:
                 if t.shape != (H,) or t.dtype != torch.float32 or not t.is_contiguous():
                     raise ValueError(f"layer {i} {name} must be a contiguous float32 [{H}] tensor")
             for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
-                if (t.dim() != 4 or t.shape[1:] != (block_size, KVH, D) or t.dtype != torch.float32
-                        or not t.is_contiguous()):
-                    raise ValueError(f"layer {i} {name} must be float32 [blocks, {block_size}, {KVH}, {D}]")
+                if (t.dim() != 4 or t.shape[1:] != (block_size, KVH, D) or t.dtype != cache_dtype
+                        or not t.is_contiguous() or t.device.type != "cpu"):
+                    raise ValueError(f"layer {i} {name} must be a contiguous CPU {cache_dtype} "
+                                     f"[blocks, {block_size}, {KVH}, {D}] tensor (layer 0's dtype)")
         if w.final_norm.dtype != torch.float32 or not w.final_norm.is_contiguous():
             raise ValueError("final_norm must be a contiguous float32 tensor")
         if w.head is not None:
             w.head.check("head", w.head.shape[0], H)
         self.weights = w
+        self.cache_dtype = cache_dtype
+        """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""
         self.hidden, self.vocab_size = H, (w.head.shape[0] if w.head is not None else 0)
         self._layers = (_Layer * len(w.layers))(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv.struct(), layer.o.struct(),
@@ -198,7 +210,8 @@ class FusedDecoder:
                         and all(m.shape[0] % 16 == 0 and m.shape[1] % 32 == 0 for m in matrices))
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
-                                ctypes.pointer(self._head) if self._head is not None else None, int(self.amx))
+                                ctypes.pointer(self._head) if self._head is not None else None,
+                                CACHE_DTYPES[cache_dtype], int(self.amx))
         self._lib = lib
         spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)

@@ -95,7 +95,7 @@ class Decoder(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
-                ("head", ctypes.POINTER(Matrix)), ("amx", _i64)]
+                ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("amx", _i64)]
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),

@@ -198,7 +198,9 @@ def _prefill_one(
     k = key_cache[p.blocks].view(nbk * block_size, kvh, d)[:L].transpose(0, 1)  # [kvh, L, d]
     v = value_cache[p.blocks].view(nbk * block_size, kvh, d)[:L].transpose(0, 1)
     if q.dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
+        q = q.float()
+    if k.dtype != torch.float32:  # a cache in another dtype than the activations (--kv-cache-dtype)
+        k, v = k.float(), v.float()
     mask, causal = p.mask, p.causal
     if softcap is not None:
         if mask is None:
@@ -245,7 +247,9 @@ def paged_attention_torch(
         query: ``[num_tokens, num_heads, head_size]``; the query tokens of sequence ``s``
             are rows ``query_start_loc[s]:query_start_loc[s+1]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``; must
-            already hold this step's keys/values (call ``reshape_and_cache`` first).
+            already hold this step's keys/values (call ``reshape_and_cache`` first). Their dtype
+            may differ from the query's (a bf16 cache beside float32 activations,
+            ``--kv-cache-dtype``): the gathered keys and values are widened to float32.
         block_tables: ``[num_seqs, max_blocks]`` integer (int32), physical block ids of
             each sequence in logical order; entries past a sequence's last block do not
             affect the result but must be valid block ids (e.g. 0 padding), because the

@@ -53,6 +53,7 @@ ENGINE_KEYS = {
     "batchInvariant": "batch_invariant",
     "schedulingPolicy": "scheduling_policy",
     "dtype": "dtype",
+    "kvCacheDtype": "kv_cache_dtype",
     "tensorParallelSize": "tensor_parallel_size",
     "quantization": "quantization",
     "enforceEager": "enforce_eager",

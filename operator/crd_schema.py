@@ -222,6 +222,9 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
                          "enum": ["fcfs", "priority", "fair"]},
     "dtype": {"type": "string", "description": "Weights and activations dtype.",
               "enum": ["auto", "float32", "float16", "bfloat16"]},
+    "kvCacheDtype": {"type": "string", "description": "KV cache dtype (kvfleet serve --kv-cache-dtype): auto "
+                     "(the activation dtype), float32, or bfloat16 (CPU: half the cache bytes, activations float32).",
+                     "enum": ["auto", "float32", "bfloat16"]},
     "tensorParallelSize": _int("GPUs one model replica is split over.", minimum=1, maximum=16, default=1),
     "quantization": {"type": "string", "description": "Weight-only quantization of the linear layers "
                      "(torchao): int8 (CPU and GPU) or int4 (CPU); unset: weights in dtype.",

@@ -85,6 +85,15 @@ class EngineConfig(BaseModel):
     """``auto`` (cuda if available else cpu), ``cpu``, ``cuda``, ``cuda:N``."""
     seed: int = 0
 
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The KV cache's dtype (vLLM's ``--kv-cache-dtype``); activations keep ``dtype``. ``auto``: the
+    activation dtype (on a CPU where the fused C decoder runs: ``model_runner.CPU_AUTO_KV_CACHE_DTYPE``,
+    float32 for now). ``bfloat16`` beside float32 activations on the CPU: keys and values rounded to
+    bf16 (nearest even) on write and widened to float32 on read, by the fused decoder and the torch
+    path alike: half the cache's bytes (twice the blocks of a ``kv_cache_memory`` budget), attention
+    21-27 % faster at 48 rows, greedy tokens may flip at near-ties (docs/performance.md, "bf16 KV
+    cache"). On CUDA a dtype other than the activations' is refused."""
+
     block_size: int = Field(16, ge=1, le=256)
     """Tokens per KV block."""
     num_blocks: int | None = Field(None, ge=1)

@@ -14,7 +14,9 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
   :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
-  :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`).
+  :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
+- KV caches in float32 or bf16 (``kv_cache_dtype``; the torch path of prefill and mixed steps reads
+  and writes the same cache; the runner's ``auto`` asks :func:`unsupported` whether this path will run).
 
 Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
 into one tensor, and the modules' own weights become views of it, so the transformers path that
@@ -150,7 +152,7 @@ def _fused_layer(layer: torch.nn.Module) -> tuple[Linear, Linear] | None:
     return qkv, gate_up
 
 
-def _unsupported(runner: Runner) -> str | None:
+def unsupported(runner: Runner) -> str | None:
     """Why this engine cannot take the fused path (None: it can)."""
     cfg = runner.hf_config
     if os.environ.get(ENV, "") == "0":
@@ -242,7 +244,7 @@ def fused_prefill(amx: bool) -> bool:
 def build(runner: Runner) -> CpuDecodePath | None:
     """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`
     whose KV caches exist), or None with the reason logged at INFO."""
-    reason = _unsupported(runner)
+    reason = unsupported(runner)
     decoder = runner.model.get_decoder() if reason is None else None
     layers = []
     if decoder is not None:
@@ -269,7 +271,8 @@ def build(runner: Runner) -> CpuDecodePath | None:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
     prefill = fused_prefill(fused.amx)
-    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, matmuls %s, prefill %s)", len(layers),
-                layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
-                "on AMX tiles (bf16)" if fused.amx else "float32", "fused" if prefill else "in torch")
+    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
+                len(layers), layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
+                str(fused.cache_dtype).removeprefix("torch."), "on AMX tiles (bf16)" if fused.amx else "float32",
+                "fused" if prefill else "in torch")
     return CpuDecodePath(runner, fused, prefill)

@@ -85,8 +85,9 @@ class CpuPlan:
     """How one engine runs on the CPU.
 
     Attributes:
-        dtype: the activations' and KV cache's dtype, and the dtype the checkpoint is loaded in
-            (``float32``, ``bfloat16`` or ``float16``).
+        dtype: the activations' and KV cache's dtype (the cache's unless ``kv_cache_dtype`` sets
+            another, :mod:`kvfleet.runtime.worker.model_runner`), and the dtype the checkpoint is
+            loaded in (``float32``, ``bfloat16`` or ``float16``).
         weights: how the decoder's linear layers store their weights: ``fp32``, ``bf16``,
             ``fp16``, ``int8`` or ``int4``.
         bf16_weights: the loader converts the float32 weights to bf16 storage after loading

@@ -17,10 +17,10 @@ from kvfleet.runtime.kv_transfer.wire import BlockLayout
 
 def block_layout(runner, model: str, quantization: str | None) -> BlockLayout:
     """The :class:`BlockLayout` of ``runner``'s cache (a :class:`~.model_runner.ModelRunner`)."""
-    return BlockLayout(model=model, dtype=str(runner.dtype).removeprefix("torch."), quantization=quantization or "none",
+    dtype = runner.kv_cache_dtype  # the cache's, not the activations' (--kv-cache-dtype)
+    return BlockLayout(model=model, dtype=str(dtype).removeprefix("torch."), quantization=quantization or "none",
                        num_layers=runner.num_layers, num_kv_heads=runner.num_kv_heads, head_size=runner.head_size,
-                       block_size=runner.block_size,
-                       elem_size=torch.empty((), dtype=runner.dtype).element_size())
+                       block_size=runner.block_size, elem_size=torch.empty((), dtype=dtype).element_size())
 
 
 def read_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int]) -> list[bytes]:

@@ -11,7 +11,9 @@ samples, ``[S, vocab_size]`` float32 (the LM head runs only on those ``S`` rows)
 Prompt logprobs (vLLM's semantics, ``log_softmax`` of the raw float32 logits): the LM head
 also runs on the prompt positions of requests that ask, in chunks of at most
 ``PROMPT_LOGPROBS_CHUNK_BYTES`` (:mod:`kvfleet.runtime.worker.prompt_logprobs`). KV cache: per layer
-``[num_blocks, block_size, num_kv_heads, head_size]`` keys and values in the model dtype;
+``[num_blocks, block_size, num_kv_heads, head_size]`` keys and values in
+:attr:`ModelRunner.kv_cache_dtype` (``kv_cache_dtype``: the activation dtype, or bf16 beside float32
+activations on the CPU, cast on write and widened on read by both attention paths);
 ``num_blocks`` from :meth:`ModelRunner.determine_num_blocks`. With ``enforce_eager=False`` the
 decoder runs compiled (:mod:`kvfleet.runtime.worker.compilation`, warmed up at the end of
 :meth:`ModelRunner.initialize_kv_cache`) and the LM head runs eagerly on its output. Details:
@@ -54,6 +56,13 @@ from kvfleet.runtime.worker.sampler import SampledRows, Sampler
 from kvfleet.runtime.worker.speculator import CPU_ROW_COST, CPU_STEP_ROWS, Speculator
 
 logger = logging.getLogger(__name__)
+
+CPU_AUTO_KV_CACHE_DTYPE = torch.float32
+"""``kv_cache_dtype auto``'s cache dtype on a CPU where the fused decoder runs (float32 activations).
+float32 for now (docs/performance.md, "bf16 KV cache"): bf16 cut the C step's attention by 21-27 % at
+48 rows, but W48's gain stayed inside this machine's noise and greedy tokens flip at near-ties (94 % of
+tokens agree), which the default's "greedy output equals transformers' generate()" does not allow.
+Setting it to ``torch.bfloat16`` makes ``auto`` pick bf16 exactly where the fused decoder runs."""
 
 @dataclass
 class ModelRunnerOutput:
@@ -136,6 +145,8 @@ class ModelRunner:
 
             self.lora = shared_lora_manager(self.model, config, self.device, self.dtype)
         self._pin = self.device.type == "cuda"
+        self.kv_cache_dtype = self._kv_cache_dtype(config.kv_cache_dtype)
+        """The KV cache's dtype (``kv_cache_dtype``); activations are :attr:`dtype`."""
         windowed = any(w is not None for w in self.sliding_windows or ())
         self.sampler = Sampler(self.device, seed=config.seed)
         self.states = RequestStates()
@@ -157,7 +168,7 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one KV block over all layers: ``2 * layers * block_size * kv_heads * head_size * elem``."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
 
     def determine_num_blocks(self) -> int:
@@ -248,18 +259,37 @@ class ModelRunner:
         )
         return max(budget, 0.0)
 
+    def _kv_cache_dtype(self, requested: str) -> torch.dtype:
+        """The cache dtype for ``kv_cache_dtype`` (see :class:`~kvfleet.runtime.config.EngineConfig`):
+        ``auto`` is :data:`CPU_AUTO_KV_CACHE_DTYPE` where the fused CPU decoder will run, else the
+        activation dtype. Raises ValueError for a CUDA cache dtype other than the activations'."""
+        if requested == "auto":
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                return self.dtype
+            why = cpu_decode.unsupported(self)
+            dtype = CPU_AUTO_KV_CACHE_DTYPE if why is None else self.dtype
+            logger.info("KV cache dtype: %s (kv_cache_dtype auto: %s)", str(dtype).removeprefix("torch."),
+                        "the fused CPU decoder runs" if why is None else f"the fused CPU decoder is off: {why}")
+            return dtype
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
+        if self.device.type == "cuda" and dtype != self.dtype:
+            raise ValueError(f"kv_cache_dtype={requested}: on CUDA the KV cache is kept in the activation dtype "
+                             f"({str(self.dtype).removeprefix('torch.')}); use auto")
+        return dtype
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate (zeroed) key and value caches of ``num_blocks`` blocks for every layer."""
+        """Allocate (zeroed) key and value caches of ``num_blocks`` blocks for every layer, in
+        :attr:`kv_cache_dtype`."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB)",
-            num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20
+            "KV cache: %d blocks x %d tokens, %s (%.1f MiB)", num_blocks, self.block_size,
+            str(self.kv_cache_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / 2**20
         )
         self.cpu_decode = cpu_decode.build(self)
         if self.speculator is not None and self.cpu_decode is not None:

@@ -1,8 +1,9 @@
 """kvfleet.kernels.cpu_decoder: the fused C decode step against a float64 torch reference of the
 same Llama layer (RMSNorm, q|k|v, rotary, paged grouped-query attention, o, SiLU MLP, LM head),
-for fp32, bf16, int8 and int4 weights, one and several rows, scattered block tables and partial blocks;
-and batch invariance: a row's bits do not depend on the step's other rows, prefill-sized steps
-(hundreds of rows of several sequences) included; the LM head on the asked rows only."""
+for fp32, bf16, int8 and int4 weights, one and several rows, scattered block tables and partial blocks,
+float32 and bf16 KV caches; and batch invariance: a row's bits do not depend on the step's other
+rows, prefill-sized steps (hundreds of rows of several sequences) included; the LM head on the
+asked rows only; the AMX tile kernels where the CPU has them."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) 
     return Linear("int4", cpu_woq.pack_int4(q), scale.contiguous(), shift.contiguous(), G, b), deq
 
 
-def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False, vocab: int = V):
+def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False, cache: torch.dtype = torch.float32,
+           vocab: int = V):
     gen = torch.Generator().manual_seed(seed)
     built, ref = [], []
     for _ in range(layers):
@@ -64,6 +66,7 @@ def _model(fmt: str, layers: int = 2, seed: int = 0, bias: bool = False, vocab: 
         down, down_ref = _linear(fmt, H, FF, gen)
         n1, n2 = 1 + 0.1 * torch.randn(H, generator=gen), 1 + 0.1 * torch.randn(H, generator=gen)
         kc, vc = torch.randn(BLOCKS, BS, KVH, D, generator=gen), torch.randn(BLOCKS, BS, KVH, D, generator=gen)
+        kc, vc = kc.to(cache), vc.to(cache)
         built.append(Layer(n1, n2, qkv, o, gu, down, kc, vc))
         ref.append((n1, n2, qkv_ref, None if qkv.bias is None else qkv.bias.double(), o_ref, gu_ref, down_ref))
     head, head_ref = _linear(fmt, vocab, H, gen)
@@ -77,15 +80,18 @@ def _rope(x, cos, sin):
     return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
 
 
-def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens):
+def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens, written=None):
     """float64: the decoder layer as transformers' Llama computes it, over the paged caches
-    (which it updates like the kernel does)."""
+    (which it updates like the kernel does). ``written``: the caches after the kernel's step; each
+    new key and value must be within one rounding of the reference's own, and the reference then
+    attends over the kernel's (a bf16 cache: a 1e-7 difference in a key can round it one bf16 step
+    the other way)."""
     def norm(v, w):
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + weights.eps) * w.double()
 
     x = x.double()
     cos, sin = cos.double(), sin.double()
-    for layer, (n1, n2, wqkv, bqkv, wo, wgu, wd) in zip(weights.layers, ref):
+    for index, (layer, (n1, n2, wqkv, bqkv, wo, wgu, wd)) in enumerate(zip(weights.layers, ref)):
         h = norm(x, n1)
         qkv = h @ wqkv.T + (0 if bqkv is None else bqkv)
         q = qkv[:, : QH * D].view(-1, QH, D)
@@ -93,9 +99,16 @@ def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens):
         v = qkv[:, (QH + KVH) * D :].view(-1, KVH, D)
         q, k = _rope(q, cos[:, None], sin[:, None]), _rope(k, cos[:, None], sin[:, None])
         for i, slot in enumerate(slots.tolist()):
-            if slot >= 0:
-                layer.k_cache.view(-1, KVH, D)[slot] = k[i].float()
-                layer.v_cache.view(-1, KVH, D)[slot] = v[i].float()
+            if slot < 0:
+                continue
+            for name, new in (("k_cache", k[i]), ("v_cache", v[i])):
+                cache = getattr(layer, name).view(-1, KVH, D)
+                cache[slot] = new.float().to(cache.dtype)
+                if written is not None:
+                    kernel = written[index][name == "v_cache"].view(-1, KVH, D)[slot]
+                    ulp = 2.0 ** -7 if cache.dtype == torch.bfloat16 else 1e-4
+                    torch.testing.assert_close(kernel.double(), new, rtol=ulp, atol=1e-4)
+                    cache[slot] = kernel
         out = []
         for i, n in enumerate(lens.tolist()):
             pos = torch.arange(n)
@@ -141,6 +154,50 @@ def test_step_matches_the_float64_reference(fmt, M):
     expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens)
     torch.testing.assert_close(hidden.double(), expect_hidden, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize("M", [1, 9])
+def test_a_bf16_cache_matches_the_float64_reference(fmt, M):
+    """A bf16 KV cache: the reference attends in float64 over the same bf16 keys and values (the
+    new ones rounded by torch), so only the kernel's float32 arithmetic differs."""
+    weights, ref, head_ref = _model(fmt, cache=torch.bfloat16)
+    x, cos, sin, slots, tables, lens = _inputs(M)
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    fused = FusedDecoder(weights, threads=2)
+    assert fused.cache_dtype == torch.bfloat16
+    hidden, logits = fused.step(x.clone(), cos, sin, slots, tables, lens)
+    written = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+    for layer, (kc, vc) in zip(weights.layers, caches):
+        layer.k_cache.copy_(kc)
+        layer.v_cache.copy_(vc)
+    expect_hidden, expect_logits = _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens, written)
+    torch.testing.assert_close(hidden.double(), expect_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bf16_cache_holds_keys_rounded_as_torch_rounds():
+    """Layer 0's new keys and values (computed before any attention, so the same in both runs):
+    the bf16 cache holds bitwise ``.to(torch.bfloat16)`` of what the float32 cache holds."""
+    w32, _, _ = _model("fp32", layers=1)
+    w16, _, _ = _model("fp32", layers=1, cache=torch.bfloat16)
+    x, cos, sin, slots, tables, lens = _inputs(9)
+    FusedDecoder(w32, threads=2).step(x.clone(), cos, sin, slots, tables, lens)
+    FusedDecoder(w16, threads=2).step(x.clone(), cos, sin, slots, tables, lens)
+    for name in ("k_cache", "v_cache"):
+        got = getattr(w16.layers[0], name).view(-1, KVH, D)[slots]
+        want = getattr(w32.layers[0], name).view(-1, KVH, D)[slots].to(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), name
+
+
+def test_mixed_cache_dtypes_are_refused():
+    weights, _, _ = _model("fp32", layers=2)
+    weights.layers[1].v_cache = weights.layers[1].v_cache.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="layer 1 v_cache"):
+        FusedDecoder(weights)
+    weights.layers[0].k_cache = weights.layers[0].k_cache.half()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        FusedDecoder(weights)
 
 
 @pytest.mark.parametrize("head_size", [32, 128])
@@ -207,12 +264,14 @@ def test_bad_arguments_are_value_errors():
         FusedDecoder(weights)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int8g"])
-def test_a_row_gives_the_same_bits_in_any_batch(fmt):
+@pytest.mark.parametrize("fmt,cache", [("fp32", torch.float32), ("bf16", torch.float32), ("int8", torch.float32),
+                                       ("int4", torch.float32), ("int8g", torch.float32), ("fp32", torch.bfloat16),
+                                       ("int8", torch.bfloat16)])
+def test_a_row_gives_the_same_bits_in_any_batch(fmt, cache):
     """Batch invariance: each row of a 5-row step equals the same row stepped alone, bit for bit
     (the linear layers sum every row in the one-row order; attention splits a sequence by its own
-    length, not by the step's row count)."""
-    weights, _, _ = _model(fmt)
+    length, not by the step's row count), with either KV cache dtype."""
+    weights, _, _ = _model(fmt, cache=cache)
     M = 5
     x, cos, sin, _, _, lens = _inputs(M, seed=3)
     # disjoint block tables (here the rows are separate sequences: no row reads another's new key)

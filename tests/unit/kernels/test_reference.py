@@ -291,3 +291,22 @@ def test_decode_inside_then_outside_inference_mode():
         again = paged_attention_torch(*b.attn_args)
     for out in (inside, outside, again):
         torch.testing.assert_close(out.double(), expected, **dict(zip(("atol", "rtol"), TOLERANCES[torch.float32])))
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_a_bf16_cache_beside_float32_queries(softcap):
+    """``kv_cache_dtype bfloat16`` on the CPU: float32 queries over bf16 caches (prefill and decode
+    rows) give exactly what they give over float32 caches holding the same bf16 values, in float32;
+    writing float32 keys into a bf16 cache rounds them as ``.to(torch.bfloat16)`` does."""
+    b = make_paged_batch(seq_mix(16), num_heads=6, num_kv_heads=2, head_size=64, block_size=16,
+                         dtype=torch.float32, seed=5)
+    k16, v16 = b.key_cache.to(torch.bfloat16), b.value_cache.to(torch.bfloat16)
+    args = (b.query, k16, v16, *b.attn_args[3:])
+    out = paged_attention_torch(*args, softcap=softcap)
+    assert out.dtype == torch.float32
+    want = paged_attention_torch(b.query, k16.float(), v16.float(), *b.attn_args[3:], softcap=softcap)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    reshape_and_cache_torch(key, value, k16, v16, torch.tensor([0, 17, 40]))
+    assert torch.equal(k16.view(-1, 2, 64)[17].view(torch.int16), key[1].to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(v16.view(-1, 2, 64)[40], value[2].to(torch.bfloat16))

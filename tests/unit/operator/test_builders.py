@@ -265,16 +265,18 @@ def test_extra_args_pass_through_and_unknown_ones_are_invalid():
     assert e.value.reason == "ConflictingEngineArg"
 
 
-def test_quantization_and_enforce_eager_reach_the_engine_config():
+def test_quantization_enforce_eager_and_kv_cache_dtype_reach_the_engine_config():
     from kvfleet.runtime.config import EngineConfig
 
-    cm = by_kind(builders.desired_children(minimal(engine={"quantization": "int4", "enforceEager": False})))["ConfigMap"]
+    spec = {"quantization": "int4", "enforceEager": False, "kvCacheDtype": "float32"}
+    cm = by_kind(builders.desired_children(minimal(engine=spec)))["ConfigMap"]
     config = yaml.safe_load(cm["data"]["config.yaml"])
     assert config["quantization"] == "int4" and config["enforce_eager"] is False
+    assert config["kv_cache_dtype"] == "float32"
     engine = EngineConfig.model_validate({k: v for k, v in config.items() if k in EngineConfig.model_fields})
-    assert engine.quantization == "int4" and engine.enforce_eager is False
+    assert engine.quantization == "int4" and engine.enforce_eager is False and engine.kv_cache_dtype == "float32"
     unset = yaml.safe_load(by_kind(builders.desired_children(minimal()))["ConfigMap"]["data"]["config.yaml"])
-    assert "quantization" not in unset and "enforce_eager" not in unset  # the runtime's defaults
+    assert not {"quantization", "enforce_eager", "kv_cache_dtype"} & set(unset)  # the runtime's defaults
 
 
 def test_speculative_reaches_the_engine_config_and_bad_values_are_invalid():

@@ -71,8 +71,9 @@ def test_crd_shape():
     assert set(s["engine"]["properties"]) >= {"blockSize", "gpuMemoryUtilization", "maxNumSeqs",
                                               "maxNumBatchedTokens", "maxModelLen", "enablePrefixCaching",
                                               "schedulingPolicy", "dtype", "tensorParallelSize", "extraArgs",
-                                              "quantization", "enforceEager"}
+                                              "quantization", "enforceEager", "kvCacheDtype"}
     assert s["engine"]["properties"]["quantization"]["enum"] == ["int8", "int4"]
+    assert s["engine"]["properties"]["kvCacheDtype"]["enum"] == ["auto", "float32", "bfloat16"]
     assert s["engine"]["properties"]["enforceEager"]["type"] == "boolean"
 
 

@@ -185,3 +185,61 @@ def test_bf16_weights_keep_the_fused_path(smollm2_two_layers, monkeypatch):
     assert got == expected
     worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
     assert worst <= 1e-4, worst
+
+
+@pytest.fixture(scope="module")
+def plain_two_layers(smollm2_two_layers):
+    """A fresh copy of the two-layer model (the LoRA engine above wraps the shared one's layers)."""
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    return load_model(smollm2_two_layers.source, dtype="float32", device="cpu")
+
+
+def test_a_bf16_kv_cache_is_shared_by_the_fused_and_torch_paths(plain_two_layers, monkeypatch):
+    """``kv_cache_dtype="bfloat16"`` on the float32 model: prefill, mixed steps and the prefix cache
+    (torch) and decode (fused) read and write one bf16 cache, with the same greedy tokens and
+    log-probabilities as the torch path alone over a bf16 cache: within 1e-3 (measured 2.1e-4), not
+    float32's 1e-4, because the two paths' float32 keys differ by ~1e-7 and one that falls on the other
+    side of a bf16 rounding step moves by 2^-8 of itself; bf16 against a float32 cache moves them
+    ~1e-2, and a cache misread far more."""
+    import torch
+
+    batch = prompts(plain_two_layers.tokenizer)
+    config = EngineConfig(**CONFIG, kv_cache_dtype="bfloat16")
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    plain = LLMEngine(config, [Recorder()], loaded=plain_two_layers)
+    assert plain.runner.cpu_decode is None and plain.runner.kv_caches[0][0].dtype == torch.bfloat16
+    expected, _, expected_lp = run(plain, batch)
+    monkeypatch.delenv(cpu_decode.ENV)
+    fused = LLMEngine(config, [Recorder()], loaded=plain_two_layers)
+    assert fused.runner.cpu_decode._fused.cache_dtype == torch.bfloat16
+    assert fused.runner.kv_caches[0][0].dtype == torch.bfloat16 and fused.runner.dtype == torch.float32
+    r = fused.runner  # 2 bytes per element: twice the blocks in a kv_cache_memory budget
+    assert r.bytes_per_block == 2 * r.num_layers * r.block_size * r.num_kv_heads * r.head_size * 2
+    got, cached, got_lp = run(fused, batch)
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-3, worst
+    assert cached > 0
+
+
+def test_kv_cache_dtype_auto_follows_the_fused_path_and_cuda_refuses_another_dtype(plain_two_layers,
+                                                                                   monkeypatch):
+    """``auto`` is ``CPU_AUTO_KV_CACHE_DTYPE`` exactly where the fused decoder runs (here set to bf16)
+    and the activation dtype elsewhere; on CUDA only the activation dtype is accepted."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvfleet.runtime.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "CPU_AUTO_KV_CACHE_DTYPE", torch.bfloat16)
+    fused = LLMEngine(EngineConfig(num_blocks=8), loaded=plain_two_layers).runner
+    assert fused.kv_cache_dtype == torch.bfloat16 and fused.cpu_decode._fused.cache_dtype == torch.bfloat16
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    plain = LLMEngine(EngineConfig(num_blocks=8), loaded=plain_two_layers).runner
+    assert plain.kv_cache_dtype == torch.float32 and plain.kv_caches[0][0].dtype == torch.float32
+    gpu = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float16)
+    assert model_runner.ModelRunner._kv_cache_dtype(gpu, "auto") == torch.float16
+    with pytest.raises(ValueError, match="kv_cache_dtype=bfloat16: on CUDA"):
+        model_runner.ModelRunner._kv_cache_dtype(gpu, "bfloat16")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfleet.runtime.worker.kv_blocks import read_blocks, write_blocks
+from kvfleet.runtime.kv_transfer.wire import FrameReader, TransferError, encode_frame
+from kvfleet.runtime.worker.kv_blocks import block_layout, read_blocks, write_blocks
 
 
 def caches(num_layers=3, num_blocks=6, dtype=torch.bfloat16, seed=0):
@@ -41,3 +42,25 @@ def test_a_wrong_payload_length_is_refused():
     with pytest.raises(ValueError, match="payloads"):
         write_blocks(dst, [0], [b"\0" * 10])
     assert read_blocks(dst, []) == [] and write_blocks(dst, [], []) is None
+
+
+def test_a_bf16_cache_beside_float32_activations_frames_as_bf16_and_a_float32_peer_refuses_it():
+    """``kv_cache_dtype bfloat16`` on a float32 model: the frames name the cache's dtype (not the
+    activations'), round-trip into another bf16 cache, and a replica with a float32 cache refuses them."""
+    from types import SimpleNamespace
+
+    geometry = dict(num_layers=3, num_kv_heads=2, head_size=8, block_size=4)
+    bf16_runner = SimpleNamespace(dtype=torch.float32, kv_cache_dtype=torch.bfloat16, **geometry)
+    f32_runner = SimpleNamespace(dtype=torch.float32, kv_cache_dtype=torch.float32, **geometry)
+    layout = block_layout(bf16_runner, "m", None)
+    assert (layout.dtype, layout.elem_size) == ("bfloat16", 2)
+    src, dst = caches(dtype=torch.bfloat16, seed=1), caches(dtype=torch.bfloat16, seed=2)
+    (payload,) = read_blocks(src, [3])
+    frame = encode_frame(layout, b"\x01" * 16, payload)
+    reader = FrameReader(layout, [b"\x01" * 16])
+    reader.feed(frame)
+    write_blocks(dst, [0], [reader.blocks[0][1]])
+    assert all(torch.equal(dk[0], sk[3]) and torch.equal(dv[0], sv[3]) for (sk, sv), (dk, dv) in zip(src, dst))
+    with pytest.raises(TransferError, match="dtype 'bfloat16' differs from this replica's 'float32'") as err:
+        FrameReader(block_layout(f32_runner, "m", None)).feed(frame)
+    assert err.value.reason == "layout"
