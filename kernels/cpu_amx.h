@@ -73,24 +73,27 @@ static inline void amx_transpose16(__m512i r[16]) {
     }
 }
 
-/* x [M, K] float32 (rows ldx apart) -> xb in the B tiles' order (above), rounded to bf16 to
- * nearest even: per 16 rows and 32-wide block, each row's 16 pairs (as dwords) transposed so that
- * tile row r holds pair r of every token. Rows past M in the last group of 16 are zero. */
-static inline void kv_amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb) {
+/* Rows m0 .. m0 + 15 of x [M, K] float32 (rows ldx apart; m0 a multiple of 16) -> their tile of xb
+ * (kv_amx_pack_x), rounded to bf16 to nearest even: per 32-wide block, each row's 16 pairs (as
+ * dwords) transposed so that tile row r holds pair r of every token. Rows past M are zero. */
+static inline void kv_amx_pack_tile(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb, int64_t m0) {
     const int64_t KB = K / 32;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        for (int64_t kb = 0; kb < KB; kb++) {
-            __m512i r[16];
-            for (int64_t i = 0; i < 16; i++) {
-                const float *row = x + (m0 + i) * ldx + 32 * kb;
-                r[i] = m0 + i < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
-                                  : _mm512_setzero_si512();
-            }
-            amx_transpose16(r);
-            uint16_t *dst = xb + ((m0 / 16) * KB + kb) * 512;
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 32 * i, r[i]);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++) {
+            const float *row = x + (m0 + i) * ldx + 32 * kb;
+            r[i] = m0 + i < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
+                              : _mm512_setzero_si512();
         }
+        amx_transpose16(r);
+        uint16_t *dst = xb + ((m0 / 16) * KB + kb) * 512;
+        for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 32 * i, r[i]);
     }
+}
+
+/* x [M, K] float32 (rows ldx apart) -> xb in the B tiles' order (above), tile after tile. */
+static inline void kv_amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb) {
+    for (int64_t m0 = 0; m0 < M; m0 += 16) kv_amx_pack_tile(x, ldx, M, K, xb, m0);
 }
 
 /* Weights k .. k + 31 of row n of m, dequantized and rounded to bf16, into dst [32]. */

@@ -225,11 +225,6 @@ static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float 
     for (k = 0; k < H; k++) out[k] = w[k] * (x[k] * r);
 }
 
-static void norm_rows(const kv_step *s, const float *w, float *out) {
-    const int64_t H = s->d->hidden;
-    for (int64_t m = 0; m < s->M; m++) rmsnorm(s->x + m * H, w, H, (float)s->d->eps, out + m * H);
-}
-
 static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 * d->num_kv_heads) * d->head_size; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -243,13 +238,47 @@ static int64_t spans(kv_step *s, int64_t N) {
     return (N + span - 1) / span;
 }
 
+/* Row-wise work of a phase (RMSNorm, the AMX packing, rotary and the cache writes) as tasks of
+ * KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode step's rows are one task. */
+enum { KV_PREP_ROWS = 16 };   /* a multiple of an AMX tile's 16 rows */
+typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K; } kv_prep;
+
+static inline int64_t prep_tasks(const kv_step *s) { return (s->M + KV_PREP_ROWS - 1) / KV_PREP_ROWS; }
+
+/* Rows [m0, m1) of x packed into s->xb (AMX), if the step runs on tiles. */
+static inline void pack_rows(const kv_step *s, const float *x, int64_t K, int64_t m0, int64_t m1) {
+#if KV_HAVE_AMX
+    if (s->xb)
+        for (int64_t m = m0; m < m1; m += 16) kv_amx_pack_tile(x, K, s->M, K, s->xb, m);
+#else
+    (void)s; (void)x; (void)K; (void)m0; (void)m1;
+#endif
+}
+
+static void task_norm(const void *ctx, int64_t t) {
+    const kv_prep *p = ctx;
+    const kv_step *s = p->s;
+    const int64_t H = s->d->hidden, m0 = t * KV_PREP_ROWS, m1 = min64(m0 + KV_PREP_ROWS, s->M);
+    for (int64_t m = m0; m < m1; m++) rmsnorm(s->x + m * H, p->w, H, (float)s->d->eps, p->out + m * H);
+    pack_rows(s, p->out, H, m0, m1);
+}
+
+/* out = rmsnorm(x, w) for the step's rows, packed for the next phase's tiles (AMX). */
+static void norm_rows(const kv_step *s, const float *w, float *out) {
+    const kv_prep p = {.s = s, .w = w, .out = out};
+    kv_parallel(task_norm, &p, prep_tasks(s));
+}
+
+static void task_pack(const void *ctx, int64_t t) {
+    const kv_prep *p = ctx;
+    pack_rows(p->s, p->x, p->K, t * KV_PREP_ROWS, min64((t + 1) * KV_PREP_ROWS, p->s->M));
+}
+
 /* AMX (d->amx, cpu_amx.h): the next phase's input rows x [M, K], packed once into s->xb for every task. */
 static void pack_input(const kv_step *s, const float *x, int64_t K) {
-#if KV_HAVE_AMX
-    if (s->xb) kv_amx_pack_x(x, K, s->M, K, s->xb);
-#else
-    (void)s; (void)x; (void)K;
-#endif
+    if (!s->xb) return;
+    const kv_prep p = {.s = s, .x = x, .K = K};
+    kv_parallel(task_pack, &p, prep_tasks(s));
 }
 
 /* Rows per block of a task's loop over the step's rows: an AMX call widens its weights once for
@@ -356,36 +385,47 @@ static void rope(float *x, const float *c, const float *s, int64_t D) {
     }
 }
 
-/* 8 cache elements from c (float32, or bf16 when bf16) at element index i, as float32. Inlined with
- * bf16 a constant, so each caller is compiled once per cache dtype with no branch in its loops. */
-static inline __attribute__((always_inline)) __m256 load_kv8(const void *c, int64_t i, int bf16) {
-    return bf16 ? widen_bf16((const uint16_t *)c + i) : _mm256_loadu_ps((const float *)c + i);
-}
-
-/* Scores of query q against four keys at element offsets k0..k3 of the cache kc (D elements each),
- * as one vector: each dot in two FMA chains, then one tree of horizontal adds for the four (a fixed
- * order per key, wherever the key sits in its group of four). */
-static inline __attribute__((always_inline)) __m128 dot4(const float *q, const void *kc, int64_t k0, int64_t k1,
-                                                         int64_t k2, int64_t k3, int64_t D, int bf16) {
+/* Scores of query q against four keys at element offsets k0..k3 of kc (D floats each), as one
+ * vector: each dot in two FMA chains (elements e mod 16 < 8 and >= 8), then one tree of horizontal
+ * adds for the four (a fixed order per key, wherever the key sits in its group of four). With
+ * AVX-512 the two chains are the halves of one 16-wide accumulator: the same arithmetic, bit for
+ * bit, in half the instructions. */
+static inline __attribute__((always_inline)) __m128 dot4(const float *q, const float *kc, int64_t k0, int64_t k1,
+                                                         int64_t k2, int64_t k3, int64_t D) {
     __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
     int64_t e = 0;
+#ifdef __AVX512F__
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (; e + 16 <= D; e += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + e);
+        c0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k0 + e), c0);
+        c1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k1 + e), c1);
+        c2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k2 + e), c2);
+        c3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k3 + e), c3);
+    }
+    a0 = _mm512_castps512_ps256(c0), b0 = _mm512_extractf32x8_ps(c0, 1);
+    a1 = _mm512_castps512_ps256(c1), b1 = _mm512_extractf32x8_ps(c1, 1);
+    a2 = _mm512_castps512_ps256(c2), b2 = _mm512_extractf32x8_ps(c2, 1);
+    a3 = _mm512_castps512_ps256(c3), b3 = _mm512_extractf32x8_ps(c3, 1);
+#else
     for (; e + 16 <= D; e += 16) {
         const __m256 q0 = _mm256_loadu_ps(q + e), q1 = _mm256_loadu_ps(q + e + 8);
-        a0 = _mm256_fmadd_ps(q0, load_kv8(kc, k0 + e, bf16), a0);
-        b0 = _mm256_fmadd_ps(q1, load_kv8(kc, k0 + e + 8, bf16), b0);
-        a1 = _mm256_fmadd_ps(q0, load_kv8(kc, k1 + e, bf16), a1);
-        b1 = _mm256_fmadd_ps(q1, load_kv8(kc, k1 + e + 8, bf16), b1);
-        a2 = _mm256_fmadd_ps(q0, load_kv8(kc, k2 + e, bf16), a2);
-        b2 = _mm256_fmadd_ps(q1, load_kv8(kc, k2 + e + 8, bf16), b2);
-        a3 = _mm256_fmadd_ps(q0, load_kv8(kc, k3 + e, bf16), a3);
-        b3 = _mm256_fmadd_ps(q1, load_kv8(kc, k3 + e + 8, bf16), b3);
+        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k0 + e), a0);
+        b0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k0 + e + 8), b0);
+        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k1 + e), a1);
+        b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k1 + e + 8), b1);
+        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k2 + e), a2);
+        b2 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k2 + e + 8), b2);
+        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k3 + e), a3);
+        b3 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k3 + e + 8), b3);
     }
+#endif
     if (e < D) {
         const __m256 q0 = _mm256_loadu_ps(q + e);
-        a0 = _mm256_fmadd_ps(q0, load_kv8(kc, k0 + e, bf16), a0);
-        a1 = _mm256_fmadd_ps(q0, load_kv8(kc, k1 + e, bf16), a1);
-        a2 = _mm256_fmadd_ps(q0, load_kv8(kc, k2 + e, bf16), a2);
-        a3 = _mm256_fmadd_ps(q0, load_kv8(kc, k3 + e, bf16), a3);
+        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k0 + e), a0);
+        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k1 + e), a1);
+        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k2 + e), a2);
+        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k3 + e), a3);
     }
     const __m256 t01 = _mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
     const __m256 t23 = _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
@@ -412,12 +452,13 @@ static void store_kv(const kv_decoder *d, void *c, int64_t at, const float *x, i
 /* Bytes per cache element. */
 static inline int64_t kv_elem(const kv_decoder *d) { return d->cache_dtype == KV_CACHE_BF16 ? 2 : 4; }
 
-/* Serial, before the attention phase: rotary on each row's new queries and keys, and its keys
- * and values into the cache (so that every attention task reads a complete cache). */
-static void write_kv(const kv_step *s) {
+/* Before the attention phase, KV_PREP_ROWS rows a task: rotary on each row's new queries and keys,
+ * and its keys and values into the cache (so that every attention task reads a complete cache). */
+static void task_write_kv(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size;
-    for (int64_t i = 0; i < s->M; i++) {
+    for (int64_t i = t * KV_PREP_ROWS; i < min64((t + 1) * KV_PREP_ROWS, s->M); i++) {
         float *row = s->qkv + i * qkv_width(d);
         const float *c = s->cos + i * D, *sn = s->sin + i * D;
         for (int64_t h = 0; h < QH; h++) rope(row + h * D, c, sn, D);
@@ -432,20 +473,35 @@ static void write_kv(const kv_step *s) {
     }
 }
 
-/* acc[0 .. D) += sum_p w[p] * vc[v + p * stride + e] over the n positions of one block. Called with
- * D = 64 and 128 as constants, so the accumulators stay in registers for the whole block
+static void write_kv(const kv_step *s) { kv_parallel(task_write_kv, s, prep_tasks(s)); }
+
+/* acc[0 .. D) += sum_p w[p] * vc[p * stride + e] over the n positions of one block, each element
+ * its own chain over p (so the vector width changes no bit: 16 wide with AVX-512, else 8). Called
+ * with D = 64 and 128 as constants, so the accumulators stay in registers for the whole block
  * (instead of a load and a store per position and 8 values). */
-static inline __attribute__((always_inline)) void accumulate_values(float *acc, const float *w, const void *vc,
-                                                                    int64_t v, int64_t stride, int64_t n, int64_t D,
-                                                                    int bf16) {
-    for (int64_t e0 = 0; e0 < D; e0 += 64) {
+static inline __attribute__((always_inline)) void accumulate_values(float *acc, const float *w, const float *vc,
+                                                                    int64_t stride, int64_t n, int64_t D) {
+    int64_t e0 = 0;
+#ifdef __AVX512F__
+    for (; e0 + 64 <= D; e0 += 64) {
+        __m512 a[4];
+        for (int64_t e = 0; e < 4; e++) a[e] = _mm512_loadu_ps(acc + e0 + 16 * e);
+        for (int64_t p = 0; p < n; p++) {
+            const __m512 wp = _mm512_set1_ps(w[p]);
+            const float *vp = vc + p * stride + e0;
+            for (int64_t e = 0; e < 4; e++) a[e] = _mm512_fmadd_ps(wp, _mm512_loadu_ps(vp + 16 * e), a[e]);
+        }
+        for (int64_t e = 0; e < 4; e++) _mm512_storeu_ps(acc + e0 + 16 * e, a[e]);
+    }
+#endif
+    for (; e0 < D; e0 += 64) {
         const int64_t width = D - e0 < 64 ? D - e0 : 64;
         __m256 a[8];
         for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_loadu_ps(acc + e0 + 8 * e);
         for (int64_t p = 0; p < n; p++) {
             const __m256 wp = _mm256_set1_ps(w[p]);
-            const int64_t vp = v + p * stride + e0;
-            for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_fmadd_ps(wp, load_kv8(vc, vp + 8 * e, bf16), a[e]);
+            const float *vp = vc + p * stride + e0;
+            for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * e), a[e]);
         }
         for (int64_t e = 0; e < width / 8; e++) _mm256_storeu_ps(acc + e0 + 8 * e, a[e]);
     }
@@ -462,22 +518,21 @@ static inline int64_t split_of(int64_t blocks, int64_t *per) {
     return blocks ? (blocks + p - 1) / p : 1;
 }
 
-/* Partial attention of row i, KV head g, over the cache blocks [b0, b1) of split `part` (of the
- * row's split_of): for each of the group's query heads, the running maximum, the sum of exp(score -
- * maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein 2018, "Online
- * normalizer calculation for softmax"), stored in s->partial for merge_attention. `first` starts
- * the split's sums; blocks are added one call at a time, in order. bf16: the cache's dtype
- * (attend_block below compiles this once per dtype). */
-static inline __attribute__((always_inline)) void attend_block_as(const kv_step *s, int64_t i, int64_t g,
-                                                                  int64_t part, int64_t b, int first, float *sc,
-                                                                  int bf16) {
+/* Partial attention of row i, KV head g, over one cache block (position b * bs on) of split `part`
+ * (of the row's split_of): for each of the group's query heads, the running maximum, the sum of
+ * exp(score - maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein
+ * 2018, "Online normalizer calculation for softmax"), stored in s->partial for merge_attention.
+ * `first` starts the split's sums; blocks are added one call at a time, in order. kb, vb: the
+ * block's keys and values of KV head g as float32, position p at kb + p * stride (the cache
+ * itself, or a bf16 block widened once for all the rows that read it: task_attention). The same
+ * code for every row, alone or in a group: a row's sums do not depend on the rest of the step. */
+static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
+                         const float *kb, const float *vb, int64_t stride, float *sc) {
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
-    const int64_t G = QH / KVH, S = KV_MAX_SPLITS, stride = KVH * D;
+    const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
     const int64_t len = s->seq_lens[i];
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
-    const void *kc = s->L->k_cache, *vc = s->L->v_cache;
-    const int32_t *bt = s->block_tables + i * s->bt_stride;
     const float scale = (float)d->scale;
     float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
     if (first)
@@ -487,35 +542,39 @@ static inline __attribute__((always_inline)) void attend_block_as(const kv_step 
             o[1] = 0.0f;
             memset(o + 2, 0, D * sizeof(float));
         }
-    const int64_t n = len - b * bs < bs ? len - b * bs : bs;
-    const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
+    const int64_t n = len - b * bs < bs ? len - b * bs : bs, n8 = (n + 7) / 8 * 8;
     for (int64_t j = 0; j < G; j++) {
         const float *q = q0 + j * D;
-        float *o = out + j * S * (D + 2), *acc = o + 2, bmax = -INFINITY;
+        float *o = out + j * S * (D + 2), *acc = o + 2;
         for (int64_t p = 0; p < n; p += 4) {   /* past n: the last key again (never used) */
-            const int64_t k0 = base + p * stride, k1 = base + (p + 1 < n ? p + 1 : p) * stride;
-            const int64_t k2 = base + (p + 2 < n ? p + 2 : p) * stride, k3 = base + (p + 3 < n ? p + 3 : p) * stride;
-            _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, kc, k0, k1, k2, k3, D, bf16), _mm_set1_ps(scale)));
+            const int64_t p1 = p + 1 < n ? p + 1 : p, p2 = p + 2 < n ? p + 2 : p, p3 = p + 3 < n ? p + 3 : p;
+            _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, kb, p * stride, p1 * stride, p2 * stride, p3 * stride, D),
+                                             _mm_set1_ps(scale)));
         }
-        for (int64_t p = 0; p < n; p++) bmax = sc[p] > bmax ? sc[p] : bmax;
+        for (int64_t p = n; p < n8; p++) sc[p] = -INFINITY;   /* the 8-wide tail: no score */
+        __m256 mx = _mm256_loadu_ps(sc);
+        for (int64_t p = 8; p < n8; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + p));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
-            float corr = expf(o[0] - bmax);
+            const float corr = expf(o[0] - bmax);
             o[1] *= corr;
-            for (int64_t e = 0; e < D; e++) acc[e] *= corr;
+            for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), _mm256_set1_ps(corr)));
             o[0] = bmax;
         }
-        __m256 vmx = _mm256_set1_ps(o[0]);
-        for (int64_t p = 0; p < n; p += 8) _mm256_storeu_ps(sc + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx)));
-        for (int64_t p = 0; p < n; p++) o[1] += sc[p];
-        if (D == 64) accumulate_values(acc, sc, vc, base, stride, n, 64, bf16);
-        else if (D == 128) accumulate_values(acc, sc, vc, base, stride, n, 128, bf16);
-        else accumulate_values(acc, sc, vc, base, stride, n, D, bf16);
+        const __m256 vmx = _mm256_set1_ps(o[0]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t p = 0; p < n8; p += 8) {   /* exp(-inf) = 0 past n */
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
+            _mm256_storeu_ps(sc + p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        o[1] += hsum(sum);
+        if (D == 64) accumulate_values(acc, sc, vb, stride, n, 64);
+        else if (D == 128) accumulate_values(acc, sc, vb, stride, n, 128);
+        else accumulate_values(acc, sc, vb, stride, n, D);
     }
-}
-
-static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first, float *sc) {
-    if (s->d->cache_dtype == KV_CACHE_BF16) attend_block_as(s, i, g, part, b, first, sc, 1);
-    else attend_block_as(s, i, g, part, b, first, sc, 0);
 }
 
 /* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
@@ -544,7 +603,8 @@ static void task_attention(const void *ctx, int64_t t) {
     const int64_t D = d->head_size, stride = KVH * D, es = kv_elem(d);
     const char *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
-    float sc[bs + 8];
+    const int bf16 = d->cache_dtype == KV_CACHE_BF16;
+    float sc[bs + 8], kw[bf16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
     for (int64_t b = b0; b < b1; b++) {
         if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
                              * and waiting on each line's miss made attention latency-bound */
@@ -554,12 +614,24 @@ static void task_attention(const void *ctx, int64_t t) {
                 prefetch_span(vc + (next + p * stride) * es, D * es);
             }
         }
+        const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
+        const float *kb = (const float *)kc + base, *vb = (const float *)vc + base;
+        int64_t kstride = stride;
+        if (bf16) {   /* widened once for every row of the group and every query head (exact) */
+            const uint16_t *k16 = (const uint16_t *)kc + base, *v16 = (const uint16_t *)vc + base;
+            for (int64_t p = 0; p < bs; p++)
+                for (int64_t e = 0; e < D; e += 8) {
+                    _mm256_storeu_ps(kw + p * D + e, widen_bf16(k16 + p * stride + e));
+                    _mm256_storeu_ps(vw + p * D + e, widen_bf16(v16 + p * stride + e));
+                }
+            kb = kw, vb = vw, kstride = D;
+        }
         for (int64_t r = i; r < i + rows; r++) {
             const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
             int64_t per;
             if (part >= split_of(blocks, &per)) continue;
             const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
-            if (b >= lo && b < hi) attend_block(s, r, g, part, b, b == lo, sc);
+            if (b >= lo && b < hi) attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
         }
     }
 }
@@ -724,7 +796,6 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
         norm_rows(&s, s.L->input_norm, s.h);
-        pack_input(&s, s.h, H);
         timed(PROF_NORM, &t);
         kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
         timed(PROF_QKV, &t);
@@ -735,7 +806,6 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
         kv_parallel(task_o, &s, spans(&s, H));
         timed(PROF_O, &t);
         norm_rows(&s, s.L->post_norm, s.h);
-        pack_input(&s, s.h, H);
         timed(PROF_NORM, &t);
         kv_parallel(task_mlp, &s, spans(&s, I));
         pack_input(&s, s.act, I);

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
-from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear
+from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear, amx_available
 from kvfleet.runtime.worker.cpu_plan import CpuPlan
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
@@ -231,6 +231,14 @@ class CpuDecodePath:
         return self._compute_logits(hidden.index_select(0, logits_indices)) if logits is None else logits
 
 
+def amx_asked(runner: Runner) -> bool:
+    """Whether the CPU plan puts the fused decoder's matmuls on AMX tiles (and ``$KVFLEET_CPU_AMX``
+    is not ``0``); :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` still checks the library and
+    the process can (its ``amx``)."""
+    plan = runner.cpu_plan
+    return plan is not None and plan.amx and os.environ.get(AMX_ENV, "") != "0" and amx_available()
+
+
 def fused_prefill(amx: bool) -> bool:
     """Whether a fused path built now runs prefill and mixed steps too: ``$KVFLEET_CPU_FUSED_PREFILL``
     (``1`` / ``0``), else where its matmuls run on AMX tiles (``amx``): there the whole step is one
@@ -265,8 +273,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
     weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
                              float(decoder.layers[0].self_attn.scaling), layers, decoder.norm.weight.detach(), head)
     try:
-        amx = runner.cpu_plan is not None and runner.cpu_plan.amx and os.environ.get(AMX_ENV, "") != "0"
-        fused = FusedDecoder(weights, amx=amx)
+        fused = FusedDecoder(weights, amx=amx_asked(runner))
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None

@@ -58,11 +58,13 @@ from kvfleet.runtime.worker.speculator import CPU_ROW_COST, CPU_STEP_ROWS, Specu
 logger = logging.getLogger(__name__)
 
 CPU_AUTO_KV_CACHE_DTYPE = torch.float32
-"""``kv_cache_dtype auto``'s cache dtype on a CPU where the fused decoder runs (float32 activations).
-float32 for now (docs/performance.md, "bf16 KV cache"): bf16 cut the C step's attention by 21-27 % at
-48 rows, but W48's gain stayed inside this machine's noise and greedy tokens flip at near-ties (94 % of
-tokens agree), which the default's "greedy output equals transformers' generate()" does not allow.
-Setting it to ``torch.bfloat16`` makes ``auto`` pick bf16 exactly where the fused decoder runs."""
+"""``kv_cache_dtype auto``'s cache dtype on a CPU where the fused decoder runs its float32 matmuls.
+float32 (docs/performance.md, "bf16 KV cache"): bf16 cut the C step's attention by 21-27 % at 48
+rows, but W48's gain stayed inside this machine's noise and greedy tokens flip at near-ties (94 % of
+tokens agree), which float32's "greedy output equals transformers' generate()" does not allow.
+Where the fused decoder runs on AMX tiles (bf16 matmuls: that equality is gone already) ``auto`` is
+bf16: W48 341.6 -> 362.1 output tok/s there (Xeon with AMX, ``step_profile.py w48 --kv-cache-dtype
+float32 bfloat16``, load ~1)."""
 
 @dataclass
 class ModelRunnerOutput:
@@ -267,8 +269,10 @@ class ModelRunner:
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 return self.dtype
             why = cpu_decode.unsupported(self)
-            dtype = CPU_AUTO_KV_CACHE_DTYPE if why is None else self.dtype
+            amx = why is None and cpu_decode.amx_asked(self)
+            dtype = torch.bfloat16 if amx else CPU_AUTO_KV_CACHE_DTYPE if why is None else self.dtype
             logger.info("KV cache dtype: %s (kv_cache_dtype auto: %s)", str(dtype).removeprefix("torch."),
+                        "the fused CPU decoder runs on AMX tiles" if amx else
                         "the fused CPU decoder runs" if why is None else f"the fused CPU decoder is off: {why}")
             return dtype
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
