@@ -38,6 +38,7 @@
 
 #define KV_AMX_CH 32      /* channels widened per pass: two A tiles */
 #define KV_AMX_TOK 32     /* tokens per pass: two B tiles */
+#define KV_AMX_KC 8       /* 32-wide blocks of K widened at a time on the narrow path: 3 x 8 KiB */
 
 /* 1 when this process may use the tile registers (asked once; later calls return the answer). */
 static inline int kv_amx_ready(void) {
@@ -96,41 +97,52 @@ static inline void kv_amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += 16) kv_amx_pack_tile(x, ldx, M, K, xb, m0);
 }
 
-/* Weights k .. k + 31 of row n of m, dequantized and rounded to bf16, into dst [32]. */
-static inline void amx_widen32(const kv_matrix *m, int64_t n, int64_t k, uint16_t *dst) {
-    const int64_t K = m->K;
-    if (m->fmt == KV_BF16) {
-        _mm512_storeu_si512(dst, _mm512_loadu_si512((const uint16_t *)m->w + n * K + k));
-        return;
-    }
-    {
-        __m512 lo, hi;
-        if (m->fmt == KV_INT4) {   /* byte j: k = j (low nibble), k = 16 + j (high nibble) */
-            const int64_t g = n * (K / m->group) + gidx(k, m->group);
-            const __m512 s = _mm512_set1_ps(m->scale[g]), t = _mm512_set1_ps(m->shift[g]);
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)m->w + n * (K / 2) + k / 2)));
-            lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))), s, t);
-            hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, t);
-        } else if (m->fmt == KV_FP32) {
-            lo = _mm512_loadu_ps((const float *)m->w + n * K + k);
-            hi = _mm512_loadu_ps((const float *)m->w + n * K + k + 16);
-        } else {   /* int8 (unscaled: finish_dot scales) and int8g (scaled per group) */
-            const int8_t *w = (const int8_t *)m->w + n * K + k;
-            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
-            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16))));
-            if (m->fmt == KV_INT8G) {
-                const __m512 s = _mm512_set1_ps(m->scale[n * (K / m->group) + gidx(k, m->group)]);
-                lo = _mm512_mul_ps(lo, s);
-                hi = _mm512_mul_ps(hi, s);
-            }
+/* Blocks kb0 .. kb1 - 1 (32 weights each) of weight row n of m, dequantized and rounded to bf16,
+ * block kb at at + (kb - kb0) * 512 (row r of a tile-ordered buffer: each A tile 1 KiB in a row).
+ * The row's pointers and group index are worked out once (a division per 32 weights cost more
+ * than the widening itself). */
+static inline void amx_widen_blocks(const kv_matrix *m, int64_t n, int64_t kb0, int64_t kb1, uint16_t *at) {
+    const int64_t K = m->K, KB = kb1, G = m->group ? m->group : 32;
+    uint16_t *dst = at - kb0 * 512;   /* block kb at dst + kb * 512 */
+    if (m->fmt == KV_INT4) {   /* byte j: k = j (low nibble), k = 16 + j (high nibble) */
+        const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
+        const float *sc = m->scale + n * (K / G), *sh = m->shift + n * (K / G);
+        const __m512i low4 = _mm512_set1_epi32(15);
+        for (int64_t kb = kb0; kb < KB; kb++) {
+            const int64_t g = gidx(32 * kb, G);
+            const __m512 sv = _mm512_set1_ps(sc[g]), tv = _mm512_set1_ps(sh[g]);
+            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * kb)));
+            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), sv, tv);
+            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), sv, tv);
+            _mm512_storeu_si512(dst + kb * 512, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
-        _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    } else if (m->fmt == KV_INT8 || m->fmt == KV_INT8G) {   /* int8 unscaled (finish_dot scales) */
+        const int8_t *w = (const int8_t *)m->w + n * K;
+        const float *sc = m->fmt == KV_INT8G ? m->scale + n * (K / G) : NULL;
+        for (int64_t kb = kb0; kb < KB; kb++) {
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb))));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb + 16))));
+            if (sc) {
+                const __m512 sv = _mm512_set1_ps(sc[gidx(32 * kb, G)]);
+                lo = _mm512_mul_ps(lo, sv);
+                hi = _mm512_mul_ps(hi, sv);
+            }
+            _mm512_storeu_si512(dst + kb * 512, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    } else if (m->fmt == KV_BF16) {
+        const uint16_t *w = (const uint16_t *)m->w + n * K;
+        for (int64_t kb = kb0; kb < KB; kb++) _mm512_storeu_si512(dst + kb * 512, _mm512_loadu_si512(w + 32 * kb));
+    } else {
+        const float *w = (const float *)m->w + n * K;
+        for (int64_t kb = kb0; kb < KB; kb++)
+            _mm512_storeu_si512(dst + kb * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + 32 * kb + 16),
+                                                                            _mm512_loadu_ps(w + 32 * kb)));
     }
 }
 
-/* Weight row n of m, dequantized and rounded to bf16, into dst [K]. */
-static inline void amx_widen_row(const kv_matrix *m, int64_t n, uint16_t *dst) {
-    for (int64_t k = 0; k < m->K; k += 32) amx_widen32(m, n, k, dst + k);
+/* The whole row n into its channel tile `tile`, row r, of the tile-ordered wb [tiles][K / 32][16][32]. */
+static inline void amx_widen_row(const kv_matrix *m, int64_t n, uint16_t *wb, int64_t tile, int64_t r) {
+    amx_widen_blocks(m, n, 0, m->K / 32, wb + (tile * (m->K / 32) * 16 + r) * 32);
 }
 
 typedef struct {
@@ -205,22 +217,24 @@ static inline void amx_store(const kv_matrix *m, int tile, int64_t c0, int64_t t
  * block made 48 streams that the hardware prefetcher did not follow), into wb [48, K]. */
 static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M, int64_t n0, int64_t n1, float *y,
                                    int64_t ldy, uint16_t *wb) {
-    const int64_t K = m->K, KB = K / 32;
+    const int64_t KB = m->K / 32;
     amx_configure(M, -1);
     for (int64_t n = n0; n < n1; n += 48) {
         const int nc = (int)((n1 - n) / 16 < 3 ? (n1 - n) / 16 : 3);
-        prefetch_rows(m, n + 16 * nc, 8);
-        for (int j = 0; j < 16 * nc; j++) {
-            if (j % 8 == 0) prefetch_rows(m, n + 16 * nc + 8 + j, 8);
-            amx_widen_row(m, n + j, wb + j * K);
-        }
         _tile_zero(0); _tile_zero(1); _tile_zero(2);
-        for (int64_t kb = 0; kb < KB; kb++) {
-            _tile_loadd(6, xb + kb * 512, 64);
-            _tile_loadd(3, wb + kb * 32, K * 2);
-            _tile_dpbf16ps(0, 3, 6);
-            if (nc > 1) { _tile_loadd(4, wb + 16 * K + kb * 32, K * 2); _tile_dpbf16ps(1, 4, 6); }
-            if (nc > 2) { _tile_loadd(5, wb + 32 * K + kb * 32, K * 2); _tile_dpbf16ps(2, 5, 6); }
+        for (int64_t kb0 = 0; kb0 < KB; kb0 += KV_AMX_KC) {   /* the widened chunk stays in L1 */
+            const int64_t kb1 = kb0 + KV_AMX_KC < KB ? kb0 + KV_AMX_KC : KB;
+            if (kb0 == 0) prefetch_rows(m, n + 16 * nc, 16 * nc);   /* the next channels' weights */
+            for (int j = 0; j < 16 * nc; j++)
+                amx_widen_blocks(m, n + j, kb0, kb1, wb + ((j / 16) * KV_AMX_KC * 16 + j % 16) * 32);
+            for (int64_t kb = kb0; kb < kb1; kb++) {
+                const uint16_t *a = wb + (kb - kb0) * 512;
+                _tile_loadd(6, xb + kb * 512, 64);
+                _tile_loadd(3, a, 64);
+                _tile_dpbf16ps(0, 3, 6);
+                if (nc > 1) { _tile_loadd(4, a + KV_AMX_KC * 512, 64); _tile_dpbf16ps(1, 4, 6); }
+                if (nc > 2) { _tile_loadd(5, a + 2 * KV_AMX_KC * 512, 64); _tile_dpbf16ps(2, 5, 6); }
+            }
         }
         for (int c = 0; c < nc; c++) amx_store(m, c, n + 16 * c, 0, M, n0, y, ldy);
     }
@@ -242,7 +256,7 @@ static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M,
         prefetch_rows(m, n + 32, 8);
         for (int64_t j = 0; j < (two ? 32 : 16); j++) {
             if (j % 8 == 0) prefetch_rows(m, n + 40 + j, 8);
-            amx_widen_row(m, n + j, wb + j * K);
+            amx_widen_row(m, n + j, wb, j / 16, j % 16);
         }
         for (int64_t t0 = 0; t0 < M; t0 += KV_AMX_TOK) {
             const int nt0 = (int)(M - t0 < 16 ? M - t0 : 16);
@@ -251,11 +265,11 @@ static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M,
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             const uint16_t *b0 = xb + (t0 / 16) * KB * 512, *b1 = b0 + KB * 512;
             for (int64_t kb = 0; kb < KB; kb++) {
-                _tile_loadd(4, wb + kb * 32, K * 2);
+                _tile_loadd(4, wb + kb * 512, 64);
                 _tile_loadd(6, b0 + kb * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two) {
-                    _tile_loadd(5, wb + 16 * K + kb * 32, K * 2);
+                    _tile_loadd(5, wb + (KB + kb) * 512, 64);
                     _tile_dpbf16ps(1, 5, 6);
                 }
                 if (nt1) {
