@@ -6,8 +6,10 @@ A step is up to :data:`MAX_ROWS` rows, each one token run as a one-token decode 
 a decode step's sequences, a speculative step's last token and drafts, a prefill chunk's prompt
 tokens (row ``j`` of a sequence attends up to its own position; every row's key and value is
 written before any row's attention). Every row is summed in the one-row order whatever the other
-rows (``cpu_gemv.h``), so a row's result is bitwise the same in any step (batch-invariant), and
-the LM head runs only on the rows whose logits are asked for (``logits_indices``).
+rows (``cpu_gemv.h``; with ``amx`` the matmuls run on AMX tiles in bf16, ``cpu_amx.h``, each row
+again independent of the others), so a row's result is bitwise the same in any step
+(batch-invariant), and the LM head runs only on the rows whose logits are asked for
+(``logits_indices``).
 
 Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
 and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
