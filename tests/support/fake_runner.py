@@ -10,6 +10,7 @@ must never be read as the request's tokens nor end up in the prefix cache.
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 
 from kvfleet.runtime.config import EngineConfig
@@ -45,7 +46,7 @@ def next_token(request: Request, position: int | None = None) -> int:
 def guess(request: Request, position: int) -> int:
     """A stand-in proposer's draft of output ``position``: right two times in three."""
     right = next_token(request, position)
-    return right if hash((request.request_id, position, "draft")) % 3 else 1 + right % 97
+    return right if zlib.crc32(f"{request.request_id}/{position}".encode()) % 3 else 1 + right % 97
 
 
 class FakeRunner:
@@ -119,7 +120,10 @@ class FakeRunner:
                 # Nothing before the window is kept beyond the block of its first key.
                 assert all(b == null_id for b in sr.block_ids[:first // self.bs])
                 live = sum(b != null_id for b in sr.block_ids)
-                assert live <= kv.max_num_blocks_per_request(sr.seq_len, sr.num_new_tokens)
+                # Blocks allocated for an earlier step's rejected drafts stay for the positions that
+                # come next (vLLM's lookahead slots do too): up to `speculate` positions past seq_len.
+                k = self.speculate
+                assert live <= kv.max_num_blocks_per_request(sr.seq_len + k, sr.num_new_tokens + k)
         sampled, drafts = {}, {}
         for sr in out.scheduled:
             if not sr.sample:

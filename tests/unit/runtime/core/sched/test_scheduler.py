@@ -210,6 +210,9 @@ op = st.one_of(
 # Drafts once took blocks the admission rule had kept for the running requests' next tokens.
 @example(ops=[("add", 0, 1, 9, 0, 2, False), ("add", 0, 1, 5, 0, 2, False)], num_blocks=8, block_size=2, budget=8,
          caching=False, policy="fcfs", window=None, speculate=3)
+# A rejected draft's block stays for the next positions: the window's bound counts them (found in CI).
+@example(ops=[("add", 0, 1, 1, 0, 1, False), ("add", 0, 1, 5, 0, 3, False)], num_blocks=8, block_size=2, budget=8,
+         caching=False, policy="fcfs", window=3, speculate=3)
 @given(
     ops=st.lists(op, min_size=1, max_size=60),
     num_blocks=st.integers(8, 40),
