@@ -215,27 +215,20 @@ static inline void amx_store(const kv_matrix *m, int tile, int64_t c0, int64_t t
 /* At most 16 tokens (decode): three channel tiles at a time. Their weights are widened row after
  * row first (one sequential stream per thread, prefetched ahead: interleaving the rows block by
  * block made 48 streams that the hardware prefetcher did not follow), into wb [48, K]. */
-static inline void amx_narrow_widen(const kv_matrix *m, int64_t n, int nc, int64_t kb0, int64_t KB, uint16_t *wb) {
-    const int64_t kb1 = kb0 + KV_AMX_KC < KB ? kb0 + KV_AMX_KC : KB;
-    for (int j = 0; j < 16 * nc; j++) amx_widen_blocks(m, n + j, kb0, kb1, wb + ((j / 16) * KV_AMX_KC * 16 + j % 16) * 32);
-}
-
 static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M, int64_t n0, int64_t n1, float *y,
                                    int64_t ldy, uint16_t *wb) {
-    const int64_t KB = m->K / 32, chunk = 3 * KV_AMX_KC * 512;   /* two chunk buffers: widen one, multiply the other */
+    const int64_t KB = m->K / 32;
     amx_configure(M, -1);
     for (int64_t n = n0; n < n1; n += 48) {
         const int nc = (int)((n1 - n) / 16 < 3 ? (n1 - n) / 16 : 3);
         _tile_zero(0); _tile_zero(1); _tile_zero(2);
-        prefetch_rows(m, n + 16 * nc, 16 * nc);   /* the next channels' weights */
-        amx_narrow_widen(m, n, nc, 0, KB, wb);
-        for (int64_t kb0 = 0, c = 0; kb0 < KB; kb0 += KV_AMX_KC, c++) {
-            const uint16_t *cur = wb + (c & 1) * chunk;
-            if (kb0 + KV_AMX_KC < KB)   /* the next chunk, widened while this one's products run */
-                amx_narrow_widen(m, n, nc, kb0 + KV_AMX_KC, KB, wb + ((c + 1) & 1) * chunk);
+        for (int64_t kb0 = 0; kb0 < KB; kb0 += KV_AMX_KC) {   /* the widened chunk stays in L1 */
             const int64_t kb1 = kb0 + KV_AMX_KC < KB ? kb0 + KV_AMX_KC : KB;
+            if (kb0 == 0) prefetch_rows(m, n + 16 * nc, 16 * nc);   /* the next channels' weights */
+            for (int j = 0; j < 16 * nc; j++)
+                amx_widen_blocks(m, n + j, kb0, kb1, wb + ((j / 16) * KV_AMX_KC * 16 + j % 16) * 32);
             for (int64_t kb = kb0; kb < kb1; kb++) {
-                const uint16_t *a = cur + (kb - kb0) * 512;
+                const uint16_t *a = wb + (kb - kb0) * 512;
                 _tile_loadd(6, xb + kb * 512, 64);
                 _tile_loadd(3, a, 64);
                 _tile_dpbf16ps(0, 3, 6);
@@ -252,7 +245,7 @@ static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M
 static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M, int64_t n0, int64_t n1, float *y,
                               int64_t ldy) {
     const int64_t K = m->K, KB = K / 32;
-    uint16_t *wb = amx_buffer(48 * K > 6 * KV_AMX_KC * 512 ? 48 * K : 6 * KV_AMX_KC * 512);
+    uint16_t *wb = amx_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);   /* narrow: 3 tiles x KC */
     if (!wb) return -1;
     if (M <= 16) {
         amx_rows_narrow(m, xb, (int)M, n0, n1, y, ldy, wb);
