@@ -53,7 +53,7 @@ BAD_BODIES: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "5"}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"not-a-token": 5}}),  # keys: token ids
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "x"}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 99}),
     ("/v1/completions", {"model": MODEL, "prompt": [[-5, 3]]}),
