@@ -1,0 +1,345 @@
+/* kvfleet CPU kernels: the fused decoder's attention phase and what comes right before it
+ * (rotary, the cache writes), for cpu_decoder.c. Per layer: write_kv, then attention (passes of
+ * KV_ATTN_ROWS rows; tasks per group of a sequence's consecutive rows, KV head and split), then
+ * merge_attention. Every row's sums are its own: the same blocks in the same order, its own split
+ * (split_of, by its own length), whatever the step's other rows (batch-invariant).
+ */
+#ifndef KVFLEET_CPU_ATTENTION_H
+#define KVFLEET_CPU_ATTENTION_H
+
+#include "cpu_step.h"
+
+/* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
+static void rope(float *x, const float *c, const float *s, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = x[i], b = x[i + h];
+        x[i] = a * c[i] - b * s[i];
+        x[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+/* Scores of query q against four keys at element offsets k0..k3 of kc (D floats each), as one
+ * vector: each dot in two FMA chains (elements e mod 16 < 8 and >= 8), then one tree of horizontal
+ * adds for the four (a fixed order per key, wherever the key sits in its group of four). With
+ * AVX-512 the two chains are the halves of one 16-wide accumulator: the same arithmetic, bit for
+ * bit, in half the instructions. */
+static inline __attribute__((always_inline)) __m128 dot4(const float *q, const float *kc, int64_t k0, int64_t k1,
+                                                         int64_t k2, int64_t k3, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+    int64_t e = 0;
+#ifdef __AVX512F__
+    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    for (; e + 16 <= D; e += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + e);
+        c0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k0 + e), c0);
+        c1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k1 + e), c1);
+        c2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k2 + e), c2);
+        c3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kc + k3 + e), c3);
+    }
+    a0 = _mm512_castps512_ps256(c0), b0 = _mm512_extractf32x8_ps(c0, 1);
+    a1 = _mm512_castps512_ps256(c1), b1 = _mm512_extractf32x8_ps(c1, 1);
+    a2 = _mm512_castps512_ps256(c2), b2 = _mm512_extractf32x8_ps(c2, 1);
+    a3 = _mm512_castps512_ps256(c3), b3 = _mm512_extractf32x8_ps(c3, 1);
+#else
+    for (; e + 16 <= D; e += 16) {
+        const __m256 q0 = _mm256_loadu_ps(q + e), q1 = _mm256_loadu_ps(q + e + 8);
+        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k0 + e), a0);
+        b0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k0 + e + 8), b0);
+        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k1 + e), a1);
+        b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k1 + e + 8), b1);
+        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k2 + e), a2);
+        b2 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k2 + e + 8), b2);
+        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k3 + e), a3);
+        b3 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kc + k3 + e + 8), b3);
+    }
+#endif
+    if (e < D) {
+        const __m256 q0 = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k0 + e), a0);
+        a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k1 + e), a1);
+        a2 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k2 + e), a2);
+        a3 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kc + k3 + e), a3);
+    }
+    const __m256 t01 = _mm256_hadd_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1));
+    const __m256 t23 = _mm256_hadd_ps(_mm256_add_ps(a2, b2), _mm256_add_ps(a3, b3));
+    const __m256 t = _mm256_hadd_ps(t01, t23);   /* lane l of each half: key l's partial sum */
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* f rounded to bf16, nearest even (torch's round_to_nearest_even: NaN -> 0x7fc0). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* D floats into the cache c (d's cache dtype) at element offset at. */
+static void store_kv(const kv_decoder *d, void *c, int64_t at, const float *x, int64_t D) {
+    if (d->cache_dtype == KV_CACHE_BF16)
+        for (int64_t e = 0; e < D; e++) ((uint16_t *)c)[at + e] = to_bf16(x[e]);
+    else
+        memcpy((float *)c + at, x, D * sizeof(float));
+}
+
+/* Bytes per cache element. */
+static inline int64_t kv_elem(const kv_decoder *d) { return d->cache_dtype == KV_CACHE_BF16 ? 2 : 4; }
+
+/* Before the attention phase, KV_PREP_ROWS rows a task: rotary on each row's new queries and keys,
+ * and its keys and values into the cache (so that every attention task reads a complete cache). */
+static void task_write_kv(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const kv_decoder *d = s->d;
+    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size;
+    for (int64_t i = t * KV_PREP_ROWS; i < min64((t + 1) * KV_PREP_ROWS, s->M); i++) {
+        float *row = s->qkv + i * qkv_width(d);
+        const float *c = s->cos + i * D, *sn = s->sin + i * D;
+        for (int64_t h = 0; h < QH; h++) rope(row + h * D, c, sn, D);
+        for (int64_t g = 0; g < KVH; g++) {
+            float *k = row + (QH + g) * D, *v = row + (QH + KVH + g) * D;
+            rope(k, c, sn, D);
+            if (s->slots[i] >= 0) {
+                store_kv(d, s->L->k_cache, (s->slots[i] * KVH + g) * D, k, D);
+                store_kv(d, s->L->v_cache, (s->slots[i] * KVH + g) * D, v, D);
+            }
+        }
+    }
+}
+
+static void write_kv(const kv_step *s) { kv_parallel(task_write_kv, s, prep_tasks(s)); }
+
+/* acc[0 .. D) += sum_p w[p] * vc[p * stride + e] over the n positions of one block, each element
+ * its own chain over p (so the vector width changes no bit: 16 wide with AVX-512, else 8). Called
+ * with D = 64 and 128 as constants, so the accumulators stay in registers for the whole block
+ * (instead of a load and a store per position and 8 values). */
+static inline __attribute__((always_inline)) void accumulate_values(float *acc, const float *w, const float *vc,
+                                                                    int64_t stride, int64_t n, int64_t D) {
+    int64_t e0 = 0;
+#ifdef __AVX512F__
+    for (; e0 + 64 <= D; e0 += 64) {
+        __m512 a[4];
+        for (int64_t e = 0; e < 4; e++) a[e] = _mm512_loadu_ps(acc + e0 + 16 * e);
+        for (int64_t p = 0; p < n; p++) {
+            const __m512 wp = _mm512_set1_ps(w[p]);
+            const float *vp = vc + p * stride + e0;
+            for (int64_t e = 0; e < 4; e++) a[e] = _mm512_fmadd_ps(wp, _mm512_loadu_ps(vp + 16 * e), a[e]);
+        }
+        for (int64_t e = 0; e < 4; e++) _mm512_storeu_ps(acc + e0 + 16 * e, a[e]);
+    }
+#endif
+    for (; e0 < D; e0 += 64) {
+        const int64_t width = D - e0 < 64 ? D - e0 : 64;
+        __m256 a[8];
+        for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_loadu_ps(acc + e0 + 8 * e);
+        for (int64_t p = 0; p < n; p++) {
+            const __m256 wp = _mm256_set1_ps(w[p]);
+            const float *vp = vc + p * stride + e0;
+            for (int64_t e = 0; e < width / 8; e++) a[e] = _mm256_fmadd_ps(wp, _mm256_loadu_ps(vp + 8 * e), a[e]);
+        }
+        for (int64_t e = 0; e < width / 8; e++) _mm256_storeu_ps(acc + e0 + 8 * e, a[e]);
+    }
+}
+
+/* How a sequence of `blocks` cache blocks is split: `*per` blocks per split (at least
+ * KV_SPLIT_BLOCKS, more for long sequences so that there are at most KV_MAX_SPLITS); returns the
+ * number of splits. It depends on the sequence's length only, never on the step's other rows or
+ * the thread count: a row's attention sums in the same order in any batch (batch-invariant). */
+static inline int64_t split_of(int64_t blocks, int64_t *per) {
+    int64_t p = (blocks + KV_MAX_SPLITS - 1) / KV_MAX_SPLITS;
+    p = p < KV_SPLIT_BLOCKS ? KV_SPLIT_BLOCKS : p;
+    *per = p;
+    return blocks ? (blocks + p - 1) / p : 1;
+}
+
+/* Partial attention of row i, KV head g, over one cache block (position b * bs on) of split `part`
+ * (of the row's split_of): for each of the group's query heads, the running maximum, the sum of
+ * exp(score - maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein
+ * 2018, "Online normalizer calculation for softmax"), stored in s->partial for merge_attention.
+ * `first` starts the split's sums; blocks are added one call at a time, in order. kb, vb: the
+ * block's keys and values of KV head g as float32, position p at kb + p * stride (the cache
+ * itself, or a bf16 block widened once for all the rows that read it: task_attention). The same
+ * code for every row, alone or in a group: a row's sums do not depend on the rest of the step. */
+static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
+                         const float *kb, const float *vb, int64_t stride, float *sc) {
+    const kv_decoder *d = s->d;
+    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
+    const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
+    const int64_t len = s->seq_lens[i];
+    const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
+    const float scale = (float)d->scale;
+    float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
+    if (first)
+        for (int64_t j = 0; j < G; j++) {
+            float *o = out + j * S * (D + 2);
+            o[0] = -INFINITY;
+            o[1] = 0.0f;
+            memset(o + 2, 0, D * sizeof(float));
+        }
+    const int64_t n = len - b * bs < bs ? len - b * bs : bs, n8 = (n + 7) / 8 * 8;
+    for (int64_t j = 0; j < G; j++) {
+        const float *q = q0 + j * D;
+        float *o = out + j * S * (D + 2), *acc = o + 2;
+        for (int64_t p = 0; p < n; p += 4) {   /* past n: the last key again (never used) */
+            const int64_t p1 = p + 1 < n ? p + 1 : p, p2 = p + 2 < n ? p + 2 : p, p3 = p + 3 < n ? p + 3 : p;
+            _mm_storeu_ps(sc + p, _mm_mul_ps(dot4(q, kb, p * stride, p1 * stride, p2 * stride, p3 * stride, D),
+                                             _mm_set1_ps(scale)));
+        }
+        for (int64_t p = n; p < n8; p++) sc[p] = -INFINITY;   /* the 8-wide tail: no score */
+        __m256 mx = _mm256_loadu_ps(sc);
+        for (int64_t p = 8; p < n8; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + p));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
+            const float corr = expf(o[0] - bmax);
+            o[1] *= corr;
+            for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), _mm256_set1_ps(corr)));
+            o[0] = bmax;
+        }
+        const __m256 vmx = _mm256_set1_ps(o[0]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t p = 0; p < n8; p += 8) {   /* exp(-inf) = 0 past n */
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + p), vmx));
+            _mm256_storeu_ps(sc + p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        o[1] += hsum(sum);
+        if (D == 64) accumulate_values(acc, sc, vb, stride, n, 64);
+        else if (D == 128) accumulate_values(acc, sc, vb, stride, n, 128);
+        else accumulate_values(acc, sc, vb, stride, n, D);
+    }
+}
+
+/* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
+ * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
+ * value once for all the query heads that share it. Rows of one sequence at consecutive positions
+ * (a speculative step's last token and drafts: s->group) are done by their first row's tasks,
+ * block by block for all of them, so each block is read from memory once for the group; every
+ * row still sums exactly as it would alone (the same blocks in the same order, its own split and
+ * length). Tasks of rows led by another and past a row's last split return at once. */
+static void task_attention(const void *ctx, int64_t t) {
+    const kv_step *s = ctx;
+    const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, bs = s->d->block_size;
+    const int64_t i = s->leads[t / (KVH * S)], g = t / S % KVH, part = t % S;
+    const int64_t rows = s->group[i];
+    int64_t b0 = -1, b1 = 0;
+    for (int64_t r = i; r < i + rows; r++) {
+        const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
+        int64_t per;
+        if (part >= split_of(blocks, &per)) continue;
+        const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
+        b0 = b0 < 0 || lo < b0 ? lo : b0;
+        b1 = hi > b1 ? hi : b1;
+    }
+    if (b0 < 0) return;
+    const kv_decoder *d = s->d;
+    const int64_t D = d->head_size, stride = KVH * D, es = kv_elem(d);
+    const char *kc = s->L->k_cache, *vc = s->L->v_cache;
+    const int32_t *bt = s->block_tables + i * s->bt_stride;
+    const int bf16 = d->cache_dtype == KV_CACHE_BF16;
+    float sc[bs + 8], kw[bf16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
+    for (int64_t b = b0; b < b1; b++) {
+        if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
+                             * and waiting on each line's miss made attention latency-bound */
+            const int64_t next = ((int64_t)bt[b + 1] * bs * KVH + g) * D;
+            for (int64_t p = 0; p < bs; p++) {
+                prefetch_span(kc + (next + p * stride) * es, D * es);
+                prefetch_span(vc + (next + p * stride) * es, D * es);
+            }
+        }
+        const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
+        const float *kb = (const float *)kc + base, *vb = (const float *)vc + base;
+        int64_t kstride = stride;
+        if (bf16) {   /* widened once for every row of the group and every query head (exact) */
+            const uint16_t *k16 = (const uint16_t *)kc + base, *v16 = (const uint16_t *)vc + base;
+            for (int64_t p = 0; p < bs; p++)
+                for (int64_t e = 0; e < D; e += 8) {
+                    _mm256_storeu_ps(kw + p * D + e, widen_bf16(k16 + p * stride + e));
+                    _mm256_storeu_ps(vw + p * D + e, widen_bf16(v16 + p * stride + e));
+                }
+            kb = kw, vb = vw, kstride = D;
+        }
+        for (int64_t r = i; r < i + rows; r++) {
+            const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
+            int64_t per;
+            if (part >= split_of(blocks, &per)) continue;
+            const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
+            if (b >= lo && b < hi) attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
+        }
+    }
+}
+
+/* s->group: row i leads a group of the rows i, i + 1, ... of one sequence at consecutive
+ * positions (the same block table, seq_lens one apart, the same split size), at most
+ * KV_GROUP_ROWS, never across an attention pass (KV_ATTN_ROWS); group[i] = its row count, 0 for
+ * the rows it leads. leads: the leading rows in order; returns their count. */
+enum { KV_GROUP_ROWS = 8 };
+static int64_t group_rows(const kv_step *s, int64_t *group, int64_t *leads) {
+    const int64_t bs = s->d->block_size;
+    int64_t lead = 0, n = 1;
+    group[0] = 1;
+    leads[0] = 0;
+    for (int64_t i = 1; i < s->M; i++) {
+        const int64_t blocks = (s->seq_lens[i] + bs - 1) / bs;
+        int64_t per_i, per_l;
+        split_of(blocks, &per_i);
+        split_of((s->seq_lens[lead] + bs - 1) / bs, &per_l);
+        if (i % KV_ATTN_ROWS && s->seq_lens[i] == s->seq_lens[i - 1] + 1 && group[lead] < KV_GROUP_ROWS
+            && per_i == per_l
+            && !memcmp(s->block_tables + i * s->bt_stride, s->block_tables + lead * s->bt_stride,
+                       blocks * sizeof(int32_t))) {
+            group[lead]++;
+            group[i] = 0;
+        } else {
+            lead = leads[n++] = i;
+            group[i] = 1;
+        }
+    }
+    return n;
+}
+
+/* Serial: each query head's output from its splits' partials (rescaled to the largest maximum),
+ * for the `rows` rows of the attention pass. */
+static void merge_attention(const kv_step *s, int64_t rows) {
+    const int64_t QH = s->d->num_heads, D = s->d->head_size, bs = s->d->block_size;
+    for (int64_t r = 0; r < rows * QH; r++) {
+        const int64_t stride = KV_MAX_SPLITS * (D + 2);
+        int64_t per;
+        const int64_t S = split_of((s->seq_lens[s->a0 + r / QH] + bs - 1) / bs, &per);
+        const float *p = s->partial + r * stride;
+        float mx = -INFINITY, sum = 0.0f, *out = s->attn + (s->a0 * QH + r) * D;
+        for (int64_t k = 0; k < S; k++) mx = p[k * (D + 2)] > mx ? p[k * (D + 2)] : mx;
+        memset(out, 0, D * sizeof(float));
+        for (int64_t k = 0; k < S; k++) {
+            const float *o = p + k * (D + 2);
+            if (o[1] == 0.0f) continue;   /* an empty split */
+            float w = expf(o[0] - mx);
+            sum += o[1] * w;
+            for (int64_t e = 0; e < D; e++) out[e] += o[2 + e] * w;
+        }
+        float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t e = 0; e < D; e++) out[e] *= inv;
+    }
+}
+
+/* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the groups
+ * led in the pass, then their merge. */
+static void attention(kv_step *s, int64_t num_leads) {
+    const int64_t tasks_per_lead = s->d->num_kv_heads * KV_MAX_SPLITS;
+    const int64_t *all = s->leads;
+    int64_t l0 = 0;
+    for (s->a0 = 0; s->a0 < s->M; s->a0 += KV_ATTN_ROWS) {
+        const int64_t a1 = min64(s->a0 + KV_ATTN_ROWS, s->M);
+        int64_t l1 = l0;
+        while (l1 < num_leads && all[l1] < a1) l1++;
+        s->leads = all + l0;
+        kv_parallel(task_attention, s, (l1 - l0) * tasks_per_lead);
+        merge_attention(s, a1 - s->a0);
+        l0 = l1;
+    }
+    s->leads = all;
+    s->a0 = 0;
+}
+
+#endif

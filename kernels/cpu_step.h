@@ -1,0 +1,69 @@
+/* kvfleet CPU kernels: the state of one fused decoder step (kv_step) and what every phase of it
+ * shares: the step's sizes, exp8, qkv_width, the row tasks' size. Included by cpu_decoder.c and
+ * cpu_attention.h.
+ */
+#ifndef KVFLEET_CPU_STEP_H
+#define KVFLEET_CPU_STEP_H
+
+#include "cpu_decoder.h"
+#include "cpu_pool.h"
+
+#include <math.h>
+#include <string.h>
+
+#define KV_MAX_ROWS 8192    /* rows one step takes (cpu_decoder.py MAX_ROWS) */
+#define KV_ROW_BLOCK 64     /* rows per kv_matrix_rows call in a large step */
+#define KV_AMX_ROW_BLOCK 256   /* rows per AMX call: each call widens its weights to bf16 once */
+#define KV_ATTN_ROWS 256    /* rows per attention pass (the size of s->partial) */
+#define KV_MAX_SPLITS 8     /* attention splits per sequence */
+#define KV_SPLIT_BLOCKS 8   /* fewest cache blocks per split (split_of) */
+#define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
+
+/* exp(x) for 8 floats: range reduction by ln 2 and Cephes' degree-6 polynomial for expf
+ * (relative error ~2e-7 over the clamped range -87.3 .. 88.3). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+typedef struct {
+    const kv_decoder *d;
+    const kv_layer *L;
+    int64_t M;
+    float *x, *h, *qkv, *attn, *act, *logits;
+    float *partial;         /* [rows of the pass, QH, splits, 2 + D]: per split, max, sum and weighted values */
+    int64_t splits;
+    const float *cos, *sin;
+    const int64_t *slots;
+    const int32_t *block_tables, *seq_lens;
+    int64_t bt_stride;
+    int64_t span;           /* output channels per task in the current phase (see spans()) */
+    const int64_t *group;   /* [M]: rows in the group row i leads (0: row i is in an earlier row's group) */
+    const int64_t *leads;   /* the attention pass's group leads, in order (task_attention) */
+    int64_t a0;             /* the attention pass's first row */
+    uint16_t *xb;           /* AMX: the current phase's input rows in the tiles' order (pack_input), else NULL */
+} kv_step;
+
+static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 * d->num_kv_heads) * d->head_size; }
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Row-wise work of a phase (RMSNorm, the AMX packing, rotary and the cache writes) runs as tasks of
+ * KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode step's rows are one task. */
+enum { KV_PREP_ROWS = 16 };   /* a multiple of an AMX tile's 16 rows */
+typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K; } kv_prep;
+
+static inline int64_t prep_tasks(const kv_step *s) { return (s->M + KV_PREP_ROWS - 1) / KV_PREP_ROWS; }
+
+#endif
