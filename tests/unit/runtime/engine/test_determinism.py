@@ -3,13 +3,16 @@ with a ``seed`` (temperature > 0) gives the same text alone and beside 8 concurr
 greedy outputs of a batch equal each prompt run alone -- in the default (the GGUF's Q4_1 weights,
 ``--batch-invariant`` on), int8 / int4 weights (float32 activations, the plan's choice for
 ``--quantization`` alone), float32 and bfloat16; ``--no-batch-invariant`` keeps the seeded check
-(its native bf16 prefill can flip a greedy token: a strict xfail on such CPUs).
+(its native bf16 prefill can flip a greedy token: a strict xfail on such CPUs, unless the prefill
+runs fused). On a CPU with AMX the default, int8, int4 and bfloat16 run on AMX tiles (bf16
+matmuls) with the prefill fused: there bf16 rounding would turn torch's prefill differences into
+flipped tokens, and the fused prefill is what keeps these checks.
 
 Token-level checks: decode steps are bitwise batch-invariant (the fused decoder sums each row alike
 in any batch: tests/unit/kernels), prefill is not (torch's fp32 matmul rounds a step of 5 rows and
 one of 500 differently, ~1e-5 on the logits), so a near-tie can still flip a token on other prompts;
-with ``$KVFLEET_CPU_FUSED_PREFILL=1`` prefill runs the fused C step too and every step is bitwise
-batch-invariant (tests/unit/runtime/worker/test_cpu_decode.py).
+with fused prefill (on AMX tiles, or ``$KVFLEET_CPU_FUSED_PREFILL=1``) prefill runs the fused C step
+too and every step is bitwise batch-invariant (tests/unit/runtime/worker/test_cpu_decode.py).
 """
 
 from __future__ import annotations
