@@ -17,8 +17,11 @@
  * dequantized weight row lies, so each weight block is widened straight into a small buffer
  * (KV_AMX_CH channels x K, reused for every group of tokens). Activations are the B operand:
  * for each 16 tokens and each 32-wide block of K, 16 rows (the K pairs 2r, 2r + 1) of 16 tokens x
- * 2 bf16 ("VNNI" pairs), written by kv_amx_pack_x. C tiles: 16 channels x up to 16 tokens. Four
- * C tiles (2 channel tiles x 2 token tiles), two A and two B: 32 channels x 32 tokens per pass.
+ * 2 bf16 ("VNNI" pairs), written by kv_amx_pack_x. C tiles: 16 channels x up to 16 tokens. Two
+ * paths (amx_configure): up to 16 tokens (decode), three channel tiles against one token tile,
+ * their weights widened KV_AMX_KC blocks of K at a time; more tokens, four C tiles (2 channel tiles
+ * x 2 token tiles), two A and two B: 32 channels x 32 tokens per pass, the channels' whole rows
+ * widened once for every pass. Both sum each output over K in the same order.
  *
  * Linux hands out the tile state only on request: kv_amx_ready asks once per process
  * (arch_prctl ARCH_REQ_XCOMP_PERM) and says whether it was granted.

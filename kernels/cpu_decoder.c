@@ -81,12 +81,12 @@ static void task_norm(const void *ctx, int64_t t) {
     const kv_step *s = p->s;
     const int64_t H = s->d->hidden, m0 = t * KV_PREP_ROWS, m1 = min64(m0 + KV_PREP_ROWS, s->M);
     for (int64_t m = m0; m < m1; m++) rmsnorm(s->x + m * H, p->w, H, (float)s->d->eps, p->out + m * H);
-    pack_rows(s, p->out, H, m0, m1);
+    if (p->K) pack_rows(s, p->out, H, m0, m1);
 }
 
-/* out = rmsnorm(x, w) for the step's rows, packed for the next phase's tiles (AMX). */
-static void norm_rows(const kv_step *s, const float *w, float *out) {
-    const kv_prep p = {.s = s, .w = w, .out = out};
+/* out = rmsnorm(x, w) for the step's rows; with `pack`, packed for the next phase's tiles (AMX). */
+static void norm_rows(const kv_step *s, const float *w, float *out, int pack) {
+    const kv_prep p = {.s = s, .w = w, .out = out, .K = pack ? s->d->hidden : 0};
     kv_parallel(task_norm, &p, prep_tasks(s));
 }
 
@@ -284,7 +284,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     int64_t t = now_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
-        norm_rows(&s, s.L->input_norm, s.h);
+        norm_rows(&s, s.L->input_norm, s.h, 1);
         timed(PROF_NORM, &t);
         kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
         timed(PROF_QKV, &t);
@@ -294,7 +294,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
         timed(PROF_ATTN, &t);
         kv_parallel(task_o, &s, spans(&s, H));
         timed(PROF_O, &t);
-        norm_rows(&s, s.L->post_norm, s.h);
+        norm_rows(&s, s.L->post_norm, s.h, 1);
         timed(PROF_NORM, &t);
         kv_parallel(task_mlp, &s, spans(&s, I));
         pack_input(&s, s.act, I);
@@ -302,7 +302,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
         kv_parallel(task_down, &s, spans(&s, H));
         timed(PROF_DOWN, &t);
     }
-    norm_rows(&s, d->final_norm, out);
+    norm_rows(&s, d->final_norm, out, 0);   /* the LM head packs the rows it takes (lm_head) */
     timed(PROF_NORM, &t);
     if (d->head && logits && (logits_indices == NULL || L > 0)) {
         lm_head(&s, out, logits_indices, logits_indices ? L : M);

@@ -27,10 +27,11 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
 - **AMX tiles** (``amx``): on a CPU with AMX-BF16 (Sapphire Rapids and later), wherever the fused
   decoder is expected with quantized or bf16 weights and ``--dtype float32`` was not asked, its
   matmuls run on AMX tiles (``kernels/cpu_amx.h``): each activation row and each dequantized weight
-  rounded to bf16, float32 sums, every row's bits independent of the step's other rows. Steps of
-  48 rows ran their matmuls ~5x faster than the float32 kernels; one stream is slower (widening
-  the weights to bf16 costs more than reading them), so ``--dtype float32`` (or
-  ``$KVFLEET_CPU_AMX=0``) keeps the float32 kernels (docs/performance.md, "AMX tiles").
+  rounded to bf16, float32 sums, every row's bits independent of the step's other rows. Decode
+  steps of 48 rows ran their matmuls ~4x faster than on the float32 kernels (23 against 92 ms a
+  step); one stream is slower (widening the weights to bf16 costs more than reading them), so
+  ``--dtype float32`` (or ``$KVFLEET_CPU_AMX=0``) keeps the float32 kernels (docs/performance.md,
+  "AMX tiles").
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
