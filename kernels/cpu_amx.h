@@ -15,7 +15,8 @@
  *
  * Layout. Weights are the A operand: 16 channels x 32 bf16 of K, row-major, which is how a
  * dequantized weight row lies, so each weight block is widened straight into a small buffer
- * (KV_AMX_CH channels x K, reused for every group of tokens). Activations are the B operand:
+ * (KV_AMX_CH channels x K, reused for every group of tokens; kv_bf16_blocks, cpu_dpbf16.h, as
+ * the dot-product kernels widen them). Activations are the B operand:
  * for each 16 tokens and each 32-wide block of K, 16 rows (the K pairs 2r, 2r + 1) of 16 tokens x
  * 2 bf16 ("VNNI" pairs), written by kv_amx_pack_x. C tiles: 16 channels x up to 16 tokens. Two
  * paths (amx_configure): up to 16 tokens (decode), three channel tiles against one token tile,
@@ -29,12 +30,11 @@
 #ifndef KVFLEET_CPU_AMX_H
 #define KVFLEET_CPU_AMX_H
 
-#include "cpu_gemv.h"
+#include "cpu_dpbf16.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KV_HAVE_AMX 1
 
-#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -53,30 +53,6 @@ static inline int kv_amx_ready(void) {
 /* Elements (uint16) of kv_amx_pack_x's output for M rows of K. */
 static inline int64_t kv_amx_packed_size(int64_t M, int64_t K) { return (M + 15) / 16 * 16 * K; }
 
-/* r[0..15] (16 x 16 dwords) transposed in place: r[i][j] <- r[j][i]. */
-static inline void amx_transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; i++) {
-            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    }
-}
-
 /* Rows m0 .. m0 + 15 of x [M, K] float32 (rows ldx apart; m0 a multiple of 16) -> their tile of xb
  * (kv_amx_pack_x), rounded to bf16 to nearest even: per 32-wide block, each row's 16 pairs (as
  * dwords) transposed so that tile row r holds pair r of every token. Rows past M are zero. */
@@ -89,7 +65,7 @@ static inline void kv_amx_pack_tile(const float *x, int64_t ldx, int64_t M, int6
             r[i] = m0 + i < M ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row))
                               : _mm512_setzero_si512();
         }
-        amx_transpose16(r);
+        kv_transpose16(r);
         uint16_t *dst = xb + ((m0 / 16) * KB + kb) * 512;
         for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + 32 * i, r[i]);
     }
@@ -100,52 +76,9 @@ static inline void kv_amx_pack_x(const float *x, int64_t ldx, int64_t M, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += 16) kv_amx_pack_tile(x, ldx, M, K, xb, m0);
 }
 
-/* Blocks kb0 .. kb1 - 1 (32 weights each) of weight row n of m, dequantized and rounded to bf16,
- * block kb at at + (kb - kb0) * 512 (row r of a tile-ordered buffer: each A tile 1 KiB in a row).
- * The row's pointers and group index are worked out once (a division per 32 weights cost more
- * than the widening itself). */
-static inline void amx_widen_blocks(const kv_matrix *m, int64_t n, int64_t kb0, int64_t kb1, uint16_t *at) {
-    const int64_t K = m->K, KB = kb1, G = m->group ? m->group : 32;
-    uint16_t *dst = at - kb0 * 512;   /* block kb at dst + kb * 512 */
-    if (m->fmt == KV_INT4) {   /* byte j: k = j (low nibble), k = 16 + j (high nibble) */
-        const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
-        const float *sc = m->scale + n * (K / G), *sh = m->shift + n * (K / G);
-        const __m512i low4 = _mm512_set1_epi32(15);
-        for (int64_t kb = kb0; kb < KB; kb++) {
-            const int64_t g = gidx(32 * kb, G);
-            const __m512 sv = _mm512_set1_ps(sc[g]), tv = _mm512_set1_ps(sh[g]);
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * kb)));
-            const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), sv, tv);
-            const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), sv, tv);
-            _mm512_storeu_si512(dst + kb * 512, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    } else if (m->fmt == KV_INT8 || m->fmt == KV_INT8G) {   /* int8 unscaled (finish_dot scales) */
-        const int8_t *w = (const int8_t *)m->w + n * K;
-        const float *sc = m->fmt == KV_INT8G ? m->scale + n * (K / G) : NULL;
-        for (int64_t kb = kb0; kb < KB; kb++) {
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb))));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb + 16))));
-            if (sc) {
-                const __m512 sv = _mm512_set1_ps(sc[gidx(32 * kb, G)]);
-                lo = _mm512_mul_ps(lo, sv);
-                hi = _mm512_mul_ps(hi, sv);
-            }
-            _mm512_storeu_si512(dst + kb * 512, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
-    } else if (m->fmt == KV_BF16) {
-        const uint16_t *w = (const uint16_t *)m->w + n * K;
-        for (int64_t kb = kb0; kb < KB; kb++) _mm512_storeu_si512(dst + kb * 512, _mm512_loadu_si512(w + 32 * kb));
-    } else {
-        const float *w = (const float *)m->w + n * K;
-        for (int64_t kb = kb0; kb < KB; kb++)
-            _mm512_storeu_si512(dst + kb * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + 32 * kb + 16),
-                                                                            _mm512_loadu_ps(w + 32 * kb)));
-    }
-}
-
 /* The whole row n into its channel tile `tile`, row r, of the tile-ordered wb [tiles][K / 32][16][32]. */
 static inline void amx_widen_row(const kv_matrix *m, int64_t n, uint16_t *wb, int64_t tile, int64_t r) {
-    amx_widen_blocks(m, n, 0, m->K / 32, wb + (tile * (m->K / 32) * 16 + r) * 32);
+    kv_bf16_blocks(m, n, 0, m->K / 32, wb + (tile * (m->K / 32) * 16 + r) * 32, 512);
 }
 
 typedef struct {
@@ -181,18 +114,6 @@ static inline void amx_configure(int t0, int t1) {
     current = key;
 }
 
-/* A per-thread buffer of at least `elems` uint16 (grown as needed, never freed: one per thread). */
-static inline uint16_t *amx_buffer(int64_t elems) {
-    static __thread uint16_t *buf;
-    static __thread int64_t size;
-    if (size < elems) {
-        free(buf);
-        buf = aligned_alloc(64, (size_t)((elems * 2 + 63) / 64 * 64));
-        size = buf ? elems : 0;
-    }
-    return buf;
-}
-
 /* One C tile (channels c0 .. c0 + 15, tokens t0 .., `nt` of them) finished into y: stored,
  * transposed to token rows, then finish_dot's scale and bias as vectors (the same two roundings). */
 static inline void amx_store(const kv_matrix *m, int tile, int64_t c0, int64_t t0, int nt, int64_t n0, float *y,
@@ -204,7 +125,7 @@ static inline void amx_store(const kv_matrix *m, int tile, int64_t c0, int64_t t
     case 2: _tile_stored(2, r, 64); break;
     default: _tile_stored(3, r, 64); break;
     }
-    amx_transpose16(r);   /* r[t]: token t's 16 channels */
+    kv_transpose16(r);   /* r[t]: token t's 16 channels */
     const __m512 scale = m->fmt == KV_INT8 ? _mm512_loadu_ps(m->scale + c0) : _mm512_set1_ps(1.0f);
     const __m512 bias = m->bias ? _mm512_loadu_ps(m->bias + c0) : _mm512_setzero_ps();
     for (int t = 0; t < nt; t++) {
@@ -229,7 +150,7 @@ static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M
             const int64_t kb1 = kb0 + KV_AMX_KC < KB ? kb0 + KV_AMX_KC : KB;
             if (kb0 == 0) prefetch_rows(m, n + 16 * nc, 16 * nc);   /* the next channels' weights */
             for (int j = 0; j < 16 * nc; j++)
-                amx_widen_blocks(m, n + j, kb0, kb1, wb + ((j / 16) * KV_AMX_KC * 16 + j % 16) * 32);
+                kv_bf16_blocks(m, n + j, kb0, kb1, wb + ((j / 16) * KV_AMX_KC * 16 + j % 16) * 32, 512);
             for (int64_t kb = kb0; kb < kb1; kb++) {
                 const uint16_t *a = wb + (kb - kb0) * 512;
                 _tile_loadd(6, xb + kb * 512, 64);
@@ -248,7 +169,7 @@ static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M
 static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M, int64_t n0, int64_t n1, float *y,
                               int64_t ldy) {
     const int64_t K = m->K, KB = K / 32;
-    uint16_t *wb = amx_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);   /* narrow: 3 tiles x KC */
+    uint16_t *wb = kv_bf16_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);   /* narrow: 3 tiles x KC */
     if (!wb) return -1;
     if (M <= 16) {
         amx_rows_narrow(m, xb, (int)M, n0, n1, y, ldy, wb);

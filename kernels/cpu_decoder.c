@@ -66,14 +66,17 @@ static int64_t spans(kv_step *s, int64_t N) {
     return (N + span - 1) / span;
 }
 
-/* Rows [m0, m1) of x packed into s->xb (AMX), if the step runs on tiles. */
+/* Rows [m0, m1) of x rounded to bf16 into s->xb, if the step's matmuls run in bf16: in the AMX
+ * tiles' order, or row after row for the dot-product kernels. */
 static inline void pack_rows(const kv_step *s, const float *x, int64_t K, int64_t m0, int64_t m1) {
 #if KV_HAVE_AMX
-    if (s->xb)
+    if (s->matmul == KV_MATMUL_AMX)
         for (int64_t m = m0; m < m1; m += 16) kv_amx_pack_tile(x, K, s->M, K, s->xb, m);
-#else
-    (void)s; (void)x; (void)K; (void)m0; (void)m1;
 #endif
+#if KV_HAVE_DPBF16
+    if (s->matmul == KV_MATMUL_DPBF16) kv_dp_pack_rows(x, K, K, m0, m1, s->xb);
+#endif
+    (void)s; (void)x; (void)K; (void)m0; (void)m1;
 }
 
 static void task_norm(const void *ctx, int64_t t) {
@@ -84,7 +87,7 @@ static void task_norm(const void *ctx, int64_t t) {
     if (p->K) pack_rows(s, p->out, H, m0, m1);
 }
 
-/* out = rmsnorm(x, w) for the step's rows; with `pack`, packed for the next phase's tiles (AMX). */
+/* out = rmsnorm(x, w) for the step's rows; with `pack`, packed for the next phase's bf16 matmuls. */
 static void norm_rows(const kv_step *s, const float *w, float *out, int pack) {
     const kv_prep p = {.s = s, .w = w, .out = out, .K = pack ? s->d->hidden : 0};
     kv_parallel(task_norm, &p, prep_tasks(s));
@@ -95,26 +98,29 @@ static void task_pack(const void *ctx, int64_t t) {
     pack_rows(p->s, p->x, p->K, t * KV_PREP_ROWS, min64((t + 1) * KV_PREP_ROWS, p->s->M));
 }
 
-/* AMX (d->amx, cpu_amx.h): the next phase's input rows x [M, K], packed once into s->xb for every task. */
+/* bf16 matmuls (s->xb): the next phase's input rows x [M, K], packed once into s->xb for every task. */
 static void pack_input(const kv_step *s, const float *x, int64_t K) {
     if (!s->xb) return;
     const kv_prep p = {.s = s, .x = x, .K = K};
     kv_parallel(task_pack, &p, prep_tasks(s));
 }
 
-/* Rows per block of a task's loop over the step's rows: an AMX call widens its weights once for
+/* Rows per block of a task's loop over the step's rows: a bf16 call widens its weights once for
  * its rows, so it takes more of them (its blocks start at multiples of 16, as the tiles do). */
-static inline int64_t row_block(const kv_step *s) { return s->xb ? KV_AMX_ROW_BLOCK : KV_ROW_BLOCK; }
+static inline int64_t row_block(const kv_step *s) { return s->xb ? KV_BF16_ROW_BLOCK : KV_ROW_BLOCK; }
 
-/* y[m * ldy + n - n0] = x[m0 + m] . w[n] for m < rows, n0 <= n < n1: on AMX tiles from s->xb
- * (pack_input of x; m0 a multiple of 16), else kvfleet's float32 kernels (one-row order). */
+/* y[m * ldy + n - n0] = x[m0 + m] . w[n] for m < rows, n0 <= n < n1: on AMX tiles or as bf16 dot
+ * products from s->xb (pack_input of x; m0 a multiple of 16: either layout puts row m0's data at
+ * m0 K), else kvfleet's float32 kernels (one-row order). */
 static inline void rows_of(const kv_step *s, const kv_matrix *w, const float *x, int64_t m0, int64_t rows,
                            int64_t n0, int64_t n1, float *y, int64_t ldy) {
 #if KV_HAVE_AMX
-    if (s->xb && kv_amx_rows(w, s->xb + m0 / 16 * (w->K / 32) * 512, rows, n0, n1, y, ldy) == 0) return;
-#else
-    (void)s;
+    if (s->matmul == KV_MATMUL_AMX && kv_amx_rows(w, s->xb + m0 * w->K, rows, n0, n1, y, ldy) == 0) return;
 #endif
+#if KV_HAVE_DPBF16
+    if (s->matmul == KV_MATMUL_DPBF16 && kv_dp_rows(w, s->xb + m0 * w->K, rows, n0, n1, y, ldy) == 0) return;
+#endif
+    (void)s;
     kv_matrix_rows(w, x + m0 * w->K, w->K, rows, n0, n1, y, ldy);   /* (-1 above: no buffer memory) */
 }
 
@@ -138,7 +144,7 @@ static void task_qkv(const void *ctx, int64_t t) {
  * after row block (matrix_rows), KV_CHUNK channels at a time. */
 static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t) {
     const int64_t H = s->d->hidden, end = min64((t + 1) * s->span, H);
-    float tmp[KV_AMX_ROW_BLOCK * KV_CHUNK];
+    float tmp[KV_BF16_ROW_BLOCK * KV_CHUNK];
     for (int64_t m0 = 0; m0 < s->M; m0 += row_block(s)) {
         const int64_t rows = min64(row_block(s), s->M - m0);
         for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
@@ -164,7 +170,7 @@ static void task_down(const void *ctx, int64_t t) {
  * channels j0 .. j1 - 1 (at most KV_CHUNK). */
 static void silu_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, int64_t j1) {
     const int64_t I = s->d->intermediate;
-    float g[KV_AMX_ROW_BLOCK * KV_CHUNK], u[KV_AMX_ROW_BLOCK * KV_CHUNK];
+    float g[KV_BF16_ROW_BLOCK * KV_CHUNK], u[KV_BF16_ROW_BLOCK * KV_CHUNK];
     rows_of(s, &s->L->gate_up, s->h, m0, rows, j0, j1, g, KV_CHUNK);
     rows_of(s, &s->L->gate_up, s->h, m0, rows, I + j0, I + j1, u, KV_CHUNK);
     float *act = s->act + m0 * I;
@@ -216,14 +222,14 @@ static inline void timed(int which, int64_t *t) {
     *t = now;
 }
 
-/* Scratch for a step of M rows, grown as needed (P.lock held): floats (with AMX, the packed
- * input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
-static int grow_scratch(const kv_decoder *d, int64_t M, int amx) {
+/* Scratch for a step of M rows, grown as needed (P.lock held): floats (with bf16 matmuls, the
+ * packed input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
+static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
     const int64_t QD = d->num_heads * d->head_size, pass = min64(M, KV_ATTN_ROWS), I = d->intermediate;
     const int64_t widest = I > d->hidden ? (I > QD ? I : QD) : (d->hidden > QD ? d->hidden : QD);
     const int64_t need = M * (d->hidden + qkv_width(d) + QD + d->intermediate)
                          + pass * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2)
-                         + (amx ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0);   /* the packed bf16 input */
+                         + (bf16 ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0);   /* the packed bf16 input */
     if (P.scratch_floats < need) {
         free(P.scratch);
         P.scratch = malloc(need * sizeof(float));
@@ -253,6 +259,17 @@ static void lm_head(kv_step *s, const float *out, const int64_t *logits_indices,
     kv_parallel(task_head, s, spans(s, s->d->head->N));
 }
 
+/* The kernels d asks for, where this build and the process have them (else float32). */
+static int64_t step_matmul(const kv_decoder *d) {
+#if KV_HAVE_AMX
+    if (d->matmul == KV_MATMUL_AMX && kv_amx_ready()) return KV_MATMUL_AMX;
+#endif
+#if KV_HAVE_DPBF16
+    if (d->matmul == KV_MATMUL_DPBF16) return KV_MATMUL_DPBF16;
+#endif
+    return KV_MATMUL_F32;
+}
+
 /* One step over 1 <= M <= KV_MAX_ROWS rows (see the contract at the top). logits_indices [L]:
  * the rows whose logits are computed, in order (NULL: all M; L is then ignored). Returns 0, or -1
  * when M or L is out of range or scratch memory could not be allocated. */
@@ -261,25 +278,21 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
                   float *out, float *logits, const int64_t *logits_indices, int64_t L) {
     if (M < 1 || M > KV_MAX_ROWS || (logits_indices && (L < 0 || L > M))) return -1;
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
-#if KV_HAVE_AMX
-    const int amx = d->amx && kv_amx_ready();
-#else
-    const int amx = 0;
-#endif
+    const int64_t matmul = step_matmul(d);
     pthread_mutex_lock(&P.lock);
-    if (grow_scratch(d, M, amx)) {
+    if (grow_scratch(d, M, matmul != KV_MATMUL_F32)) {
         pthread_mutex_unlock(&P.lock);
         return -1;
     }
     kv_step s = {.d = d, .M = M, .x = x, .h = P.scratch, .cos = cos, .sin = sin, .slots = slots,
                  .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits,
-                 .group = P.group, .leads = P.group + M, .splits = KV_MAX_SPLITS};
+                 .group = P.group, .leads = P.group + M, .splits = KV_MAX_SPLITS, .matmul = matmul};
     const int64_t num_leads = group_rows(&s, P.group, P.group + M);
     s.qkv = s.h + M * H;
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;
     s.partial = s.act + M * I;
-    s.xb = amx ? (uint16_t *)(s.partial + min64(M, KV_ATTN_ROWS) * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2))
+    s.xb = matmul != KV_MATMUL_F32 ? (uint16_t *)(s.partial + min64(M, KV_ATTN_ROWS) * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2))
                : NULL;
     int64_t t = now_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {

@@ -20,6 +20,11 @@ typedef struct {
 /* kv_decoder.cache_dtype: the KV caches' element type (activations are float32 either way). */
 enum { KV_CACHE_F32 = 0, KV_CACHE_BF16 = 1 };
 
+/* kv_decoder.matmul: the kernels of the linear layers: float32 (cpu_gemv.h), bf16 on AMX tiles
+ * (cpu_amx.h; the `amx` build), bf16 dot products (cpu_dpbf16.h; the avx512_bf16 and amx builds).
+ * A build without the asked kernels runs float32. */
+enum { KV_MATMUL_F32 = 0, KV_MATMUL_AMX = 1, KV_MATMUL_DPBF16 = 2 };
+
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_size, intermediate, block_size;
     double eps, scale;                     /* RMSNorm epsilon; softmax scale */
@@ -27,7 +32,7 @@ typedef struct {
     const float *final_norm;               /* [H] */
     const kv_matrix *head;                 /* LM head [V, H], or NULL */
     int64_t cache_dtype;                   /* KV_CACHE_F32 or KV_CACHE_BF16 (round to nearest even) */
-    int64_t amx;                           /* 1: matmuls on AMX tiles (cpu_amx.h; the `amx` build only) */
+    int64_t matmul;                        /* KV_MATMUL_F32, KV_MATMUL_AMX or KV_MATMUL_DPBF16 */
 } kv_decoder;
 
 

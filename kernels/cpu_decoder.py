@@ -6,8 +6,9 @@ A step is up to :data:`MAX_ROWS` rows, each one token run as a one-token decode 
 a decode step's sequences, a speculative step's last token and drafts, a prefill chunk's prompt
 tokens (row ``j`` of a sequence attends up to its own position; every row's key and value is
 written before any row's attention). Every row is summed in the one-row order whatever the other
-rows (``cpu_gemv.h``; with ``amx`` the matmuls run on AMX tiles in bf16, ``cpu_amx.h``, each row
-again independent of the others), so a row's result is bitwise the same in any step
+rows (``cpu_gemv.h``; with ``matmul="amx"`` the matmuls run in bf16 on AMX tiles, ``cpu_amx.h``,
+with ``"avx512_bf16"`` as AVX512-BF16 dot products, ``cpu_dpbf16.h``, each row again independent of
+the others), so a row's result is bitwise the same in any step
 (batch-invariant), and the LM head runs only on the rows whose logits are asked for
 (``logits_indices``).
 
@@ -144,10 +145,19 @@ class DecoderWeights:
     head: Linear | None
 
 
-def amx_available() -> bool:
-    """Whether the loaded library has the AMX kernels and this process may use the tiles."""
+MATMULS = ("float32", "avx512_bf16", "amx")
+"""The fused decoder's matmul kernels: float32 (``cpu_gemv.h``), bf16 dot products (AVX512-BF16's
+``vdpbf16ps``, ``cpu_dpbf16.h``), bf16 on AMX tiles (``cpu_amx.h``)."""
+_MATMUL_CODES = {"float32": 0, "amx": 1, "avx512_bf16": 2}   # cpu_decoder.h's KV_MATMUL_*
+
+
+def matmul_available(kind: str) -> bool:
+    """Whether the loaded library has the ``kind`` kernels (:data:`MATMULS`; ``amx``: and this
+    process may use the tiles)."""
     lib = cpu_lib.load()
-    return bool(lib is not None and lib.kv_amx_available())
+    if lib is None or kind not in MATMULS:
+        return False
+    return kind == "float32" or bool(lib.kv_amx_available() if kind == "amx" else lib.kv_dpbf16_available())
 
 
 class FusedDecoder:
@@ -160,13 +170,16 @@ class FusedDecoder:
             one dtype).
         RuntimeError: the kernels are unavailable (:func:`kvfleet.kernels.cpu_lib.available`).
 
-    ``amx``: run the matmuls on AMX tiles (``kernels/cpu_amx.h``: activations and dequantized
-    weights rounded to bf16, float32 sums; every row's bits independent of the step's other rows
-    as on the float32 kernels). It takes effect only where :func:`amx_available` and every
-    matrix has a multiple of 16 rows and of 32 columns (:attr:`amx` says whether it did).
+    ``matmul`` (:data:`MATMULS`): ``amx`` runs the matmuls on AMX tiles (``kernels/cpu_amx.h``),
+    ``avx512_bf16`` as bf16 dot products (``kernels/cpu_dpbf16.h``): activations and dequantized
+    weights rounded to bf16, float32 sums; every row's bits independent of the step's other rows as
+    on the float32 kernels. It takes effect only where :func:`matmul_available` and every matrix has
+    a multiple of 32 columns (and for ``amx`` of 16 rows); :attr:`matmul` says what runs.
     """
 
-    def __init__(self, weights: DecoderWeights, threads: int | None = None, amx: bool = False) -> None:
+    def __init__(self, weights: DecoderWeights, threads: int | None = None, matmul: str = "float32") -> None:
+        if matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}; got {matmul!r}")
         lib = cpu_lib.load()
         if lib is None:
             raise RuntimeError(f"kvfleet CPU kernels unavailable: {cpu_lib.unavailable_reason()}")
@@ -208,12 +221,13 @@ class FusedDecoder:
         self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices += [w.head] if w.head is not None else []
-        self.amx = bool(amx and lib.kv_amx_available()
-                        and all(m.shape[0] % 16 == 0 and m.shape[1] % 32 == 0 for m in matrices))
+        shapes = all(m.shape[1] % 32 == 0 and (matmul != "amx" or m.shape[0] % 16 == 0) for m in matrices)
+        self.matmul = matmul if shapes and matmul_available(matmul) else "float32"
+        """The matmul kernels the steps run (:data:`MATMULS`)."""
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,
-                                CACHE_DTYPES[cache_dtype], int(self.amx))
+                                CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul])
         self._lib = lib
         spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)

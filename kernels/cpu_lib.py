@@ -3,7 +3,7 @@ the ABI check. The one module that compiles, names, loads and binds it; the ops 
 :mod:`kvfleet.kernels.cpu_woq` (weight-only linear layers) and :mod:`kvfleet.kernels.cpu_decoder`
 (the fused decode step).
 
-Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h`` and ``cpu_amx.h``;
+Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``, ``cpu_dpbf16.h`` and ``cpu_amx.h``;
 ``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check; the decoder's
 pool, step state and attention are ``cpu_pool.h``, ``cpu_step.h`` and ``cpu_attention.h``), one ``.so``.
 
@@ -13,9 +13,9 @@ Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 - ``avx2`` (the floor): ``-mavx2 -mfma -mf16c``; 8-wide loads and FMAs.
 - ``avx512``: adds ``-mavx512f -mavx512bw -mavx512dq -mavx512vl``; the one-row (decode) dot
   products run 16 wide (``cpu_gemv.h``, ``__AVX512F__``).
-- ``avx512_bf16``: adds ``-mavx512bf16 -mavx512vnni`` (the compiler may use them; the code is the
-  ``avx512`` code: widening a bf16 weight is one shift, and ``vdpbf16ps`` would round the float32
-  activations to bf16).
+- ``avx512_bf16``: adds ``-mavx512bf16 -mavx512vnni``: the ``avx512`` code plus the bf16
+  dot-product kernels of ``cpu_dpbf16.h`` (``vdpbf16ps``: the fused decoder's matmuls in bf16, when
+  its caller asks).
 - ``amx``: adds ``-mamx-tile -mamx-bf16``: the ``avx512_bf16`` code plus the AMX tile kernels of
   ``cpu_amx.h`` (the fused decoder's matmuls in bf16 on tiles, when its caller asks). A compiler
   without AMX support falls back to ``avx512_bf16``.
@@ -51,8 +51,8 @@ from kvfleet.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_amx.h", "cpu_decoder.h", "cpu_pool.h",
-                                                     "cpu_step.h", "cpu_attention.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h", "cpu_decoder.h",
+                                                     "cpu_pool.h", "cpu_step.h", "cpu_attention.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
@@ -97,7 +97,7 @@ class Decoder(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
-                ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("amx", _i64)]
+                ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("matmul", _i64)]
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),
@@ -228,7 +228,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("kv_woq_int4_dequant_bf16", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_set_parallel_min", [i64], None),
         ("kv_amx_available", [], i64),
-        ("kv_amx_linear", [p, p, i64, i64, p], i64),
+        ("kv_dpbf16_available", [], i64),
+        ("kv_bf16_linear", [p, p, i64, i64, p, i64], i64),
         ("kv_pool_start", [i64, i64], i64),
         ("kv_decode_profile", [p], None),
         ("kv_decode", [p, i64, p, p, p, p, p, i64, p, p, p, p, i64], i64),

@@ -13,7 +13,7 @@
 
 #define KV_MAX_ROWS 8192    /* rows one step takes (cpu_decoder.py MAX_ROWS) */
 #define KV_ROW_BLOCK 64     /* rows per kv_matrix_rows call in a large step */
-#define KV_AMX_ROW_BLOCK 256   /* rows per AMX call: each call widens its weights to bf16 once */
+#define KV_BF16_ROW_BLOCK 256  /* rows per AMX / bf16 dot-product call: each widens its weights to bf16 once */
 #define KV_ATTN_ROWS 256    /* rows per attention pass (the size of s->partial) */
 #define KV_MAX_SPLITS 8     /* attention splits per sequence */
 #define KV_SPLIT_BLOCKS 8   /* fewest cache blocks per split (split_of) */
@@ -52,14 +52,15 @@ typedef struct {
     const int64_t *group;   /* [M]: rows in the group row i leads (0: row i is in an earlier row's group) */
     const int64_t *leads;   /* the attention pass's group leads, in order (task_attention) */
     int64_t a0;             /* the attention pass's first row */
-    uint16_t *xb;           /* AMX: the current phase's input rows in the tiles' order (pack_input), else NULL */
+    uint16_t *xb;           /* bf16 matmuls: the current phase's input rows in bf16 (pack_input), else NULL */
+    int64_t matmul;         /* the kernels this step runs (KV_MATMUL_*; what the build and the CPU allow) */
 } kv_step;
 
 static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 * d->num_kv_heads) * d->head_size; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Row-wise work of a phase (RMSNorm, the AMX packing, rotary and the cache writes) runs as tasks of
+/* Row-wise work of a phase (RMSNorm, the bf16 packing, rotary and the cache writes) runs as tasks of
  * KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode step's rows are one task. */
 enum { KV_PREP_ROWS = 16 };   /* a multiple of an AMX tile's 16 rows */
 typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K; } kv_prep;

@@ -114,26 +114,42 @@ int64_t kv_amx_available(void) {
 #endif
 }
 
-/* y [M, N] = the AMX kernel's output for x [M, K] (rows ldx apart) and m (cpu_amx.h's contract);
- * N a multiple of 16, K of 32. Returns 0, or -1 without AMX here or memory. The tests' entry to
- * cpu_amx.h (the fused decoder calls it directly). */
-int64_t kv_amx_linear(const kv_matrix *m, const float *x, int64_t M, int64_t ldx, float *y) {
+/* 1 when this build has the bf16 dot-product kernels (cpu_dpbf16.h: AVX512-BF16). */
+int64_t kv_dpbf16_available(void) { return KV_HAVE_DPBF16; }
+
+/* y [M, N] = the bf16 kernels' output for x [M, K] (rows ldx apart) and m: `matmul` 1 the AMX
+ * tiles' (cpu_amx.h; N a multiple of 16), 2 the dot products' (cpu_dpbf16.h); K a multiple of 32.
+ * Returns 0, or -1 without those kernels here, or memory. The tests' entry to both (the fused
+ * decoder calls them directly). */
+int64_t kv_bf16_linear(const kv_matrix *m, const float *x, int64_t M, int64_t ldx, float *y, int64_t matmul) {
+    if (m->K % 32 || (matmul == 1 && (!KV_HAVE_AMX || m->N % 16)) || (matmul == 2 && !KV_HAVE_DPBF16)
+        || (matmul != 1 && matmul != 2))
+        return -1;
+#if KV_HAVE_DPBF16
 #if KV_HAVE_AMX
-    if (!kv_amx_ready() || m->N % 16 || m->K % 32) return -1;
-    uint16_t *xb = aligned_alloc(64, (size_t)((kv_amx_packed_size(M, m->K) * 2 + 63) / 64 * 64));
+    if (matmul == 1 && !kv_amx_ready()) return -1;
+#endif
+    const int64_t size = matmul == 1 ? (M + 15) / 16 * 16 * m->K : M * m->K;
+    uint16_t *xb = aligned_alloc(64, (size_t)((size * 2 + 63) / 64 * 64));
     if (!xb) return -1;
-    kv_amx_pack_x(x, ldx, M, m->K, xb);
-    const int64_t blocks = (m->N + KV_AMX_CH - 1) / KV_AMX_CH;
+#if KV_HAVE_AMX
+    if (matmul == 1) kv_amx_pack_x(x, ldx, M, m->K, xb);
+#endif
+    if (matmul == 2) kv_dp_pack_rows(x, ldx, m->K, 0, M, xb);
+    const int64_t blocks = (m->N + 31) / 32;
     int failed = 0;
     #pragma omp parallel for schedule(static) reduction(|: failed)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * KV_AMX_CH, n1 = n0 + KV_AMX_CH < m->N ? n0 + KV_AMX_CH : m->N;
-        failed |= kv_amx_rows(m, xb, M, n0, n1, y + n0, m->N) != 0;
+        const int64_t n0 = b * 32, n1 = n0 + 32 < m->N ? n0 + 32 : m->N;
+#if KV_HAVE_AMX
+        if (matmul == 1) failed |= kv_amx_rows(m, xb, M, n0, n1, y + n0, m->N) != 0;
+#endif
+        if (matmul == 2) failed |= kv_dp_rows(m, xb, M, n0, n1, y + n0, m->N) != 0;
     }
     free(xb);
     return failed ? -1 : 0;
 #else
-    (void)m; (void)x; (void)M; (void)ldx; (void)y;
+    (void)x; (void)ldx; (void)y;
     return -1;
 #endif
 }

@@ -30,7 +30,8 @@ padding rows. Otherwise:
   sequence has exactly one new token (decode, or a one-token prompt chunk) or, with speculative
   decoding, at most ``1 + k`` (its last token and its drafts: one row each), at most
   :data:`DECODE_ROWS` rows; prefill chunks and mixed steps run transformers' modules;
-- fused prefill on (the default where the matmuls run on AMX tiles, :func:`amx_asked`;
+- fused prefill on (the default where the matmuls run in bf16, on AMX tiles or AVX512-BF16 dot
+  products, :func:`matmul_asked`;
   ``$KVFLEET_CPU_FUSED_PREFILL=1``, or ``CpuDecodePath(..., prefill=True)``): every step of up to
   :data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` tokens, a prompt chunk's tokens one row each like
   speculative drafts. Then every token of the engine goes through one code path whose rows are
@@ -51,7 +52,15 @@ from typing import Any, Protocol
 import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
-from kvfleet.kernels.cpu_decoder import MAX_ROWS, DecoderWeights, FusedDecoder, Layer, Linear, amx_available
+from kvfleet.kernels.cpu_decoder import (
+    MATMULS,
+    MAX_ROWS,
+    DecoderWeights,
+    FusedDecoder,
+    Layer,
+    Linear,
+    matmul_available,
+)
 from kvfleet.runtime.worker.cpu_plan import CpuPlan
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
@@ -59,10 +68,13 @@ logger = logging.getLogger(__name__)
 
 ENV = "KVFLEET_CPU_DECODER"
 """``0`` turns the fused decode path off (every step runs transformers' modules)."""
-AMX_ENV = "KVFLEET_CPU_AMX"
-"""``0``: the fused decoder keeps its float32 matmuls where the CPU plan chose AMX tiles."""
+MATMUL_ENV = "KVFLEET_CPU_MATMUL"
+"""Where the CPU plan chose bf16 matmuls (:attr:`~kvfleet.runtime.worker.cpu_plan.CpuPlan.matmul`),
+the kernels to run instead: ``float32`` (the float32 kernels: one stream is faster there on AMX
+CPUs), ``avx512_bf16`` or ``amx`` (where the library and CPU have them). Unset: the plan's."""
 PREFILL_ENV = "KVFLEET_CPU_FUSED_PREFILL"
 """``1`` runs prefill chunks and mixed steps fused too, ``0`` never; unset: :func:`fused_prefill`'s default."""
+MATMUL_NAMES = {"float32": "float32", "amx": "on AMX tiles (bf16)", "avx512_bf16": "AVX512-BF16 dot products (bf16)"}
 DECODE_ROWS = 64
 """Most rows of a decode or speculative step that runs fused while fused prefill is off."""
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -196,6 +208,8 @@ class CpuDecodePath:
         self._compute_logits = runner.compute_logits
         self.prefill = prefill
         """Whether prefill chunks and mixed steps run fused too (the module docstring)."""
+        self.matmul = fused.matmul
+        """The fused decoder's matmul kernels (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`)."""
 
     def applies(self, num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool, max_query_len: int = 1,
                 max_query: int = 1) -> bool:
@@ -232,22 +246,30 @@ class CpuDecodePath:
         return self._compute_logits(hidden.index_select(0, logits_indices)) if logits is None else logits
 
 
-def amx_asked(runner: Runner) -> bool:
-    """Whether the CPU plan puts the fused decoder's matmuls on AMX tiles (and ``$KVFLEET_CPU_AMX``
-    is not ``0``); :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` still checks the library and
-    the process can (its ``amx``)."""
+def matmul_asked(runner: Runner) -> str:
+    """The fused decoder's matmul kernels for ``runner`` (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`):
+    the CPU plan's, or ``$KVFLEET_CPU_MATMUL``'s where the plan chose bf16 ones; ``float32`` where
+    the library lacks them. :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` still checks the
+    shapes (its ``matmul``)."""
     plan = runner.cpu_plan
-    return plan is not None and plan.amx and os.environ.get(AMX_ENV, "") != "0" and amx_available()
+    if plan is None or not plan.bf16_matmuls:
+        return "float32"
+    kind = os.environ.get(MATMUL_ENV, "") or plan.matmul
+    if kind not in MATMULS:
+        logger.warning("$%s=%r is not one of %s: using the plan's %s", MATMUL_ENV, kind, ", ".join(MATMULS),
+                       plan.matmul)
+        kind = plan.matmul
+    return kind if matmul_available(kind) else "float32"
 
 
-def fused_prefill(amx: bool) -> bool:
+def fused_prefill(matmul: str) -> bool:
     """Whether a fused path built now runs prefill and mixed steps too: ``$KVFLEET_CPU_FUSED_PREFILL``
-    (``1`` / ``0``), else where its matmuls run on AMX tiles (``amx``): there the whole step is one
-    code path (bitwise batch-invariant from the prompt on) and faster than torch's prefill; with
-    the float32 kernels the fused prefill was 2.2-2.6x slower than torch's (docs/performance.md,
-    "Fused prefill"), so those engines keep prefill in torch."""
+    (``1`` / ``0``), else where its matmuls run in bf16 (``matmul`` not ``float32``): there the
+    whole step is one code path (bitwise batch-invariant from the prompt on) and faster than
+    torch's prefill; with the float32 kernels the fused prefill was 2.2-2.6x slower than torch's
+    (docs/performance.md, "Fused prefill"), so those engines keep prefill in torch."""
     value = os.environ.get(PREFILL_ENV, "")
-    return value == "1" if value else amx
+    return value == "1" if value else matmul != "float32"
 
 
 def build(runner: Runner) -> CpuDecodePath | None:
@@ -274,13 +296,13 @@ def build(runner: Runner) -> CpuDecodePath | None:
     weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
                              float(decoder.layers[0].self_attn.scaling), layers, decoder.norm.weight.detach(), head)
     try:
-        fused = FusedDecoder(weights, amx=amx_asked(runner))
+        fused = FusedDecoder(weights, matmul=matmul_asked(runner))
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    prefill = fused_prefill(fused.amx)
+    prefill = fused_prefill(fused.matmul)
     logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
                 len(layers), layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
-                str(fused.cache_dtype).removeprefix("torch."), "on AMX tiles (bf16)" if fused.amx else "float32",
+                str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
                 "fused" if prefill else "in torch")
     return CpuDecodePath(runner, fused, prefill)

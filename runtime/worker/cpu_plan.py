@@ -100,9 +100,12 @@ class CpuPlan:
         reason: why, in one sentence.
         gguf_q4_1: the loader swaps the float32 linear layers for the GGUF file's own Q4_1 blocks
             on the int4 kernels (:mod:`kvfleet.runtime.worker.gguf_weights`; ``weights`` is ``int4``).
-        amx: the fused decoder's matmuls run on AMX tiles (``kernels/cpu_amx.h``): each activation
-            row and dequantized weight rounded to bf16, float32 sums; still bitwise batch-invariant.
-            On CPUs with AMX-BF16, with quantized or bf16 weights, unless ``--dtype float32``.
+        matmul: the fused decoder's matmul kernels (``kernels.cpu_decoder.MATMULS``): ``amx``
+            (AMX tiles, ``kernels/cpu_amx.h``) on CPUs with AMX-BF16, ``avx512_bf16`` (``vdpbf16ps``
+            dot products, ``kernels/cpu_dpbf16.h``) on CPUs with AVX512-BF16 and no AMX, with
+            quantized or bf16 weights unless ``--dtype float32``: each activation row and
+            dequantized weight rounded to bf16, float32 sums, still bitwise batch-invariant. Else
+            ``float32``.
     """
 
     dtype: str
@@ -112,12 +115,17 @@ class CpuPlan:
     native_bf16_prefill: bool
     reason: str
     gguf_q4_1: bool = False
-    amx: bool = False
+    matmul: str = "float32"
+
+    @property
+    def bf16_matmuls(self) -> bool:
+        """The fused decoder's matmuls round activations and weights to bf16 (:attr:`matmul`)."""
+        return self.matmul != "float32"
 
     def describe(self) -> str:
         """One line for the start-up log."""
         return (f"activations {self.dtype}, weights {self.weights}, fused decoder "
-                f"{'expected' if self.fused_decoder else 'off'}{' on AMX tiles (bf16 matmuls)' if self.amx else ''}, "
+                f"{'expected' if self.fused_decoder else 'off'}{_ON[self.matmul]}, "
                 "prefill matmuls "
                 f"{'bf16 (native)' if self.native_bf16_prefill else self._prefill_dtype()}: {self.reason}")
 
@@ -127,8 +135,11 @@ class CpuPlan:
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 
-_AMX = ("; the fused decoder's matmuls on AMX tiles (activations and dequantized weights rounded to bf16, "
-        "float32 sums: every row summed alike in any batch)")
+_ON = {"float32": "", "amx": " on AMX tiles (bf16 matmuls)",
+       "avx512_bf16": " on AVX512-BF16 dot products (bf16 matmuls)"}
+_BF16_MATMULS = ("; the fused decoder's matmuls {} (activations and dequantized weights rounded to bf16, "
+                 "float32 sums: every row summed alike in any batch)")
+_BF16_KERNELS = {"amx": "on AMX tiles", "avx512_bf16": "as AVX512-BF16 dot products (vdpbf16ps)"}
 _INVARIANT = "; prefill float32 (--batch-invariant; --no-batch-invariant: native bf16 prefill, faster)"
 _BF16_PREFILL = ("; prefill matmuls in bf16 on this CPU's native bf16 (the quantized weights dequantized to "
                  "bf16: a rounding far below the quantization's own error; decode stays float32)")
@@ -168,15 +179,17 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     fused_possible = kernels and facts.fused_decoder and single and (quantization is None or facts.woq_kernels)
     why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
     native_q4_1 = checkpoint_weights == "q4_1" and facts.woq_kernels
-    amx_tiles = features.isa_level == "amx" and fused_possible and dtype != "float32"
+    # bf16 matmuls where the CPU has them natively (the best kernel of its ISA level)
+    bf16_kernel = features.isa_level if features.isa_level in _BF16_KERNELS and fused_possible and dtype != "float32" \
+        else "float32"
     if dtype == "auto" and quantization is None and fused_possible and native_q4_1:
         bf16_prefill = features.native_bf16 and not batch_invariant
         return CpuPlan("float32", "int4", False, True, bf16_prefill,
                        "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
                        "re-quantized: a quarter of float32's bytes per decode token), float32 activations"
                        + (_BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else "")
-                       + (_AMX if amx_tiles else ""),
-                       gguf_q4_1=True, amx=amx_tiles)
+                       + _bf16_matmuls(bf16_kernel),
+                       gguf_q4_1=True, matmul=bf16_kernel)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
                                          and fused_possible):
@@ -202,8 +215,9 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
             reason += _BF16_PREFILL
         elif batch_invariant and features.native_bf16 and (weights == "bf16" or quantized_auto):
             reason += _INVARIANT
-        amx = amx_tiles and weights != "fp32"
-        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason + (_AMX if amx else ""), amx=amx)
+        matmul = bf16_kernel if weights != "fp32" else "float32"
+        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason + _bf16_matmuls(matmul),
+                       matmul=matmul)
 
     # An explicit float16 / bfloat16 run through torch, as asked.
     weights = quantization or {"bfloat16": "bf16", "float16": "fp16"}[dtype]
@@ -216,6 +230,10 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     drop = "drop --dtype" if quantization else "use --dtype auto"
     return CpuPlan(dtype, weights, False, False, native,
                    f"{flag}: {dtype} activations through torch; slower than float32 here ({hint}; {drop})")
+
+
+def _bf16_matmuls(matmul: str) -> str:
+    return _BF16_MATMULS.format(_BF16_KERNELS[matmul]) if matmul in _BF16_KERNELS else ""
 
 
 def _why_not_fused(features: CpuFeatures, facts: CpuFacts, kernels: bool, single: bool,

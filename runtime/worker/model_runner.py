@@ -269,10 +269,10 @@ class ModelRunner:
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 return self.dtype
             why = cpu_decode.unsupported(self)
-            amx = why is None and cpu_decode.amx_asked(self)
-            dtype = torch.bfloat16 if amx else CPU_AUTO_KV_CACHE_DTYPE if why is None else self.dtype
+            bf16 = why is None and cpu_decode.matmul_asked(self) != "float32"
+            dtype = torch.bfloat16 if bf16 else CPU_AUTO_KV_CACHE_DTYPE if why is None else self.dtype
             logger.info("KV cache dtype: %s (kv_cache_dtype auto: %s)", str(dtype).removeprefix("torch."),
-                        "the fused CPU decoder runs on AMX tiles" if amx else
+                        "the fused CPU decoder's matmuls run in bf16" if bf16 else
                         "the fused CPU decoder runs" if why is None else f"the fused CPU decoder is off: {why}")
             return dtype
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]

@@ -22,10 +22,13 @@ from kvfleet.kernels.cpu_decoder import (  # noqa: E402
     FusedDecoder,
     Layer,
     Linear,
-    amx_available,
+    matmul_available,
 )
 
-AMX = pytest.mark.skipif(not amx_available(), reason="no AMX-BF16 here (or the amx build is not loaded)")
+AMX = pytest.mark.skipif(not matmul_available("amx"), reason="no AMX-BF16 here (or the amx build is not loaded)")
+DPBF16 = pytest.mark.skipif(not matmul_available("avx512_bf16"),
+                            reason="no AVX512-BF16 here (or the loaded build lacks it)")
+BF16_MATMULS = [pytest.param("amx", marks=AMX), pytest.param("avx512_bf16", marks=DPBF16)]
 
 H, QH, KVH, D, FF, V, BS, BLOCKS = 128, 6, 2, 64, 320, 300, 16, 40
 
@@ -325,17 +328,18 @@ def _separate_rows(M: int, seed: int):
     return x, cos, sin, slots, tables.to(torch.int32).contiguous(), lens
 
 
-@AMX
+@pytest.mark.parametrize("matmul", BF16_MATMULS)
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int8g"])
 @pytest.mark.parametrize("M", [1, 20])
-def test_amx_step_matches_the_float64_reference(fmt, M):
-    """On AMX tiles (activations and dequantized weights rounded to bf16, float32 sums): the
-    narrow (<= 16 rows) and wide paths, within bf16's rounding of the float64 reference."""
+def test_bf16_matmul_step_matches_the_float64_reference(fmt, M, matmul):
+    """On AMX tiles or AVX512-BF16 dot products (activations and dequantized weights rounded to
+    bf16, float32 sums): one row and 20 (on tiles the narrow and wide paths), within bf16's
+    rounding of the float64 reference."""
     weights, ref, head_ref = _model(fmt, vocab=304)
     x, cos, sin, slots, tables, lens = _separate_rows(M, seed=11)
     caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
-    fused = FusedDecoder(weights, threads=2, amx=True)
-    assert fused.amx
+    fused = FusedDecoder(weights, threads=2, matmul=matmul)
+    assert fused.matmul == matmul
     hidden, logits = fused.step(x.clone(), cos, sin, slots, tables, lens)
     for layer, (kc, vc) in zip(weights.layers, caches):
         layer.k_cache.copy_(kc)
@@ -345,15 +349,16 @@ def test_amx_step_matches_the_float64_reference(fmt, M):
         assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-@AMX
+@pytest.mark.parametrize("matmul", BF16_MATMULS)
 @pytest.mark.parametrize("fmt", ["int4", "int8g"])
-def test_amx_rows_give_the_same_bits_in_any_batch(fmt):
-    """Batch invariance on tiles: each row of a 20-row step (the wide path) equals the row stepped
-    alone (the narrow path) and in a 5-row step, bit for bit."""
+def test_bf16_matmul_rows_give_the_same_bits_in_any_batch(fmt, matmul):
+    """Batch invariance of the bf16 matmuls: each row of a 20-row step (on tiles the wide path)
+    equals the row stepped alone (the narrow path) and in a 5-row step, bit for bit."""
     weights, _, _ = _model(fmt, vocab=304)
     x, cos, sin, slots, tables, lens = _separate_rows(20, seed=5)
     snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
-    fused = FusedDecoder(weights, threads=2, amx=True)
+    fused = FusedDecoder(weights, threads=2, matmul=matmul)
+    assert fused.matmul == matmul
 
     def step(rows):
         for layer, (kc, vc) in zip(weights.layers, snapshot):
@@ -383,17 +388,19 @@ def _prefill_rows(seqs: list[tuple[int, int]], gen: torch.Generator):
     return x, angles.cos().float(), angles.sin().float(), slots, tables, (pos + 1).to(torch.int32)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int4", pytest.param("int4-amx", marks=AMX)])
+@pytest.mark.parametrize("fmt", ["fp32", "int4", pytest.param("int4-amx", marks=AMX),
+                                 pytest.param("int4-avx512_bf16", marks=DPBF16)])
 def test_a_prefill_sized_step_equals_one_row_steps(fmt):
     """Three prompt chunks in one step, 300 rows (more than a row block of the linear layers, 64
-    (AMX: 256), and an attention pass, 256; one chunk after a cached prefix): every row's hidden
-    state and logits are bitwise those of stepping its tokens one at a time, in order."""
-    weights, _, _ = _model(fmt.removesuffix("-amx"), vocab=304)
+    (bf16 matmuls: 256), and an attention pass, 256; one chunk after a cached prefix): every row's
+    hidden state and logits are bitwise those of stepping its tokens one at a time, in order."""
+    fmt, _, matmul = fmt.partition("-")
+    weights, _, _ = _model(fmt, vocab=304)
     gen = torch.Generator().manual_seed(11)
     x, cos, sin, slots, tables, lens = _prefill_rows([(0, 110), (37, 100), (5, 90)], gen)
     snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
-    fused = FusedDecoder(weights, threads=2, amx=fmt.endswith("-amx"))
-    assert fused.amx == fmt.endswith("-amx")
+    fused = FusedDecoder(weights, threads=2, matmul=matmul or "float32")
+    assert fused.matmul == (matmul or "float32")
     hidden, together = fused.step(x.clone(), cos, sin, slots, tables, lens)
     for layer, (kc, vc) in zip(weights.layers, snapshot):
         layer.k_cache.copy_(kc)

@@ -106,15 +106,21 @@ def test_the_abi_check_refuses_a_mismatch(cache, monkeypatch):
     assert "differ" in cpu_lib.unavailable_reason() and "kv_matrix" in cpu_lib.unavailable_reason()
 
 
-@pytest.mark.skipif(_runs("amx") is not None, reason=str(_runs("amx")))
+BF16_KERNELS = [pytest.param("amx", 1, marks=pytest.mark.skipif(_runs("amx") is not None, reason=str(_runs("amx")))),
+                pytest.param("avx512_bf16", 2, marks=pytest.mark.skipif(_runs("avx512_bf16") is not None,
+                                                                      reason=str(_runs("avx512_bf16"))))]
+
+
+@pytest.mark.parametrize("variant,matmul", BF16_KERNELS)
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int8g", "int4"])
-def test_amx_kernel_matches_float64_and_each_row_is_alone(fmt, cache):
-    """cpu_amx.h: the tile kernel against float64 over the bf16-rounded activations and dequantized
-    weights, and each row's bits alone (the narrow path) equal to its bits among 40 (the wide one)."""
-    lib = cpu_lib.open_variant("amx", cache)
-    assert lib.kv_amx_available() == 1
+def test_bf16_kernel_matches_float64_and_each_row_is_alone(variant, matmul, fmt, cache):
+    """cpu_amx.h (tiles) and cpu_dpbf16.h (vdpbf16ps): each kernel against float64 over the
+    bf16-rounded activations and dequantized weights, and each row's bits alone equal to its bits
+    among 40 (AMX: the narrow path against the wide one; dot products: every tile shape)."""
+    lib = cpu_lib.open_variant(variant, cache)
+    assert (lib.kv_amx_available() if matmul == 1 else lib.kv_dpbf16_available()) == 1
     gen = torch.Generator().manual_seed(3)
-    N, K, G = 48, 576, 32
+    N, K, G = 48 if matmul == 1 else 46, 576, 32
     w = torch.randn(N, K, generator=gen) * 0.1
     if fmt == "bf16":
         wb = w.bfloat16()
@@ -139,7 +145,7 @@ def test_amx_kernel_matches_float64_and_each_row_is_alone(fmt, cache):
 
     def run(rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty(rows.shape[0], N)
-        assert lib.kv_amx_linear(ctypes.byref(m), rows.data_ptr(), rows.shape[0], K, y.data_ptr()) == 0
+        assert lib.kv_bf16_linear(ctypes.byref(m), rows.data_ptr(), rows.shape[0], K, y.data_ptr(), matmul) == 0
         return y
 
     y = run(x)

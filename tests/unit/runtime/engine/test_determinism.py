@@ -6,7 +6,9 @@ greedy outputs of a batch equal each prompt run alone -- in the default (the GGU
 (its native bf16 prefill can flip a greedy token: a strict xfail on such CPUs, unless the prefill
 runs fused). On a CPU with AMX the default, int8, int4 and bfloat16 run on AMX tiles (bf16
 matmuls) with the prefill fused: there bf16 rounding would turn torch's prefill differences into
-flipped tokens, and the fused prefill is what keeps these checks.
+flipped tokens, and the fused prefill is what keeps these checks; on a CPU with AVX512-BF16 and no
+AMX (Zen 4) they run as AVX512-BF16 dot products, fused alike (``default-avx512_bf16`` runs that
+path wherever the CPU has AVX512-BF16).
 
 Token-level checks: decode steps are bitwise batch-invariant (the fused decoder sums each row alike
 in any batch: tests/unit/kernels), prefill is not (torch's fp32 matmul rounds a step of 5 rows and
@@ -20,10 +22,12 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.kernels import cpu_features
+from kvfleet.kernels.cpu_decoder import matmul_available
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.llm import LLM
 from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker import cpu_decode
 from kvfleet.runtime.worker.model_loader import load_model
 
 pytestmark = pytest.mark.slow
@@ -49,18 +53,29 @@ VARIANTS = {  # name: (dtype, quantization, batch_invariant)
     "bfloat16": ("bfloat16", None, True),
     "int8": ("auto", "int8", True),  # --quantization alone
     "int4": ("auto", "int4", True),
+    # the default on AVX512-BF16 dot products (Zen 4's default), where a CPU with AMX runs it too
+    "default-avx512_bf16": ("auto", None, True),
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def llm(request, smollm2):
     dtype, quant, invariant = VARIANTS[request.param]
+    matmul = request.param.partition("-")[2] if request.param.startswith("default-") else None
+    if matmul and not matmul_available(matmul):
+        pytest.skip(f"the {matmul} kernels do not run here (CPU or build)")
     loaded = smollm2 if request.param == "float32" else load_model(None, dtype=dtype, device="cpu",
                                                                    quantization=quant, batch_invariant=invariant)
     # No prefix caching: "alone" must not reuse KV computed beside the others.
     config = EngineConfig(dtype=dtype, quantization=quant, kv_cache_memory=64 * 2**20, enable_prefix_caching=False,
                           batch_invariant=invariant)
-    return request.param, LLM.from_engine(LLMEngine(config, loaded=loaded))
+    with pytest.MonkeyPatch.context() as mp:
+        if matmul:
+            mp.setenv(cpu_decode.MATMUL_ENV, matmul)
+        engine = LLMEngine(config, loaded=loaded)
+    if matmul:
+        assert engine.runner.cpu_decode.matmul == matmul and engine.runner.cpu_decode.prefill
+    return request.param, LLM.from_engine(engine)
 
 
 def test_seeded_request_alone_and_beside_eight(llm):

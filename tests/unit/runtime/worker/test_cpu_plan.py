@@ -54,9 +54,13 @@ def test_plan_on_recorded_cpus(machine, dtype, quant, storage):
     assert p.reason and p.describe().startswith(f"activations {p.dtype}, weights {p.weights}")
     if dtype != "auto":
         assert f"--dtype {dtype}" in p.reason
-    # AMX tiles: on the AMX machine, on the fused path, unless float32 was asked or weights are fp32
-    assert p.amx == (machine == "spr" and p.fused_decoder and dtype != "float32" and p.weights != "fp32")
-    assert ("AMX tiles" in p.describe()) == p.amx
+    # bf16 matmuls: AMX tiles on the AMX machine, AVX512-BF16 dot products on Zen 4, on the fused
+    # path, unless float32 was asked or weights are fp32
+    bf16 = p.fused_decoder and dtype != "float32" and p.weights != "fp32"
+    assert p.matmul == ({"spr": "amx", "zen4": "avx512_bf16"}.get(machine, "float32") if bf16 else "float32")
+    assert p.bf16_matmuls == (p.matmul != "float32")
+    assert ("AMX tiles" in p.describe()) == (p.matmul == "amx")
+    assert ("AVX512-BF16 dot products" in p.describe()) == (p.matmul == "avx512_bf16")
 
 
 # Measured on an AMD EPYC Zen 4 (AVX-512, AVX512-BF16, VNNI; 2 cores), issue 25: output tok/s of
@@ -79,13 +83,16 @@ def test_auto_is_never_slower_than_another_measured_path(quant):
     assert p.fused_decoder and "fused C decoder" in p.reason
 
 
-def test_the_gguf_default_runs_on_amx_tiles_where_the_cpu_has_them():
-    for machine, amx in (("zen3", False), ("zen4", False), ("spr", True)):
+def test_the_gguf_default_runs_bf16_matmuls_where_the_cpu_has_them():
+    for machine, matmul in (("zen3", "float32"), ("zen4", "avx512_bf16"), ("spr", "amx")):
         p = cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="q4_1")
-        assert p.gguf_q4_1 and p.amx == amx, machine
-    assert not cp.plan(cpu("spr"), "auto", facts=cp.CpuFacts(kernels=True, fused_decoder=False),
-                       checkpoint_weights="q4_1").amx
-    assert not cp.plan(cpu("spr").capped("avx512_bf16"), "auto", facts=KERNELS, checkpoint_weights="q4_1").amx
+        assert p.gguf_q4_1 and p.matmul == matmul, machine
+    assert cp.plan(cpu("spr"), "auto", facts=cp.CpuFacts(kernels=True, fused_decoder=False),
+                   checkpoint_weights="q4_1").matmul == "float32"
+    # the ISA level capped ($KVFLEET_CPU_ISA): the capped level's kernels
+    assert cp.plan(cpu("spr").capped("avx512_bf16"), "auto", facts=KERNELS,
+                   checkpoint_weights="q4_1").matmul == "avx512_bf16"
+    assert cp.plan(cpu("spr").capped("avx512"), "auto", facts=KERNELS, checkpoint_weights="q4_1").matmul == "float32"
 
 
 @pytest.mark.parametrize("machine", list(MACHINES))
