@@ -211,6 +211,116 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
     }
 }
 
+#ifdef __AVX512F__
+/* ---- AVX-512, head size a multiple of 16: scores 16 positions at a time ----
+ * The keys of a block are transposed once per task (transpose_keys), so one vector holds an
+ * element of 16 positions' keys: a query head's 16 scores are 64 FMAs (D = 64) with no horizontal
+ * sums, and the heads that share a KV head read each key vector once. Each score is its own dot
+ * (four chains over the elements e mod 4, then (c0 + c1) + (c2 + c3)), so a row's scores do not
+ * depend on the step's other rows; the bits differ from the avx2 build's (dot4), as its kernels do. */
+
+/* exp8's arithmetic, 16 lanes. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* kT[(c D + e) 16 + l] = element e of the key at position 16 c + l (kb + p * stride), for the
+ * block's bs positions; positions past bs in the last group of 16 are zero. */
+static void transpose_keys(const float *kb, int64_t stride, int64_t bs, int64_t D, float *kT) {
+    for (int64_t c = 0; 16 * c < bs; c++)
+        for (int64_t e0 = 0; e0 < D; e0 += 16) {
+            __m512i r[16];
+            for (int64_t l = 0; l < 16; l++)
+                r[l] = 16 * c + l < bs ? _mm512_castps_si512(_mm512_loadu_ps(kb + (16 * c + l) * stride + e0))
+                                       : _mm512_setzero_si512();
+            kv_transpose16(r);
+            for (int64_t l = 0; l < 16; l++) _mm512_storeu_si512(kT + ((c * D + e0 + l) * 16), r[l]);
+        }
+}
+
+/* sc[j] lane l = (q_j . key l) * scale for H (<= 4) query heads q_j = q + j D and the 16 keys of
+ * kT (one group of transpose_keys). */
+static inline __attribute__((always_inline)) void scores16(const float *q, const float *kT, int64_t D, int H,
+                                                           float scale, __m512 *sc) {
+    __m512 a[4][4];
+    for (int j = 0; j < H; j++)
+        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += 4)
+        for (int c = 0; c < 4; c++) {
+            const __m512 kv = _mm512_loadu_ps(kT + (e + c) * 16);
+            for (int j = 0; j < H; j++) a[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * D + e + c]), kv, a[j][c]);
+        }
+    for (int j = 0; j < H; j++)
+        sc[j] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[j][0], a[j][1]), _mm512_add_ps(a[j][2], a[j][3])),
+                              _mm512_set1_ps(scale));
+}
+
+/* attend_block with the keys transposed (kT: transpose_keys of the block) and the values at vb +
+ * p * stride; w: 16 floats of scratch. The same partials as attend_block's, summed differently. */
+static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
+                           const float *kT, const float *vb, int64_t stride, float *w) {
+    const kv_decoder *d = s->d;
+    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
+    const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
+    const int64_t len = s->seq_lens[i];
+    const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
+    float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
+    if (first)
+        for (int64_t j = 0; j < G; j++) {
+            float *o = out + j * S * (D + 2);
+            o[0] = -INFINITY;
+            o[1] = 0.0f;
+            memset(o + 2, 0, D * sizeof(float));
+        }
+    const int64_t n = len - b * bs < bs ? len - b * bs : bs;
+    for (int64_t c = 0; 16 * c < n; c++) {
+        const int64_t m = n - 16 * c < 16 ? n - 16 * c : 16;
+        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+        for (int64_t j0 = 0; j0 < G; j0 += 4) {
+            __m512 sc[4];
+            const int h = (int)(G - j0 < 4 ? G - j0 : 4);
+            const float *q = q0 + j0 * D, *kc = kT + c * D * 16;
+            switch (h) {   /* a constant H: the accumulators stay in registers */
+            case 4: scores16(q, kc, D, 4, (float)d->scale, sc); break;
+            case 3: scores16(q, kc, D, 3, (float)d->scale, sc); break;
+            case 2: scores16(q, kc, D, 2, (float)d->scale, sc); break;
+            default: scores16(q, kc, D, 1, (float)d->scale, sc); break;
+            }
+            for (int j = 0; j < h; j++) {
+                float *o = out + (j0 + j) * S * (D + 2), *acc = o + 2;
+                const float bmax = _mm512_mask_reduce_max_ps(valid, sc[j]);
+                if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
+                    const float corr = expf(o[0] - bmax);
+                    o[1] *= corr;
+                    for (int64_t e = 0; e < D; e += 16)
+                        _mm512_storeu_ps(acc + e, _mm512_mul_ps(_mm512_loadu_ps(acc + e), _mm512_set1_ps(corr)));
+                    o[0] = bmax;
+                }
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc[j], _mm512_set1_ps(o[0]))));
+                o[1] += _mm512_reduce_add_ps(p);
+                _mm512_storeu_ps(w, p);
+                const float *vc = vb + 16 * c * stride;
+                if (D == 64) accumulate_values(acc, w, vc, stride, m, 64);
+                else if (D == 128) accumulate_values(acc, w, vc, stride, m, 128);
+                else accumulate_values(acc, w, vc, stride, m, D);
+            }
+        }
+    }
+}
+#endif
+
 /* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
  * value once for all the query heads that share it. Rows of one sequence at consecutive positions
@@ -239,6 +349,10 @@ static void task_attention(const void *ctx, int64_t t) {
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const int bf16 = d->cache_dtype == KV_CACHE_BF16;
     float sc[bs + 8], kw[bf16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
+#ifdef __AVX512F__
+    const int t16 = D % 16 == 0;   /* the transposed-key scores (attend_block16) */
+    float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[16];
+#endif
     for (int64_t b = b0; b < b1; b++) {
         if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
                              * and waiting on each line's miss made attention latency-bound */
@@ -260,12 +374,24 @@ static void task_attention(const void *ctx, int64_t t) {
                 }
             kb = kw, vb = vw, kstride = D;
         }
+#ifdef __AVX512F__
+        int transposed = 0;   /* kT holds this block's keys (transposed once, for the first row that reads it) */
+#endif
         for (int64_t r = i; r < i + rows; r++) {
             const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
             int64_t per;
             if (part >= split_of(blocks, &per)) continue;
             const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
-            if (b >= lo && b < hi) attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
+            if (b < lo || b >= hi) continue;
+#ifdef __AVX512F__
+            if (t16) {
+                if (!transposed) transpose_keys(kb, kstride, bs, D, kT);
+                transposed = 1;
+                attend_block16(s, r, g, part, b, b == lo, kT, vb, kstride, w16);
+                continue;
+            }
+#endif
+            attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
         }
     }
 }
