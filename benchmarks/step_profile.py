@@ -29,7 +29,8 @@ alternates old/new runs ``--rounds`` times, so machine noise hits both alike; it
 of the rounds for each and new/old.
 
 ``w48`` runs the 48-request workload in one engine and splits its wall time by step kind
-(prefill or mixed, decode above / up to 32 rows). ``$KVFLEET_CPU_FUSED_PREFILL=1`` runs its
+(prefill or mixed, decode above / up to 32 rows), and, when the fused C decoder runs, each kind's
+mean ms per C-step phase (``FusedDecoder.profile``). ``$KVFLEET_CPU_FUSED_PREFILL=1`` runs its
 prefill and mixed steps through the fused C decoder (runtime/worker/cpu_decode.py).
 
 ``prefill`` times one step that prefills prompts of ``--lengths`` tokens (random ids, prefix cache
@@ -334,6 +335,10 @@ def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None 
     for i, (p, n) in enumerate(work):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     kinds: dict[str, list[float]] = {}
+    fused = eng.runner.cpu_decode
+    phases: dict[str, dict[str, float]] = {}   # kind -> the C step's phase -> ms summed over its steps
+    if fused is not None:
+        fused.profile()   # reset
     t0 = time.perf_counter()
     while eng.has_unfinished_requests():
         t = time.perf_counter()
@@ -341,6 +346,12 @@ def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None 
         kind = "prefill" if seen["prefill"] else ("decode > 32 rows" if seen["tokens"] > 32 else "decode <= 32 rows")
         acc = kinds.setdefault(kind, [0, 0.0, 0])
         acc[0], acc[1], acc[2] = acc[0] + 1, acc[1] + time.perf_counter() - t, acc[2] + seen["tokens"]
+        if fused is not None:
+            prof = fused.profile()
+            for phase, ms in prof.items():
+                if phase != "steps" and prof["steps"]:
+                    phases.setdefault(kind, {}).setdefault(phase, 0.0)
+                    phases[kind][phase] += ms * prof["steps"]
     total, out_tokens = time.perf_counter() - t0, sum(n for _, n in work)
     flags = "" if batch_invariant else " --no-batch-invariant"
     flags += f" {speculative_config}" if speculative_config else ""
@@ -349,6 +360,12 @@ def split_w48(dtype: str, batch_invariant: bool, speculative_config: str | None 
           f"{out_tokens / total:.1f} output tok/s\n| steps | count | s | tokens | ms/step |\n|---|---:|---:|---:|---:|")
     for kind, (steps, secs, tokens) in kinds.items():
         print(f"| {kind} | {steps} | {secs:.2f} | {tokens} | {1e3 * secs / steps:.1f} |")
+    if phases:
+        names = list(next(iter(phases.values())))
+        print("\nthe fused C step's phases, mean ms per step of each kind (steps it ran)\n| steps | "
+              + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+        for kind, ms in phases.items():
+            print(f"| {kind} | " + " | ".join(f"{ms[n] / kinds[kind][0]:.1f}" for n in names) + " |")
 
 
 def prefill_ab(dtype: str, lengths: list[int], rounds: int) -> None:

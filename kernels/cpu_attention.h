@@ -400,7 +400,7 @@ static void task_attention(const void *ctx, int64_t t) {
  * positions (the same block table, seq_lens one apart, the same split size), at most
  * KV_GROUP_ROWS, never across an attention pass (KV_ATTN_ROWS); group[i] = its row count, 0 for
  * the rows it leads. leads: the leading rows in order; returns their count. */
-enum { KV_GROUP_ROWS = 8 };
+enum { KV_GROUP_ROWS = 32 };   /* a prefill chunk's rows: each block widened (and its keys transposed) once per 32 */
 static int64_t group_rows(const kv_step *s, int64_t *group, int64_t *leads) {
     const int64_t bs = s->d->block_size;
     int64_t lead = 0, n = 1;
@@ -425,11 +425,15 @@ static int64_t group_rows(const kv_step *s, int64_t *group, int64_t *leads) {
     return n;
 }
 
-/* Serial: each query head's output from its splits' partials (rescaled to the largest maximum),
- * for the `rows` rows of the attention pass. */
-static void merge_attention(const kv_step *s, int64_t rows) {
+/* Task t of merge_attention: each query head's output from its splits' partials (rescaled to the
+ * largest maximum), for KV_PREP_ROWS rows of the attention pass (serial, it took ~15 % of a
+ * prefill step's attention). */
+static void task_merge(const void *ctx, int64_t t) {
+    const kv_prep *pr = ctx;
+    const kv_step *s = pr->s;
     const int64_t QH = s->d->num_heads, D = s->d->head_size, bs = s->d->block_size;
-    for (int64_t r = 0; r < rows * QH; r++) {
+    const int64_t r1 = min64((t + 1) * KV_PREP_ROWS, pr->rows) * QH;
+    for (int64_t r = t * KV_PREP_ROWS * QH; r < r1; r++) {
         const int64_t stride = KV_MAX_SPLITS * (D + 2);
         int64_t per;
         const int64_t S = split_of((s->seq_lens[s->a0 + r / QH] + bs - 1) / bs, &per);
@@ -447,6 +451,12 @@ static void merge_attention(const kv_step *s, int64_t rows) {
         float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
         for (int64_t e = 0; e < D; e++) out[e] *= inv;
     }
+}
+
+/* The attention outputs of the `rows` rows of the attention pass from their splits' partials. */
+static void merge_attention(const kv_step *s, int64_t rows) {
+    const kv_prep p = {.s = s, .rows = rows};
+    kv_parallel(task_merge, &p, (rows + KV_PREP_ROWS - 1) / KV_PREP_ROWS);
 }
 
 /* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the groups

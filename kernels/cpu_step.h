@@ -60,10 +60,11 @@ static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* Row-wise work of a phase (RMSNorm, the bf16 packing, rotary and the cache writes) runs as tasks of
- * KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode step's rows are one task. */
+/* Row-wise work of a phase (RMSNorm, the bf16 packing, rotary and the cache writes, attention's
+ * merge) runs as tasks of KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode
+ * step's rows are one task. */
 enum { KV_PREP_ROWS = 16 };   /* a multiple of an AMX tile's 16 rows */
-typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K; } kv_prep;
+typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K, rows; } kv_prep;
 
 static inline int64_t prep_tasks(const kv_step *s) { return (s->M + KV_PREP_ROWS - 1) / KV_PREP_ROWS; }
 

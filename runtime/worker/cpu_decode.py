@@ -211,6 +211,10 @@ class CpuDecodePath:
         self.matmul = fused.matmul
         """The fused decoder's matmul kernels (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`)."""
 
+    def profile(self) -> dict[str, float]:
+        """The C step's milliseconds per phase since the last call (:meth:`FusedDecoder.profile`)."""
+        return self._fused.profile()
+
     def applies(self, num_tokens: int, num_seqs: int, prompt_logprobs: bool, padded: bool, max_query_len: int = 1,
                 max_query: int = 1) -> bool:
         """Whether a step with these properties runs fused: no prompt logprobs, no padding rows,

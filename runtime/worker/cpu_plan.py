@@ -24,14 +24,17 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   blocks, or ``--quantization``) on a CPU with native bf16, prefill (steps over 32 rows) runs
   oneDNN's bf16 matmul on the weights dequantized to bf16 (``native_bf16_prefill``; the rounding
   is far below the quantization's error); decode keeps the float32 C kernels.
-- **AMX tiles** (``amx``): on a CPU with AMX-BF16 (Sapphire Rapids and later), wherever the fused
-  decoder is expected with quantized or bf16 weights and ``--dtype float32`` was not asked, its
-  matmuls run on AMX tiles (``kernels/cpu_amx.h``): each activation row and each dequantized weight
-  rounded to bf16, float32 sums, every row's bits independent of the step's other rows. Decode
-  steps of 48 rows ran their matmuls ~4x faster than on the float32 kernels (23 against 92 ms a
-  step); one stream is slower (widening the weights to bf16 costs more than reading them), so
-  ``--dtype float32`` (or ``$KVFLEET_CPU_AMX=0``) keeps the float32 kernels (docs/performance.md,
-  "AMX tiles").
+- **bf16 matmuls** (``matmul``): wherever the fused decoder is expected with quantized or bf16
+  weights and ``--dtype float32`` was not asked, its matmuls round each activation row and each
+  dequantized weight to bf16 and sum in float32, every row's bits independent of the step's other
+  rows: on AMX tiles (``amx``, ``kernels/cpu_amx.h``) on a CPU with AMX-BF16 (Sapphire Rapids and
+  later), as AVX512-BF16 dot products (``avx512_bf16``, ``kernels/cpu_dpbf16.h``) on a CPU with
+  AVX512-BF16 and no AMX (AMD Zen 4, Intel Cooper Lake); prefill then runs fused and the KV cache
+  is bf16 (:mod:`kvfleet.runtime.worker.cpu_decode`). On AMX, decode steps of 48 rows ran their
+  matmuls ~4x faster than on the float32 kernels (23 against 92 ms a step); one stream is slower
+  there (widening the weights to bf16 costs more than reading them), and ``--dtype float32`` (or
+  ``$KVFLEET_CPU_MATMUL=float32``) keeps the float32 kernels (docs/performance.md, "AMX tiles" and
+  "AVX512-BF16 dot products").
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
