@@ -20,10 +20,10 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
-from kvfleet.kernels import cpu_features, cpu_lib, cpu_woq  # noqa: E402
-from kvfleet.kernels.cpu_decoder import matmul_available  # noqa: E402
+from kvfleet.kernels import cpu_features, cpu_lib, cpu_woq
+from kvfleet.kernels.cpu_decoder import matmul_available
 
 N, K, G = 3072, 576, 32
 BF16_CODES = {"amx": 1, "avx512_bf16": 2}   # kv_bf16_linear's `matmul`
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
         x = torch.randn(rows, K, generator=gen)
         y = torch.empty(rows, N)
 
-        def call(kind: str):
+        def call(kind: str, x=x, y=y, rows=rows):
             if kind == "float32":
                 return lambda: lib.kv_woq_int4_linear(x.data_ptr(), rows, K, K, packed.data_ptr(), N,
                                                       scale.data_ptr(), shift.data_ptr(), G, None, y.data_ptr())
