@@ -128,12 +128,15 @@ class CpuPlan:
     def describe(self) -> str:
         """One line for the start-up log."""
         return (f"activations {self.dtype}, weights {self.weights}, fused decoder "
-                f"{'expected' if self.fused_decoder else 'off'}{_ON[self.matmul]}, "
-                "prefill matmuls "
-                f"{'bf16 (native)' if self.native_bf16_prefill else self._prefill_dtype()}: {self.reason}")
+                f"{'expected' if self.fused_decoder else 'off'}{_ON[self.matmul]}, prefill "
+                f"{self._prefill()}: {self.reason}")
 
-    def _prefill_dtype(self) -> str:
-        return {"float32": "fp32", "bfloat16": "bf16 (emulated)", "float16": "fp16"}[self.dtype]
+    def _prefill(self) -> str:
+        if self.bf16_matmuls:
+            return "fused (bf16 matmuls)"
+        if self.native_bf16_prefill:
+            return "matmuls bf16 (native)"
+        return "matmuls " + {"float32": "fp32", "bfloat16": "bf16 (emulated)", "float16": "fp16"}[self.dtype]
 
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
@@ -141,7 +144,7 @@ CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 _ON = {"float32": "", "amx": " on AMX tiles (bf16 matmuls)",
        "avx512_bf16": " on AVX512-BF16 dot products (bf16 matmuls)"}
 _BF16_MATMULS = ("; the fused decoder's matmuls {} (activations and dequantized weights rounded to bf16, "
-                 "float32 sums: every row summed alike in any batch)")
+                 "float32 sums: every row summed alike in any batch), prefill fused in them")
 _BF16_KERNELS = {"amx": "on AMX tiles", "avx512_bf16": "as AVX512-BF16 dot products (vdpbf16ps)"}
 _INVARIANT = "; prefill float32 (--batch-invariant; --no-batch-invariant: native bf16 prefill, faster)"
 _BF16_PREFILL = ("; prefill matmuls in bf16 on this CPU's native bf16 (the quantized weights dequantized to "
@@ -190,8 +193,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         return CpuPlan("float32", "int4", False, True, bf16_prefill,
                        "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
                        "re-quantized: a quarter of float32's bytes per decode token), float32 activations"
-                       + (_BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else "")
-                       + _bf16_matmuls(bf16_kernel),
+                       + (_bf16_matmuls(bf16_kernel) if bf16_kernel != "float32" else
+                          _BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else ""),
                        gguf_q4_1=True, matmul=bf16_kernel)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
@@ -214,13 +217,14 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
                            else "; bf16 weight storage") + ": half the bytes per decode token"
         quantized_auto = dtype == "auto" and quantization is not None
         native = features.native_bf16 and (weights == "bf16" or quantized_auto) and not batch_invariant
-        if native and quantized_auto:
+        matmul = bf16_kernel if weights != "fp32" else "float32"
+        if matmul != "float32":
+            reason += _bf16_matmuls(matmul)
+        elif native and quantized_auto:
             reason += _BF16_PREFILL
         elif batch_invariant and features.native_bf16 and (weights == "bf16" or quantized_auto):
             reason += _INVARIANT
-        matmul = bf16_kernel if weights != "fp32" else "float32"
-        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason + _bf16_matmuls(matmul),
-                       matmul=matmul)
+        return CpuPlan("float32", weights, store_bf16, fused_possible, native, reason, matmul=matmul)
 
     # An explicit float16 / bfloat16 run through torch, as asked.
     weights = quantization or {"bfloat16": "bf16", "float16": "fp16"}[dtype]

@@ -146,7 +146,10 @@ def test_batch_invariant_keeps_prefill_in_float32(machine):
         fast = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint, batch_invariant=False)
         assert (inv.dtype, inv.weights, inv.fused_decoder) == (fast.dtype, fast.weights, fast.fused_decoder)
         assert not inv.native_bf16_prefill
-        assert ("--no-batch-invariant" in inv.reason) == (machine != "zen3")
+        # the reason names the flag where prefill would otherwise run oneDNN's bf16; where the fused
+        # decoder's matmuls run in bf16 (Zen 4, AMX) prefill is fused in them either way
+        assert ("--no-batch-invariant" in inv.reason) == (machine != "zen3" and not inv.bf16_matmuls)
+        assert ("prefill fused in them" in inv.reason) == inv.bf16_matmuls
         assert fast.native_bf16_prefill == (machine != "zen3")
 
 
@@ -160,8 +163,10 @@ def test_auto_keeps_a_checkpoints_own_smaller_weights(machine):
     assert "Q4_1" in q4.reason
     # --no-batch-invariant: prefill in native bf16 where the CPU has it (below Q4_1's own error); decode float32
     fast = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="q4_1", batch_invariant=False)
-    assert fast.native_bf16_prefill == (machine != "zen3") and ("prefill matmuls in bf16" in fast.reason) == (
-        machine != "zen3")
+    assert fast.native_bf16_prefill == (machine != "zen3")
+    # where the fused decoder's matmuls run in bf16 (Zen 4, AMX) prefill is fused in them, else oneDNN's bf16
+    assert ("prefill matmuls in bf16" in fast.reason) == (machine != "zen3" and not fast.bf16_matmuls)
+    assert ("prefill fused in them" in fast.reason) == fast.bf16_matmuls == (machine != "zen3")
     for dtype, quant in (("float32", None), ("auto", "int8"), ("bfloat16", None)):
         assert not cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights="q4_1").gguf_q4_1
     no_woq = cp.plan(cpu(machine), "auto", None, facts=cp.CpuFacts(kernels=True, woq_kernels=False),
