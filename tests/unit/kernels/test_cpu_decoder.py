@@ -203,13 +203,16 @@ def test_mixed_cache_dtypes_are_refused():
         FusedDecoder(weights)
 
 
-@pytest.mark.parametrize("head_size", [32, 128])
-def test_other_head_sizes_match_the_reference(head_size, monkeypatch):
+@pytest.mark.parametrize(("head_size", "block_size"), [(32, 16), (128, 16), (40, 16), (64, 8), (64, 32)])
+def test_other_head_and_block_sizes_match_the_reference(head_size, block_size, monkeypatch):
     """The attention accumulators are specialised for D = 64 and 128; 32 takes the generic
-    width. The module's geometry constants are read at call time, so the test resizes them."""
+    width, 40 (not a multiple of 16) the avx2 build's scores on every build; blocks of 8 and 32
+    positions are a part of and two of the AVX-512 scores' 16. The module's geometry constants are
+    read at call time, so the test resizes them."""
     import sys
 
     monkeypatch.setattr(sys.modules[__name__], "D", head_size)
+    monkeypatch.setattr(sys.modules[__name__], "BS", block_size)
     weights, ref, head_ref = _model("fp32")
     x, cos, sin, slots, tables, lens = _inputs(3)
     caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
