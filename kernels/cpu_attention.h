@@ -236,15 +236,19 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-/* kT[(c D + e) 16 + l] = element e of the key at position 16 c + l (kb + p * stride), for the
- * block's bs positions; positions past bs in the last group of 16 are zero. */
-static void transpose_keys(const float *kb, int64_t stride, int64_t bs, int64_t D, float *kT) {
+/* kT[(c D + e) 16 + l] = element e of the key at position 16 c + l (keys + p * stride: float32,
+ * or bf16 widened here when `bf16`), for the block's bs positions; positions past bs in the last
+ * group of 16 are zero. */
+static void transpose_keys(const void *keys, int bf16, int64_t stride, int64_t bs, int64_t D, float *kT) {
     for (int64_t c = 0; 16 * c < bs; c++)
         for (int64_t e0 = 0; e0 < D; e0 += 16) {
             __m512i r[16];
-            for (int64_t l = 0; l < 16; l++)
-                r[l] = 16 * c + l < bs ? _mm512_castps_si512(_mm512_loadu_ps(kb + (16 * c + l) * stride + e0))
-                                       : _mm512_setzero_si512();
+            for (int64_t l = 0; l < 16; l++) {
+                const int64_t at = (16 * c + l) * stride + e0;
+                r[l] = 16 * c + l >= bs ? _mm512_setzero_si512()
+                       : bf16 ? _mm512_castps_si512(widen_bf16_16((const uint16_t *)keys + at))
+                              : _mm512_castps_si512(_mm512_loadu_ps((const float *)keys + at));
+            }
             kv_transpose16(r);
             for (int64_t l = 0; l < 16; l++) _mm512_storeu_si512(kT + ((c * D + e0 + l) * 16), r[l]);
         }
@@ -321,6 +325,18 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
 }
 #endif
 
+/* A cache block's bf16 keys or values (position p at c + p * stride) widened to float32 into
+ * out [bs, D] (exact: a bf16 is the high half of a float32). */
+static inline void widen_block(const uint16_t *c, int64_t stride, int64_t bs, int64_t D, float *out) {
+    for (int64_t p = 0; p < bs; p++) {
+        int64_t e = 0;
+#ifdef __AVX512F__
+        for (; e + 16 <= D; e += 16) _mm512_storeu_ps(out + p * D + e, widen_bf16_16(c + p * stride + e));
+#endif
+        for (; e < D; e += 8) _mm256_storeu_ps(out + p * D + e, widen_bf16(c + p * stride + e));
+    }
+}
+
 /* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
  * value once for all the query heads that share it. Rows of one sequence at consecutive positions
@@ -348,11 +364,13 @@ static void task_attention(const void *ctx, int64_t t) {
     const char *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const int bf16 = d->cache_dtype == KV_CACHE_BF16;
-    float sc[bs + 8], kw[bf16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
 #ifdef __AVX512F__
     const int t16 = D % 16 == 0;   /* the transposed-key scores (attend_block16) */
     float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[16];
+#else
+    const int t16 = 0;
 #endif
+    float sc[bs + 8], kw[bf16 && !t16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
     for (int64_t b = b0; b < b1; b++) {
         if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
                              * and waiting on each line's miss made attention latency-bound */
@@ -364,15 +382,18 @@ static void task_attention(const void *ctx, int64_t t) {
         }
         const int64_t base = ((int64_t)bt[b] * bs * KVH + g) * D;   /* position b * bs, KV head g */
         const float *kb = (const float *)kc + base, *vb = (const float *)vc + base;
-        int64_t kstride = stride;
+        const void *keys = kb;   /* what transpose_keys reads: the cache's keys (float32 or bf16) */
+        int64_t kstride = stride, vstride = stride;
         if (bf16) {   /* widened once for every row of the group and every query head (exact) */
             const uint16_t *k16 = (const uint16_t *)kc + base, *v16 = (const uint16_t *)vc + base;
-            for (int64_t p = 0; p < bs; p++)
-                for (int64_t e = 0; e < D; e += 8) {
-                    _mm256_storeu_ps(kw + p * D + e, widen_bf16(k16 + p * stride + e));
-                    _mm256_storeu_ps(vw + p * D + e, widen_bf16(v16 + p * stride + e));
-                }
-            kb = kw, vb = vw, kstride = D;
+            widen_block(v16, stride, bs, D, vw);
+            vb = vw, vstride = D;
+            if (t16) {
+                keys = k16;   /* widened as they are transposed */
+            } else {
+                widen_block(k16, stride, bs, D, kw);
+                kb = kw, kstride = D;
+            }
         }
 #ifdef __AVX512F__
         int transposed = 0;   /* kT holds this block's keys (transposed once, for the first row that reads it) */
@@ -385,13 +406,13 @@ static void task_attention(const void *ctx, int64_t t) {
             if (b < lo || b >= hi) continue;
 #ifdef __AVX512F__
             if (t16) {
-                if (!transposed) transpose_keys(kb, kstride, bs, D, kT);
+                if (!transposed) transpose_keys(keys, bf16, kstride, bs, D, kT);
                 transposed = 1;
-                attend_block16(s, r, g, part, b, b == lo, kT, vb, kstride, w16);
+                attend_block16(s, r, g, part, b, b == lo, kT, vb, vstride, w16);
                 continue;
             }
 #endif
-            attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
+            attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);   /* (kstride == vstride here) */
         }
     }
 }
