@@ -87,8 +87,9 @@ class EngineConfig(BaseModel):
 
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The KV cache's dtype (vLLM's ``--kv-cache-dtype``); activations keep ``dtype``. ``auto``: the
-    activation dtype; on a CPU where the fused C decoder runs, bfloat16 when its matmuls run on AMX
-    tiles (bf16 numerics already), else ``model_runner.CPU_AUTO_KV_CACHE_DTYPE`` (float32).
+    activation dtype; on a CPU where the fused C decoder runs, bfloat16 when its matmuls run in bf16
+    (AMX tiles or AVX512-BF16 dot products: bf16 numerics already), else
+    ``model_runner.CPU_AUTO_KV_CACHE_DTYPE`` (float32).
     ``bfloat16`` beside float32 activations on the CPU: keys and values rounded to
     bf16 (nearest even) on write and widened to float32 on read, by the fused decoder and the torch
     path alike: half the cache's bytes (twice the blocks of a ``kv_cache_memory`` budget), attention

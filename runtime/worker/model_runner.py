@@ -62,9 +62,9 @@ CPU_AUTO_KV_CACHE_DTYPE = torch.float32
 float32 (docs/performance.md, "bf16 KV cache"): bf16 cut the C step's attention by 21-27 % at 48
 rows, but W48's gain stayed inside this machine's noise and greedy tokens flip at near-ties (94 % of
 tokens agree), which float32's "greedy output equals transformers' generate()" does not allow.
-Where the fused decoder runs on AMX tiles (bf16 matmuls: that equality is gone already) ``auto`` is
-bf16: W48 341.6 -> 362.1 output tok/s there (Xeon with AMX, ``step_profile.py w48 --kv-cache-dtype
-float32 bfloat16``, load ~1)."""
+Where the fused decoder's matmuls run in bf16 (AMX tiles, AVX512-BF16 dot products: that equality
+is gone already) ``auto`` is bf16: W48 341.6 -> 362.1 output tok/s on AMX tiles (Xeon with AMX,
+``step_profile.py w48 --kv-cache-dtype float32 bfloat16``, load ~1)."""
 
 @dataclass
 class ModelRunnerOutput:

@@ -107,7 +107,7 @@ _HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "seed": "engine seed (requests without their own seed)",
     "kv_cache_dtype": ("KV cache dtype (vLLM's --kv-cache-dtype): auto (the activation dtype; bf16 where the "
-                       "CPU's fused decoder runs on AMX tiles), float32, or "
+                       "CPU's fused decoder runs its matmuls in bf16), float32, or "
                        "bfloat16 (CPU: half the cache bytes, activations stay float32; GPU: must equal --dtype)"),
     "block_size": "tokens per KV cache block",
     "num_blocks": "number of KV blocks (default: derived from the memory budget)",
