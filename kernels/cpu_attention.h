@@ -152,6 +152,41 @@ static inline int64_t split_of(int64_t blocks, int64_t *per) {
     return blocks ? (blocks + p - 1) / p : 1;
 }
 
+/* Row i's partials for KV head g's first query head in split `part` (head j at + j * S * (D + 2):
+ * the running maximum, the sum of exp(score - maximum), the D exp-weighted value sums); with
+ * `first`, every head's are started (-inf, 0, zeros). */
+static float *start_partials(const kv_step *s, int64_t i, int64_t g, int64_t part, int first) {
+    const kv_decoder *d = s->d;
+    const int64_t QH = d->num_heads, D = d->head_size, G = QH / d->num_kv_heads, S = KV_MAX_SPLITS;
+    float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);
+    if (first)
+        for (int64_t j = 0; j < G; j++) {
+            float *o = out + j * S * (D + 2);
+            o[0] = -INFINITY;
+            o[1] = 0.0f;
+            memset(o + 2, 0, D * sizeof(float));
+        }
+    return out;
+}
+
+/* One head's partials o (start_partials) before a block whose largest score is bmax: what was
+ * summed under a smaller maximum is rescaled to bmax (online softmax). */
+static inline void rescale_partial(float *o, float bmax, int64_t D) {
+    if (bmax <= o[0]) return;
+    const float corr = expf(o[0] - bmax);
+    o[1] *= corr;
+    for (int64_t e = 0; e < D; e += 8)
+        _mm256_storeu_ps(o + 2 + e, _mm256_mul_ps(_mm256_loadu_ps(o + 2 + e), _mm256_set1_ps(corr)));
+    o[0] = bmax;
+}
+
+/* accumulate_values with D = 64 and 128 as constants (the accumulators in registers). */
+static inline void add_values(float *acc, const float *w, const float *vc, int64_t stride, int64_t n, int64_t D) {
+    if (D == 64) accumulate_values(acc, w, vc, stride, n, 64);
+    else if (D == 128) accumulate_values(acc, w, vc, stride, n, 128);
+    else accumulate_values(acc, w, vc, stride, n, D);
+}
+
 /* Partial attention of row i, KV head g, over one cache block (position b * bs on) of split `part`
  * (of the row's split_of): for each of the group's query heads, the running maximum, the sum of
  * exp(score - maximum) and the exp-weighted sum of values (online softmax: Milakov & Gimelshein
@@ -168,14 +203,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
     const int64_t len = s->seq_lens[i];
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
     const float scale = (float)d->scale;
-    float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
-    if (first)
-        for (int64_t j = 0; j < G; j++) {
-            float *o = out + j * S * (D + 2);
-            o[0] = -INFINITY;
-            o[1] = 0.0f;
-            memset(o + 2, 0, D * sizeof(float));
-        }
+    float *out = start_partials(s, i, g, part, first);
     const int64_t n = len - b * bs < bs ? len - b * bs : bs, n8 = (n + 7) / 8 * 8;
     for (int64_t j = 0; j < G; j++) {
         const float *q = q0 + j * D;
@@ -190,13 +218,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
         for (int64_t p = 8; p < n8; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + p));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
-            const float corr = expf(o[0] - bmax);
-            o[1] *= corr;
-            for (int64_t e = 0; e < D; e += 8) _mm256_storeu_ps(acc + e, _mm256_mul_ps(_mm256_loadu_ps(acc + e), _mm256_set1_ps(corr)));
-            o[0] = bmax;
-        }
+        rescale_partial(o, _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))), D);
         const __m256 vmx = _mm256_set1_ps(o[0]);
         __m256 sum = _mm256_setzero_ps();
         for (int64_t p = 0; p < n8; p += 8) {   /* exp(-inf) = 0 past n */
@@ -205,9 +227,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
             sum = _mm256_add_ps(sum, e);
         }
         o[1] += hsum(sum);
-        if (D == 64) accumulate_values(acc, sc, vb, stride, n, 64);
-        else if (D == 128) accumulate_values(acc, sc, vb, stride, n, 128);
-        else accumulate_values(acc, sc, vb, stride, n, D);
+        add_values(acc, sc, vb, stride, n, D);
     }
 }
 
@@ -219,22 +239,8 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
  * (four chains over the elements e mod 4, then (c0 + c1) + (c2 + c3)), so a row's scores do not
  * depend on the step's other rows; the bits differ from the avx2 build's (dot4), as its kernels do. */
 
-/* exp8's arithmetic, 16 lanes. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+/* exp8's arithmetic, 16 lanes (cpu_step.h's KV_DEFINE_EXP). */
+KV_DEFINE_EXP(exp16, __m512, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
 
 /* kT[(c D + e) 16 + l] = element e of the key at position 16 c + l (keys + p * stride: float32,
  * or bf16 widened here when `bf16`), for the block's bs positions; positions past bs in the last
@@ -280,14 +286,7 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
     const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
     const int64_t len = s->seq_lens[i];
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
-    float *out = s->partial + (((i - s->a0) * QH + g * G) * S + part) * (D + 2);   /* head j at + j * S * (D + 2) */
-    if (first)
-        for (int64_t j = 0; j < G; j++) {
-            float *o = out + j * S * (D + 2);
-            o[0] = -INFINITY;
-            o[1] = 0.0f;
-            memset(o + 2, 0, D * sizeof(float));
-        }
+    float *out = start_partials(s, i, g, part, first);
     const int64_t n = len - b * bs < bs ? len - b * bs : bs;
     for (int64_t c = 0; 16 * c < n; c++) {
         const int64_t m = n - 16 * c < 16 ? n - 16 * c : 16;
@@ -303,22 +302,12 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
             default: scores16(q, kc, D, 1, (float)d->scale, sc); break;
             }
             for (int j = 0; j < h; j++) {
-                float *o = out + (j0 + j) * S * (D + 2), *acc = o + 2;
-                const float bmax = _mm512_mask_reduce_max_ps(valid, sc[j]);
-                if (bmax > o[0]) {   /* rescale what was summed under the old maximum */
-                    const float corr = expf(o[0] - bmax);
-                    o[1] *= corr;
-                    for (int64_t e = 0; e < D; e += 16)
-                        _mm512_storeu_ps(acc + e, _mm512_mul_ps(_mm512_loadu_ps(acc + e), _mm512_set1_ps(corr)));
-                    o[0] = bmax;
-                }
+                float *o = out + (j0 + j) * S * (D + 2);
+                rescale_partial(o, _mm512_mask_reduce_max_ps(valid, sc[j]), D);
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc[j], _mm512_set1_ps(o[0]))));
                 o[1] += _mm512_reduce_add_ps(p);
                 _mm512_storeu_ps(w, p);
-                const float *vc = vb + 16 * c * stride;
-                if (D == 64) accumulate_values(acc, w, vc, stride, m, 64);
-                else if (D == 128) accumulate_values(acc, w, vc, stride, m, 128);
-                else accumulate_values(acc, w, vc, stride, m, D);
+                add_values(o + 2, w, vb + 16 * c * stride, stride, m, D);
             }
         }
     }
@@ -412,7 +401,8 @@ static void task_attention(const void *ctx, int64_t t) {
                 continue;
             }
 #endif
-            attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);   /* (kstride == vstride here) */
+            (void)keys, (void)vstride;   /* (the AVX-512 scores' only: here kstride == vstride) */
+            attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
         }
     }
 }

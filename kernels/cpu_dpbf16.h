@@ -120,9 +120,10 @@ static inline __m512 dp_reduce16(const __m512 v[16]) {
     for (int i = 0; i < 4; i++)   /* j + 4 onto j: a_0 .. a_3, one vector per 128-bit lane */
         x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
                              _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)   /* a0 + a2, a1 + a3 */
-        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x[2 * i]), _mm512_castps_pd(x[2 * i + 1]))));
+    for (int i = 0; i < 2; i++) {   /* a0 + a2, a1 + a3 */
+        const __m512d p = _mm512_castps_pd(x[2 * i]), q = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+    }
     return _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }

@@ -19,23 +19,26 @@
 #define KV_SPLIT_BLOCKS 8   /* fewest cache blocks per split (split_of) */
 #define KV_CHUNK 32         /* output channels per inner block (the tasks' stack buffers) */
 
-/* exp(x) for 8 floats: range reduction by ln 2 and Cephes' degree-6 polynomial for expf
- * (relative error ~2e-7 over the clamped range -87.3 .. 88.3). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+/* exp(x) for the lanes of a vector (V, its intrinsics' prefix P, its round-to-nearest ROUND and
+ * integer-to-float bit cast CAST): range reduction by ln 2 and Cephes' degree-6 polynomial for expf
+ * (relative error ~2e-7 over the clamped range -87.3 .. 88.3); the same arithmetic lane for lane at
+ * every width (exp8 here, exp16 in cpu_attention.h). */
+#define KV_DEFINE_EXP(NAME, V, P, ROUND, CAST)                                                                \
+    static inline V NAME(V x) {                                                                               \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.3f)), P##_set1_ps(88.3f));                               \
+        V n = ROUND(P##_mul_ps(x, P##_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  \
+        x = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                                   \
+        x = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), x);                                                \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                                  \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507e-3f));                                                \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073e-3f));                                                \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894e-2f));                                                \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459e-1f));                                                \
+        y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201e-1f));                                                \
+        y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)));                              \
+        return P##_mul_ps(y, CAST(P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23))); \
+    }
+KV_DEFINE_EXP(exp8, __m256, _mm256, _mm256_round_ps, _mm256_castsi256_ps)
 
 typedef struct {
     const kv_decoder *d;

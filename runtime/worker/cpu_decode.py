@@ -61,7 +61,7 @@ from kvfleet.kernels.cpu_decoder import (
     Linear,
     matmul_available,
 )
-from kvfleet.runtime.worker.cpu_plan import CpuPlan
+from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,6 @@ the kernels to run instead: ``float32`` (the float32 kernels: one stream is fast
 CPUs), ``avx512_bf16`` or ``amx`` (where the library and CPU have them). Unset: the plan's."""
 PREFILL_ENV = "KVFLEET_CPU_FUSED_PREFILL"
 """``1`` runs prefill chunks and mixed steps fused too, ``0`` never; unset: :func:`fused_prefill`'s default."""
-MATMUL_NAMES = {"float32": "float32", "amx": "on AMX tiles (bf16)", "avx512_bf16": "AVX512-BF16 dot products (bf16)"}
 DECODE_ROWS = 64
 """Most rows of a decode or speculative step that runs fused while fused prefill is off."""
 MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -128,8 +128,11 @@ class CpuPlan:
     def describe(self) -> str:
         """One line for the start-up log."""
         return (f"activations {self.dtype}, weights {self.weights}, fused decoder "
-                f"{'expected' if self.fused_decoder else 'off'}{_ON[self.matmul]}, prefill "
+                f"{'expected' if self.fused_decoder else 'off'}{self._on()}, prefill "
                 f"{self._prefill()}: {self.reason}")
+
+    def _on(self) -> str:
+        return f" on {MATMUL_NAMES[self.matmul]}" if self.bf16_matmuls else ""
 
     def _prefill(self) -> str:
         if self.bf16_matmuls:
@@ -141,11 +144,13 @@ class CpuPlan:
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 
-_ON = {"float32": "", "amx": " on AMX tiles (bf16 matmuls)",
-       "avx512_bf16": " on AVX512-BF16 dot products (bf16 matmuls)"}
-_BF16_MATMULS = ("; the fused decoder's matmuls {} (activations and dequantized weights rounded to bf16, "
+MATMUL_NAMES = {"float32": "float32", "avx512_bf16": "AVX512-BF16 dot products (bf16)", "amx": "AMX tiles (bf16)"}
+"""Each matmul kernel of the fused decoder (:attr:`CpuPlan.matmul`) as the start-up lines name it."""
+BF16_LEVELS = ("avx512_bf16", "amx")
+"""The ISA levels whose own bf16 kernels the fused decoder runs (the level's name is the kernel's:
+``cpu_dpbf16.h``'s dot products, ``cpu_amx.h``'s tiles)."""
+_BF16_MATMULS = ("; the fused decoder's matmuls on {} (activations and dequantized weights rounded to bf16, "
                  "float32 sums: every row summed alike in any batch), prefill fused in them")
-_BF16_KERNELS = {"amx": "on AMX tiles", "avx512_bf16": "as AVX512-BF16 dot products (vdpbf16ps)"}
 _INVARIANT = "; prefill float32 (--batch-invariant; --no-batch-invariant: native bf16 prefill, faster)"
 _BF16_PREFILL = ("; prefill matmuls in bf16 on this CPU's native bf16 (the quantized weights dequantized to "
                  "bf16: a rounding far below the quantization's own error; decode stays float32)")
@@ -186,7 +191,7 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
     native_q4_1 = checkpoint_weights == "q4_1" and facts.woq_kernels
     # bf16 matmuls where the CPU has them natively (the best kernel of its ISA level)
-    bf16_kernel = features.isa_level if features.isa_level in _BF16_KERNELS and fused_possible and dtype != "float32" \
+    bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and dtype != "float32" \
         else "float32"
     if dtype == "auto" and quantization is None and fused_possible and native_q4_1:
         bf16_prefill = features.native_bf16 and not batch_invariant
@@ -240,7 +245,7 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
 
 
 def _bf16_matmuls(matmul: str) -> str:
-    return _BF16_MATMULS.format(_BF16_KERNELS[matmul]) if matmul in _BF16_KERNELS else ""
+    return _BF16_MATMULS.format(MATMUL_NAMES[matmul]) if matmul in BF16_LEVELS else ""
 
 
 def _why_not_fused(features: CpuFeatures, facts: CpuFacts, kernels: bool, single: bool,
