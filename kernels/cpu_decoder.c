@@ -28,7 +28,8 @@
  * attention of each query head over its KV head's cached positions (grouped-query attention,
  * online softmax, Milakov & Gimelshein 2018); x += attn Wo^T; h = rmsnorm(x);
  * x += (silu(h Wg^T) * h Wu^T) Wd^T. The weights are kv_matrix (cpu_gemv.h: fp32, int8, int4);
- * gate_up holds the I gate rows, then the I up rows.
+ * gate_up holds the I gate rows, then the I up rows. A layer with experts (kv_layer.moe) runs
+ * cpu_moe.h's moe_phase in place of that MLP: router, top-k, each expert's rows as one group.
  *
  * Threads: cpu_pool.h (the pool, its phases and the step's scratch). Sizes and the step's state:
  * cpu_step.h. Attention, rotary and the cache writes: cpu_attention.h.
@@ -222,6 +223,8 @@ static inline void timed(int which, int64_t *t) {
     *t = now;
 }
 
+#include "cpu_moe.h"   /* a layer's experts (moe_phase), over the helpers above */
+
 /* Scratch for a step of M rows, grown as needed (P.lock held): floats (with bf16 matmuls, the
  * packed input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
 static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
@@ -280,7 +283,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
     const int64_t matmul = step_matmul(d);
     pthread_mutex_lock(&P.lock);
-    if (grow_scratch(d, M, matmul != KV_MATMUL_F32)) {
+    if (grow_scratch(d, M, matmul != KV_MATMUL_F32) || moe_reserve(d, M, matmul != KV_MATMUL_F32)) {
         pthread_mutex_unlock(&P.lock);
         return -1;
     }
@@ -309,11 +312,15 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
         timed(PROF_O, &t);
         norm_rows(&s, s.L->post_norm, s.h, 1);
         timed(PROF_NORM, &t);
-        kv_parallel(task_mlp, &s, spans(&s, I));
-        pack_input(&s, s.act, I);
-        timed(PROF_MLP, &t);
-        kv_parallel(task_down, &s, spans(&s, H));
-        timed(PROF_DOWN, &t);
+        if (s.L->moe) {
+            moe_phase(&s, &t);
+        } else {
+            kv_parallel(task_mlp, &s, spans(&s, I));
+            pack_input(&s, s.act, I);
+            timed(PROF_MLP, &t);
+            kv_parallel(task_down, &s, spans(&s, H));
+            timed(PROF_DOWN, &t);
+        }
     }
     norm_rows(&s, d->final_norm, out, 0);   /* the LM head packs the rows it takes (lm_head) */
     timed(PROF_NORM, &t);

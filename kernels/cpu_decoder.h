@@ -1,5 +1,5 @@
 /* kvfleet CPU kernels: the fused decoder's description (cpu_decoder.c's input), the structs that
- * kernels/cpu_lib.py mirrors with ctypes (kv_matrix in cpu_gemv.h; kv_layer and kv_decoder here).
+ * kernels/cpu_lib.py mirrors with ctypes (kv_matrix in cpu_gemv.h; kv_moe, kv_layer and kv_decoder here).
  * Their sizes are exported by kv_abi_sizes and compared with the mirrors when the library loads:
  * change a struct here and its mirror in cpu_lib.py together. */
 #ifndef KVFLEET_CPU_DECODER_H
@@ -8,6 +8,19 @@
 #include "cpu_amx.h"
 #include "cpu_gemv.h"
 
+/* kv_moe.scoring: how the router's logits become the top-k experts' weights (cpu_moe.h, moe_route). */
+enum { KV_MOE_SOFTMAX = 0, KV_MOE_TOPK_SOFTMAX = 1 };
+
+/* A layer's mixture of experts (kv_layer.moe; cpu_moe.h runs it in place of the dense MLP). */
+typedef struct {
+    int64_t num_experts, top_k, intermediate;   /* E, k (<= 16), each expert's MLP width I */
+    int64_t norm_topk_prob;                     /* KV_MOE_SOFTMAX: renormalise the top-k weights */
+    int64_t scoring;                            /* KV_MOE_SOFTMAX or KV_MOE_TOPK_SOFTMAX */
+    kv_matrix router;                           /* [E, H] float32 (bias allowed); float32 kernels always */
+    const kv_matrix *gate_up;                   /* [E]: [2 I, H] each, gate rows then up rows */
+    const kv_matrix *down;                      /* [E]: [H, I] each */
+} kv_moe;
+
 typedef struct {
     const float *input_norm, *post_norm;   /* [H] RMSNorm weights */
     kv_matrix qkv;                         /* [(QH + 2 KVH) D, H]: q rows, then k, then v */
@@ -15,6 +28,7 @@ typedef struct {
     kv_matrix gate_up;                     /* [2 I, H]: gate rows, then up rows */
     kv_matrix down;                        /* [H, I] */
     void *k_cache, *v_cache;               /* [num_blocks, block_size, KVH, D], kv_decoder.cache_dtype */
+    const kv_moe *moe;                     /* NULL: the dense MLP (gate_up, down); else the experts (those unused) */
 } kv_layer;
 
 /* kv_decoder.cache_dtype: the KV caches' element type (activations are float32 either way). */
@@ -36,11 +50,12 @@ typedef struct {
 } kv_decoder;
 
 
-/* sizeof() of kv_matrix, kv_layer and kv_decoder into out[0 .. n - 1]; returns how many there are. */
+/* sizeof() of kv_matrix, kv_layer, kv_decoder and kv_moe into out[0 .. n - 1]; returns how many there are. */
 static inline int64_t kv_abi_sizes_of(int64_t *out, int64_t n) {
-    const int64_t sizes[] = {(int64_t)sizeof(kv_matrix), (int64_t)sizeof(kv_layer), (int64_t)sizeof(kv_decoder)};
-    for (int64_t i = 0; i < n && i < 3; i++) out[i] = sizes[i];
-    return 3;
+    const int64_t sizes[] = {(int64_t)sizeof(kv_matrix), (int64_t)sizeof(kv_layer), (int64_t)sizeof(kv_decoder),
+                             (int64_t)sizeof(kv_moe)};
+    for (int64_t i = 0; i < n && i < 4; i++) out[i] = sizes[i];
+    return 4;
 }
 
 #endif

@@ -64,7 +64,7 @@ CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """KV cache dtypes the C step reads (``KV_CACHE_F32`` / ``KV_CACHE_BF16`` in cpu_decoder.h)."""
 
 
-_Matrix, _Layer, _Decoder = cpu_lib.Matrix, cpu_lib.Layer, cpu_lib.Decoder
+_Matrix, _Layer, _Decoder, _Moe = cpu_lib.Matrix, cpu_lib.Layer, cpu_lib.Decoder, cpu_lib.Moe
 
 
 @dataclass
@@ -115,18 +115,93 @@ def _data(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _mlp(m: Linear | None) -> _Matrix:
+    """A dense MLP matrix, or an empty one where the layer has experts instead (unused by C)."""
+    return m.struct() if m is not None else _Matrix()
+
+
+MOE_SCORINGS = {"softmax": 0, "topk_softmax": 1}
+"""How a router's logits become the weights of a token's ``top_k`` experts (``KV_MOE_*`` in
+cpu_decoder.h; ``moe_route`` in cpu_moe.h, the one definition):
+
+- ``softmax``: the softmax over all ``E`` logits, its ``top_k`` largest (ties: the lower expert id),
+  divided by their sum if ``norm_topk_prob``. Qwen3-MoE (``norm_topk_prob`` as its config says) and
+  Mixtral (always renormalised: the same numbers as the softmax over the top-k logits, and the order
+  transformers computes them in).
+- ``topk_softmax``: the ``top_k`` largest logits, then the softmax over those (GPT-OSS's order; its
+  router bias is the router :class:`Linear`'s ``bias``).
+
+A token's output is its experts' outputs times their weights, summed in ascending expert id."""
+MAX_TOP_K = 16
+"""Most experts per token (``KV_MOE_MAX_K``)."""
+
+
+@dataclass
+class MoeLayer:
+    """A layer's mixture of experts, in place of its dense MLP (:class:`Layer` ``moe``).
+
+    ``router``: ``[E, H]`` float32 :class:`Linear` (``fp32``, bias allowed; run on the float32
+    kernels whatever the decoder's matmuls, so routing decisions never see bf16 rounding);
+    ``gate_up``: ``E`` layers ``[2 I, H]`` (gate rows, then up rows), ``down``: ``E`` layers
+    ``[H, I]``, in any :class:`Linear` format (all experts of a layer in one format; the C step
+    groups a step's tokens by expert so each expert's weights are read once per step);
+    ``top_k``, ``norm_topk_prob``, ``scoring``: see :data:`MOE_SCORINGS`."""
+
+    router: Linear
+    gate_up: list[Linear]
+    down: list[Linear]
+    top_k: int
+    norm_topk_prob: bool = True
+    scoring: str = "softmax"
+
+    @property
+    def intermediate(self) -> int:
+        """``I``: each expert's MLP width."""
+        return self.gate_up[0].shape[0] // 2 if self.gate_up else 0
+
+    def check(self, name: str, hidden: int) -> None:
+        """ValueError unless the experts fit a decoder of ``hidden`` features (see the class docstring)."""
+        E, inter = len(self.gate_up), self.intermediate
+        if E < 1 or len(self.down) != E:
+            raise ValueError(f"{name}: {E} gate_up and {len(self.down)} down experts; need as many, at least one")
+        if not 1 <= self.top_k <= min(E, MAX_TOP_K):
+            raise ValueError(f"{name}: top_k {self.top_k} must be 1..{min(E, MAX_TOP_K)} ({E} experts)")
+        if self.scoring not in MOE_SCORINGS:
+            raise ValueError(f"{name}: scoring {self.scoring!r} is not one of {', '.join(MOE_SCORINGS)}")
+        if self.router.fmt != "fp32":
+            raise ValueError(f"{name}: the router must be fp32, got {self.router.fmt}")
+        self.router.check(f"{name} router", E, hidden)
+        if inter < 1 or len({(m.fmt, m.group) for m in (*self.gate_up, *self.down)}) != 1:
+            raise ValueError(f"{name}: experts of width {inter} in formats "
+                             f"{sorted({m.fmt for m in (*self.gate_up, *self.down)})}; need one format")
+        for e, (gu, down) in enumerate(zip(self.gate_up, self.down)):
+            gu.check(f"{name} expert {e} gate_up", 2 * inter, hidden)
+            down.check(f"{name} expert {e} down", hidden, inter)
+
+    def struct(self) -> tuple[_Moe, tuple]:
+        """The ``kv_moe`` and the ctypes arrays it points to (keep both alive)."""
+        E = len(self.gate_up)
+        gate_up = (_Matrix * E)(*[m.struct() for m in self.gate_up])
+        down = (_Matrix * E)(*[m.struct() for m in self.down])
+        moe = _Moe(E, self.top_k, self.intermediate, int(self.norm_topk_prob), MOE_SCORINGS[self.scoring],
+                   self.router.struct(), gate_up, down)
+        return moe, (gate_up, down)
+
+
 @dataclass
 class Layer:
-    """One decoder layer: norms ``[H]`` float32, the four linear layers, its KV caches."""
+    """One decoder layer: norms ``[H]`` float32, the four linear layers, its KV caches; ``moe``: a
+    mixture of experts in place of the dense MLP (then ``gate_up`` and ``down`` are None)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: Linear
     o: Linear
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | None
+    down: Linear | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    moe: MoeLayer | None = None
 
 
 @dataclass
@@ -188,7 +263,8 @@ class FusedDecoder:
         if D % 8 or QH % KVH or not w.layers:
             raise ValueError(f"unsupported attention geometry: {QH} query heads, {KVH} KV heads, head size {D}")
         H = w.final_norm.shape[0]
-        inter = w.layers[0].gate_up.shape[0] // 2
+        dense = [layer for layer in w.layers if layer.moe is None and layer.gate_up is not None]
+        inter = dense[0].gate_up.shape[0] // 2 if dense else 0
         block_size = w.layers[0].k_cache.shape[1]
         cache_dtype = w.layers[0].k_cache.dtype
         if cache_dtype not in CACHE_DTYPES:
@@ -196,8 +272,13 @@ class FusedDecoder:
         for i, layer in enumerate(w.layers):
             layer.qkv.check(f"layer {i} qkv", (QH + 2 * KVH) * D, H)
             layer.o.check(f"layer {i} o", H, QH * D)
-            layer.gate_up.check(f"layer {i} gate_up", 2 * inter, H)
-            layer.down.check(f"layer {i} down", H, inter)
+            if layer.moe is not None:
+                layer.moe.check(f"layer {i} moe", H)
+            elif layer.gate_up is None or layer.down is None:
+                raise ValueError(f"layer {i} has neither a dense MLP (gate_up, down) nor experts (moe)")
+            else:
+                layer.gate_up.check(f"layer {i} gate_up", 2 * inter, H)
+                layer.down.check(f"layer {i} down", H, inter)
             for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
                 if t.shape != (H,) or t.dtype != torch.float32 or not t.is_contiguous():
                     raise ValueError(f"layer {i} {name} must be a contiguous float32 [{H}] tensor")
@@ -214,12 +295,15 @@ class FusedDecoder:
         self.cache_dtype = cache_dtype
         """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""
         self.hidden, self.vocab_size = H, (w.head.shape[0] if w.head is not None else 0)
+        self._moes = [layer.moe.struct() if layer.moe is not None else None for layer in w.layers]
         self._layers = (_Layer * len(w.layers))(*[
             _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv.struct(), layer.o.struct(),
-                   layer.gate_up.struct(), layer.down.struct(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
-            for layer in w.layers])
+                   *(_mlp(layer.gate_up), _mlp(layer.down)), layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
+                   ctypes.pointer(moe[0]) if moe is not None else None)
+            for layer, moe in zip(w.layers, self._moes)])
         self._head = w.head.struct() if w.head is not None else None
-        matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
+        matrices += [m for layer in w.layers if layer.moe is not None for m in (*layer.moe.gate_up, *layer.moe.down)]
         matrices += [w.head] if w.head is not None else []
         shapes = all(m.shape[1] % 32 == 0 and (matmul != "amx" or m.shape[0] % 16 == 0) for m in matrices)
         self.matmul = matmul if shapes and matmul_available(matmul) else "float32"

@@ -5,7 +5,8 @@ the ABI check. The one module that compiles, names, loads and binds it; the ops 
 
 Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``, ``cpu_dpbf16.h`` and ``cpu_amx.h``;
 ``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check; the decoder's
-pool, step state and attention are ``cpu_pool.h``, ``cpu_step.h`` and ``cpu_attention.h``), one ``.so``.
+pool, step state and attention are ``cpu_pool.h``, ``cpu_step.h`` and ``cpu_attention.h``, a layer's
+mixture of experts ``cpu_moe.h``), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -29,7 +30,7 @@ about a second per variant, once per cache folder. A library prebuilt into ``$KV
 nothing is compiled: that folder may be read-only.
 
 ABI check: the C side exports ``kv_abi_sizes``, the ``sizeof`` of each struct the ctypes side
-mirrors (:data:`STRUCTS`: ``kv_matrix``, ``kv_layer``, ``kv_decoder``); :func:`load` compares them
+mirrors (:data:`STRUCTS`: ``kv_matrix``, ``kv_layer``, ``kv_decoder``, ``kv_moe``); :func:`load` compares them
 with ``ctypes.sizeof`` and refuses a library that disagrees (:class:`AbiMismatch`, logged, and
 :func:`available` is False), rather than pass misread pointers to C.
 """
@@ -52,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h", "cpu_decoder.h",
-                                                     "cpu_pool.h", "cpu_step.h", "cpu_attention.h"))
+                                                     "cpu_pool.h", "cpu_step.h", "cpu_attention.h",
+                                                     "cpu_moe.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
@@ -84,11 +86,20 @@ class Matrix(ctypes.Structure):
                 ("group", _i64), ("bias", _ptr)]
 
 
+class Moe(ctypes.Structure):
+    """``kv_moe`` (cpu_decoder.h)."""
+
+    _fields_ = [("num_experts", _i64), ("top_k", _i64), ("intermediate", _i64), ("norm_topk_prob", _i64),
+                ("scoring", _i64), ("router", Matrix), ("gate_up", ctypes.POINTER(Matrix)),
+                ("down", ctypes.POINTER(Matrix))]
+
+
 class Layer(ctypes.Structure):
     """``kv_layer`` (cpu_decoder.h)."""
 
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Matrix), ("o", Matrix),
-                ("gate_up", Matrix), ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("gate_up", Matrix), ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("moe", ctypes.POINTER(Moe))]
 
 
 class Decoder(ctypes.Structure):
@@ -101,7 +112,7 @@ class Decoder(ctypes.Structure):
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),
-                                                          ("kv_decoder", Decoder))
+                                                          ("kv_decoder", Decoder), ("kv_moe", Moe))
 """The C structs mirrored here, in ``kv_abi_sizes``'s order."""
 
 
