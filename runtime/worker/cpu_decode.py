@@ -9,8 +9,10 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   is not ``0``;
 - no tensor parallelism, no LoRA, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
   not ``triton``);
-- the model is a Llama, Mistral or Qwen2 decoder with SiLU gating, no sliding window, no q/k
-  norms, rotary embeddings over the whole head, and linear layers that are plain float32
+- the model is a Llama, Mistral, Qwen2 or Mixtral decoder with SiLU gating, no sliding window, no q/k
+  norms (Qwen3-MoE's experts are read, its per-head q/k norms are not yet: it stays on transformers'
+  modules), rotary embeddings over the whole head, MoE blocks (router and experts) that
+  :func:`~kvfleet.runtime.worker.moe_experts.moe_layer` reads, and linear layers (the experts' too) that are plain float32
   ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
   :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
@@ -62,6 +64,7 @@ from kvfleet.kernels.cpu_decoder import (
     matmul_available,
 )
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
+from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -76,7 +79,7 @@ PREFILL_ENV = "KVFLEET_CPU_FUSED_PREFILL"
 """``1`` runs prefill chunks and mixed steps fused too, ``0`` never; unset: :func:`fused_prefill`'s default."""
 DECODE_ROWS = 64
 """Most rows of a decode or speculative step that runs fused while fused prefill is off."""
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 _FUSED_ATTR = "_kvfleet_fused"
 
 
@@ -150,15 +153,17 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
 
 
 def _fused_layer(layer: torch.nn.Module) -> tuple[Linear, Linear] | None:
-    """``(qkv, gate_up)`` of a decoder layer, fused on first use and kept on the layer."""
+    """``(qkv, gate_up)`` of a decoder layer, fused on first use and kept on the layer (``gate_up``
+    None for a mixture of experts)."""
     cached = getattr(layer, _FUSED_ATTR, None)
     attn, mlp = layer.self_attn, layer.mlp
+    moe = is_moe_block(mlp)
     if cached is not None and cached[0].w.data_ptr() == attn.q_proj.weight.data_ptr() \
-            and cached[1].w.data_ptr() == mlp.gate_proj.weight.data_ptr():
+            and (moe or cached[1].w.data_ptr() == mlp.gate_proj.weight.data_ptr()):
         return cached
     qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if qkv is not None else None
-    if gate_up is None:
+    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if qkv is not None and not moe else None
+    if qkv is None or (gate_up is None and not moe):
         return None
     object.__setattr__(layer, _FUSED_ATTR, (qkv, gate_up))
     return qkv, gate_up
@@ -283,14 +288,18 @@ def build(runner: Runner) -> CpuDecodePath | None:
     layers = []
     if decoder is not None:
         for i, layer in enumerate(decoder.layers):
+            moe = moe_layer(layer.mlp, _linear) if is_moe_block(layer.mlp) else None
+            if isinstance(moe, str):
+                reason = f"layer {i}'s mixture of experts: {moe}"
+                break
             fused = _fused_layer(layer)
-            o, down = _linear(layer.self_attn.o_proj), _linear(layer.mlp.down_proj)
-            if fused is None or o is None or down is None:
+            o, down = _linear(layer.self_attn.o_proj), None if moe else _linear(layer.mlp.down_proj)
+            if fused is None or o is None or (down is None and moe is None):
                 reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4"
                 break
             k_cache, v_cache = runner.kv_caches[i]
             layers.append(Layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                fused[0], o, fused[1], down, k_cache, v_cache))
+                                fused[0], o, fused[1], down, k_cache, v_cache, moe=moe))
     if reason is not None:
         logger.info("fused CPU decode: off (%s)", reason)
         return None
@@ -304,8 +313,10 @@ def build(runner: Runner) -> CpuDecodePath | None:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
     prefill = fused_prefill(fused.matmul)
-    logger.info("fused CPU decode: on (%d layers, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
-                len(layers), layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
+    experts = [layer.moe for layer in layers if layer.moe is not None]
+    logger.info("fused CPU decode: on (%d layers%s, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
+                len(layers), f" ({len(experts)} with {len(experts[0].gate_up)} experts, top {experts[0].top_k})"
+                if experts else "", layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
                 str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
                 "fused" if prefill else "in torch")
     return CpuDecodePath(runner, fused, prefill)

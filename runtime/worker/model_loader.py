@@ -401,6 +401,11 @@ def load_model(
         hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)
+    if dev.type == "cpu" and tensor_parallel_size == 1:  # experts as per-expert linears: quantized like any
+        from kvfleet.runtime.worker.moe_experts import split_experts
+
+        if split_experts(hf_model):
+            logger.info("mixture of experts: each expert's fused weights as linear layers (views, no copy)")
     if quantization is not None:
         quantize_model(hf_model, quantization)
     if plan is not None and plan.gguf_q4_1:
