@@ -11,7 +11,8 @@
  *            order; each group starts at a multiple of 16 rows, as the AMX tiles and the packed
  *            bf16 input want) and run as one matmul over the group: act = silu(g W_gu[e][:I]^T) *
  *            (g W_gu[e][I:]^T), y = act W_down[e]^T -- each expert's weights are read once per
- *            step (per KV_MOE_ROWS rows), in whatever format and matmul kind the dense layers use
+ *            step (per pass of KV_MOE_GATHERED / k rows: 2048 with top-2, a whole default prefill
+ *            chunk), in whatever format and matmul kind the dense layers use
  *            (rows_of: float32, AMX tiles, AVX512-BF16 dot products). Tasks are (expert, channel
  *            span) pairs over the experts that have rows.
  *   combine  x[m] += sum over m's k experts in ascending expert id of (w * y): a product then a
@@ -37,7 +38,7 @@
 #ifndef KVFLEET_CPU_MOE_H
 #define KVFLEET_CPU_MOE_H
 
-#define KV_MOE_ROWS 512     /* step rows per pass of the experts (bounds the gathered scratch) */
+#define KV_MOE_GATHERED 4096  /* (row, expert) pairs per pass of the experts: KV_MOE_GATHERED / k step rows */
 #define KV_MOE_MAX_K 16     /* most experts per token */
 
 /* One row's routing (see the contract): logits [E] -> ids [k] in ascending expert id, weights [k]
@@ -91,20 +92,25 @@ static struct {
     int64_t ints;
 } MOE;
 
-/* Sizes of one pass over R step rows for the largest kv_moe of d (G: gathered rows, padded). */
+/* Step rows per pass of a layer's experts. */
+static inline int64_t moe_pass_rows(const kv_moe *m) { return KV_MOE_GATHERED / m->top_k; }
+
+/* Bounds of one pass, over the kv_moe layers of d, for steps of M rows: R step rows, E experts, k
+ * per row, I width, G gathered rows (each group padded to 16), tasks. */
 typedef struct { int64_t R, E, k, I, G, tasks; } kv_moe_sizes;
 
 static kv_moe_sizes moe_sizes(const kv_decoder *d, int64_t M) {
-    kv_moe_sizes z = {.R = M < KV_MOE_ROWS ? M : KV_MOE_ROWS};
+    kv_moe_sizes z = {0};
     for (int64_t l = 0; l < d->num_layers; l++) {
         const kv_moe *m = d->layers[l].moe;
         if (!m) continue;
+        const int64_t R = min64(M, moe_pass_rows(m)), G = R * m->top_k + 15 * min64(R * m->top_k, m->num_experts);
+        z.R = R > z.R ? R : z.R;
+        z.G = G > z.G ? G : z.G;
         z.E = m->num_experts > z.E ? m->num_experts : z.E;
         z.k = m->top_k > z.k ? m->top_k : z.k;
         z.I = m->intermediate > z.I ? m->intermediate : z.I;
     }
-    const int64_t used = z.R * z.k < z.E ? z.R * z.k : z.E;   /* experts with rows, at most */
-    z.G = z.R * z.k + 15 * used;
     z.tasks = 2 * (4 * (KV_MAX_THREADS + 1) + z.E);   /* moe_tasks: at most parts + experts */
     return z;
 }
@@ -264,8 +270,8 @@ static void moe_phase(kv_step *s, int64_t *t) {
     const kv_moe *moe = s->L->moe;
     const int64_t H = s->d->hidden, E = moe->num_experts, k = moe->top_k, I = moe->intermediate;
     const kv_moe_sizes z = moe_sizes(s->d, s->M);
-    for (int64_t r0 = 0; r0 < s->M; r0 += KV_MOE_ROWS) {
-        kv_moe_pass p = {.s = s, .moe = moe, .r0 = r0, .rows = min64(KV_MOE_ROWS, s->M - r0)};
+    for (int64_t r0 = 0; r0 < s->M; r0 += moe_pass_rows(moe)) {
+        kv_moe_pass p = {.s = s, .moe = moe, .r0 = r0, .rows = min64(moe_pass_rows(moe), s->M - r0)};
         p.logits = MOE.f;
         p.wts = p.logits + z.R * z.E;
         p.xg = p.wts + z.R * z.k;

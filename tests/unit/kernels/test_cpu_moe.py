@@ -32,19 +32,20 @@ from .test_cpu_decoder import (  # noqa: E402
 
 E, IE = 6, 96   # experts per MoE layer, each expert's width
 BLOCKS = 100    # cache blocks per layer (two per row of _separate_rows)
-ROUTINGS = {    # (top_k, norm_topk_prob, scoring): Mixtral, Qwen3-MoE (as shipped: norm off), GPT-OSS's order
-    "mixtral": (2, True, "softmax"),
-    "qwen3_moe": (3, False, "softmax"),
-    "topk_softmax": (2, True, "topk_softmax"),
+ROUTINGS = {    # (experts, top_k, norm_topk_prob, scoring): Mixtral, Qwen3-MoE (as shipped: norm off),
+    "mixtral": (E, 2, True, "softmax"),     # GPT-OSS's order, and 16 of 20 (a pass of the experts: 256 rows)
+    "qwen3_moe": (E, 3, False, "softmax"),
+    "topk_softmax": (E, 2, True, "topk_softmax"),
+    "top16": (20, 16, True, "softmax"),
 }
 
 
 def _moe(fmt: str, gen: torch.Generator, routing: str, router_bias: bool = False):
     """A random MoeLayer in ``fmt`` and its float64 reference (router, router bias, experts)."""
-    top_k, norm, scoring = ROUTINGS[routing]
-    router = torch.randn(E, H, generator=gen) * 0.3
-    bias = torch.randn(E, generator=gen) * 0.3 if router_bias else None
-    experts = [(_linear(fmt, 2 * IE, H, gen), _linear(fmt, H, IE, gen)) for _ in range(E)]
+    count, top_k, norm, scoring = ROUTINGS[routing]
+    router = torch.randn(count, H, generator=gen) * 0.3
+    bias = torch.randn(count, generator=gen) * 0.3 if router_bias else None
+    experts = [(_linear(fmt, 2 * IE, H, gen), _linear(fmt, H, IE, gen)) for _ in range(count)]
     layer = MoeLayer(Linear("fp32", router.contiguous(), bias=bias), [gu for (gu, _), _ in experts],
                      [d for _, (d, _) in experts], top_k, norm, scoring)
     ref = (router.double(), None if bias is None else bias.double(), [g for (_, g), _ in experts],
@@ -189,7 +190,7 @@ def test_moe_step_matches_the_float64_reference(fmt, M):
 @pytest.mark.parametrize("router_bias", [False, True])
 def test_each_routing_matches_the_float64_reference(routing, router_bias):
     """softmax then top-k with and without renormalisation (Mixtral, Qwen3-MoE), top-k then
-    softmax (GPT-OSS's order), with and without a router bias; both layers MoE."""
+    softmax (GPT-OSS's order), 16 of 20 experts; with and without a router bias; both layers MoE."""
     weights, ref, head_ref = _model("fp32", routing, dense_layer=False, router_bias=router_bias, seed=3)
     _check_reference(weights, ref, head_ref, _separate_rows(12, seed=4))
 
@@ -256,11 +257,13 @@ def _prompt_rows(seqs: list[tuple[int, int]], blocks: int, gen: torch.Generator)
 
 
 @pytest.mark.parametrize("matmul", ["float32", *BF16_MATMULS])
-def test_a_step_longer_than_one_experts_pass_equals_one_row_steps(matmul):
-    """Prompt chunks of 600 rows in one step (the experts take 512 step rows a pass; on bf16
-    kinds the groups span several 256-row blocks): each row's hidden state and logits are bitwise
-    those of stepping its tokens one at a time, in order."""
-    weights, _, _ = _model("fp32" if matmul == "float32" else "int4", blocks=120)
+@pytest.mark.parametrize("routing", ["mixtral", "top16"])
+def test_a_prefill_sized_step_equals_one_row_steps(matmul, routing):
+    """Prompt chunks of 600 rows in one step: with top-2 one pass of the experts, whose groups
+    span several row blocks (64 rows; bf16 kinds 256); with top-16 of 20 three passes (4096 / 16 =
+    256 step rows each). Each row's hidden state and logits are bitwise those of stepping its
+    tokens one at a time, in order."""
+    weights, _, _ = _model("fp32" if matmul == "float32" else "int4", routing, blocks=120)
     x, cos, sin, slots, tables, lens = _prompt_rows([(0, 250), (40, 200), (7, 150)], 120,
                                                     torch.Generator().manual_seed(8))
     snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
