@@ -21,6 +21,9 @@ from kvfleet.runtime.worker import cpu_decode
 
 pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
 
+BF16_CACHE_TOLERANCE = 5e-3
+"""Log-probabilities of the fused and torch paths over one bf16 KV cache (the test below says why)."""
+
 
 @pytest.fixture(scope="module")
 def plain_run(smollm2_two_layers):
@@ -198,10 +201,12 @@ def plain_two_layers(smollm2_two_layers):
 def test_a_bf16_kv_cache_is_shared_by_the_fused_and_torch_paths(plain_two_layers, monkeypatch):
     """``kv_cache_dtype="bfloat16"`` on the float32 model: prefill, mixed steps and the prefix cache
     (torch) and decode (fused) read and write one bf16 cache, with the same greedy tokens and
-    log-probabilities as the torch path alone over a bf16 cache: within 1e-3 (measured 2.1e-4), not
-    float32's 1e-4, because the two paths' float32 keys differ by ~1e-7 and one that falls on the other
-    side of a bf16 rounding step moves by 2^-8 of itself; bf16 against a float32 cache moves them
-    ~1e-2, and a cache misread far more."""
+    log-probabilities as the torch path alone over a bf16 cache: within :data:`BF16_CACHE_TOLERANCE`,
+    not float32's 1e-4, because the two paths' float32 keys differ by ~1e-7 and one that falls on the
+    other side of a bf16 rounding step moves by 2^-8 of itself. How many keys fall so depends on
+    torch's float32 matmuls, which are the CPU vendor's BLAS code (measured 2.1e-4 on a Xeon with
+    MKL's AVX-512 kernels, 3.6e-3 on a Zen 4); bf16 against a float32 cache moves them ~1e-2, and a
+    cache misread far more (the greedy tokens then differ)."""
     import torch
 
     batch = prompts(plain_two_layers.tokenizer)
@@ -219,7 +224,7 @@ def test_a_bf16_kv_cache_is_shared_by_the_fused_and_torch_paths(plain_two_layers
     got, cached, got_lp = run(fused, batch)
     assert got == expected
     worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
-    assert worst <= 1e-3, worst
+    assert worst <= BF16_CACHE_TOLERANCE, worst
     assert cached > 0
 
 
