@@ -117,23 +117,39 @@ def _data(t: torch.Tensor | None) -> int | None:
 
 @dataclass
 class Layer:
-    """One decoder layer: norms ``[H]`` float32, the four linear layers, its KV caches."""
+    """One decoder layer: its RMSNorms (``[H]`` float32 or None: no norm there), the four linear
+    layers, its KV caches. ``attn_in_norm`` / ``mlp_in_norm`` normalize a sublayer's input (None:
+    the residual itself), ``attn_out_norm`` / ``mlp_out_norm`` its output before the residual add
+    (Gemma 3, GLM-4, OLMo 2). ``q_norm`` / ``k_norm``: with :attr:`DecoderWeights.qk_norm` ``head``
+    ``[D]``, with ``proj`` ``[QH D]`` / ``[KVH D]``, else None. ``window``: the sliding window (a
+    row attends to its last ``window`` positions; 0: all). ``rope``: which of the step's cos/sin
+    tables rotates this layer (Gemma 3's local and global layers differ)."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    attn_in_norm: torch.Tensor | None
+    mlp_in_norm: torch.Tensor | None
     qkv: Linear
     o: Linear
     gate_up: Linear
     down: Linear
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    window: int = 0
+    rope: int = 0
 
 
 @dataclass
 class DecoderWeights:
     """The whole decoder. ``eps``: RMSNorm epsilon; ``scale``: the softmax scale (usually
     ``D ** -0.5``); ``head``: the LM head ``[V, H]`` or None (then :meth:`FusedDecoder.step`
-    returns no logits)."""
+    returns no logits). ``qk_norm`` (:data:`QK_NORMS`): RMSNorm of the new queries and keys
+    before rotary, per head or over the projection; ``act`` (:data:`ACTS`): the gated MLP's
+    activation; rotary over the first ``rotary_dim`` elements of each head (0: all ``D``), halves
+    (``rotary_interleaved`` False) or pairs of neighbours (GLM-4); ``residual_scale``: each
+    sublayer's output times this before it is added (Granite's ``residual_multiplier``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -143,6 +159,17 @@ class DecoderWeights:
     layers: list[Layer]
     final_norm: torch.Tensor
     head: Linear | None
+    qk_norm: str = "none"
+    act: str = "silu"
+    rotary_dim: int = 0
+    rotary_interleaved: bool = False
+    residual_scale: float = 1.0
+
+
+QK_NORMS = {"none": 0, "head": 1, "proj": 2}
+"""``DecoderWeights.qk_norm`` values (``KV_QK_*`` in cpu_decoder.h)."""
+ACTS = {"silu": 0, "gelu_tanh": 1}
+"""``DecoderWeights.act`` values (``KV_ACT_*`` in cpu_decoder.h)."""
 
 
 MATMULS = ("float32", "avx512_bf16", "amx")
@@ -187,6 +214,12 @@ class FusedDecoder:
         QH, KVH, D = w.num_heads, w.num_kv_heads, w.head_size
         if D % 8 or QH % KVH or not w.layers:
             raise ValueError(f"unsupported attention geometry: {QH} query heads, {KVH} KV heads, head size {D}")
+        R = w.rotary_dim or D
+        if R % 2 or not 0 < R <= D:
+            raise ValueError(f"rotary_dim {R} must be even and within the head size {D}")
+        if w.qk_norm not in QK_NORMS or w.act not in ACTS:
+            raise ValueError(f"qk_norm must be one of {', '.join(QK_NORMS)} and act one of {', '.join(ACTS)}; "
+                             f"got {w.qk_norm!r}, {w.act!r}")
         H = w.final_norm.shape[0]
         inter = w.layers[0].gate_up.shape[0] // 2
         block_size = w.layers[0].k_cache.shape[1]
@@ -198,9 +231,18 @@ class FusedDecoder:
             layer.o.check(f"layer {i} o", H, QH * D)
             layer.gate_up.check(f"layer {i} gate_up", 2 * inter, H)
             layer.down.check(f"layer {i} down", H, inter)
-            for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
-                if t.shape != (H,) or t.dtype != torch.float32 or not t.is_contiguous():
-                    raise ValueError(f"layer {i} {name} must be a contiguous float32 [{H}] tensor")
+            qk = {"none": (None, None), "head": (D, D), "proj": (QH * D, KVH * D)}[w.qk_norm]
+            for name, size in (("attn_in_norm", H), ("attn_out_norm", H), ("mlp_in_norm", H), ("mlp_out_norm", H),
+                               ("q_norm", qk[0]), ("k_norm", qk[1])):
+                t = getattr(layer, name)
+                if t is None and name in ("q_norm", "k_norm") and size is not None:
+                    raise ValueError(f"layer {i} {name} is missing (qk_norm {w.qk_norm!r})")
+                if t is not None and (size is None or t.shape != (size,) or t.dtype != torch.float32
+                                      or not t.is_contiguous()):
+                    raise ValueError(f"layer {i} {name} must be None or a contiguous float32 [{size}] tensor"
+                                     + (" (qk_norm 'none')" if size is None else ""))
+            if layer.window < 0 or layer.rope < 0:
+                raise ValueError(f"layer {i}: window {layer.window} and rope {layer.rope} must be >= 0")
             for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
                 if (t.dim() != 4 or t.shape[1:] != (block_size, KVH, D) or t.dtype != cache_dtype
                         or not t.is_contiguous() or t.device.type != "cpu"):
@@ -214,9 +256,14 @@ class FusedDecoder:
         self.cache_dtype = cache_dtype
         """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""
         self.hidden, self.vocab_size = H, (w.head.shape[0] if w.head is not None else 0)
+        self.rotary_dim = R
+        self.num_ropes = 1 + max(layer.rope for layer in w.layers)
+        """The cos/sin tables a step takes (:meth:`step`)."""
         self._layers = (_Layer * len(w.layers))(*[
-            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv.struct(), layer.o.struct(),
-                   layer.gate_up.struct(), layer.down.struct(), layer.k_cache.data_ptr(), layer.v_cache.data_ptr())
+            _Layer(_data(layer.attn_in_norm), _data(layer.attn_out_norm), _data(layer.mlp_in_norm),
+                   _data(layer.mlp_out_norm), _data(layer.q_norm), _data(layer.k_norm), layer.qkv.struct(),
+                   layer.o.struct(), layer.gate_up.struct(), layer.down.struct(), layer.k_cache.data_ptr(),
+                   layer.v_cache.data_ptr(), layer.window, layer.rope)
             for layer in w.layers])
         self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -227,7 +274,8 @@ class FusedDecoder:
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,
-                                CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul])
+                                CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul], QK_NORMS[w.qk_norm],
+                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale)
         self._lib = lib
         spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)
@@ -248,7 +296,9 @@ class FusedDecoder:
 
         Args:
             x: ``[M, H]`` float32 token embeddings (overwritten: the residual stream).
-            cos, sin: ``[M, D]`` float32 rotary embeddings of each row's position.
+            cos, sin: ``[R, M, rotary_dim]`` float32 rotary embeddings of each row's position, one
+                table per :attr:`num_ropes` (``[M, rotary_dim]`` when there is one), as the model's
+                rotary module returns them (``rotary_dim``: :attr:`rotary_dim`).
             slots: ``[M]`` int64 cache slot of each row's new key/value (-1: not written).
             block_tables: ``[M, W]`` int32 block ids of each row's sequence.
             seq_lens: ``[M]`` int32 positions each row attends over (its own included).
@@ -264,7 +314,7 @@ class FusedDecoder:
                 argument of the wrong shape or dtype.
         """
         M = x.shape[0]
-        D = self.weights.head_size
+        R, T = self.rotary_dim, self.num_ropes
         if not 1 <= M <= MAX_ROWS:
             raise ValueError(f"a fused step takes 1..{MAX_ROWS} rows, got {M}")
         if logits_indices is not None:
@@ -273,8 +323,9 @@ class FusedDecoder:
                 raise ValueError("logits_indices must be a contiguous int64 [L] tensor")
             if logits_indices.numel() and not (0 <= int(logits_indices.min()) and int(logits_indices.max()) < M):
                 raise ValueError(f"logits_indices must be rows 0..{M - 1}")
-        for name, t, shape, dtype in (("x", x, (M, self.hidden), torch.float32), ("cos", cos, (M, D), torch.float32),
-                                      ("sin", sin, (M, D), torch.float32), ("slots", slots, (M,), torch.int64),
+        table = (T, M, R) if cos.dim() == 3 or T > 1 else (M, R)
+        for name, t, shape, dtype in (("x", x, (M, self.hidden), torch.float32), ("cos", cos, table, torch.float32),
+                                      ("sin", sin, table, torch.float32), ("slots", slots, (M,), torch.int64),
                                       ("seq_lens", seq_lens, (M,), torch.int32)):
             if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous {dtype} {shape} tensor, got {t.dtype} {tuple(t.shape)}")
