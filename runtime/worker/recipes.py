@@ -187,7 +187,7 @@ def recipe_for(config) -> Recipe | str:
 
 def families_table() -> str:
     """The Markdown table of :data:`RECIPES` that docs/performance.md holds ("Model families")."""
-    rows = ["| model_type | path | norms | q/k norm | activation | rotary | multipliers | notes |",
+    rows = ["| model_type | path | norms | q/k norm | activation from | rotary | multipliers | notes |",
             "|---|---|---|---|---|---|---|---|"]
     for family, r in RECIPES.items():
         if r.unsupported:
@@ -199,7 +199,7 @@ def families_table() -> str:
         mult = ", ".join(f for f in (r.attn_scale_field, r.attn_scale_pre_field, r.embed_scale_field,
                                      r.residual_scale_field, r.logit_divisor_field) if f)
         notes = "; ".join(n for n in (r.note, ("fused " + " and ".join(fused) + " as stored") if fused else "") if n)
-        act = "per config" if r.act_field == "hidden_act" else f"per config ({r.act_field})"
+        act = f"`{r.act_field}`"
         rows.append(f"| {family} | fused C decoder | {norms} | {r.qk_norm} | {act} | {rotary} | {mult} | {notes} |")
     return "\n".join(rows)
 
