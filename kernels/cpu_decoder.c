@@ -1,4 +1,5 @@
-/* kvfleet CPU kernels: one engine step of a Llama-family decoder in one call, x86-64 AVX2 + FMA.
+/* kvfleet CPU kernels: one engine step of a dense decoder in one call, x86-64 AVX2 + FMA. The layer
+ * is data (kv_layer, kv_decoder in cpu_decoder.h; runtime/worker/recipes.py fills it per family).
  *
  * Contract (kernels/cpu_decoder.py builds the kv_decoder description once from the model's
  * tensors, checks every shape, and calls kv_decode once per step; nothing here validates):
@@ -13,22 +14,28 @@
  *   out [M, H] float32   the final RMSNorm of x (the LM head's input)
  *   logits [L, V]        the LM head on the rows logits_indices [L] of out (all M rows when
  *                        logits_indices is NULL), when the decoder has a head (else NULL)
- *   cos, sin [M, D]      each row's rotary embedding (transformers' rotary module output:
- *                        rotate-half convention, attention scaling included), D = head size
+ *   cos, sin [R, M, rd]  each row's rotary embedding in each of R tables (a layer uses table
+ *                        kv_layer.rope; transformers' rotary module output, attention scaling
+ *                        included), rd = kv_decoder.rotary_dim: the first rd elements of each
+ *                        head rotate, in halves or in interleaved pairs (kv_decoder.rotary_interleaved)
  *   slots [M] int64      cache slot of each row's new key/value (block * block_size + offset;
  *                        -1: not written)
  *   block_tables [M, W] int32 (rows `bt_stride` apart), seq_lens [M] int32: row i attends over
- *                        positions 0 .. len - 1 of its block table
+ *                        positions 0 .. len - 1 of its block table (len - window .. len - 1 in a
+ *                        layer with a sliding window; earlier blocks are not read)
  *   caches               per layer [num_blocks, block_size, KVH, D] keys and values, float32 or
  *                        bf16 (d->cache_dtype): a bf16 cache stores each key and value rounded to
  *                        nearest even (torch's .to(torch.bfloat16)) and attention widens them to
  *                        float32 in registers (a shift); all arithmetic stays float32
  *
- * Per layer: h = rmsnorm(x); q|k|v = h Wqkv^T; rotary on q and k; k, v written at the slot;
- * attention of each query head over its KV head's cached positions (grouped-query attention,
- * online softmax, Milakov & Gimelshein 2018); x += attn Wo^T; h = rmsnorm(x);
- * x += (silu(h Wg^T) * h Wu^T) Wd^T. The weights are kv_matrix (cpu_gemv.h: fp32, int8, int4);
- * gate_up holds the I gate rows, then the I up rows.
+ * Per layer (attention_phase, then mlp_phase; a NULL norm is none): h = attn_in(x);
+ * q|k|v = h Wqkv^T (+ bias); q_norm / k_norm per head or over the projection; rotary on q and k;
+ * k, v written at the slot; attention of each query head over its KV head's cached positions in
+ * the layer's window (grouped-query attention, online softmax, Milakov & Gimelshein 2018);
+ * x += attn_out(attn Wo^T) * residual_scale; h = mlp_in(x);
+ * x += mlp_out((act(h Wg^T) * h Wu^T) Wd^T) * residual_scale, act SiLU or GELU-tanh. The weights are
+ * kv_matrix (cpu_gemv.h: fp32, bf16, int8, int4, grouped int8); gate_up holds the I gate rows,
+ * then the I up rows.
  *
  * Threads: cpu_pool.h (the pool, its phases and the step's scratch). Sizes and the step's state:
  * cpu_step.h. Attention, rotary and the cache writes: cpu_attention.h.

@@ -1,4 +1,4 @@
-"""The fused CPU decoder: one engine step of a Llama-family decoder in one C call
+"""The fused CPU decoder: one engine step of a dense decoder in one C call
 (``kernels/cpu_decoder.c``, built into the same library as :mod:`kvfleet.kernels.cpu_woq` by
 :mod:`kvfleet.kernels.cpu_lib`, which also holds the ctypes mirrors of its structs).
 
@@ -14,10 +14,12 @@ the others), so a row's result is bitwise the same in any step
 
 Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
 and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
-weight reading (docs/performance.md, "Fused CPU decoder"). The C step runs every layer (RMSNorm,
-fused q|k|v, rotary, KV-cache write, grouped-query paged attention, o, fused gate|up with SiLU,
-down), the final norm and the LM head, with its own thread pool whose helpers spin briefly
-between phases and sleep between steps.
+weight reading (docs/performance.md, "Fused CPU decoder"). The C step runs every layer (RMSNorms
+where the layer has them, fused q|k|v, q/k norms, rotary, KV-cache write, grouped-query paged
+attention in the layer's window, o, fused gate|up with SiLU or GELU-tanh, down), the final norm and
+the LM head, with its own thread pool whose helpers spin briefly between phases and sleep between
+steps. The layer variants (:class:`Layer`, :class:`DecoderWeights`) are what the families of
+:mod:`kvfleet.runtime.worker.recipes` need.
 
 :class:`DecoderWeights` describes the model (built once; it keeps every tensor it points to
 alive, and the tensors must not move or be resized while it is used); :meth:`FusedDecoder.step`
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.kernels import cpu_lib
+from kvfleet.kernels.cpu_features import MATMUL_KERNELS
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
@@ -172,9 +175,10 @@ ACTS = {"silu": 0, "gelu_tanh": 1}
 """``DecoderWeights.act`` values (``KV_ACT_*`` in cpu_decoder.h)."""
 
 
-MATMULS = ("float32", "avx512_bf16", "amx")
-"""The fused decoder's matmul kernels: float32 (``cpu_gemv.h``), bf16 dot products (AVX512-BF16's
-``vdpbf16ps``, ``cpu_dpbf16.h``), bf16 on AMX tiles (``cpu_amx.h``)."""
+MATMULS = tuple(MATMUL_KERNELS)
+"""The fused decoder's matmul kernels (:data:`kvfleet.kernels.cpu_features.MATMUL_KERNELS`):
+float32 (``cpu_gemv.h``), bf16 dot products (AVX512-BF16's ``vdpbf16ps``, ``cpu_dpbf16.h``), bf16
+on AMX tiles (``cpu_amx.h``)."""
 _MATMUL_CODES = {"float32": 0, "amx": 1, "avx512_bf16": 2}   # cpu_decoder.h's KV_MATMUL_*
 
 
@@ -185,6 +189,17 @@ def matmul_available(kind: str) -> bool:
     if lib is None or kind not in MATMULS:
         return False
     return kind == "float32" or bool(lib.kv_amx_available() if kind == "amx" else lib.kv_dpbf16_available())
+
+
+def resolve_matmul(kind: str, matrices: list[Linear] | tuple = ()) -> str:
+    """The kernels that run where ``kind`` (:data:`MATMULS`) is asked: ``kind`` where
+    :func:`matmul_available` and every one of ``matrices`` suits it (a multiple of 32 columns, and
+    for ``amx`` of 16 rows), else ``float32``. The one capability check (the C step only re-checks
+    that its thread may use the AMX tiles)."""
+    if kind == "float32" or not matmul_available(kind):
+        return "float32"
+    fits = all(m.shape[1] % 32 == 0 and (kind != "amx" or m.shape[0] % 16 == 0) for m in matrices)
+    return kind if fits else "float32"
 
 
 class FusedDecoder:
@@ -268,8 +283,7 @@ class FusedDecoder:
         self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         matrices += [w.head] if w.head is not None else []
-        shapes = all(m.shape[1] % 32 == 0 and (matmul != "amx" or m.shape[0] % 16 == 0) for m in matrices)
-        self.matmul = matmul if shapes and matmul_available(matmul) else "float32"
+        self.matmul = resolve_matmul(matmul, matrices)
         """The matmul kernels the steps run (:data:`MATMULS`)."""
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),

@@ -63,7 +63,7 @@ from kvfleet.kernels.cpu_decoder import (
     FusedDecoder,
     Layer,
     Linear,
-    matmul_available,
+    resolve_matmul,
 )
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
 from kvfleet.runtime.worker.recipes import Recipe, recipe_for
@@ -298,9 +298,10 @@ class CpuDecodePath:
 
 def matmul_asked(runner: Runner) -> str:
     """The fused decoder's matmul kernels for ``runner`` (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`):
-    the CPU plan's, or ``$KVFLEET_CPU_MATMUL``'s where the plan chose bf16 ones; ``float32`` where
-    the library lacks them. :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` still checks the
-    shapes (its ``matmul``)."""
+    the CPU plan's, or ``$KVFLEET_CPU_MATMUL``'s where the plan chose bf16 ones (the policy), then
+    :func:`~kvfleet.kernels.cpu_decoder.resolve_matmul` (the capability: ``float32`` where the
+    library or CPU lacks them; :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` applies it again
+    with the model's shapes)."""
     plan = runner.cpu_plan
     if plan is None or not plan.bf16_matmuls:
         return "float32"
@@ -309,7 +310,7 @@ def matmul_asked(runner: Runner) -> str:
         logger.warning("$%s=%r is not one of %s: using the plan's %s", MATMUL_ENV, kind, ", ".join(MATMULS),
                        plan.matmul)
         kind = plan.matmul
-    return kind if matmul_available(kind) else "float32"
+    return resolve_matmul(kind)
 
 
 def fused_prefill(matmul: str) -> bool:
