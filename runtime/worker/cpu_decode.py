@@ -13,7 +13,8 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   not ``triton``);
 - :func:`~kvfleet.runtime.worker.recipes.recipe_for` has a recipe for the model (its reason is
   logged otherwise), the engine's per-layer sliding windows, attention scale and logit scale agree
-  with the recipe's, and its linear layers are plain float32 ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
+  with the recipe's, and its linear layers are plain float32 ``nn.Linear`` or kvfleet's
+  :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
   :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
   :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
@@ -211,10 +212,11 @@ def unsupported(runner: Runner) -> str | None:
             return f"the decoder has no {name}"
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
-        if not math.isclose(float(getattr(attn, "scaling", float("nan"))), recipe.attn_scale, rel_tol=1e-6):
-            return f"layer {i}'s attention scale {getattr(attn, 'scaling', None)} is not the recipe's {recipe.attn_scale}"
-        has_qk = [getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")]
-        if any(has_qk) != (recipe.layer.qk_norm != "none") or not all(has_qk) and any(has_qk):
+        scaling = getattr(attn, "scaling", None)
+        if scaling is None or not math.isclose(float(scaling), recipe.attn_scale, rel_tol=1e-6):
+            return f"layer {i}'s attention scale {scaling} is not its recipe's {recipe.attn_scale}"
+        has_qk = {getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")}
+        if has_qk != {recipe.layer.qk_norm != "none"}:
             return f"layer {i}'s q/k norms do not match the recipe's qk_norm {recipe.layer.qk_norm!r}"
         for position, name in recipe.layer.norms.items():
             if getattr(getattr(layer, name, None), "weight", None) is None:

@@ -45,7 +45,9 @@ def _model(variant: str, D: int, fmt: str = "fp32", seed: int = 0):
     spec = {"norms": ("attn_in", "mlp_in"), "qk_norm": "none", "act": "silu", "rotary": 1.0, "interleaved": False,
             "residual_scale": 1.0, "bias": False, **VARIANTS[variant]}
     gen = torch.Generator().manual_seed(seed)
-    norm = lambda n: (1 + 0.2 * torch.randn(n, generator=gen)).contiguous()  # noqa: E731
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + 0.2 * torch.randn(n, generator=gen)).contiguous()
     qk = {"none": (None, None), "head": (D, D), "proj": (QH * D, KVH * D)}[spec["qk_norm"]]
     layers, refs = [], []
     for index in range(2):
