@@ -9,14 +9,43 @@
 
 #include "cpu_step.h"
 
-/* transformers' apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
-static void rope(float *x, const float *c, const float *s, int64_t D) {
-    const int64_t h = D / 2;
+/* transformers' apply_rotary_pos_emb on the first R elements of a head (the rest pass through):
+ * x * cos + rotate_half(x) * sin. Half style: rotate_half(x) = [-x2, x1] over the halves;
+ * interleaved (GLM-4): pairs (2i, 2i + 1) turn by cos[i], sin[i], the first half of the rotary
+ * module's output repeated twice. */
+static void rope(float *x, const float *c, const float *s, int64_t R, int64_t interleaved) {
+    const int64_t h = R / 2;
+    if (interleaved) {
+        for (int64_t i = 0; i < h; i++) {
+            float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * c[i] - b * s[i];
+            x[2 * i + 1] = b * c[i] + a * s[i];
+        }
+        return;
+    }
     for (int64_t i = 0; i < h; i++) {
         float a = x[i], b = x[i + h];
         x[i] = a * c[i] - b * s[i];
         x[i + h] = b * c[i + h] + a * s[i + h];
     }
+}
+
+/* The first position row i attends to in the current layer: len - window with a sliding window
+ * (transformers' sliding_window: key positions > query position - window), else 0. */
+static inline int64_t row_from(const kv_step *s, int64_t i) {
+    const int64_t len = s->seq_lens[i], w = s->L->window;
+    return w > 0 && len > w ? len - w : 0;
+}
+
+/* Row i's cache blocks in the current layer: first .. blocks - 1 (blocks before the window's
+ * first are never read: the KV cache manager may have freed them). Returns the split size's
+ * split_of over blocks - first in *per and the split count. */
+static inline int64_t split_of(int64_t blocks, int64_t *per);
+static inline int64_t row_blocks(const kv_step *s, int64_t i, int64_t *first, int64_t *blocks, int64_t *per) {
+    const int64_t bs = s->d->block_size;
+    *blocks = (s->seq_lens[i] + bs - 1) / bs;
+    *first = row_from(s, i) / bs;
+    return split_of(*blocks - *first, per);
 }
 
 /* Scores of query q against four keys at element offsets k0..k3 of kc (D floats each), as one
@@ -91,14 +120,23 @@ static inline int64_t kv_elem(const kv_decoder *d) { return d->cache_dtype == KV
 static void task_write_kv(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const kv_decoder *d = s->d;
-    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size;
+    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, R = d->rotary_dim;
+    const int64_t il = d->rotary_interleaved;
+    const float eps = (float)d->eps;
     for (int64_t i = t * KV_PREP_ROWS; i < min64((t + 1) * KV_PREP_ROWS, s->M); i++) {
         float *row = s->qkv + i * qkv_width(d);
-        const float *c = s->cos + i * D, *sn = s->sin + i * D;
-        for (int64_t h = 0; h < QH; h++) rope(row + h * D, c, sn, D);
+        const float *c = s->cos + (s->L->rope * s->M + i) * R, *sn = s->sin + (s->L->rope * s->M + i) * R;
+        if (d->qk_norm == KV_QK_PROJ) {   /* over the whole projection (OLMo 2) */
+            rmsnorm(row, s->L->q_norm, QH * D, eps, row);
+            rmsnorm(row + QH * D, s->L->k_norm, KVH * D, eps, row + QH * D);
+        } else if (d->qk_norm == KV_QK_HEAD) {   /* per head (Qwen3, Gemma 3) */
+            for (int64_t h = 0; h < QH; h++) rmsnorm(row + h * D, s->L->q_norm, D, eps, row + h * D);
+            for (int64_t g = 0; g < KVH; g++) rmsnorm(row + (QH + g) * D, s->L->k_norm, D, eps, row + (QH + g) * D);
+        }
+        for (int64_t h = 0; h < QH; h++) rope(row + h * D, c, sn, R, il);
         for (int64_t g = 0; g < KVH; g++) {
             float *k = row + (QH + g) * D, *v = row + (QH + KVH + g) * D;
-            rope(k, c, sn, D);
+            rope(k, c, sn, R, il);
             if (s->slots[i] >= 0) {
                 store_kv(d, s->L->k_cache, (s->slots[i] * KVH + g) * D, k, D);
                 store_kv(d, s->L->v_cache, (s->slots[i] * KVH + g) * D, v, D);
@@ -205,6 +243,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
     const float scale = (float)d->scale;
     float *out = start_partials(s, i, g, part, first);
     const int64_t n = len - b * bs < bs ? len - b * bs : bs, n8 = (n + 7) / 8 * 8;
+    const int64_t from = row_from(s, i) - b * bs;   /* positions before it: outside the window */
     for (int64_t j = 0; j < G; j++) {
         const float *q = q0 + j * D;
         float *o = out + j * S * (D + 2), *acc = o + 2;
@@ -214,6 +253,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
                                              _mm_set1_ps(scale)));
         }
         for (int64_t p = n; p < n8; p++) sc[p] = -INFINITY;   /* the 8-wide tail: no score */
+        for (int64_t p = 0; p < from; p++) sc[p] = -INFINITY;
         __m256 mx = _mm256_loadu_ps(sc);
         for (int64_t p = 8; p < n8; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + p));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
@@ -288,9 +328,10 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
     const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
     float *out = start_partials(s, i, g, part, first);
     const int64_t n = len - b * bs < bs ? len - b * bs : bs;
-    for (int64_t c = 0; 16 * c < n; c++) {
-        const int64_t m = n - 16 * c < 16 ? n - 16 * c : 16;
-        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+    const int64_t from = row_from(s, i) - b * bs;   /* positions before it: outside the window */
+    for (int64_t c = (from > 0 ? from : 0) / 16; 16 * c < n; c++) {
+        const int64_t m = n - 16 * c < 16 ? n - 16 * c : 16, skip = from - 16 * c > 0 ? from - 16 * c : 0;
+        const __mmask16 valid = (__mmask16)(((1u << m) - 1u) & ~((1u << skip) - 1u));
         for (int64_t j0 = 0; j0 < G; j0 += 4) {
             __m512 sc[4];
             const int h = (int)(G - j0 < 4 ? G - j0 : 4);
@@ -340,10 +381,9 @@ static void task_attention(const void *ctx, int64_t t) {
     const int64_t rows = s->group[i];
     int64_t b0 = -1, b1 = 0;
     for (int64_t r = i; r < i + rows; r++) {
-        const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
-        int64_t per;
-        if (part >= split_of(blocks, &per)) continue;
-        const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
+        int64_t first, blocks, per;
+        if (part >= row_blocks(s, r, &first, &blocks, &per)) continue;
+        const int64_t lo = first + part * per, hi = lo + per < blocks ? lo + per : blocks;
         b0 = b0 < 0 || lo < b0 ? lo : b0;
         b1 = hi > b1 ? hi : b1;
     }
@@ -388,10 +428,9 @@ static void task_attention(const void *ctx, int64_t t) {
         int transposed = 0;   /* kT holds this block's keys (transposed once, for the first row that reads it) */
 #endif
         for (int64_t r = i; r < i + rows; r++) {
-            const int64_t blocks = (s->seq_lens[r] + bs - 1) / bs;
-            int64_t per;
-            if (part >= split_of(blocks, &per)) continue;
-            const int64_t lo = part * per, hi = lo + per < blocks ? lo + per : blocks;
+            int64_t first, blocks, per;
+            if (part >= row_blocks(s, r, &first, &blocks, &per)) continue;
+            const int64_t lo = first + part * per, hi = lo + per < blocks ? lo + per : blocks;
             if (b < lo || b >= hi) continue;
 #ifdef __AVX512F__
             if (t16) {
@@ -442,12 +481,12 @@ static int64_t group_rows(const kv_step *s, int64_t *group, int64_t *leads) {
 static void task_merge(const void *ctx, int64_t t) {
     const kv_prep *pr = ctx;
     const kv_step *s = pr->s;
-    const int64_t QH = s->d->num_heads, D = s->d->head_size, bs = s->d->block_size;
+    const int64_t QH = s->d->num_heads, D = s->d->head_size;
     const int64_t r1 = min64((t + 1) * KV_PREP_ROWS, pr->rows) * QH;
     for (int64_t r = t * KV_PREP_ROWS * QH; r < r1; r++) {
         const int64_t stride = KV_MAX_SPLITS * (D + 2);
-        int64_t per;
-        const int64_t S = split_of((s->seq_lens[s->a0 + r / QH] + bs - 1) / bs, &per);
+        int64_t first, blocks, per;
+        const int64_t S = row_blocks(s, s->a0 + r / QH, &first, &blocks, &per);
         const float *p = s->partial + r * stride;
         float mx = -INFINITY, sum = 0.0f, *out = s->attn + (s->a0 * QH + r) * D;
         for (int64_t k = 0; k < S; k++) mx = p[k * (D + 2)] > mx ? p[k * (D + 2)] : mx;

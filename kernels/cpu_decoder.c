@@ -1,4 +1,5 @@
-/* kvfleet CPU kernels: one engine step of a Llama-family decoder in one call, x86-64 AVX2 + FMA.
+/* kvfleet CPU kernels: one engine step of a dense decoder in one call, x86-64 AVX2 + FMA. The layer
+ * is data (kv_layer, kv_decoder in cpu_decoder.h; runtime/worker/recipes.py fills it per family).
  *
  * Contract (kernels/cpu_decoder.py builds the kv_decoder description once from the model's
  * tensors, checks every shape, and calls kv_decode once per step; nothing here validates):
@@ -13,23 +14,29 @@
  *   out [M, H] float32   the final RMSNorm of x (the LM head's input)
  *   logits [L, V]        the LM head on the rows logits_indices [L] of out (all M rows when
  *                        logits_indices is NULL), when the decoder has a head (else NULL)
- *   cos, sin [M, D]      each row's rotary embedding (transformers' rotary module output:
- *                        rotate-half convention, attention scaling included), D = head size
+ *   cos, sin [R, M, rd]  each row's rotary embedding in each of R tables (a layer uses table
+ *                        kv_layer.rope; transformers' rotary module output, attention scaling
+ *                        included), rd = kv_decoder.rotary_dim: the first rd elements of each
+ *                        head rotate, in halves or in interleaved pairs (kv_decoder.rotary_interleaved)
  *   slots [M] int64      cache slot of each row's new key/value (block * block_size + offset;
  *                        -1: not written)
  *   block_tables [M, W] int32 (rows `bt_stride` apart), seq_lens [M] int32: row i attends over
- *                        positions 0 .. len - 1 of its block table
+ *                        positions 0 .. len - 1 of its block table (len - window .. len - 1 in a
+ *                        layer with a sliding window; earlier blocks are not read)
  *   caches               per layer [num_blocks, block_size, KVH, D] keys and values, float32 or
  *                        bf16 (d->cache_dtype): a bf16 cache stores each key and value rounded to
  *                        nearest even (torch's .to(torch.bfloat16)) and attention widens them to
  *                        float32 in registers (a shift); all arithmetic stays float32
  *
- * Per layer: h = rmsnorm(x); q|k|v = h Wqkv^T; rotary on q and k; k, v written at the slot;
- * attention of each query head over its KV head's cached positions (grouped-query attention,
- * online softmax, Milakov & Gimelshein 2018); x += attn Wo^T; h = rmsnorm(x);
- * x += (silu(h Wg^T) * h Wu^T) Wd^T. The weights are kv_matrix (cpu_gemv.h: fp32, int8, int4);
- * gate_up holds the I gate rows, then the I up rows. A layer with experts (kv_layer.moe) runs
- * cpu_moe.h's moe_phase in place of that MLP: router, top-k, each expert's rows as one group.
+ * Per layer (attention_phase, then mlp_phase; a NULL norm is none): h = attn_in(x);
+ * q|k|v = h Wqkv^T (+ bias); q_norm / k_norm per head or over the projection; rotary on q and k;
+ * k, v written at the slot; attention of each query head over its KV head's cached positions in
+ * the layer's window (grouped-query attention, online softmax, Milakov & Gimelshein 2018);
+ * x += attn_out(attn Wo^T) * residual_scale; h = mlp_in(x);
+ * x += mlp_out((act(h Wg^T) * h Wu^T) Wd^T) * residual_scale, act SiLU or GELU-tanh. The weights are
+ * kv_matrix (cpu_gemv.h: fp32, bf16, int8, int4, grouped int8); gate_up holds the I gate rows,
+ * then the I up rows. A layer with experts (kv_layer.moe) runs cpu_moe.h's moe_phase in place of
+ * that MLP (router, top-k, each expert's rows as one group; SiLU), between the same norms.
  *
  * Threads: cpu_pool.h (the pool, its phases and the step's scratch). Sizes and the step's state:
  * cpu_step.h. Attention, rotary and the cache writes: cpu_attention.h.
@@ -47,16 +54,6 @@
 #include <stdlib.h>
 
 /* ------------------------------------------------------------------ the decoder */
-
-static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float *out) {
-    __m256 acc = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= H; k += 8) { __m256 v = _mm256_loadu_ps(x + k); acc = _mm256_fmadd_ps(v, v, acc); }
-    float ss = hsum(acc);
-    for (; k < H; k++) ss += x[k] * x[k];
-    float r = 1.0f / sqrtf(ss / (float)H + eps);
-    for (k = 0; k < H; k++) out[k] = w[k] * (x[k] * r);
-}
 
 /* Tasks for N output channels: about four per thread, each a multiple of KV_CHUNK channels, so
  * that each thread streams long runs of weights (the prefetcher's and DRAM's best case) while a
@@ -141,10 +138,12 @@ static void task_qkv(const void *ctx, int64_t t) {
     matrix_rows(s, &s->L->qkv, s->h, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
 }
 
-/* x[:, n0:n1] += a W^T (W = o or down): the task's columns of the residual stream, row block
- * after row block (matrix_rows), KV_CHUNK channels at a time. */
-static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t) {
+/* The task's columns n of a W^T (W = o or down), row block after row block (matrix_rows),
+ * KV_CHUNK channels at a time: x[:, n] += y * residual_scale, or with an output norm (`normed`)
+ * y into h[:, n], which add_normed then normalizes and adds. */
+static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t, int normed) {
     const int64_t H = s->d->hidden, end = min64((t + 1) * s->span, H);
+    const float rs = (float)s->d->residual_scale;
     float tmp[KV_BF16_ROW_BLOCK * KV_CHUNK];
     for (int64_t m0 = 0; m0 < s->M; m0 += row_block(s)) {
         const int64_t rows = min64(row_block(s), s->M - m0);
@@ -152,25 +151,62 @@ static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64
             const int64_t n1 = min64(n0 + KV_CHUNK, end);
             rows_of(s, w, a, m0, rows, n0, n1, tmp, KV_CHUNK);
             for (int64_t m = 0; m < rows; m++)
-                for (int64_t n = n0; n < n1; n++) s->x[(m0 + m) * H + n] += tmp[m * KV_CHUNK + n - n0];
+                for (int64_t n = n0; n < n1; n++) {
+                    const float y = tmp[m * KV_CHUNK + n - n0];
+                    if (normed) s->h[(m0 + m) * H + n] = y;
+                    else s->x[(m0 + m) * H + n] += rs == 1.0f ? y : y * rs;
+                }
         }
     }
 }
 
 static void task_o(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
-    add_rows(s, &s->L->o, s->attn, t);
+    add_rows(s, &s->L->o, s->attn, t, s->L->attn_out_norm != NULL);
 }
 
 static void task_down(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
-    add_rows(s, &s->L->down, s->act, t);
+    add_rows(s, &s->L->down, s->act, t, s->L->mlp_out_norm != NULL);
 }
 
-/* act[m, j] = silu(h Wg^T) * (h Wu^T) for rows m0 .. m0 + rows - 1 (at most row_block) and
- * channels j0 .. j1 - 1 (at most KV_CHUNK). */
-static void silu_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, int64_t j1) {
-    const int64_t I = s->d->intermediate;
+static void task_add_normed(const void *ctx, int64_t t) {
+    const kv_prep *p = ctx;
+    const kv_step *s = p->s;
+    const int64_t H = s->d->hidden, m0 = t * KV_PREP_ROWS, m1 = min64(m0 + KV_PREP_ROWS, s->M);
+    const float rs = (float)s->d->residual_scale;
+    for (int64_t m = m0; m < m1; m++) {
+        float *h = s->h + m * H, *x = s->x + m * H;
+        rmsnorm(h, p->w, H, (float)s->d->eps, h);
+        for (int64_t k = 0; k < H; k++) x[k] += rs == 1.0f ? h[k] : h[k] * rs;
+    }
+}
+
+/* A sublayer's output norm (Gemma 3's, GLM-4's, OLMo 2's post norms): x += rmsnorm(h, w) * residual_scale. */
+static void add_normed(const kv_step *s, const float *w) {
+    const kv_prep p = {.s = s, .w = w};
+    kv_parallel(task_add_normed, &p, prep_tasks(s));
+}
+
+/* gelu_pytorch_tanh(a) = a / 2 (1 + tanh(sqrt(2 / pi) (a + 0.044715 a^3))), tanh(y) = 1 - 2 / (exp(2y) + 1). */
+static inline __m256 gelu_tanh8(__m256 a) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), a), a), a);
+    y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f), _mm256_add_ps(a, y));
+    const __m256 e = exp8(_mm256_add_ps(y, y));
+    const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), a), _mm256_add_ps(one, th));
+}
+
+static inline float gelu_tanh1(float a) {
+    const float y = 0.7978845608f * (a + 0.044715f * a * a * a);
+    return 0.5f * a * (1.0f + (1.0f - 2.0f / (expf(y + y) + 1.0f)));
+}
+
+/* act[m, j] = act(h Wg^T) * (h Wu^T) (d->act: SiLU or GELU-tanh) for rows m0 .. m0 + rows - 1
+ * (at most row_block) and channels j0 .. j1 - 1 (at most KV_CHUNK). */
+static void act_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, int64_t j1) {
+    const int64_t I = s->d->intermediate, gelu = s->d->act == KV_ACT_GELU_TANH;
     float g[KV_BF16_ROW_BLOCK * KV_CHUNK], u[KV_BF16_ROW_BLOCK * KV_CHUNK];
     rows_of(s, &s->L->gate_up, s->h, m0, rows, j0, j1, g, KV_CHUNK);
     rows_of(s, &s->L->gate_up, s->h, m0, rows, I + j0, I + j1, u, KV_CHUNK);
@@ -178,14 +214,19 @@ static void silu_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, in
     for (int64_t m = 0; m < rows; m++) {
         int64_t j = j0;
         for (; j + 8 <= j1; j += 8) {   /* silu(a) * u = a / (1 + exp(-a)) * u */
-            __m256 a = _mm256_loadu_ps(g + m * KV_CHUNK + j - j0);
-            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
-            _mm256_storeu_ps(act + m * I + j, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
-                                                            _mm256_loadu_ps(u + m * KV_CHUNK + j - j0)));
+            const __m256 a = _mm256_loadu_ps(g + m * KV_CHUNK + j - j0), up = _mm256_loadu_ps(u + m * KV_CHUNK + j - j0);
+            __m256 f;
+            if (gelu) {
+                f = gelu_tanh8(a);
+            } else {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+                f = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            }
+            _mm256_storeu_ps(act + m * I + j, _mm256_mul_ps(f, up));
         }
         for (; j < j1; j++) {
-            float a = g[m * KV_CHUNK + j - j0];
-            act[m * I + j] = a / (1.0f + expf(-a)) * u[m * KV_CHUNK + j - j0];
+            const float a = g[m * KV_CHUNK + j - j0];
+            act[m * I + j] = (gelu ? gelu_tanh1(a) : a / (1.0f + expf(-a))) * u[m * KV_CHUNK + j - j0];
         }
     }
 }
@@ -195,7 +236,7 @@ static void task_mlp(const void *ctx, int64_t t) {
     const int64_t I = s->d->intermediate, end = min64((t + 1) * s->span, I);
     for (int64_t m0 = 0; m0 < s->M; m0 += row_block(s))   /* the task's weights stay in cache across row blocks */
         for (int64_t j0 = t * s->span; j0 < end; j0 += KV_CHUNK)
-            silu_rows(s, m0, min64(row_block(s), s->M - m0), j0, min64(j0 + KV_CHUNK, end));
+            act_rows(s, m0, min64(row_block(s), s->M - m0), j0, min64(j0 + KV_CHUNK, end));
 }
 
 static void task_head(const void *ctx, int64_t t) {
@@ -246,6 +287,41 @@ static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
         if (!P.group) return -1;
     }
     return 0;
+}
+
+/* The attention sublayer of layer s->L: x += o(attention(rotary(qk_norm(q|k|v(attn_in(x))))))
+ * (through attn_out and residual_scale where the layer has them). */
+static void attention_phase(kv_step *s, int64_t num_leads, int64_t *t) {
+    const kv_decoder *d = s->d;
+    norm_rows(s, s->L->attn_in_norm, s->h, 1);
+    timed(PROF_NORM, t);
+    kv_parallel(task_qkv, s, spans(s, qkv_width(d)));
+    timed(PROF_QKV, t);
+    write_kv(s);
+    attention(s, num_leads);
+    pack_input(s, s->attn, d->num_heads * d->head_size);
+    timed(PROF_ATTN, t);
+    kv_parallel(task_o, s, spans(s, d->hidden));
+    if (s->L->attn_out_norm) add_normed(s, s->L->attn_out_norm);
+    timed(PROF_O, t);
+}
+
+/* The MLP sublayer of layer s->L: x += down(act(gate(h)) * up(h)), h = mlp_in(x) (through
+ * mlp_out and residual_scale where the layer has them). */
+static void mlp_phase(kv_step *s, int64_t *t) {
+    const kv_decoder *d = s->d;
+    norm_rows(s, s->L->mlp_in_norm, s->h, 1);
+    timed(PROF_NORM, t);
+    if (s->L->moe) {
+        moe_phase(s, t);   /* its output into x, or into h for mlp_out_norm, as task_down's */
+    } else {
+        kv_parallel(task_mlp, s, spans(s, d->intermediate));
+        pack_input(s, s->act, d->intermediate);
+        timed(PROF_MLP, t);
+        kv_parallel(task_down, s, spans(s, d->hidden));
+    }
+    if (s->L->mlp_out_norm) add_normed(s, s->L->mlp_out_norm);
+    timed(PROF_DOWN, t);
 }
 
 /* The LM head on the rows `logits_indices` of out (all M rows when NULL): logits [L, V]. The rows
@@ -300,27 +376,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     int64_t t = now_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
-        norm_rows(&s, s.L->input_norm, s.h, 1);
-        timed(PROF_NORM, &t);
-        kv_parallel(task_qkv, &s, spans(&s, qkv_width(d)));
-        timed(PROF_QKV, &t);
-        write_kv(&s);
-        attention(&s, num_leads);
-        pack_input(&s, s.attn, QD);
-        timed(PROF_ATTN, &t);
-        kv_parallel(task_o, &s, spans(&s, H));
-        timed(PROF_O, &t);
-        norm_rows(&s, s.L->post_norm, s.h, 1);
-        timed(PROF_NORM, &t);
-        if (s.L->moe) {
-            moe_phase(&s, &t);
-        } else {
-            kv_parallel(task_mlp, &s, spans(&s, I));
-            pack_input(&s, s.act, I);
-            timed(PROF_MLP, &t);
-            kv_parallel(task_down, &s, spans(&s, H));
-            timed(PROF_DOWN, &t);
-        }
+        attention_phase(&s, num_leads, &t);
+        mlp_phase(&s, &t);
     }
     norm_rows(&s, d->final_norm, out, 0);   /* the LM head packs the rows it takes (lm_head) */
     timed(PROF_NORM, &t);

@@ -21,15 +21,28 @@ typedef struct {
     const kv_matrix *down;                      /* [E]: [H, I] each */
 } kv_moe;
 
+/* One decoder layer (runtime/worker/recipes.py describes the families that fill it). The four
+ * RMSNorm positions, each [H] or NULL (none): attn_in before q|k|v (NULL: the residual itself is
+ * the input), attn_out on o's output before it is added to the residual, mlp_in and mlp_out alike
+ * around the MLP. Llama: attn_in + mlp_in; Gemma 3 and GLM-4: all four; OLMo 2: attn_out + mlp_out. */
 typedef struct {
-    const float *input_norm, *post_norm;   /* [H] RMSNorm weights */
+    const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm;
+    const float *q_norm, *k_norm;          /* kv_decoder.qk_norm: [D] (per head) or [QH D] / [KVH D]; else NULL */
     kv_matrix qkv;                         /* [(QH + 2 KVH) D, H]: q rows, then k, then v */
     kv_matrix o;                           /* [H, QH D] */
     kv_matrix gate_up;                     /* [2 I, H]: gate rows, then up rows */
     kv_matrix down;                        /* [H, I] */
     void *k_cache, *v_cache;               /* [num_blocks, block_size, KVH, D], kv_decoder.cache_dtype */
+    int64_t window;                        /* sliding window in positions: a row attends to len - window .. len - 1; 0: all */
+    int64_t rope;                          /* which cos/sin table (kv_decode's cos [R, M, rotary_dim]) */
     const kv_moe *moe;                     /* NULL: the dense MLP (gate_up, down); else the experts (those unused) */
 } kv_layer;
+
+/* kv_decoder.qk_norm: RMSNorm of the new queries and keys before rotary: none, per head (weights
+ * [D], Qwen3, Gemma 3) or over the whole projection (weights [QH D] and [KVH D], OLMo 2). */
+enum { KV_QK_NONE = 0, KV_QK_HEAD = 1, KV_QK_PROJ = 2 };
+/* kv_decoder.act: the gated MLP's activation, act(gate) * up: SiLU, or tanh-approximated GELU. */
+enum { KV_ACT_SILU = 0, KV_ACT_GELU_TANH = 1 };
 
 /* kv_decoder.cache_dtype: the KV caches' element type (activations are float32 either way). */
 enum { KV_CACHE_F32 = 0, KV_CACHE_BF16 = 1 };
@@ -47,6 +60,11 @@ typedef struct {
     const kv_matrix *head;                 /* LM head [V, H], or NULL */
     int64_t cache_dtype;                   /* KV_CACHE_F32 or KV_CACHE_BF16 (round to nearest even) */
     int64_t matmul;                        /* KV_MATMUL_F32, KV_MATMUL_AMX or KV_MATMUL_DPBF16 */
+    int64_t qk_norm;                       /* KV_QK_* */
+    int64_t act;                           /* KV_ACT_* */
+    int64_t rotary_dim;                    /* the first rotary_dim elements of each head rotate (even, <= D) */
+    int64_t rotary_interleaved;            /* 0: pairs (i, i + rotary_dim / 2); 1: pairs (2i, 2i + 1) (GLM-4) */
+    double residual_scale;                 /* each sublayer's output times this before the residual add (Granite) */
 } kv_decoder;
 
 

@@ -1,4 +1,4 @@
-"""The fused CPU decoder: one engine step of a Llama-family decoder in one C call
+"""The fused CPU decoder: one engine step of a dense decoder in one C call
 (``kernels/cpu_decoder.c``, built into the same library as :mod:`kvfleet.kernels.cpu_woq` by
 :mod:`kvfleet.kernels.cpu_lib`, which also holds the ctypes mirrors of its structs).
 
@@ -14,10 +14,12 @@ the others), so a row's result is bitwise the same in any step
 
 Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
 and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
-weight reading (docs/performance.md, "Fused CPU decoder"). The C step runs every layer (RMSNorm,
-fused q|k|v, rotary, KV-cache write, grouped-query paged attention, o, fused gate|up with SiLU,
-down), the final norm and the LM head, with its own thread pool whose helpers spin briefly
-between phases and sleep between steps.
+weight reading (docs/performance.md, "Fused CPU decoder"). The C step runs every layer (RMSNorms
+where the layer has them, fused q|k|v, q/k norms, rotary, KV-cache write, grouped-query paged
+attention in the layer's window, o, fused gate|up with SiLU or GELU-tanh, down), the final norm and
+the LM head, with its own thread pool whose helpers spin briefly between phases and sleep between
+steps. The layer variants (:class:`Layer`, :class:`DecoderWeights`) are what the families of
+:mod:`kvfleet.runtime.worker.recipes` need.
 
 :class:`DecoderWeights` describes the model (built once; it keeps every tensor it points to
 alive, and the tensors must not move or be resized while it is used); :meth:`FusedDecoder.step`
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from kvfleet.kernels import cpu_lib
+from kvfleet.kernels.cpu_features import MATMUL_KERNELS
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
@@ -190,17 +193,30 @@ class MoeLayer:
 
 @dataclass
 class Layer:
-    """One decoder layer: norms ``[H]`` float32, the four linear layers, its KV caches; ``moe``: a
-    mixture of experts in place of the dense MLP (then ``gate_up`` and ``down`` are None)."""
+    """One decoder layer: its RMSNorms (``[H]`` float32 or None: no norm there), the four linear
+    layers, its KV caches. ``attn_in_norm`` / ``mlp_in_norm`` normalize a sublayer's input (None:
+    the residual itself), ``attn_out_norm`` / ``mlp_out_norm`` its output before the residual add
+    (Gemma 3, GLM-4, OLMo 2). ``q_norm`` / ``k_norm``: with :attr:`DecoderWeights.qk_norm` ``head``
+    ``[D]``, with ``proj`` ``[QH D]`` / ``[KVH D]``, else None. ``window``: the sliding window (a
+    row attends to its last ``window`` positions; 0: all). ``rope``: which of the step's cos/sin
+    tables rotates this layer (Gemma 3's local and global layers differ). ``moe``: a mixture of
+    experts in place of the dense MLP (then ``gate_up`` and ``down`` are None; the norms around
+    the MLP apply to it alike)."""
 
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    attn_in_norm: torch.Tensor | None
+    mlp_in_norm: torch.Tensor | None
     qkv: Linear
     o: Linear
     gate_up: Linear | None
     down: Linear | None
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    window: int = 0
+    rope: int = 0
     moe: MoeLayer | None = None
 
 
@@ -208,7 +224,11 @@ class Layer:
 class DecoderWeights:
     """The whole decoder. ``eps``: RMSNorm epsilon; ``scale``: the softmax scale (usually
     ``D ** -0.5``); ``head``: the LM head ``[V, H]`` or None (then :meth:`FusedDecoder.step`
-    returns no logits)."""
+    returns no logits). ``qk_norm`` (:data:`QK_NORMS`): RMSNorm of the new queries and keys
+    before rotary, per head or over the projection; ``act`` (:data:`ACTS`): the gated MLP's
+    activation; rotary over the first ``rotary_dim`` elements of each head (0: all ``D``), halves
+    (``rotary_interleaved`` False) or pairs of neighbours (GLM-4); ``residual_scale``: each
+    sublayer's output times this before it is added (Granite's ``residual_multiplier``)."""
 
     num_heads: int
     num_kv_heads: int
@@ -218,11 +238,23 @@ class DecoderWeights:
     layers: list[Layer]
     final_norm: torch.Tensor
     head: Linear | None
+    qk_norm: str = "none"
+    act: str = "silu"
+    rotary_dim: int = 0
+    rotary_interleaved: bool = False
+    residual_scale: float = 1.0
 
 
-MATMULS = ("float32", "avx512_bf16", "amx")
-"""The fused decoder's matmul kernels: float32 (``cpu_gemv.h``), bf16 dot products (AVX512-BF16's
-``vdpbf16ps``, ``cpu_dpbf16.h``), bf16 on AMX tiles (``cpu_amx.h``)."""
+QK_NORMS = {"none": 0, "head": 1, "proj": 2}
+"""``DecoderWeights.qk_norm`` values (``KV_QK_*`` in cpu_decoder.h)."""
+ACTS = {"silu": 0, "gelu_tanh": 1}
+"""``DecoderWeights.act`` values (``KV_ACT_*`` in cpu_decoder.h)."""
+
+
+MATMULS = tuple(MATMUL_KERNELS)
+"""The fused decoder's matmul kernels (:data:`kvfleet.kernels.cpu_features.MATMUL_KERNELS`):
+float32 (``cpu_gemv.h``), bf16 dot products (AVX512-BF16's ``vdpbf16ps``, ``cpu_dpbf16.h``), bf16
+on AMX tiles (``cpu_amx.h``)."""
 _MATMUL_CODES = {"float32": 0, "amx": 1, "avx512_bf16": 2}   # cpu_decoder.h's KV_MATMUL_*
 
 
@@ -233,6 +265,17 @@ def matmul_available(kind: str) -> bool:
     if lib is None or kind not in MATMULS:
         return False
     return kind == "float32" or bool(lib.kv_amx_available() if kind == "amx" else lib.kv_dpbf16_available())
+
+
+def resolve_matmul(kind: str, matrices: list[Linear] | tuple = ()) -> str:
+    """The kernels that run where ``kind`` (:data:`MATMULS`) is asked: ``kind`` where
+    :func:`matmul_available` and every one of ``matrices`` suits it (a multiple of 32 columns, and
+    for ``amx`` of 16 rows), else ``float32``. The one capability check (the C step only re-checks
+    that its thread may use the AMX tiles)."""
+    if kind == "float32" or not matmul_available(kind):
+        return "float32"
+    fits = all(m.shape[1] % 32 == 0 and (kind != "amx" or m.shape[0] % 16 == 0) for m in matrices)
+    return kind if fits else "float32"
 
 
 class FusedDecoder:
@@ -262,6 +305,12 @@ class FusedDecoder:
         QH, KVH, D = w.num_heads, w.num_kv_heads, w.head_size
         if D % 8 or QH % KVH or not w.layers:
             raise ValueError(f"unsupported attention geometry: {QH} query heads, {KVH} KV heads, head size {D}")
+        R = w.rotary_dim or D
+        if R % 2 or not 0 < R <= D:
+            raise ValueError(f"rotary_dim {R} must be even and within the head size {D}")
+        if w.qk_norm not in QK_NORMS or w.act not in ACTS:
+            raise ValueError(f"qk_norm must be one of {', '.join(QK_NORMS)} and act one of {', '.join(ACTS)}; "
+                             f"got {w.qk_norm!r}, {w.act!r}")
         H = w.final_norm.shape[0]
         dense = [layer for layer in w.layers if layer.moe is None and layer.gate_up is not None]
         inter = dense[0].gate_up.shape[0] // 2 if dense else 0
@@ -274,14 +323,25 @@ class FusedDecoder:
             layer.o.check(f"layer {i} o", H, QH * D)
             if layer.moe is not None:
                 layer.moe.check(f"layer {i} moe", H)
+                if w.act != "silu":
+                    raise ValueError(f"layer {i}: experts run SiLU, the decoder's activation is {w.act!r}")
             elif layer.gate_up is None or layer.down is None:
                 raise ValueError(f"layer {i} has neither a dense MLP (gate_up, down) nor experts (moe)")
             else:
                 layer.gate_up.check(f"layer {i} gate_up", 2 * inter, H)
                 layer.down.check(f"layer {i} down", H, inter)
-            for name, t in (("input_norm", layer.input_norm), ("post_norm", layer.post_norm)):
-                if t.shape != (H,) or t.dtype != torch.float32 or not t.is_contiguous():
-                    raise ValueError(f"layer {i} {name} must be a contiguous float32 [{H}] tensor")
+            qk = {"none": (None, None), "head": (D, D), "proj": (QH * D, KVH * D)}[w.qk_norm]
+            for name, size in (("attn_in_norm", H), ("attn_out_norm", H), ("mlp_in_norm", H), ("mlp_out_norm", H),
+                               ("q_norm", qk[0]), ("k_norm", qk[1])):
+                t = getattr(layer, name)
+                if t is None and name in ("q_norm", "k_norm") and size is not None:
+                    raise ValueError(f"layer {i} {name} is missing (qk_norm {w.qk_norm!r})")
+                if t is not None and (size is None or t.shape != (size,) or t.dtype != torch.float32
+                                      or not t.is_contiguous()):
+                    raise ValueError(f"layer {i} {name} must be None or a contiguous float32 [{size}] tensor"
+                                     + (" (qk_norm 'none')" if size is None else ""))
+            if layer.window < 0 or layer.rope < 0:
+                raise ValueError(f"layer {i}: window {layer.window} and rope {layer.rope} must be >= 0")
             for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
                 if (t.dim() != 4 or t.shape[1:] != (block_size, KVH, D) or t.dtype != cache_dtype
                         or not t.is_contiguous() or t.device.type != "cpu"):
@@ -295,23 +355,27 @@ class FusedDecoder:
         self.cache_dtype = cache_dtype
         """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""
         self.hidden, self.vocab_size = H, (w.head.shape[0] if w.head is not None else 0)
+        self.rotary_dim = R
+        self.num_ropes = 1 + max(layer.rope for layer in w.layers)
+        """The cos/sin tables a step takes (:meth:`step`)."""
         self._moes = [layer.moe.struct() if layer.moe is not None else None for layer in w.layers]
         self._layers = (_Layer * len(w.layers))(*[
-            _Layer(layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), layer.qkv.struct(), layer.o.struct(),
-                   *(_mlp(layer.gate_up), _mlp(layer.down)), layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
-                   ctypes.pointer(moe[0]) if moe is not None else None)
+            _Layer(_data(layer.attn_in_norm), _data(layer.attn_out_norm), _data(layer.mlp_in_norm),
+                   _data(layer.mlp_out_norm), _data(layer.q_norm), _data(layer.k_norm), layer.qkv.struct(),
+                   layer.o.struct(), _mlp(layer.gate_up), _mlp(layer.down), layer.k_cache.data_ptr(),
+                   layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None)
             for layer, moe in zip(w.layers, self._moes)])
         self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
         matrices += [m for layer in w.layers if layer.moe is not None for m in (*layer.moe.gate_up, *layer.moe.down)]
         matrices += [w.head] if w.head is not None else []
-        shapes = all(m.shape[1] % 32 == 0 and (matmul != "amx" or m.shape[0] % 16 == 0) for m in matrices)
-        self.matmul = matmul if shapes and matmul_available(matmul) else "float32"
+        self.matmul = resolve_matmul(matmul, matrices)
         """The matmul kernels the steps run (:data:`MATMULS`)."""
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,
-                                CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul])
+                                CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul], QK_NORMS[w.qk_norm],
+                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale)
         self._lib = lib
         spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)
@@ -332,7 +396,9 @@ class FusedDecoder:
 
         Args:
             x: ``[M, H]`` float32 token embeddings (overwritten: the residual stream).
-            cos, sin: ``[M, D]`` float32 rotary embeddings of each row's position.
+            cos, sin: ``[R, M, rotary_dim]`` float32 rotary embeddings of each row's position, one
+                table per :attr:`num_ropes` (``[M, rotary_dim]`` when there is one), as the model's
+                rotary module returns them (``rotary_dim``: :attr:`rotary_dim`).
             slots: ``[M]`` int64 cache slot of each row's new key/value (-1: not written).
             block_tables: ``[M, W]`` int32 block ids of each row's sequence.
             seq_lens: ``[M]`` int32 positions each row attends over (its own included).
@@ -348,7 +414,7 @@ class FusedDecoder:
                 argument of the wrong shape or dtype.
         """
         M = x.shape[0]
-        D = self.weights.head_size
+        R, T = self.rotary_dim, self.num_ropes
         if not 1 <= M <= MAX_ROWS:
             raise ValueError(f"a fused step takes 1..{MAX_ROWS} rows, got {M}")
         if logits_indices is not None:
@@ -357,8 +423,9 @@ class FusedDecoder:
                 raise ValueError("logits_indices must be a contiguous int64 [L] tensor")
             if logits_indices.numel() and not (0 <= int(logits_indices.min()) and int(logits_indices.max()) < M):
                 raise ValueError(f"logits_indices must be rows 0..{M - 1}")
-        for name, t, shape, dtype in (("x", x, (M, self.hidden), torch.float32), ("cos", cos, (M, D), torch.float32),
-                                      ("sin", sin, (M, D), torch.float32), ("slots", slots, (M,), torch.int64),
+        table = (T, M, R) if cos.dim() == 3 or T > 1 else (M, R)
+        for name, t, shape, dtype in (("x", x, (M, self.hidden), torch.float32), ("cos", cos, table, torch.float32),
+                                      ("sin", sin, table, torch.float32), ("slots", slots, (M,), torch.int64),
                                       ("seq_lens", seq_lens, (M,), torch.int32)):
             if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous {dtype} {shape} tensor, got {t.dtype} {tuple(t.shape)}")

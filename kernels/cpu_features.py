@@ -38,6 +38,15 @@ _LEVEL_FLAGS = {
 }
 """The flags each level adds to the one below it (kernel names as ``/proc/cpuinfo`` spells them)."""
 
+MATMUL_KERNELS = {"float32": "float32", "avx512_bf16": "AVX512-BF16 dot products (bf16)", "amx": "AMX tiles (bf16)"}
+"""The one table of the fused decoder's matmul kernels (``kernels/cpu_decoder``), each as the
+start-up lines name it: the float32 kernels (``cpu_gemv.h``, every level), and the bf16 kernels
+of the levels named alike (``cpu_dpbf16.h``'s ``vdpbf16ps`` dot products, ``cpu_amx.h``'s tiles).
+Which one runs is decided in two steps: the policy (the CPU plan, ``$KVFLEET_CPU_MATMUL``:
+``runtime/worker/cpu_decode.matmul_asked``) and the capability (``cpu_decoder.resolve_matmul``:
+the loaded library, the CPU, the matrices' shapes); the C step only re-checks that a thread may use
+the AMX tiles."""
+
 
 @dataclass(frozen=True)
 class CpuFeatures:

@@ -97,8 +97,9 @@ class Moe(ctypes.Structure):
 class Layer(ctypes.Structure):
     """``kv_layer`` (cpu_decoder.h)."""
 
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Matrix), ("o", Matrix),
-                ("gate_up", Matrix), ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr),
+    _fields_ = [("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix),
+                ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64), ("rope", _i64),
                 ("moe", ctypes.POINTER(Moe))]
 
 
@@ -108,7 +109,9 @@ class Decoder(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
                 ("head_size", _i64), ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double),
                 ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
-                ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("matmul", _i64)]
+                ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("matmul", _i64),
+                ("qk_norm", _i64), ("act", _i64), ("rotary_dim", _i64), ("rotary_interleaved", _i64),
+                ("residual_scale", ctypes.c_double)]
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),

@@ -17,7 +17,8 @@
  *            span) pairs over the experts that have rows.
  *   combine  x[m] += sum over m's k experts in ascending expert id of (w * y): a product then a
  *            sum, accumulated from zero and added to x once -- transformers' order (zeros, then
- *            index_add_ of y * w expert by expert in ascending id, then the residual add).
+ *            index_add_ of y * w expert by expert in ascending id, then the residual add); times
+ *            residual_scale, or through mlp_out_norm, as the dense MLP's output (add_rows).
  *
  * Batch invariance: a row's logits, routing, each of its expert outputs (rows_of sums every row
  * in the one-row order whatever the group's other rows, cpu_gemv.h / cpu_amx.h / cpu_dpbf16.h) and
@@ -222,25 +223,32 @@ static void task_expert_down(const void *ctx, int64_t t) {
                 p->y + m0 * H + n0, H);
 }
 
-/* x[r0 + m] += sum of w * y over the row's experts, ascending expert id (see the contract). */
+/* The MoE output of row r0 + m, the sum of w * y over its experts in ascending expert id (see the
+ * contract), where the dense MLP's down puts its output (add_rows): added to x (times
+ * residual_scale), or, with an mlp_out_norm, into h for add_normed. */
 static void task_combine(const void *ctx, int64_t t) {
     const kv_moe_pass *p = ctx;
-    const int64_t H = p->s->d->hidden, k = p->moe->top_k;
+    const kv_step *s = p->s;
+    const int64_t H = s->d->hidden, k = p->moe->top_k, normed = s->L->mlp_out_norm != NULL;
     const int64_t m0 = t * KV_PREP_ROWS, m1 = min64(m0 + KV_PREP_ROWS, p->rows);
+    const float rs = (float)s->d->residual_scale;
     for (int64_t m = m0; m < m1; m++) {
-        float *x = p->s->x + (p->r0 + m) * H;
+        float *x = (normed ? s->h : s->x) + (p->r0 + m) * H;
         int64_t h = 0;
         for (; h + 8 <= H; h += 8) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t j = 0; j < k; j++)
                 acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(p->y + p->at[m * k + j] * H + h),
                                                        _mm256_set1_ps(p->wts[m * k + j])));
-            _mm256_storeu_ps(x + h, _mm256_add_ps(_mm256_loadu_ps(x + h), acc));
+            if (normed) _mm256_storeu_ps(x + h, acc);
+            else _mm256_storeu_ps(x + h, _mm256_add_ps(_mm256_loadu_ps(x + h),
+                                                       rs == 1.0f ? acc : _mm256_mul_ps(acc, _mm256_set1_ps(rs))));
         }
         for (; h < H; h++) {
             float acc = 0.0f;
             for (int64_t j = 0; j < k; j++) acc += p->y[p->at[m * k + j] * H + h] * p->wts[m * k + j];
-            x[h] += acc;
+            if (normed) x[h] = acc;
+            else x[h] += rs == 1.0f ? acc : acc * rs;
         }
     }
 }

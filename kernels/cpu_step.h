@@ -63,6 +63,21 @@ static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* out = w * (x * rsqrt(mean(x^2) + eps)) over H floats (out may be x); w NULL: out = x. */
+static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float *out) {
+    if (!w) {
+        if (out != x) memcpy(out, x, H * sizeof(float));
+        return;
+    }
+    __m256 acc = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= H; k += 8) { __m256 v = _mm256_loadu_ps(x + k); acc = _mm256_fmadd_ps(v, v, acc); }
+    float ss = hsum(acc);
+    for (; k < H; k++) ss += x[k] * x[k];
+    float r = 1.0f / sqrtf(ss / (float)H + eps);
+    for (k = 0; k < H; k++) out[k] = w[k] * (x[k] * r);
+}
+
 /* Row-wise work of a phase (RMSNorm, the bf16 packing, rotary and the cache writes, attention's
  * merge) runs as tasks of KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode
  * step's rows are one task. */

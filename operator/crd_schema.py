@@ -91,10 +91,11 @@ MODEL = _obj(
     {
         "uri": _str(
             "Where the weights come from: hf://ORG/NAME[@REVISION] (fetched by an init "
-            "container), pvc://CLAIM/PATH (mounted read-only), file:///PATH (a directory "
+            "container), hf://ORG/NAME/FILE.gguf[@REVISION] (one GGUF file of a repository), "
+            "pvc://CLAIM/PATH (mounted read-only; a directory or a .gguf file), file:///PATH (a directory "
             "or a .gguf file already in the image).",
             max_length=1024,
-            pattern=r"^(hf://[^/@\s]+/[^/@\s]+(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$",
+            pattern=r"^(hf://[^/@\s]+/[^/@\s]+(/[^/@\s]+\.gguf)?(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$",
             **{"x-kubernetes-validations": [{
                 "rule": "self.startsWith('hf://') || self.startsWith('pvc://') || self.startsWith('file:///')",
                 "message": "model.uri must use one of the schemes hf://, pvc://, file:///",

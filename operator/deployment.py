@@ -55,12 +55,13 @@ def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> di
     if token:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": token["name"], "key": token.get("key") or "token"}}})
-    args = ["-m", "kvfleet.operator.fetch", "--repo", str(model["repo"]), "--dest", model_path_in_pod(model),
+    dest = model_path_in_pod({**model, "file": None})
+    args = ["-m", "kvfleet.operator.fetch", "--repo", str(model["repo"]), "--dest", dest,
             "--timeout", str(dl["timeoutSeconds"]), "--retries", str(dl["retries"])]
     if model["revision"]:
         args += ["--revision", str(model["revision"])]
-    for pattern in dl.get("allowPatterns") or []:
-        args += ["--allow-pattern", str(pattern)]
+    for pattern in [model["file"]] if model.get("file") else dl.get("allowPatterns") or []:
+        args += ["--allow-pattern", str(pattern)]   # a GGUF file: that file alone (config and tokenizer are in it)
     return {
         "name": "fetch-model",
         "image": spec["runtime"]["image"],

@@ -18,6 +18,7 @@ from typing import Any
 from kvfleet.operator import crd, router
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.service_spec import ANNOTATION_CONFIG_HASH, names, selector_string
+from kvfleet.runtime.model_errors import reason_of
 
 
 def set_condition(conditions: list[Mapping[str, Any]] | None, *, type: str, status: str, reason: str,
@@ -215,8 +216,12 @@ def _container_problem(cs: Mapping[str, Any], init: bool) -> tuple[str, str] | N
     if fetch and int(last.get("exitCode") or 0) != 0:
         detail = str(last.get("message") or "").strip() or f"exit code {last.get('exitCode')}"
         return "ModelFetchFailed", f"init container {FETCH_CONTAINER} failed: {detail}"
-    if reason in POD_WAITING_REASONS:
+    if reason in POD_WAITING_REASONS or (last and int(last.get("exitCode") or 0) != 0):
         detail = str(last.get("message") or "").strip()
+        model_reason = reason_of(detail)
+        if model_reason and not init:  # the model itself: the runtime's own reason
+            return model_reason, f"container {cs.get('name')}: {detail}"
+    if reason in POD_WAITING_REASONS:
         if last and not detail:
             detail = f"{last.get('reason') or 'exited'} with exit code {last.get('exitCode')}"
         return reason, f"container {cs.get('name')}: {detail or message or reason}"
@@ -230,8 +235,10 @@ def pod_problem(pods: list[Mapping[str, Any]] | None) -> tuple[str, str] | None:
     Reasons: ``Unschedulable`` (PodScheduled False), ``ImagePullBackOff`` / ``ErrImagePull`` /
     ``InvalidImageName``, ``SecretNotFound`` / ``SecretKeyNotFound`` (from the kubelet's
     CreateContainerConfigError), ``ModelFetchFailed`` (the ``fetch-model`` init container
-    exited non-zero), ``CrashLoopBackOff`` (with the last termination message); the message
-    starts with ``pod NAME:``.
+    exited non-zero), a model load reason of :mod:`kvfleet.runtime.model_errors`
+    (``UnsupportedArchitecture``, ``InvalidModelFile``, ``UnsupportedQuantization``: the runtime
+    container's last termination message starts with it), ``CrashLoopBackOff`` (with the last
+    termination message); the message starts with ``pod NAME:``.
     """
     for pod in sorted(pods or [], key=lambda p: (p.get("metadata") or {}).get("name", "")):
         name = (pod.get("metadata") or {}).get("name", "?")

@@ -1,6 +1,7 @@
 """Where the runtime's weights come from, and how long getting them may take (pure).
 
-- :func:`parse_model_uri`: ``hf://ORG/NAME[@REV]``, ``pvc://CLAIM/PATH``, ``file:///PATH``;
+- :func:`parse_model_uri`: ``hf://ORG/NAME[@REV]``, ``hf://ORG/NAME/FILE.gguf[@REV]``,
+  ``pvc://CLAIM/PATH``, ``file:///PATH``;
 - :func:`model_cache_dir` / :func:`model_path_in_pod`: one cache directory per ``repo@revision``
   under :data:`MODELS_DIR`, so a new revision never rewrites files under running pods;
 - :func:`startup_seconds` (the startup probe's budget) and :func:`progress_deadline_seconds`
@@ -30,18 +31,24 @@ compiling kernels), seconds."""
 def parse_model_uri(uri: str) -> dict[str, str | None]:
     """Split a model URI.
 
-    Returns ``{"scheme": "hf"|"pvc"|"file", "repo", "revision", "claim", "path"}`` (unused keys None).
+    Returns ``{"scheme": "hf"|"pvc"|"file", "repo", "revision", "claim", "path", "file"}`` (unused keys
+    None); ``file``: the one GGUF file of an ``hf://ORG/NAME/FILE.gguf`` URI (a GGUF repository holds
+    one file per quantization: only that one is fetched and served).
 
     Raises:
         InvalidSpec: unknown scheme or malformed URI (reason ``InvalidModelURI``).
     """
-    out: dict[str, str | None] = {"scheme": None, "repo": None, "revision": None, "claim": None, "path": None}
+    out: dict[str, str | None] = {"scheme": None, "repo": None, "revision": None, "claim": None, "path": None,
+                                  "file": None}
     if uri.startswith("hf://"):
         rest = uri[len("hf://"):]
         repo, _, revision = rest.partition("@")
-        if repo.count("/") != 1 or not all(repo.split("/")):
-            raise InvalidSpec("InvalidModelURI", f"hf:// URI must be hf://ORG/NAME[@REVISION], got {uri!r}")
-        out.update(scheme="hf", repo=repo, revision=revision or None)
+        parts = repo.split("/")
+        file = parts.pop() if len(parts) == 3 and parts[2].endswith(".gguf") else None
+        if len(parts) != 2 or not all(parts):
+            raise InvalidSpec("InvalidModelURI", "hf:// URI must be hf://ORG/NAME[@REVISION] or "
+                                                 f"hf://ORG/NAME/FILE.gguf[@REVISION], got {uri!r}")
+        out.update(scheme="hf", repo="/".join(parts), revision=revision or None, file=file)
     elif uri.startswith("pvc://"):
         claim, _, path = uri[len("pvc://"):].partition("/")
         if not claim:
@@ -99,7 +106,8 @@ def model_cache_dir(repo: str, revision: str | None) -> str:
 def model_path_in_pod(model: Mapping[str, Any]) -> str:
     """Where the runtime finds the weights inside the pod."""
     if model["scheme"] == "hf":
-        return f"{MODELS_DIR}/{model_cache_dir(str(model['repo']), model['revision'])}"
+        folder = f"{MODELS_DIR}/{model_cache_dir(str(model['repo']), model['revision'])}"
+        return f"{folder}/{model['file']}" if model.get("file") else folder
     if model["scheme"] == "pvc":
         return f"{MODELS_DIR}/{model['path']}" if model["path"] else MODELS_DIR
     return str(model["path"])

@@ -107,3 +107,23 @@ def pytest_configure(config):
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# --- CPU kinds (tests/e2e/test_cpu_kinds.py) -------------------------------------------
+# The modules whose expectations depend on the kernels the CPU's ISA level selects (the fused
+# decoder's matmul kind, the library variant). tests/e2e/test_cpu_kinds.py runs them again in a
+# child pytest capped to each lower CPU kind ($KVFLEET_CPU_ISA), so that a change that breaks
+# the Zen 4 path or the AVX2 floor fails here too, not only where such a CPU runs the suite.
+CPU_KIND_MODULES = (
+    "tests/unit/kernels/test_cpu_lib.py",
+    "tests/unit/kernels/test_cpu_decoder.py",
+    "tests/unit/runtime/worker/test_cpu_decode.py",
+    "tests/unit/runtime/engine/test_determinism.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        if str(Path(str(item.fspath)).resolve().relative_to(root)) in CPU_KIND_MODULES:
+            item.add_marker(pytest.mark.cpu_kinds)

@@ -1,6 +1,8 @@
-"""The fused CPU decode path: steps of a Llama-family model in one C call
+"""The fused CPU decode path: steps of a dense decoder in one C call
 (:mod:`kvfleet.kernels.cpu_decoder`) instead of transformers' modules: decode steps, and with
-fused prefill on, prefill chunks and mixed steps too.
+fused prefill on, prefill chunks and mixed steps too. The model's layer is read through its
+family's recipe (:mod:`kvfleet.runtime.worker.recipes`: Llama, Mistral, Qwen2, Qwen3, Gemma 3,
+GLM-4, Phi-3, OLMo 2, Granite).
 
 :func:`build` decides once, after the KV caches exist, whether an engine can use it, and returns
 a :class:`CpuDecodePath` or None (the reason is logged). It can when all of these hold:
@@ -9,11 +11,12 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   is not ``0``;
 - no tensor parallelism, no LoRA, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
   not ``triton``);
-- the model is a Llama, Mistral, Qwen2 or Mixtral decoder with SiLU gating, no sliding window, no q/k
-  norms (Qwen3-MoE's experts are read, its per-head q/k norms are not yet: it stays on transformers'
-  modules), rotary embeddings over the whole head, MoE blocks (router and experts) that
-  :func:`~kvfleet.runtime.worker.moe_experts.moe_layer` reads, and linear layers (the experts' too) that are plain float32
-  ``nn.Linear`` or kvfleet's :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
+- :func:`~kvfleet.runtime.worker.recipes.recipe_for` has a recipe for the model (its reason is
+  logged otherwise), the engine's per-layer sliding windows, attention scale and logit scale agree
+  with the recipe's, a mixture-of-experts layer's router and experts are ones
+  :func:`~kvfleet.runtime.worker.moe_experts.moe_layer` reads (Mixtral, Qwen3-MoE), and its linear
+  layers (the experts' too) are plain float32 ``nn.Linear`` or kvfleet's
+  :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
   :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
   :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
@@ -22,8 +25,9 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 
 Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
 into one tensor, and the modules' own weights become views of it, so the transformers path that
-runs the steps the fused one does not reads the same memory. Models shared by several engines are
-fused once.
+runs the steps the fused one does not reads the same memory (a family that stores them fused,
+Phi-3's ``qkv_proj`` and ``gate_up_proj``, is read as stored). Models shared by several engines are
+fused once. Norm weights are float32 copies (Gemma's ``(1 + w)`` folded in).
 
 :meth:`CpuDecodePath.applies` says whether a step qualifies. Never with prompt logprobs or
 padding rows. Otherwise:
@@ -48,6 +52,7 @@ Either way the LM head runs only on the rows that sample (``logits_indices``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any, Protocol
 
@@ -61,10 +66,11 @@ from kvfleet.kernels.cpu_decoder import (
     FusedDecoder,
     Layer,
     Linear,
-    matmul_available,
+    resolve_matmul,
 )
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
+from kvfleet.runtime.worker.recipes import Recipe, recipe_for
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -79,7 +85,6 @@ PREFILL_ENV = "KVFLEET_CPU_FUSED_PREFILL"
 """``1`` runs prefill chunks and mixed steps fused too, ``0`` never; unset: :func:`fused_prefill`'s default."""
 DECODE_ROWS = 64
 """Most rows of a decode or speculative step that runs fused while fused prefill is off."""
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 _FUSED_ATTR = "_kvfleet_fused"
 
 
@@ -152,21 +157,37 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
     return Linear(fmt, w, scale, shift, group, bias)
 
 
-def _fused_layer(layer: torch.nn.Module) -> tuple[Linear, Linear] | None:
-    """``(qkv, gate_up)`` of a decoder layer, fused on first use and kept on the layer (``gate_up``
-    None for a mixture of experts)."""
+def _stacked(modules: list[torch.nn.Module]) -> Linear | None:
+    """One module as stored (a fused ``qkv_proj`` / ``gate_up_proj``), or several fused (:func:`_fuse`)."""
+    return _linear(modules[0]) if len(modules) == 1 else _fuse(modules)
+
+
+def _fused_layer(layer: torch.nn.Module, recipe: Recipe) -> tuple[Linear, Linear | None] | None:
+    """``(qkv, gate_up)`` of a decoder layer (the recipe's modules), fused on first use and kept on
+    the layer; ``gate_up`` None for a mixture of experts (:func:`moe_layer` reads those)."""
     cached = getattr(layer, _FUSED_ATTR, None)
-    attn, mlp = layer.self_attn, layer.mlp
-    moe = is_moe_block(mlp)
-    if cached is not None and cached[0].w.data_ptr() == attn.q_proj.weight.data_ptr() \
-            and (moe or cached[1].w.data_ptr() == mlp.gate_proj.weight.data_ptr()):
+    moe = is_moe_block(layer.mlp)
+    qkv_mods = [getattr(layer.self_attn, n, None) for n in recipe.layer.qkv]
+    gate_up_mods = [] if moe else [getattr(layer.mlp, n, None) for n in recipe.layer.gate_up]
+    if any(m is None or getattr(m, "weight", None) is None for m in qkv_mods + gate_up_mods):
+        return None
+    if cached is not None and cached[0].w.data_ptr() == qkv_mods[0].weight.data_ptr() \
+            and (moe or cached[1].w.data_ptr() == gate_up_mods[0].weight.data_ptr()):
         return cached
-    qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up = _fuse([mlp.gate_proj, mlp.up_proj]) if qkv is not None and not moe else None
+    qkv = _stacked(qkv_mods)
+    gate_up = _stacked(gate_up_mods) if qkv is not None and not moe else None
     if qkv is None or (gate_up is None and not moe):
         return None
     object.__setattr__(layer, _FUSED_ATTR, (qkv, gate_up))
     return qkv, gate_up
+
+
+def _norm(module: torch.nn.Module | None, offset: float) -> torch.Tensor | None:
+    """An RMSNorm's weight as the C step takes it: float32, ``offset`` added (Gemma's ``1 + w``)."""
+    if module is None:
+        return None
+    w = module.weight.detach().float()
+    return (w + offset).contiguous() if offset else w.contiguous()
 
 
 def unsupported(runner: Runner) -> str | None:
@@ -180,34 +201,46 @@ def unsupported(runner: Runner) -> str | None:
         return "tensor parallelism or LoRA is on"
     if select_backend(runner.device) != "torch":
         return f"${BACKEND_ENV} selects the {select_backend(runner.device)} attention kernels"
-    if getattr(cfg, "model_type", None) not in MODEL_TYPES or getattr(cfg, "hidden_act", None) != "silu":
-        return f"model type {getattr(cfg, 'model_type', None)!r} / activation {getattr(cfg, 'hidden_act', None)!r}"
-    if any(w is not None for w in runner.sliding_windows or ()):
-        return "a layer has a sliding window"
-    if runner.logit_scale != 1.0 or getattr(cfg, "final_logit_softcapping", None):
-        return "the model scales or caps its logits"
+    recipe = recipe_for(cfg)
+    if isinstance(recipe, str):
+        return recipe
+    windows = tuple(w or 0 for w in runner.sliding_windows or ()) or (0,) * len(recipe.windows)
+    if windows != recipe.windows:
+        return f"the engine's sliding windows {windows} are not the recipe's {recipe.windows}"
+    if not math.isclose(runner.logit_scale, recipe.logit_scale, rel_tol=1e-4):
+        return f"the model scales its logits by {runner.logit_scale:.6g}, its recipe by {recipe.logit_scale:.6g}"
     if not cpu_woq.available():
         return f"the CPU kernels are unavailable ({cpu_woq.unavailable_reason()})"
     decoder = runner.model.get_decoder()
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(decoder, name):
             return f"the decoder has no {name}"
-    layer = decoder.layers[0]
-    attn = layer.self_attn
-    if any(hasattr(attn, n) for n in ("q_norm", "k_norm")) or not hasattr(attn, "scaling"):
-        return "its attention has q/k norms or no fixed scaling"
-    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
-        return "its rotary embedding covers part of the head"
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        scaling = getattr(attn, "scaling", None)
+        if scaling is None or not math.isclose(float(scaling), recipe.attn_scale, rel_tol=1e-6):
+            return f"layer {i}'s attention scale {scaling} is not its recipe's {recipe.attn_scale}"
+        has_qk = {getattr(attn, n, None) is not None for n in ("q_norm", "k_norm")}
+        if has_qk != {recipe.layer.qk_norm != "none"}:
+            return f"layer {i}'s q/k norms do not match the recipe's qk_norm {recipe.layer.qk_norm!r}"
+        for position, name in recipe.layer.norms.items():
+            if getattr(getattr(layer, name, None), "weight", None) is None:
+                return f"layer {i} has no {name} ({position} norm)"
     return None
 
 
 class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
-    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False) -> None:
+    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False,
+                 recipe: Recipe | None = None) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
+        self.recipe = recipe if recipe is not None else recipe_for(runner.hf_config)
+        """The model's layer recipe (:mod:`kvfleet.runtime.worker.recipes`)."""
+        self._logit_scale = runner.logit_scale
+        self._softcap = self.recipe.logit_softcap
         self._fused = fused
         self._compute_logits = runner.compute_logits
         self.prefill = prefill
@@ -245,20 +278,37 @@ class CpuDecodePath:
             per_seq = torch.diff(meta.query_start_loc)
             block_tables = block_tables.repeat_interleave(per_seq, dim=0)
             seq_lens = (positions[0] + 1).to(torch.int32)
-        x = self._embed(input_ids[0]).float().contiguous()
-        cos, sin = self._rotary(x.unsqueeze(0), positions)
-        hidden, logits = self._fused.step(
-            x, cos[0].float().contiguous(), sin[0].float().contiguous(), meta.slot_mapping.contiguous(),
-            block_tables, seq_lens.contiguous(), logits_indices.contiguous(),
-        )
-        return self._compute_logits(hidden.index_select(0, logits_indices)) if logits is None else logits
+        x = self._embed(input_ids[0]).float()
+        if self.recipe.embed_scale != 1.0:
+            x = x * self.recipe.embed_scale
+        x = x.contiguous()
+        cos, sin = self._rope(x, positions)
+        hidden, logits = self._fused.step(x, cos, sin, meta.slot_mapping.contiguous(), block_tables,
+                                          seq_lens.contiguous(), logits_indices.contiguous())
+        if logits is None:
+            return self._compute_logits(hidden.index_select(0, logits_indices))
+        if self._logit_scale != 1.0:   # as the engine's compute_logits finishes the torch path's
+            logits = logits * self._logit_scale
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[R, M, rotary_dim]`` (one table per recipe rope key) from the model's rotary module."""
+        keys = self.recipe.rope_keys
+        tables = [self._rotary(x.unsqueeze(0), positions) if key is None else
+                  self._rotary(x.unsqueeze(0), positions, key) for key in keys]
+        cos = torch.stack([c[0] for c, _ in tables]).float().contiguous()
+        sin = torch.stack([s[0] for _, s in tables]).float().contiguous()
+        return cos, sin
 
 
 def matmul_asked(runner: Runner) -> str:
     """The fused decoder's matmul kernels for ``runner`` (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`):
-    the CPU plan's, or ``$KVFLEET_CPU_MATMUL``'s where the plan chose bf16 ones; ``float32`` where
-    the library lacks them. :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` still checks the
-    shapes (its ``matmul``)."""
+    the CPU plan's, or ``$KVFLEET_CPU_MATMUL``'s where the plan chose bf16 ones (the policy), then
+    :func:`~kvfleet.kernels.cpu_decoder.resolve_matmul` (the capability: ``float32`` where the
+    library or CPU lacks them; :class:`~kvfleet.kernels.cpu_decoder.FusedDecoder` applies it again
+    with the model's shapes)."""
     plan = runner.cpu_plan
     if plan is None or not plan.bf16_matmuls:
         return "float32"
@@ -267,7 +317,7 @@ def matmul_asked(runner: Runner) -> str:
         logger.warning("$%s=%r is not one of %s: using the plan's %s", MATMUL_ENV, kind, ", ".join(MATMULS),
                        plan.matmul)
         kind = plan.matmul
-    return kind if matmul_available(kind) else "float32"
+    return resolve_matmul(kind)
 
 
 def fused_prefill(matmul: str) -> bool:
@@ -285,28 +335,37 @@ def build(runner: Runner) -> CpuDecodePath | None:
     whose KV caches exist), or None with the reason logged at INFO."""
     reason = unsupported(runner)
     decoder = runner.model.get_decoder() if reason is None else None
+    recipe = recipe_for(runner.hf_config) if reason is None else None
     layers = []
     if decoder is not None:
+        fam, offset = recipe.layer, recipe.layer.norm_offset
         for i, layer in enumerate(decoder.layers):
-            moe = moe_layer(layer.mlp, _linear) if is_moe_block(layer.mlp) else None
+            moe = moe_layer(layer.mlp, _linear) if fam.moe and is_moe_block(layer.mlp) else None
             if isinstance(moe, str):
                 reason = f"layer {i}'s mixture of experts: {moe}"
                 break
-            fused = _fused_layer(layer)
-            o, down = _linear(layer.self_attn.o_proj), None if moe else _linear(layer.mlp.down_proj)
+            fused = _fused_layer(layer, recipe)
+            o = _linear(getattr(layer.self_attn, fam.o))
+            down = None if moe else _linear(getattr(layer.mlp, fam.down, None))
             if fused is None or o is None or (down is None and moe is None):
                 reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4"
                 break
             k_cache, v_cache = runner.kv_caches[i]
-            layers.append(Layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                fused[0], o, fused[1], down, k_cache, v_cache, moe=moe))
+            norms = {p: _norm(getattr(layer, name), offset) for p, name in fam.norms.items()}
+            qk = [_norm(getattr(layer.self_attn, n), offset) if fam.qk_norm != "none" else None
+                  for n in ("q_norm", "k_norm")]
+            layers.append(Layer(norms.get("attn_in"), norms.get("mlp_in"), fused[0], o, fused[1], down, k_cache,
+                                v_cache, norms.get("attn_out"), norms.get("mlp_out"), qk[0], qk[1],
+                                recipe.windows[i], recipe.layer_rope[i], moe))
     if reason is not None:
         logger.info("fused CPU decode: off (%s)", reason)
         return None
     head = _linear(runner.model.get_output_embeddings())
     eps = float(getattr(runner.hf_config, "rms_norm_eps", 1e-6))
     weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
-                             float(decoder.layers[0].self_attn.scaling), layers, decoder.norm.weight.detach(), head)
+                             float(decoder.layers[0].self_attn.scaling), layers, _norm(decoder.norm, offset), head,
+                             qk_norm=fam.qk_norm, act=recipe.act, rotary_dim=recipe.rotary_dim,
+                             rotary_interleaved=recipe.rotary_interleaved, residual_scale=recipe.residual_scale)
     try:
         fused = FusedDecoder(weights, matmul=matmul_asked(runner))
     except (ValueError, RuntimeError) as exc:
@@ -314,9 +373,9 @@ def build(runner: Runner) -> CpuDecodePath | None:
         return None
     prefill = fused_prefill(fused.matmul)
     experts = [layer.moe for layer in layers if layer.moe is not None]
-    logger.info("fused CPU decode: on (%d layers%s, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
-                len(layers), f" ({len(experts)} with {len(experts[0].gate_up)} experts, top {experts[0].top_k})"
-                if experts else "", layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
+    moe = f" ({len(experts)} with {len(experts[0].gate_up)} experts, top {experts[0].top_k})" if experts else ""
+    logger.info("fused CPU decode: on (%s, %d layers%s, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
+                recipe.family, len(layers), moe, layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
                 str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
                 "fused" if prefill else "in torch")
-    return CpuDecodePath(runner, fused, prefill)
+    return CpuDecodePath(runner, fused, prefill, recipe)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvfleet.kernels.cpu_features import CpuFeatures
+from kvfleet.kernels.cpu_features import MATMUL_KERNELS, CpuFeatures
 
 BF16_WEIGHT_STORAGE = True
 """The one switch of bf16 weight storage (``Bf16Linear``, ``woq_linear.to_bf16_weights``: bf16
@@ -144,9 +144,10 @@ class CpuPlan:
 
 CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
 
-MATMUL_NAMES = {"float32": "float32", "avx512_bf16": "AVX512-BF16 dot products (bf16)", "amx": "AMX tiles (bf16)"}
-"""Each matmul kernel of the fused decoder (:attr:`CpuPlan.matmul`) as the start-up lines name it."""
-BF16_LEVELS = ("avx512_bf16", "amx")
+MATMUL_NAMES = MATMUL_KERNELS
+"""Each matmul kernel of the fused decoder (:attr:`CpuPlan.matmul`) as the start-up lines name it
+(:data:`kvfleet.kernels.cpu_features.MATMUL_KERNELS`)."""
+BF16_LEVELS = tuple(k for k in MATMUL_KERNELS if k != "float32")
 """The ISA levels whose own bf16 kernels the fused decoder runs (the level's name is the kernel's:
 ``cpu_dpbf16.h``'s dot products, ``cpu_amx.h``'s tiles)."""
 _BF16_MATMULS = ("; the fused decoder's matmuls on {} (activations and dequantized weights rounded to bf16, "

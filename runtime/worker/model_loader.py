@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from kvfleet.kernels import cpu_features
+from kvfleet.runtime.model_errors import UNSUPPORTED_ARCHITECTURE, ModelLoadError
 from kvfleet.runtime.worker import cpu_plan
 from kvfleet.runtime.worker.cpu_plan import CpuFacts, CpuPlan
 
@@ -360,7 +361,9 @@ def load_model(
         before any weight is read), or a ``quantization`` the model, device or dtype does not
         support (the message starts with ``--quantization``; unknown methods and
         device/dtype/tensor-parallel combinations are refused before any weight is read);
-        OSError from transformers when a hub id cannot be resolved.
+        OSError from transformers when a hub id cannot be resolved;
+        :class:`~kvfleet.runtime.model_errors.ModelLoadError` (``UnsupportedArchitecture``) for a
+        ``model_type`` transformers does not know.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -375,7 +378,12 @@ def load_model(
     t0 = time.monotonic()
     dev = resolve_device(device)
     path, name = resolve_model_path(model, cache_root)
-    hf_config = AutoConfig.from_pretrained(path)
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError) as exc:  # transformers names an architecture it does not know so
+        if "recognize this architecture" not in str(exc) and "Unrecognized model" not in str(exc):
+            raise
+        raise ModelLoadError(UNSUPPORTED_ARCHITECTURE, name, str(exc).split("\n")[0]) from exc
     check_attention_support(hf_config)
     plan = None
     if dev.type == "cpu":

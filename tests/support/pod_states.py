@@ -30,6 +30,13 @@ CASES = [
     (pod(initContainerStatuses=[waiting("CrashLoopBackOff", name="fetch-model", last={
         "exitCode": 1, "message": "attempt 3/3: failed with exit code 1"})]),
      "ModelFetchFailed", "init container fetch-model failed: attempt 3/3"),
+    (pod(containerStatuses=[waiting("CrashLoopBackOff", "back-off 10s", last={
+        "exitCode": 1, "reason": "Error",
+        "message": "UnsupportedArchitecture: /models/x.gguf: architecture 'mamba' has no recipe in this kvfleet"})]),
+     "UnsupportedArchitecture", "architecture 'mamba' has no recipe"),
+    (pod(containerStatuses=[{"name": "runtime", "image": "img:1", "state": {"terminated": {
+        "exitCode": 1, "reason": "Error", "message": "InvalidModelFile: /models/x.gguf: truncated"}}}]),
+     "InvalidModelFile", "/models/x.gguf: truncated"),
     (pod(containerStatuses=[waiting("CreateContainerConfigError", 'secret "hf" not found')]),
      "SecretNotFound", 'secret "hf" not found'),
     (pod(containerStatuses=[waiting("CreateContainerConfigError", "couldn't find key token in Secret default/hf")]),

@@ -1,6 +1,7 @@
 """Tiny randomly initialised transformers models (no download), saved as checkpoints the engine
 loads: the configs (``COMMON`` sizes; ``configs()``: Mistral, Qwen2, Gemma 2 with an 8-token
-sliding window), a word-level tokenizer, token-id ``PROMPTS`` longer than the window, and
+sliding window; ``family_config()``: each family of the fused decoder's recipes with its
+features switched on), a word-level tokenizer, token-id ``PROMPTS`` longer than the window, and
 ``build``, which saves a model of a config and returns its eager transformers reference."""
 
 from __future__ import annotations
@@ -30,6 +31,29 @@ def configs():
         "gemma2": Gemma2Config(sliding_window=8, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                                final_logit_softcapping=3.0, **COMMON),
     }
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "glm4", "phi3", "olmo2", "granite")
+"""The dense families of runtime/worker/recipes.py."""
+_FAMILY = {
+    "mistral": dict(sliding_window=8),                                  # a window on every layer
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "gemma3_text": dict(sliding_window=8, query_pre_attn_scalar=24, head_dim=32,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "glm4": dict(partial_rotary_factor=0.5, head_dim=32),               # rotary over half of each head
+    "phi3": dict(partial_rotary_factor=0.5),
+    "granite": dict(attention_multiplier=0.2, residual_multiplier=0.5, embedding_multiplier=3.0, logits_scaling=2.0),
+}
+
+
+def family_config(model_type: str, **sizes):
+    """A ``COMMON``-sized config of ``model_type`` (:data:`FAMILIES`) with the family's features
+    on: sliding windows of 8 (Mistral, Qwen2's layer 1, Gemma 3's local layer), Gemma 3's
+    ``query_pre_attn_scalar``, partial rotary (GLM-4, Phi-3), Granite's four multipliers;
+    ``sizes`` override."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **{**COMMON, **_FAMILY.get(model_type, {}), **sizes})
 
 
 def save_tokenizer(path) -> None:

@@ -44,6 +44,7 @@ from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTok
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
 from kvfleet.runtime.entrypoints.openai.tool_calls import detect_tool_parser
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
+from kvfleet.runtime.model_errors import ModelLoadError
 
 __all__ = ["DEFAULT_MODEL_NAME", "APIError", "ServerState", "create_app", "main", "served_name"]
 
@@ -160,6 +161,10 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         logger.info(
             "model %s ready in %.1f s (max_model_len %s)", state.model_name, time.monotonic() - t0, engine.max_model_len
         )
+    except ModelLoadError as exc:  # the model itself: one line, no traceback
+        state.load_error = exc
+        logger.error("the engine failed to start: %s", exc.line())
+        lifecycle.report_fatal(state, exc)
     except Exception as exc:  # reported by /health and the exit status
         state.load_error = exc
         # The reason on the ERROR line itself (a bad option such as a tensor_parallel_size that

@@ -30,6 +30,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfleet.runtime.entrypoints.openai.errors import APIError
+from kvfleet.runtime.model_errors import ModelLoadError
 
 if TYPE_CHECKING:
     from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
@@ -107,6 +108,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def termination_message(exc: BaseException) -> str:
     """One line for the kubelet: ``out of memory: ...`` first when it is one (the operator's tuner
     looks for it), at most :data:`TERMINATION_LOG_LIMIT` bytes."""
+    if isinstance(exc, ModelLoadError):  # the operator shows its reason as a condition
+        return exc.line().encode("utf-8")[:TERMINATION_LOG_LIMIT].decode("utf-8", "ignore")
     head = "out of memory" if is_out_of_memory(exc) else "the engine died"
     cls = type(exc)
     text = f"{head}: {cls.__module__}.{cls.__qualname__}: {exc}".replace("\n", " ")

@@ -20,14 +20,14 @@ from kvfleet.kernels.cpu_decoder import DecoderWeights, FusedDecoder, Layer, Lin
 from .test_cpu_decoder import (  # noqa: E402
     BF16_MATMULS,
     BS,
-    D,
     FF,
     KVH,
     QH,
+    D,
     H,
+    _inputs,
     _linear,
     _rope,
-    _inputs,
 )
 
 E, IE = 6, 96   # experts per MoE layer, each expert's width
@@ -54,8 +54,9 @@ def _moe(fmt: str, gen: torch.Generator, routing: str, router_bias: bool = False
 
 
 def _model(fmt: str, routing: str = "mixtral", dense_layer: bool = True, router_bias: bool = False,
-           blocks: int = BLOCKS, seed: int = 0):
-    """Layer 0 MoE, layer 1 dense (or MoE too): the decoder, its float64 reference, the head's."""
+           blocks: int = BLOCKS, seed: int = 0, residual_scale: float = 1.0, mlp_out_norm: bool = False):
+    """Layer 0 MoE, layer 1 dense (or MoE too): the decoder, its float64 reference, the head's.
+    ``residual_scale``, ``mlp_out_norm``: Granite's multiplier, an RMSNorm on the MLP's output."""
     gen = torch.Generator().manual_seed(seed)
     built, ref = [], []
     for index in range(2):
@@ -63,17 +64,19 @@ def _model(fmt: str, routing: str = "mixtral", dense_layer: bool = True, router_
         o, o_ref = _linear(fmt, H, QH * D, gen)
         n1, n2 = 1 + 0.1 * torch.randn(H, generator=gen), 1 + 0.1 * torch.randn(H, generator=gen)
         kc, vc = torch.randn(blocks, BS, KVH, D, generator=gen), torch.randn(blocks, BS, KVH, D, generator=gen)
+        n3 = 1 + 0.1 * torch.randn(H, generator=gen) if mlp_out_norm else None
         if index == 1 and dense_layer:
             (gu, gu_ref), (down, down_ref) = _linear(fmt, 2 * FF, H, gen), _linear(fmt, H, FF, gen)
-            built.append(Layer(n1, n2, qkv, o, gu, down, kc, vc))
-            ref.append((n1, n2, qkv_ref, o_ref, ("dense", gu_ref, down_ref)))
+            built.append(Layer(n1, n2, qkv, o, gu, down, kc, vc, mlp_out_norm=n3))
+            ref.append((n1, n2, n3, qkv_ref, o_ref, ("dense", gu_ref, down_ref)))
         else:
             moe, moe_ref = _moe(fmt, gen, routing, router_bias)
-            built.append(Layer(n1, n2, qkv, o, None, None, kc, vc, moe=moe))
-            ref.append((n1, n2, qkv_ref, o_ref, ("moe", *moe_ref)))
+            built.append(Layer(n1, n2, qkv, o, None, None, kc, vc, mlp_out_norm=n3, moe=moe))
+            ref.append((n1, n2, n3, qkv_ref, o_ref, ("moe", *moe_ref)))
     head, head_ref = _linear(fmt, 304, H, gen)
     final = 1 + 0.1 * torch.randn(H, generator=gen)
-    return DecoderWeights(QH, KVH, D, 1e-5, D ** -0.5, built, final, head), ref, head_ref
+    weights = DecoderWeights(QH, KVH, D, 1e-5, D ** -0.5, built, final, head, residual_scale=residual_scale)
+    return weights, ref, head_ref
 
 
 def _separate_rows(M: int, seed: int):
@@ -116,7 +119,8 @@ def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens, bf16: s
 
     x, cos, sin = x.double(), cos.double()[:, None], sin.double()[:, None]
     routed = []
-    for layer, (n1, n2, wqkv, wo, mlp) in zip(weights.layers, ref):
+    rs = weights.residual_scale
+    for layer, (n1, n2, n3, wqkv, wo, mlp) in zip(weights.layers, ref):
         qkv = mm(norm(x, n1), wqkv)
         q = _rope(qkv[:, : QH * D].view(-1, QH, D), cos, sin)
         k = _rope(qkv[:, QH * D : (QH + KVH) * D].view(-1, KVH, D), cos, sin)
@@ -132,11 +136,12 @@ def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens, bf16: s
             vals = layer.v_cache.view(-1, KVH, D)[flat].double().repeat_interleave(QH // KVH, 1)
             p = torch.softmax(torch.einsum("hd,nhd->hn", q[i], keys) * weights.scale, -1)
             out.append(torch.einsum("hn,nhd->hd", p, vals).reshape(-1))
-        x = x + mm(torch.stack(out), wo)
+        x = x + rs * mm(torch.stack(out), wo)
         h = norm(x, n2)
         if mlp[0] == "dense":
             gu = mm(h, mlp[1])
-            x = x + mm(torch.nn.functional.silu(gu[:, :FF]) * gu[:, FF:], mlp[2])
+            y = mm(torch.nn.functional.silu(gu[:, :FF]) * gu[:, FF:], mlp[2])
+            x = x + rs * (y if n3 is None else norm(y, n3))
             continue
         router, bias, gate_up, down, top_k, norm_topk, scoring = mlp[1:]
         ids, w = route(h @ router.T + (0 if bias is None else bias), top_k, norm_topk, scoring)
@@ -146,7 +151,7 @@ def _reference(weights, ref, head_ref, x, cos, sin, slots, tables, lens, bf16: s
             for e, we in zip(ids[m].tolist(), w[m]):
                 gu = mm(h[m:m + 1], gate_up[e])[0]
                 y[m] += we * mm((torch.nn.functional.silu(gu[:IE]) * gu[IE:])[None], down[e])[0]
-        x = x + y
+        x = x + rs * (y if n3 is None else norm(y, n3))
     hidden = norm(x, weights.final_norm)
     return hidden, mm(hidden, head_ref), routed
 
@@ -193,6 +198,15 @@ def test_each_routing_matches_the_float64_reference(routing, router_bias):
     softmax (GPT-OSS's order), 16 of 20 experts; with and without a router bias; both layers MoE."""
     weights, ref, head_ref = _model("fp32", routing, dense_layer=False, router_bias=router_bias, seed=3)
     _check_reference(weights, ref, head_ref, _separate_rows(12, seed=4))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_the_experts_output_takes_the_residual_scale_and_the_mlp_output_norm(fmt):
+    """As the dense MLP's: times Granite's residual multiplier, or through an RMSNorm on the MLP's
+    output before the residual add (Gemma 3 / GLM-4 / OLMo 2's mlp_out), layer 1 dense beside it."""
+    for scale, out_norm in ((0.25, False), (1.0, True), (0.5, True)):
+        weights, ref, head_ref = _model(fmt, residual_scale=scale, mlp_out_norm=out_norm, seed=7)
+        _check_reference(weights, ref, head_ref, _separate_rows(9, seed=8))
 
 
 @pytest.mark.parametrize("matmul", BF16_MATMULS)

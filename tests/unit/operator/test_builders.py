@@ -440,6 +440,27 @@ def test_each_revision_has_its_own_cache_dir_and_deadline_covers_the_download():
     assert [b for a, b in zip(args, args[1:]) if a == "--allow-pattern"] == ["*.gguf"]
     # every attempt timing out, with the back-offs between them, fits in the progress deadline
     isvc = minimal(model={"uri": "hf://org/name", "download": {"timeoutSeconds": 1000, "retries": 4}})
+    _check_deadline(isvc)
+
+
+def test_one_gguf_file_of_a_repository_is_fetched_alone_and_served():
+    """``hf://ORG/NAME/FILE.gguf``: a GGUF repository holds one file per quantization; the init
+    container fetches that one file (its config and tokenizer are inside it) into the revision's
+    folder, and the runtime's --model is the file."""
+    isvc = minimal(model={"uri": "hf://unsloth/gemma-3-270m-it-GGUF/gemma-3-270m-it-Q4_K_M.gguf@abc"})
+    args = pod_spec(isvc)["initContainers"][0]["args"]
+    pairs = list(zip(args, args[1:]))
+    assert ("--dest", "/models/unsloth--gemma-3-270m-it-GGUF@abc") in pairs
+    assert ("--repo", "unsloth/gemma-3-270m-it-GGUF") in pairs and ("--revision", "abc") in pairs
+    assert [b for a, b in pairs if a == "--allow-pattern"] == ["gemma-3-270m-it-Q4_K_M.gguf"]
+    config = yaml.safe_load(by_kind(builders.desired_children(isvc))["ConfigMap"]["data"]["config.yaml"])
+    assert config["model"] == "/models/unsloth--gemma-3-270m-it-GGUF@abc/gemma-3-270m-it-Q4_K_M.gguf"
+    for bad in ("hf://org/name/sub", "hf://org/name/a/b.gguf", "hf://org//x.gguf"):
+        with pytest.raises(InvalidSpec, match="hf://ORG/NAME/FILE.gguf"):
+            weights.parse_model_uri(bad)
+
+
+def _check_deadline(isvc):
     deploy = by_kind(builders.desired_children(isvc))["Deployment"]
     budget = fetch.budget_seconds(1000, 4)
     assert budget == 4000 + 10 + 20 + 40

@@ -68,3 +68,18 @@ def test_dtype_device_and_missing_paths(tmp_path):
             ml.resolve_model_path(missing)
     # Anything else is taken for a hub id.
     assert ml.resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_an_architecture_transformers_does_not_know_is_a_model_load_error(tmp_path):
+    """A checkpoint whose ``model_type`` no library here knows fails before any weight is read,
+    with the reason the operator shows as a condition (kvfleet.runtime.model_errors)."""
+    import json
+
+    from kvfleet.runtime.model_errors import UNSUPPORTED_ARCHITECTURE, ModelLoadError, reason_of
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kvfleet-no-such-arch", "hidden_size": 8}))
+    with pytest.raises(ModelLoadError) as err:
+        ml.load_model(str(tmp_path), device="cpu")
+    assert err.value.reason == UNSUPPORTED_ARCHITECTURE and str(tmp_path.name) in err.value.line()
+    assert "kvfleet-no-such-arch" in err.value.line() and "\n" not in err.value.line()
+    assert reason_of(err.value.line()) == UNSUPPORTED_ARCHITECTURE

@@ -11,8 +11,8 @@ loads any model.
   1e-4) of transformers' modules over the same weights;
 - the bf16 matmul kinds this CPU has: log-probabilities close to the float32 kernels', tolerance
   per kind;
-- Qwen3-MoE (per-head q/k norms, not on the fused path yet) stays on transformers' modules, with
-  its greedy tokens, its experts split alike.
+- Qwen3-MoE (per-head q/k norms, a dense layer beside the MoE one) on the fused path with
+  transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _config(model_type: str):
     if model_type == "mixtral":
         return AutoConfig.for_model("mixtral", num_local_experts=4, num_experts_per_tok=2, **MOE)
     return AutoConfig.for_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                                norm_topk_prob=True, head_dim=16, **MOE)
+                                norm_topk_prob=True, head_dim=16, mlp_only_layers=[1], **MOE)
 
 
 @pytest.fixture(scope="module")
@@ -181,10 +181,10 @@ def test_bf16_matmul_kinds_keep_the_log_probabilities_close(checkpoints, monkeyp
     assert worst <= BF16_TOLERANCE[kind], worst
 
 
-def test_qwen3_moe_keeps_transformers_modules_until_its_q_k_norms_are_fused(checkpoints, monkeypatch):
-    """Qwen3-MoE's experts are split like Mixtral's and its routing is read (norm_topk_prob), but
-    its per-head q/k norms are not on the fused path yet: the engine says why and runs
-    transformers' modules, with transformers' greedy tokens."""
+def test_qwen3_moe_runs_fused_with_transformers_greedy_tokens(checkpoints, monkeypatch):
+    """Qwen3-MoE (per-head q/k norms, ``norm_topk_prob``; layer 1 dense through ``mlp_only_layers``,
+    128 wide beside experts of 64): its experts split like Mixtral's, every step fused, the greedy
+    tokens of transformers' ``generate``."""
     from kvfleet.runtime.worker.moe_experts import moe_layer
 
     path, _, expected = checkpoints["qwen3_moe"]
@@ -193,8 +193,11 @@ def test_qwen3_moe_keeps_transformers_modules_until_its_q_k_norms_are_fused(chec
     assert isinstance(block.experts, LinearExperts)
     moe = moe_layer(block, cpu_decode._linear)
     assert moe.top_k == 2 and moe.norm_topk_prob and moe.intermediate == 64
-    engine = _engine(loaded, monkeypatch)
-    assert engine.runner.cpu_decode is None
-    assert "q/k norms" in cpu_decode.unsupported(engine.runner)
+    rows = _counting(monkeypatch)
+    engine = _engine(loaded, monkeypatch, prefill="1")
+    layers = engine.runner.cpu_decode._fused.weights.layers
+    assert layers[0].moe is not None and layers[1].moe is None and layers[1].gate_up.shape == (256, 64)
+    assert layers[0].q_norm is not None
     got, _, _ = run(engine, [list(p) for p in PROMPTS], GREEDY)
     assert got == expected
+    assert sum(rows) == sum(len(p) for p in PROMPTS) + len(PROMPTS) * (GEN - 1)   # every token fused

@@ -1,0 +1,114 @@
+"""Each model family against a same-shape Llama, with no flags (issue 40).
+
+::
+
+    python benchmarks/families.py                       # the 9 dense families, SmolLM2's shape, 12 layers
+    python benchmarks/families.py --families llama qwen3 --requests 16 --tokens 32   # a quick look
+
+For each family a random-initialised model of one shape (SmolLM2-135M's: hidden 576, 9 query and 3
+KV heads of 64, MLP 1536, its 49152-token tokenizer; ``--layers`` layers, default 12; the family's
+own features on: Gemma 3's 5 local (window 512) : 1 global layers, GLM-4's half rotary, Granite's
+multipliers, ...) is saved as a float32 checkpoint and served in this process as ``kvfleet serve``
+would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls).
+Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
+``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
+warm-up request; each family's ratio to Llama's. Prints the CPU model and flags and the table
+(docs/performance.md, "Model families on the fused path"). On a shared machine run it twice and
+read the ratios, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+DENSE = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "granite", "glm4", "mistral")
+SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+             vocab_size=49152, max_position_embeddings=8192, initializer_range=0.05, tie_word_embeddings=True,
+             bos_token_id=1, eos_token_id=2, pad_token_id=2)
+FEATURES = {
+    "gemma3_text": dict(sliding_window=512, query_pre_attn_scalar=64),
+    "glm4": dict(partial_rotary_factor=0.5),
+    "granite": dict(attention_multiplier=0.125, residual_multiplier=0.22, embedding_multiplier=12.0,
+                    logits_scaling=2.0),
+}
+
+
+def build(family: str, layers: int, folder: str, tokenizer) -> str:
+    """A random model of ``family`` in the shared shape, saved with ``tokenizer`` under ``folder``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, num_hidden_layers=layers, **{**SHAPE, **FEATURES.get(family, {})})
+    path = os.path.join(folder, family)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def measure(path: str, args) -> dict:
+    """tok/s of one stream and of ``args.requests`` at once, and what ran (the fused path's line)."""
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+    from kvfleet.runtime.llm import LLM
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=path))
+    llm = LLM.from_engine(engine)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, SHAPE["vocab_size"]) for _ in range(args.prompt)] for _ in range(args.requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    out = {}
+    for name, batch in (("one stream", prompts[:1]), (f"{args.requests} requests", prompts)):
+        start = time.perf_counter()
+        results = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        out[name] = sum(len(r.outputs[0].token_ids) for r in results) / seconds
+    path_ = engine.runner.cpu_decode
+    out["path"] = f"fused ({path_.matmul})" if path_ is not None else "transformers"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", default=list(DENSE))
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    from kvfleet.kernels.cpu_features import detect
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    families = ["llama"] + [f for f in args.families if f != "llama"]
+    tokenizer = load_model(None, device="cpu").tokenizer
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for family in families:
+            results[family] = measure(build(family, args.layers, folder, tokenizer), args)
+            print(f"{family}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in results[family].items()), flush=True)
+    features = detect()
+    print(f"\nCPU: {features.summary()}")
+    print(f"shape: SmolLM2-135M's (576 hidden, 9/3 heads of 64, MLP 1536, 49152 vocab), {args.layers} layers; "
+          f"prompt {args.prompt}, {args.tokens} outputs; no flags\n")
+    base = results["llama"]
+    print("| | " + " | ".join(families) + " |")
+    print("|---|" + "---:|" * len(families))
+    print("| path | " + " | ".join(results[f]["path"] for f in families) + " |")
+    for key in ("one stream", f"{args.requests} requests"):
+        print(f"| {key}, tok/s | " + " | ".join(f"{results[f][key]:.1f}" for f in families) + " |")
+        print(f"| {key} vs llama | " + " | ".join(f"{results[f][key] / base[key]:.2f}x" for f in families) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
