@@ -10,8 +10,9 @@ For each family a random-initialised model of one shape (SmolLM2-135M's: hidden 
 KV heads of 64, MLP 1536, its 49152-token tokenizer; ``--layers`` layers, default 12; the family's
 own features on: Gemma 3's 5 local (window 512) : 1 global layers, GLM-4's half rotary, Granite's
 multipliers, ...; Mixtral and Qwen3-MoE with 8 experts of width 768, top-2: the active parameters of
-the 1536-wide MLP, four times its parameters in all) is saved as a float32 checkpoint and served in this process as ``kvfleet serve``
-would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls).
+the 1536-wide MLP, four times its parameters in all) is saved as a float32 checkpoint and served in
+this process as ``kvfleet serve`` would with no flags (``EngineConfig(model=dir)``: dtype auto, the
+CPU plan's weights and matmuls).
 Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
 ``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
 warm-up request; each family's ratio to Llama's. Prints the CPU model and flags and the table
