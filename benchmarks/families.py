@@ -2,17 +2,14 @@
 
 ::
 
-    python benchmarks/families.py                       # the 11 families, SmolLM2's shape, 12 layers
-    python benchmarks/families.py --families mixtral qwen3_moe    # the mixtures of experts
+    python benchmarks/families.py                       # the 9 dense families, SmolLM2's shape, 12 layers
     python benchmarks/families.py --families llama qwen3 --requests 16 --tokens 32   # a quick look
 
 For each family a random-initialised model of one shape (SmolLM2-135M's: hidden 576, 9 query and 3
 KV heads of 64, MLP 1536, its 49152-token tokenizer; ``--layers`` layers, default 12; the family's
 own features on: Gemma 3's 5 local (window 512) : 1 global layers, GLM-4's half rotary, Granite's
-multipliers, ...; Mixtral and Qwen3-MoE with 8 experts of width 768, top-2: the active parameters of
-the 1536-wide MLP, four times its parameters in all) is saved as a float32 checkpoint and served in
-this process as ``kvfleet serve`` would with no flags (``EngineConfig(model=dir)``: dtype auto, the
-CPU plan's weights and matmuls).
+multipliers, ...) is saved as a float32 checkpoint and served in this process as ``kvfleet serve``
+would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls).
 Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
 ``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
 warm-up request; each family's ratio to Llama's. Prints the CPU model and flags and the table
@@ -32,7 +29,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DENSE = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "granite", "glm4", "mistral")
-MOE = ("mixtral", "qwen3_moe")
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
              vocab_size=49152, max_position_embeddings=8192, initializer_range=0.05, tie_word_embeddings=True,
              bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -41,6 +37,7 @@ FEATURES = {
     "glm4": dict(partial_rotary_factor=0.5),
     "granite": dict(attention_multiplier=0.125, residual_multiplier=0.22, embedding_multiplier=12.0,
                     logits_scaling=2.0),
+    # mixtures of experts: 8 experts of 768, top-2 -- the active parameters of the 1536-wide MLP
     "mixtral": dict(intermediate_size=768, num_local_experts=8, num_experts_per_tok=2),
     "qwen3_moe": dict(moe_intermediate_size=768, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
 }
@@ -85,7 +82,7 @@ def measure(path: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=[*DENSE, *MOE])
+    parser.add_argument("--families", nargs="+", default=list(DENSE))
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=64)
