@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,18 +20,13 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.serve import free_port
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-kvfleet-test"
 MODEL = "SmolLM2-135M-Instruct"
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -73,7 +67,7 @@ def metric(m, family, sample=None, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     # options from all three sources, as in a pod: the operator's ConfigMap file, env, flags
     config = log.parent / "kvfleet.yaml"

@@ -21,6 +21,7 @@ from __future__ import annotations
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.request import Request, RequestStatus
+from kvfleet.runtime.core.sched.budget import StepBudget
 from kvfleet.runtime.core.sched.output import (
     RunnerFeed,
     ScheduledRequest,
@@ -161,112 +162,120 @@ class Scheduler:
         self._stats.num_preemptions += 1
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's requests and tokens, allocating their blocks (see the module doc)."""
-        budget = self.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
-        preempted: list[str] = []
+        """Pick this step's requests and tokens, allocating their blocks (see the module doc):
+        the running requests, their speculative drafts, then (unless the step had to preempt
+        for memory, memory being short) waiting requests, all over one :class:`StepBudget`."""
+        step = StepBudget(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_drafts(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        return self._step_output(step)
 
-        def unschedule(victim: Request) -> None:
-            nonlocal budget
-            sr = scheduled.pop(victim.request_id, None)
-            if sr is not None:
-                budget += sr.num_new_tokens
-            self._preempt(victim)
-            preempted.append(victim.request_id)
+    def _unschedule(self, step: StepBudget, victim: Request) -> None:
+        """Preempt ``victim``, giving its tokens of this step back to ``step``."""
+        step.unschedule(victim.request_id)
+        self._preempt(victim)
 
-        # 1. Running requests: a decode token each, or the next chunk of their prefill.
+    def _schedule_running(self, step: StepBudget) -> None:
+        """Running requests: a decode token each, or the next chunk of their prefill; a request
+        that cannot get a block preempts the victim (itself, at worst)."""
         for request in list(self.running):
-            if budget <= 0:
+            if step.tokens <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.tokens)
             if num_new <= 0:
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = self._victim()
-                unschedule(victim)
+                self._unschedule(step, victim)
                 if victim is request:
                     break
             else:
                 start = request.num_computed_tokens
-                scheduled[request.request_id] = ScheduledRequest(
-                    request, start, request.token_ids_slice(start, start + num_new)
-                )
-                budget -= num_new
+                step.schedule(ScheduledRequest(request, start, request.token_ids_slice(start, start + num_new)))
 
-        # 1b. Speculative drafts, only from what is left: never a preemption, nor the watermark's
-        # blocks (a request's draft slots stay in its table for its next tokens).
-        for sr in scheduled.values():
+    def _schedule_drafts(self, step: StepBudget) -> None:
+        """Speculative drafts of the scheduled requests, only from what is left: never a
+        preemption, nor the watermark's blocks (a request's draft slots stay in its table for
+        its next tokens)."""
+        kv = self.kv_cache_manager
+        for sr in step.scheduled.values():
             request = sr.request
-            spec = self._drafts(request, budget + 1) if request.spec_token_ids else []   # its 1 token is counted
+            spec = self._drafts(request, step.tokens + 1) if request.spec_token_ids else []  # its 1 token is counted
             request.spec_token_ids = []
             if not spec:
                 continue
-            kv = self.kv_cache_manager
             need = kv.get_num_blocks_to_allocate(request, request.num_computed_tokens + sr.num_new_tokens + len(spec))
             if kv.num_free_blocks - need < self.watermark_blocks:
                 continue
             if kv.allocate_slots(request, sr.num_new_tokens + len(spec)) is None:
                 continue
-            sr.token_ids = sr.token_ids + spec
-            sr.spec_token_ids = spec
-            budget -= len(spec)
+            step.extend(sr, spec)
 
-        # 2. Waiting requests, in policy order, while budget, sequence cap and blocks allow.
-        # No admission in a step that had to preempt for memory: memory is short.
-        admit = not preempted
-        reserved: int | None = None  # blocks the running requests need up to their next token
+    def _admit_waiting(self, step: StepBudget) -> None:
+        """Waiting requests, in policy order, while the token budget, the sequence cap and the
+        blocks allow (the watermark kept beside running requests); the ``priority`` policy may
+        preempt a running request of lower priority to make room."""
         loras = None if self.max_loras is None else {r.lora_int_id for r in self.running if r.lora_int_id}
-        while admit and len(self.waiting) and budget > 0:
-            request = self._next_waiting(scheduled, loras)
+        while len(self.waiting) and step.tokens > 0:
+            request = self._next_waiting(step.scheduled, loras)
             if request is None:
                 break  # only siblings waiting for their leader's prompt
             if len(self.running) >= self.max_num_seqs:
-                if not self._preempt_for_priority(request, unschedule):
+                if not self._preempt_for_priority(request, step):
                     break
-                reserved = None
                 continue
             hit_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
-            if num_new > budget:
+            if num_new > step.tokens:
                 if not self.chunked_prefill:
                     break
-                num_new = budget
-            fits = True
-            if self.running:  # alone, a request needs only this step's blocks (no deadlock)
-                if reserved is None:
-                    reserved = sum(self._num_lookahead_blocks(r) for r in self.running)
-                need = self._num_lookahead_blocks(request, hit_blocks)
-                fits = self.kv_cache_manager.num_free_blocks - reserved - need >= self.watermark_blocks
-            if not fits or self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
-                if self._preempt_for_priority(request, unschedule):
-                    reserved = None
+                num_new = step.tokens
+            if not self._fits(step, request, hit_blocks) or \
+                    self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                if self._preempt_for_priority(request, step):
                     continue
                 break
-            self.waiting.take(request)
-            if request.num_cached_tokens < 0:
-                # Prefix-cache counters: once per request, at its first successful schedule.
-                request.num_cached_tokens = num_cached
-                self._stats.prefix_cache_queries += request.num_prompt_tokens
-                self._stats.prefix_cache_hits += min(num_cached, request.num_prompt_tokens)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            self.running.append(request)
+            self._start(step, request, num_cached, num_new)
             if loras is not None and request.lora_int_id:
                 loras.add(request.lora_int_id)
-            if reserved is not None:
-                reserved += self._num_lookahead_blocks(request)
-            scheduled[request.request_id] = ScheduledRequest(
-                request, num_cached, request.token_ids_slice(num_cached, num_cached + num_new)
-            )
-            budget -= num_new
 
-        # 3. Finalise: block tables, and advance num_computed_tokens for the step.
+    def _fits(self, step: StepBudget, request: Request, hit_blocks) -> bool:
+        """Whether admitting ``request`` beside the running ones leaves the watermark free once
+        every running request has its next token's blocks (alone, a request needs only this
+        step's blocks: no deadlock)."""
+        if not self.running:
+            return True
+        if step.reserved_blocks is None:
+            step.reserved_blocks = sum(self._num_lookahead_blocks(r) for r in self.running)
+        need = self._num_lookahead_blocks(request, hit_blocks)
+        return self.kv_cache_manager.num_free_blocks - step.reserved_blocks - need >= self.watermark_blocks
+
+    def _start(self, step: StepBudget, request: Request, num_cached: int, num_new: int) -> None:
+        """Move the admitted ``request`` from waiting to running and schedule its first tokens."""
+        self.waiting.take(request)
+        if request.num_cached_tokens < 0:
+            # Prefix-cache counters: once per request, at its first successful schedule.
+            request.num_cached_tokens = num_cached
+            self._stats.prefix_cache_queries += request.num_prompt_tokens
+            self._stats.prefix_cache_hits += min(num_cached, request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        self.running.append(request)
+        if step.reserved_blocks is not None:
+            step.reserved_blocks += self._num_lookahead_blocks(request)
+        step.schedule(ScheduledRequest(request, num_cached, request.token_ids_slice(num_cached, num_cached + num_new)))
+
+    def _step_output(self, step: StepBudget) -> SchedulerOutput:
+        """The step's output: block tables, num_computed_tokens advanced, prefill / decode
+        token counts, the runner's plain view."""
         out = SchedulerOutput(
-            scheduled=list(scheduled.values()),
-            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
-            preempted_request_ids=preempted,
+            scheduled=list(step.scheduled.values()),
+            total_num_scheduled_tokens=step.used(self.max_num_batched_tokens),
+            preempted_request_ids=step.preempted,
             finished_request_ids=self._finished_ids,
         )
         self._finished_ids = set()
@@ -359,7 +368,7 @@ class Scheduler:
         return self.kv_cache_manager.get_num_blocks_to_allocate(
             request, num_tokens, new_computed_blocks, max_num_batched_tokens=self.max_num_batched_tokens)
 
-    def _preempt_for_priority(self, request: Request, unschedule) -> bool:
+    def _preempt_for_priority(self, request: Request, step: StepBudget) -> bool:
         """Under the ``priority`` policy, make room for a waiting request by preempting a
         running one of strictly lower priority (larger number). Returns True if it did."""
         if self.policy != "priority" or not self.running:
@@ -367,7 +376,7 @@ class Scheduler:
         victim = self._victim()
         if victim.priority <= request.priority:
             return False
-        unschedule(victim)
+        self._unschedule(step, victim)
         return True
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]],

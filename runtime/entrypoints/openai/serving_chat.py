@@ -6,6 +6,10 @@ may not set the server's own arguments), then submitted as one engine request wi
 Streams open with one ``{"role": "assistant", "content": ""}`` delta per choice. Structured
 outputs: :mod:`.structured_outputs`; tools (prompt, grammar, parsing, streamed ``tool_calls``
 deltas, ``finish_reason: tool_calls``): :mod:`.tool_calls` and :mod:`.tool_parsers`.
+
+:meth:`OpenAIServingChat.chat` is the typed entry point: a ``ChatCompletionResponse``, or a
+:class:`~.streaming.ChunkStream` of ``ChatCompletionStreamResponse`` chunks. The route serializes
+it; the Responses and Messages APIs translate from it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvfleet.runtime.entrypoints.openai.serving_engine import (
     resolve_max_tokens,
     usage,
 )
+from kvfleet.runtime.entrypoints.openai.streaming import ChunkStream, sse_response
 from kvfleet.runtime.entrypoints.openai.structured_outputs import structured_outputs_of
 from kvfleet.runtime.entrypoints.openai.tool_calls import (
     ToolSetup,
@@ -81,8 +86,8 @@ class _Chat:
     def logprobs(self, c: CompletionOutput, start: int) -> P.ChatChoiceLogprobs | None:
         return LP.chat_logprobs(c, start, len(c.token_ids), self.k, self.detok) if self.body.logprobs else None
 
-    def response(self, final: RequestOutput | None) -> Response:
-        """The JSON body (on a worker thread: prompt_logprobs and logprobs of long sequences make big bodies)."""
+    def response(self, final: RequestOutput | None) -> P.ChatCompletionResponse:
+        """The response (on a worker thread: prompt_logprobs and logprobs of long sequences make big bodies)."""
         outputs = sorted(final.outputs, key=lambda c: c.index) if final else []
         choices = [
             P.ChatCompletionResponseChoice(
@@ -102,7 +107,7 @@ class _Chat:
             usage=usage([len(self.prompt_ids)], outputs),
             prompt_logprobs=LP.prompt_logprobs_body(final.prompt_logprobs if final else None),
         )
-        return body_response(resp)
+        return resp
 
     @property
     def parser(self):
@@ -185,10 +190,25 @@ class _ChatStream(StreamWriter):
         ]
 
 
+ChatStream = ChunkStream[P.ChatCompletionStreamResponse | P.TokenIdsChunk]
+"""A streamed chat completion's typed chunks (router-only ``TokenIdsChunk`` s with ``kvfleet_token_ids``)."""
+
+
 class OpenAIServingChat(OpenAIServing):
-    """``/v1/chat/completions`` over the app's engine."""
+    """``/v1/chat/completions`` over the app's engine: :meth:`chat` gives the typed result (what
+    the Responses and Messages APIs translate), :meth:`create_chat_completion` its HTTP answer."""
 
     async def create_chat_completion(self, body: P.ChatCompletionRequest, http_request: Request) -> Response:
+        """The route's answer: :meth:`chat`'s result as JSON or as SSE."""
+        result = await self.chat(body, http_request)
+        if isinstance(result, ChunkStream):
+            return sse_response(result)
+        return await asyncio.to_thread(body_response, result)  # off the event loop: /health keeps answering
+
+    async def chat(self, body: P.ChatCompletionRequest, http_request: Request) -> P.ChatCompletionResponse | ChatStream:
+        """The chat completion of ``body``: the response (not streamed) or its typed chunks
+        (``body.stream``). A failure before the first output is raised here as an
+        :class:`APIError`; one once streaming, by the stream's iteration."""
         self.state.check_model(body.model)
         checked(body.check_supported)
         tools = checked(lambda: resolve_tools(body, self.state.tool_parser))
@@ -221,7 +241,7 @@ class OpenAIServingChat(OpenAIServing):
         if not body.stream:
             final = (await self.collect(gen)).get(0)
             return await asyncio.to_thread(req.response, final)  # off the event loop: /health keeps answering
-        return self.stream_response(gen, _ChatStream(req))
+        return self.stream(gen, _ChatStream(req))
 
     async def prompt_ids(self, engine: EngineClient, body: P.ChatCompletionRequest,
                          tools: list[dict[str, Any]] | None, add_special_tokens: bool = False) -> list[int]:

@@ -3,16 +3,18 @@ request passes, submitting to the engine, collecting or streaming its outputs.
 
 A serving class (:class:`OpenAIServing` subclass, one per endpoint) validates a parsed request,
 tokenizes it on the app's tokenizer thread (never on the event loop), submits it through a
-:class:`~kvfleet.runtime.entrypoints.openai.streaming.Submission` and answers either one JSON
-body (built off the event loop, :func:`body_response`) or an SSE stream whose chunks a
-:class:`StreamWriter` shapes. It talks to the engine only through
+:class:`~kvfleet.runtime.entrypoints.openai.streaming.Submission` and produces a typed result:
+the protocol's response model (built off the event loop), or a
+:class:`~kvfleet.runtime.entrypoints.openai.streaming.ChunkStream` of the protocol's chunk models,
+which a :class:`StreamWriter` shapes. The HTTP route serializes that result (:func:`body_response`,
+:func:`~kvfleet.runtime.entrypoints.openai.streaming.sse_response`); other APIs built on it
+translate the typed result, never its bytes. It talks to the engine only through
 :class:`~kvfleet.runtime.engine.protocol.EngineClient`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +33,7 @@ from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, engine_error, raise_for_error
 from kvfleet.runtime.entrypoints.openai.serve_args import ServerSettings
-from kvfleet.runtime.entrypoints.openai.streaming import SSE_DONE, Submission, merge, sse_chunk, sse_error
+from kvfleet.runtime.entrypoints.openai.streaming import ChunkStream, Submission, merge, sse_response
 from kvfleet.runtime.entrypoints.openai.structured_outputs import grammar_error
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import PromptLengthBound
 from kvfleet.runtime.metrics import PrometheusStatLogger
@@ -187,6 +189,7 @@ RESUME_ELSEWHERE = "kvfleet_resume_elsewhere"
 """The error code that tells the router to migrate a stream (docs/routing.md)."""
 
 StreamChoice = P.CompletionStreamChoice | P.ChatCompletionStreamChoice
+StreamChunk = P.CompletionStreamResponse | P.ChatCompletionStreamResponse | P.TokenIdsChunk
 StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
 
 
@@ -233,23 +236,18 @@ class StreamWriter(ABC):
     token_ids = False
     """The router asked for each delta's token ids (``kvfleet_token_ids``, docs/routing.md)."""
 
-    def event(self, choices: list[Any], usage: P.UsageInfo | None = None, token_ids: list[int] | None = None) -> str:
-        """One chunk of ``choices`` as an SSE event (``token_ids``: the one choice's delta token
-        ids, added as its ``kvfleet_token_ids`` for the router)."""
-        chunk = self.response_type(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-        if token_ids is None:
-            return sse_chunk(chunk, self.include_usage)
-        data = chunk.model_dump(mode="json", exclude=None if self.include_usage else {"usage"})
-        data["choices"][0]["kvfleet_token_ids"] = token_ids
-        return f"data: {json.dumps(data)}\n\n"
+    def chunk(self, choices: list[Any], usage: P.UsageInfo | None = None,
+              token_ids: list[int] | None = None) -> P.CompletionStreamResponse | P.ChatCompletionStreamResponse:
+        """One chunk of ``choices`` (``token_ids``: the one choice's delta token ids, its
+        ``kvfleet_token_ids`` for the router)."""
+        if token_ids is not None:
+            choices[0].kvfleet_token_ids = token_ids
+        return self.response_type(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage)
 
-    def token_ids_event(self, idx: int, token_ids: list[int]) -> str:
+    def token_ids_chunk(self, idx: int, token_ids: list[int]) -> P.TokenIdsChunk:
         """A router-only chunk: tokens whose text the detokenizer still holds back."""
-        chunk = {"id": self.request_id, "object": "kvfleet.token_ids", "choices": [
-            {"index": idx, "kvfleet_token_ids": token_ids, "kvfleet_text_held": True}]}
-        return f"data: {json.dumps(chunk)}\n\n"
+        return P.TokenIdsChunk(id=self.request_id, choices=[P.HeldTokenIds(index=idx, kvfleet_token_ids=token_ids)])
 
 
 @dataclass
@@ -374,20 +372,22 @@ class OpenAIServing:
             await gen.merged.aclose()  # type: ignore[attr-defined]
         return final
 
-    def stream_response(self, gen: Generation, writer: StreamWriter) -> StreamingResponse:
-        return StreamingResponse(
-            self._events(gen, writer), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
+    def stream(self, gen: Generation, writer: StreamWriter) -> ChunkStream:
+        """The typed chunks of a submitted streamed request (see :class:`ChunkStream`)."""
+        return ChunkStream(self._chunks(gen, writer), sum(writer.prompt_lens), writer.include_usage)
 
-    async def _events(self, gen: Generation, w: StreamWriter) -> AsyncIterator[str]:
-        """The SSE frames: the chunks, the usage chunk (include_usage) and ``[DONE]``; a failure is
-        an error event and ``[DONE]``. The streams are closed at the end, also when the client goes."""
+    def stream_response(self, gen: Generation, writer: StreamWriter) -> StreamingResponse:
+        return sse_response(self.stream(gen, writer))
+
+    async def _chunks(self, gen: Generation, w: StreamWriter) -> AsyncIterator[StreamChunk]:
+        """The chunks, then the usage chunk (include_usage); a failure is raised as an
+        :class:`APIError`. The engine requests are closed at the end, also when the consumer goes."""
         started: set[int] = set()
         done: set[int] = set()
         num_tokens = 0
         try:
             for choice in w.opening():
-                yield w.event([choice])
+                yield w.chunk([choice])
             item = gen.first
             while item is not None:
                 i, out = item
@@ -397,40 +397,37 @@ class OpenAIServing:
                     if idx in done:
                         continue
                     if idx not in started and (echo := w.echo(i, idx, out)) is not None:
-                        yield w.event([w.delta(idx, *echo)])
+                        yield w.chunk([w.delta(idx, *echo)])
                         await asyncio.sleep(0)  # a prompt's echo chunk can be MBs: let /health etc. in between
                     started.add(idx)
                     lp = w.logprobs(c, idx) if c.token_ids else None
                     if (c.text or lp is not None) and not w.echo_only:
                         choice = w.delta(idx, c.text, lp)
                         if choice is not None:
-                            yield w.event([choice], token_ids=list(c.token_ids) if w.token_ids else None)
+                            yield w.chunk([choice], token_ids=list(c.token_ids) if w.token_ids else None)
                         elif w.token_ids and c.token_ids:
-                            yield w.token_ids_event(idx, list(c.token_ids))
+                            yield w.token_ids_chunk(idx, list(c.token_ids))
                     elif w.token_ids and c.token_ids:
-                        yield w.token_ids_event(idx, list(c.token_ids))
+                        yield w.token_ids_chunk(idx, list(c.token_ids))
                     num_tokens += len(c.token_ids)
                     if c.finish_reason is not None:
                         done.add(idx)
                         end = w.finish(idx, c)
                         for choice in end if isinstance(end, list) else [end]:
-                            yield w.event([choice])
+                            yield w.chunk([choice])
                 if self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens):
-                    yield sse_error(P.ErrorResponse(error=P.ErrorInfo(
-                        message="the replica is draining: resume this stream elsewhere", type="server_error",
-                        code=RESUME_ELSEWHERE)))
-                    yield SSE_DONE
-                    return
+                    raise APIError(503, "the replica is draining: resume this stream elsewhere", type="server_error",
+                                   code=RESUME_ELSEWHERE)
                 try:
                     item = await gen.merged.__anext__()
                 except StopAsyncIteration:
                     item = None
             if w.include_usage:
-                yield w.event([], usage(w.prompt_lens, num_tokens))
-            yield SSE_DONE
+                yield w.chunk([], usage(w.prompt_lens, num_tokens))
+        except APIError:
+            raise
         except Exception as exc:
-            yield sse_error(self.engine_error(exc).body)
-            yield SSE_DONE
+            raise self.engine_error(exc) from None
         finally:
             await gen.sub.close()
             with anyio.CancelScope(shield=True):

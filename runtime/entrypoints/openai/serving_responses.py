@@ -3,9 +3,11 @@
 A Responses request becomes a ``/v1/chat/completions`` body (:mod:`.protocol.responses`): the
 stored conversation of ``previous_response_id``, then ``instructions`` as the system message, then
 ``input``. :class:`~.serving_chat.OpenAIServingChat` renders the chat template, samples, applies
-structured outputs (``text.format``) and parses tool calls; its result is reshaped into a
-``response`` object (``message`` and ``function_call`` output items, ``usage``). Streams turn the
-chat chunks into the typed Responses events, each with a ``sequence_number``. With ``store``
+structured outputs (``text.format``) and parses tool calls; its typed result
+(:meth:`~.serving_chat.OpenAIServingChat.chat`: the response model, or the stream's chunk models)
+is translated into a ``response`` object (``message`` and ``function_call`` output items,
+``usage``). Streams turn the chat chunks into the typed Responses events, each with a
+``sequence_number``; a failure once streaming is an ``error`` then a ``response.failed`` event. With ``store``
 (default true) the response and the conversation that led to it are kept in a bounded LRU store
 (:class:`ResponseStore`, ``--max-stored-responses``) on *this replica* for GET / DELETE and
 ``previous_response_id``.
@@ -13,21 +15,22 @@ chat chunks into the typed Responses events, each with a ``sequence_number``. Wi
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, checked
 from kvfleet.runtime.entrypoints.openai.protocol.responses import ResponsesRequest, input_messages
-from kvfleet.runtime.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvfleet.runtime.entrypoints.openai.serving_chat import ChatStream, OpenAIServingChat
+from kvfleet.runtime.entrypoints.openai.streaming import ChunkStream, sse_event, streaming_events
 
 
 @dataclass
@@ -77,7 +80,7 @@ class _Result:
     text: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
-    usage: dict[str, int] = field(default_factory=dict)
+    usage: P.UsageInfo = field(default_factory=P.UsageInfo)
 
 
 class OpenAIServingResponses:
@@ -108,25 +111,16 @@ class OpenAIServingResponses:
         except ValidationError as exc:
             raise APIError(400, f"invalid request: {exc.errors()[0]['msg']}", param="input") from None
         rid = f"resp_{uuid.uuid4().hex}"
-        chat_response = await self.chat.create_chat_completion(chat_body, http_request)
+        chat = await self.chat.chat(chat_body, http_request)
         shell = _shell(body, rid, self.chat.state.response_model(body.model))
         keep = history + new
-        if not body.stream:
-            choice = json.loads(chat_response.body)["choices"][0]
-            msg = choice["message"]
-            result = _Result(
-                msg.get("content") or "",
-                msg.get("tool_calls") or [],
-                choice["finish_reason"],
-                json.loads(chat_response.body)["usage"],
-            )
-            final = _final(shell, result)
-            self._keep(body, rid, final, keep, result)
-            return JSONResponse(final, headers=_id_header(body, rid))
-        assert isinstance(chat_response, StreamingResponse)
-        events = self._events(body, rid, shell, keep, chat_response.body_iterator)
-        headers = {"Cache-Control": "no-cache", **_id_header(body, rid)}
-        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        if isinstance(chat, ChunkStream):
+            return streaming_events(self._events(body, rid, shell, keep, chat), _id_header(body, rid))
+        choice = chat.choices[0]
+        result = _Result(choice.message.content or "", choice.message.tool_calls, choice.finish_reason, chat.usage)
+        final = _final(shell, result)
+        self._keep(body, rid, final, keep, result)
+        return JSONResponse(final, headers=_id_header(body, rid))
 
     def _keep(self, body: ResponsesRequest, rid: str, final: dict, keep: list, result: _Result) -> None:
         if body.store:
@@ -136,23 +130,23 @@ class OpenAIServingResponses:
             self.store.put(rid, Stored(final, keep + [reply]))
 
     async def _events(
-        self, body: ResponsesRequest, rid: str, shell: dict, keep: list, chunks: AsyncIterator[Any]
+        self, body: ResponsesRequest, rid: str, shell: dict, keep: list, stream: ChatStream
     ) -> AsyncIterator[str]:
-        """The typed events of one streamed response, from the chat path's SSE chunks."""
+        """The typed events of one streamed response, from the chat path's typed chunks."""
         s = _ResponseStream(shell)
         yield s.event("response.created", response={**shell, "status": "in_progress"})
         yield s.event("response.in_progress", response={**shell, "status": "in_progress"})
-        async for raw in chunks:
-            for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    yield s.event("error", **{k: chunk["error"].get(k) for k in ("message", "code", "param")})
-                    yield s.event("response.failed", response={**shell, "status": "failed", "error": chunk["error"]})
-                    return
-                for event in s.on_chunk(chunk):
-                    yield event
+        async with aclosing(stream.chunks) as chunks:  # type: ignore[type-var]
+            try:
+                async for chunk in chunks:
+                    if isinstance(chunk, P.ChatCompletionStreamResponse):
+                        for event in s.on_chunk(chunk):
+                            yield event
+            except APIError as exc:
+                err = exc.body.error
+                yield s.event("error", message=err.message, code=err.code, param=err.param)
+                yield s.event("response.failed", response={**shell, "status": "failed", "error": err.model_dump()})
+                return
         final = s.final()
         for event in s.closing(final):
             yield event
@@ -180,7 +174,7 @@ class _ResponseStream:
 
     def event(self, kind: str, **data: Any) -> str:
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
+        return sse_event(kind, {"type": kind, "sequence_number": self.seq - 1, **data})
 
     def _open_message(self, index: int) -> list[str]:
         self.started = True
@@ -195,27 +189,27 @@ class _ResponseStream:
             ),
         ]
 
-    def on_chunk(self, chunk: dict[str, Any]) -> list[str]:
+    def on_chunk(self, chunk: P.ChatCompletionStreamResponse) -> list[str]:
         out: list[str] = []
-        if chunk.get("usage"):
-            self.result.usage = chunk["usage"]
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta", {})
-            if choice.get("finish_reason"):
-                self.result.finish_reason = choice["finish_reason"]
-            for tc in delta.get("tool_calls") or []:
+        if chunk.usage is not None:
+            self.result.usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            if choice.finish_reason:
+                self.result.finish_reason = choice.finish_reason
+            for tc in delta.tool_calls or []:
                 _merge_call(self.calls, tc)
-            if delta.get("content"):
+            if delta.content:
                 if not self.started:
                     out += self._open_message(0)
-                self.result.text += delta["content"]
+                self.result.text += delta.content
                 out.append(
                     self.event(
                         "response.output_text.delta",
                         item_id=self.msg_id,
                         output_index=0,
                         content_index=0,
-                        delta=delta["content"],
+                        delta=delta.content,
                         logprobs=[],
                     )
                 )
@@ -325,11 +319,11 @@ def _final(shell: dict[str, Any], r: _Result, msg_id: str | None = None) -> dict
     incomplete = r.finish_reason == "length"
     u = r.usage
     usage = {
-        "input_tokens": u.get("prompt_tokens", 0),
+        "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": u.get("completion_tokens", 0),
+        "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": u.get("total_tokens", 0),
+        "total_tokens": u.total_tokens,
     }
     return {
         **shell,

@@ -1,7 +1,12 @@
-"""Server-Sent Events framing and the engine requests behind one HTTP request.
+"""Server-Sent Events framing (the server's one SSE writer) and the engine requests behind one HTTP request.
 
-SSE: one ``data: {json}\\n\\n`` per chunk, ending with ``data: [DONE]\\n\\n``; a failure mid-stream is
-an ``{"error": ...}`` event, then ``[DONE]``. :class:`Submission` owns the engine requests of one
+A streamed answer is a :class:`ChunkStream`: an async iterator of typed chunk models (the
+protocol's stream responses), whose iteration raises an
+:class:`~kvfleet.runtime.entrypoints.openai.errors.APIError` for a failure once streaming. The
+serving layers produce and translate these typed chunks; only this module writes them as SSE
+(:func:`sse_response`): one ``data: {json}\\n\\n`` per chunk, ending with ``data: [DONE]\\n\\n``; a
+failure mid-stream is an ``{"error": ...}`` event, then ``[DONE]``. APIs with named events (the
+Responses and Messages APIs) write them with :func:`sse_event`. :class:`Submission` owns the engine requests of one
 HTTP request: a client that disconnects (streaming or not) has every unfinished one aborted at once,
 and whatever ends the HTTP request aborts the rest. :func:`merge` interleaves several output streams.
 """
@@ -9,17 +14,21 @@ and whatever ends the HTTP request aborts the rest. :func:`merge` interleaves se
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import protocol as P
+from kvfleet.runtime.entrypoints.openai.errors import APIError
 from kvfleet.runtime.kv_transfer.peer_pull import PEER_HEADER as KV_PEER_HEADER
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -27,15 +36,69 @@ logger = logging.getLogger("kvfleet.server")
 
 SSE_DONE = "data: [DONE]\n\n"
 
+C = TypeVar("C")
 
-def sse_chunk(chunk: P.CompletionStreamResponse | P.ChatCompletionStreamResponse, include_usage: bool) -> str:
+
+@dataclass
+class ChunkStream(Generic[C]):
+    """A streamed answer as typed chunks: iterate it for the protocol's chunk models (router-only
+    :class:`~.protocol.TokenIdsChunk` s come only with ``kvfleet_token_ids``). A failure once
+    streaming is an :class:`APIError` raised by the iteration; one that comes before the first
+    output is raised by the call that returned this stream. Iterate it to its end or close it
+    (``aclose``): that releases its engine requests."""
+
+    chunks: AsyncIterator[C]
+    prompt_tokens: int
+    """The prompt tokens of the request (every prompt's), known before the first chunk."""
+    include_usage: bool
+    """Whether the request asked for usage (``stream_options.include_usage``): the last chunk has
+    it, and on the wire every chunk has a ``usage`` key (null but on the last)."""
+
+    def __aiter__(self) -> AsyncIterator[C]:
+        return self.chunks
+
+    async def aclose(self) -> None:
+        await self.chunks.aclose()  # type: ignore[attr-defined]
+
+
+def sse_chunk(chunk: P.CompletionStreamResponse | P.ChatCompletionStreamResponse | P.TokenIdsChunk,
+              include_usage: bool) -> str:
     """One chunk as an event: with ``include_usage`` every chunk has a ``usage`` key (null but on
     the last, choice-less chunk), without it none has."""
+    if isinstance(chunk, P.TokenIdsChunk):
+        return f"data: {chunk.model_dump_json()}\n\n"
     return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
 
 
 def sse_error(body: P.ErrorResponse) -> str:
     return f"data: {body.model_dump_json()}\n\n"
+
+
+def sse_event(kind: str, data: dict[str, Any], *, ensure_ascii: bool = True) -> str:
+    """A named event (``event: kind``) whose data is ``data`` as JSON (the Responses and Messages APIs)."""
+    return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=ensure_ascii)}\n\n"
+
+
+async def sse_frames(stream: ChunkStream) -> AsyncIterator[str]:
+    """The SSE frames of ``stream``: its chunks, ``[DONE]``; a failure is an error event and ``[DONE]``."""
+    async with aclosing(stream.chunks) as chunks:  # type: ignore[type-var]
+        try:
+            async for chunk in chunks:
+                yield sse_chunk(chunk, stream.include_usage)
+        except APIError as exc:
+            yield sse_error(exc.body)
+        yield SSE_DONE
+
+
+def sse_response(stream: ChunkStream) -> StreamingResponse:
+    """``stream`` as a ``text/event-stream`` response."""
+    return streaming_events(sse_frames(stream))
+
+
+def streaming_events(frames: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+    """SSE ``frames`` (written by this module's functions) as a ``text/event-stream`` response."""
+    headers = {"Cache-Control": "no-cache", **(headers or {})}
+    return StreamingResponse(frames, media_type="text/event-stream", headers=headers)
 
 
 class AdmittedCount(Protocol):

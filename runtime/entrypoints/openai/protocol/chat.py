@@ -14,6 +14,7 @@ from kvfleet.runtime.entrypoints.openai.protocol.common import (
     StrictRequest,
     UnsupportedFeature,
     UsageInfo,
+    drop_unset_token_ids,
 )
 from kvfleet.runtime.entrypoints.openai.protocol.sampling_fields import SamplingFields, build_sampling_params
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -176,20 +177,22 @@ class DeltaMessage(BaseModel):
 
 
 class ChatCompletionStreamChoice(BaseModel):
-    """``stop_reason`` is sent with the ``finish_reason``, on a choice's last chunk only."""
+    """``stop_reason`` is sent with the ``finish_reason``, on a choice's last chunk only;
+    ``kvfleet_token_ids`` (the delta's token ids) only when the router asked for them."""
 
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kvfleet_token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _stop_reason_when_finished(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
         if self.finish_reason is None:
             data.pop("stop_reason", None)
-        return data
+        return drop_unset_token_ids(data)
 
 
 class ChatCompletionStreamResponse(BaseModel):

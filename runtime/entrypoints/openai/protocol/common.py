@@ -1,5 +1,6 @@
 """The pieces every body of the HTTP API shares: the 400 errors and OpenAI's error body, the
-strict request base, ids and timestamps, ``usage``, and vLLM's ``prompt_logprobs`` entries.
+strict request base, ids and timestamps, ``usage``, vLLM's ``prompt_logprobs`` entries and the
+router-only stream pieces (``kvfleet_token_ids``).
 
 :class:`StrictRequest` is the base of every request body: types are validated strictly
 (``"max_tokens": "5"`` or ``"n": 1.5`` is an error, not a coercion), unknown fields are ignored
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 import typing
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -91,6 +92,30 @@ class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+class HeldTokenIds(BaseModel):
+    """A choice of a :class:`TokenIdsChunk`."""
+
+    index: int
+    kvfleet_token_ids: list[int]
+    kvfleet_text_held: Literal[True] = True
+
+
+class TokenIdsChunk(BaseModel):
+    """A router-only stream chunk (``kvfleet_token_ids``, docs/routing.md): tokens of a choice
+    whose text the detokenizer still holds back."""
+
+    id: str
+    object: Literal["kvfleet.token_ids"] = "kvfleet.token_ids"
+    choices: list[HeldTokenIds]
+
+
+def drop_unset_token_ids(data: dict[str, Any]) -> dict[str, Any]:
+    """A stream choice's dict without ``kvfleet_token_ids`` unless the router asked for them."""
+    if data.get("kvfleet_token_ids") is None:
+        data.pop("kvfleet_token_ids", None)
+    return data
 
 
 class PromptLogprob(BaseModel):
