@@ -3,7 +3,8 @@
  * pack_rows, row_block, timed), whose contracts it keeps; cpu_decoder.c runs moe_phase in place of
  * the dense MLP (gate_up + SiLU, down) of a layer whose `moe` is set.
  *
- * Contract, for the step's M rows h [M, H] (the post-attention RMSNorm, s->h) and the residual x:
+ * Contract, for the step's M rows h [M, H] (the MLP's input, mlp_in_norm's output: s->h) and the
+ * residual x (the experts' activation is SiLU; kernels/cpu_decoder.py refuses another):
  *
  *   route    logits = h R^T (R = moe->router [E, H], always float32 kernels, one-row order), then
  *            moe_route per row: k experts and their weights (below: the one definition).
