@@ -94,12 +94,13 @@ typedef struct {
  *   6, 7 B; t0, t1 tokens in each B tile (t1 = 0: the second unused); four chains;
  * - narrow (t1 < 0; at most 16 tokens, t0 of them): 0..2 C, 3..5 A, 6 B: three channel tiles
  *   against one token tile, three chains.
- * Loaded only when it changes (per thread). */
+ * Loaded only when the thread's tile configuration differs: read back from the CPU (sttilecfg),
+ * never remembered in a variable, because another copy of these kernels in the process (another
+ * ISA variant or build of the library: a test opens several) configures the same thread's tiles
+ * too; a remembered key then skipped the load and the next product used a tile the other copy had
+ * left unconfigured (SIGILL). */
 static inline void amx_configure(int t0, int t1) {
-    static __thread int current = -1;
-    const int key = t0 * 64 + t1 + 32;
-    if (key == current) return;
-    kv_tilecfg c;
+    kv_tilecfg c, now;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     if (t1 < 0) {
@@ -110,8 +111,9 @@ static inline void amx_configure(int t0, int t1) {
         for (int i = 4; i < 6; i++) { c.rows[i] = 16; c.colsb[i] = 64; }
         for (int i = 6; i < 8; i++) { c.rows[i] = 16; c.colsb[i] = (uint16_t)(4 * tok[i - 6]); }
     }
-    _tile_loadconfig(&c);
-    current = key;
+    memset(&now, 0, sizeof now);
+    _tile_storeconfig(&now);   /* all zero when the thread has no configuration */
+    if (memcmp(&now, &c, sizeof c) != 0) _tile_loadconfig(&c);
 }
 
 /* One C tile (channels c0 .. c0 + 15, tokens t0 .., `nt` of them) finished into y: stored,

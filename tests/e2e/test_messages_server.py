@@ -73,13 +73,15 @@ def test_messages_stream_adds_up(claude):
     kwargs = dict(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=[{"role": "user", "content": [
         {"type": "text", "text": "Count from one to five."}]}], system=[{"type": "text", "text": "Be brief."}])
     with claude.messages.stream(**kwargs) as stream:
-        kinds = [e.type for e in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and kinds[-2] == "message_delta"
     assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(kinds)
     whole = claude.messages.create(**kwargs)
     assert final.content[0].text == whole.content[0].text
     assert final.usage.input_tokens == whole.usage.input_tokens
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens > 5  # known from message_start on
     assert final.usage.output_tokens == whole.usage.output_tokens and final.stop_reason == whole.stop_reason
 
 

@@ -64,10 +64,18 @@ class ChunkStream(Generic[C]):
 def sse_chunk(chunk: P.CompletionStreamResponse | P.ChatCompletionStreamResponse | P.TokenIdsChunk,
               include_usage: bool) -> str:
     """One chunk as an event: with ``include_usage`` every chunk has a ``usage`` key (null but on
-    the last, choice-less chunk), without it none has."""
+    the last, choice-less chunk), without it none has; a choice's ``kvfleet_token_ids`` (the
+    router's, excluded from the model's own dump) are added to it when set."""
     if isinstance(chunk, P.TokenIdsChunk):
         return f"data: {chunk.model_dump_json()}\n\n"
-    return f"data: {chunk.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+    exclude = None if include_usage else {"usage"}
+    if all(c.kvfleet_token_ids is None for c in chunk.choices):
+        return f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+    data = chunk.model_dump(mode="json", exclude=exclude)
+    for choice, model in zip(data["choices"], chunk.choices, strict=True):
+        if model.kvfleet_token_ids is not None:
+            choice["kvfleet_token_ids"] = model.kvfleet_token_ids
+    return f"data: {json.dumps(data)}\n\n"
 
 
 def sse_error(body: P.ErrorResponse) -> str:

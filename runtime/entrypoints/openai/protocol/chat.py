@@ -14,7 +14,6 @@ from kvfleet.runtime.entrypoints.openai.protocol.common import (
     StrictRequest,
     UnsupportedFeature,
     UsageInfo,
-    drop_unset_token_ids,
 )
 from kvfleet.runtime.entrypoints.openai.protocol.sampling_fields import SamplingFields, build_sampling_params
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -177,22 +176,23 @@ class DeltaMessage(BaseModel):
 
 
 class ChatCompletionStreamChoice(BaseModel):
-    """``stop_reason`` is sent with the ``finish_reason``, on a choice's last chunk only;
-    ``kvfleet_token_ids`` (the delta's token ids) only when the router asked for them."""
+    """``stop_reason`` is sent with the ``finish_reason``, on a choice's last chunk only."""
 
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    kvfleet_token_ids: list[int] | None = None
+    kvfleet_token_ids: list[int] | None = Field(default=None, exclude=True)
+    """The delta's token ids, for the router (``kvfleet_token_ids``); never in the model's own
+    dump: the SSE writer adds them (:func:`~kvfleet.runtime.entrypoints.openai.streaming.sse_chunk`)."""
 
     @model_serializer(mode="wrap")
     def _stop_reason_when_finished(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         data = handler(self)
         if self.finish_reason is None:
             data.pop("stop_reason", None)
-        return drop_unset_token_ids(data)
+        return data
 
 
 class ChatCompletionStreamResponse(BaseModel):

@@ -111,13 +111,6 @@ class TokenIdsChunk(BaseModel):
     choices: list[HeldTokenIds]
 
 
-def drop_unset_token_ids(data: dict[str, Any]) -> dict[str, Any]:
-    """A stream choice's dict without ``kvfleet_token_ids`` unless the router asked for them."""
-    if data.get("kvfleet_token_ids") is None:
-        data.pop("kvfleet_token_ids", None)
-    return data
-
-
 class PromptLogprob(BaseModel):
     """One entry of vLLM's ``prompt_logprobs`` (its ``Logprob``): natural-log probability
     (-inf as -9999.0), 1-based rank, the token's text."""

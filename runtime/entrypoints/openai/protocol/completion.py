@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import typing
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, Field
 
 from kvfleet.runtime.entrypoints.openai.protocol.common import (
     PromptLogprobs,
     ProtocolError,
     UnsupportedFeature,
     UsageInfo,
-    drop_unset_token_ids,
 )
 from kvfleet.runtime.entrypoints.openai.protocol.sampling_fields import SamplingFields, build_sampling_params
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -123,18 +122,14 @@ class CompletionResponse(BaseModel):
 
 
 class CompletionStreamChoice(BaseModel):
-    """``kvfleet_token_ids`` (the delta's token ids) only when the router asked for them."""
-
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    kvfleet_token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _token_ids_when_asked(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return drop_unset_token_ids(handler(self))
+    kvfleet_token_ids: list[int] | None = Field(default=None, exclude=True)
+    """The delta's token ids, for the router (``kvfleet_token_ids``); never in the model's own
+    dump: the SSE writer adds them (:func:`~kvfleet.runtime.entrypoints.openai.streaming.sse_chunk`)."""
 
 
 class CompletionStreamResponse(BaseModel):
