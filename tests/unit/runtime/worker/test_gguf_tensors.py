@@ -1,0 +1,92 @@
+"""kvfleet.runtime.worker.gguf_tensors: each GGUF tensor type in kvfleet's format for it, its float32
+dequantization bit-equal to ``gguf.quants.dequantize`` of the same bytes, and the kernels computing
+with exactly those weights (one-hot rows of x read single weights out, bit for bit)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from kvfleet.kernels import cpu_woq  # noqa: E402
+from kvfleet.runtime.worker import gguf_tensors  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+EXPECT = {T.Q4_0: ("int4", 32), T.Q4_1: ("int4", 32), T.Q4_K: ("int4", 32), T.Q5_K: ("int8g", 32),
+          T.Q6_K: ("int8g", 16), T.Q8_0: ("int8g", 32)}
+
+
+def _quantized(qtype, n: int, k: int, seed: int) -> np.ndarray:
+    """A random ``[n, k]`` tensor in ``qtype``: ``gguf.quants.quantize`` where it supports the type;
+    else hand-built blocks (random bytes, with finite fp16 ``d`` / ``dmin`` of a weight's size)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    try:
+        return gguf.quants.quantize(w, qtype)
+    except NotImplementedError:
+        pass
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    d = (rng.random((n, k // block, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype == T.Q6_K:
+        raw[..., 208:210] = d[..., 0:2]
+    else:  # Q4_K / Q5_K: d, dmin first
+        raw[..., 0:4] = d.reshape(n, k // block, 4)
+    return raw.reshape(n, k // block * size)
+
+
+@pytest.mark.parametrize("qtype", list(EXPECT), ids=lambda t: t.name)
+def test_each_type_dequantizes_bit_equal_to_gguf_and_the_kernels_use_those_weights(qtype):
+    n, k = 24, 512
+    data = _quantized(qtype, n, k, seed=int(qtype))
+    stored = gguf_tensors.from_gguf(qtype, data, (n, k))
+    assert (stored.fmt, stored.group) == EXPECT[qtype] and stored.shape == (n, k)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(n, k))
+    got = stored.dequantize()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(stored.rows(torch.tensor([5, 0, 5])), want[[5, 0, 5]])  # an embedding's lookup
+    # the kernels' own float32 widening, read out weight by weight with one-hot rows of x
+    layer = stored.module()
+    cols = torch.randperm(k, generator=torch.Generator().manual_seed(1))[:32]
+    x = torch.zeros(32, k)
+    x[torch.arange(32), cols] = 1.0
+    assert torch.equal(layer(x), want[:, cols].T)
+    assert torch.equal(layer(x[3:4]), want[:, cols[3:4]].T)  # one row: the one-row kernels
+    if stored.fmt == "int4":  # the int4 dequantization for prefill
+        assert torch.equal(cpu_woq.int4_dequantize(stored.w, stored.scale, stored.shift, 32), want)
+    # against float64 on random activations
+    xr = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    ref = xr.double() @ want.double().T
+    assert (layer(xr).double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_float_types_and_reordered_rows():
+    w = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    f32 = gguf_tensors.from_gguf(T.F32, w, (6, 64))
+    assert f32.fmt == "fp32" and torch.equal(f32.w, torch.from_numpy(w))
+    f16 = gguf_tensors.from_gguf(T.F16, w.astype(np.float16), (6, 64))
+    assert f16.fmt == "fp32" and torch.equal(f16.w, torch.from_numpy(w.astype(np.float16).astype(np.float32)))
+    raw = torch.from_numpy(w).bfloat16().view(torch.int16).numpy().view(np.uint8).reshape(6, 128)
+    bf = gguf_tensors.from_gguf(T.BF16, raw, (6, 64))
+    assert bf.fmt == "bf16" and torch.equal(bf.w, torch.from_numpy(w).bfloat16())
+    q = gguf_tensors.from_gguf(T.Q8_0, gguf.quants.quantize(w, T.Q8_0), (6, 64))
+    order = torch.tensor([2, 0, 1, 5, 4, 3])
+    assert torch.equal(q.take(order).dequantize(), q.dequantize()[order])
+
+
+def test_other_types_become_bf16_with_a_log_line_and_unknown_ones_are_refused(caplog):
+    n, k = 4, 256
+    data = _quantized(T.Q5_0, n, k, seed=3)
+    with caplog.at_level(logging.INFO, logger=gguf_tensors.__name__):
+        stored = gguf_tensors.from_gguf(T.Q5_0, data, (n, k), name="blk.0.ffn_up.weight")
+    assert stored.fmt == "bf16" and "blk.0.ffn_up.weight" in caplog.text and "Q5_0" in caplog.text
+    want = torch.from_numpy(gguf.quants.dequantize(data, T.Q5_0).reshape(n, k))
+    assert torch.equal(stored.w, want.bfloat16())
+    with pytest.raises(ValueError, match="unknown GGUF tensor type 99"):
+        gguf_tensors.from_gguf(99, data, (n, k), name="x")
+    with pytest.raises(ValueError, match="expected uint8"):
+        gguf_tensors.from_gguf(T.Q4_K, data, (n, k))
