@@ -14,11 +14,13 @@ Q4_0      int4 G32: ``q`` the block's nibbles as stored, scale ``d``, shift ``-8
 Q4_1      int4 G32: scale ``d``, shift ``m``
 Q4_K      int4 G32: per 32-weight sub-block scale ``d * sc``, shift ``-dmin * m`` (6-bit sc, m)
 Q5_K      int8g G32 with shift: ``q`` in 0..31, scale ``d * sc``, shift ``-dmin * m``
+Q5_0      int8g G32: ``q - 16`` in -16..15, scale ``d``
+Q5_1      int8g G32 with shift: ``q`` in 0..31, scale ``d``, shift ``m``
 Q6_K      int8g G16: ``q - 32`` in -32..31, scale ``d * scale`` (int8 scales)
 Q8_0      int8g G32: ``q`` int8, scale ``d``
 F32, F16  fp32 (F16 widened exactly)
 BF16      bf16 as stored
-others    (Q2_K, Q3_K, Q5_0, Q5_1, IQ*, ...) dequantized by ``gguf.quants`` to float32, then
+others    (Q2_K, Q3_K, Q8_1, IQ*, TQ*, MXFP4, ...) dequantized by ``gguf.quants`` to float32, then
           rounded to bf16 -- the one lossy case, logged per tensor
 ========  ==============================================================================
 
@@ -200,6 +202,18 @@ def from_gguf(qtype: int, data: np.ndarray, shape: tuple[int, int], name: str = 
             shift, qs = _f16(b[..., 2:4]), b[..., 4:]
         packed = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2))
         return Stored("int4", packed, d.contiguous(), shift.contiguous(), 32, qtype.name)
+    if qtype in (T.Q5_0, T.Q5_1):  # d, (m,) 32 high bits (little-endian), 16 bytes of low nibbles
+        b = _blocks(data, n, k, qtype)
+        d = _f16(b[..., 0:2])
+        off = 2 if qtype == T.Q5_0 else 4
+        qh = np.unpackbits(np.ascontiguousarray(b[..., off:off + 4]), axis=-1, bitorder="little")   # [n, nb, 32]
+        qs = b[..., off + 4:].reshape(n, k // 32, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & np.uint8(0x0F)).reshape(n, k // 32, 32) | (qh << np.uint8(4))
+        if qtype == T.Q5_0:
+            q8 = q.view(np.int8) - np.int8(16)
+            return Stored("int8g", torch.from_numpy(q8.reshape(n, k).copy()), d.contiguous(), None, 32, "Q5_0")
+        return Stored("int8g", torch.from_numpy(q.reshape(n, k).view(np.int8).copy()), d.contiguous(),
+                      _f16(b[..., 2:4]).contiguous(), 32, "Q5_1")
     if qtype == T.Q8_0:
         b = _blocks(data, n, k, qtype)
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k))

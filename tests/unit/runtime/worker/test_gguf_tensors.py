@@ -17,7 +17,7 @@ from kvfleet.runtime.worker import gguf_tensors  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 EXPECT = {T.Q4_0: ("int4", 32), T.Q4_1: ("int4", 32), T.Q4_K: ("int4", 32), T.Q5_K: ("int8g", 32),
-          T.Q6_K: ("int8g", 16), T.Q8_0: ("int8g", 32)}
+          T.Q6_K: ("int8g", 16), T.Q8_0: ("int8g", 32), T.Q5_0: ("int8g", 32), T.Q5_1: ("int8g", 32)}
 
 
 def _quantized(qtype, n: int, k: int, seed: int) -> np.ndarray:
@@ -32,8 +32,8 @@ def _quantized(qtype, n: int, k: int, seed: int) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
     d = (rng.random((n, k // block, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
-    if qtype == T.Q6_K:
-        raw[..., 208:210] = d[..., 0:2]
+    if qtype in (T.Q6_K, T.Q3_K):  # d last
+        raw[..., -2:] = d[..., 0:2]
     else:  # Q4_K / Q5_K: d, dmin first
         raw[..., 0:4] = d.reshape(n, k // block, 4)
     return raw.reshape(n, k // block * size)
@@ -80,11 +80,11 @@ def test_float_types_and_reordered_rows():
 
 def test_other_types_become_bf16_with_a_log_line_and_unknown_ones_are_refused(caplog):
     n, k = 4, 256
-    data = _quantized(T.Q5_0, n, k, seed=3)
+    data = _quantized(T.Q3_K, n, k, seed=3)
     with caplog.at_level(logging.INFO, logger=gguf_tensors.__name__):
-        stored = gguf_tensors.from_gguf(T.Q5_0, data, (n, k), name="blk.0.ffn_up.weight")
-    assert stored.fmt == "bf16" and "blk.0.ffn_up.weight" in caplog.text and "Q5_0" in caplog.text
-    want = torch.from_numpy(gguf.quants.dequantize(data, T.Q5_0).reshape(n, k))
+        stored = gguf_tensors.from_gguf(T.Q3_K, data, (n, k), name="blk.0.ffn_up.weight")
+    assert stored.fmt == "bf16" and "blk.0.ffn_up.weight" in caplog.text and "Q3_K" in caplog.text
+    want = torch.from_numpy(gguf.quants.dequantize(data, T.Q3_K).reshape(n, k))
     assert torch.equal(stored.w, want.bfloat16())
     with pytest.raises(ValueError, match="unknown GGUF tensor type 99"):
         gguf_tensors.from_gguf(99, data, (n, k), name="x")
