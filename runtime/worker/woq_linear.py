@@ -171,10 +171,9 @@ class Int8GroupLinear(torch.nn.Linear):
     ``qshift [N, K/G]`` float32 or None, ``W = weight * qscale (+ qshift)`` per group of
     ``group_size`` (a multiple of 16) along K, multiplied then added in float32 (GGUF Q8_0: G 32;
     Q6_K: G 16; Q5_K: G 32 with a shift -- each bit for bit as ``gguf`` dequantizes it),
-    ``bias32 [N]`` or None. :meth:`from_exact` builds one only where that factorization of a float32
-    weight is exact, so it computes with the very weights it replaces, in a quarter of the bytes
-    (the default GGUF model's LM head: :func:`exact_int8_head`); :meth:`from_blocks` takes weights
-    already in the layout (:mod:`kvfleet.runtime.worker.gguf_tensors`)."""
+    ``bias32 [N]`` or None. :meth:`from_blocks` takes weights already in the layout
+    (:mod:`kvfleet.runtime.worker.gguf_tensors`); :meth:`from_exact` builds one from a float32 weight
+    only where that factorization is exact (the same weights in a quarter of the bytes)."""
 
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear | tuple[int, int], q: torch.Tensor, scale: torch.Tensor,
@@ -242,25 +241,6 @@ class Int8GroupLinear(torch.nn.Linear):
         # the torch fallback (many rows, or no C kernels here): the same float32 weights
         y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
-
-
-def exact_int8_head(model: torch.nn.Module) -> bool:
-    """Swap ``model``'s float32 LM head for an :class:`Int8GroupLinear` (untied: the input
-    embedding keeps its float32 table for the lookups) when its weight is exactly grouped int8 --
-    a GGUF file's Q8_0 output tensor dequantized by transformers is. Decode reads 4x fewer bytes
-    for the same logits (bit for bit in the fused decoder: the same weights, summed in the same
-    order). Returns whether it did."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or not cpu_woq.available():
-        return False
-    new = Int8GroupLinear.from_exact(head)
-    if new is None:
-        return False
-    name = next(n for n, m in model.named_modules() if m is head)
-    _replace(model, name, new)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.config.tie_word_embeddings = False
-    return True
 
 
 class Bf16Linear(torch.nn.Linear):
