@@ -103,6 +103,8 @@ class CpuPlan:
         reason: why, in one sentence.
         gguf_stored: the loader reads the GGUF file's tensors as stored into the kernels' formats
             (:mod:`kvfleet.runtime.worker.gguf_model`; ``weights`` is ``gguf``).
+        packed_int4: the checkpoint's AWQ / GPTQ / compressed-tensors 4-bit weights are repacked at load
+            onto the int4 kernels (:mod:`kvfleet.runtime.worker.packed_checkpoints`).
         matmul: the fused decoder's matmul kernels (``kernels.cpu_decoder.MATMULS``): ``amx``
             (AMX tiles, ``kernels/cpu_amx.h``) on CPUs with AMX-BF16, ``avx512_bf16`` (``vdpbf16ps``
             dot products, ``kernels/cpu_dpbf16.h``) on CPUs with AVX512-BF16 and no AMX, with
@@ -118,6 +120,7 @@ class CpuPlan:
     native_bf16_prefill: bool
     reason: str
     gguf_stored: bool = False
+    packed_int4: bool = False
     matmul: str = "float32"
 
     @property
@@ -142,7 +145,7 @@ class CpuPlan:
         return "matmuls " + {"float32": "fp32", "bfloat16": "bf16 (emulated)", "float16": "fp16"}[self.dtype]
 
 
-CHECKPOINT_WEIGHTS = ("fp32", "bf16", "gguf")
+CHECKPOINT_WEIGHTS = ("fp32", "bf16", "gguf", "packed")
 
 MATMUL_NAMES = {"float32": "float32", "avx512_bf16": "AVX512-BF16 dot products (bf16)", "amx": "AMX tiles (bf16)"}
 """Each matmul kernel of the fused decoder (:attr:`CpuPlan.matmul`) as the start-up lines name it."""
@@ -168,7 +171,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         facts: what the process can run (:class:`CpuFacts`).
         bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
         checkpoint_weights: how the checkpoint stores its linear weights: ``fp32`` (or fp16),
-            ``bf16`` (``torch_dtype`` bfloat16), ``gguf`` (a GGUF file kvfleet's reader takes).
+            ``bf16`` (``torch_dtype`` bfloat16), ``gguf`` (a GGUF file kvfleet's reader takes), ``packed`` (an AWQ / GPTQ /
+            compressed-tensors 4-bit checkpoint).
         batch_invariant: ``--batch-invariant`` (the default): no native bf16 prefill on the
             float32-activation paths (its matmuls round differently with the step's row count);
             False: native bf16 prefill of quantized and bf16 weights where the CPU has it.
@@ -193,6 +197,12 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     # bf16 matmuls where the CPU has them natively (the best kernel of its ISA level)
     bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and dtype != "float32" \
         else "float32"
+    if dtype in ("auto", "float32") and quantization is None and checkpoint_weights == "packed":
+        return CpuPlan("float32", "int4", False, fused_possible, False,
+                       f"dtype {dtype}: the checkpoint's packed 4-bit weights (AWQ / GPTQ / compressed-tensors) "
+                       "repacked at load onto kvfleet's int4 kernels, float32 activations"
+                       + ("" if fused_possible else f" (the fused decoder is off: {why_not_fused})"),
+                       packed_int4=True)
     if dtype == "auto" and quantization is None and fused_possible and native_gguf:
         bf16_prefill = features.native_bf16 and not batch_invariant
         return CpuPlan("float32", "gguf", False, True, bf16_prefill,

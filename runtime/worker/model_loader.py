@@ -398,6 +398,11 @@ def load_model(
     path, name = resolve_model_path(model, cache_root)
     hf_config = AutoConfig.from_pretrained(path)
     check_attention_support(hf_config)
+    from kvfleet.runtime.worker import packed_checkpoints
+
+    if packed_checkpoints.method_of(hf_config, path) is not None:  # AWQ / GPTQ / compressed-tensors
+        return _load_packed(path, name, hf_config, tokenizer, dev, asked, quantization, tensor_parallel_size,
+                            batch_invariant, t0)
     plan = None
     if dev.type == "cpu":
         native = asked == "auto" and not quantization
@@ -454,6 +459,27 @@ def _load_gguf_stored(gguf: Path, model: str | None, tokenizer: str | None, cach
         tok = AutoTokenizer.from_pretrained(tokenizer)
     name = DEFAULT_MODEL_NAME if model is None else Path(model).stem
     return _finish(hf_model, tok, name, str(gguf), torch.device("cpu"), torch.float32, t0, None, plan)
+
+
+def _load_packed(path: str, name: str, hf_config, tokenizer: str | None, dev: torch.device, asked: str,
+                 quantization: str | None, tensor_parallel_size: int, batch_invariant: bool, t0: float) -> LoadedModel:
+    """A 4-bit AWQ / GPTQ / compressed-tensors checkpoint repacked onto the int4 kernels
+    (:mod:`kvfleet.runtime.worker.packed_checkpoints`): on the CPU, float32 activations, one process."""
+    from transformers import AutoTokenizer
+
+    from kvfleet.runtime.worker import packed_checkpoints
+
+    method = packed_checkpoints.method_of(hf_config, path)
+    if dev.type != "cpu" or quantization or asked not in ("auto", "float32") or tensor_parallel_size != 1:
+        raise packed_checkpoints.PackedError(
+            f"{path}: a {method} checkpoint runs on the CPU with --dtype auto or float32, no --quantization and "
+            f"one process (asked: device {dev.type}, dtype {asked}, quantization {quantization}, "
+            f"tensor_parallel_size {tensor_parallel_size})")
+    plan = resolve_cpu_plan(asked, None, 1, "packed", batch_invariant)
+    logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
+    hf_model = packed_checkpoints.load(Path(path), hf_config, _initial_attn_implementation)
+    tok = AutoTokenizer.from_pretrained(tokenizer or path)
+    return _finish(hf_model, tok, name, path, dev, torch.float32, t0, None, plan)
 
 
 def _finish(hf_model, tok, name: str, path: str, dev: torch.device, torch_dtype: torch.dtype, t0: float,

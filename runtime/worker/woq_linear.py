@@ -151,6 +151,9 @@ class Int4Linear(torch.nn.Linear):
         if torch.compiler.is_compiling():
             return torch.ops.kvfleet.woq_int4_linear(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                      self.bias32)
+        if not cpu_woq.available():  # the torch fallback: the same float32 weights
+            y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
+            return y if self.bias32 is None else y + self.bias32.to(x.dtype)
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
