@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvfleet.runtime.worker.gguf_tensors import Stored, from_gguf, to_float32
+from kvfleet.runtime.worker.gguf_tensors import Stored, from_gguf, to_float32, unify_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def _assemble(model, linears: dict[str, Stored], biases: dict[str, torch.Tensor]
     emb_name = next(n for n, m in model.named_modules() if m is emb_module)
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
-    for name, stored in linears.items():
+    for name, stored in unify_siblings(linears).items():
         _replace(model, name, stored.module(biases.get(name)))
     if embedding is not None:
         _, stored = embedding

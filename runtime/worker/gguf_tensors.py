@@ -102,6 +102,19 @@ class Stored:
         pick = (lambda t: None if t is None else t[order].contiguous())
         return Stored(self.fmt, pick(self.w), pick(self.scale), pick(self.shift), self.group, self.source)
 
+    def as_int8g(self, group: int) -> Stored:
+        """This int4 or int8g weight as int8g with groups of ``group`` (dividing its own): the same
+        float32 weights (``q * scale + shift`` per weight), one byte per weight."""
+        if self.fmt not in ("int4", "int8g") or self.group % group:
+            raise ValueError(f"{self.fmt} G{self.group} has no int8g G{group} form")
+        from kvfleet.kernels.cpu_woq import unpack_int4
+
+        q = unpack_int4(self.w).to(torch.int8) if self.fmt == "int4" else self.w
+        r = self.group // group
+        scale = self.scale.repeat_interleave(r, 1).contiguous()
+        shift = None if self.shift is None else self.shift.repeat_interleave(r, 1).contiguous()
+        return Stored("int8g", q.contiguous(), scale, shift, group, self.source)
+
     def module(self, bias: torch.Tensor | None = None) -> torch.nn.Linear:
         """The layer that runs this weight: ``Int4Linear`` / ``Int8GroupLinear`` (kernels' layouts,
         no copy), ``Bf16Linear``, or a float32 ``nn.Linear``."""
@@ -137,6 +150,35 @@ class Stored:
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, fmt: str, group: int) -> Stored:
         return cls(fmt, tensors[f"{prefix}.w"], tensors.get(f"{prefix}.scale"), tensors.get(f"{prefix}.shift"),
                    group)
+
+
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linear layers of one module that the fused CPU decoder stacks into one matrix (one format)."""
+
+
+def unify_siblings(linears: dict[str, Stored]) -> dict[str, Stored]:
+    """``linears`` (module name -> weight) with each set of :data:`FUSED_SIBLINGS` under one parent
+    in one format, so the fused decoder can stack them: a Q4_K_M file keeps a layer's q and k in
+    Q4_K (int4) and its v in Q6_K (int8g G16); mixed int4 / int8g siblings all become int8g with the
+    smallest group (the same float32 weights; the int4 ones take one byte per weight)."""
+    out = dict(linears)
+    parents = {name.rpartition(".")[0] for name in linears}
+    for parent in parents:
+        for names in FUSED_SIBLINGS:
+            full = [f"{parent}.{n}" if parent else n for n in names]
+            parts = [out.get(n) for n in full]
+            if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) == 1:
+                continue
+            if not all(p.fmt in ("int4", "int8g") for p in parts):
+                continue
+            group = min(p.group for p in parts)
+            if any(p.group % group for p in parts):
+                continue
+            for n, p in zip(full, parts):
+                out[n] = p.as_int8g(group)
+            logger.info("%s: %s stored as %s; all as grouped int8 (G%d) for the fused decoder", parent,
+                        "/".join(names), "/".join(p.source or p.fmt for p in parts), group)
+    return out
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:

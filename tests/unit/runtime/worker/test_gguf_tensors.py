@@ -90,3 +90,19 @@ def test_other_types_become_bf16_with_a_log_line_and_unknown_ones_are_refused(ca
         gguf_tensors.from_gguf(99, data, (n, k), name="x")
     with pytest.raises(ValueError, match="expected uint8"):
         gguf_tensors.from_gguf(T.Q4_K, data, (n, k))
+
+
+def test_mixed_siblings_become_one_int8g_format_with_the_same_weights():
+    """A Q4_K_M layer: q and k in Q4_K (int4 G32), v in Q6_K (int8g G16) -> all int8g G16, so the
+    fused decoder stacks them; the float32 weights stay bit for bit."""
+    q4k = {n: gguf_tensors.from_gguf(T.Q4_K, _quantized(T.Q4_K, 8, 256, seed=i), (8, 256))
+           for i, n in enumerate(("l.q_proj", "l.k_proj"))}
+    v = gguf_tensors.from_gguf(T.Q6_K, _quantized(T.Q6_K, 8, 256, seed=9), (8, 256))
+    gate = gguf_tensors.from_gguf(T.Q4_K, _quantized(T.Q4_K, 8, 256, seed=7), (8, 256))
+    up = gguf_tensors.from_gguf(T.Q4_K, _quantized(T.Q4_K, 8, 256, seed=8), (8, 256))
+    linears = {**q4k, "l.v_proj": v, "l.gate_proj": gate, "l.up_proj": up}
+    out = gguf_tensors.unify_siblings(linears)
+    assert {(out[n].fmt, out[n].group) for n in ("l.q_proj", "l.k_proj", "l.v_proj")} == {("int8g", 16)}
+    for name in linears:
+        assert torch.equal(out[name].dequantize(), linears[name].dequantize()), name
+    assert out["l.gate_proj"] is gate and out["l.up_proj"] is up  # already one format: untouched
