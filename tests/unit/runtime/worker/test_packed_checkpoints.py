@@ -174,8 +174,8 @@ def test_the_engine_serves_a_packed_checkpoint_with_the_dequantized_models_greed
     llm = LLM(model=str(tmp_path), max_model_len=256)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    fused = llm.llm_engine.model_executor.runner.cpu_decode is not None if hasattr(
-        llm.llm_engine, "model_executor") else None
+    fused = llm.llm_engine.runner.cpu_decode is not None
+    assert fused == (not act_order)  # the fused decoder runs the int4 layers; an input permutation it has not
     for prompt, out in zip(prompts, outs):
         ids = smollm2.tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
