@@ -171,8 +171,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         facts: what the process can run (:class:`CpuFacts`).
         bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
         checkpoint_weights: how the checkpoint stores its linear weights: ``fp32`` (or fp16),
-            ``bf16`` (``torch_dtype`` bfloat16), ``gguf`` (a GGUF file kvfleet's reader takes), ``packed`` (an AWQ / GPTQ /
-            compressed-tensors 4-bit checkpoint).
+            ``bf16`` (``torch_dtype`` bfloat16), ``gguf`` (a GGUF file kvfleet's reader takes),
+            ``packed`` (an AWQ / GPTQ / compressed-tensors 4-bit checkpoint).
         batch_invariant: ``--batch-invariant`` (the default): no native bf16 prefill on the
             float32-activation paths (its matmuls round differently with the step's row count);
             False: native bf16 prefill of quantized and bf16 weights where the CPU has it.

@@ -70,7 +70,7 @@ def _write(path, fmt: str, group: int, sym: bool, act_order: bool):
     tensors = {}
     for name, p in ref.state_dict().items():
         module = name.rsplit(".", 1)[0]
-        if not any(module.endswith(l) for l in LINEARS):
+        if not any(module.endswith(lin) for lin in LINEARS):
             tensors[name] = p.contiguous()
             continue
         w = p.detach()
