@@ -103,8 +103,9 @@ class CpuPlan:
         reason: why, in one sentence.
         gguf_stored: the loader reads the GGUF file's tensors as stored into the kernels' formats
             (:mod:`kvfleet.runtime.worker.gguf_model`; ``weights`` is ``gguf``).
-        packed_int4: the checkpoint's AWQ / GPTQ / compressed-tensors 4-bit weights are repacked at load
-            onto the int4 kernels (:mod:`kvfleet.runtime.worker.packed_checkpoints`).
+        packed_int4: the checkpoint's AWQ / GPTQ / compressed-tensors weights are repacked at load onto
+            the int4 (int8 for W8A8) kernels (:mod:`kvfleet.runtime.worker.packed_checkpoints`;
+            ``weights`` is ``packed``).
         matmul: the fused decoder's matmul kernels (``kernels.cpu_decoder.MATMULS``): ``amx``
             (AMX tiles, ``kernels/cpu_amx.h``) on CPUs with AMX-BF16, ``avx512_bf16`` (``vdpbf16ps``
             dot products, ``kernels/cpu_dpbf16.h``) on CPUs with AVX512-BF16 and no AMX, with
@@ -198,9 +199,9 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and dtype != "float32" \
         else "float32"
     if dtype in ("auto", "float32") and quantization is None and checkpoint_weights == "packed":
-        return CpuPlan("float32", "int4", False, fused_possible, False,
-                       f"dtype {dtype}: the checkpoint's packed 4-bit weights (AWQ / GPTQ / compressed-tensors) "
-                       "repacked at load onto kvfleet's int4 kernels, float32 activations"
+        return CpuPlan("float32", "packed", False, fused_possible, False,
+                       f"dtype {dtype}: the checkpoint's quantized weights (AWQ / GPTQ / compressed-tensors) "
+                       "repacked at load onto kvfleet's int4 / int8 kernels, float32 activations"
                        + ("" if fused_possible else f" (the fused decoder is off: {why_not_fused})"),
                        packed_int4=True)
     if dtype == "auto" and quantization is None and fused_possible and native_gguf:

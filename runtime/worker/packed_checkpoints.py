@@ -25,6 +25,9 @@ Layouts (DESIGN.md, "Quantized formats, facts"; the formats' own loaders):
 - compressed-tensors pack-quantized: ``weight_packed`` int32 ``[N, K/8]`` along the input dim,
   values stored plus 8 (``q + 8`` for ``q`` in -8..7), ``weight_scale`` ``[N, K/G]``, optional
   ``weight_zero_point`` ``[N, K/G]`` (or packed ``[N/8, K/G]``); ``weight_g_idx`` as GPTQ's.
+- compressed-tensors int-quantized (W8A8 int8): ``weight`` int8 ``[N, K]``, ``weight_scale``
+  ``[N, 1]`` (symmetric, per channel) -> ``Int8Linear`` with those very weights; the activations stay
+  float32 (kvfleet's int8 kernels are weight-only: no int8 rounding of activations, logged).
 """
 
 from __future__ import annotations
@@ -77,14 +80,20 @@ def method_of(hf_config, where: str = "checkpoint") -> str | None:
             raise PackedError(f"{where}: GPTQ {fmt} with {q.get('bits')} bits: kvfleet reads 4-bit v1 packing only")
         return method
     if method == "compressed-tensors":
-        if q.get("format") != "pack-quantized":
-            raise PackedError(f"{where}: compressed-tensors format {q.get('format')!r}: kvfleet reads "
-                              "pack-quantized (W4A16) only")
+        fmt = q.get("format")
+        bits = 4 if fmt == "pack-quantized" else 8 if fmt in ("int-quantized", "naive-quantized") else None
+        if bits is None:
+            raise PackedError(f"{where}: compressed-tensors format {fmt!r}: kvfleet reads pack-quantized (W4A16) "
+                              "and int-quantized (W8A8 int8)")
         for group in (q.get("config_groups") or {}).values():
             w = group.get("weights") or {}
-            if int(w.get("num_bits", 4)) != 4 or w.get("type", "int") != "int" or group.get("input_activations"):
-                raise PackedError(f"{where}: compressed-tensors scheme {w} with activations "
-                                  f"{group.get('input_activations')}: kvfleet reads int4 weight-only only")
+            strategy = w.get("strategy", "group" if bits == 4 else "channel")
+            if (int(w.get("num_bits", bits)) != bits or w.get("type", "int") != "int"
+                    or (bits == 4 and group.get("input_activations"))
+                    or (bits == 8 and (strategy != "channel" or not w.get("symmetric", True)))):
+                raise PackedError(f"{where}: compressed-tensors {fmt} scheme {w} with activations "
+                                  f"{group.get('input_activations')}: kvfleet reads int4 weight-only (pack-quantized) "
+                                  "and symmetric per-channel int8 weights (int-quantized)")
         return method
     raise PackedError(f"{where}: quantization method {method!r} is not one kvfleet loads ({', '.join(METHODS)})")
 
@@ -182,6 +191,19 @@ def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, sym
         s = t[f"{prefix}.scales"].T
         g = q.shape[1] // s.shape[1] if group <= 0 else group
         return _int4_module(q, z, s, t.get(f"{prefix}.g_idx"), g, bias, prefix)
+    if f"{prefix}.weight_packed" not in t:  # int-quantized (W8A8): int8 weights, a scale per output channel
+        from kvfleet.runtime.worker.woq_linear import Int8Linear
+
+        w8 = t[f"{prefix}.weight"]
+        n, k = w8.shape
+        layer = Int8Linear.__new__(Int8Linear)
+        torch.nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = k, n
+        layer.register_buffer("weight", w8.to(torch.int8).contiguous(), persistent=False)
+        layer.register_buffer("qscale", t[f"{prefix}.weight_scale"].float().reshape(n).contiguous(), persistent=False)
+        layer.register_buffer("bias32", bias, persistent=False)
+        layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        return layer
     packed = t[f"{prefix}.weight_packed"]
     q = _along_cols(packed)  # [N, K]: stored q + 8
     s = t[f"{prefix}.weight_scale"]
@@ -199,7 +221,7 @@ def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, sym
 
 _KEYS = {"awq": "qweight", "gptq": "qweight", "compressed-tensors": "weight_packed"}
 _PARTS = {"qweight", "qzeros", "scales", "g_idx", "bias", "weight_packed", "weight_scale", "weight_zero_point",
-          "weight_g_idx", "weight_shape"}
+          "weight_g_idx", "weight_shape", "weight", "input_scale", "input_zero_point"}
 
 
 def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
@@ -230,7 +252,12 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 tensors[key] = st.get_tensor(key)
-    prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith("." + _KEYS[method])})
+    key = _KEYS[method]
+    if method == "compressed-tensors" and q.get("format") != "pack-quantized":
+        key = "weight_scale"  # int-quantized: every quantized layer has one; its weight is int8
+        logger.info("%s: W8A8 int8 weights run as stored with float32 activations (not quantized to int8: "
+                    "kvfleet's int8 kernels are weight-only)", path.name)
+    prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith("." + key)})
     try:
         for prefix in prefixes:
             _replace(model, prefix, _layer(method, tensors, prefix, group, sym))

@@ -1,5 +1,5 @@
 """AWQ (GEMM), GPTQ v1 (with and without act-order, symmetric and asymmetric) and compressed-tensors
-pack-quantized checkpoints, written here from a reference quantizer in each format's own layout,
+pack-quantized (W4A16) and int-quantized (W8A8's int8 weights) checkpoints, written here from a reference quantizer in each format's own layout,
 loaded by kvfleet (runtime/worker/packed_checkpoints.py through model_loader): every layer's weights
 equal the reference's dequantization, the logits equal the dequantized float32 model's, and the
 engine's greedy tokens (the fused decoder where the layout allows) equal that model's."""
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvfleet.runtime.worker import model_loader, packed_checkpoints
-from kvfleet.runtime.worker.woq_linear import Int4Linear
+from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(
     not model_loader.cpu_facts().kernels, reason="kvfleet's C kernels do not build on this machine"
@@ -75,6 +75,14 @@ def _write(path, fmt: str, group: int, sym: bool, act_order: bool):
             continue
         w = p.detach()
         n, k = w.shape
+        if fmt == "ct8":  # W8A8's weights: symmetric int8, an fp16 scale per output channel
+            s8 = (w.abs().amax(1, keepdim=True) / 127).half().float()
+            q8 = torch.round(w / s8).clamp(-127, 127)
+            with torch.no_grad():
+                p.copy_(q8 * s8)
+            tensors[f"{module}.weight"] = q8.to(torch.int8)
+            tensors[f"{module}.weight_scale"] = s8.half()
+            continue
         groups = k // group
         group_of = torch.arange(k) // group
         if act_order:
@@ -107,6 +115,11 @@ def _write(path, fmt: str, group: int, sym: bool, act_order: bool):
         "ct": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                    "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group}}}},
+        "ct8": {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                                          "strategy": "token"}}}},
     }[fmt]
     cfg.save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())
@@ -117,7 +130,7 @@ def _write(path, fmt: str, group: int, sym: bool, act_order: bool):
 
 CASES = [("awq", 32, False, False), ("awq", 128, False, False), ("gptq", 64, True, False),
          ("gptq", 32, False, False), ("gptq", 32, True, True), ("gptq", 64, False, True), ("ct", 32, True, False),
-         ("ct", 64, False, False)]
+         ("ct", 64, False, False), ("ct8", 0, True, False)]
 
 
 @pytest.mark.parametrize("fmt,group,sym,act_order", CASES)
@@ -138,6 +151,9 @@ def test_a_packed_checkpoint_loads_with_the_reference_weights_and_logits(fmt, gr
             layers += 1
         elif isinstance(module, Int4Linear) and not name.endswith(".inner"):
             assert torch.equal(module.dequantized(), want[f"{name}.weight"]), name
+            layers += 1
+        elif isinstance(module, Int8Linear):  # W8A8's int8 weights as stored
+            assert torch.equal(module.weight.float() * module.qscale[:, None], want[f"{name}.weight"]), name
             layers += 1
     assert layers == 2 * len(LINEARS)
     assert any(isinstance(m, packed_checkpoints.PermutedInt4Linear) for m in model.modules()) == act_order
