@@ -106,3 +106,19 @@ def test_mixed_siblings_become_one_int8g_format_with_the_same_weights():
     for name in linears:
         assert torch.equal(out[name].dequantize(), linears[name].dequantize()), name
     assert out["l.gate_proj"] is gate and out["l.up_proj"] is up  # already one format: untouched
+    # ... and the fused decoder stacks them into one int8g matrix (shifts where Q4_K had them, zeros for
+    # Q6_K's), the modules becoming views of it with the same weights
+    from kvfleet.runtime.worker.cpu_decode import _fuse
+
+    modules = [out[n].module() for n in ("l.q_proj", "l.k_proj", "l.v_proj")]
+    fused = _fuse(modules)
+    assert fused is not None and (fused.fmt, fused.group) == ("int8g", 16) and fused.shift is not None
+    fused.check("qkv", 24, 256)
+    stacked = torch.cat([linears[n].dequantize() for n in ("l.q_proj", "l.k_proj", "l.v_proj")])
+    deq = fused.w.float() * fused.scale.repeat_interleave(16, 1) + fused.shift.repeat_interleave(16, 1)
+    assert torch.equal(deq, stacked)
+    assert modules[2].weight.data_ptr() == fused.w[16:].data_ptr()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    ref = x.double() @ stacked.double().T
+    got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views
+    assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
