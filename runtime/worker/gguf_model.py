@@ -453,10 +453,16 @@ def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa
     t0 = time.monotonic()
     loaded = None
     if cache_folder is not None and (cache_folder / LAYOUT).is_file():
-        loaded = _from_cache(cache_folder, attn_implementation)
+        try:
+            loaded = _from_cache(cache_folder, attn_implementation)
+        except Exception as exc:  # a damaged entry costs a parse of the file, never the start
+            logger.warning("GGUF %s: the cache %s is unreadable (%s: %s); reading the file", path.name,
+                           cache_folder, type(exc).__name__, exc)
         if loaded is not None:
             logger.info("GGUF %s: loaded as stored from the cache %s in %.1f s", path.name, cache_folder,
                         time.monotonic() - t0)
+        else:  # another layout version or damaged: replaced below
+            shutil.rmtree(cache_folder, ignore_errors=True)
     if loaded is None:
         model, tokenizer, config, record = _from_file(path, attn_implementation)
         if cache_folder is not None:

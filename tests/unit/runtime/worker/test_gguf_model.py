@@ -75,6 +75,16 @@ def test_a_second_load_reads_the_cache_not_the_file(stored_default, monkeypatch)
     assert again.get_output_embeddings().weight.data_ptr() == emb.weight.data_ptr()
 
 
+def test_a_damaged_cache_is_read_again_from_the_file(stored_default, tmp_path):
+    model, _, cache = stored_default
+    damaged = tmp_path / "damaged"
+    shutil.copytree(cache, damaged)
+    (damaged / gguf_model.TENSORS).write_bytes(b"not safetensors")
+    again, _ = gguf_model.load(model_loader.default_model_path(), damaged)
+    assert torch.equal(again.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight)
+    assert (damaged / gguf_model.TENSORS).stat().st_size > 1000  # written again
+
+
 @pytest.mark.slow
 def test_the_default_engine_runs_the_files_weights_with_float32_greedy_tokens():
     from kvfleet.runtime.llm import LLM
