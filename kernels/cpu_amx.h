@@ -4,7 +4,7 @@
  *
  * Contract: y[m * ldy + n - n0] = finish_dot(sum_k bf16(x[m, k]) * bf16(dequant(w)[n, k])) for
  * m < M, n0 <= n < n1, a kv_matrix in any format (cpu_gemv.h): each dequantized weight (int4's
- * q * scale + shift, int8g's q * scale, int8's q, bf16 as stored, fp32) rounded to bf16 to nearest
+ * q * scale + shift, int8g's q * scale (+ shift), int8's q, bf16 as stored, fp32) rounded to bf16 to nearest
  * even, int8's per-channel scale and the bias applied after the sum as everywhere (finish_dot).
  * The activations are rounded to bf16 once per phase by kv_amx_pack_x, into the tiles' order.
  *

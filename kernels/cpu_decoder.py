@@ -29,7 +29,8 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
 - :class:`Linear`: ``fmt`` ``fp32`` (``w [N, K]`` float32), ``bf16`` (``w [N, K]`` bfloat16, widened to
   float32 in registers), ``int8`` (``w [N, K]`` int8, ``scale [N]``), ``int4`` (``w [N, K/2]``
   uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``) or
-  ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``: grouped int8, a GGUF Q8_0 tensor's layout);
+  ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None, G a multiple of 16:
+  grouped int8, ``q * scale (+ shift)``; GGUF Q8_0, Q6_K and Q5_K tensors' layouts);
   ``bias [N]`` float32 or None.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
@@ -101,8 +102,15 @@ class Linear:
             raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
         wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)}, "int8g": {"scale": (n, k // max(self.group, 1))},
                   "int4": {"scale": (n, k // max(self.group, 1)), "shift": (n, k // max(self.group, 1))}}[self.fmt]
-        if self.fmt in ("int4", "int8g") and (self.group % 32 or k % self.group):
-            raise ValueError(f"{name}: {self.fmt} group size {self.group} must be a multiple of 32 dividing {k}")
+        if self.fmt == "int4" and (self.group <= 0 or self.group % 32 or k % self.group):
+            raise ValueError(f"{name}: int4 group size {self.group} must be a multiple of 32 dividing {k}")
+        if self.fmt == "int8g" and (self.group <= 0 or self.group % 16 or k % self.group or k % 32):
+            raise ValueError(f"{name}: int8g group size {self.group} must be a multiple of 16 dividing {k} "
+                             f"({k} a multiple of 32)")
+        if self.fmt == "int8g" and self.shift is not None:
+            wanted = {**wanted, "shift": (n, k // self.group)}
+        elif self.fmt not in ("int4",) and self.shift is not None:
+            raise ValueError(f"{name}: {self.fmt} takes no shift")
         for field, shape in {**wanted, **({"bias": (n,)} if self.bias is not None else {})}.items():
             t = getattr(self, field)
             if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():

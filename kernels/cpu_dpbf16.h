@@ -9,7 +9,7 @@
  * one fixed order: one float32 accumulator of 16 lanes takes K's 32-wide blocks in order (block
  * kb, k = 32 kb .. 32 kb + 31: lane i adds the pair k = 32 kb + 2i, 2i + 1, one vdpbf16ps), then
  * its lanes are summed in one fixed tree (dp_reduce16). Each dequantized weight (int4's q * scale + shift,
- * int8g's q * scale, int8's q, bf16 as stored, fp32) is rounded to bf16 to nearest even, int8's
+ * int8g's q * scale (+ shift), int8's q, bf16 as stored, fp32) is rounded to bf16 to nearest even, int8's
  * per-channel scale and the bias applied after the sum (finish_dot), as on the AMX tiles. The
  * activations are rounded to bf16 once per phase by kv_dp_pack_rows, row after row (K apart).
  *
@@ -62,17 +62,21 @@ static inline void kv_bf16_blocks(const kv_matrix *m, int64_t n, int64_t kb0, in
             const __m512i idx = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shifts), low4);
             _mm512_storeu_si512(dst + kb * stride, _mm512_permutexvar_epi16(idx, table));
         }
-    } else if (m->fmt == KV_INT8 || m->fmt == KV_INT8G) {   /* int8 unscaled (finish_dot scales) */
+    } else if (m->fmt == KV_INT8G) {   /* q * scale (+ shift) per 16 weights (G a multiple of 16) */
         const int8_t *w = (const int8_t *)m->w + n * K;
-        const float *sc = m->fmt == KV_INT8G ? m->scale + n * (K / G) : NULL;
+        const float *sc = m->scale + n * (K / G), *sh = m->shift ? m->shift + n * (K / G) : NULL;
         for (int64_t kb = kb0; kb < kb1; kb++) {
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb))));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb + 16))));
-            if (sc) {
-                const __m512 sv = _mm512_set1_ps(sc[gidx(32 * kb, G)]);
-                lo = _mm512_mul_ps(lo, sv);
-                hi = _mm512_mul_ps(hi, sv);
-            }
+            const __m512 lo = sh ? dq_i8g_16(w + 32 * kb, sc, sh, gidx(32 * kb, G), 1)
+                                 : dq_i8g_16(w + 32 * kb, sc, sh, gidx(32 * kb, G), 0);
+            const __m512 hi = sh ? dq_i8g_16(w + 32 * kb + 16, sc, sh, gidx(32 * kb + 16, G), 1)
+                                 : dq_i8g_16(w + 32 * kb + 16, sc, sh, gidx(32 * kb + 16, G), 0);
+            _mm512_storeu_si512(dst + kb * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    } else if (m->fmt == KV_INT8) {   /* int8 unscaled (finish_dot scales) */
+        const int8_t *w = (const int8_t *)m->w + n * K;
+        for (int64_t kb = kb0; kb < kb1; kb++) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 32 * kb + 16))));
             _mm512_storeu_si512(dst + kb * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
     } else if (m->fmt == KV_BF16) {

@@ -6,8 +6,11 @@
  *
  *   fp32: w [N, K] float32, row-major
  *   int8: w [N, K] int8 row-major; dequant(w)[n, k] = w[n, k] * scale[n]  (the caller scales)
- *   int8g: w [N, K] int8, scale [N, K/G] float32 (G a multiple of 32): dequant(w)[n, k] =
- *         w[n, k] * scale[n, k / G], multiplied in float32 before the sum (a GGUF Q8_0 tensor's layout)
+ *   int8g: w [N, K] int8, scale [N, K/G] float32, shift [N, K/G] float32 or NULL (G a multiple of
+ *         16; K of 32): dequant(w)[n, k] = w[n, k] * scale[n, k / G] (+ shift[n, k / G]), a multiply
+ *         and then an add, each rounded in float32 before the sum -- the very arithmetic of gguf's
+ *         dequantization, so GGUF Q8_0 (G 32), Q6_K (G 16) and Q5_K (G 32 with shift) tensors keep
+ *         their weights bit for bit
  *   int4: w [N, K/2] uint8; per row, block b of 32 weights (k = 32b .. 32b+31) is 16 bytes:
  *         byte j holds k = 32b + j in its low nibble and k = 32b + 16 + j in its high nibble;
  *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
@@ -167,41 +170,62 @@ static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const flo
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-/* One row of x against grouped int8 row w (scales s[K/G]): each weight multiplied by its group's
- * scale in float32, then summed in the order of KV_DEFINE_M1 (16 wide in the avx512 build). */
+/* Grouped int8 weights dequantized (the format's arithmetic above): 16 (avx512) or 8 at p, group g.
+ * SH (a constant after inlining) says whether there is a shift: two instantiations of every loop. */
+#define KV_ALWAYS_INLINE static inline __attribute__((always_inline))
 #ifdef __AVX512F__
-static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const float *s, int64_t G) {
+KV_ALWAYS_INLINE __m512 dq_i8g_16(const int8_t *p, const float *s, const float *t, int64_t g, int SH) {
+    const __m512 v = _mm512_mul_ps(widen_i8_16(p), _mm512_set1_ps(s[g]));
+    return SH ? _mm512_add_ps(v, _mm512_set1_ps(t[g])) : v;
+}
+#endif
+KV_ALWAYS_INLINE __m256 dq_i8g_8(const int8_t *p, const float *s, const float *t, int64_t g, int SH) {
+    const __m256 v = _mm256_mul_ps(widen_i8(p), _mm256_set1_ps(s[g]));
+    return SH ? _mm256_add_ps(v, _mm256_set1_ps(t[g])) : v;
+}
+
+/* One row of x against grouped int8 row w (scales s[K/G], shifts t[K/G] or NULL): each weight
+ * dequantized in float32, then summed in the order of KV_DEFINE_M1 (16 wide in the avx512 build). */
+#ifdef __AVX512F__
+KV_ALWAYS_INLINE float i8g_m1_body(const float *x, int64_t K, const int8_t *w, const float *s, const float *t,
+                                   int64_t G, int SH) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
         _mm_prefetch((const char *)(w + k) + 4096, _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k), _mm512_set1_ps(s[gidx(k, G)])), _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k + 16), _mm512_set1_ps(s[gidx(k + 16, G)])),
-                             _mm512_loadu_ps(x + k + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k + 32), _mm512_set1_ps(s[gidx(k + 32, G)])),
-                             _mm512_loadu_ps(x + k + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k + 48), _mm512_set1_ps(s[gidx(k + 48, G)])),
-                             _mm512_loadu_ps(x + k + 48), a3);
+        a0 = _mm512_fmadd_ps(dq_i8g_16(w + k, s, t, gidx(k, G), SH), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(dq_i8g_16(w + k + 16, s, t, gidx(k + 16, G), SH), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(dq_i8g_16(w + k + 32, s, t, gidx(k + 32, G), SH), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(dq_i8g_16(w + k + 48, s, t, gidx(k + 48, G), SH), _mm512_loadu_ps(x + k + 48), a3);
     }
-    for (; k + 16 <= K; k += 16)
-        a0 = _mm512_fmadd_ps(_mm512_mul_ps(widen_i8_16(w + k), _mm512_set1_ps(s[gidx(k, G)])), _mm512_loadu_ps(x + k), a0);
+    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(dq_i8g_16(w + k, s, t, gidx(k, G), SH), _mm512_loadu_ps(x + k), a0);
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #else
-static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const float *s, int64_t G) {
+KV_ALWAYS_INLINE float i8g_m1_body(const float *x, int64_t K, const int8_t *w, const float *s, const float *t,
+                                   int64_t G, int SH) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
+    for (int64_t k = 0; k + 32 <= K; k += 32) {
         _mm_prefetch((const char *)(w + k) + 4096, _MM_HINT_T0);
-        const __m256 sv = _mm256_set1_ps(s[gidx(k, G)]);   /* G is a multiple of 32 */
-        a0 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k), sv), _mm256_loadu_ps(x + k), a0);
-        a1 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k + 8), sv), _mm256_loadu_ps(x + k + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k + 16), sv), _mm256_loadu_ps(x + k + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_mul_ps(widen_i8(w + k + 24), sv), _mm256_loadu_ps(x + k + 24), a3);
+        if (G % 32 == 0) {   /* one group for the block: its scale (and shift) looked up once */
+            const int64_t g = gidx(k, G);
+            a0 = _mm256_fmadd_ps(dq_i8g_8(w + k, s, t, g, SH), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(dq_i8g_8(w + k + 8, s, t, g, SH), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(dq_i8g_8(w + k + 16, s, t, g, SH), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(dq_i8g_8(w + k + 24, s, t, g, SH), _mm256_loadu_ps(x + k + 24), a3);
+        } else {
+            a0 = _mm256_fmadd_ps(dq_i8g_8(w + k, s, t, gidx(k, G), SH), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(dq_i8g_8(w + k + 8, s, t, gidx(k + 8, G), SH), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(dq_i8g_8(w + k + 16, s, t, gidx(k + 16, G), SH), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(dq_i8g_8(w + k + 24, s, t, gidx(k + 24, G), SH), _mm256_loadu_ps(x + k + 24), a3);
+        }
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 #endif
+static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const float *s, const float *t, int64_t G) {
+    return t ? i8g_m1_body(x, K, w, s, t, G, 1) : i8g_m1_body(x, K, w, s, t, G, 0);
+}
 
 /* Rows of x up to which kv_matrix_rows widens weights in registers (few_rows); above, into a buffer
  * for the tiles (canon_tile). Measured on a Xeon with AMX: at 8 rows the register form was 13 %
@@ -210,12 +234,12 @@ static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const flo
 
 /* A linear layer's weights in one of the formats above. */
 typedef struct {
-    int64_t fmt;            /* KV_FP32, KV_INT8, KV_INT4 or KV_BF16 */
+    int64_t fmt;            /* KV_FP32, KV_INT8, KV_INT4, KV_BF16 or KV_INT8G */
     int64_t N, K;
     const void *w;          /* float [N, K] / int8 [N, K] / uint8 [N, K/2] / uint16 (bf16) [N, K] */
-    const float *scale;     /* int8: [N]; int4: [N, K/G]; fp32: NULL */
-    const float *shift;     /* int4: [N, K/G]; else NULL */
-    int64_t group;          /* int4 group size G */
+    const float *scale;     /* int8: [N]; int4, int8g: [N, K/G]; fp32, bf16: NULL */
+    const float *shift;     /* int4: [N, K/G]; int8g: [N, K/G] or NULL; else NULL */
+    int64_t group;          /* int4 / int8g group size G */
     const float *bias;      /* [N] or NULL */
 } kv_matrix;
 
@@ -232,6 +256,7 @@ static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
                         : (m->fmt == KV_INT8 || m->fmt == KV_INT8G) ? K : K / 2;
     prefetch_span((const char *)m->w + n * row, count * row);
     if (m->fmt == KV_INT8G) prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
+    if (m->fmt == KV_INT8G && m->shift) prefetch_span(m->shift + n * (K / m->group), count * (K / m->group) * 4);
     if (m->fmt == KV_INT4) {
         prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
         prefetch_span(m->shift + n * (K / m->group), count * (K / m->group) * 4);
@@ -400,23 +425,23 @@ enum { KV_FEW_I4_CHUNK = 6 };
 enum { KV_FEW_I4_CHUNK = 4 };
 #endif
 
-/* Grouped int8 (i8g_m1's order): each weight block widened and scaled once for all R rows. */
+/* Grouped int8 (i8g_m1's order): each weight block dequantized once for all R rows. */
 #ifdef __AVX512F__
 #define KV_DEFINE_FEW_I8G(R)                                                                            \
-    static inline void i8g_few_r##R(const int8_t *w, const float *s, int64_t G, const float *x, int64_t ldx, \
-                                    int64_t K, float *out) {                                            \
+    KV_ALWAYS_INLINE void i8g_few_body_r##R(const int8_t *w, const float *s, const float *t, int64_t G,  \
+                                            const float *x, int64_t ldx, int64_t K, float *out, int SH) { \
         __m512 a[R][4];                                                                                 \
         for (int r = 0; r < R; r++)                                                                     \
             for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();                                  \
         int64_t k = 0;                                                                                  \
         for (; k + 64 <= K; k += 64)                                                                    \
             for (int c = 0; c < 4; c++) {                                                               \
-                const __m512 wc = _mm512_mul_ps(widen_i8_16(w + k + 16 * c), _mm512_set1_ps(s[gidx(k + 16 * c, G)])); \
+                const __m512 wc = dq_i8g_16(w + k + 16 * c, s, t, gidx(k + 16 * c, G), SH);             \
                 for (int r = 0; r < R; r++)                                                             \
                     a[r][c] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x + r * ldx + k + 16 * c), a[r][c]);  \
             }                                                                                           \
         for (; k + 16 <= K; k += 16) {                                                                  \
-            const __m512 wc = _mm512_mul_ps(widen_i8_16(w + k), _mm512_set1_ps(s[gidx(k, G)]));         \
+            const __m512 wc = dq_i8g_16(w + k, s, t, gidx(k, G), SH);                                   \
             for (int r = 0; r < R; r++) a[r][0] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x + r * ldx + k), a[r][0]); \
         }                                                                                               \
         for (int r = 0; r < R; r++)                                                                     \
@@ -425,24 +450,29 @@ enum { KV_FEW_I4_CHUNK = 4 };
     }
 #else
 #define KV_DEFINE_FEW_I8G(R)                                                                            \
-    static inline void i8g_few_r##R(const int8_t *w, const float *s, int64_t G, const float *x, int64_t ldx, \
-                                    int64_t K, float *out) {                                            \
+    KV_ALWAYS_INLINE void i8g_few_body_r##R(const int8_t *w, const float *s, const float *t, int64_t G,  \
+                                            const float *x, int64_t ldx, int64_t K, float *out, int SH) { \
         __m256 a[R][4];                                                                                 \
         for (int r = 0; r < R; r++)                                                                     \
             for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();                                  \
-        for (int64_t k = 0; k + 32 <= K; k += 32) {                                                     \
-            const __m256 sv = _mm256_set1_ps(s[gidx(k, G)]);                                            \
+        for (int64_t k = 0; k + 32 <= K; k += 32)                                                       \
             for (int c = 0; c < 4; c++) {                                                               \
-                const __m256 wc = _mm256_mul_ps(widen_i8(w + k + 8 * c), sv);                           \
+                const __m256 wc = dq_i8g_8(w + k + 8 * c, s, t, gidx(k + 8 * c, G), SH);                \
                 for (int r = 0; r < R; r++)                                                             \
                     a[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x + r * ldx + k + 8 * c), a[r][c]);   \
             }                                                                                           \
-        }                                                                                               \
         for (int r = 0; r < R; r++)                                                                     \
             out[r] = hsum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3]))); \
     }
 #endif
-KV_DEFINE_FEW_I8G(1) KV_DEFINE_FEW_I8G(2) KV_DEFINE_FEW_I8G(3) KV_DEFINE_FEW_I8G(4)
+#define KV_DEFINE_FEW_I8G_CALL(R)                                                                       \
+    KV_DEFINE_FEW_I8G(R)                                                                                \
+    static inline void i8g_few_r##R(const int8_t *w, const float *s, const float *t, int64_t G, const float *x, \
+                                    int64_t ldx, int64_t K, float *out) {                               \
+        if (t) i8g_few_body_r##R(w, s, t, G, x, ldx, K, out, 1);                                        \
+        else i8g_few_body_r##R(w, s, t, G, x, ldx, K, out, 0);                                          \
+    }
+KV_DEFINE_FEW_I8G_CALL(1) KV_DEFINE_FEW_I8G_CALL(2) KV_DEFINE_FEW_I8G_CALL(3) KV_DEFINE_FEW_I8G_CALL(4)
 
 #ifdef __AVX512F__
 #define KV_DEFINE_FEW16(NAME, T, LOAD, LOAD16, R)                                                       \
@@ -489,8 +519,9 @@ static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64
     case KV_FP32: f32_few_r##RC((const float *)m->w + n * K, x, ldx, K, out); break;                      \
     case KV_INT8: i8_few_r##RC((const int8_t *)m->w + n * K, x, ldx, K, out); break;                      \
     case KV_BF16: bf16_few_r##RC((const uint16_t *)m->w + n * K, x, ldx, K, out); break;                  \
-    case KV_INT8G: i8g_few_r##RC((const int8_t *)m->w + n * K, m->scale + n * (K / m->group), m->group, x,  \
-                                 ldx, K, out); break;                                                     \
+    case KV_INT8G: i8g_few_r##RC((const int8_t *)m->w + n * K, m->scale + n * (K / m->group),              \
+                                 m->shift ? m->shift + n * (K / m->group) : NULL, m->group, x, ldx, K, out); \
+        break;                                                                                            \
     default: i4_few_r##RC((const uint8_t *)m->w + n * (K / 2), m->scale + n * (K / m->group),             \
                           m->shift + n * (K / m->group), m->group, x, ldx, K, out);                       \
     }
@@ -531,8 +562,11 @@ static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) 
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_i8(w + k));
     } else if (m->fmt == KV_INT8G) {
         const int8_t *w = (const int8_t *)m->w + n * K;
-        const float *s = m->scale + n * (K / m->group);
-        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, _mm256_mul_ps(widen_i8(w + k), _mm256_set1_ps(s[gidx(k, m->group)])));
+        const float *s = m->scale + n * (K / m->group), *t = m->shift ? m->shift + n * (K / m->group) : NULL;
+        if (t)
+            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w + k, s, t, gidx(k, m->group), 1));
+        else
+            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w + k, s, t, gidx(k, m->group), 0));
     } else {
         const uint16_t *w = (const uint16_t *)m->w + n * K;
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_bf16(w + k));
@@ -573,7 +607,9 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
             for (; n < n1; n++) y[n - n0] = finish_dot(m, n, bf16_m1(x, K, w + n * K));
         } else if (m->fmt == KV_INT8G) {
             const int8_t *w = (const int8_t *)m->w;
-            for (; n < n1; n++) y[n - n0] = finish_dot(m, n, i8g_m1(x, K, w + n * K, m->scale + n * (K / G), G));
+            for (; n < n1; n++)
+                y[n - n0] = finish_dot(m, n, i8g_m1(x, K, w + n * K, m->scale + n * (K / G),
+                                                    m->shift ? m->shift + n * (K / G) : NULL, G));
         } else {
             const uint8_t *w = (const uint8_t *)m->w;
             const int64_t half = K / 2, ahead = 4096 / half + 1;

@@ -8,7 +8,8 @@
  *   x:    [M, K] float32, row-major, rows `ldx` floats apart
  *   y:    [M, N] float32, row-major, contiguous
  *   int8: w [N, K] int8, scale [N] float32 (symmetric, per channel)
- *   int8g: w [N, K] int8, scale [N, K / G] float32 (groups of G along K: a GGUF Q8_0 tensor)
+ *   int8g: w [N, K] int8, scale [N, K / G] float32, shift [N, K / G] float32 or NULL (groups of G, a
+ *          multiple of 16, along K; K a multiple of 32): GGUF Q8_0, Q6_K and Q5_K tensors
  *   int4: w [N, K/2] uint8 packed, scale and shift [N, K / G] float32 (shift = -zero_point * scale)
  *   bf16: w [N, K] bfloat16 (as uint16), no scale
  *   (the layouts and dequantization: cpu_gemv.h, whose helpers do the arithmetic)
@@ -52,8 +53,8 @@ void kv_woq_int4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const
 }
 
 void kv_woq_int8g_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N,
-                         const float *scale, int64_t G, const float *bias, float *y) {
-    kv_matrix m = {KV_INT8G, N, K, w, scale, NULL, G, bias};
+                         const float *scale, const float *shift, int64_t G, const float *bias, float *y) {
+    kv_matrix m = {KV_INT8G, N, K, w, scale, shift, G, bias};
     woq_linear(&m, x, M, ldx, y);
 }
 

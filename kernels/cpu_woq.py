@@ -250,18 +250,38 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
     return _as_input(y, x)
 
 
-def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, group_size: int,
-                           bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ (qdata * scale.repeat_interleave(G, 1)).T + bias`` for grouped int8 weights (``qdata [N,
-    K]`` int8, ``scale [N, K/G]`` float32, G a multiple of 32: a GGUF Q8_0 tensor's layout), each
-    weight multiplied by its scale in float32 before the sum; unchecked (see
-    :func:`int8_linear_unchecked`)."""
+def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None,
+                           group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for grouped int8 weights, ``W = qdata * scale (+ shift)`` per group of
+    ``group_size`` along K (``qdata [N, K]`` int8, ``scale`` and ``shift [N, K/G]`` float32, ``shift``
+    None for none; G a multiple of 16, K of 32: GGUF Q8_0, Q6_K and Q5_K tensors' layouts), each
+    weight multiplied (then shifted) in float32 before the sum; unchecked (see
+    :func:`int8_linear_unchecked`; :func:`check_int8g` checks)."""
     N, K = qdata.shape
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
     _lib_or_raise().kv_woq_int8g_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
-                                        group_size, _ptr(bias), y.data_ptr())
+                                        _ptr(shift), group_size, _ptr(bias), y.data_ptr())
     return _as_input(y, x)
+
+
+def check_int8g(qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, group_size: int,
+                bias: torch.Tensor | None) -> None:
+    """ValueError unless ``qdata``, ``scale``, ``shift`` and ``bias`` are a valid grouped int8
+    layer for :func:`int8g_linear_unchecked`."""
+    if qdata.dim() != 2 or qdata.dtype != torch.int8 or not qdata.is_contiguous() or qdata.device.type != "cpu":
+        raise ValueError(f"int8g weight must be a contiguous 2-D CPU int8 tensor, got {qdata.dtype} "
+                         f"{tuple(qdata.shape)}")
+    N, K = qdata.shape
+    if group_size <= 0 or group_size % 16 or K % group_size or K % 32:
+        raise ValueError(f"int8g group size {group_size} must be a multiple of 16 dividing K={K} (K a multiple "
+                         f"of 32)")
+    for name, t in (("scale", scale), ("shift", shift)):
+        if (t is not None or name == "scale") and (t is None or t.shape != (N, K // group_size)
+                                                   or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"int8g {name} must be contiguous float32 [{N}, {K // group_size}]")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous float32 [{N}]")
 
 
 def int4_linear_unchecked(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,

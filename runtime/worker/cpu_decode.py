@@ -119,7 +119,7 @@ def _linear(module: torch.nn.Module) -> Linear | None:
     if isinstance(module, Int4Linear):
         return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
     if isinstance(module, Int8GroupLinear):
-        return Linear("int8g", module.weight, module.qscale, group=module.group_size, bias=module.bias32)
+        return Linear("int8g", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
     if type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter:
         w = module.weight.detach()
         bias = module.bias.detach().float().contiguous() if module.bias is not None else None
@@ -137,8 +137,10 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
         return None
     fmt, group = parts[0].fmt, parts[0].group
     w = torch.cat([p.w for p in parts])
-    scale = torch.cat([p.scale for p in parts]) if fmt in ("int8", "int4") else None
-    shift = torch.cat([p.shift for p in parts]) if fmt == "int4" else None
+    scale = torch.cat([p.scale for p in parts]) if fmt in ("int8", "int4", "int8g") else None
+    shift = None
+    if fmt == "int4" or (fmt == "int8g" and any(p.shift is not None for p in parts)):
+        shift = torch.cat([p.shift if p.shift is not None else torch.zeros_like(p.scale) for p in parts])
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.shape[0]) for p in parts])
@@ -151,7 +153,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             module.weight = w[start:end]
         else:
             module.weight, module.qscale = w[start:end], scale[start:end]
-            if fmt == "int4":
+            if shift is not None:
                 module.qshift = shift[start:end]
         start = end
     return Linear(fmt, w, scale, shift, group, bias)

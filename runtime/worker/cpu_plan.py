@@ -17,11 +17,11 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   requests at once ran 89.8 tok/s in both. In float32 a seeded request also kept its text beside
   other requests where bf16 on that CPU did not (tests/test_determinism.py). Weights: the quantization
   if given; else the checkpoint's own when they are smaller and the kernels run them (a GGUF file's
-  Q4_1 blocks on the int4 kernels, :mod:`kvfleet.runtime.worker.gguf_weights`; a bf16 checkpoint's
+  tensors as stored, :mod:`kvfleet.runtime.worker.gguf_model`; a bf16 checkpoint's
   bf16 weights, on every CPU: lossless); else bf16 on a CPU with native bf16 where
   :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected (half the bytes per decode
-  token; prefill in oneDNN's native bf16); else float32. With quantized weights (the GGUF Q4_1
-  blocks, or ``--quantization``) on a CPU with native bf16, prefill (steps over 32 rows) runs
+  token; prefill in oneDNN's native bf16); else float32. With quantized weights (a GGUF file's
+  tensors, or ``--quantization``) on a CPU with native bf16, prefill (steps over 32 rows) runs
   oneDNN's bf16 matmul on the weights dequantized to bf16 (``native_bf16_prefill``; the rounding
   is far below the quantization's error); decode keeps the float32 C kernels.
 - **bf16 matmuls** (``matmul``): wherever the fused decoder is expected with quantized or bf16
@@ -101,8 +101,11 @@ class CpuPlan:
         native_bf16_prefill: prefill matmuls run in bf16 on native bf16 hardware (AVX512-BF16 or
             AMX): bf16 weights or activations on a CPU with :attr:`CpuFeatures.native_bf16`.
         reason: why, in one sentence.
-        gguf_q4_1: the loader swaps the float32 linear layers for the GGUF file's own Q4_1 blocks
-            on the int4 kernels (:mod:`kvfleet.runtime.worker.gguf_weights`; ``weights`` is ``int4``).
+        gguf_stored: the loader reads the GGUF file's tensors as stored into the kernels' formats
+            (:mod:`kvfleet.runtime.worker.gguf_model`; ``weights`` is ``gguf``).
+        packed_int4: the checkpoint's AWQ / GPTQ / compressed-tensors weights are repacked at load onto
+            the int4 (int8 for W8A8) kernels (:mod:`kvfleet.runtime.worker.packed_checkpoints`;
+            ``weights`` is ``packed``).
         matmul: the fused decoder's matmul kernels (``kernels.cpu_decoder.MATMULS``): ``amx``
             (AMX tiles, ``kernels/cpu_amx.h``) on CPUs with AMX-BF16, ``avx512_bf16`` (``vdpbf16ps``
             dot products, ``kernels/cpu_dpbf16.h``) on CPUs with AVX512-BF16 and no AMX, with
@@ -117,7 +120,8 @@ class CpuPlan:
     fused_decoder: bool
     native_bf16_prefill: bool
     reason: str
-    gguf_q4_1: bool = False
+    gguf_stored: bool = False
+    packed_int4: bool = False
     matmul: str = "float32"
 
     @property
@@ -142,7 +146,7 @@ class CpuPlan:
         return "matmuls " + {"float32": "fp32", "bfloat16": "bf16 (emulated)", "float16": "fp16"}[self.dtype]
 
 
-CHECKPOINT_WEIGHTS = ("fp32", "bf16", "q4_1")
+CHECKPOINT_WEIGHTS = ("fp32", "bf16", "gguf", "packed")
 
 MATMUL_NAMES = MATMUL_KERNELS
 """Each matmul kernel of the fused decoder (:attr:`CpuPlan.matmul`) as the start-up lines name it
@@ -169,7 +173,8 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
         facts: what the process can run (:class:`CpuFacts`).
         bf16_weight_storage: override of :data:`BF16_WEIGHT_STORAGE` (tests).
         checkpoint_weights: how the checkpoint stores its linear weights: ``fp32`` (or fp16),
-            ``bf16`` (``torch_dtype`` bfloat16), ``q4_1`` (a GGUF file's Q4_1 blocks).
+            ``bf16`` (``torch_dtype`` bfloat16), ``gguf`` (a GGUF file kvfleet's reader takes),
+            ``packed`` (an AWQ / GPTQ / compressed-tensors 4-bit checkpoint).
         batch_invariant: ``--batch-invariant`` (the default): no native bf16 prefill on the
             float32-activation paths (its matmuls round differently with the step's row count);
             False: native bf16 prefill of quantized and bf16 weights where the CPU has it.
@@ -190,18 +195,24 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     # The fused decoder reads float32 activations and fp32 / kvfleet int8 / int4 (/ bf16) weights.
     fused_possible = kernels and facts.fused_decoder and single and (quantization is None or facts.woq_kernels)
     why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
-    native_q4_1 = checkpoint_weights == "q4_1" and facts.woq_kernels
+    native_gguf = checkpoint_weights == "gguf" and facts.woq_kernels
     # bf16 matmuls where the CPU has them natively (the best kernel of its ISA level)
     bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and dtype != "float32" \
         else "float32"
-    if dtype == "auto" and quantization is None and fused_possible and native_q4_1:
+    if dtype in ("auto", "float32") and quantization is None and checkpoint_weights == "packed":
+        return CpuPlan("float32", "packed", False, fused_possible, False,
+                       f"dtype {dtype}: the checkpoint's quantized weights (AWQ / GPTQ / compressed-tensors) "
+                       "repacked at load onto kvfleet's int4 / int8 kernels, float32 activations"
+                       + ("" if fused_possible else f" (the fused decoder is off: {why_not_fused})"),
+                       packed_int4=True)
+    if dtype == "auto" and quantization is None and fused_possible and native_gguf:
         bf16_prefill = features.native_bf16 and not batch_invariant
-        return CpuPlan("float32", "int4", False, True, bf16_prefill,
-                       "dtype auto: the GGUF file's own Q4_1 weights on kvfleet's int4 kernels (as stored, not "
-                       "re-quantized: a quarter of float32's bytes per decode token), float32 activations"
+        return CpuPlan("float32", "gguf", False, True, bf16_prefill,
+                       "dtype auto: the GGUF file's weights as stored on kvfleet's kernels (Q4_0/Q4_1/Q4_K as int4, "
+                       "Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as grouped int8: not re-quantized, not widened), float32 activations"
                        + (_bf16_matmuls(bf16_kernel) if bf16_kernel != "float32" else
                           _BF16_PREFILL if bf16_prefill else _INVARIANT if features.native_bf16 else ""),
-                       gguf_q4_1=True, matmul=bf16_kernel)
+                       gguf_stored=True, matmul=bf16_kernel)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
                                          and fused_possible):

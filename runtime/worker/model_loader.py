@@ -164,14 +164,17 @@ def gguf_source(model: str | None) -> Path | None:
 
 
 def checkpoint_weights(model: str | None, hf_config, cache_root: Path | None = None) -> str:
-    """How the checkpoint stores its linear weights (:data:`cpu_plan.CHECKPOINT_WEIGHTS`): ``q4_1`` for a
-    Llama-family GGUF file with Q4_1 linear weights, ``bf16`` for a checkpoint whose ``torch_dtype`` is
-    bfloat16, else ``fp32``."""
+    """How the checkpoint stores its linear weights (:data:`cpu_plan.CHECKPOINT_WEIGHTS`): ``gguf`` for a
+    GGUF file of an architecture kvfleet's reader takes (:data:`kvfleet.runtime.worker.gguf_model.LINEAR_SAFE`,
+    read from the file's head), ``bf16`` for a checkpoint whose ``torch_dtype`` is bfloat16, else ``fp32``.
+
+    Raises:
+        kvfleet.runtime.worker.gguf_model.GgufError: a ``.gguf`` file that is not a readable GGUF file."""
     gguf = gguf_source(model)
     if gguf is not None:
-        from kvfleet.runtime.worker import gguf_weights
+        from kvfleet.runtime.worker import gguf_model
 
-        return "q4_1" if gguf_weights.has_q4_1_layers(gguf, gguf_cache_path(gguf, cache_root)) else "fp32"
+        return "gguf" if gguf_model.read_architecture(gguf) in gguf_model.LINEAR_SAFE else "fp32"
     declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     return "bf16" if str(declared).removeprefix("torch.") == "bfloat16" else "fp32"
 
@@ -223,6 +226,14 @@ def gguf_cache_path(gguf_file: Path, root: Path | None = None) -> Path:
     return root / "gguf" / f"{gguf_file.stem}-{file_fingerprint(gguf_file)}"
 
 
+def gguf_stored_path(gguf_file: Path, root: Path | None = None) -> Path:
+    """Folder that holds (or will hold) what kvfleet's GGUF reader derives from ``gguf_file``: its
+    config, tokenizer and tensors repacked as stored (:mod:`kvfleet.runtime.worker.gguf_model`).
+    Beside the converted float32 checkpoints, not among them: it is no Hugging Face checkpoint."""
+    root = cache_dir() if root is None else root
+    return root / "gguf-stored" / f"{gguf_file.stem}-{file_fingerprint(gguf_file)}"
+
+
 def _is_complete_checkpoint(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
@@ -240,10 +251,17 @@ def convert_gguf(gguf_file: Path, target: Path) -> Path:
 
     t0 = time.monotonic()
     logger.info("converting %s (GGUF dequantization, once; cached at %s)", gguf_file, target)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    from kvfleet.runtime.worker.gguf_model import GgufError, read_architecture
+
+    arch = read_architecture(gguf_file)  # a bad file is one clear line, before transformers' parse
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except (ValueError, KeyError, NotImplementedError) as exc:  # e.g. an architecture transformers does not map
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GgufError(f"{gguf_file}: architecture {arch!r}: transformers cannot load it ({reason})") from None
     # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not
     # serializable") until the quantizer and its config entry are gone; the weights are
     # already dequantized to plain fp32 tensors.
@@ -368,15 +386,18 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvfleet.runtime.worker.attention import check_attention_support
-    from kvfleet.runtime.worker.quantization import (
-        check_quantization,
-        decode_weight_bytes,
-        quantize_model,
-        weight_bytes,
-    )
+    from kvfleet.runtime.worker.quantization import check_quantization, quantize_model
 
     t0 = time.monotonic()
     dev = resolve_device(device)
+    asked = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    gguf = gguf_source(model) if dev.type == "cpu" and asked == "auto" and not quantization else None
+    if gguf is not None:
+        plan = resolve_cpu_plan(asked, None, tensor_parallel_size, checkpoint_weights(model, None, cache_root),
+                                batch_invariant)
+        if plan.gguf_stored:  # the file's tensors as stored, never a float32 copy (gguf_model)
+            logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
+            return _load_gguf_stored(gguf, model, tokenizer, cache_root, plan, t0)
     path, name = resolve_model_path(model, cache_root)
     try:
         hf_config = AutoConfig.from_pretrained(path)
@@ -385,11 +406,17 @@ def load_model(
             raise
         raise ModelLoadError(UNSUPPORTED_ARCHITECTURE, name, str(exc).split("\n")[0]) from exc
     check_attention_support(hf_config)
+    from kvfleet.runtime.worker import packed_checkpoints
+
+    if packed_checkpoints.method_of(hf_config, path) is not None:  # AWQ / GPTQ / compressed-tensors
+        return _load_packed(path, name, hf_config, tokenizer, dev, asked, quantization, tensor_parallel_size,
+                            batch_invariant, t0)
     plan = None
     if dev.type == "cpu":
-        asked = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         native = asked == "auto" and not quantization
         checkpoint = checkpoint_weights(model, hf_config, cache_root) if native else "fp32"
+        if checkpoint == "gguf":  # the reader's plan was not taken (tensor parallelism, no kernels): converted
+            checkpoint = "fp32"
         plan = resolve_cpu_plan(asked, quantization, tensor_parallel_size, checkpoint, batch_invariant)
         torch_dtype = _DTYPES[plan.dtype]
         logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
@@ -416,16 +443,6 @@ def load_model(
             logger.info("mixture of experts: each expert's fused weights as linear layers (views, no copy)")
     if quantization is not None:
         quantize_model(hf_model, quantization)
-    if plan is not None and plan.gguf_q4_1:
-        from kvfleet.runtime.worker.gguf_weights import use_q4_1_weights
-
-        gguf = gguf_source(model)
-        replaced = use_q4_1_weights(hf_model, gguf, gguf_cache_path(gguf, cache_root))
-        logger.info("GGUF Q4_1 weights kept as stored: %d linear layers on the int4 kernels", replaced)
-        from kvfleet.runtime.worker.woq_linear import exact_int8_head
-
-        if exact_int8_head(hf_model):  # the file's Q8_0 output tensor, as stored: the same logits
-            logger.info("GGUF LM head kept as stored: grouped int8 (Q8_0), a quarter of float32's bytes")
     if plan is not None and plan.bf16_weights:  # cpu_plan.BF16_WEIGHT_STORAGE: bf16 storage, float32 compute
         from kvfleet.runtime.worker.woq_linear import to_bf16_weights
 
@@ -435,6 +452,53 @@ def load_model(
 
         set_bf16_prefill(hf_model, plan.native_bf16_prefill)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)
+    return _finish(hf_model, tok, name, path, dev, torch_dtype, t0, quantization, plan)
+
+
+def _load_gguf_stored(gguf: Path, model: str | None, tokenizer: str | None, cache_root: Path | None, plan: CpuPlan,
+                      t0: float) -> LoadedModel:
+    """A GGUF file through kvfleet's reader (:mod:`kvfleet.runtime.worker.gguf_model`), its tensors as
+    stored, the derived files cached under :func:`gguf_stored_path`."""
+    from transformers import AutoTokenizer
+
+    from kvfleet.runtime.worker import gguf_model
+    from kvfleet.runtime.worker.attention import check_attention_support
+    from kvfleet.runtime.worker.woq_linear import set_bf16_prefill
+
+    hf_model, tok = gguf_model.load(gguf, gguf_stored_path(gguf, cache_root), _initial_attn_implementation)
+    check_attention_support(hf_model.config)
+    set_bf16_prefill(hf_model, plan.native_bf16_prefill)
+    if tokenizer:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    name = DEFAULT_MODEL_NAME if model is None else Path(model).stem
+    return _finish(hf_model, tok, name, str(gguf), torch.device("cpu"), torch.float32, t0, None, plan)
+
+
+def _load_packed(path: str, name: str, hf_config, tokenizer: str | None, dev: torch.device, asked: str,
+                 quantization: str | None, tensor_parallel_size: int, batch_invariant: bool, t0: float) -> LoadedModel:
+    """A 4-bit AWQ / GPTQ / compressed-tensors checkpoint repacked onto the int4 kernels
+    (:mod:`kvfleet.runtime.worker.packed_checkpoints`): on the CPU, float32 activations, one process."""
+    from transformers import AutoTokenizer
+
+    from kvfleet.runtime.worker import packed_checkpoints
+
+    method = packed_checkpoints.method_of(hf_config, path)
+    if dev.type != "cpu" or quantization or asked not in ("auto", "float32") or tensor_parallel_size != 1:
+        raise packed_checkpoints.PackedError(
+            f"{path}: a {method} checkpoint runs on the CPU with --dtype auto or float32, no --quantization and "
+            f"one process (asked: device {dev.type}, dtype {asked}, quantization {quantization}, "
+            f"tensor_parallel_size {tensor_parallel_size})")
+    plan = resolve_cpu_plan(asked, None, 1, "packed", batch_invariant)
+    logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
+    hf_model = packed_checkpoints.load(Path(path), hf_config, _initial_attn_implementation)
+    tok = AutoTokenizer.from_pretrained(tokenizer or path)
+    return _finish(hf_model, tok, name, path, dev, torch.float32, t0, None, plan)
+
+
+def _finish(hf_model, tok, name: str, path: str, dev: torch.device, torch_dtype: torch.dtype, t0: float,
+            quantization: str | None, plan: CpuPlan | None) -> LoadedModel:
+    from kvfleet.runtime.worker.quantization import decode_weight_bytes, weight_bytes
+
     elapsed = time.monotonic() - t0
     nbytes = weight_bytes(hf_model)
     logger.info("loaded %s (%s, %s, %s%s, weights %.1f MiB) in %.1f s", name, path, torch_dtype, dev,

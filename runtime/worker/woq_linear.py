@@ -151,6 +151,9 @@ class Int4Linear(torch.nn.Linear):
         if torch.compiler.is_compiling():
             return torch.ops.kvfleet.woq_int4_linear(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                      self.bias32)
+        if not cpu_woq.available():  # the torch fallback: the same float32 weights
+            y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
+            return y if self.bias32 is None else y + self.bias32.to(x.dtype)
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
@@ -168,10 +171,41 @@ class Int4Linear(torch.nn.Linear):
 
 class Int8GroupLinear(torch.nn.Linear):
     """``nn.Linear`` over grouped int8 weights: ``weight [N, K]`` int8, ``qscale [N, K/G]`` float32,
-    ``W = weight * qscale`` per group of ``group_size`` along K (a GGUF Q8_0 tensor's layout,
-    G = 32), ``bias32 [N]`` or None. :meth:`from_exact` builds one only where that factorization of
-    a float32 weight is exact, so it computes with the very weights it replaces, in a quarter of
-    the bytes (the default GGUF model's LM head: :func:`exact_int8_head`)."""
+    ``qshift [N, K/G]`` float32 or None, ``W = weight * qscale (+ qshift)`` per group of
+    ``group_size`` (a multiple of 16) along K, multiplied then added in float32 (GGUF Q8_0: G 32;
+    Q6_K: G 16; Q5_K: G 32 with a shift -- each bit for bit as ``gguf`` dequantizes it),
+    ``bias32 [N]`` or None. :meth:`from_blocks` takes weights already in the layout
+    (:mod:`kvfleet.runtime.worker.gguf_tensors`); :meth:`from_exact` builds one from a float32 weight
+    only where that factorization is exact (the same weights in a quarter of the bytes)."""
+
+    @classmethod
+    def from_blocks(cls, linear: torch.nn.Linear | tuple[int, int], q: torch.Tensor, scale: torch.Tensor,
+                    shift: torch.Tensor | None, group_size: int,
+                    bias: torch.Tensor | None = None) -> Int8GroupLinear:
+        """From ``q [N, K]`` int8, ``scale`` / ``shift [N, K/G]`` (``shift`` None: none);
+        ``linear`` gives the features and bias, or is ``(in_features, out_features)`` with
+        ``bias``. Raises ValueError on a bad layout (:func:`kvfleet.kernels.cpu_woq.check_int8g`)."""
+        if isinstance(linear, tuple):
+            new = cls.__new__(cls)
+            torch.nn.Module.__init__(new)
+            new.in_features, new.out_features = linear
+        else:
+            new = _shell(cls, linear)
+            bias = None if linear.bias is None else linear.bias.detach()
+        q = q.contiguous()
+        scale = scale.float().contiguous()
+        shift = None if shift is None else shift.float().contiguous()
+        bias32 = None if bias is None else bias.float().contiguous()
+        cpu_woq.check_int8g(q, scale, shift, group_size, bias32)
+        if q.shape != (new.out_features, new.in_features):
+            raise ValueError(f"int8g weight is {tuple(q.shape)}, the layer {(new.out_features, new.in_features)}")
+        new.group_size = group_size
+        new.register_buffer("weight", q, persistent=False)
+        new.register_buffer("qscale", scale, persistent=False)
+        new.register_buffer("qshift", shift, persistent=False)
+        new.register_buffer("bias32", bias32, persistent=False)
+        new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        return new
 
     @classmethod
     def from_exact(cls, linear: torch.nn.Linear, group_size: int = 32) -> Int8GroupLinear | None:
@@ -180,7 +214,7 @@ class Int8GroupLinear(torch.nn.Linear):
         back the weight bit for bit."""
         w = linear.weight.detach()
         N, K = w.shape
-        if w.dtype != torch.float32 or K % group_size or group_size % 32:
+        if w.dtype != torch.float32 or K % group_size or group_size % 16 or K % 32:
             return None
         g = w.reshape(N, K // group_size, group_size)
         scale = g.abs().amax(-1) / 127
@@ -190,18 +224,13 @@ class Int8GroupLinear(torch.nn.Linear):
         q8 = q.to(torch.int8)
         if not torch.equal(q8.float() * scale[..., None], g):
             return None
-        new = _shell(cls, linear)
-        new.group_size = group_size
-        new.register_buffer("weight", q8.reshape(N, K).contiguous(), persistent=False)
-        new.register_buffer("qscale", scale.float().contiguous(), persistent=False)
-        bias = linear.bias
-        new.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous(), persistent=False)
-        new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
-        return new
+        return cls.from_blocks(linear, q8.reshape(N, K), scale, None, group_size)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight ``[N, K]`` (the one it was built from)."""
-        return self.weight.float() * self.qscale.repeat_interleave(self.group_size, 1)
+        """The float32 weight ``[N, K]``: ``q * scale``, then ``+ shift``, each rounded in float32
+        (the kernels' arithmetic, and gguf's)."""
+        w = self.weight.float() * self.qscale.repeat_interleave(self.group_size, 1)
+        return w if self.qshift is None else w + self.qshift.repeat_interleave(self.group_size, 1)
 
     KERNEL_ROWS = 256
     """Rows up to which the C kernel runs (an LM head's rows: one per sequence; measured on a Xeon
@@ -209,29 +238,12 @@ class Int8GroupLinear(torch.nn.Linear):
     100 against ~60 at 256); more (prompt logprobs of long prompts) widen the weight for torch."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.KERNEL_ROWS * self.in_features:
-            return cpu_woq.int8g_linear_unchecked(x, self.weight, self.qscale, self.group_size, self.bias32)
+        if x.numel() <= self.KERNEL_ROWS * self.in_features and cpu_woq.available():
+            return cpu_woq.int8g_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
+                                                  self.bias32)
+        # the torch fallback (many rows, or no C kernels here): the same float32 weights
         y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
-
-
-def exact_int8_head(model: torch.nn.Module) -> bool:
-    """Swap ``model``'s float32 LM head for an :class:`Int8GroupLinear` (untied: the input
-    embedding keeps its float32 table for the lookups) when its weight is exactly grouped int8 --
-    a GGUF file's Q8_0 output tensor dequantized by transformers is. Decode reads 4x fewer bytes
-    for the same logits (bit for bit in the fused decoder: the same weights, summed in the same
-    order). Returns whether it did."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or not cpu_woq.available():
-        return False
-    new = Int8GroupLinear.from_exact(head)
-    if new is None:
-        return False
-    name = next(n for n, m in model.named_modules() if m is head)
-    _replace(model, name, new)
-    if getattr(model.config, "tie_word_embeddings", False):
-        model.config.tie_word_embeddings = False
-    return True
 
 
 class Bf16Linear(torch.nn.Linear):

@@ -51,6 +51,20 @@ def _linear(fmt: str, n: int, k: int, gen: torch.Generator, bias: bool = False) 
         scale = (w.view(n, k // G, G).abs().amax(-1) / 127).contiguous()
         q = torch.round(w / scale.repeat_interleave(G, 1)).clamp(-127, 127).to(torch.int8)
         return Linear("int8g", q, scale, group=G, bias=b), q.double() * scale.double().repeat_interleave(G, 1)
+    if fmt in ("int8g16", "int8g32s"):  # Q6_K's layout (G 16, q in -32..31), Q5_K's (G 32, q in 0..31, a shift)
+        G = 16 if fmt == "int8g16" else 32
+        g = w.view(n, k // G, G)
+        if G == 16:  # symmetric, 6 bits
+            scale, shift = (g.abs().amax(-1) / 31).contiguous(), None
+            q = torch.round(g / scale[..., None]).clamp(-32, 31)
+        else:  # asymmetric, 5 bits: w = q * scale + min
+            lo = g.amin(-1)
+            scale, shift = ((g.amax(-1) - lo) / 31).contiguous(), lo.contiguous()
+            q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 31)
+        q = q.view(n, k).to(torch.int8)
+        deq = q.float() * scale.repeat_interleave(G, 1)  # the format's float32 arithmetic
+        deq = deq if shift is None else deq + shift.repeat_interleave(G, 1)
+        return Linear("int8g", q, scale.contiguous(), shift, G, b), deq.double()
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, k // G, generator=gen) * 0.05
     shift = -8 * scale
@@ -141,7 +155,7 @@ def _inputs(M: int, seed: int = 1):
     return (torch.randn(M, H, generator=gen), angles.cos().float(), angles.sin().float(), slots, tables, lens)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int8g"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "int8g", "int8g16", "int8g32s"])
 @pytest.mark.parametrize("M", [1, 3, 9])
 def test_step_matches_the_float64_reference(fmt, M):
     weights, ref, head_ref = _model(fmt, bias=(fmt in ("fp32", "bf16")))
@@ -271,7 +285,8 @@ def test_bad_arguments_are_value_errors():
 
 
 @pytest.mark.parametrize("fmt,cache", [("fp32", torch.float32), ("bf16", torch.float32), ("int8", torch.float32),
-                                       ("int4", torch.float32), ("int8g", torch.float32), ("fp32", torch.bfloat16),
+                                       ("int4", torch.float32), ("int8g", torch.float32), ("int8g32s", torch.float32),
+                                       ("int8g16", torch.float32), ("fp32", torch.bfloat16),
                                        ("int8", torch.bfloat16)])
 def test_a_row_gives_the_same_bits_in_any_batch(fmt, cache):
     """Batch invariance: each row of a 5-row step equals the same row stepped alone, bit for bit
@@ -332,7 +347,7 @@ def _separate_rows(M: int, seed: int):
 
 
 @pytest.mark.parametrize("matmul", BF16_MATMULS)
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int8g"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "int8g", "int8g16"])
 @pytest.mark.parametrize("M", [1, 20])
 def test_bf16_matmul_step_matches_the_float64_reference(fmt, M, matmul):
     """On AMX tiles or AVX512-BF16 dot products (activations and dequantized weights rounded to
@@ -353,7 +368,7 @@ def test_bf16_matmul_step_matches_the_float64_reference(fmt, M, matmul):
 
 
 @pytest.mark.parametrize("matmul", BF16_MATMULS)
-@pytest.mark.parametrize("fmt", ["int4", "int8g"])
+@pytest.mark.parametrize("fmt", ["int4", "int8g", "int8g16", "int8g32s"])
 def test_bf16_matmul_rows_give_the_same_bits_in_any_batch(fmt, matmul):
     """Batch invariance of the bf16 matmuls: each row of a 20-row step (on tiles the wide path)
     equals the row stepped alone (the narrow path) and in a 5-row step, bit for bit."""

@@ -83,6 +83,13 @@ def test_each_variant_matches_float64(variant, rows, cache):
         lib.kv_woq_int8_linear(x.data_ptr(), rows, K, K, q8.data_ptr(), N, s8.data_ptr(), None, y.data_ptr())
         ref = x.double() @ (q8.double() * s8.double()[:, None]).T
         assert (y.double() - ref).abs().max() < 1e-6 * K ** 0.5 * ref.abs().max() + 1e-6
+        if K % 32 == 0:  # grouped int8: Q6_K's groups of 16, Q5_K's shift
+            s16, t16 = torch.rand(N, K // 16, generator=gen) * 0.02, torch.randn(N, K // 16, generator=gen) * 0.1
+            lib.kv_woq_int8g_linear(x.data_ptr(), rows, K, K, q8.data_ptr(), N, s16.data_ptr(), t16.data_ptr(), 16,
+                                    bias.data_ptr(), y.data_ptr())
+            deq = q8.float() * s16.repeat_interleave(16, 1) + t16.repeat_interleave(16, 1)
+            ref = x.double() @ deq.double().T + bias.double()
+            assert (y.double() - ref).abs().max() < 1e-6 * K ** 0.5 * ref.abs().max() + 1e-6
 
 
 @pytest.mark.skipif(_runs("avx2") is not None, reason=str(_runs("avx2")))
@@ -112,7 +119,7 @@ BF16_KERNELS = [pytest.param("amx", 1, marks=pytest.mark.skipif(_runs("amx") is 
 
 
 @pytest.mark.parametrize("variant,matmul", BF16_KERNELS)
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8g", "int4"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int8g", "int8g16", "int8g32s", "int4"])
 def test_bf16_kernel_matches_float64_and_each_row_is_alone(variant, matmul, fmt, cache):
     """cpu_amx.h (tiles) and cpu_dpbf16.h (vdpbf16ps): each kernel against float64 over the
     bf16-rounded activations and dequantized weights, and each row's bits alone equal to its bits
@@ -133,6 +140,14 @@ def test_bf16_kernel_matches_float64_and_each_row_is_alone(variant, matmul, fmt,
         s = (w.view(N, K // G, G).abs().amax(-1) / 127).contiguous()
         q = torch.round(w / s.repeat_interleave(G, 1)).to(torch.int8)
         m, deq = cpu_lib.Matrix(4, N, K, q.data_ptr(), s.data_ptr(), None, G, None), q.double() * s.double().repeat_interleave(G, 1)
+    elif fmt in ("int8g16", "int8g32s"):  # Q6_K's layout (G 16), Q5_K's (G 32 with a shift)
+        G = 16 if fmt == "int8g16" else 32
+        q = torch.randint(-32 if G == 16 else 0, 32, (N, K), generator=gen, dtype=torch.int8)
+        s = torch.rand(N, K // G, generator=gen) * 0.01
+        t = -torch.rand(N, K // G, generator=gen) * 0.2 if G == 32 else None
+        m = cpu_lib.Matrix(4, N, K, q.data_ptr(), s.data_ptr(), None if t is None else t.data_ptr(), G, None)
+        deq = q.float() * s.repeat_interleave(G, 1)
+        deq = (deq if t is None else deq + t.repeat_interleave(G, 1)).double()
     else:
         from kvfleet.kernels import cpu_woq
 

@@ -61,7 +61,9 @@ def test_each_row_gives_the_same_bits_in_any_batch(shape):
     if K % 32 == 0:
         q8 = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
         s8 = torch.rand(N, K // 32, generator=gen)
-        layers["int8g"] = lambda a: cpu_woq.int8g_linear_unchecked(a, q8, s8, 32, bias)
+        layers["int8g"] = lambda a: cpu_woq.int8g_linear_unchecked(a, q8, s8, None, 32, bias)
+        s16, t16 = torch.rand(N, K // 16, generator=gen), torch.randn(N, K // 16, generator=gen)
+        layers["int8g G16 + shift"] = lambda a: cpu_woq.int8g_linear_unchecked(a, q8, s16, t16, 16, bias)
         q4 = cpu_woq.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen))
         scale, shift = torch.rand(N, K // 32, generator=gen), torch.randn(N, K // 32, generator=gen)
         layers["int4"] = lambda a: cpu_woq.int4_linear(a, q4, scale, shift, 32, bias)
@@ -149,6 +151,40 @@ def test_grouped_int8_matches_float64_and_is_built_only_when_exact(rows):
     assert (layer(x).double() - ref).abs().max() < tol
     linear.weight.data[3, 5] += 1e-3  # no longer q * d: refused, never approximated
     assert Int8GroupLinear.from_exact(linear) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 40, 300])
+@pytest.mark.parametrize("group,shifted", [(16, False), (16, True), (32, True), (48, True), (64, False)])
+def test_grouped_int8_with_groups_of_16_and_shifts_matches_float64(rows, group, shifted):
+    """int8g's GGUF forms: Q6_K (G 16, q in -32..31), Q5_K (G 32, q in 0..31, a shift per group),
+    a group that is no power of two (48): the kernel (few rows, buffered rows) and the torch
+    fallback (more than KERNEL_ROWS rows) against float64 over the float32 dequantization
+    (q * scale, then + shift, each rounded in float32)."""
+    from kvfleet.runtime.worker.woq_linear import Int8GroupLinear
+
+    gen = torch.Generator().manual_seed(rows * group)
+    N, K = 72, 576
+    q = torch.randint(-32, 32, (N, K), generator=gen, dtype=torch.int8)
+    scale = torch.rand(N, K // group, generator=gen) * 0.02
+    shift = -torch.rand(N, K // group, generator=gen) * 0.3 if shifted else None
+    bias = torch.randn(N, generator=gen)
+    layer = Int8GroupLinear.from_blocks((K, N), q, scale, shift, group, bias)
+    deq = q.float() * scale.repeat_interleave(group, 1)
+    if shifted:
+        deq = deq + shift.repeat_interleave(group, 1)
+    assert torch.equal(layer.dequantized(), deq)
+    x = torch.randn(rows, K, generator=gen)
+    ref = x.double() @ deq.double().T + bias.double()
+    tol = 1e-6 * K ** 0.5 * ref.abs().max().item() + 1e-6
+    got = layer(x)
+    assert (got.double() - ref).abs().max() < tol
+    if rows <= Int8GroupLinear.KERNEL_ROWS:  # batch invariance: each row alone gives its bits
+        for i in {0, rows // 2, rows - 1}:
+            assert torch.equal(layer(x[i:i + 1]), got[i:i + 1])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int8GroupLinear.from_blocks((K, N), q, scale, shift, 8, bias)
+    with pytest.raises(ValueError, match="shift"):
+        Int8GroupLinear.from_blocks((K, N), q, scale, torch.zeros(N, 3), group, bias)
 
 
 def test_int4_dequantized_to_bf16_rounds_to_nearest_even_and_runs_prefill():

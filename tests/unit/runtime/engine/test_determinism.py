@@ -1,6 +1,6 @@
 """Reproducible in every dtype the CPU runs (issue 25), on the real default model: the same request
 with a ``seed`` (temperature > 0) gives the same text alone and beside 8 concurrent requests, and
-greedy outputs of a batch equal each prompt run alone -- in the default (the GGUF's Q4_1 weights,
+greedy outputs of a batch equal each prompt run alone -- in the default (the GGUF file's tensors as stored,
 ``--batch-invariant`` on), int8 / int4 weights (float32 activations, the plan's choice for
 ``--quantization`` alone), float32 and bfloat16; ``--no-batch-invariant`` keeps the seeded check
 (its native bf16 prefill can flip a greedy token: a strict xfail on such CPUs, unless the prefill
@@ -47,7 +47,7 @@ TARGET = "Tell me a story about a dragon."
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 VARIANTS = {  # name: (dtype, quantization, batch_invariant)
-    "default": ("auto", None, True),  # `kvfleet serve`: the GGUF's Q4_1 weights, --batch-invariant (on)
+    "default": ("auto", None, True),  # `kvfleet serve`: the GGUF's tensors as stored, --batch-invariant (on)
     "no-batch-invariant": ("auto", None, False),  # the same with native bf16 prefill where the CPU has it
     "float32": ("float32", None, True),
     "bfloat16": ("bfloat16", None, True),

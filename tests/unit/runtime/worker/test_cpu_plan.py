@@ -85,14 +85,14 @@ def test_auto_is_never_slower_than_another_measured_path(quant):
 
 def test_the_gguf_default_runs_bf16_matmuls_where_the_cpu_has_them():
     for machine, matmul in (("zen3", "float32"), ("zen4", "avx512_bf16"), ("spr", "amx")):
-        p = cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="q4_1")
-        assert p.gguf_q4_1 and p.matmul == matmul, machine
+        p = cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="gguf")
+        assert p.gguf_stored and p.matmul == matmul, machine
     assert cp.plan(cpu("spr"), "auto", facts=cp.CpuFacts(kernels=True, fused_decoder=False),
-                   checkpoint_weights="q4_1").matmul == "float32"
+                   checkpoint_weights="gguf").matmul == "float32"
     # the ISA level capped ($KVFLEET_CPU_ISA): the capped level's kernels
     assert cp.plan(cpu("spr").capped("avx512_bf16"), "auto", facts=KERNELS,
-                   checkpoint_weights="q4_1").matmul == "avx512_bf16"
-    assert cp.plan(cpu("spr").capped("avx512"), "auto", facts=KERNELS, checkpoint_weights="q4_1").matmul == "float32"
+                   checkpoint_weights="gguf").matmul == "avx512_bf16"
+    assert cp.plan(cpu("spr").capped("avx512"), "auto", facts=KERNELS, checkpoint_weights="gguf").matmul == "float32"
 
 
 @pytest.mark.parametrize("machine", list(MACHINES))
@@ -140,7 +140,7 @@ def test_batch_invariant_keeps_prefill_in_float32(machine):
     # --batch-invariant (the default): no native bf16 prefill on the float32-activation paths (the
     # default's Q4_1, --quantization alone, bf16 weight storage); --no-batch-invariant turns it on where
     # the CPU has native bf16. The weights and the fused decoder are the same either way.
-    for dtype, quant, checkpoint in (("auto", None, "q4_1"), ("auto", "int8", "fp32"), ("auto", "int4", "fp32"),
+    for dtype, quant, checkpoint in (("auto", None, "gguf"), ("auto", "int8", "fp32"), ("auto", "int4", "fp32"),
                                      ("auto", None, "fp32"), ("bfloat16", None, "fp32")):
         inv = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint)
         fast = cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights=checkpoint, batch_invariant=False)
@@ -155,23 +155,23 @@ def test_batch_invariant_keeps_prefill_in_float32(machine):
 
 @pytest.mark.parametrize("machine", list(MACHINES))
 def test_auto_keeps_a_checkpoints_own_smaller_weights(machine):
-    # A GGUF file's Q4_1 blocks run as stored on the int4 kernels; a bf16 checkpoint keeps bf16 weights
+    # A GGUF file's tensors run as stored on the kernels; a bf16 checkpoint keeps bf16 weights
     # (lossless) on every CPU, AVX2 included; asked-for dtypes and quantizations are not overridden.
-    q4 = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="q4_1")
-    assert (q4.dtype, q4.weights, q4.gguf_q4_1, q4.bf16_weights, q4.fused_decoder) == ("float32", "int4", True, False,
+    q4 = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="gguf")
+    assert (q4.dtype, q4.weights, q4.gguf_stored, q4.bf16_weights, q4.fused_decoder) == ("float32", "gguf", True, False,
                                                                                       True)
-    assert "Q4_1" in q4.reason
-    # --no-batch-invariant: prefill in native bf16 where the CPU has it (below Q4_1's own error); decode float32
-    fast = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="q4_1", batch_invariant=False)
+    assert "as stored" in q4.reason and "Q4_K" in q4.reason
+    # --no-batch-invariant: prefill in native bf16 where the CPU has it (below the quantization's error); decode float32
+    fast = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="gguf", batch_invariant=False)
     assert fast.native_bf16_prefill == (machine != "zen3")
     # where the fused decoder's matmuls run in bf16 (Zen 4, AMX) prefill is fused in them, else oneDNN's bf16
     assert ("prefill matmuls in bf16" in fast.reason) == (machine != "zen3" and not fast.bf16_matmuls)
     assert ("prefill fused in them" in fast.reason) == fast.bf16_matmuls == (machine != "zen3")
     for dtype, quant in (("float32", None), ("auto", "int8"), ("bfloat16", None)):
-        assert not cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights="q4_1").gguf_q4_1
+        assert not cp.plan(cpu(machine), dtype, quant, facts=KERNELS, checkpoint_weights="gguf").gguf_stored
     no_woq = cp.plan(cpu(machine), "auto", None, facts=cp.CpuFacts(kernels=True, woq_kernels=False),
-                     checkpoint_weights="q4_1")
-    assert not no_woq.gguf_q4_1 and no_woq.weights != "int4"
+                     checkpoint_weights="gguf")
+    assert not no_woq.gguf_stored and no_woq.weights != "gguf"
     bf16 = cp.plan(cpu(machine), "auto", None, facts=KERNELS, checkpoint_weights="bf16")
     assert (bf16.dtype, bf16.weights, bf16.bf16_weights) == ("float32", "bf16", True) and "lossless" in bf16.reason
     assert cp.plan(cpu(machine), "float32", None, facts=KERNELS, checkpoint_weights="bf16").weights == "fp32"

@@ -1,0 +1,124 @@
+"""kvfleet.runtime.worker.gguf_tensors: each GGUF tensor type in kvfleet's format for it, its float32
+dequantization bit-equal to ``gguf.quants.dequantize`` of the same bytes, and the kernels computing
+with exactly those weights (one-hot rows of x read single weights out, bit for bit)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from kvfleet.kernels import cpu_woq  # noqa: E402
+from kvfleet.runtime.worker import gguf_tensors  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+EXPECT = {T.Q4_0: ("int4", 32), T.Q4_1: ("int4", 32), T.Q4_K: ("int4", 32), T.Q5_K: ("int8g", 32),
+          T.Q6_K: ("int8g", 16), T.Q8_0: ("int8g", 32), T.Q5_0: ("int8g", 32), T.Q5_1: ("int8g", 32)}
+
+
+def _quantized(qtype, n: int, k: int, seed: int) -> np.ndarray:
+    """A random ``[n, k]`` tensor in ``qtype``: ``gguf.quants.quantize`` where it supports the type;
+    else hand-built blocks (random bytes, with finite fp16 ``d`` / ``dmin`` of a weight's size)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    try:
+        return gguf.quants.quantize(w, qtype)
+    except NotImplementedError:
+        pass
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    d = (rng.random((n, k // block, 2)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype in (T.Q6_K, T.Q3_K):  # d last
+        raw[..., -2:] = d[..., 0:2]
+    else:  # Q4_K / Q5_K: d, dmin first
+        raw[..., 0:4] = d.reshape(n, k // block, 4)
+    return raw.reshape(n, k // block * size)
+
+
+@pytest.mark.parametrize("qtype", list(EXPECT), ids=lambda t: t.name)
+def test_each_type_dequantizes_bit_equal_to_gguf_and_the_kernels_use_those_weights(qtype):
+    n, k = 24, 512
+    data = _quantized(qtype, n, k, seed=int(qtype))
+    stored = gguf_tensors.from_gguf(qtype, data, (n, k))
+    assert (stored.fmt, stored.group) == EXPECT[qtype] and stored.shape == (n, k)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(n, k))
+    got = stored.dequantize()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(stored.rows(torch.tensor([5, 0, 5])), want[[5, 0, 5]])  # an embedding's lookup
+    # the kernels' own float32 widening, read out weight by weight with one-hot rows of x
+    layer = stored.module()
+    cols = torch.randperm(k, generator=torch.Generator().manual_seed(1))[:32]
+    x = torch.zeros(32, k)
+    x[torch.arange(32), cols] = 1.0
+    assert torch.equal(layer(x), want[:, cols].T)
+    assert torch.equal(layer(x[3:4]), want[:, cols[3:4]].T)  # one row: the one-row kernels
+    if stored.fmt == "int4":  # the int4 dequantization for prefill
+        assert torch.equal(cpu_woq.int4_dequantize(stored.w, stored.scale, stored.shift, 32), want)
+    # against float64 on random activations
+    xr = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    ref = xr.double() @ want.double().T
+    assert (layer(xr).double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_float_types_and_reordered_rows():
+    w = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    f32 = gguf_tensors.from_gguf(T.F32, w, (6, 64))
+    assert f32.fmt == "fp32" and torch.equal(f32.w, torch.from_numpy(w))
+    f16 = gguf_tensors.from_gguf(T.F16, w.astype(np.float16), (6, 64))
+    assert f16.fmt == "fp32" and torch.equal(f16.w, torch.from_numpy(w.astype(np.float16).astype(np.float32)))
+    raw = torch.from_numpy(w).bfloat16().view(torch.int16).numpy().view(np.uint8).reshape(6, 128)
+    bf = gguf_tensors.from_gguf(T.BF16, raw, (6, 64))
+    assert bf.fmt == "bf16" and torch.equal(bf.w, torch.from_numpy(w).bfloat16())
+    q = gguf_tensors.from_gguf(T.Q8_0, gguf.quants.quantize(w, T.Q8_0), (6, 64))
+    order = torch.tensor([2, 0, 1, 5, 4, 3])
+    assert torch.equal(q.take(order).dequantize(), q.dequantize()[order])
+
+
+def test_other_types_become_bf16_with_a_log_line_and_unknown_ones_are_refused(caplog):
+    n, k = 4, 256
+    data = _quantized(T.Q3_K, n, k, seed=3)
+    with caplog.at_level(logging.INFO, logger=gguf_tensors.__name__):
+        stored = gguf_tensors.from_gguf(T.Q3_K, data, (n, k), name="blk.0.ffn_up.weight")
+    assert stored.fmt == "bf16" and "blk.0.ffn_up.weight" in caplog.text and "Q3_K" in caplog.text
+    want = torch.from_numpy(gguf.quants.dequantize(data, T.Q3_K).reshape(n, k))
+    assert torch.equal(stored.w, want.bfloat16())
+    with pytest.raises(ValueError, match="unknown GGUF tensor type 99"):
+        gguf_tensors.from_gguf(99, data, (n, k), name="x")
+    with pytest.raises(ValueError, match="expected uint8"):
+        gguf_tensors.from_gguf(T.Q4_K, data, (n, k))
+
+
+def test_mixed_siblings_become_one_int8g_format_with_the_same_weights():
+    """A Q4_K_M layer: q and k in Q4_K (int4 G32), v in Q6_K (int8g G16) -> all int8g G16, so the
+    fused decoder stacks them; the float32 weights stay bit for bit."""
+    q4k = {n: gguf_tensors.from_gguf(T.Q4_K, _quantized(T.Q4_K, 8, 256, seed=i), (8, 256))
+           for i, n in enumerate(("l.q_proj", "l.k_proj"))}
+    v = gguf_tensors.from_gguf(T.Q6_K, _quantized(T.Q6_K, 8, 256, seed=9), (8, 256))
+    gate = gguf_tensors.from_gguf(T.Q4_K, _quantized(T.Q4_K, 8, 256, seed=7), (8, 256))
+    up = gguf_tensors.from_gguf(T.Q4_K, _quantized(T.Q4_K, 8, 256, seed=8), (8, 256))
+    linears = {**q4k, "l.v_proj": v, "l.gate_proj": gate, "l.up_proj": up}
+    out = gguf_tensors.unify_siblings(linears)
+    assert {(out[n].fmt, out[n].group) for n in ("l.q_proj", "l.k_proj", "l.v_proj")} == {("int8g", 16)}
+    for name in linears:
+        assert torch.equal(out[name].dequantize(), linears[name].dequantize()), name
+    assert out["l.gate_proj"] is gate and out["l.up_proj"] is up  # already one format: untouched
+    # ... and the fused decoder stacks them into one int8g matrix (shifts where Q4_K had them, zeros for
+    # Q6_K's), the modules becoming views of it with the same weights
+    from kvfleet.runtime.worker.cpu_decode import _fuse
+
+    modules = [out[n].module() for n in ("l.q_proj", "l.k_proj", "l.v_proj")]
+    fused = _fuse(modules)
+    assert fused is not None and (fused.fmt, fused.group) == ("int8g", 16) and fused.shift is not None
+    fused.check("qkv", 24, 256)
+    stacked = torch.cat([linears[n].dequantize() for n in ("l.q_proj", "l.k_proj", "l.v_proj")])
+    deq = fused.w.float() * fused.scale.repeat_interleave(16, 1) + fused.shift.repeat_interleave(16, 1)
+    assert torch.equal(deq, stacked)
+    assert modules[2].weight.data_ptr() == fused.w[16:].data_ptr()
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    ref = x.double() @ stacked.double().T
+    got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views
+    assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
