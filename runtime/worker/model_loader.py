@@ -407,7 +407,6 @@ def load_model(
         raise ModelLoadError(UNSUPPORTED_ARCHITECTURE, name, str(exc).split("\n")[0]) from exc
     check_attention_support(hf_config)
     from kvfleet.runtime.worker import packed_checkpoints
-
     if packed_checkpoints.method_of(hf_config, path) is not None:  # AWQ / GPTQ / compressed-tensors
         return _load_packed(path, name, hf_config, tokenizer, dev, asked, quantization, tensor_parallel_size,
                             batch_invariant, t0)
@@ -436,20 +435,13 @@ def load_model(
         hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)
-    if dev.type == "cpu" and tensor_parallel_size == 1:  # experts as per-expert linears: quantized like any
-        from kvfleet.runtime.worker.moe_experts import split_experts
-
-        if split_experts(hf_model):
-            logger.info("mixture of experts: each expert's fused weights as linear layers (views, no copy)")
     if quantization is not None:
         quantize_model(hf_model, quantization)
-    if plan is not None and plan.bf16_weights:  # cpu_plan.BF16_WEIGHT_STORAGE: bf16 storage, float32 compute
-        from kvfleet.runtime.worker.woq_linear import to_bf16_weights
+    if plan is not None:  # bf16 storage (cpu_plan.BF16_WEIGHT_STORAGE: float32 compute), the plan's prefill
+        from kvfleet.runtime.worker.woq_linear import set_bf16_prefill, to_bf16_weights
 
-        to_bf16_weights(hf_model)
-    if plan is not None:
-        from kvfleet.runtime.worker.woq_linear import set_bf16_prefill
-
+        if plan.bf16_weights:
+            to_bf16_weights(hf_model)
         set_bf16_prefill(hf_model, plan.native_bf16_prefill)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)
     return _finish(hf_model, tok, name, path, dev, torch_dtype, t0, quantization, plan)

@@ -4,15 +4,16 @@ model's MoE block.
 
 transformers (5.x) stores a layer's experts as two 3-D parameters, ``gate_up_proj [E, 2 I, H]``
 (each expert's gate rows, then its up rows) and ``down_proj [E, H, I]`` (``MixtralExperts``,
-``Qwen3MoeExperts``), which kvfleet's weight formats cannot hold. :func:`split_experts` (run by
-the model loader on the CPU, before ``--quantization`` and bf16 weight storage) replaces each
-such module by a :class:`LinearExperts`: the same computation over ``E`` ``nn.Linear`` pairs whose
-weights are views of the 3-D parameters (nothing is copied). From then on experts are ordinary
-decoder linears: ``--quantization int8/int4`` (:func:`~kvfleet.runtime.worker.quantization.quantize_model`,
-which quantizes every ``nn.Linear`` but the LM head) and bf16 storage
-(:func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`) convert them exactly as they convert
-the dense layers, and the fused decoder reads them through ``cpu_decode._linear``. The router
-(``gate.weight [E, H]``, a parameter, not a linear) stays float32.
+``Qwen3MoeExperts``), which kvfleet's quantized and bf16 formats cannot hold. Where the experts must
+change format -- ``--quantization int8/int4`` on kvfleet's CPU kernels
+(:func:`~kvfleet.runtime.worker.quantization.quantize_model`) and bf16 storage
+(:func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`) -- :func:`split_experts` first replaces
+each such module by a :class:`LinearExperts`: the same computation over ``E`` ``nn.Linear`` pairs
+whose weights are views of the 3-D parameters (nothing is copied), which those conversions then
+treat exactly as the dense layers; the fused decoder reads them through ``cpu_decode._linear``. A
+float32 model keeps transformers' module (its own experts implementation on the torch path), and the
+fused decoder reads its 3-D float32 parameters as per-expert views. The router (``gate.weight
+[E, H]``, a parameter, not a linear) stays float32 either way.
 
 :func:`moe_layer` reads a layer's MoE block (``mlp`` with ``gate`` and ``experts``) into a
 ``MoeLayer``: the router's softmax / top-k / renormalisation as the config says (Mixtral: always
@@ -21,11 +22,14 @@ renormalised; Qwen3-MoE: ``norm_topk_prob``), see :data:`kvfleet.kernels.cpu_dec
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from kvfleet.kernels.cpu_decoder import Linear, MoeLayer
+
+logger = logging.getLogger(__name__)
 
 _ROUTERS = {"MixtralTopKRouter": "mixtral", "Qwen3MoeTopKRouter": "qwen3_moe"}
 """Router classes whose routing :func:`moe_layer` knows (softmax over all experts, top-k, then
@@ -85,12 +89,14 @@ def _fused_experts(module: torch.nn.Module) -> bool:
 
 def split_experts(model: torch.nn.Module) -> int:
     """Replace each fused experts module of ``model`` by a :class:`LinearExperts` over views of its
-    weights; returns how many it replaced."""
+    weights (logged); returns how many it replaced."""
     names = [name for name, module in model.named_modules() if _fused_experts(module)]
     for name in names:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, LinearExperts.from_fused(getattr(owner, child)))
+    if names:
+        logger.info("mixture of experts: %d layers' experts as one linear layer each (views, no copy)", len(names))
     return len(names)
 
 

@@ -191,6 +191,10 @@ def quantize_model(model: torch.nn.Module, method: str) -> QuantizationInfo:
     """
     from torchao.quantization import quantize_
 
+    if use_cpu_kernels(model):  # fused 3-D experts as one linear per expert, quantized like the dense layers
+        from kvfleet.runtime.worker.moe_experts import split_experts
+
+        split_experts(model)
     layers = decoder_linears(model)
     if not layers:
         raise ValueError(

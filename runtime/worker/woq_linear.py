@@ -306,6 +306,9 @@ def to_bf16_weights(model: torch.nn.Module) -> int:
     """
     if not cpu_woq.available():
         raise ValueError(f"bf16 weights need kvfleet's CPU kernels: {cpu_woq.unavailable_reason()}")
+    from kvfleet.runtime.worker.moe_experts import split_experts
+
+    split_experts(model)  # fused 3-D experts as one linear per expert, stored in bf16 like the dense layers
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     layers = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     for name, linear in layers.items():

@@ -3,7 +3,8 @@ layers): a small random Mixtral (4 experts, top-2) and Qwen3-MoE, saved and load
 loads any model.
 
 - :class:`LinearExperts` computes bitwise what transformers' eager experts compute, over views of
-  the same weights;
+  the same weights; float32 models keep transformers' experts, whose 3-D weights the fused path
+  reads as views;
 - Mixtral runs on the fused decoder (asserted: its steps go through the C step, its layers carry
   experts) with transformers' greedy tokens (``generate``, float32), fused prefill off and on;
 - ``--quantization int8/int4`` and bf16 weights turn the experts into the same kernel layers as
@@ -113,7 +114,8 @@ def test_mixtral_runs_fused_with_transformers_greedy_tokens(checkpoints, monkeyp
     the greedy tokens of transformers' ``generate`` in float32."""
     path, _, expected = checkpoints["mixtral"]
     loaded = load_model(str(path), dtype="float32", device="cpu")
-    assert isinstance(loaded.model.model.layers[0].mlp.experts, LinearExperts)
+    experts = loaded.model.model.layers[0].mlp.experts
+    assert not isinstance(experts, LinearExperts)   # float32: transformers' module, its 3-D weights read as views
     for prefill in ("0", "1"):
         rows = _counting(monkeypatch)
         engine = _engine(loaded, monkeypatch, prefill=prefill)
@@ -121,6 +123,7 @@ def test_mixtral_runs_fused_with_transformers_greedy_tokens(checkpoints, monkeyp
         assert path_ is not None and path_.prefill == (prefill == "1")
         moes = [layer.moe for layer in path_._fused.weights.layers]
         assert all(m is not None and len(m.gate_up) == 4 and m.top_k == 2 and m.norm_topk_prob for m in moes)
+        assert moes[0].gate_up[1].w.data_ptr() == experts.gate_up_proj[1].data_ptr()
         got, _, _ = run(engine, [list(p) for p in PROMPTS], GREEDY)
         assert got == expected, prefill
         assert len(rows) >= GEN - 1 and max(rows) > 1   # the decode steps of all three ran fused
@@ -183,14 +186,12 @@ def test_bf16_matmul_kinds_keep_the_log_probabilities_close(checkpoints, monkeyp
 
 def test_qwen3_moe_runs_fused_with_transformers_greedy_tokens(checkpoints, monkeypatch):
     """Qwen3-MoE (per-head q/k norms, ``norm_topk_prob``; layer 1 dense through ``mlp_only_layers``,
-    128 wide beside experts of 64): its experts split like Mixtral's, every step fused, the greedy
-    tokens of transformers' ``generate``."""
+    128 wide beside experts of 64): every step fused, the greedy tokens of transformers' ``generate``."""
     from kvfleet.runtime.worker.moe_experts import moe_layer
 
     path, _, expected = checkpoints["qwen3_moe"]
     loaded = load_model(str(path), dtype="float32", device="cpu")
     block = loaded.model.model.layers[0].mlp
-    assert isinstance(block.experts, LinearExperts)
     moe = moe_layer(block, cpu_decode._linear)
     assert moe.top_k == 2 and moe.norm_topk_prob and moe.intermediate == 64
     rows = _counting(monkeypatch)
