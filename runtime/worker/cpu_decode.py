@@ -362,9 +362,15 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    prefill = fused_prefill(fused.matmul)
+    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe)
+    cos, _ = path._rope(torch.zeros(1, fused.hidden), torch.zeros(1, 1, dtype=torch.long))
+    if tuple(cos.shape) != (fused.num_ropes, 1, fused.rotary_dim):
+        logger.info("fused CPU decode: off (the rotary embedding gives %s tables of width %d, the recipe "
+                    "asks %d of %d)", cos.shape[0], cos.shape[-1], fused.num_ropes, fused.rotary_dim)
+        return None
+    prefill = path.prefill
     logger.info("fused CPU decode: on (%s, %d layers, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
                 recipe.family, len(layers), layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
                 str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
                 "fused" if prefill else "in torch")
-    return CpuDecodePath(runner, fused, prefill, recipe)
+    return path
