@@ -2,7 +2,7 @@
 
 ::
 
-    python benchmarks/families.py                       # the 9 dense families, SmolLM2's shape, 12 layers
+    python benchmarks/families.py                       # every dense family, SmolLM2's shape, 12 layers
     python benchmarks/families.py --families llama qwen3 --requests 16 --tokens 32   # a quick look
 
 For each family a random-initialised model of one shape (SmolLM2-135M's: hidden 576, 9 query and 3
@@ -29,7 +29,11 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DENSE = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "granite", "glm4", "mistral")
+def dense_families() -> list[str]:
+    """The families runtime/worker/recipes.py puts on the fused path, Llama first."""
+    from kvfleet.runtime.worker.recipes import RECIPES
+
+    return sorted((f for f, r in RECIPES.items() if r.unsupported is None), key=lambda f: f != "llama")
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
              vocab_size=49152, max_position_embeddings=8192, initializer_range=0.05, tie_word_embeddings=True,
              bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -80,7 +84,7 @@ def measure(path: str, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=list(DENSE))
+    parser.add_argument("--families", nargs="+", default=None, help="default: every dense family of the recipes")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=64)
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvfleet.kernels.cpu_features import detect
     from kvfleet.runtime.worker.model_loader import load_model
 
-    families = ["llama"] + [f for f in args.families if f != "llama"]
+    families = ["llama"] + [f for f in (args.families or dense_families()) if f != "llama"]
     tokenizer = load_model(None, device="cpu").tokenizer
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder:

@@ -1,8 +1,7 @@
 """The fused CPU decode path: steps of a dense decoder in one C call
 (:mod:`kvfleet.kernels.cpu_decoder`) instead of transformers' modules: decode steps, and with
 fused prefill on, prefill chunks and mixed steps too. The model's layer is read through its
-family's recipe (:mod:`kvfleet.runtime.worker.recipes`: Llama, Mistral, Qwen2, Qwen3, Gemma 3,
-GLM-4, Phi-3, OLMo 2, Granite).
+family's recipe (:mod:`kvfleet.runtime.worker.recipes`, which lists the families).
 
 :func:`build` decides once, after the KV caches exist, whether an engine can use it, and returns
 a :class:`CpuDecodePath` or None (the reason is logged). It can when all of these hold:

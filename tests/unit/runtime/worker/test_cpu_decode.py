@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from support.engine_workload import CONFIG, Recorder, prompts, run
+from support.tiny_models import FAMILIES
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, FusedDecoder, matmul_available
@@ -250,8 +251,7 @@ def test_kv_cache_dtype_auto_follows_the_fused_path_and_cuda_refuses_another_dty
 # family's features on: sliding windows of 8 below the 29-token prompts, Gemma 3's sandwich norms
 # and local/global RoPE, GLM-4's and Phi-3's partial rotary, Granite's multipliers, ...).
 
-FAMILY_PARAMS = [pytest.param(f, id=f) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "glm4", "phi3",
-                                                  "olmo2", "granite")]
+FAMILY_PARAMS = [pytest.param(f, id=f) for f in FAMILIES]
 BF16_MATMUL_KINDS = [pytest.param(k, id=k, marks=pytest.mark.skipif(
     not matmul_available(k), reason=f"no {k} kernels on this CPU")) for k in ("avx512_bf16", "amx")]
 
@@ -259,7 +259,7 @@ BF16_MATMUL_KINDS = [pytest.param(k, id=k, marks=pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """family -> (checkpoint dir, transformers' greedy tokens of PROMPTS, eager reference model)."""
-    from support.tiny_models import FAMILIES, build, family_config
+    from support.tiny_models import build, family_config
 
     out = {}
     for family in FAMILIES:

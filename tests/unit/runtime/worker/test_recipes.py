@@ -12,7 +12,11 @@ from transformers import AutoConfig
 
 from kvfleet.runtime.worker.recipes import RECIPES, Recipe, families_table, layer_windows, recipe_for
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "glm4", "phi3", "olmo2", "granite")
+DENSE = tuple(f for f, r in RECIPES.items() if r.unsupported is None)
+
+
+def test_the_issue_families_are_dense_recipes():
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "glm4", "phi3", "olmo2", "granite"} <= set(DENSE)
 
 
 def _config(model_type: str, **fields):
