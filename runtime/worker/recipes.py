@@ -77,6 +77,7 @@ RECIPES: dict[str, FamilyRecipe] = {
         norms={"attn_in": "input_layernorm", "attn_out": "post_self_attn_layernorm",
                "mlp_in": "post_attention_layernorm", "mlp_out": "post_mlp_layernorm"},
         note="q/k/v biases"),
+    "glm": FamilyRecipe(gate_up=("gate_up_proj",), rotary_style="interleaved", note="q/k/v biases"),
     "phi3": FamilyRecipe(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
     "olmo2": FamilyRecipe(norms={"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"},
                           qk_norm="proj"),
