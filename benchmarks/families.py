@@ -12,7 +12,9 @@ multipliers, ...) is saved as a float32 checkpoint and served in this process as
 would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls).
 Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
 ``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
-warm-up request; each family's ratio to Llama's. ``--rounds`` rounds go over every family in turn
+warm-up request; each family's ratio to Llama's. First, and steadier on a shared machine, the
+fused C step alone, A/B across the families (:func:`step_ms`): its milliseconds for 1 and 48 rows.
+``--rounds`` rounds go over every family in turn
 (a fresh engine each time) and each family keeps its best round, so that a machine whose load
 drifts (or the first engine's one-time costs) does not favour the families measured later. Prints
 the CPU model and flags and the table (docs/performance.md, "Model families on the fused path").
@@ -82,6 +84,45 @@ def measure(path: str, args) -> dict:
     return out
 
 
+def step_ms(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
+    """The fused C step alone, A/B: per family an engine as with no flags (its KV cache cut to what
+    the rows need), then ``--step-rounds`` rounds that each run ``--steps`` decode steps of every
+    ``--step-rows`` count for every family in turn (rows at ``--context`` positions, each its own
+    blocks; nothing written), so that the machine's drifting load falls on all families alike.
+    Returns family -> rows -> the median over rounds of the mean step, milliseconds."""
+    import statistics
+
+    import torch
+
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+
+    per_row = -(-args.context // 16)
+    blocks = max(args.step_rows) * per_row + 1
+    cases = {}
+    for family, path in paths.items():
+        runner = LLMEngine(EngineConfig(model=path, num_blocks=blocks)).runner
+        fused, cpu_path = runner.cpu_decode._fused, runner.cpu_decode
+        for rows in args.step_rows:
+            x = torch.randn(rows, fused.hidden)
+            positions = torch.full((1, rows), args.context - 1, dtype=torch.long)
+            cos, sin = cpu_path._rope(x, positions)
+            tables = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
+            lens = torch.full((rows,), args.context, dtype=torch.int32)
+            cases[family, rows] = (fused, x, cos, sin, torch.full((rows,), -1, dtype=torch.int64), tables, lens)
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
+    for _ in range(args.step_rounds):
+        for key, (fused, x, cos, sin, slots, tables, lens) in cases.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                fused.step(x.clone(), cos, sin, slots, tables, lens)
+            times[key].append((time.perf_counter() - start) / args.steps * 1e3)
+    out: dict[str, dict[int, float]] = {}
+    for (family, rows), values in times.items():
+        out.setdefault(family, {})[rows] = statistics.median(values)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=None, help="default: every dense family of the recipes")
@@ -90,7 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--step-rows", type=int, nargs="+", default=[1, 48])
+    parser.add_argument("--context", type=int, default=128, help="positions each row of the step A/B attends")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--step-rounds", type=int, default=7)
+    parser.add_argument("--skip-engine", action="store_true", help="only the C step A/B")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's and the C pool's threads (default: torch's); 1 on a loaded machine, where a "
+                             "descheduled helper thread stalls every phase of a step")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from kvfleet.kernels.cpu_features import detect
     from kvfleet.runtime.worker.model_loader import load_model
 
@@ -99,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder:
         paths = {family: build(family, args.layers, folder, tokenizer) for family in families}
-        for round_ in range(args.rounds):
+        steps = step_ms(paths, args)
+        for round_ in range(0 if args.skip_engine else args.rounds):
             for family in families:
                 got = measure(paths[family], args)
                 print(f"round {round_ + 1} {family}: " + ", ".join(
@@ -109,16 +163,22 @@ def main(argv: list[str] | None = None) -> int:
                     if isinstance(value, float):
                         best[key] = max(best[key], value)
     features = detect()
-    print(f"\nCPU: {features.summary()}")
+    print(f"\nCPU: {features.summary()}; threads {args.threads or 'torch default'}")
     print(f"shape: SmolLM2-135M's (576 hidden, 9/3 heads of 64, MLP 1536, 49152 vocab), {args.layers} layers; "
           f"prompt {args.prompt}, {args.tokens} outputs; no flags; the best of {args.rounds} rounds\n")
-    base = results["llama"]
     print("| | " + " | ".join(families) + " |")
     print("|---|" + "---:|" * len(families))
-    print("| path | " + " | ".join(results[f]["path"] for f in families) + " |")
-    for key in ("one stream", f"{args.requests} requests"):
-        print(f"| {key}, tok/s | " + " | ".join(f"{results[f][key]:.1f}" for f in families) + " |")
-        print(f"| {key} vs llama | " + " | ".join(f"{results[f][key] / base[key]:.2f}x" for f in families) + " |")
+    for rows in args.step_rows:
+        print(f"| C step, {rows} rows at {args.context}, ms | " + " | ".join(
+            f"{steps[f][rows]:.2f}" for f in families) + " |")
+        print(f"| C step, {rows} rows: llama's time / its | " + " | ".join(
+            f"{steps['llama'][rows] / steps[f][rows]:.2f}x" for f in families) + " |")
+    if results:
+        base = results["llama"]
+        print("| path | " + " | ".join(results[f]["path"] for f in families) + " |")
+        for key in ("one stream", f"{args.requests} requests"):
+            print(f"| {key}, tok/s | " + " | ".join(f"{results[f][key]:.1f}" for f in families) + " |")
+            print(f"| {key} vs llama | " + " | ".join(f"{results[f][key] / base[key]:.2f}x" for f in families) + " |")
     return 0
 
 
