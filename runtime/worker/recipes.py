@@ -67,6 +67,7 @@ RECIPES: dict[str, FamilyRecipe] = {
     "mistral": FamilyRecipe(),
     "qwen2": FamilyRecipe(note="q/k/v biases"),
     "qwen3": FamilyRecipe(qk_norm="head"),
+    "gemma": FamilyRecipe(norm_offset=1.0, note="sqrt(H) embedding scale (in its embedding)"),
     "gemma3_text": FamilyRecipe(
         norms={"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
                "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"},

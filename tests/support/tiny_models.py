@@ -44,6 +44,7 @@ _FAMILY = {
                         layer_types=["sliding_attention", "full_attention"]),
     "glm4": dict(partial_rotary_factor=0.5, head_dim=32),               # rotary over half of each head
     "glm": dict(partial_rotary_factor=0.5, head_dim=32),
+    "gemma": dict(head_dim=16),
     "phi3": dict(partial_rotary_factor=0.5),
     "granite": dict(attention_multiplier=0.2, residual_multiplier=0.5, embedding_multiplier=3.0, logits_scaling=2.0),
 }
