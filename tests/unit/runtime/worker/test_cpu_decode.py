@@ -5,7 +5,11 @@ fused and the others do not; with fused prefill every step runs fused, and a req
 and log-probabilities are bitwise the same in a batch, chunked, from the prefix cache, or alone,
 and with speculative decoding; and the path is off where it does not apply. The engines run the
 default model cut to its first two decoder layers (conftest's ``smollm2_two_layers``); the
-quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers."""
+quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers.
+Below, every family of runtime/worker/recipes.py as a tiny random checkpoint
+(tests/support/tiny_models.py): transformers' greedy tokens in float32, the bf16 matmul kinds this
+CPU has within stated tolerances, batch invariance, quantized weights, speculative steps over a
+sliding window, and a family without a recipe left on transformers' modules."""
 
 from __future__ import annotations
 
@@ -421,3 +425,43 @@ def test_quantized_families_decode_fused_as_their_torch_path(families, family, w
     assert got == expected
     worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
     assert worst <= 1e-3, worst
+
+
+def test_speculative_decoding_on_a_windowed_family(families, monkeypatch):
+    """Gemma 3 (a window of 8 on its local layer) with n-gram drafts verified by fused steps: the
+    greedy tokens of the same engine without speculation, and drafts were verified (a sequence's
+    last token and drafts as rows of one step, each attending within its own window)."""
+    path = families["gemma3_text"][0]
+    text = [5 + i % 7 for i in range(40)]  # repetitive: the n-gram proposer finds drafts
+    batch = [text, [3, 4] + text]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected, _, _ = run(_family_engine(path, monkeypatch, True), batch, params)
+    drafts = []
+
+    class Drafts:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            if scheduler_stats.spec_decoding is not None:
+                drafts.append(scheduler_stats.spec_decoding.num_draft_tokens)
+
+    spec = _family_engine(path, monkeypatch, True, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    spec.stat_loggers.append(Drafts())
+    got, _, _ = run(spec, batch, params)
+    assert got == expected
+    assert sum(drafts) > 0
+
+
+def test_a_family_without_a_recipe_runs_transformers_modules(tmp_path, monkeypatch, caplog):
+    """StarCoder2 (LayerNorm and an ungated MLP: no layer recipe) keeps the engine on
+    transformers' modules, and the start-up line says why."""
+    import logging
+
+    from support.tiny_models import COMMON, build
+    from transformers import AutoConfig
+
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    build(AutoConfig.for_model("starcoder2", **COMMON), tmp_path)
+    with caplog.at_level(logging.INFO, logger=cpu_decode.logger.name):
+        eng = LLMEngine(EngineConfig(num_blocks=16), loaded=load_model(str(tmp_path), dtype="float32", device="cpu"))
+    assert eng.runner.cpu_decode is None
+    assert "fused CPU decode: off (model type 'starcoder2' has no layer recipe" in caplog.text
