@@ -465,3 +465,27 @@ def test_a_family_without_a_recipe_runs_transformers_modules(tmp_path, monkeypat
         eng = LLMEngine(EngineConfig(num_blocks=16), loaded=load_model(str(tmp_path), dtype="float32", device="cpu"))
     assert eng.runner.cpu_decode is None
     assert "fused CPU decode: off (model type 'starcoder2' has no layer recipe" in caplog.text
+
+
+@pytest.mark.parametrize("family,fields", [("granite", {}), ("gemma3_text", {"final_logit_softcapping": 3.0})],
+                         ids=["granite-logit-scale", "gemma3-softcap"])
+def test_logit_scale_and_softcap_match_the_torch_path(family, fields, tmp_path, monkeypatch):
+    """The C step's logits finished in Python as the engine's torch path finishes its own:
+    Granite's 1 / logits_scaling and a soft-cap of 3 (which squeezes the logits into -3..3, so a
+    missing or doubled cap moves every log-probability): the same greedy tokens and
+    log-probabilities within 1e-4 as transformers' modules in the engine."""
+    from support.tiny_models import build, family_config
+
+    build(family_config(family, **fields), tmp_path)
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    plain = LLMEngine(EngineConfig(num_blocks=64, max_num_batched_tokens=16),
+                      loaded=load_model(str(tmp_path), dtype="float32", device="cpu"))
+    assert plain.runner.cpu_decode is None
+    expected, _, expected_lp = _tokens(plain, logprobs=0)
+    monkeypatch.delenv(cpu_decode.ENV)
+    got, _, got_lp = _tokens(_family_engine(tmp_path, monkeypatch, True), logprobs=0)
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-4, worst
