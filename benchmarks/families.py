@@ -2,7 +2,7 @@
 
 ::
 
-    python benchmarks/families.py                       # the 9 dense families, SmolLM2's shape, 12 layers
+    python benchmarks/families.py                       # every dense family, SmolLM2's shape, 12 layers
     python benchmarks/families.py --families llama qwen3 --requests 16 --tokens 32   # a quick look
 
 For each family a random-initialised model of one shape (SmolLM2-135M's: hidden 576, 9 query and 3
@@ -12,9 +12,12 @@ multipliers, ...) is saved as a float32 checkpoint and served in this process as
 would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls).
 Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
 ``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
-warm-up request; each family's ratio to Llama's. Prints the CPU model and flags and the table
-(docs/performance.md, "Model families on the fused path"). On a shared machine run it twice and
-read the ratios, not the absolute numbers.
+warm-up request; each family's ratio to Llama's. First, and steadier on a shared machine, the
+fused C step alone, A/B across the families (:func:`step_ms`): its milliseconds for 1 and 48 rows.
+``--rounds`` rounds go over every family in turn
+(a fresh engine each time) and each family keeps its best round, so that a machine whose load
+drifts (or the first engine's one-time costs) does not favour the families measured later. Prints
+the CPU model and flags and the table (docs/performance.md, "Model families on the fused path").
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DENSE = ("llama", "qwen2", "qwen3", "gemma3_text", "phi3", "olmo2", "granite", "glm4", "mistral")
+def dense_families() -> list[str]:
+    """The families runtime/worker/recipes.py puts on the fused path, Llama first."""
+    from kvfleet.runtime.worker.recipes import RECIPES
+
+    return sorted((f for f, r in RECIPES.items() if r.unsupported is None), key=lambda f: f != "llama")
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
              vocab_size=49152, max_position_embeddings=8192, initializer_range=0.05, tie_word_embeddings=True,
              bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -80,36 +87,101 @@ def measure(path: str, args) -> dict:
     return out
 
 
+def step_ms(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
+    """The fused C step alone, A/B: per family an engine as with no flags (its KV cache cut to what
+    the rows need), then ``--step-rounds`` rounds that each run ``--steps`` decode steps of every
+    ``--step-rows`` count for every family in turn (rows at ``--context`` positions, each its own
+    blocks; nothing written), so that the machine's drifting load falls on all families alike.
+    Returns family -> rows -> the median over rounds of the mean step, milliseconds."""
+    import statistics
+
+    import torch
+
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+
+    per_row = -(-args.context // 16)
+    blocks = max(args.step_rows) * per_row + 1
+    cases = {}
+    for family, path in paths.items():
+        runner = LLMEngine(EngineConfig(model=path, num_blocks=blocks)).runner
+        fused, cpu_path = runner.cpu_decode._fused, runner.cpu_decode
+        for rows in args.step_rows:
+            x = torch.randn(rows, fused.hidden)
+            positions = torch.full((1, rows), args.context - 1, dtype=torch.long)
+            cos, sin = cpu_path._rope(x, positions)
+            tables = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
+            lens = torch.full((rows,), args.context, dtype=torch.int32)
+            cases[family, rows] = (fused, x, cos, sin, torch.full((rows,), -1, dtype=torch.int64), tables, lens)
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
+    for _ in range(args.step_rounds):
+        for key, (fused, x, cos, sin, slots, tables, lens) in cases.items():
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                fused.step(x.clone(), cos, sin, slots, tables, lens)
+            times[key].append((time.perf_counter() - start) / args.steps * 1e3)
+    out: dict[str, dict[int, float]] = {}
+    for (family, rows), values in times.items():
+        out.setdefault(family, {})[rows] = statistics.median(values)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", nargs="+", default=list(DENSE))
+    parser.add_argument("--families", nargs="+", default=None, help="default: every dense family of the recipes")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--step-rows", type=int, nargs="+", default=[1, 48])
+    parser.add_argument("--context", type=int, default=128, help="positions each row of the step A/B attends")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--step-rounds", type=int, default=7)
+    parser.add_argument("--skip-engine", action="store_true", help="only the C step A/B")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's and the C pool's threads (default: torch's); 1 on a loaded machine, where a "
+                             "descheduled helper thread stalls every phase of a step")
     args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from kvfleet.kernels.cpu_features import detect
     from kvfleet.runtime.worker.model_loader import load_model
 
-    families = ["llama"] + [f for f in args.families if f != "llama"]
+    families = ["llama"] + [f for f in (args.families or dense_families()) if f != "llama"]
     tokenizer = load_model(None, device="cpu").tokenizer
-    results = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for family in families:
-            results[family] = measure(build(family, args.layers, folder, tokenizer), args)
-            print(f"{family}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                            for k, v in results[family].items()), flush=True)
+        paths = {family: build(family, args.layers, folder, tokenizer) for family in families}
+        steps = step_ms(paths, args)
+        for round_ in range(0 if args.skip_engine else args.rounds):
+            for family in families:
+                got = measure(paths[family], args)
+                print(f"round {round_ + 1} {family}: " + ", ".join(
+                    f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in got.items()), flush=True)
+                best = results.setdefault(family, got)
+                for key, value in got.items():
+                    if isinstance(value, float):
+                        best[key] = max(best[key], value)
     features = detect()
-    print(f"\nCPU: {features.summary()}")
+    print(f"\nCPU: {features.summary()}; threads {args.threads or 'torch default'}")
     print(f"shape: SmolLM2-135M's (576 hidden, 9/3 heads of 64, MLP 1536, 49152 vocab), {args.layers} layers; "
-          f"prompt {args.prompt}, {args.tokens} outputs; no flags\n")
-    base = results["llama"]
+          f"prompt {args.prompt}, {args.tokens} outputs; no flags; the best of {args.rounds} rounds\n")
     print("| | " + " | ".join(families) + " |")
     print("|---|" + "---:|" * len(families))
-    print("| path | " + " | ".join(results[f]["path"] for f in families) + " |")
-    for key in ("one stream", f"{args.requests} requests"):
-        print(f"| {key}, tok/s | " + " | ".join(f"{results[f][key]:.1f}" for f in families) + " |")
-        print(f"| {key} vs llama | " + " | ".join(f"{results[f][key] / base[key]:.2f}x" for f in families) + " |")
+    for rows in args.step_rows:
+        print(f"| C step, {rows} rows at {args.context}, ms | " + " | ".join(
+            f"{steps[f][rows]:.2f}" for f in families) + " |")
+        print(f"| C step, {rows} rows: llama's time / its | " + " | ".join(
+            f"{steps['llama'][rows] / steps[f][rows]:.2f}x" for f in families) + " |")
+    if results:
+        base = results["llama"]
+        print("| path | " + " | ".join(results[f]["path"] for f in families) + " |")
+        for key in ("one stream", f"{args.requests} requests"):
+            print(f"| {key}, tok/s | " + " | ".join(f"{results[f][key]:.1f}" for f in families) + " |")
+            print(f"| {key} vs llama | " + " | ".join(f"{results[f][key] / base[key]:.2f}x" for f in families) + " |")
     return 0
 
 

@@ -1,8 +1,7 @@
 """The fused CPU decode path: steps of a dense decoder in one C call
 (:mod:`kvfleet.kernels.cpu_decoder`) instead of transformers' modules: decode steps, and with
 fused prefill on, prefill chunks and mixed steps too. The model's layer is read through its
-family's recipe (:mod:`kvfleet.runtime.worker.recipes`: Llama, Mistral, Qwen2, Qwen3, Gemma 3,
-GLM-4, Phi-3, OLMo 2, Granite).
+family's recipe (:mod:`kvfleet.runtime.worker.recipes`, which lists the families).
 
 :func:`build` decides once, after the KV caches exist, whether an engine can use it, and returns
 a :class:`CpuDecodePath` or None (the reason is logged). It can when all of these hold:
@@ -373,11 +372,17 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    prefill = fused_prefill(fused.matmul)
+    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe)
+    cos, _ = path._rope(torch.zeros(1, fused.hidden), torch.zeros(1, 1, dtype=torch.long))
+    if tuple(cos.shape) != (fused.num_ropes, 1, fused.rotary_dim):
+        logger.info("fused CPU decode: off (the rotary embedding gives %s tables of width %d, the recipe "
+                    "asks %d of %d)", cos.shape[0], cos.shape[-1], fused.num_ropes, fused.rotary_dim)
+        return None
+    prefill = path.prefill
     experts = [layer.moe for layer in layers if layer.moe is not None]
     moe = f" ({len(experts)} with {len(experts[0].gate_up)} experts, top {experts[0].top_k})" if experts else ""
     logger.info("fused CPU decode: on (%s, %d layers%s, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
                 recipe.family, len(layers), moe, layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
                 str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
                 "fused" if prefill else "in torch")
-    return CpuDecodePath(runner, fused, prefill, recipe)
+    return path

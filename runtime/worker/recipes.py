@@ -71,6 +71,7 @@ RECIPES: dict[str, FamilyRecipe] = {
     "mistral": FamilyRecipe(),
     "qwen2": FamilyRecipe(note="q/k/v biases"),
     "qwen3": FamilyRecipe(qk_norm="head"),
+    "gemma": FamilyRecipe(norm_offset=1.0, note="sqrt(H) embedding scale (in its embedding)"),
     "gemma3_text": FamilyRecipe(
         norms={"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
                "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"},
@@ -81,6 +82,7 @@ RECIPES: dict[str, FamilyRecipe] = {
         norms={"attn_in": "input_layernorm", "attn_out": "post_self_attn_layernorm",
                "mlp_in": "post_attention_layernorm", "mlp_out": "post_mlp_layernorm"},
         note="q/k/v biases"),
+    "glm": FamilyRecipe(gate_up=("gate_up_proj",), rotary_style="interleaved", note="q/k/v biases"),
     "phi3": FamilyRecipe(qkv=("qkv_proj",), gate_up=("gate_up_proj",)),
     "olmo2": FamilyRecipe(norms={"attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm"},
                           qk_norm="proj"),

@@ -10,6 +10,8 @@ import copy
 
 import torch
 
+from kvfleet.runtime.worker.recipes import RECIPES
+
 VOCAB = 96
 GEN = 10
 # Token-id prompts (29, 21 and 12 tokens) longer than the window of 8.
@@ -33,16 +35,21 @@ def configs():
     }
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "glm4", "phi3", "olmo2", "granite")
-"""The dense families of runtime/worker/recipes.py."""
+FAMILIES = tuple(family for family, recipe in RECIPES.items() if recipe.unsupported is None)
+"""The families runtime/worker/recipes.py puts on the fused path (a new row there is tested here)."""
 _FAMILY = {
     "mistral": dict(sliding_window=8),                                  # a window on every layer
     "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "gemma3_text": dict(sliding_window=8, query_pre_attn_scalar=24, head_dim=32,
                         layer_types=["sliding_attention", "full_attention"]),
     "glm4": dict(partial_rotary_factor=0.5, head_dim=32),               # rotary over half of each head
+    "glm": dict(partial_rotary_factor=0.5, head_dim=32),
+    "gemma": dict(head_dim=16),
     "phi3": dict(partial_rotary_factor=0.5),
     "granite": dict(attention_multiplier=0.2, residual_multiplier=0.5, embedding_multiplier=3.0, logits_scaling=2.0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),           # 4 experts, top-2
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      head_dim=16, mlp_only_layers=[1]),                # layer 1 dense
 }
 
 

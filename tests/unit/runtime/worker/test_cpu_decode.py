@@ -5,12 +5,17 @@ fused and the others do not; with fused prefill every step runs fused, and a req
 and log-probabilities are bitwise the same in a batch, chunked, from the prefix cache, or alone,
 and with speculative decoding; and the path is off where it does not apply. The engines run the
 default model cut to its first two decoder layers (conftest's ``smollm2_two_layers``); the
-quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers."""
+quantized engines of tests/unit/runtime/worker/test_quantization.py run it over all 30 layers.
+Below, every family of runtime/worker/recipes.py as a tiny random checkpoint
+(tests/support/tiny_models.py): transformers' greedy tokens in float32, the bf16 matmul kinds this
+CPU has within stated tolerances, batch invariance, quantized weights, speculative steps over a
+sliding window, and a family without a recipe left on transformers' modules."""
 
 from __future__ import annotations
 
 import pytest
 from support.engine_workload import CONFIG, Recorder, prompts, run
+from support.tiny_models import FAMILIES
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, FusedDecoder, matmul_available
@@ -255,8 +260,7 @@ def test_kv_cache_dtype_auto_follows_the_fused_path_and_cuda_refuses_another_dty
 # family's features on: sliding windows of 8 below the 29-token prompts, Gemma 3's sandwich norms
 # and local/global RoPE, GLM-4's and Phi-3's partial rotary, Granite's multipliers, ...).
 
-FAMILY_PARAMS = [pytest.param(f, id=f) for f in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "glm4", "phi3",
-                                                  "olmo2", "granite")]
+FAMILY_PARAMS = [pytest.param(f, id=f) for f in FAMILIES]
 BF16_MATMUL_KINDS = [pytest.param(k, id=k, marks=pytest.mark.skipif(
     not matmul_available(k), reason=f"no {k} kernels on this CPU")) for k in ("avx512_bf16", "amx")]
 
@@ -264,7 +268,7 @@ BF16_MATMUL_KINDS = [pytest.param(k, id=k, marks=pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
     """family -> (checkpoint dir, transformers' greedy tokens of PROMPTS, eager reference model)."""
-    from support.tiny_models import FAMILIES, build, family_config
+    from support.tiny_models import build, family_config
 
     out = {}
     for family in FAMILIES:
@@ -426,3 +430,67 @@ def test_quantized_families_decode_fused_as_their_torch_path(families, family, w
     assert got == expected
     worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
     assert worst <= 1e-3, worst
+
+
+def test_speculative_decoding_on_a_windowed_family(families, monkeypatch):
+    """Gemma 3 (a window of 8 on its local layer) with n-gram drafts verified by fused steps: the
+    greedy tokens of the same engine without speculation, and drafts were verified (a sequence's
+    last token and drafts as rows of one step, each attending within its own window)."""
+    path = families["gemma3_text"][0]
+    text = [5 + i % 7 for i in range(40)]  # repetitive: the n-gram proposer finds drafts
+    batch = [text, [3, 4] + text]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected, _, _ = run(_family_engine(path, monkeypatch, True), batch, params)
+    drafts = []
+
+    class Drafts:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            if scheduler_stats.spec_decoding is not None:
+                drafts.append(scheduler_stats.spec_decoding.num_draft_tokens)
+
+    spec = _family_engine(path, monkeypatch, True, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}')
+    spec.stat_loggers.append(Drafts())
+    got, _, _ = run(spec, batch, params)
+    assert got == expected
+    assert sum(drafts) > 0
+
+
+def test_a_family_without_a_recipe_runs_transformers_modules(tmp_path, monkeypatch, caplog):
+    """StarCoder2 (LayerNorm and an ungated MLP: no layer recipe) keeps the engine on
+    transformers' modules, and the start-up line says why."""
+    import logging
+
+    from support.tiny_models import COMMON, build
+    from transformers import AutoConfig
+
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    build(AutoConfig.for_model("starcoder2", **COMMON), tmp_path)
+    with caplog.at_level(logging.INFO, logger=cpu_decode.logger.name):
+        eng = LLMEngine(EngineConfig(num_blocks=16), loaded=load_model(str(tmp_path), dtype="float32", device="cpu"))
+    assert eng.runner.cpu_decode is None
+    assert "fused CPU decode: off (model type 'starcoder2' has no layer recipe" in caplog.text
+
+
+@pytest.mark.parametrize("family,fields", [("granite", {}), ("gemma3_text", {"final_logit_softcapping": 3.0})],
+                         ids=["granite-logit-scale", "gemma3-softcap"])
+def test_logit_scale_and_softcap_match_the_torch_path(family, fields, tmp_path, monkeypatch):
+    """The C step's logits finished in Python as the engine's torch path finishes its own:
+    Granite's 1 / logits_scaling and a soft-cap of 3 (which squeezes the logits into -3..3, so a
+    missing or doubled cap moves every log-probability): the same greedy tokens and
+    log-probabilities within 1e-4 as transformers' modules in the engine."""
+    from support.tiny_models import build, family_config
+
+    build(family_config(family, **fields), tmp_path)
+    monkeypatch.setenv(cpu_decode.ENV, "0")
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    plain = LLMEngine(EngineConfig(num_blocks=64, max_num_batched_tokens=16),
+                      loaded=load_model(str(tmp_path), dtype="float32", device="cpu"))
+    assert plain.runner.cpu_decode is None
+    expected, _, expected_lp = _tokens(plain, logprobs=0)
+    monkeypatch.delenv(cpu_decode.ENV)
+    got, _, got_lp = _tokens(_family_engine(tmp_path, monkeypatch, True), logprobs=0)
+    assert got == expected
+    worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
+    assert worst <= 1e-4, worst
