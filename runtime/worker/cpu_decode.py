@@ -8,8 +8,10 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 
 - the model runs on the CPU in float32, the AVX2 kernels are available, ``$KVFLEET_CPU_DECODER``
   is not ``0``;
-- no tensor parallelism, no LoRA, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
-  not ``triton``);
+- no tensor parallelism, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
+  not ``triton``); with LoRA on (``enable_lora``) the path reads the LoRA layers' base layers and
+  runs the steps without adapter tokens (the runner sends a step with any adapter token to
+  transformers' modules), so base-model requests on a LoRA server keep the fused speed;
 - :func:`~kvfleet.runtime.worker.recipes.recipe_for` has a recipe for the model (its reason is
   logged otherwise), the engine's per-layer sliding windows, attention scale and logit scale agree
   with the recipe's, a mixture-of-experts layer's router and experts are ones
@@ -68,6 +70,7 @@ from kvfleet.kernels.cpu_decoder import (
     resolve_matmul,
 )
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
+from kvfleet.runtime.worker.lora_layers import LoRALinear
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
 from kvfleet.runtime.worker.recipes import Recipe, recipe_for
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
@@ -109,8 +112,15 @@ class Runner(Protocol):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
 
+def _base(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The layer whose weights the C step reads: a LoRA wrapper's base layer (the fused path runs the
+    steps without adapter tokens, which are the base model's), else the module itself."""
+    return module.base_layer if isinstance(module, LoRALinear) else module
+
+
 def _linear(module: torch.nn.Module) -> Linear | None:
     """The layer's weights in a format the C step reads, or None."""
+    module = _base(module)
     if isinstance(module, Int8Linear):
         return Linear("int8", module.weight, module.qscale, bias=module.bias32)
     if isinstance(module, Bf16Linear):
@@ -131,6 +141,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
     """One :class:`Linear` over ``modules`` stacked along the output features; the modules'
     weights (and int8/int4 scales) become views of it. None when a module's format is not one
     the C step reads or the formats differ."""
+    modules = [_base(m) for m in modules]
     parts = [_linear(m) for m in modules]
     if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) != 1:
         return None
@@ -198,8 +209,8 @@ def unsupported(runner: Runner) -> str | None:
         return f"${ENV}=0"
     if runner.device.type != "cpu" or runner.dtype != torch.float32:
         return f"it runs {runner.dtype} on {runner.device.type}, not float32 on the CPU"
-    if runner.tp_size > 1 or runner.lora is not None:
-        return "tensor parallelism or LoRA is on"
+    if runner.tp_size > 1:
+        return "tensor parallelism is on"
     if select_backend(runner.device) != "torch":
         return f"${BACKEND_ENV} selects the {select_backend(runner.device)} attention kernels"
     recipe = recipe_for(cfg)

@@ -441,10 +441,11 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
         rows = prompt_logprob_rows(scheduled)
         max_query = 1 + (self.speculator.config.num_speculative_tokens if self.speculator is not None else 0)
-        if self.cpu_decode is not None and self.cpu_decode.applies(
+        adapters = self.lora is not None and any(s.request.lora_int_id for s in scheduled)
+        if self.cpu_decode is not None and not adapters and self.cpu_decode.applies(
             input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None,
             meta.max_query_len, max_query,
-        ):
+        ):  # a step with adapter tokens runs transformers' modules (the LoRA layers)
             logits = self.cpu_decode.execute(input_ids, positions, meta, logits_indices)
             return ModelRunnerOutput(sampling, logits, draft_token_ids=drafts)
         if self.compiled is not None:

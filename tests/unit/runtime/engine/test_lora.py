@@ -69,6 +69,27 @@ def test_adapters_give_peft_merged_tokens_and_mixed_batch_equals_alone(setup):
     assert llm.llm_engine.runner.lora.num_slot_loads <= 3  # slots reused, not reloaded every step
 
 
+def test_base_requests_on_a_lora_server_run_the_fused_decoder(setup, monkeypatch):
+    """With LoRA on, steps without adapter tokens run the fused C decoder over the LoRA layers'
+    base weights (the same tokens as before); a step with adapter tokens runs the LoRA layers."""
+    from kvfleet.kernels import cpu_woq
+    from kvfleet.kernels.cpu_decoder import FusedDecoder
+
+    llm, prompts, refs, _, _ = setup
+    if not cpu_woq.available():
+        pytest.skip("no AVX2 kernels: no fused decoder here")
+    assert llm.llm_engine.runner.cpu_decode is not None
+    steps = []
+    step = FusedDecoder.step
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, x, *a: steps.append(x.shape[0]) or step(self, x, *a))
+    base = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    assert steps, "no base-model step ran fused"
+    steps.clear()
+    assert tokens(llm.generate(prompts, GREEDY, lora_request="a2", use_tqdm=False)) == refs["a2"]
+    assert not steps, "a step with adapter tokens ran fused"
+    assert base != refs["a2"]
+
+
 def test_no_prefix_cache_hit_across_adapters(setup):
     llm, prompts, _, _, recorder = setup
     prompt = prompts[0] * 12  # several full blocks
