@@ -40,6 +40,9 @@ class RouterSettings(BaseModel):
     kv_peer_hint: bool = False
     """Read the replicas' KV events (any algorithm) and name, in ``x-kvfleet-kv-peer``, the replica
     caching a longer prefix than the chosen one (the replicas' ``--kv-transfer-config`` pulls it)."""
+    fleet_secret_file: str | None = None
+    """The fleet secret's file, for signing peer hints (None: ``$KVFLEET_FLEET_SECRET``, else
+    ``~/.config/kvfleet/fleet-secret``; :mod:`kvfleet.runtime.kv_transfer.fleet_auth`)."""
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
     load_factor: float = Field(1.25, ge=1.0)
     min_capacity: int = Field(4, ge=1)
@@ -75,6 +78,8 @@ _HELP = {
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
     "kv_peer_hint": "tell the chosen replica (header x-kvfleet-kv-peer) which replica caches a longer prefix of the "
                     "prompt, from the replicas' KV events, so it pulls the KV instead of recomputing it",
+    "fleet_secret_file": "file of the fleet secret that signs peer hints (default: $KVFLEET_FLEET_SECRET, "
+                         "else ~/.config/kvfleet/fleet-secret, created if missing)",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
     "min_capacity": "a replica with fewer requests than this in flight never spills its prefixes (floor of the bound)",
