@@ -186,6 +186,12 @@ def body_response(resp: P.CompletionResponse | P.ChatCompletionResponse) -> Resp
 RESUME_ELSEWHERE = "kvfleet_resume_elsewhere"
 """The error code that tells the router to migrate a stream (docs/routing.md)."""
 
+
+def resume_elsewhere() -> str:
+    """The SSE error event that hands a router stream back to the router (a drain hand-off)."""
+    return sse_error(P.ErrorResponse(error=P.ErrorInfo(
+        message="the replica is draining: resume this stream elsewhere", type="server_error", code=RESUME_ELSEWHERE)))
+
 StreamChoice = P.CompletionStreamChoice | P.ChatCompletionStreamChoice
 StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
 
@@ -416,9 +422,7 @@ class OpenAIServing:
                         for choice in end if isinstance(end, list) else [end]:
                             yield w.event([choice])
                 if self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens):
-                    yield sse_error(P.ErrorResponse(error=P.ErrorInfo(
-                        message="the replica is draining: resume this stream elsewhere", type="server_error",
-                        code=RESUME_ELSEWHERE)))
+                    yield resume_elsewhere()
                     yield SSE_DONE
                     return
                 try:
@@ -429,7 +433,9 @@ class OpenAIServing:
                 yield w.event([], usage(w.prompt_lens, num_tokens))
             yield SSE_DONE
         except Exception as exc:
-            yield sse_error(self.engine_error(exc).body)
+            # the drain's deadline stopped the engine under a router stream: handed off, never cut
+            handed = self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens)
+            yield resume_elsewhere() if handed else sse_error(self.engine_error(exc).body)
             yield SSE_DONE
         finally:
             await gen.sub.close()
