@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import adapters, builders, crd, gie, hpa, router, service_spec
+from kvfleet.operator import adapters, builders, crd, fleet_secret, gie, hpa, router, service_spec
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
@@ -131,6 +131,23 @@ def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False)
     return [stamped(c) for c in (children + ([pool] if pool else []))]
 
 
+def ensure_fleet_secret(kube: Kube, isvc: Mapping[str, Any]) -> str | None:
+    """Create the InferenceService's fleet Secret (:mod:`~kvfleet.operator.fleet_secret`) when it
+    is missing, never rewriting one that exists (its key is the running pods'); ``"Secret/<name>"``
+    when created."""
+    ns = isvc["metadata"].get("namespace") or "default"
+    secret_name = fleet_secret.name(isvc)
+    if kube.get("Secret", ns, secret_name) is not None:
+        return None
+    try:
+        kube.create(fleet_secret.build(isvc))
+    except ApiError as e:
+        if e.status == 409:  # another reconcile created it meanwhile: that one stands
+            return None
+        raise
+    return f"Secret/{secret_name}"
+
+
 def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mapping[str, Any]]) -> list[str]:
     """Delete the router's children (router turned off) and the InferencePool (pool turned off)
     that this InferenceService owns; ``["Kind/name", ...]`` deleted. One GET each while off."""
@@ -222,6 +239,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
             out.error = e
             live_deployment = kube.get("Deployment", namespace, service_spec.names(isvc)["deployment"])
         else:
+            if (created := ensure_fleet_secret(kube, isvc)) is not None:  # before the pods that mount it
+                out.applied.append(created)
             wanted = set()
             for child in desired:
                 wanted.add((child["kind"], child["metadata"]["name"]))

@@ -81,7 +81,7 @@ def test_create_gives_children_with_content_and_owner(cluster):
     assert svc["spec"]["ports"][0]["name"] == "http" and svc["spec"]["ports"][0]["port"] == 8000
     status = emu.wait_for(lambda: (emu.get(ISVC, NS, "e2e-create") or {}).get("status", {}).get("url") and
                           emu.get(ISVC, NS, "e2e-create")["status"], 15, message="status")
-    assert status["url"] == "http://e2e-create.default.svc.cluster.local:8000/v1"
+    assert status["url"] == "http://e2e-create-router.default.svc.cluster.local:8000/v1"  # the router: a default
     assert status["observedGeneration"] == 1
     assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded", "ModelCached"}
     assert condition(emu, "e2e-create", "Ready")["status"] == "False"
@@ -89,6 +89,38 @@ def test_create_gives_children_with_content_and_owner(cluster):
     meta = emu.get(ISVC, NS, "e2e-create")["metadata"]
     assert not [k for k in meta.get("annotations", {}) if not k.startswith("kvfleet.io/")]
     assert emu.get(ISVC, NS, "e2e-create")["spec"] == manifest("e2e-create")["spec"]  # spec never rewritten
+
+
+def test_the_minimal_service_renders_the_router_the_peer_tier_and_the_hand_off_grace(cluster):
+    """Issue 42: examples/inferenceservice-minimal.yaml, as is, gets every fleet feature; one switch
+    each turns them off."""
+    emu, _ = cluster
+    emu.create(ISVC, manifest("e2e-defaults"))
+    router = emu.wait_for(lambda: emu.get(DEPLOY, NS, "e2e-defaults-router"), 30, message="the router Deployment")
+    cm = emu.wait_for(lambda: emu.get(CM, NS, "e2e-defaults-config"), 10, message="the ConfigMap")
+    secret = emu.wait_for(lambda: emu.get("v1/secrets", NS, "e2e-defaults-fleet"), 10, message="the fleet Secret")
+    runtime = emu.wait_for(lambda: emu.get(DEPLOY, NS, "e2e-defaults"), 10, message="the runtime Deployment")
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    assert config["drain_handoff_grace"] == 2
+    assert config["kv_transfer_config"]["kv_role"] == "kv_both"  # the peer tier
+    assert config["kv_events_config"]["enable_kv_cache_events"]
+    (rc,) = router["spec"]["template"]["spec"]["containers"]
+    assert rc["args"][rc["args"].index("--routing-algorithm") + 1] == "precise-prefix-cache"
+    assert "--no-kv-peer-hint" not in rc["args"]
+    fleet_env = {"name": "KVFLEET_FLEET_SECRET", "valueFrom": {"secretKeyRef": {"name": "e2e-defaults-fleet",
+                                                                                "key": "secret"}}}
+    assert fleet_env in rc["env"] and fleet_env in runtime["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert secret["data"]["secret"]
+    assert emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "e2e-defaults"), 10,
+                        message="the runtime PDB")["spec"]["maxUnavailable"] == 1
+    # the switches: no router, no tiers -> the router's children go, the runtime's defaults are written off
+    emu.patch(ISVC, NS, "e2e-defaults", {"spec": {"router": {"enabled": False},
+                                                  "engine": {"kvCache": {"tiers": []}}}})
+    emu.wait_for(lambda: emu.get(DEPLOY, NS, "e2e-defaults-router") is None, 30, message="the router gone")
+    config = yaml.safe_load(emu.wait_for(
+        lambda: (c := emu.get(CM, NS, "e2e-defaults-config")) and "drain_handoff_grace" not in c["data"]["config.yaml"]
+        and c, 30, message="the ConfigMap without the router's keys")["data"]["config.yaml"])
+    assert config["kv_transfer_config"] is None and config["kv_events_config"] is None
 
 
 def test_block_size_change_rolls_config_and_pod_hash(cluster):

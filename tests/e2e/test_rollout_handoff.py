@@ -3,9 +3,10 @@ operator`` (a process) on the API emulator, tests/support/kubelet.py running the
 pods as real ``kvfleet router`` processes and the runtime pods as real ``kvfleet serve`` processes
 (``rollout="surge"``: maxSurge / maxUnavailable as the Deployment controller plays them).
 
-An InferenceService with ``spec.router.enabled``, ``rollout.strategy: ResourceAware`` (maxSurge 0,
-maxUnavailable 1), two replicas and the runtime's drain hand-off on
-(``engine.extraArgs.drain_handoff_grace: 2``). 16 long greedy chat streams go through the router
+A default InferenceService (issue 42: the router, the peer tier, the fleet Secret and the 2 s drain
+hand-off are all the defaults; no ``router`` or ``drain_handoff_grace`` in the manifest) with
+``rollout.strategy: ResourceAware`` (maxSurge 0, maxUnavailable 1) and two replicas. 16 long
+greedy chat streams go through the router
 pods (round robin, as the ``<name>-router`` Service spreads clients) with the official ``openai``
 SDK, retries off (a resent request would hide a cut); once every stream has tokens, a spec change
 (``maxModelLen``) rolls the runtime pods one at a time. Checked:
@@ -41,7 +42,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NS, NAME, MODEL, STREAMS = "default", "handoff", "smollm2", 16
 OLD_LEN, NEW_LEN = 1024, 1152  # maxModelLen before / after: the spec change that rolls the pods
 MAX_TOKENS = 768  # per stream: it outlasts the roll (asserted); 256 did not once decode ran on AMX tiles
-PRESTOP, GRACE = 2.0, 2.0  # the pods' preStop sleep here, the runtime's drain_handoff_grace
+PRESTOP, GRACE = 2.0, 2.0  # the pods' preStop sleep here, the runtime's drain_handoff_grace (its default)
 EXIT_MARGIN = 8.0  # an old pod's exit after preStop + grace: the hand-off, the process's own shutdown
 ROLL_MARGIN = 15.0  # the operator's and the kubelet's polling, the migrations' prefills, a loaded CPU
 
@@ -97,9 +98,8 @@ def manifest() -> dict:
     return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": NAME, "namespace": NS},
             "spec": {"model": {"uri": "file:///models/smollm2.gguf", "servedModelName": MODEL},
-                     "replicas": 2, "rollout": {"strategy": "ResourceAware"}, "router": {"enabled": True},
-                     "engine": {"maxModelLen": OLD_LEN, "maxNumSeqs": 32,
-                                "extraArgs": {"kv_cache_memory": "320MiB", "drain_handoff_grace": GRACE}}}}
+                     "replicas": 2, "rollout": {"strategy": "ResourceAware"},
+                     "engine": {"maxModelLen": OLD_LEN, "maxNumSeqs": 32, "extraArgs": {"kv_cache_memory": "320MiB"}}}}
 
 
 def rolled_at(emu, kubelet: TestKubelet, old: set[str]) -> float:
