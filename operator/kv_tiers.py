@@ -39,9 +39,19 @@ DEFAULT_TIERS = ({"type": "peer"},)
 
 
 def tiers(engine: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """The tiers of an (effective) ``spec.engine``, by type (absent: :data:`DEFAULT_TIERS`)."""
+    """The tiers of an (effective) ``spec.engine``, by type (absent: :data:`DEFAULT_TIERS`, but none
+    with ``tensorParallelSize`` > 1, where each rank caches only a share of the heads).
+
+    Raises:
+        InvalidSpec: tiers listed with ``tensorParallelSize`` > 1 (the runtime would refuse them)."""
     listed = (engine.get("kvCache") or {}).get("tiers")
-    return {t["type"]: t for t in (DEFAULT_TIERS if listed is None else listed)}
+    tensor_parallel = int(engine.get("tensorParallelSize") or 1) > 1
+    if listed and tensor_parallel:
+        raise InvalidSpec("InvalidKVCacheTier", "engine.kvCache.tiers: not with tensorParallelSize > 1 (each rank "
+                                                "caches only its share of the KV heads)")
+    if listed is None:
+        listed = () if tensor_parallel else DEFAULT_TIERS
+    return {t["type"]: t for t in listed}
 
 
 def _bytes(size: Any) -> int:

@@ -82,7 +82,7 @@ def test_config_file_is_accepted_by_the_runtime(path):
     cm = by_kind(builders.desired_children(stored(path)))["ConfigMap"]
     config = yaml.safe_load(cm["data"]["config.yaml"])
     server = {k: config.pop(k) for k in list(config) if k in builders.SERVER_CONFIG_KEYS}
-    EngineConfig(**config)  # extra="forbid": an unknown key raises
+    EngineConfig(**config).check_engine_support()  # extra="forbid": an unknown key raises; and it can run
     ServerSettings(**server)
     assert set(config) <= set(EngineConfig.model_fields)
 

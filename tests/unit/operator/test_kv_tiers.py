@@ -185,3 +185,15 @@ def test_an_events_config_that_publishes_nothing_is_refused_when_events_are_need
     obj["spec"]["router"] = {"enabled": False}
     obj["spec"]["engine"]["extraArgs"] = {"kv_events_config": events}
     assert builders.engine_config(obj)["kv_events_config"] == events  # nothing needs them: the user's choice
+
+
+def test_tensor_parallel_gets_no_default_tier_and_refuses_a_listed_one():
+    """Each rank caches a share of the heads: the runtime refuses kv_transfer_config there."""
+    obj = isvc()
+    obj["spec"]["engine"].pop("kvCache")
+    obj["spec"]["engine"]["tensorParallelSize"] = 2
+    config = builders.engine_config(obj)
+    assert config["kv_transfer_config"] is None and config["tensor_parallel_size"] == 2
+    obj["spec"]["engine"]["kvCache"] = {"tiers": [PEER]}
+    with pytest.raises(crd.InvalidSpec, match="tensorParallelSize"):
+        builders.engine_config(obj)
