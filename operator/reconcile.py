@@ -242,14 +242,15 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
             if (created := ensure_fleet_secret(kube, isvc)) is not None:  # before the pods that mount it
                 out.applied.append(created)
             wanted = set()
+            runtime_deployment = service_spec.names(isvc)["deployment"]
             for child in desired:
                 wanted.add((child["kind"], child["metadata"]["name"]))
                 live = kube.get(child["kind"], namespace, child["metadata"]["name"])
                 if needs_apply(child, live):
                     live = kube.apply(child)
                     out.applied.append(f"{child['kind']}/{child['metadata']['name']}")
-                if child["kind"] == "Deployment":
-                    live_deployment, desired_deployment = live, child
+                if child["kind"] == "Deployment" and child["metadata"]["name"] == runtime_deployment:
+                    live_deployment, desired_deployment = live, child  # the runtime's (not the router's)
             names = service_spec.names(isvc)
             for kind in PRUNABLE_KINDS:  # by kind and name: the router's PDB is not the runtime's
                 child_name = names["pdb" if kind == "PodDisruptionBudget" else "hpa"]

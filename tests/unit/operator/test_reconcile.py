@@ -169,7 +169,7 @@ def test_a_missing_secret_is_learnt_from_the_pods_never_by_reading_secrets(kube_
 
 def test_ready_when_deployment_available_for_current_generation(kube_env):
     emu, kube = kube_env
-    emu.create(ISVC, example(replicas=2, router={"enabled": False}))  # the runtime pods' readiness alone
+    emu.create(ISVC, example(replicas=2))  # the router on (the default): Ready is the runtime pods' readiness
     reconcile.reconcile(kube, NS, "smollm2")
     deploy = emu.get("apps/v1/deployments", NS, "smollm2")
     emu.patch("apps/v1/deployments", NS, "smollm2", {"status": {
