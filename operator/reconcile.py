@@ -15,7 +15,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,13 +201,36 @@ def lock_for(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
+_waiting: set[tuple[str, str]] = set()
+"""Resources a :func:`reconcile_coalesced` call is waiting to reconcile (guarded by ``_locks_guard``)."""
+
+
+def reconcile_coalesced(kube: Kube, namespace: str, name: str) -> Outcome | None:
+    """:func:`reconcile` for watch events; None (skipped) while another call for the same resource
+    waits for its lock: that one starts after the reconcile running now and reads everything
+    fresh, so a burst of child events (an apply of N children makes N) costs at most two
+    reconciles, not N."""
+    key = (namespace, name)
+    with _locks_guard:
+        if key in _waiting:
+            return None
+        _waiting.add(key)
+
+    def started() -> None:
+        with _locks_guard:
+            _waiting.discard(key)
+
+    return reconcile(kube, namespace, name, on_locked=started)
+
+
 def locked_count() -> int:
     """How many InferenceServices this process has taken a reconcile lock for so far."""
     with _locks_guard:
         return len(_locks)
 
 
-def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) -> Outcome:
+def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
+              on_locked: Callable[[], None] | None = None) -> Outcome:
     """Bring the children and status of InferenceService ``namespace/name`` in line.
 
     Reads the InferenceService fresh (so a stale trigger does no harm); does nothing when
@@ -215,10 +238,15 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
     invalid spec (:class:`InvalidSpec`) the existing children are left as they are (pods
     keep serving) and the status says ``Degraded``; the error is returned in the outcome.
 
+    Args:
+        on_locked: called once the resource's lock is held, before anything is read.
+
     Raises:
         kube.ApiError: an API call failed (the caller retries).
     """
     with lock_for(namespace, name):
+        if on_locked is not None:
+            on_locked()
         isvc = kube.get(crd.KIND, namespace, name)
         out = Outcome()
         if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):

@@ -15,8 +15,9 @@ SDK, retries off (a resent request would hide a cut); once every stream has toke
 - the routers migrated streams for the draining replicas: ``router_migrations_total{reason="drain"}`` > 0;
 - the roll did not wait for the streams: each old pod exits within preStop + the grace + a margin
   after leaving the endpoints, the roll (spec change -> both new pods ready, both old pods gone,
-  the InferenceService Ready for the new generation) is bounded by preStop + grace + two pod
-  starts + a margin, and every stream was still running when it ended.
+  the InferenceService Ready for the new generation) is bounded by preStop + grace per pod (one
+  pod after the other: maxSurge 0) + two pod starts + a margin, and every stream was still
+  running when it ended.
 
 The pods' preStop sleep is shortened to 2 s (``prestop_seconds``; tests/e2e/test_rollout.py rolls
 with the real 10 s): the sleep only delays the hand-off, and CI time is short.
@@ -44,7 +45,13 @@ OLD_LEN, NEW_LEN = 1024, 1152  # maxModelLen before / after: the spec change tha
 MAX_TOKENS = 768  # per stream: it outlasts the roll (asserted); 256 did not once decode ran on AMX tiles
 PRESTOP, GRACE = 2.0, 2.0  # the pods' preStop sleep here, the runtime's drain_handoff_grace (its default)
 EXIT_MARGIN = 8.0  # an old pod's exit after preStop + grace: the hand-off, the process's own shutdown
-ROLL_MARGIN = 15.0  # the operator's and the kubelet's polling, the migrations' prefills, a loaded CPU
+ROLL_MARGIN = 30.0
+"""The operator's and the kubelet's polling and reactions, the migrations' prefills, a loaded CPU.
+15 s held on a quieter machine; at load average 12-13 (five sessions on 2 cores, issue 42's runs)
+the operator took 8-15 s to start the roll and the kubelet 3-7 s between an old pod's exit and its
+replacement's start, while each old pod still left 4.8-5.2 s after leaving the endpoints (preStop +
+the grace): the roll came to 101 s against pod starts of 80 s, and 154 s against 114 s. The bound
+still fails a roll that waits for its streams (they last 240-350 s)."""
 
 
 @dataclass
@@ -169,5 +176,7 @@ def test_a_resource_aware_roll_hands_16_long_streams_off_and_takes_the_grace_not
     for n in old:  # the hand-off, not the streams: each old pod leaves after preStop + grace
         assert exited[n] - left[n] <= PRESTOP + GRACE + EXIT_MARGIN, (n, exited[n] - left[n])
     assert len(pod_start) == 2
-    assert roll <= PRESTOP + GRACE + sum(pod_start) + ROLL_MARGIN, (roll, pod_start)
+    # maxSurge 0: each old pod's replacement starts once it has gone, so the roll is about preStop +
+    # the hand-off grace per pod plus the pod starts, not the streams
+    assert roll <= len(old) * (PRESTOP + GRACE) + sum(pod_start) + ROLL_MARGIN, (roll, pod_start)
     assert min(s.end for s in streams) > t_rolled, "every stream was still running when the roll ended"

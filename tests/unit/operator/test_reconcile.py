@@ -4,6 +4,7 @@ what it writes, when it writes nothing, and how it handles drift and bad specs."
 from __future__ import annotations
 
 import base64
+import time
 
 import kubernetes
 import pytest
@@ -328,3 +329,27 @@ def test_router_pdb_is_its_own_child_and_pruned_with_the_router(kube_env):
     assert out.deleted == [f"{k}/smollm2-router" for k in router.KINDS]
     assert emu.get(pdbs, NS, "smollm2-router") is None and emu.get("apps/v1/deployments", NS, "smollm2-router") is None
     assert not reconcile.reconcile(kube, NS, "smollm2").wrote
+
+
+def test_a_burst_of_watch_events_costs_at_most_two_reconciles(kube_env, monkeypatch):
+    """While a reconcile runs (here: its lock held), the first event after it waits and every
+    later one is skipped: the waiting one reads everything fresh once the lock is free."""
+    import threading
+
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    runs = []
+    real = reconcile.reconcile
+    monkeypatch.setattr(reconcile, "reconcile", lambda *a, **kw: runs.append(a[2]) or real(*a, **kw))
+    outcomes = []
+    with reconcile.lock_for(NS, "smollm2"):  # a reconcile running
+        waiting = threading.Thread(target=lambda: outcomes.append(reconcile.reconcile_coalesced(kube, NS, "smollm2")))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while (NS, "smollm2") not in reconcile._waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        skipped = [reconcile.reconcile_coalesced(kube, NS, "smollm2") for _ in range(5)]  # the burst
+    waiting.join(30)
+    assert skipped == [None] * 5 and runs == ["smollm2"]
+    assert outcomes[0].applied and emu.get("apps/v1/deployments", NS, "smollm2") is not None  # it did reconcile
+    assert reconcile.reconcile_coalesced(kube, NS, "smollm2") is not None  # idle again: runs at once
