@@ -2,7 +2,8 @@
 llama.cpp's ``llama-server`` with and without its n-gram lookup, in one invocation on one machine
 (issue 30's benchmark).
 
-Two workloads, each at one stream (C1: requests one after another) and at eight (C8: at once):
+Two workloads, each at one stream (C1: requests one after another), at eight (C8: at once) and
+as a wave of 48 at once (W48, issue 42: where the step is compute-bound and drafts cost most):
 
 - ``grounded``: edit a given ~500-token text (copy it with one word changed): the answer repeats
   its context, where model-free drafts are right;
@@ -15,6 +16,8 @@ wall time), the ratio to the same system without speculation, and the draft acce
 
     python benchmarks/spec_decode.py                      # every system
     python benchmarks/spec_decode.py --systems kvfleet,kvfleet-ngram --requests 2
+    python benchmarks/spec_decode.py --systems kvfleet,kvfleet-ngram,kvfleet-suffix --cases C1,C8,W48 \
+        --free-tokens 64 --grounded-tokens 128   # issue 42's default decision, kept short
 
 The peers come from ``benchmarks/peers/setup.sh`` (``--peers-dir``, default ``.peers``).
 """
@@ -72,15 +75,21 @@ STORIES = ["a dragon who learns to cook", "a robot lost in a forest", "two frien
            "a painter who paints the wind", "a cat who becomes mayor"]
 
 
+MAX_TOKENS = {"grounded": 400, "free": 256}
+"""Output tokens per request (``--grounded-tokens``, ``--free-tokens``)."""
+CASES = {"C1": (1, 3), "C8": (8, None), "W48": (48, 48)}
+"""case -> (concurrency, requests; None: ``--requests``)."""
+
+
 def messages(workload: str, i: int) -> tuple[list[dict], dict]:
     """Chat messages of request ``i`` and its extra body fields."""
     if workload == "grounded":
         old, new = EDITS[i % len(EDITS)]
         content = (f"Copy the text below exactly, word for word, but write \"{new}\" instead of \"{old}\". "
                    f"Output only the text.\n\n{TEXT}")
-        return [{"role": "user", "content": content}], {"max_tokens": 400}
+        return [{"role": "user", "content": content}], {"max_tokens": MAX_TOKENS["grounded"]}
     return ([{"role": "user", "content": f"Write a long story about {STORIES[i % len(STORIES)]}."}],
-            {"max_tokens": 256, "ignore_eos": True})
+            {"max_tokens": MAX_TOKENS["free"], "ignore_eos": True})
 
 
 def chat(client: httpx.Client, base: str, workload: str, i: int) -> dict:
@@ -125,9 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--requests", type=int, default=8, help="requests per case (C1 runs 3 of them)")
+    parser.add_argument("--cases", default="C1,C8", help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--grounded-tokens", type=int, default=MAX_TOKENS["grounded"])
+    parser.add_argument("--free-tokens", type=int, default=MAX_TOKENS["free"])
     parser.add_argument("--peers-dir", default=".peers")
     parser.add_argument("--output", type=Path, help="JSON results here")
     args = parser.parse_args(argv)
+    MAX_TOKENS.update(grounded=args.grounded_tokens, free=args.free_tokens)
+    cases = args.cases.split(",")
+    max_num_seqs = max(8, *(CASES[c][0] for c in cases))
     mach = machine()
     print(f"[spec] {mach['cpu']}; flags {' '.join(mach['flags'])}", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="kvfleet-spec-"))
@@ -137,29 +152,30 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.systems.split(","):
         family, extra = SYSTEMS[name]
         try:
-            with ps.serve(family, ctx, max_num_seqs=8, max_model_len=2048, startup_timeout=600,
+            with ps.serve(family, ctx, max_num_seqs=max_num_seqs, max_model_len=2048, startup_timeout=600,
                           extra_args=extra, log_name=name) as base:
                 res = {}
                 for workload in ("grounded", "free"):
-                    for conc in (1, 8):
-                        res[f"{workload}-C{conc}"] = run_case(base, workload, conc, 3 if conc == 1 else args.requests)
-                        r = res[f"{workload}-C{conc}"]
+                    for case in cases:
+                        conc, requests = CASES[case]
+                        res[f"{workload}-{case}"] = r = run_case(base, workload, conc, requests or args.requests)
                         acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-                        print(f"[spec] {name:20s} {workload:8s} C{conc}: {r['tok_s']:7.1f} tok/s, acceptance {acc}",
+                        print(f"[spec] {name:20s} {workload:8s} {case}: {r['tok_s']:7.1f} tok/s, acceptance {acc}",
                               flush=True)
         except (ps.PeerUnavailable, RuntimeError) as exc:
             print(f"[spec] {name}: unavailable ({exc})", flush=True)
             continue
         results["systems"][name] = res
-    print("\n| system | grounded C1 | grounded C8 | free C1 | free C8 | acceptance (grounded C1) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    columns = [f"{w}-{c}" for w in ("grounded", "free") for c in cases]
+    print("\n| system | " + " | ".join(columns) + " | acceptance (grounded C1) |")
+    print("|---|" + "---:|" * (len(columns) + 1))
     for name, res in results["systems"].items():
         base = results["systems"].get(BASELINE.get(name, name), res)
         cells = []
-        for case in ("grounded-C1", "grounded-C8", "free-C1", "free-C8"):
+        for case in columns:
             ratio = res[case]["tok_s"] / base[case]["tok_s"] if base is not res else None
             cells.append(f"{res[case]['tok_s']:.1f}" + (f" ({ratio:.2f}x)" if ratio else ""))
-        acc = res["grounded-C1"]["acceptance"]
+        acc = res.get("grounded-C1", {}).get("acceptance")
         print(f"| {name} | {' | '.join(cells)} | {f'{acc:.2f}' if acc is not None else '-'} |")
     if args.output:
         args.output.write_text(json.dumps(results, indent=1))

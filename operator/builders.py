@@ -11,7 +11,7 @@ each with a controller ownerReference to it and the labels of
   adapters are declared (:mod:`kvfleet.operator.adapters`; not in the config hash);
 - Service ``NAME`` (port 8000, ``http``) and Deployment ``NAME`` (the runtime pods; the pod
   template carries the config hash, so a config change rolls them);
-- PodDisruptionBudget ``NAME`` when ``spec.disruption`` sets a field, and
+- PodDisruptionBudget ``NAME`` (``spec.disruption``; ``maxUnavailable: 1`` when it sets neither field), and
   HorizontalPodAutoscaler ``NAME`` in ``spec.autoscaling.mode: hpa``.
 
 The Deployment is built in :mod:`kvfleet.operator.deployment`; what every child is built from
@@ -65,6 +65,11 @@ SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", 
                       "max_stored_responses", "drain_handoff_grace")
 """``kvfleet serve`` server options (``ServerSettings``) that ``engine.extraArgs`` may set in the
 config file: all but ``host``, ``port`` (the pod's) and ``api_key`` (``apiKeySecretRef``)."""
+
+DRAIN_HANDOFF_GRACE_SECONDS = 2
+"""``drain_handoff_grace`` written for a service behind its router (``extraArgs`` may set another):
+the runtime's default (``serve_args.DEFAULT_DRAIN_HANDOFF_GRACE``), written out so a pod's config
+says what its drain does."""
 
 TUNABLE_ENGINE_KEYS = ("blockSize", "gpuMemoryUtilization")
 """``status.engine`` keys the tuner (spec.tuning) may set; they override spec.engine."""
@@ -121,6 +126,8 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
         config[snake] = engine[camel]
     if engine.get("speculative"):
         config["speculative_config"] = speculative_config(engine["speculative"])
+    if router.enabled(isvc) and "drain_handoff_grace" not in (engine.get("extraArgs") or {}):
+        config["drain_handoff_grace"] = DRAIN_HANDOFF_GRACE_SECONDS  # the router's streams move on at a roll
     for key, value in sorted((engine.get("extraArgs") or {}).items()):
         if key in config:
             raise InvalidSpec("ConflictingEngineArg",
@@ -192,15 +199,14 @@ def build_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The PodDisruptionBudget, or None when ``spec.disruption`` sets neither field."""
+    """The PodDisruptionBudget: ``spec.disruption``'s field, else ``maxUnavailable: 1`` (voluntary
+    disruptions take one replica at a time; with one replica a drain still proceeds)."""
     dis = effective_spec(isvc)["disruption"]
     body: dict[str, Any] = {"selector": {"matchLabels": selector_labels(isvc)}}
     if dis.get("minAvailable") is not None:
         body["minAvailable"] = dis["minAvailable"]
-    elif dis.get("maxUnavailable") is not None:
-        body["maxUnavailable"] = dis["maxUnavailable"]
     else:
-        return None
+        body["maxUnavailable"] = dis["maxUnavailable"] if dis.get("maxUnavailable") is not None else 1
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": child_meta(isvc, names(isvc)["pdb"]), "spec": body}
 

@@ -174,11 +174,13 @@ KV_CACHE = _obj(
     "KV cache tiers beyond each replica's memory (docs/routing.md, \"Peer KV pull\" and \"Disk tier\"): "
     "the runtime's --kv-transfer-config.",
     {"tiers": {
-        "type": "array", "maxItems": 2,
-        "description": "peer: a replica pulls a prompt's missing prefix blocks from the replica the router names "
-                       "(the replicas publish KV events; spec.router runs with --kv-peer-hint). disk: every cached "
-                       "block is written through to a bounded folder and loaded back on a hit, so a restarted "
-                       "container (emptyDir) or pod on the same node (hostPath) starts warm.",
+        "type": "array", "maxItems": 2, "default": [{"type": "peer"}],
+        "description": "peer (the default, [{type: peer}]): a replica pulls a prompt's missing prefix blocks from "
+                       "the replica the router names in a hint signed with the service's fleet Secret (the "
+                       "replicas publish KV events). disk: every cached block is written through to a bounded "
+                       "folder and loaded back on a hit, so a restarted container (emptyDir) or pod on the same "
+                       "node (hostPath) starts warm. []: neither, and no KV events unless the router's algorithm "
+                       "reads them.",
         "items": _obj("One tier.", {
             "type": {"type": "string", "enum": ["peer", "disk"], "description": "The tier."},
             "minPullBlocks": _int("peer: pull only when this many leading blocks are missing.", minimum=1,
@@ -328,7 +330,8 @@ ROLLOUT = _obj("How new pods replace old ones.", {
 _INT_OR_PERCENT = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
 
 DISRUPTION = _obj(
-    "A PodDisruptionBudget for the runtime pods (created only when one field is set).",
+    "The runtime pods' PodDisruptionBudget: maxUnavailable 1 when neither field is set (a node drain takes "
+    "one replica at a time, each handing its router streams off).",
     {
         "minAvailable": {**_INT_OR_PERCENT, "description": "Pods that must stay available (count or %)."},
         "maxUnavailable": {**_INT_OR_PERCENT, "description": "Pods that may be evicted at once (count or %)."},
@@ -343,7 +346,9 @@ ROUTER = _obj(
     "bounded loads, failover, and holding requests while no replica is ready, which lets autoscaling "
     "wake a service from zero replicas). status.url points at the router when enabled. docs/routing.md.",
     {
-        "enabled": _bool("Run the router (a Deployment and Service <name>-router).", default=False),
+        "enabled": _bool("Run the router (a Deployment and Service <name>-router); on by default: prefix-aware "
+                         "routing, failover, mid-stream migration and hand-off drains, holding requests at zero "
+                         "replicas. false: clients reach the runtime Service directly.", default=True),
         "replicas": _int("Router pods (2 by default: no single router; a PodDisruptionBudget keeps all but one "
                          "up through voluntary disruptions and rolls add one before taking one away).",
                          minimum=1, maximum=100, default=2),
@@ -353,11 +358,11 @@ ROUTER = _obj(
                                        minimum=0, maximum=86400, default=30),
         "algorithm": {"type": "string",
                       "enum": ["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"],
-                      "default": "prefix-hash",
-                      "description": "prefix-hash: consistent hashing with bounded loads on the prompt prefix, "
-                                     "over least load; precise-prefix-cache: the replica caching the longest "
-                                     "prefix of the prompt's KV blocks, from the replicas' KV events (the "
-                                     "operator turns them on), within the same bound; least-load; round-robin "
+                      "default": "precise-prefix-cache",
+                      "description": "precise-prefix-cache (default): the replica caching the longest prefix of "
+                                     "the prompt's KV blocks, from the replicas' KV events (the operator turns "
+                                     "them on), within CHWBL's bound; prefix-hash: consistent hashing with bounded "
+                                     "loads on the prompt's characters, over least load; least-load; round-robin "
                                      "(for comparison)."},
         "prefixChars": _int("Characters of the prompt the prefix key covers.", minimum=1, maximum=65536,
                             default=256),

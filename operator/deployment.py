@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import adapters, kv_tiers, router
+from kvfleet.operator import adapters, fleet_secret, kv_tiers, router
 from kvfleet.operator.service_spec import (
     ANNOTATION_CONFIG_HASH,
     CACHE_DIR,
@@ -110,6 +110,7 @@ def _runtime_env(isvc: Mapping[str, Any], rt: Mapping[str, Any]) -> list[dict[st
     if key_ref:
         env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
             "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}})
+    env.append(fleet_secret.env_entry(isvc))  # peer hints, /kv_blocks, pulls: this service's fleet only
     env += adapters.pod_env(isvc, names(isvc)["configmap"])
     env += copy.deepcopy(rt.get("env") or [])
     return env

@@ -115,16 +115,17 @@ def _register_child_watch(group: str, version: str, plural: str) -> None:
     @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
     def child_changed(body: kopf.Body, namespace: str, memo: Any, logger: logging.Logger, type: str | None,
                       **_: Any) -> None:
-        """A child changed, appeared or disappeared: reconcile its owner (status, drift)."""
+        """A child changed, appeared or disappeared: reconcile its owner (status, drift), unless a
+        reconcile of it is already waiting (:func:`reconcile.reconcile_coalesced`)."""
         owner = _owner(body)
         if owner is None or type is None:  # type None: the initial listing; on.resume covers it
             return
         try:
-            out = reconcile.reconcile(_kube(memo), namespace, owner)
+            out = reconcile.reconcile_coalesced(_kube(memo), namespace, owner)
         except ApiError as e:
             logger.warning("reconcile of %s/%s after a %s event failed: %s", namespace, owner, plural, e)
             return
-        if out.applied or out.deleted:
+        if out is not None and (out.applied or out.deleted):
             logger.info("%s/%s: put back %s after a %s event on %s", namespace, owner,
                         ", ".join(out.applied + out.deleted), type, plural)
 
@@ -142,7 +143,7 @@ def pod_changed(body: kopf.Body, namespace: str, memo: Any, logger: logging.Logg
     if owner is None or type is None:
         return
     try:
-        reconcile.reconcile(_kube(memo), namespace, owner)
+        reconcile.reconcile_coalesced(_kube(memo), namespace, owner)
     except ApiError as e:
         logger.warning("reconcile of %s/%s after a pod event failed: %s", namespace, owner, e)
 

@@ -24,6 +24,7 @@ from kvfleet.operator.service_spec import FIELD_MANAGER
 # kind -> (apiVersion, plural)
 KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
+    "Secret": ("v1", "secrets"),
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),

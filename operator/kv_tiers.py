@@ -1,11 +1,15 @@
 """Pure: ``spec.engine.kvCache.tiers`` (docs/routing.md, "Peer KV pull" and "Disk tier") into the
-runtime's config keys, the runtime pod's disk-tier volume and the router's flag.
+runtime's config keys, the runtime pod's disk-tier volume and the router's flag. With no
+``tiers`` the peer tier is on (:data:`DEFAULT_TIERS`, issue 42); ``tiers: []`` turns every tier
+off, and the runtime's own defaults with them: the config then says ``kv_transfer_config: null``
+(and ``kv_events_config: null`` unless the router reads events), never left to the runtime.
 
 - ``peer``: ``kv_transfer_config`` with ``kv_role: kv_both`` (and the tier's ``minPullBlocks`` /
-  ``maxConcurrentPulls``), the replicas' KV events (below), and ``--kv-peer-hint`` on the router
-  (``spec.router``);
+  ``maxConcurrentPulls``), the replicas' KV events (below), and the router's peer hints (on by
+  default; ``--no-kv-peer-hint`` without the tier), signed with the service's fleet Secret;
 - KV events, for the peer tier and for ``spec.router.algorithm: precise-prefix-cache`` (the caller
-  says which: ``kv_events``): ``kv_events_config`` publishing on ``tcp://*:5557`` (port
+  says which: ``kv_events``): ``kv_events_config`` publishing block hashes (no prompt token ids:
+  ``include_token_ids: false``) on ``tcp://*:5557`` (port
   ``kv-events`` of the runtime container); the router finds the port in each replica's
   ``/kv_events/snapshot`` and gets ``--kv-events-topic`` when ``extraArgs`` sets a topic. An
   ``extraArgs.kv_events_config`` that turns events off or publishes nothing is refused
@@ -30,11 +34,24 @@ from kvfleet.operator.crd import InvalidSpec
 DEFAULT_DISK_PATH = "/var/cache/kvfleet/kv"
 KV_EVENTS_ENDPOINT = "tcp://*:5557"
 VOLUME = "kv-disk"
+DEFAULT_TIERS = ({"type": "peer"},)
+"""The tiers of a service whose ``kvCache.tiers`` is absent (the CRD's default too)."""
 
 
 def tiers(engine: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """The tiers of an (effective) ``spec.engine``, by type."""
-    return {t["type"]: t for t in ((engine.get("kvCache") or {}).get("tiers") or [])}
+    """The tiers of an (effective) ``spec.engine``, by type (absent: :data:`DEFAULT_TIERS`, but none
+    with ``tensorParallelSize`` > 1, where each rank caches only a share of the heads).
+
+    Raises:
+        InvalidSpec: tiers listed with ``tensorParallelSize`` > 1 (the runtime would refuse them)."""
+    listed = (engine.get("kvCache") or {}).get("tiers")
+    tensor_parallel = int(engine.get("tensorParallelSize") or 1) > 1
+    if listed and tensor_parallel:
+        raise InvalidSpec("InvalidKVCacheTier", "engine.kvCache.tiers: not with tensorParallelSize > 1 (each rank "
+                                                "caches only its share of the KV heads)")
+    if listed is None:
+        listed = () if tensor_parallel else DEFAULT_TIERS
+    return {t["type"]: t for t in listed}
 
 
 def _bytes(size: Any) -> int:
@@ -59,7 +76,7 @@ def _events_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
     own = (engine.get("extraArgs") or {}).get("kv_events_config")
     if own is None:
         return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
-                                     "endpoint": KV_EVENTS_ENDPOINT}}
+                                     "endpoint": KV_EVENTS_ENDPOINT, "include_token_ids": False}}
     if not isinstance(own, Mapping) or not own.get("enable_kv_cache_events") or own.get("publisher") == "null":
         raise InvalidSpec("ConflictingEngineArg",
                           "engine.extraArgs.kv_events_config must publish KV events over ZMQ "
@@ -79,10 +96,14 @@ def engine_keys(engine: Mapping[str, Any], *, kv_events: bool = False) -> dict[s
             that publishes nothing while events are needed.
     """
     by_type = tiers(engine)
-    keys: dict[str, Any] = _events_keys(engine) if kv_events or "peer" in by_type else {}
-    if not by_type:
-        return keys
     extra = engine.get("extraArgs") or {}
+    keys: dict[str, Any] = _events_keys(engine) if kv_events or "peer" in by_type else {}
+    if not (kv_events or "peer" in by_type) and "kv_events_config" not in extra:
+        keys["kv_events_config"] = None  # off, not the runtime's default
+    if not by_type:
+        if "kv_transfer_config" not in extra:
+            keys["kv_transfer_config"] = None
+        return keys
     transfer: dict[str, Any] = {"kv_connector": "PeerPullConnector",
                                 "kv_role": "kv_both" if "peer" in by_type else "kv_producer"}
     peer = by_type.get("peer")
@@ -123,10 +144,10 @@ def disk_volume(engine: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[d
 
 
 def router_args(engine: Mapping[str, Any], *, kv_events: bool = False) -> list[str]:
-    """``--kv-peer-hint`` with a peer tier (the router names the peer a replica pulls from), and
+    """``--no-kv-peer-hint`` without a peer tier (the router names peers by default), and
     ``--kv-events-topic`` when the router reads the replicas' events and ``extraArgs`` sets a topic."""
     peer = "peer" in tiers(engine)
-    args = ["--kv-peer-hint"] if peer else []
+    args = [] if peer else ["--no-kv-peer-hint"]
     own = (engine.get("extraArgs") or {}).get("kv_events_config")
     topic = own.get("topic") if isinstance(own, Mapping) else None
     if (peer or kv_events) and topic:

@@ -15,11 +15,11 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import adapters, builders, crd, gie, hpa, router, service_spec
+from kvfleet.operator import adapters, builders, crd, fleet_secret, gie, hpa, router, service_spec
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
@@ -131,6 +131,23 @@ def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False)
     return [stamped(c) for c in (children + ([pool] if pool else []))]
 
 
+def ensure_fleet_secret(kube: Kube, isvc: Mapping[str, Any]) -> str | None:
+    """Create the InferenceService's fleet Secret (:mod:`~kvfleet.operator.fleet_secret`) when it
+    is missing, never rewriting one that exists (its key is the running pods'); ``"Secret/<name>"``
+    when created."""
+    ns = isvc["metadata"].get("namespace") or "default"
+    secret_name = fleet_secret.name(isvc)
+    if kube.get("Secret", ns, secret_name) is not None:
+        return None
+    try:
+        kube.create(fleet_secret.build(isvc))
+    except ApiError as e:
+        if e.status == 409:  # another reconcile created it meanwhile: that one stands
+            return None
+        raise
+    return f"Secret/{secret_name}"
+
+
 def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mapping[str, Any]]) -> list[str]:
     """Delete the router's children (router turned off) and the InferencePool (pool turned off)
     that this InferenceService owns; ``["Kind/name", ...]`` deleted. One GET each while off."""
@@ -184,13 +201,36 @@ def lock_for(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
+_waiting: set[tuple[str, str]] = set()
+"""Resources a :func:`reconcile_coalesced` call is waiting to reconcile (guarded by ``_locks_guard``)."""
+
+
+def reconcile_coalesced(kube: Kube, namespace: str, name: str) -> Outcome | None:
+    """:func:`reconcile` for watch events; None (skipped) while another call for the same resource
+    waits for its lock: that one starts after the reconcile running now and reads everything
+    fresh, so a burst of child events (an apply of N children makes N) costs at most two
+    reconciles, not N."""
+    key = (namespace, name)
+    with _locks_guard:
+        if key in _waiting:
+            return None
+        _waiting.add(key)
+
+    def started() -> None:
+        with _locks_guard:
+            _waiting.discard(key)
+
+    return reconcile(kube, namespace, name, on_locked=started)
+
+
 def locked_count() -> int:
     """How many InferenceServices this process has taken a reconcile lock for so far."""
     with _locks_guard:
         return len(_locks)
 
 
-def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) -> Outcome:
+def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
+              on_locked: Callable[[], None] | None = None) -> Outcome:
     """Bring the children and status of InferenceService ``namespace/name`` in line.
 
     Reads the InferenceService fresh (so a stale trigger does no harm); does nothing when
@@ -198,10 +238,15 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
     invalid spec (:class:`InvalidSpec`) the existing children are left as they are (pods
     keep serving) and the status says ``Degraded``; the error is returned in the outcome.
 
+    Args:
+        on_locked: called once the resource's lock is held, before anything is read.
+
     Raises:
         kube.ApiError: an API call failed (the caller retries).
     """
     with lock_for(namespace, name):
+        if on_locked is not None:
+            on_locked()
         isvc = kube.get(crd.KIND, namespace, name)
         out = Outcome()
         if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
@@ -222,15 +267,18 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None) 
             out.error = e
             live_deployment = kube.get("Deployment", namespace, service_spec.names(isvc)["deployment"])
         else:
+            if (created := ensure_fleet_secret(kube, isvc)) is not None:  # before the pods that mount it
+                out.applied.append(created)
             wanted = set()
+            runtime_deployment = service_spec.names(isvc)["deployment"]
             for child in desired:
                 wanted.add((child["kind"], child["metadata"]["name"]))
                 live = kube.get(child["kind"], namespace, child["metadata"]["name"])
                 if needs_apply(child, live):
                     live = kube.apply(child)
                     out.applied.append(f"{child['kind']}/{child['metadata']['name']}")
-                if child["kind"] == "Deployment":
-                    live_deployment, desired_deployment = live, child
+                if child["kind"] == "Deployment" and child["metadata"]["name"] == runtime_deployment:
+                    live_deployment, desired_deployment = live, child  # the runtime's (not the router's)
             names = service_spec.names(isvc)
             for kind in PRUNABLE_KINDS:  # by kind and name: the router's PDB is not the runtime's
                 child_name = names["pdb" if kind == "PodDisruptionBudget" else "hpa"]

@@ -24,7 +24,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema, kv_tiers, service_spec
+from kvfleet.operator import crd, crd_schema, fleet_secret, kv_tiers, service_spec
 
 COMPONENT = "router"
 PORT = 8000
@@ -104,13 +104,15 @@ def reads_kv_events(isvc: Mapping[str, Any]) -> bool:
 
 
 def router_env(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """``KVFLEET_ROUTER_API_KEY`` from ``runtime.apiKeySecretRef`` when the router reads the
-    replicas' KV events: it sends the key on its own ``/kv_events/snapshot`` reads (which the
+    """The fleet secret (:mod:`~kvfleet.operator.fleet_secret`: the router signs its peer hints
+    with it), and ``KVFLEET_ROUTER_API_KEY`` from ``runtime.apiKeySecretRef`` when the router reads
+    the replicas' KV events: it sends the key on its own ``/kv_events/snapshot`` reads (which the
     replicas' key guards) and then also checks it on ``/v1``, as the replicas do anyway."""
+    env = [fleet_secret.env_entry(isvc)]
     key_ref = service_spec.effective_spec(isvc)["runtime"].get("apiKeySecretRef")
     if not key_ref or not reads_kv_events(isvc):
-        return []
-    return [{"name": "KVFLEET_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {
+        return env
+    return [*env, {"name": "KVFLEET_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {
         "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}}]
 
 
@@ -168,7 +170,7 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "readinessProbe": probe("/ready", 5),
         "livenessProbe": probe("/health", 10),
         "resources": copy.deepcopy(r.get("resources") or DEFAULT_RESOURCES),
-        **({"env": env} if (env := router_env(isvc)) else {}),
+        "env": router_env(isvc),
         # as the runtime's: endpoints are removed while the pod sleeps; only then does SIGTERM start the drain
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(service_spec.PRESTOP_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

@@ -20,7 +20,9 @@ adapter, ``kvfleet:`` only). Peer KV pull (``--kv-transfer-config``, ``kvfleet:`
 ``kv_pull_tokens_total`` (prompt tokens whose KV came from a peer; they count as prefix-cache hits
 too), ``kv_disk_load_tokens_total`` (the same from the disk tier), the gauge
 ``kv_disk_usage_bytes`` (the disk tier's size) and
-``kv_pull_failures_total{reason}`` (refused or failed pulls and disk reads). Meanings: docs/server.md,
+``kv_pull_failures_total{reason}`` (refused or failed pulls and disk reads; ``not_replica``: an
+answer without the fleet's seal), ``kv_peer_hints_refused_total{reason}`` (hints ignored:
+``unsigned``, ``signature``, ``expired``, ``malformed``, ``no_secret``). Meanings: docs/server.md,
 "Metrics"; docs/lora.md; docs/routing.md.
 """
 
@@ -156,6 +158,15 @@ class PrometheusStatLogger(StatLoggerBase):
         self._kv_pull_failures = [Counter(p + "kv_pull_failures", "Refused or failed KV pulls and disk reads, by "
                                           "reason.", labelnames=["model_name", "reason"], registry=self.registry)
                                   for p in own]
+        self._kv_peer_hints_refused = [Counter(p + "kv_peer_hints_refused", "x-kvfleet-kv-peer hints ignored (not "
+                                               "the router's, or naming no fleet address), by reason.",
+                                               labelnames=["model_name", "reason"], registry=self.registry)
+                                       for p in own]
+
+    def count_refused_hint(self, reason: str) -> None:
+        """One ``x-kvfleet-kv-peer`` hint ignored (``kvfleet:kv_peer_hints_refused_total{reason}``)."""
+        for counter in self._kv_peer_hints_refused:
+            counter.labels(self.model_name, reason).inc()
 
     def _fan(self, cls, name: str, doc: str, **kw) -> _Fanout:
         """One series ``name`` per prefix, labelled with the model name, updated together."""

@@ -267,12 +267,26 @@ def http_json(url: str, body: dict | None = None, timeout: float = 120) -> dict:
         return json.loads(resp.read())
 
 
-def check_runtime(buildah: Buildah, work: Path, ready_timeout: float) -> dict:
-    from kvfleet.operator import builders
+def pod_cache_dir() -> str:
+    """The pod's cache volume mount (the operator's ``service_spec.CACHE_DIR``)."""
+    from kvfleet.operator import service_spec
 
-    config = buildah.config(RUNTIME_IMAGE)
+    return service_spec.CACHE_DIR
+
+
+def preflight() -> tuple[dict[str, str], list[str], str]:
+    """What the start-up checks read from the operator (the pod's env, writable mounts, cache
+    mount), checked before the build's minutes are spent: ``(env, writable, cache dir)``."""
     pod_env, writable, read_only = pod_runtime_env()
     assert read_only, "the operator's runtime pods no longer ask for a read-only root"
+    cache_dir = pod_cache_dir()
+    assert cache_dir in writable, (cache_dir, writable)
+    return pod_env, writable, cache_dir
+
+
+def check_runtime(buildah: Buildah, work: Path, ready_timeout: float) -> dict:
+    config = buildah.config(RUNTIME_IMAGE)
+    pod_env, writable, cache_dir = preflight()
     port = free_port()
     argv = [*config["Entrypoint"], "--host", "127.0.0.1", "--port", str(port)]
     out: dict = {"user": config["User"], "argv": argv, "pod_env": pod_env, "writable": writable}
@@ -315,7 +329,7 @@ def check_runtime(buildah: Buildah, work: Path, ready_timeout: float) -> dict:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-        cache = folders.get(builders.CACHE_DIR)
+        cache = folders[cache_dir]
         out["cache_after"] = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_dir())[:20]
         out["kernels_built_in_cache"] = sorted(str(p.relative_to(cache)) for p in cache.rglob("kvfleet_cpu-*"))
     return out
@@ -385,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("run as root (mmdebstrap, buildah's storage, mount namespaces)")
+    preflight()
     ensure_tools()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)

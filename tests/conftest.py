@@ -47,6 +47,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Subprocesses started from the repository root must not import operator/ as the stdlib
 # `operator` module (see README, "Set-up").
 os.environ.setdefault("PYTHONSAFEPATH", "1")
+# The fleet secret every `kvfleet serve` / `kvfleet router` of the suite shares with no flag (issue
+# 42): the default file, created by the first of them, in a folder of this run, never the user's.
+if not os.environ.get("KVFLEET_FLEET_SECRET"):
+    import tempfile
+
+    os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="kvfleet-test-config-")
 
 
 @pytest.fixture(scope="session")

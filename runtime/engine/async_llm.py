@@ -37,6 +37,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.kv_pull import KVPuller, export_blocks
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.engine.outputs import RequestOutput
+from kvfleet.runtime.kv_transfer.fleet_auth import FleetKeys, load_fleet_keys
 from kvfleet.runtime.lora_request import LoRARequest
 from kvfleet.runtime.sampling_params import RequestOutputKind, SamplingParams
 from kvfleet.runtime.worker.model_loader import LoadedModel
@@ -97,7 +98,11 @@ class AsyncLLMEngine:
         self._heartbeat = time.monotonic()
         """``time.monotonic()`` when the engine loop last went round (idle: every ``IDLE_WAIT`` s)."""
         transfer = self.config.kv_transfer_config
-        self.kv_puller = (KVPuller(self.engine, self._call)
+        self.fleet_keys: FleetKeys | None = (load_fleet_keys(transfer.fleet_secret_file)
+                                             if transfer is not None else None)
+        """The fleet's keys (:mod:`~kvfleet.runtime.kv_transfer.fleet_auth`): the router's hints are
+        checked, ``/kv_blocks`` served and peers pulled from with them; None: none of the three."""
+        self.kv_puller = (KVPuller(self.engine, self._call, self.fleet_keys)
                           if transfer is not None and (transfer.pulls or transfer.disk_path) else None)
         """Fills a request's missing prefix blocks from the disk tier and the peer the router names
         (``--kv-transfer-config``)."""
@@ -186,13 +191,12 @@ class AsyncLLMEngine:
         lora_name: str | None = None,
         resume_output_ids: list[list[int]] | None = None,
         kv_peer: str | None = None,
-        kv_peer_auth: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes (``lora_name``: a loaded
         LoRA adapter, None: the base model): cumulative, deltas or only the final one, as
         ``sampling_params.output_kind`` asks. ``kv_peer``: the base URL of a replica that caches
-        the prompt's prefix (the router's hint); with ``--kv-transfer-config`` its missing prefix
-        blocks are pulled from there first (``kv_peer_auth``: the Authorization header to send).
+        the prompt's prefix (the router's hint, its signature verified by the caller); with peer
+        pull on (``--kv-transfer-config``) its missing prefix blocks are pulled from there first.
 
         Consecutive outputs produced while the consumer was busy are coalesced into one
         (cumulative: the latest; deltas: joined with ``RequestOutput.add``).
@@ -219,7 +223,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
         if self.kv_puller is not None and (kv_peer is not None or self.kv_puller.disk is not None):
-            await self.kv_puller.pull(prepared.requests[0], kv_peer, kv_peer_auth)
+            await self.kv_puller.pull(prepared.requests[0], kv_peer)
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")

@@ -19,11 +19,11 @@ from kvfleet.runtime.kv_events import wire
 from kvfleet.runtime.kv_events.config import KVEventsConfig
 
 
-def to_wire(event: ev.KVCacheEvent):
-    """The msgspec struct of one core event."""
+def to_wire(event: ev.KVCacheEvent, token_ids: bool = True):
+    """The msgspec struct of one core event (``token_ids`` false: a ``BlockStored``'s are left out)."""
     if isinstance(event, ev.BlockStored):
-        return wire.BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                                event.lora_id, event.medium)
+        return wire.BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids if token_ids else [],
+                                event.block_size, event.lora_id, event.medium)
     if isinstance(event, ev.BlockRemoved):
         return wire.BlockRemoved(event.block_hashes, event.medium)
     return wire.AllBlocksCleared()
@@ -61,7 +61,7 @@ class KVEventPublisher:
         """Send one step's events (nothing when empty) and fold them into the snapshot."""
         if not events:
             return
-        batch = wire.KVEventBatch(time.time(), [to_wire(e) for e in events])
+        batch = wire.KVEventBatch(time.time(), [to_wire(e, self.config.include_token_ids) for e in events])
         with self._lock:
             ev.replay(events, self._cached)
             self.seq += 1

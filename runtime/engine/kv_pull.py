@@ -5,7 +5,8 @@ that the block pool caches. Pulling side: :class:`KVPuller` (event loop) decides
 prompt's hash chain whether a pull is worth it (at least ``min_pull_blocks`` leading blocks
 missing locally; never for a LoRA adapter, a ``cache_salt`` or prompt logprobs, whose blocks hash
 differently or must be computed), fetches them from the peer
-(:class:`~kvfleet.runtime.kv_transfer.peer_pull.PeerFetcher`: every frame checked) and
+(:class:`~kvfleet.runtime.kv_transfer.peer_pull.PeerFetcher`: every frame checked, the answer
+sealed by a replica of the fleet) and
 :func:`install_blocks` (engine thread) writes them into fresh blocks and registers them in the
 prefix cache as if computed, before the request is queued: the scheduler then sees prefix hits.
 A refused or failed transfer installs nothing (the prompt is computed as without a peer).
@@ -21,6 +22,7 @@ import logging
 from kvfleet.runtime.engine.kv_disk import DiskWriter
 from kvfleet.runtime.engine.stats import IterationStats
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
+from kvfleet.runtime.kv_transfer.fleet_auth import FleetKeys
 from kvfleet.runtime.kv_transfer.peer_pull import PeerFetcher
 from kvfleet.runtime.kv_transfer.wire import TransferError
 from kvfleet.runtime.worker.kv_blocks import block_layout, read_blocks, write_blocks
@@ -82,14 +84,16 @@ def install_blocks(engine, hashes: list[bytes], token_ids: list[int], start: int
 class KVPuller:
     """The pulling side of one engine (``LLMEngine`` ``engine``); ``call(fn, *args)`` awaits
     ``fn`` in the engine thread. Sources, in order: the disk tier (``disk_path``), then the peer
-    the router names (``kv_role`` ``kv_both`` / ``kv_consumer``)."""
+    the router names (``kv_role`` ``kv_both`` / ``kv_consumer``, and the fleet's ``keys``: no
+    keys, no peer pulls)."""
 
-    def __init__(self, engine, call) -> None:
+    def __init__(self, engine, call, keys: FleetKeys | None = None) -> None:
         self.engine = engine
         self.call = call
         self.config = engine.config.kv_transfer_config
         self.layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
-        self.fetcher = PeerFetcher(self.config, self.layout) if self.config.pulls else None
+        self.fetcher = (PeerFetcher(self.config, self.layout, keys)
+                        if self.config.pulls and keys is not None else None)
         self.disk = next((s.disk for s in engine.kv_event_sinks if isinstance(s, DiskWriter)), None)
         self._inflight: dict[bytes, asyncio.Future] = {}
         """First missing block hash -> the fill in progress from there (event loop only)."""
@@ -111,7 +115,7 @@ class KVPuller:
         if self.fetcher is not None:
             await self.fetcher.aclose()
 
-    async def pull(self, request, peer: str | None = None, authorization: str | None = None) -> int:
+    async def pull(self, request, peer: str | None = None) -> int:
         """Fill ``request``'s missing prefix blocks from the disk tier, then from ``peer`` when
         worth it; the tokens installed. Requests whose first missing block is the same (a burst
         sharing a new prefix) take turns: each looks again once the one before is done, so a
@@ -126,7 +130,7 @@ class KVPuller:
             return 0
         done = self._inflight[hashes[local]] = asyncio.get_running_loop().create_future()
         try:
-            return await self._fill(request, hashes, local, peer, authorization)
+            return await self._fill(request, hashes, local, peer)
         except Exception:  # an optimisation: its failure must never fail the request
             logger.exception("KV fill failed, recomputing")
             self._record(IterationStats(kv_pull_failures=["error"]))
@@ -135,8 +139,7 @@ class KVPuller:
             del self._inflight[hashes[local]]
             done.set_result(None)
 
-    async def _fill(self, request, hashes: list[bytes], local: int, peer: str | None, authorization: str | None
-                    ) -> int:
+    async def _fill(self, request, hashes: list[bytes], local: int, peer: str | None) -> int:
         tokens = list(request.prompt_token_ids)
         total = 0
         if self.disk is not None and self.disk.leading_run(hashes[local:local + 1]):
@@ -148,7 +151,7 @@ class KVPuller:
         if peer is None or self.fetcher is None or len(hashes) - local < self.config.min_pull_blocks:
             return total
         try:
-            pulled = await self.fetcher.fetch(peer, hashes[local:], authorization)
+            pulled = await self.fetcher.fetch(peer, hashes[local:])
         except TransferError as exc:
             logger.warning("KV pull from %s refused, recomputing: %s", peer, exc)
             self._record(IterationStats(kv_pull_failures=[exc.reason]))

@@ -85,10 +85,9 @@ class EngineClient(Protocol):
         lora_name: str | None = None,
         resume_output_ids: list[list[int]] | None = None,
         kv_peer: str | None = None,
-        kv_peer_auth: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """``kv_peer`` (the router's hint, docs/routing.md "Peer KV pull"): a replica to pull the
-        prompt's missing prefix blocks from before queueing it; ``kv_peer_auth`` its Authorization."""
+        """``kv_peer`` (the router's hint, docs/routing.md "Peer KV pull", its signature verified
+        by the caller): a replica to pull the prompt's missing prefix blocks from before queueing it."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -3,7 +3,9 @@ them (vLLM's ``KVEventsConfig`` field names: ``vllm/config/kv_events.py``).
 
 kvfleet differs from vLLM in two places: there is no ZMQ ``replay_endpoint``; a late reader
 instead reads ``GET /kv_events/snapshot`` (every hash cached after batch ``seq``) and then
-applies the batches with a larger ``seq`` (docs/routing.md, "Precise prefix routing").
+applies the batches with a larger ``seq`` (docs/routing.md, "Precise prefix routing"). And
+``include_token_ids`` (kvfleet's): ``false`` sends ``BlockStored`` with empty ``token_ids``, so the
+events carry no prompt text (``kvfleet serve``'s default events, which a router reads for hashes only).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class KVEventsConfig(BaseModel):
     """ZMQ send high-water mark: messages queued for a slow subscriber before ZMQ drops them."""
     max_queue_size: int = Field(100_000, ge=1)
     """Accepted for vLLM compatibility; kvfleet sends from the engine thread without a queue."""
+    include_token_ids: bool = True
+    """``BlockStored.token_ids`` as vLLM sends them; false: empty (block hashes only)."""
     buffer_steps: int = Field(10_000, ge=1)
     """Accepted for vLLM compatibility (its replay buffer); kvfleet replays from the snapshot."""
 

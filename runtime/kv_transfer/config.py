@@ -41,6 +41,9 @@ class KVTransferConfig(BaseModel):
     blocks found there are loaded instead of computed (a restarted replica starts warm)."""
     disk_max_bytes: int = Field(2**30, ge=1)
     """The disk tier's bound: least recently used files go past it."""
+    fleet_secret_file: str | None = None
+    """The fleet secret's file (:mod:`~kvfleet.runtime.kv_transfer.fleet_auth`); None:
+    ``$KVFLEET_FLEET_SECRET``, else ``~/.config/kvfleet/fleet-secret`` (created if missing)."""
 
     @property
     def serves(self) -> bool:

@@ -10,16 +10,22 @@ the cache dtype, C order (:mod:`kvfleet.runtime.worker.kv_blocks`).
 :class:`FrameReader` takes the bytes as they arrive and refuses (:class:`TransferError`, with a
 ``reason``) any frame whose header differs from the reader's own layout, whose hash is not the
 next one of the hashes asked for, whose payload length or digest is wrong, and a stream that
-ends inside a frame. Torch-free, no I/O.
+ends inside a frame. With a ``seal_key`` (a pull from a peer) the stream must end with the seal
+of :mod:`~kvfleet.runtime.kv_transfer.fleet_auth` over every frame before it: no seal, a wrong
+one, or bytes after it are refused (``not_replica``), and :meth:`FrameReader.finish` returns
+nothing unsealed. Torch-free, no I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+
+from kvfleet.runtime.kv_transfer.fleet_auth import SEAL_BYTES, SEAL_MAGIC
 
 MAGIC = b"KVB1"
 MAX_HEADER_BYTES = 64 * 1024
@@ -28,7 +34,7 @@ CONTENT_TYPE = "application/x-kvfleet-kv-blocks"
 
 class TransferError(ValueError):
     """A refused transfer; ``reason`` is one of ``layout``, ``hash``, ``digest``, ``truncated``,
-    ``malformed`` (the ``reason`` label of the failure metric)."""
+    ``malformed``, ``not_replica`` (the ``reason`` label of the failure metric)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -87,13 +93,17 @@ def check_header(header: dict, layout: BlockLayout, expected_hash: bytes | None)
 
 class FrameReader:
     """Decodes frames as bytes arrive, checking each against ``layout`` and the next of
-    ``expected`` (the hashes asked for, in order; None: any hash, e.g. a disk file's own)."""
+    ``expected`` (the hashes asked for, in order; None: any hash, e.g. a disk file's own);
+    ``seal_key``: the stream must end with the seal made with it (a peer's answer)."""
 
-    def __init__(self, layout: BlockLayout, expected: Sequence[bytes] | None = None) -> None:
+    def __init__(self, layout: BlockLayout, expected: Sequence[bytes] | None = None,
+                 seal_key: bytes | None = None) -> None:
         self.layout = layout
         self.expected = list(expected) if expected is not None else None
         self.blocks: list[tuple[bytes, bytes]] = []
         self._buf = bytearray()
+        self._mac = hmac.new(seal_key, digestmod=hashlib.sha256) if seal_key is not None else None
+        self._sealed = False
 
     def feed(self, data: bytes) -> None:
         """Take more bytes; every complete frame is checked and appended to ``blocks``."""
@@ -103,8 +113,18 @@ class FrameReader:
 
     def _take_one(self) -> bool:
         buf = self._buf
+        if self._sealed and buf:
+            raise TransferError("not_replica", "bytes after the seal")
         if len(buf) < 8:
             return False
+        if self._mac is not None and bytes(buf[:4]) == SEAL_MAGIC:
+            if len(buf) < SEAL_BYTES:
+                return False
+            if not hmac.compare_digest(bytes(buf[4:SEAL_BYTES]), self._mac.digest()):
+                raise TransferError("not_replica", "the answer's seal is not a replica's of this fleet")
+            self._sealed = True
+            del buf[:SEAL_BYTES]
+            return bool(buf)
         if bytes(buf[:4]) != MAGIC:
             raise TransferError("malformed", "a frame does not start with KVB1")
         (hlen,) = struct.unpack(">I", buf[4:8])
@@ -131,6 +151,8 @@ class FrameReader:
         except (TypeError, ValueError):
             raise TransferError("malformed", "block_hash is not hex") from None
         self.blocks.append((block_hash, payload))
+        if self._mac is not None:
+            self._mac.update(bytes(buf[:end]))
         del buf[:end]
         return True
 
@@ -138,4 +160,6 @@ class FrameReader:
         """The blocks read; :class:`TransferError` ``truncated`` when the stream ended inside a frame."""
         if self._buf:
             raise TransferError("truncated", f"the stream ended {len(self._buf)} bytes into a frame")
+        if self._mac is not None and not self._sealed:
+            raise TransferError("not_replica", "the answer has no seal of a replica of this fleet")
         return self.blocks

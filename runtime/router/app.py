@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
 from kvfleet.runtime.router.endpoints import EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue
 from kvfleet.runtime.router.kv_index import KVIndex
@@ -89,8 +90,9 @@ def create_app(settings: RouterSettings) -> Starlette:
                   "max_migrations": settings.max_migrations}
         tasks = [asyncio.create_task(prober.run())]
         if state.kv_index is not None:
+            keys = load_fleet_keys(settings.fleet_secret_file) if settings.kv_peer_hint else None
             state.forwarder = PreciseForwarder(*fwd_args, index=state.kv_index, kv_peer_hint=settings.kv_peer_hint,
-                                               **fwd_kw)
+                                               fleet_keys=keys, **fwd_kw)
             subscriber = KVSubscriber(state.kv_index, probe_client, topic=settings.kv_events_topic,
                                       api_key=settings.api_key)
             tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))

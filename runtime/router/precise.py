@@ -10,9 +10,11 @@ yet) the request carries no hashes and the picker falls back to the char-prefix 
 a LoRA adapter or with a ``cache_salt`` hash differently on the replica, match no block, and so
 fall back the same way.
 
-With ``--kv-peer-hint`` (any routing algorithm) the forwarder also tells the chosen replica, in
-``x-kvfleet-kv-peer``, which other available replica caches a longer prefix of the prompt, so that
-the replica pulls those blocks instead of recomputing them (docs/routing.md, "Peer KV pull").
+With ``--kv-peer-hint`` (on by default, any routing algorithm) the forwarder also tells the chosen
+replica, in ``x-kvfleet-kv-peer``, which other available replica caches a longer prefix of the
+prompt, so that the replica pulls those blocks instead of recomputing them (docs/routing.md, "Peer
+KV pull"); every hint is signed with the fleet secret (``x-kvfleet-kv-peer-signature``,
+:mod:`kvfleet.runtime.kv_transfer.fleet_auth`), and with no secret the router sends none.
 
 :class:`PreciseForwarder` computes the hashes once per request and hands them to
 :class:`PrecisePicker` through a context variable (the proxy's pick call is unchanged).
@@ -26,9 +28,10 @@ import json
 import httpx
 
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
+from kvfleet.runtime.kv_transfer.fleet_auth import FleetKeys
 from kvfleet.runtime.router.kv_index import KVIndex
 from kvfleet.runtime.router.picker import Picker
-from kvfleet.runtime.router.proxy import KV_PEER_HEADER, Forwarder
+from kvfleet.runtime.router.proxy import KV_PEER_HEADER, KV_PEER_SIGNATURE_HEADER, Forwarder
 
 _HASHES: contextvars.ContextVar[list[bytes] | None] = contextvars.ContextVar("kvfleet_block_hashes", default=None)
 TOKENIZE_PATHS = {"/v1/completions", "/v1/chat/completions"}
@@ -61,12 +64,15 @@ class PrecisePicker(Picker):
 
 class PreciseForwarder(Forwarder):
     """Args: index (the replicas' cached blocks); kv_peer_hint: name, in ``x-kvfleet-kv-peer``, the
-    available replica that caches the longest prefix of the prompt when it is not the one chosen."""
+    available replica that caches the longest prefix of the prompt when it is not the one chosen,
+    signed with ``fleet_keys`` (None: no hints)."""
 
-    def __init__(self, *args, index: KVIndex, kv_peer_hint: bool = False, **kw) -> None:
+    def __init__(self, *args, index: KVIndex, kv_peer_hint: bool = False, fleet_keys: FleetKeys | None = None,
+                 **kw) -> None:
         super().__init__(*args, **kw)
         self.index = index
-        self.kv_peer_hint = kv_peer_hint
+        self.kv_peer_hint = kv_peer_hint and fleet_keys is not None
+        self.fleet_keys = fleet_keys
 
     def upstream_headers(self, ep, headers):
         hashes = _HASHES.get()
@@ -78,7 +84,9 @@ class PreciseForwarder(Forwarder):
         if best[0] <= mine:
             return headers
         self.metrics.kv_peer_hints.inc()
-        return [*headers, (KV_PEER_HEADER, best[1].encode())]
+        assert self.fleet_keys is not None
+        return [*headers, (KV_PEER_HEADER, best[1].encode()),
+                (KV_PEER_SIGNATURE_HEADER, self.fleet_keys.sign_hint(best[1]).encode())]
 
     async def block_hashes(self, path: str, headers, body: bytes) -> list[bytes] | None:
         block_size = self.index.block_size()

@@ -65,6 +65,8 @@ HOP_BY_HOP = frozenset(
 REPLICA_HEADER = "x-kvfleet-replica"
 KV_PEER_HEADER = b"x-kvfleet-kv-peer"
 """The router's pull hint to a replica (docs/routing.md, "Peer KV pull"); never taken from a client."""
+KV_PEER_SIGNATURE_HEADER = b"x-kvfleet-kv-peer-signature"
+"""The router's signature of its hint (:mod:`kvfleet.runtime.kv_transfer.fleet_auth`); never a client's."""
 
 
 def error_response(status: int, message: str, type_: str, code: str | None = None,
@@ -216,7 +218,8 @@ class Forwarder:
         if migrate:
             body = json.dumps(upstream_body(parsed)).encode()
         pinned = self.affinity.replica(wanted_response_id(method, path, parsed))
-        fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() != KV_PEER_HEADER]
+        fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP
+                       and k.lower() not in (KV_PEER_HEADER, KV_PEER_SIGNATURE_HEADER)]
         target = path + ("?" + query.decode("latin-1") if query else "")
         tried: set[str] = set()
         deadline: float | None = None

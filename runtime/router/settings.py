@@ -1,8 +1,11 @@
 """Options of ``kvfleet router`` (command line; every option also as ``KVFLEET_ROUTER_<NAME>``).
 
 Endpoints come from ``--endpoints URL,...`` (static) or ``--kube-service NAME`` (the
-EndpointSlices of that Service, ready addresses only; :mod:`.endpointslices`). Meanings and
-defaults: docs/routing.md.
+EndpointSlices of that Service, ready addresses only; :mod:`.endpointslices`). Everything else is
+on with no flag (issue 42): prefix-aware routing from the replicas' KV events where they publish
+them (``precise-prefix-cache``, the char-prefix CHWBL ring where they do not), signed peer hints
+and mid-stream migration; flags only turn things off (``--routing-algorithm prefix-hash``,
+``--no-kv-peer-hint``, ``--max-migrations 0``). Meanings and defaults: docs/routing.md.
 """
 
 from __future__ import annotations
@@ -34,12 +37,17 @@ class RouterSettings(BaseModel):
     """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
     kube_port: str = "http"
     """Port of the EndpointSlices to use: its name, or its number."""
-    routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = "prefix-hash"
+    routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = (
+        "precise-prefix-cache")
+    """Default: the replicas' KV events where they publish them, else the char-prefix CHWBL ring."""
     kv_events_topic: str = ""
     """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
-    kv_peer_hint: bool = False
+    kv_peer_hint: bool = True
     """Read the replicas' KV events (any algorithm) and name, in ``x-kvfleet-kv-peer``, the replica
     caching a longer prefix than the chosen one (the replicas' ``--kv-transfer-config`` pulls it)."""
+    fleet_secret_file: str | None = None
+    """The fleet secret's file, for signing peer hints (None: ``$KVFLEET_FLEET_SECRET``, else
+    ``~/.config/kvfleet/fleet-secret``; :mod:`kvfleet.runtime.kv_transfer.fleet_auth`)."""
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
     load_factor: float = Field(1.25, ge=1.0)
     min_capacity: int = Field(4, ge=1)
@@ -70,11 +78,15 @@ _HELP = {
     "kube_service": "Service whose EndpointSlices list the replicas (ready addresses only)",
     "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
-    "routing_algorithm": "prefix-hash (CHWBL prefix affinity + load), precise-prefix-cache (the replicas' KV events: "
-                         "longest cached prefix within CHWBL's bound), least-load, or round-robin",
+    "routing_algorithm": "precise-prefix-cache (default: the replicas' KV events, longest cached prefix within "
+                         "CHWBL's bound; replicas without events: as prefix-hash), prefix-hash (CHWBL prefix affinity "
+                         "on the prompt's characters + load), least-load, or round-robin",
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
-    "kv_peer_hint": "tell the chosen replica (header x-kvfleet-kv-peer) which replica caches a longer prefix of the "
-                    "prompt, from the replicas' KV events, so it pulls the KV instead of recomputing it",
+    "kv_peer_hint": "tell the chosen replica (header x-kvfleet-kv-peer, signed with the fleet secret) which replica "
+                    "caches a longer prefix of the prompt, from the replicas' KV events, so it pulls the KV instead "
+                    "of recomputing it (default on; --no-kv-peer-hint: off)",
+    "fleet_secret_file": "file of the fleet secret that signs peer hints (default: $KVFLEET_FLEET_SECRET, "
+                         "else ~/.config/kvfleet/fleet-secret, created if missing)",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
     "min_capacity": "a replica with fewer requests than this in flight never spills its prefixes (floor of the bound)",

@@ -82,13 +82,18 @@ def life_cycle(emu: EmulatorThread) -> None:
     isvc = yaml.safe_load((ROOT / "examples" / "inferenceservice-minimal.yaml").read_text())
     isvc["metadata"].update(name="rbac", namespace=NS)
     isvc["spec"]["runtime"] = {"apiKeySecretRef": {"name": "rbac-key"}}
-    isvc["spec"]["disruption"] = {"maxUnavailable": 1}
+    isvc["spec"]["disruption"] = {"minAvailable": 1}
     emu.create(ISVC, isvc)
     emu.wait_for(lambda: emu.get("apps/v1/deployments", NS, "rbac"), message="the Deployment")
     emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "rbac"), message="the PDB")
     emu.wait_for(lambda: (emu.get(ISVC, NS, "rbac") or {}).get("status", {}).get("conditions"), message="status")
-    emu.patch(ISVC, NS, "rbac", {"spec": {"disruption": None}})
-    emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "rbac") is None, message="PDB deleted")
+    emu.patch(ISVC, NS, "rbac", {"spec": {"disruption": None}})  # the PDB back to its default
+    emu.wait_for(lambda: "minAvailable" not in (emu.get("policy/v1/poddisruptionbudgets", NS, "rbac") or {})
+                 .get("spec", {"minAvailable": 0}), message="PDB back to the default")
+    # the router (on by default) turned off: its children, its PDB included, are deleted
+    emu.patch(ISVC, NS, "rbac", {"spec": {"router": {"enabled": False}}})
+    emu.wait_for(lambda: emu.get("policy/v1/poddisruptionbudgets", NS, "rbac-router") is None,
+                 message="the router's PDB deleted")
     # Autoscaling by the operator (reads pods and HPAs), then by an HPA the operator creates.
     emu.patch(ISVC, NS, "rbac", {"spec": {"autoscaling": {"mode": "operator", "minReplicas": 1, "maxReplicas": 2}}})
     time.sleep(3.0)
@@ -126,12 +131,14 @@ def test_rbac_allows_every_request_the_operator_makes(helm_bin, tmp_path, mode):
             stop_operator(proc)
         requests = [r for r in emu.emulator.request_log if r[3].startswith(OPERATOR_AGENTS)]
 
-    seen, denied = set(), []
+    seen, denied, secrets = set(), [], set()
     for method, path, query, agent in requests:
         attrs_ = attributes(method, path, query)
         if attrs_ is None:
             continue
         verb, group, resource, namespace, _name = attrs_
+        if resource == "secrets":
+            secrets.add((verb, _name))
         seen.add((verb, group, resource))
         if mode == "namespaced" and namespace not in (None, NS):
             denied.append(f"{method} {path}: outside the watched namespace")
@@ -146,9 +153,10 @@ def test_rbac_allows_every_request_the_operator_makes(helm_bin, tmp_path, mode):
                  ("patch", "kvfleet.io", "inferenceservices/status"), ("watch", "", "pods"),
                  ("delete", "policy", "poddisruptionbudgets")]:
         assert must in seen, must
-    # Least privilege: an apiKeySecretRef Secret is never read (its absence shows in the pods).
-    assert not [s for s in seen if s[2] == "secrets"]
-    assert not [r for r in role["rules"] if "secrets" in r["resources"]]
+    # Least privilege: an apiKeySecretRef Secret is never read (its absence shows in the pods); the
+    # only Secret touched is the service's own fleet Secret, read by name and created once
+    assert secrets == {("get", "rbac-fleet"), ("create", None)}, secrets
+    assert [sorted(r["verbs"]) for r in role["rules"] if "secrets" in r["resources"]] == [["create", "get"]]
 
 
 def docs_rbac_rules() -> set[tuple[str, str, frozenset]]:

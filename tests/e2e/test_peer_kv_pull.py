@@ -22,6 +22,7 @@ import pytest
 from support.serve import start_serve, stop_serve
 
 from e2e.test_router import API_KEY, MODEL, WORDS, client, scrape, start_router, value
+from kvfleet.runtime.kv_transfer.fleet_auth import FLEET_AUTH_HEADER, Sealer, load_fleet_keys
 
 pytestmark = pytest.mark.slow
 
@@ -101,13 +102,19 @@ def test_nine_requests_over_three_replicas_compute_the_prefix_once(fleet):
     assert [t for t, _, _ in again] == [answers[0][0]] * 2
 
 
-def test_kv_blocks_endpoint_refuses_bad_hashes(fleet):
+def test_kv_blocks_endpoint_is_the_fleets_and_refuses_bad_hashes(fleet):
     base = fleet["replicas"][0]
-    r = httpx.get(base + "/kv_blocks", params={"hashes": "zz"}, headers=AUTH, timeout=10)
+    keys = load_fleet_keys()  # the suite's fleet secret, the one every replica and the router read
+    auth = {FLEET_AUTH_HEADER: keys.pull_auth()[0]}
+    r = httpx.get(base + "/kv_blocks", params={"hashes": "zz"}, headers=auth, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "block_hashes"
-    r = httpx.post(base + "/kv_blocks", json={"block_hashes": ["00" * 16]}, headers=AUTH, timeout=10)
-    assert r.status_code == 200 and r.content == b""  # nothing cached under that hash: an empty run
-    assert httpx.get(base + "/kv_blocks", timeout=10).status_code == 401
+    auth, nonce = keys.pull_auth()
+    r = httpx.post(base + "/kv_blocks", json={"block_hashes": ["00" * 16]}, headers={FLEET_AUTH_HEADER: auth},
+                   timeout=10)
+    assert r.status_code == 200
+    assert r.content == Sealer(keys.seal_key(nonce)).seal()  # nothing cached under that hash: an empty run, sealed
+    for headers in ({}, AUTH):  # a client, with or without the API key, reads no blocks
+        assert httpx.get(base + "/kv_blocks", headers=headers, timeout=10).status_code == 403
 
 
 def test_a_replica_restarted_from_its_disk_tier_serves_the_prefix_with_hits(fleet):

@@ -3,9 +3,10 @@ operator`` (a process) on the API emulator, tests/support/kubelet.py running the
 pods as real ``kvfleet router`` processes and the runtime pods as real ``kvfleet serve`` processes
 (``rollout="surge"``: maxSurge / maxUnavailable as the Deployment controller plays them).
 
-An InferenceService with ``spec.router.enabled``, ``rollout.strategy: ResourceAware`` (maxSurge 0,
-maxUnavailable 1), two replicas and the runtime's drain hand-off on
-(``engine.extraArgs.drain_handoff_grace: 2``). 16 long greedy chat streams go through the router
+A default InferenceService (issue 42: the router, the peer tier, the fleet Secret and the 2 s drain
+hand-off are all the defaults; no ``router`` or ``drain_handoff_grace`` in the manifest) with
+``rollout.strategy: ResourceAware`` (maxSurge 0, maxUnavailable 1) and two replicas. 16 long
+greedy chat streams go through the router
 pods (round robin, as the ``<name>-router`` Service spreads clients) with the official ``openai``
 SDK, retries off (a resent request would hide a cut); once every stream has tokens, a spec change
 (``maxModelLen``) rolls the runtime pods one at a time. Checked:
@@ -14,8 +15,9 @@ SDK, retries off (a resent request would hide a cut); once every stream has toke
 - the routers migrated streams for the draining replicas: ``router_migrations_total{reason="drain"}`` > 0;
 - the roll did not wait for the streams: each old pod exits within preStop + the grace + a margin
   after leaving the endpoints, the roll (spec change -> both new pods ready, both old pods gone,
-  the InferenceService Ready for the new generation) is bounded by preStop + grace + two pod
-  starts + a margin, and every stream was still running when it ended.
+  the InferenceService Ready for the new generation) is bounded by preStop + grace per pod (one
+  pod after the other: maxSurge 0) + two pod starts + a margin, and every stream was still
+  running when it ended.
 
 The pods' preStop sleep is shortened to 2 s (``prestop_seconds``; tests/e2e/test_rollout.py rolls
 with the real 10 s): the sleep only delays the hand-off, and CI time is short.
@@ -41,9 +43,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NS, NAME, MODEL, STREAMS = "default", "handoff", "smollm2", 16
 OLD_LEN, NEW_LEN = 1024, 1152  # maxModelLen before / after: the spec change that rolls the pods
 MAX_TOKENS = 768  # per stream: it outlasts the roll (asserted); 256 did not once decode ran on AMX tiles
-PRESTOP, GRACE = 2.0, 2.0  # the pods' preStop sleep here, the runtime's drain_handoff_grace
+PRESTOP, GRACE = 2.0, 2.0  # the pods' preStop sleep here, the runtime's drain_handoff_grace (its default)
 EXIT_MARGIN = 8.0  # an old pod's exit after preStop + grace: the hand-off, the process's own shutdown
-ROLL_MARGIN = 15.0  # the operator's and the kubelet's polling, the migrations' prefills, a loaded CPU
+ROLL_MARGIN = 30.0
+"""The operator's and the kubelet's polling and reactions, the migrations' prefills, a loaded CPU.
+15 s held on a quieter machine; at load average 12-13 (five sessions on 2 cores, issue 42's runs)
+the operator took 8-15 s to start the roll and the kubelet 3-7 s between an old pod's exit and its
+replacement's start, while each old pod still left 4.8-5.2 s after leaving the endpoints (preStop +
+the grace): the roll came to 101 s against pod starts of 80 s, and 154 s against 114 s. The bound
+still fails a roll that waits for its streams (they last 240-350 s)."""
 
 
 @dataclass
@@ -97,9 +105,8 @@ def manifest() -> dict:
     return {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": NAME, "namespace": NS},
             "spec": {"model": {"uri": "file:///models/smollm2.gguf", "servedModelName": MODEL},
-                     "replicas": 2, "rollout": {"strategy": "ResourceAware"}, "router": {"enabled": True},
-                     "engine": {"maxModelLen": OLD_LEN, "maxNumSeqs": 32,
-                                "extraArgs": {"kv_cache_memory": "320MiB", "drain_handoff_grace": GRACE}}}}
+                     "replicas": 2, "rollout": {"strategy": "ResourceAware"},
+                     "engine": {"maxModelLen": OLD_LEN, "maxNumSeqs": 32, "extraArgs": {"kv_cache_memory": "320MiB"}}}}
 
 
 def rolled_at(emu, kubelet: TestKubelet, old: set[str]) -> float:
@@ -169,5 +176,7 @@ def test_a_resource_aware_roll_hands_16_long_streams_off_and_takes_the_grace_not
     for n in old:  # the hand-off, not the streams: each old pod leaves after preStop + grace
         assert exited[n] - left[n] <= PRESTOP + GRACE + EXIT_MARGIN, (n, exited[n] - left[n])
     assert len(pod_start) == 2
-    assert roll <= PRESTOP + GRACE + sum(pod_start) + ROLL_MARGIN, (roll, pod_start)
+    # maxSurge 0: each old pod's replacement starts once it has gone, so the roll is about preStop +
+    # the hand-off grace per pod plus the pod starts, not the streams
+    assert roll <= len(old) * (PRESTOP + GRACE) + sum(pod_start) + ROLL_MARGIN, (roll, pod_start)
     assert min(s.end for s in streams) > t_rolled, "every stream was still running when the roll ended"

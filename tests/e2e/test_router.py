@@ -1,8 +1,9 @@
 """End to end: three real `kvfleet serve` replicas (the default model) behind `kvfleet router
 --endpoints`, driven by the official `openai` client.
 
-- a shared-prefix workload through the prefix-hash router reaches >= 80 % of the prefix-cache
-  hits of the ideal (each prefix sent straight to one replica); round robin is measured too;
+- a shared-prefix workload through the router with no routing flag (prefix-aware from the
+  replicas' KV events) reaches >= 80 % of the prefix-cache hits of the ideal (each prefix sent
+  straight to one replica); round robin is measured too (its picks cycle: 7/7/6 of 20);
 - streaming passes through, a client disconnect aborts the request on the replica, API keys pass;
 - SIGKILL one replica: every new request still succeeds (failover before the first byte);
 - a request sent while the only endpoint is down is held and answered once it starts;
@@ -25,7 +26,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.serve import free_port, start_serve, stop_serve
+from support.serve import bare_env, free_port, start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def start_router(args: list[str], log: Path, want_available: int | None = None) 
     port = free_port()
     cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "router", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={"PYTHONSAFEPATH": "1", "PATH": ""})
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=bare_env())
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -101,7 +102,10 @@ def fleet(tmp_path_factory):
         # one probe at start, then none in the tests' time: the SIGKILL test below must reach the
         # killed replica before a probe does (at 5 s a probe sometimes came first: nothing retried)
         "prefix": start_router(["--endpoints", urls, "--probe-interval", "3600"], tmp / "router-prefix.log", 3),
-        "rr": start_router(["--endpoints", urls, "--routing-algorithm", "round-robin"], tmp / "router-rr.log", 3),
+        # plain round robin, the baseline: no peer hints (a replica would pull the prefix instead of
+        # missing it), and its probe state pinned as the prefix router's (all three available)
+        "rr": start_router(["--endpoints", urls, "--routing-algorithm", "round-robin", "--no-kv-peer-hint",
+                            "--probe-interval", "3600"], tmp / "router-rr.log", 3),
     }
     yield {"replicas": replicas, "routers": routers, "tmp": tmp, "state": {}}
     for proc, _ in routers.values():
@@ -141,9 +145,13 @@ def test_prefix_affinity_gets_the_prefix_cache_hits_of_one_replica_per_prefix(fl
     assert ideal > 4 * 4 * 96  # 4 prefixes x 4 repeats x >= 6 full blocks of 16 tokens
     assert routed >= 0.8 * ideal
     assert rr < routed
-    # each prefix mostly on its own replica (a round can spill one past the bounded load), round robin spread
+    # each prefix mostly on its own replica (a round can spill one past the bounded load)
     assert sum(c.most_common(1)[0][1] for c in seen.values()) >= 0.8 * 4 * 5, seen
-    assert all(len(c) > 1 for c in rr_seen.values()), rr_seen
+    # round robin's guarantee with every replica available: its picks cycle through them, so the 20
+    # requests split 7/7/6 (which prefix lands where depends on the order concurrent requests
+    # arrive in: one prefix's 5 on one replica is a 1-in-81 chance, not a fault)
+    per_replica = sum(rr_seen.values(), collections.Counter())
+    assert len(per_replica) == 3 and max(per_replica.values()) - min(per_replica.values()) <= 1, rr_seen
     m = scrape(routers["prefix"][1])
     assert value(m, "kvfleet:router_routing_decisions_total", decision="hit") >= 0.8 * 4 * 5
     assert value(m, "kvfleet:router_requests_total", outcome="success") >= 4 * 5

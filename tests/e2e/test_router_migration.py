@@ -28,7 +28,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.serve import free_port, start_serve, stop_serve
+from support.serve import bare_env, free_port, start_serve, stop_serve
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def start_router(args: list[str], log, available: int = 2) -> tuple[subprocess.P
     port = free_port()
     cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "router", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={"PYTHONSAFEPATH": "1", "PATH": ""})
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=bare_env())
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -241,7 +241,8 @@ EXPECTED_RULES = {
     ("", "pods"): {"get", "list", "watch"},               # watched: pod-level reasons
     ("", "persistentvolumeclaims"): {"get"},              # the model volume's access modes
     ("keda.sh", "scaledobjects"): {"list"},               # one scaler per target
-    ("", "events"): {"create"},                           # no secrets: learnt from the pods
+    ("", "events"): {"create"},                           # others' secrets: learnt from the pods
+    ("", "secrets"): {"get", "create"},                   # its own fleet Secret: read by name, created once
     # spec.router: the router's own RBAC, and what its Role grants (RBAC escalation check)
     ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},

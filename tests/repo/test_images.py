@@ -76,6 +76,15 @@ def test_local_paths_of_the_pip_config_are_mounted_read_only(tmp_path):
     assert vols[1:] == [f"{p}:{p}:ro" for p in (cert, tmp_path / "wheels", tmp_path / "pypi")]
 
 
+def test_the_start_up_checks_read_the_operator_as_it_is():
+    """The script's preflight (run before it builds anything): what its runtime check takes from
+    the operator -- the pod's env, writable mounts and cache mount -- resolves against today's
+    operator. (It once crashed here, after the build, on a name that had moved: issue 42.)"""
+    env, writable, cache_dir = _script().preflight()
+    assert cache_dir == "/cache" and {"/cache", "/tmp"} <= set(writable)
+    assert env["HOME"] == "/tmp" and env["HF_HUB_OFFLINE"] == "1"
+
+
 def test_sandbox_mounts_the_root_read_only_before_dropping_to_the_user():
     m = _script()
     script = m.sandbox_script(Path("/var/lib/x/merged"), "1000:1000", {"HOME": "/tmp", "A": "b c"},

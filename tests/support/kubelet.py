@@ -31,7 +31,8 @@ A pod whose container runs ``kvfleet router`` (args starting with ``router``, as
 router Deployment) runs that command instead, with ``--host``/``--port`` set to the loopback port
 and ``KUBECONFIG`` pointing at the API (``kubeconfig``). As the EndpointSlice controller would,
 every pod selected by a Service of the namespace gets an EndpointSlice ``<service>-<pod>``
-(address 127.0.0.1, the pod's own port, ``conditions.ready``), deleted with the pod.
+(address 127.0.0.1, the pod's own port, ``conditions.ready``), deleted with the pod; a pod's KV
+events socket binds a free port of its own (the operator's fixed port would collide on one host).
 
 Not a real kubelet: no probes beyond /ready, no resources, no init containers, no
 volumes except the config file, no env naming a pod path. The model is whatever ``config_overrides`` leaves: the
@@ -40,6 +41,7 @@ closed-loop test drops ``model`` so every process serves the embedded default.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
@@ -339,6 +341,11 @@ class TestKubelet:
                 config.pop(key, None)
             else:
                 config[key] = value
+        events = config.get("kv_events_config")
+        if isinstance(events, dict) and events.get("endpoint"):
+            # every pod here shares one host: each its own events port, as each pod has its own IP
+            # (the router reads it from the replica's /kv_events/snapshot either way)
+            config["kv_events_config"] = {**events, "endpoint": "tcp://127.0.0.1:0"}
         return yaml.safe_dump(config, sort_keys=True)
 
     def _spawn(self, name: str, port: int, template: Mapping[str, Any]) -> tuple[subprocess.Popen, Path]:
@@ -357,16 +364,18 @@ class TestKubelet:
                 else:
                     flags += [flag, value]
             cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "router", *flags]
-            env = {**self.env, **({"KUBECONFIG": str(self.kubeconfig)} if self.kubeconfig else {})}
+            env = {**self.env, **self._cm_env(template),
+                   **({"KUBECONFIG": str(self.kubeconfig)} if self.kubeconfig else {})}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         return proc, log_path
 
     def _cm_env(self, template: Mapping[str, Any]) -> dict[str, str]:
-        """The runtime container's env entries: plain values, and values read from a ConfigMap key
-        (``valueFrom.configMapKeyRef``) resolved at process start as the kubelet does at container
-        start. Values that are absolute paths (pod paths: HOME, cache folders) are left out."""
+        """The first container's env entries: plain values, and values read from a ConfigMap key
+        (``valueFrom.configMapKeyRef``) or a Secret key (``secretKeyRef``: the fleet secret, an
+        API key) resolved at process start as the kubelet does at container start. Values that are
+        absolute paths (pod paths: HOME, cache folders) are left out."""
         out: dict[str, str] = {}
         for c in ((template.get("spec") or {}).get("containers") or [])[:1]:
             for e in c.get("env") or []:
@@ -378,6 +387,12 @@ class TestKubelet:
                     value = (cm.get("data") or {}).get(ref["key"])
                     if value is not None:
                         out[e["name"]] = value
+                ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+                if ref:
+                    secret = self._get(self._path("v1", "secrets", ref["name"])) or {}
+                    value = (secret.get("data") or {}).get(ref["key"])
+                    if value is not None:
+                        out[e["name"]] = base64.b64decode(value).decode()
         return out
 
     def _create(self, dep: Mapping[str, Any], thash: str) -> FakePod:

@@ -13,6 +13,13 @@ from pathlib import Path
 import pytest
 
 
+def bare_env() -> dict[str, str]:
+    """A near-empty environment (a process that must need nothing of this one's), with the
+    fleet secret's sources kept: every kvfleet process of the suite is one fleet (tests/conftest.py)."""
+    fleet = {k: os.environ[k] for k in ("XDG_CONFIG_HOME", "KVFLEET_FLEET_SECRET") if k in os.environ}
+    return {"PYTHONSAFEPATH": "1", "PATH": "", **fleet}
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

@@ -111,6 +111,11 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# Each InferenceService's fleet Secret (<name>-fleet: the key its router signs peer hints with and
+# its replicas check them with): read by name and created once, never listed, watched or changed.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]

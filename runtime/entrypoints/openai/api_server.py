@@ -133,7 +133,7 @@ def create_app(
     app.include_router(lora_router(_AUTH, _parse_body))
     app.include_router(responses_router(_AUTH, _parse_body))
     app.include_router(embeddings_router(_AUTH, _parse_body))
-    app.include_router(kv_blocks_router(_AUTH))
+    app.include_router(kv_blocks_router())
     app.add_middleware(lifecycle.InFlight, state=state)
     return app
 

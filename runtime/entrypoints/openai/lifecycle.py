@@ -3,10 +3,12 @@
 - :class:`DrainingServer` (uvicorn): the first SIGTERM/SIGINT starts a drain: ``/ready`` says 503,
   new generation requests get a retryable 503, the ones in flight finish (at most
   ``shutdown_timeout`` seconds, then the engine is shut down and their streams end with an error
-  event); with ``drain_handoff_grace`` the streams a router asked token ids for end after that
-  grace with a ``kvfleet_resume_elsewhere`` error event, which the router migrates (docs/routing.md);
-  after SIGTERM the listener stays open at least :data:`DRAIN_GRACE` seconds. Then uvicorn's
-  own shutdown; a second signal skips the drain.
+  event). The streams a router asked token ids for are handed off instead, never cut: after
+  ``drain_handoff_grace`` seconds (default :data:`~.serve_args.DEFAULT_DRAIN_HANDOFF_GRACE`; None:
+  at ``shutdown_timeout``, whichever comes first) they end with a ``kvfleet_resume_elsewhere``
+  error event, which the router migrates (docs/routing.md), also when the deadline stops the
+  engine under them; after SIGTERM the listener stays open at least :data:`DRAIN_GRACE` seconds.
+  Then uvicorn's own shutdown; a second signal skips the drain.
 - :class:`InFlight` (ASGI middleware): counts generation requests in flight, refuses new ones while
   draining.
 - :func:`engine_stalled`: the engine loop alive but its step heartbeat older than
@@ -185,8 +187,10 @@ class DrainingServer(uvicorn.Server):
             logger.info("drained in %.1f s", elapsed)
             return True
         if elapsed >= self.state.settings.shutdown_timeout:
+            self.state.handing_off = True  # router streams cut by the engine's stop are handed off
             logger.warning(
-                "shutdown_timeout (%g s) passed with %d requests in flight: stopping the engine",
+                "shutdown_timeout (%g s) passed with %d requests in flight: stopping the engine (router streams "
+                "resume elsewhere)",
                 self.state.settings.shutdown_timeout,
                 self.state.in_flight,
             )

@@ -37,6 +37,22 @@ from kvfleet.runtime.pooler_config import PoolerConfig
 
 ENV_PREFIX = "KVFLEET_"
 
+DEFAULT_DRAIN_HANDOFF_GRACE = 2.0
+"""Seconds a SIGTERM drain lets router streams run before handing them off (issue 42). Measured
+(tests/e2e/test_fleet_defaults.py, docs/routing.md "Drain hand-off"): a handed-off 200-token
+stream's longest pause at the client -- the router's resume, the new replica's prefill of prompt +
+delivered tokens under the load of the other streams -- was 0.7-1.9 s for the default model on the
+shared 2-core Xeon. A stream that would end within about that pause gains nothing from moving, so
+the grace matches it: streams about to end finish in place, the rest move at once, and a pod's
+drain is bounded by preStop + 2 s rather than by its longest stream."""
+DEFAULT_KV_EVENTS_CONFIG = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+                            "include_token_ids": False}
+"""``kv_events_config`` when no source sets it: published on a free port the router reads from
+``/kv_events/snapshot``; block hashes only (a router needs no prompt tokens). ``none`` turns it off."""
+DEFAULT_KV_TRANSFER_CONFIG = {"kv_connector": "PeerPullConnector", "kv_role": "kv_both"}
+"""``kv_transfer_config`` when no source sets it (and ``tensor_parallel_size`` is 1): ``/kv_blocks``
+served to the fleet, a pull when the router's signed hint names a peer. ``none`` turns it off."""
+
 
 class ServerSettings(BaseModel):
     """Options of the HTTP server itself (everything that is not an engine option)."""
@@ -59,9 +75,9 @@ class ServerSettings(BaseModel):
     counted as they arrive). Bounds the JSON parsing the event loop does for one request."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """Seconds a SIGTERM waits for the requests in flight (vLLM's name); then their streams end."""
-    drain_handoff_grace: float | None = Field(None, ge=0)
+    drain_handoff_grace: float | None = Field(DEFAULT_DRAIN_HANDOFF_GRACE, ge=0)
     """Seconds a SIGTERM drain lets router-fronted streams run before handing them back to the
-    router to migrate (None: they run until ``shutdown_timeout``, the upper bound either way)."""
+    router to migrate (None: they run until ``shutdown_timeout``, where they are handed off too)."""
     engine_iteration_timeout: float = Field(120.0, ge=1)
     """``/health`` fails while one engine step (its heartbeat) is older than this, seconds."""
     termination_log: str | None = None
@@ -131,7 +147,8 @@ _HELP = {
     "max_request_body_size": "largest request body, bytes or with a unit (32MiB); larger ones get HTTP 413",
     "shutdown_timeout": "seconds SIGTERM waits for requests in flight (new ones get 503) before the process exits",
     "drain_handoff_grace": "seconds a SIGTERM drain lets streams behind a kvfleet router run before handing them "
-                           "back to the router to resume on another replica (default: no hand-off)",
+                           f"back to the router to resume on another replica (default {DEFAULT_DRAIN_HANDOFF_GRACE:g}; "
+                           "none: at --shutdown-timeout, where they are handed off either way)",
     "engine_iteration_timeout": "/health fails while an engine step has run this many seconds (a stuck engine)",
     "termination_log": "file the reason of a fatal engine error goes to (default /dev/termination-log if it exists)",
     "log_level": "log level of the server",
@@ -149,10 +166,12 @@ _HELP = {
     "speculative_config": "speculative decoding, a JSON object: {\"method\": \"ngram\"|\"suffix\", "
                           "\"num_speculative_tokens\": k, \"prompt_lookup_max\": n, \"prompt_lookup_min\": n}",
     "kv_events_config": "KV cache events, a JSON object: {\"enable_kv_cache_events\": true, \"publisher\": "
-                        "\"zmq\"|\"null\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}",
+                        "\"zmq\"|\"null\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"} (default: on, ZMQ on a "
+                        "free port the router discovers, block hashes only; none: off)",
     "kv_transfer_config": "peer KV pull, a JSON object: {\"kv_connector\": \"PeerPullConnector\", \"kv_role\": "
                           "\"kv_both\"|\"kv_producer\"|\"kv_consumer\", \"min_pull_blocks\": 4, "
-                          "\"max_concurrent_pulls\": 2, \"pull_timeout\": 30}",
+                          "\"max_concurrent_pulls\": 2, \"pull_timeout\": 30} (default: kv_both, for the fleet "
+                          "only; none: off)",
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 
@@ -303,6 +322,7 @@ def resolve(
     for name in _SIZE_OPTIONS:
         if name in values:
             values[name] = parse_size(values[name])
+    _fleet_defaults(values)
     # Strings from the command line / env are coerced by pydantic's lax mode ("16" -> 16,
     # "false" -> False, "0.5" -> 0.5); an explicit "none" / "null" unsets an optional field.
     for name, value in list(values.items()):
@@ -331,6 +351,20 @@ def resolve(
     if problems:
         raise ServeArgsError("invalid options:\n  " + "\n  ".join(problems))
     return ServeArgs(engine=engine, server=server, sources=sources)  # type: ignore[arg-type]
+
+
+def _fleet_defaults(values: dict[str, Any]) -> None:
+    """KV events and peer KV pull when no source sets them (issue 42; docs/server.md): a replica
+    is a member of its fleet with no flag. Peer pull is left off with ``tensor_parallel_size`` > 1
+    (each rank caches a share of the heads)."""
+    values.setdefault("kv_events_config", dict(DEFAULT_KV_EVENTS_CONFIG))
+    if "kv_transfer_config" not in values:
+        try:
+            tp = int(values.get("tensor_parallel_size", 1) or 1)
+        except (TypeError, ValueError):
+            return  # the bad value's own error says what is wrong
+        if tp == 1:
+            values["kv_transfer_config"] = dict(DEFAULT_KV_TRANSFER_CONFIG)
 
 
 def parse_serve_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> ServeArgs:

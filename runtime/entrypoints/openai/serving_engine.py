@@ -188,6 +188,13 @@ def body_response(resp: P.CompletionResponse | P.ChatCompletionResponse) -> Resp
 RESUME_ELSEWHERE = "kvfleet_resume_elsewhere"
 """The error code that tells the router to migrate a stream (docs/routing.md)."""
 
+
+def resume_elsewhere() -> APIError:
+    """The error that hands a router stream back to the router (a drain hand-off): the stream's SSE
+    error event carries :data:`RESUME_ELSEWHERE` (streaming.py writes it)."""
+    return APIError(503, "the replica is draining: resume this stream elsewhere", type="server_error",
+                    code=RESUME_ELSEWHERE)
+
 StreamChoice = P.CompletionStreamChoice | P.ChatCompletionStreamChoice
 StreamChunk = P.CompletionStreamResponse | P.ChatCompletionStreamResponse | P.TokenIdsChunk
 StreamLogprobs = P.CompletionLogProbs | P.ChatChoiceLogprobs
@@ -416,8 +423,7 @@ class OpenAIServing:
                         for choice in end if isinstance(end, list) else [end]:
                             yield w.chunk([choice])
                 if self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens):
-                    raise APIError(503, "the replica is draining: resume this stream elsewhere", type="server_error",
-                                   code=RESUME_ELSEWHERE)
+                    raise resume_elsewhere()
                 try:
                     item = await gen.merged.__anext__()
                 except StopAsyncIteration:
@@ -427,6 +433,9 @@ class OpenAIServing:
         except APIError:
             raise
         except Exception as exc:
+            # the drain's deadline stopped the engine under a router stream: handed off, never cut
+            if self.state.handing_off and w.token_ids and len(done) < w.n * len(w.prompt_lens):
+                raise resume_elsewhere() from None
             raise self.engine_error(exc) from None
         finally:
             await gen.sub.close()

@@ -9,6 +9,8 @@ failure mid-stream is an ``{"error": ...}`` event, then ``[DONE]``. APIs with na
 Responses and Messages APIs) write them with :func:`sse_event`. :class:`Submission` owns the engine requests of one
 HTTP request: a client that disconnects (streaming or not) has every unfinished one aborted at once,
 and whatever ends the HTTP request aborts the rest. :func:`merge` interleaves several output streams.
+A request's ``x-kvfleet-kv-peer`` hint reaches the engine only with the router's valid signature
+(:mod:`~kvfleet.runtime.kv_transfer.fleet_auth`); any other is ignored and counted.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError
+from kvfleet.runtime.kv_transfer.fleet_auth import HINT_SIGNATURE_HEADER
 from kvfleet.runtime.kv_transfer.peer_pull import PEER_HEADER as KV_PEER_HEADER
 from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -136,6 +139,25 @@ class Submission:
         state.admitted += num_seqs
         self.lora_name: str | None = None
         """The LoRA adapter the request names (None: the base model)."""
+        self._peer: tuple[str | None] | None = None
+
+    def _kv_peer(self) -> str | None:
+        """The router's peer hint when its signature verifies (docs/routing.md, "Peer KV pull");
+        any other hint is ignored, logged and counted by reason (once per HTTP request)."""
+        if self._peer is None:
+            peer = self.http_request.headers.get(KV_PEER_HEADER) or None
+            if peer is not None:
+                keys = getattr(self.engine, "fleet_keys", None)
+                reason = "no_secret" if keys is None else keys.check_hint(
+                    peer, self.http_request.headers.get(HINT_SIGNATURE_HEADER))
+                if reason is not None:
+                    logger.warning("ignored a KV peer hint naming %r (%s): hints are the router's only", peer, reason)
+                    stat_logger = getattr(self.state, "stat_logger", None)
+                    if stat_logger is not None:
+                        stat_logger.count_refused_hint(reason)
+                    peer = None
+            self._peer = (peer,)
+        return self._peer[0]
 
     def release(self) -> None:
         """Stop counting this submission's sequences as admitted (idempotent)."""
@@ -208,10 +230,9 @@ class Submission:
         extra: dict = {"lora_name": self.lora_name} if self.lora_name else {}
         if resume is not None:
             extra["resume_output_ids"] = resume
-        peer = self.http_request.headers.get(KV_PEER_HEADER)
+        peer = self._kv_peer()
         if peer:  # the router's hint: a replica that caches this prompt's prefix (docs/routing.md)
             extra["kv_peer"] = peer
-            extra["kv_peer_auth"] = self.http_request.headers.get("authorization")
         try:
             async with aclosing(
                 self.engine.generate(prompt_ids, params, request_id, priority=priority, tenant=tenant, **extra)

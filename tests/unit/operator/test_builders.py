@@ -20,6 +20,7 @@ from support.paths import GOLDEN, ROOT
 from kvfleet.operator import builders, crd, crd_schema, fetch, service_spec, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.entrypoints.openai.serve_args import DEFAULT_DRAIN_HANDOFF_GRACE, ServerSettings
 
 EXAMPLES = sorted((ROOT / "examples").glob("inferenceservice-*.yaml"))
 K8S_VERSION = "1.30.0"
@@ -80,7 +81,9 @@ def test_golden_children(path):
 def test_config_file_is_accepted_by_the_runtime(path):
     cm = by_kind(builders.desired_children(stored(path)))["ConfigMap"]
     config = yaml.safe_load(cm["data"]["config.yaml"])
-    EngineConfig(**config)  # extra="forbid": an unknown key raises
+    server = {k: config.pop(k) for k in list(config) if k in builders.SERVER_CONFIG_KEYS}
+    EngineConfig(**config).check_engine_support()  # extra="forbid": an unknown key raises; and it can run
+    ServerSettings(**server)
     assert set(config) <= set(EngineConfig.model_fields)
 
 
@@ -132,7 +135,8 @@ def test_pod_basics():
     tpl = deploy["spec"]["template"]
     c = tpl["spec"]["containers"][0]
     assert c["command"] == ["kvfleet"] and c["args"][:3] == ["serve", "--config", "/etc/kvfleet/config.yaml"]
-    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},  # KV events: peer tier
+                          {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"}]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["startupProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -242,7 +246,7 @@ def test_block_size_change_changes_config_and_pod_hash_but_replicas_do_not():
 def test_removed_fields_disappear_from_children():
     with_key = by_kind(builders.desired_children(minimal(runtime={"apiKeySecretRef": {"name": "k"},
                                                                   "nodeSelector": {"a": "b"}},
-                                                         disruption={"maxUnavailable": 1})))
+                                                         disruption={"minAvailable": 1})))
     without = by_kind(builders.desired_children(minimal()))
     def env_names(children: dict) -> set[str]:
         return {e["name"] for e in children["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -250,7 +254,8 @@ def test_removed_fields_disappear_from_children():
     assert "KVFLEET_API_KEY" in env_names(with_key)
     assert "KVFLEET_API_KEY" not in env_names(without)
     assert "nodeSelector" not in without["Deployment"]["spec"]["template"]["spec"]
-    assert "PodDisruptionBudget" in with_key and "PodDisruptionBudget" not in without
+    assert with_key["PodDisruptionBudget"]["spec"]["minAvailable"] == 1
+    assert without["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1  # the default: one at a time
 
 
 def test_extra_args_pass_through_and_unknown_ones_are_invalid():
@@ -329,7 +334,7 @@ def test_status_ready_only_when_rolled_out_for_the_current_generation():
     desired = by_kind(builders.desired_children(isvc))["Deployment"]
     st = status.desired_status(isvc, deployment=None, desired_deployment=desired, now=T0)
     assert cond(st, "Ready")["status"] == "False" and cond(st, "Progressing")["status"] == "True"
-    assert st["url"] == "http://smollm2.default.svc.cluster.local:8000/v1"
+    assert st["url"] == "http://smollm2-router.default.svc.cluster.local:8000/v1"  # the router: on by default
     assert st["selector"] == ("app.kubernetes.io/component=inference-server,app.kubernetes.io/instance=smollm2,"
                               "app.kubernetes.io/name=kvfleet")
     assert st["observedGeneration"] == 1
@@ -516,3 +521,27 @@ def test_model_cached_condition_and_read_write_once_claim():
     conds = {c["type"]: c for c in st["conditions"]}
     assert conds["Degraded"]["reason"] == "ReadWriteOnceClaim" and conds["ModelCached"]["status"] == "False"
     assert builders.model_claim(isvc) == "cache" and builders.model_claim(minimal(model={"uri": "pvc://s/m"})) == "s"
+
+
+def test_the_minimal_service_gets_the_router_the_peer_tier_and_the_hand_off_grace():
+    """Issue 42: the defaults are the product; each part has its switch."""
+    from kvfleet.operator import fleet_secret, router
+
+    isvc = stored(ROOT / "examples" / "inferenceservice-minimal.yaml")
+    kinds = by_kind(builders.desired_children(isvc) + router.desired_children(isvc))
+    config = yaml.safe_load(kinds["ConfigMap"]["data"]["config.yaml"])
+    assert config["drain_handoff_grace"] == builders.DRAIN_HANDOFF_GRACE_SECONDS == DEFAULT_DRAIN_HANDOFF_GRACE
+    assert config["kv_transfer_config"]["kv_role"] == "kv_both" and config["kv_events_config"]["enable_kv_cache_events"]
+    args = kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]  # the router's (last applied)
+    assert args[0] == "router" and args[args.index("--routing-algorithm") + 1] == "precise-prefix-cache"
+    assert "--no-kv-peer-hint" not in args  # hints on
+    assert builders.build_pdb(isvc)["spec"]["maxUnavailable"] == 1  # the runtime pods'
+    runtime = next(c for c in builders.desired_children(isvc) if c["kind"] == "Deployment")
+    assert fleet_secret.env_entry(isvc) in runtime["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert fleet_secret.env_entry(isvc) in kinds["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    # the switches: no router (then no hand-off grace written), no tiers (and the runtime's defaults off)
+    off = minimal(router={"enabled": False}, engine={"kvCache": {"tiers": []}})
+    assert router.desired_children(off) == []
+    config = yaml.safe_load(by_kind(builders.desired_children(off))["ConfigMap"]["data"]["config.yaml"])
+    assert "drain_handoff_grace" not in config
+    assert config["kv_transfer_config"] is None and config["kv_events_config"] is None

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from support.paths import ROOT
 
-from kvfleet.operator import builders, crd, crd_schema, service_spec
+from kvfleet.operator import builders, crd, crd_schema, router, service_spec
 from kvfleet.operator.hpa import HPA_KV_METRIC, HPA_METRIC, build_hpa, hpas_targeting, scalers_targeting
 from kvfleet.operator.reconcile import desired_objects
 
@@ -79,7 +79,7 @@ def test_only_mode_hpa_makes_an_hpa_child():
     assert kinds == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "HorizontalPodAutoscaler"]
     assert builders.build_hpa(obj) == hpa_children(obj)[0]
     # The reconcile applies (and prunes) exactly what the builders give: the HPA too.
-    assert [c["kind"] for c in desired_objects(obj)] == kinds
+    assert [c["kind"] for c in desired_objects(obj)] == kinds + list(router.KINDS)  # and the router's, by default
     for mode in ("operator", "none"):
         other = copy.deepcopy(obj)
         other["spec"]["autoscaling"]["mode"] = mode

@@ -1,5 +1,6 @@
 """``spec.engine.kvCache.tiers`` (issue 29): admission (schema + CEL), the runtime config keys the
-runtime's own option parser accepts, the disk tier's volume, the router's --kv-peer-hint."""
+runtime's own option parser accepts, the disk tier's volume, the router's peer hints. Issue 42: no
+``tiers`` is the peer tier; ``tiers: []`` turns the runtime's own defaults off too."""
 
 from __future__ import annotations
 
@@ -66,23 +67,28 @@ def test_peer_and_disk_tiers_reach_kvfleet_serve(tmp_path):
     assert {"name": "kv-disk", "mountPath": kv_tiers.DEFAULT_DISK_PATH} in pod["containers"][0]["volumeMounts"]
     kubernetes_validate.validate(children["Deployment"], "1.30.0", strict=True)
     args = router.router_args(obj)
-    assert "--kv-peer-hint" in args
+    assert "--no-kv-peer-hint" not in args
     assert parse_router_args(args[1:], environ={}).kv_peer_hint
 
 
 def test_a_disk_tier_alone_on_a_host_path_and_no_tiers_at_all():
     obj = isvc({"type": "disk", "size": "500Mi", "path": "/kv", "hostPath": "/mnt/kv"})
     config = builders.engine_config(obj)
-    assert config["kv_transfer_config"]["kv_role"] == "kv_producer" and "kv_events_config" not in config
+    assert config["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert config["kv_events_config"]["enable_kv_cache_events"]  # for the router's precise routing (the default)
     assert config["kv_transfer_config"]["disk_path"] == "/kv"
     pod = by_kind(builders.desired_children(obj))["Deployment"]["spec"]["template"]["spec"]
     assert {"name": "kv-disk", "hostPath": {"path": "/mnt/kv", "type": "DirectoryOrCreate"}} in pod["volumes"]
-    assert "--kv-peer-hint" not in router.router_args(obj)
+    assert "--no-kv-peer-hint" in router.router_args(obj)
     shared = by_kind(builders.desired_children(isvc({"type": "disk", "size": "5Gi", "claimName": "kv-shared"})))
     assert {"name": "kv-disk", "persistentVolumeClaim": {"claimName": "kv-shared"}} in \
         shared["Deployment"]["spec"]["template"]["spec"]["volumes"]
-    plain = isvc()
-    assert "kv_transfer_config" not in builders.engine_config(plain)
+    plain = isvc()  # tiers: [] -- off, the runtime's defaults included
+    assert builders.engine_config(plain)["kv_transfer_config"] is None
+    with_default = isvc()
+    with_default["spec"]["engine"].pop("kvCache")  # no tiers: the peer tier
+    assert builders.engine_config(with_default)["kv_transfer_config"]["kv_role"] == "kv_both"
+    assert "--no-kv-peer-hint" not in router.router_args(with_default)
     assert not [v for v in by_kind(builders.desired_children(plain))["Deployment"]["spec"]["template"]["spec"]
                 ["volumes"] if v["name"] == "kv-disk"]
 
@@ -114,8 +120,7 @@ def test_the_disk_tiers_size_reaches_status_metrics():
 
 
 def precise_isvc(**router_extra) -> dict:
-    obj = isvc()
-    obj["spec"]["engine"].pop("kvCache")
+    obj = isvc()  # no tiers: events for the router only
     obj["spec"]["router"] = {"enabled": True, "algorithm": "precise-prefix-cache", **router_extra}
     return crd.apply_defaults(obj)
 
@@ -125,8 +130,8 @@ def test_precise_routing_turns_on_the_replicas_kv_events_and_the_router_follows_
     assert admit(obj) == []
     config = builders.engine_config(obj)
     assert config["kv_events_config"] == {"enable_kv_cache_events": True, "publisher": "zmq",
-                                          "endpoint": kv_tiers.KV_EVENTS_ENDPOINT}
-    assert "kv_transfer_config" not in config  # events only: no tier, no pull
+                                          "endpoint": kv_tiers.KV_EVENTS_ENDPOINT, "include_token_ids": False}
+    assert config["kv_transfer_config"] is None  # events only: no tier, no pull
     path = tmp_path / "config.yaml"
     path.write_text(builders.config_text(config))
     assert parse_serve_args(["--config", str(path)], environ={}).engine.kv_events_config.enabled
@@ -138,9 +143,10 @@ def test_precise_routing_turns_on_the_replicas_kv_events_and_the_router_follows_
     # the same algorithm without the router, or another algorithm: no events, no port
     off = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": False,
                                                                          "algorithm": "precise-prefix-cache"}}})
-    plain = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": True}}})
+    plain = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": True,
+                                                                           "algorithm": "prefix-hash"}}})
     for other in (off, plain):
-        assert "kv_events_config" not in builders.engine_config(other)
+        assert builders.engine_config(other)["kv_events_config"] is None
         ports = by_kind(builders.desired_children(other))["Deployment"]["spec"]["template"]["spec"]
         assert [p["name"] for p in ports["containers"][0]["ports"]] == ["http"]
 
@@ -161,10 +167,11 @@ def test_precise_routing_with_its_own_events_config_gets_the_topic_and_the_api_k
     # the user's own endpoint: the operator declares no port it did not choose
     runtime = by_kind(builders.desired_children(obj))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert [p["name"] for p in runtime["ports"]] == ["http"]
-    # a router that reads no events gets no key (it checks none today)
-    plain = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": True}}})
+    # a router that reads no events gets no key (it checks none today), only the fleet secret
+    plain = crd.apply_defaults({**obj, "spec": {**obj["spec"], "router": {"enabled": True,
+                                                                           "algorithm": "prefix-hash"}}})
     (container,) = by_kind(router.desired_children(plain))["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert "env" not in container
+    assert [e["name"] for e in container["env"]] == ["KVFLEET_FLEET_SECRET"]
 
 
 @pytest.mark.parametrize("events", [{"enable_kv_cache_events": False}, {"enable_kv_cache_events": True,
@@ -175,5 +182,18 @@ def test_an_events_config_that_publishes_nothing_is_refused_when_events_are_need
         with pytest.raises(crd.InvalidSpec, match="kv_events_config must publish"):
             builders.engine_config(obj)
     obj = isvc()
+    obj["spec"]["router"] = {"enabled": False}
     obj["spec"]["engine"]["extraArgs"] = {"kv_events_config": events}
     assert builders.engine_config(obj)["kv_events_config"] == events  # nothing needs them: the user's choice
+
+
+def test_tensor_parallel_gets_no_default_tier_and_refuses_a_listed_one():
+    """Each rank caches a share of the heads: the runtime refuses kv_transfer_config there."""
+    obj = isvc()
+    obj["spec"]["engine"].pop("kvCache")
+    obj["spec"]["engine"]["tensorParallelSize"] = 2
+    config = builders.engine_config(obj)
+    assert config["kv_transfer_config"] is None and config["tensor_parallel_size"] == 2
+    obj["spec"]["engine"]["kvCache"] = {"tiers": [PEER]}
+    with pytest.raises(crd.InvalidSpec, match="tensorParallelSize"):
+        builders.engine_config(obj)

@@ -3,6 +3,9 @@ what it writes, when it writes nothing, and how it handles drift and bad specs."
 
 from __future__ import annotations
 
+import base64
+import time
+
 import kubernetes
 import pytest
 import yaml
@@ -43,8 +46,14 @@ def test_first_reconcile_creates_children_second_writes_nothing(kube_env):
     emu, kube = kube_env
     isvc = emu.create(ISVC, example())
     out = reconcile.reconcile(kube, NS, "smollm2")
-    assert out.applied == ["ConfigMap/smollm2-config", "Service/smollm2", "Deployment/smollm2"]
+    # the fleet Secret first (the pods mount it), the runtime's children, then the router's (on by default)
+    assert out.applied == ["Secret/smollm2-fleet", "ConfigMap/smollm2-config", "Service/smollm2",
+                           "Deployment/smollm2", "PodDisruptionBudget/smollm2",
+                           *[f"{k}/smollm2-router" for k in router.KINDS]]
     assert out.status_patch and out.error is None
+    secret = emu.get("v1/secrets", NS, "smollm2-fleet")
+    assert len(base64.b64decode(secret["data"]["secret"])) >= 32
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
     live = {k: emu.get(r, NS, n) for k, r, n in [("cm", "v1/configmaps", "smollm2-config"),
                                                   ("svc", "v1/services", "smollm2"),
                                                   ("deploy", "apps/v1/deployments", "smollm2")]}
@@ -68,6 +77,7 @@ def test_first_reconcile_creates_children_second_writes_nothing(kube_env):
     assert emu.get("apps/v1/deployments", NS, "smollm2")["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirst"
     mark = len(emu.writes())
     assert not reconcile.reconcile(kube, NS, "smollm2").wrote and operator_writes(emu, mark) == []
+    assert emu.get("v1/secrets", NS, "smollm2-fleet")["data"] == secret["data"]  # never rewritten
 
 
 def test_writes_are_server_side_apply_with_one_field_manager(kube_env):
@@ -101,7 +111,7 @@ def test_block_size_change_rolls_config_and_hash(kube_env):
 def test_removed_fields_disappear_and_optional_children_are_pruned(kube_env):
     emu, kube = kube_env
     emu.create(ISVC, example(runtime={"nodeSelector": {"pool": "gpu"}, "podAnnotations": {"team": "a"}},
-                             disruption={"maxUnavailable": 1}))
+                             disruption={"minAvailable": 1}))
     reconcile.reconcile(kube, NS, "smollm2")
     deploy = emu.get("apps/v1/deployments", NS, "smollm2")
     assert deploy["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
@@ -111,12 +121,14 @@ def test_removed_fields_disappear_and_optional_children_are_pruned(kube_env):
 
     emu.patch(ISVC, NS, "smollm2", {"spec": {"runtime": None, "disruption": None}})
     out = reconcile.reconcile(kube, NS, "smollm2")
-    assert "Deployment/smollm2" in out.applied and out.deleted == ["PodDisruptionBudget/smollm2"]
+    # the PDB stays, back to the default (one replica at a time), minAvailable gone
+    assert {"Deployment/smollm2", "PodDisruptionBudget/smollm2"} <= set(out.applied) and out.deleted == []
     deploy = emu.get("apps/v1/deployments", NS, "smollm2")
     assert "nodeSelector" not in deploy["spec"]["template"]["spec"]
     assert "team" not in deploy["spec"]["template"]["metadata"]["annotations"]
     assert deploy["metadata"]["annotations"]["other.io/note"] == "keep"
-    assert emu.get("policy/v1/poddisruptionbudgets", NS, "smollm2") is None
+    assert emu.get("policy/v1/poddisruptionbudgets", NS, "smollm2")["spec"] == {
+        "selector": {"matchLabels": service_spec.selector_labels(example())}, "maxUnavailable": 1}
     assert not reconcile.reconcile(kube, NS, "smollm2").wrote
 
 
@@ -152,11 +164,13 @@ def test_a_missing_secret_is_learnt_from_the_pods_never_by_reading_secrets(kube_
     degraded = next(c for c in emu.get(ISVC, NS, "smollm2")["status"]["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "SecretNotFound")
     assert 'secret "nope" not found' in degraded["message"]
-    assert paths and not [p for p in paths if "/secrets" in p]
+    # the only Secret it touches is its own fleet Secret (read by name, created once)
+    assert paths and {p for p in paths if "/secrets" in p} == {f"/api/v1/namespaces/{NS}/secrets/smollm2-fleet",
+                                                               f"/api/v1/namespaces/{NS}/secrets"}
 
 def test_ready_when_deployment_available_for_current_generation(kube_env):
     emu, kube = kube_env
-    emu.create(ISVC, example(replicas=2))
+    emu.create(ISVC, example(replicas=2))  # the router on (the default): Ready is the runtime pods' readiness
     reconcile.reconcile(kube, NS, "smollm2")
     deploy = emu.get("apps/v1/deployments", NS, "smollm2")
     emu.patch("apps/v1/deployments", NS, "smollm2", {"status": {
@@ -304,10 +318,10 @@ def test_router_pdb_is_its_own_child_and_pruned_with_the_router(kube_env):
     out = reconcile.reconcile(kube, NS, "smollm2")
     assert {"PodDisruptionBudget/smollm2", "PodDisruptionBudget/smollm2-router"} <= set(out.applied)
     assert emu.get("apps/v1/deployments", NS, "smollm2-router")["spec"]["replicas"] == 2
-    # the runtime's PDB goes with spec.disruption although a (router) PDB is still desired
-    emu.patch(ISVC, NS, "smollm2", {"spec": {"disruption": None}})
+    # the runtime's PDB and the router's are two children: spec.disruption changes only the runtime's
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"disruption": {"minAvailable": 1}}})
     out = reconcile.reconcile(kube, NS, "smollm2")
-    assert out.deleted == ["PodDisruptionBudget/smollm2"]
+    assert out.applied == ["PodDisruptionBudget/smollm2"] and out.deleted == []
     assert emu.get(pdbs, NS, "smollm2-router")["spec"]["maxUnavailable"] == 1
     # router off: every router child goes, its PDB included
     emu.patch(ISVC, NS, "smollm2", {"spec": {"router": {"enabled": False}}})
@@ -315,3 +329,27 @@ def test_router_pdb_is_its_own_child_and_pruned_with_the_router(kube_env):
     assert out.deleted == [f"{k}/smollm2-router" for k in router.KINDS]
     assert emu.get(pdbs, NS, "smollm2-router") is None and emu.get("apps/v1/deployments", NS, "smollm2-router") is None
     assert not reconcile.reconcile(kube, NS, "smollm2").wrote
+
+
+def test_a_burst_of_watch_events_costs_at_most_two_reconciles(kube_env, monkeypatch):
+    """While a reconcile runs (here: its lock held), the first event after it waits and every
+    later one is skipped: the waiting one reads everything fresh once the lock is free."""
+    import threading
+
+    emu, kube = kube_env
+    emu.create(ISVC, example())
+    runs = []
+    real = reconcile.reconcile
+    monkeypatch.setattr(reconcile, "reconcile", lambda *a, **kw: runs.append(a[2]) or real(*a, **kw))
+    outcomes = []
+    with reconcile.lock_for(NS, "smollm2"):  # a reconcile running
+        waiting = threading.Thread(target=lambda: outcomes.append(reconcile.reconcile_coalesced(kube, NS, "smollm2")))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while (NS, "smollm2") not in reconcile._waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        skipped = [reconcile.reconcile_coalesced(kube, NS, "smollm2") for _ in range(5)]  # the burst
+    waiting.join(30)
+    assert skipped == [None] * 5 and runs == ["smollm2"]
+    assert outcomes[0].applied and emu.get("apps/v1/deployments", NS, "smollm2") is not None  # it did reconcile
+    assert reconcile.reconcile_coalesced(kube, NS, "smollm2") is not None  # idle again: runs at once

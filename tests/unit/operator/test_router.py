@@ -34,7 +34,7 @@ def by_kind(children):
 
 
 def test_router_children_only_when_enabled_and_owned():
-    assert router.desired_children(isvc()) == []
+    assert [c["kind"] for c in router.desired_children(isvc())] == list(router.KINDS)  # on by default (issue 42)
     assert router.desired_children(isvc(router={"enabled": False})) == []
     kids = by_kind(router.desired_children(isvc(router={"enabled": True, "replicas": 3})))
     assert list(kids) == list(router.KINDS)
@@ -107,7 +107,7 @@ def test_router_deployment_watches_the_runtime_service_and_is_not_selected_by_it
 
 
 def test_status_url_points_at_the_router_when_enabled():
-    off, on = isvc(), isvc(router={"enabled": True})
+    off, on = isvc(router={"enabled": False}), isvc()  # on by default
     kw = {"deployment": None, "desired_deployment": None, "now": "2026-12-01T00:00:00Z"}
     assert desired_status(off, **kw)["url"] == "http://chat.llm.svc.cluster.local:8000/v1"
     assert desired_status(on, **kw)["url"] == "http://chat-router.llm.svc.cluster.local:8000/v1"
@@ -120,9 +120,9 @@ def test_scale_from_zero_condition_makes_min_replicas_zero_explicit():
     def cond(obj):
         return next((c for c in desired_status(obj, **kw)["conditions"] if c["type"] == "ScaleFromZero"), None)
 
-    trap = cond(isvc(autoscaling=auto))
+    trap = cond(isvc(autoscaling=auto, router={"enabled": False}))
     assert (trap["status"], trap["reason"]) == ("False", "NoRouter") and "router" in trap["message"]
-    ok = cond(isvc(autoscaling=auto, router={"enabled": True}))
+    ok = cond(isvc(autoscaling=auto))  # the router is on by default: scale-from-zero holds requests
     assert (ok["status"], ok["reason"]) == ("True", "RouterHoldsRequests")
     assert cond(isvc(autoscaling={**auto, "minReplicas": 1})) is None
     assert cond(isvc()) is None

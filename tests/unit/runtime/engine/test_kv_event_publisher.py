@@ -93,3 +93,16 @@ def test_kv_events_config_parses_vllm_json_and_refuses_bad_input():
     for bad in ("{", "[1]", '{"publisher": "kafka"}', '{"endpoints": "x"}'):
         with pytest.raises(ValueError):
             EngineConfig(kv_events_config=bad)
+
+
+def test_without_token_ids_a_stored_block_carries_its_hashes_only():
+    """``include_token_ids: false`` (``kvfleet serve``'s default events, issue 42): no prompt tokens
+    leave the replica, the hashes a router indexes do."""
+    from kvfleet.runtime.core import kv_events as ev
+    from kvfleet.runtime.engine.kv_event_publisher import to_wire
+
+    stored = ev.BlockStored([b"\x01" * 16], None, [5, 6], 2, None, "cpu")
+    assert to_wire(stored).token_ids == [5, 6]
+    bare = to_wire(stored, token_ids=False)
+    assert bare.token_ids == [] and bare.block_hashes == [b"\x01" * 16] and bare.block_size == 2
+    assert to_wire(ev.AllBlocksCleared(), token_ids=False) == wire.AllBlocksCleared()

@@ -18,6 +18,7 @@ from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.kv_pull import KVPuller, export_blocks, install_blocks
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
+from kvfleet.runtime.kv_transfer.fleet_auth import FLEET_AUTH_HEADER, FleetKeys, Sealer
 from kvfleet.runtime.kv_transfer.wire import encode_frame
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.worker.kv_blocks import block_layout
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 TRANSFER = {"kv_connector": "PeerPullConnector", "min_pull_blocks": 4}
+KEYS = FleetKeys(b"fleet-secret-of-this-test")
 
 
 class Recorder:
@@ -89,10 +91,11 @@ def test_pulled_blocks_are_prefix_hits_with_the_same_greedy_output(smollm2_two_l
 
 
 class FakePeer:
-    """An httpx transport serving ``/kv_blocks`` from a real engine's blocks, ``spoil`` applied."""
+    """An httpx transport serving ``/kv_blocks`` from a real engine's blocks, ``spoil`` applied,
+    sealed with ``keys`` (None: not sealed) as a replica of that fleet seals them."""
 
-    def __init__(self, engine, spoil=None) -> None:
-        self.engine, self.spoil, self.calls = engine, spoil, 0
+    def __init__(self, engine, spoil=None, keys: FleetKeys | None = KEYS, cut: int = 0) -> None:
+        self.engine, self.spoil, self.calls, self.keys, self.cut = engine, spoil, 0, keys, cut
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         import json
@@ -102,11 +105,18 @@ class FakePeer:
         layout = block_layout(self.engine.runner, self.engine.model_name, None)
         blocks = export_blocks(self.engine, hashes)
         data = b"".join(encode_frame(layout, h, p) for h, p in blocks)
-        return httpx.Response(200, content=self.spoil(data, layout, blocks) if self.spoil else data)
+        data = self.spoil(data, layout, blocks) if self.spoil else data
+        if self.keys is None:
+            return httpx.Response(200, content=data)
+        nonce = KEYS.check_pull_auth(request.headers.get(FLEET_AUTH_HEADER))  # the pull is this fleet's
+        assert nonce is not None
+        sealer = Sealer(self.keys.seal_key(nonce))
+        data = sealer.add(data) + sealer.seal()
+        return httpx.Response(200, content=data[:len(data) - self.cut])  # cut: the connection lost
 
 
 def pull_through(engine, peer: FakePeer, prompt) -> int:
-    puller = KVPuller(engine, lambda fn, *a: asyncio.sleep(0, fn(*a)))
+    puller = KVPuller(engine, lambda fn, *a: asyncio.sleep(0, fn(*a)), KEYS)
     puller.fetcher._client = httpx.AsyncClient(transport=httpx.MockTransport(peer))
     request = engine.input_processor.process("p", prompt, GREEDY).requests[0]
     return asyncio.run(puller.pull(request, "http://peer:8000"))
@@ -126,12 +136,17 @@ def swapped_hashes(data, layout, blocks):
     return encode_frame(layout, h1, p0) + encode_frame(layout, h0, p1)
 
 
-@pytest.mark.parametrize(("spoil", "reason"), [(flip_last_byte, "digest"), (wrong_dtype, "layout"),
-                                               (swapped_hashes, "hash"), (lambda d, *_: d[:-3], "truncated")])
-def test_a_bad_transfer_is_refused_counted_and_recomputed(smollm2_two_layers, prompt, source, spoil, reason):
+@pytest.mark.parametrize(("fake_kw", "reason"), [
+    ({"spoil": flip_last_byte}, "digest"), ({"spoil": wrong_dtype}, "layout"), ({"spoil": swapped_hashes}, "hash"),
+    ({"cut": 3 + 36}, "truncated"),
+    # well-formed frames of the prompt's real blocks from an address that is not a replica of this
+    # fleet (a forged peer: no seal, or another fleet's): nothing of them enters the prefix cache
+    ({"keys": None}, "not_replica"), ({"keys": FleetKeys(b"another-fleet-secret")}, "not_replica"),
+])
+def test_a_bad_transfer_is_refused_counted_and_recomputed(smollm2_two_layers, prompt, source, fake_kw, reason):
     peer, computed = source
     engine, recorder = make_engine(smollm2_two_layers)
-    fake = FakePeer(peer, spoil)
+    fake = FakePeer(peer, **fake_kw)
     assert pull_through(engine, fake, prompt) == 0
     assert fake.calls == 1
     assert not engine.scheduler.kv_cache_manager.block_pool.cached_blocks  # nothing of it was used
@@ -159,7 +174,7 @@ def test_a_burst_sharing_a_new_prefix_fetches_it_once(smollm2_two_layers, prompt
     peer, computed = source
     engine, recorder = make_engine(smollm2_two_layers)
     fake = FakePeer(peer)
-    puller = KVPuller(engine, lambda fn, *a: asyncio.sleep(0, fn(*a)))
+    puller = KVPuller(engine, lambda fn, *a: asyncio.sleep(0, fn(*a)), KEYS)
     puller.fetcher._client = httpx.AsyncClient(transport=httpx.MockTransport(fake))
     tok = smollm2_two_layers.tokenizer
     prompts = [prompt[:-8] + tok(f" Question {i}?", add_special_tokens=False)["input_ids"] for i in range(3)]

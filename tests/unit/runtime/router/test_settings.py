@@ -14,3 +14,13 @@ def test_settings_need_one_endpoint_source():
     for argv in ([], ["--endpoints", "http://a:1", "--kube-service", "s"], ["--endpoints", "x", "--max-pending", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(argv, environ={})
+
+
+def test_everything_is_on_with_no_flag_and_flags_turn_things_off():
+    """Issue 42: prefix-aware routing from KV events, signed peer hints and migration by default."""
+    s = parse_args(["--endpoints", "http://a:1"], environ={})
+    assert (s.routing_algorithm, s.kv_peer_hint, s.max_migrations) == ("precise-prefix-cache", True, 3)
+    off = parse_args(["--endpoints", "http://a:1", "--routing-algorithm", "prefix-hash", "--no-kv-peer-hint",
+                      "--max-migrations", "0"], environ={})
+    assert (off.routing_algorithm, off.kv_peer_hint, off.max_migrations) == ("prefix-hash", False, 0)
+    assert not parse_args(["--endpoints", "http://a:1"], environ={"KVFLEET_ROUTER_KV_PEER_HINT": "false"}).kv_peer_hint

@@ -150,3 +150,26 @@ def test_serve_options_take_vllm_spellings():
     assert not parse_serve_args([], environ={}).server.allow_runtime_lora_updating
     with pytest.raises(SystemExit):
         parse_serve_args(["--enable-lora", "--lora-modules", "no-equals-sign"], environ={})
+
+
+def test_a_replica_is_a_fleet_member_with_no_flag_and_each_part_turns_off():
+    """Issue 42: KV events (a free port, hashes only), peer KV pull and the drain hand-off are
+    on by default; ``none`` from any source turns each off; an explicit config is kept as given."""
+    from kvfleet.runtime.entrypoints.openai.serve_args import DEFAULT_DRAIN_HANDOFF_GRACE
+
+    args = parse_serve_args([], environ={})
+    events, transfer = args.engine.kv_events_config, args.engine.kv_transfer_config
+    assert events.enabled and events.publisher == "zmq" and events.endpoint == "tcp://*:0"
+    assert not events.include_token_ids
+    assert transfer.kv_role == "kv_both" and transfer.serves and transfer.pulls
+    assert args.server.drain_handoff_grace == DEFAULT_DRAIN_HANDOFF_GRACE <= args.server.shutdown_timeout
+    off = parse_serve_args(["--kv-events-config", "none", "--drain-handoff-grace", "none"],
+                           environ={"KVFLEET_KV_TRANSFER_CONFIG": "none"})
+    assert off.engine.kv_events_config is None and off.engine.kv_transfer_config is None
+    assert off.server.drain_handoff_grace is None
+    given = parse_serve_args(["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'],
+                             environ={})
+    assert given.engine.kv_events_config.endpoint == "tcp://*:5557" and given.engine.kv_events_config.include_token_ids
+    # tensor parallel: no peer pull by default (refused there), events still on
+    tp = parse_serve_args(["--tensor-parallel-size", "2"], environ={})
+    assert tp.engine.kv_transfer_config is None and tp.engine.kv_events_config.enabled
