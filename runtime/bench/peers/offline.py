@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
         config = EngineConfig(dtype=args.dtype, device="cpu", quantization=args.quantization,
                               enforce_eager=not args.compiled, max_num_seqs=max(concurrency, 1),
                               max_model_len=max(longest, 64))
-        loaded = load_model(None, dtype=config.dtype, device="cpu", quantization=args.quantization)
+        loaded = load_model(args.model, dtype=config.dtype, device="cpu", quantization=args.quantization)
         engine = LLMEngine(config, loaded=loaded)
         doc["load_s"] = round(time.perf_counter() - t0, 2)
         doc["dtype"] = str(engine.runner.dtype).removeprefix("torch.") + (f"+{args.quantization}" if args.quantization
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
         doc["decode_weight_bytes"] = loaded.decode_weight_bytes
         result = run_kvfleet(lambda c: engine, workload, concurrency)
     else:
-        loaded = load_model(None, dtype=args.dtype, device="cpu")
+        loaded = load_model(args.model, dtype=args.dtype, device="cpu")
         model = loaded.model
         doc["load_s"] = round(time.perf_counter() - t0, 2)
         doc["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", required=True, help="JSON list of {prompt_token_ids, max_tokens}")
     parser.add_argument("--mode", choices=("throughput", "stream"), default="throughput")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16")
+    parser.add_argument("--model", default=None, help="a model (a .gguf file, a folder); default: kvfleet's default")
     parser.add_argument("--quantization", choices=("int8", "int4"), help="kvfleet only")
     parser.add_argument("--compiled", action="store_true", help="kvfleet only: --no-enforce-eager")
     parser.add_argument("--hf-batch", type=int, default=8, help="transformers: static batch size (throughput)")

