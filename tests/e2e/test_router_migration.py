@@ -127,7 +127,10 @@ def fleet(tmp_path_factory):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         procs = list(pool.map(lambda i: start_serve(SERVE_ARGS, tmp / f"r{i}.log", port=ports[i])[0], range(2)))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    router, base = start_router(["--endpoints", ",".join(urls), "--probe-interval", "0.2", "--min-capacity", "16"], tmp / "router.log")
+    # prefix-hash: every stream of a disruption on one replica needs the char-prefix ring's affinity
+    # (the default precise routing spreads them over both once both cache the shared prompt: ties)
+    router, base = start_router(["--endpoints", ",".join(urls), "--probe-interval", "0.2", "--min-capacity", "16",
+                                 "--routing-algorithm", "prefix-hash"], tmp / "router.log")
     restarter = concurrent.futures.ThreadPoolExecutor(1)
     state = {"procs": procs, "urls": urls, "ports": ports, "base": base, "tmp": tmp, "restarter": restarter,
              "restarting": None}
