@@ -126,7 +126,23 @@ class EngineConfig(BaseModel):
     """Processes (GPUs) one model is split over by tensor parallelism (Megatron-LM's column/row
     sharding, through transformers' ``tp_plan``); must divide the model's
     ``num_attention_heads`` and ``num_key_value_heads`` (checked when the engine starts, a
-    ``ValueError`` naming this field). Single node only, see :mod:`kvfleet.runtime.worker.executor`."""
+    ``ValueError`` naming this field). Across nodes with ``nnodes``, see
+    :mod:`kvfleet.runtime.worker.executor` and :mod:`kvfleet.runtime.worker.multinode`."""
+    nnodes: int = Field(1, ge=1)
+    """Nodes the ``tensor_parallel_size`` ranks run on (vLLM's ``--nnodes``, launched without Ray):
+    must divide ``tensor_parallel_size``; node ``r`` runs ranks ``r*k .. r*k+k-1`` with
+    ``k = tensor_parallel_size / nnodes``. Node 0 serves HTTP, schedules and samples; the others
+    run ``--headless``."""
+    node_rank: int = Field(0, ge=0)
+    """This node's index, ``0 .. nnodes-1`` (vLLM's ``--node-rank``); 0 is the leader."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, where every rank meets (vLLM's ``--master-addr``); used when ``nnodes > 1``."""
+    master_port: int = Field(29501, ge=1, le=65535)
+    """Port of node 0's rendezvous store (vLLM's ``--master-port``, default 29501); used when
+    ``nnodes > 1`` (one node picks a free port itself)."""
+    headless: bool = False
+    """Run no HTTP server and no scheduler: join node 0's group and run the steps it broadcasts
+    (vLLM's ``--headless``); the mode of every node but node 0."""
     compile_sizes: list[int] | None = None
     """Token counts the compiled forward (``enforce_eager=False``) also compiles as static graphs
     (vLLM's ``compile_sizes``): a step of ``T <= max(compile_sizes)`` tokens is padded to the
@@ -230,10 +246,24 @@ class EngineConfig(BaseModel):
             raise ValueError("lora_modules: give --enable-lora to serve LoRA adapters")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        self._check_nodes()
         names = [m.name for m in self.lora_modules]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"lora_modules: adapter name(s) given twice: {', '.join(dupes)}")
+
+    def _check_nodes(self) -> None:
+        """The multi-node options agree with each other (see ``nnodes``)."""
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
+        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size "
+                             f"({self.tensor_parallel_size}): each node runs the same number of ranks")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("headless: node 0 (node_rank 0) is the leader, which serves HTTP; "
+                             "run the other nodes (node_rank >= 1) headless")
+        if self.node_rank > 0 and not self.headless:
+            raise ValueError(f"node_rank {self.node_rank}: only node 0 serves HTTP; give --headless")
 
     def check_engine_support(self) -> None:
         """Refuse option combinations the engine cannot run, before it loads anything.

@@ -334,6 +334,8 @@ class AsyncLLMEngine:
             try:
                 while not self._stopping:
                     self._heartbeat = time.monotonic()
+                    if self.engine.executor is not None:  # a lost tensor-parallel rank kills the loop, idle or not
+                        self.engine.executor.check_health()
                     self._run_commands()
                     if self.engine.has_unfinished_requests():
                         outputs = self.engine.step()

@@ -8,8 +8,11 @@ ids. Rank 0 schedules, samples and detokenizes; each step, :meth:`MultiprocExecu
 broadcasts the step's plain data (the scheduler output's ``RunnerInput``) and every rank's
 runner runs it (nano-vllm's ``call("run", ...)``): each keeps the same per-request state.
 :meth:`MultiprocExecutor.shutdown` stops them; a dead worker or a failed collective is raised
-as :class:`TensorParallelError` (naming the rank), never a hang. Limits: one node, no
-pipeline parallelism, one tensor-parallel engine per process, ``device`` ``auto``/``cpu``/``cuda``.
+as :class:`TensorParallelError` (naming the rank), never a hang. With ``nnodes > 1`` this
+process spawns only node 0's ranks; the other nodes run ``kvfleet serve --headless`` and join
+through ``master_addr:master_port`` (rank layout, rendezvous and the lost-rank watch:
+:mod:`kvfleet.runtime.worker.multinode`). Limits: no pipeline parallelism, one tensor-parallel
+engine per process, ``device`` ``auto``/``cpu``/``cuda``.
 Sharding layout, broadcast protocol, lifecycle and KV sizing: docs/engine.md,
 "Tensor parallelism".
 """
@@ -22,7 +25,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.worker import multinode
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int, model_name:
 
 
 def _device_for_rank(device: str, rank: int, tp: int) -> str:
-    """The device string of ``rank``: ``cpu``, or ``cuda:<rank>``.
+    """The device string of local rank ``rank`` (of ``tp`` on this node): ``cpu``, or ``cuda:<rank>``.
 
     Raises:
         ValueError: ``device`` names one CUDA device (``cuda:N``), fewer CUDA devices than
@@ -148,23 +151,29 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(1.0)
 
 
-def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_port: int, parent_pid: int) -> None:
-    """Body of worker ``rank`` (its own process, see :func:`main`): join the groups, load this
-    rank's shard, size and allocate the local KV cache, then run the driver's steps (their plain
-    data) until the stop message. Exit status 0 after a stop, 1 on an error (its traceback is written
-    to the rendezvous store under ``kvfleet/error/<rank>``)."""
+def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_host: str, store_port: int,
+                parent_pid: int | None, local_rank: int | None = None) -> None:
+    """Body of worker ``rank`` (its own process, see :func:`main`, or a headless node's own
+    process with ``parent_pid`` None): join the groups, load this rank's shard, size and allocate
+    the local KV cache, then run the driver's steps (their plain data) until the stop message.
+    Exit status 0 after a stop, 1 on an error (its traceback is written to the rendezvous store
+    under ``kvfleet/error/<rank>``), 3 when its parent or (multi-node) node 0 is gone."""
     torch.set_num_threads(int(os.environ.get("KVFLEET_TP_WORKER_THREADS", "1")))
     # Ctrl+C reaches the whole process group: the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     logging.basicConfig(level=logging.WARNING,
                         format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(name)s: %(message)s")
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     config = EngineConfig(**config_dict)
     tp = config.tensor_parallel_size
+    local_rank = rank if local_rank is None else local_rank
+    if config.nnodes > 1:
+        multinode.start_heartbeat(rank, store_host, store_port)
     code = 0
     try:
-        device = _device_for_rank(config.device, rank, tp)
+        device = _device_for_rank(config.device, local_rank, tp // config.nnodes)
         store.add(_READY_KEY, 1)
         cpu_group = _init_process_group(rank, tp, store, device)
         import transformers
@@ -191,7 +200,7 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_p
                     raise TensorParallelError(f"unknown message from the driver: {kind!r}")
     except BaseException as exc:  # report, then exit non-zero
         code = 1
-        if os.getppid() != parent_pid:
+        if parent_pid is not None and os.getppid() != parent_pid:
             os._exit(3)  # the driver is gone (so are the collectives): nobody to report to
         text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         try:
@@ -236,7 +245,8 @@ class MultiprocExecutor:
             )
         self.config = config
         self.tp = tp = config.tensor_parallel_size
-        self.device = _device_for_rank(config.device, 0, tp)
+        local_ranks = multinode.node_ranks(tp, config.nnodes, 0)
+        self.device = _device_for_rank(config.device, 0, len(local_ranks))
         self.procs: list[subprocess.Popen] = []
         self._closed = False
         self.broken = False
@@ -244,24 +254,27 @@ class MultiprocExecutor:
         (a worker waiting in a collective), so no further step is run and shutdown() does not
         talk to the workers, it terminates them."""
         self.cpu_group = None
-        # The rendezvous store (port 0: the OS picks a free one, no race with other processes);
-        # the process groups, the readiness count and the workers' errors all live in it.
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True,
-                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        store_port = self.store.port
-        # Fresh interpreters (``python -m kvfleet.runtime.worker.executor``), not multiprocessing's
-        # spawn: that re-imports the parent's __main__, which breaks unguarded scripts.
-        for rank in range(1, tp):
-            env = dict(os.environ)
-            env.update(
-                OMP_NUM_THREADS=os.environ.get("KVFLEET_TP_WORKER_THREADS", "1"),
-                LOCAL_RANK=str(rank),  # transformers binds cuda:LOCAL_RANK
-                PYTHONSAFEPATH="1",  # a checkout's operator/ must not shadow the stdlib module
-            )
-            args = [sys.executable, "-m", "kvfleet.runtime.worker.executor", "--rank", str(rank),
-                    "--store-port", str(store_port), "--parent-pid", str(os.getpid()), "--model-path", model_path,
-                    "--config", config.model_dump_json()]
-            self.procs.append(subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL))
+        self.monitor: multinode.HeartbeatMonitor | None = None
+        """With ``nnodes > 1``: the watch over every worker rank's heartbeat."""
+        # The rendezvous store; the process groups, the readiness count and the workers' errors
+        # all live in it. One node: port 0 (the OS picks a free one, no race with other
+        # processes); several: master_port, which the other nodes dial at master_addr.
+        multi = config.nnodes > 1
+        self.store_host = config.master_addr if multi else "127.0.0.1"
+        try:
+            self.store = dist.TCPStore(self.store_host, config.master_port if multi else 0, world_size=None,
+                                       is_master=True, timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
+                                       wait_for_workers=False)
+        except Exception as exc:
+            raise TensorParallelError(f"nnodes {config.nnodes}: cannot open the rendezvous store on port "
+                                      f"{config.master_port} (master_port): {exc}") from exc
+        self.store_port = self.store.port
+        if multi:
+            self.store.set(multinode.CONFIG_KEY, multinode.leader_config_json(config))
+        for local, rank in enumerate(local_ranks):
+            if local:
+                self.procs.append(multinode.spawn_worker(rank, local, config, model_path, self.store_host,
+                                                         self.store_port, os.getpid()))
         # At exit or garbage collection without shutdown(): no stop message, terminate at once.
         self._finalizer = weakref.finalize(self, _shutdown_procs, self.procs, 0.0)
         atexit.register(self._finalizer)
@@ -274,9 +287,14 @@ class MultiprocExecutor:
                                      tensor_parallel_size=tp, batch_invariant=config.batch_invariant)
             if model_name:
                 self.loaded.name = model_name
+            if multi:
+                self.monitor = multinode.HeartbeatMonitor(list(range(1, tp)), self.store_host, self.store_port)
         except BaseException as exc:
             self._fail_and_shutdown(exc)
         logger.info("tensor parallelism: %d ranks (%s), workers pids %s", tp, self.device, [p.pid for p in self.procs])
+        if multi:
+            logger.info("tensor parallelism over %d nodes: this node runs ranks %s, the others join at %s:%d",
+                        config.nnodes, list(local_ranks), config.master_addr, self.store_port)
 
     @classmethod
     def start(cls, config: EngineConfig) -> MultiprocExecutor:
@@ -292,7 +310,7 @@ class MultiprocExecutor:
 
         from kvfleet.runtime.worker.model_loader import resolve_model_path
 
-        _device_for_rank(config.device, 0, config.tensor_parallel_size)
+        _device_for_rank(config.device, 0, config.tensor_parallel_size // config.nnodes)
         path, name = resolve_model_path(config.model)
         check_tensor_parallel(AutoConfig.from_pretrained(path), config.tensor_parallel_size, name)
         return cls(config, path, name)
@@ -300,7 +318,8 @@ class MultiprocExecutor:
     # -------------------------------------------------------------- health
     def _worker_errors(self) -> list[str]:
         errors = []
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank in range(1, self.tp):
+            proc = self.procs[rank - 1] if rank <= len(self.procs) else None  # node 0's own ranks
             key = _ERROR_KEY.format(rank=rank)
             text = None
             try:
@@ -308,10 +327,12 @@ class MultiprocExecutor:
                     text = self.store.get(key).decode(errors="replace").splitlines()[0]
             except Exception:
                 pass
-            if text is None and proc.poll() is not None:
+            if text is None and proc is not None and proc.poll() is not None:
                 text = f"exited with code {proc.returncode}"
             if text is not None:
-                errors.append(f"rank {rank} (pid {proc.pid}): {text}")
+                errors.append(f"rank {rank} (pid {proc.pid}): {text}" if proc is not None else f"rank {rank}: {text}")
+        if self.monitor is not None and self.monitor.lost is not None:
+            errors.append(self.monitor.lost)
         return errors
 
     def failure(self, exc: BaseException) -> BaseException:
@@ -345,15 +366,25 @@ class MultiprocExecutor:
                 "an earlier step failed on the tensor-parallel ranks; they may be out of step: restart the engine"
             )
         dead = [p for p in self.procs if p.poll() is not None]
-        if dead:
+        if dead or (self.monitor is not None and self.monitor.lost is not None):
+            self.broken = True  # the peers may wait in a collective: shutdown() terminates, no stop message
             raise TensorParallelError(f"tensor-parallel worker failed: {'; '.join(self._worker_errors())}")
+
+    def check_health(self) -> None:
+        """:meth:`check_workers` while running (a no-op after :meth:`shutdown`): cheap, the async
+        engine calls it every loop round, so a lost rank kills the loop even when idle."""
+        if not self._closed:
+            self.check_workers()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while self.store.add(_READY_KEY, 0) < len(self.procs):
+        while self.store.add(_READY_KEY, 0) < self.tp - 1:  # every rank but 0, on any node
             self.check_workers()
+            if self.config.nnodes > 1 and (errors := self._worker_errors()):  # another node refused to join
+                raise TensorParallelError(f"tensor-parallel worker failed: {'; '.join(errors)}")
             if time.monotonic() > deadline:
-                raise TensorParallelError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                raise TensorParallelError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                                          f"({self.store.add(_READY_KEY, 0)} of {self.tp - 1} joined)")
             time.sleep(0.05)
 
     # -------------------------------------------------------------- setup and steps
@@ -403,6 +434,8 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
+        if self.monitor is not None:
+            self.monitor.stop()
         self.broken = self.broken or terminate
         stopped = False
         if self.cpu_group is not None and not self.broken and all(p.poll() is None for p in self.procs):
@@ -452,12 +485,14 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m kvfleet.runtime.worker.executor")
-    for name in ("rank", "store-port", "parent-pid"):
+    for name in ("rank", "local-rank", "store-port", "parent-pid"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--store-host", default="127.0.0.1")
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--config", required=True, help="the EngineConfig as JSON")
     args = parser.parse_args(argv)
-    worker_main(args.rank, json.loads(args.config), args.model_path, args.store_port, args.parent_pid)
+    worker_main(args.rank, json.loads(args.config), args.model_path, args.store_host, args.store_port,
+                args.parent_pid, local_rank=args.local_rank)
 
 
 if __name__ == "__main__":

@@ -349,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     level = args.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvfleet").setLevel(level)
+    if args.engine.headless:  # a worker node: no HTTP server, no scheduler
+        from kvfleet.runtime.worker.headless import main_headless
+
+        return main_headless(args.engine)
     app = create_app(args.engine, args.server)
     state: ServerState = app.state.kvfleet
     # The drain waits for the requests in flight; uvicorn's own graceful shutdown after it only
