@@ -44,6 +44,9 @@ def isvc_manifest() -> dict:
             "model": {"uri": "file:///models/smollm2.gguf", "servedModelName": MODEL},
             "engine": {"maxNumSeqs": 2, "maxModelLen": 512},
             "replicas": 1,
+            # The load goes to the runtime pods directly (as a Service would): no router in front,
+            # so the kubelet's pods are the runtime's alone (the router is on by default).
+            "router": {"enabled": False},
             "autoscaling": {
                 "mode": "operator", "minReplicas": 1, "maxReplicas": 2, "targetQueueDepth": 2,
                 "targetKVCacheUsage": 0.9,
