@@ -377,8 +377,11 @@ def test_bad_inputs_get_their_status_and_do_not_disturb(server):
 def test_reset_prefix_cache_and_final_metrics(server):
     assert server.http.post("/reset_prefix_cache").json() == {"reset": True}
     assert httpx.post(server.base + "/reset_prefix_cache").status_code == 401
-    off = server.http.get("/kv_events/snapshot")  # no --kv-events-config: 404 in OpenAI's shape
-    assert off.status_code == 404 and off.json()["error"]["type"] == "invalid_request_error", off.text
+    # KV events are on with no flag (a router discovers their endpoint here); the reset removed every block
+    snap = server.http.get("/kv_events/snapshot")
+    assert snap.status_code == 200, snap.text
+    assert snap.json()["block_hashes"] == [] and str(snap.json()["endpoint"]).startswith("tcp://"), snap.text
+    assert httpx.get(server.base + "/kv_events/snapshot").status_code == 401
     m = server.metrics()
     assert metric(m, "kvfleet:kv_cache_usage_perc") == 0
     assert metric(m, "kvfleet:prompt_tokens", "kvfleet:prompt_tokens_total") > 0
