@@ -108,8 +108,9 @@ def test_vllm_compat_exports_the_same_series_under_vllm_names():
     f = families(lg)
     kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
     vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
-    kvfleet_only = {"kv_pull_tokens", "kv_pull_failures", "kv_disk_load_tokens", "kv_disk_usage_bytes"}  # peer pull, disk tier: not vLLM's
-    assert vl == (kv - kvfleet_only) | {"gpu_cache_usage_perc"} and len(kv) == 30  # v0's name, which GIE's picker reads
+    kvfleet_only = {"kv_pull_tokens", "kv_pull_failures", "kv_disk_load_tokens", "kv_disk_usage_bytes",
+                    "kv_peer_hints_refused"}  # peer pull, its hints, disk tier: not vLLM's
+    assert vl == (kv - kvfleet_only) | {"gpu_cache_usage_perc"} and len(kv) == 31  # v0's name, which GIE's picker reads
     assert value(f, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75
     assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
     assert value(f, "vllm:kv_cache_usage_perc") == 0.75
