@@ -274,19 +274,11 @@ static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
     const int64_t need = M * (d->hidden + qkv_width(d) + QD + d->intermediate)
                          + pass * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2)
                          + (bf16 ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0);   /* the packed bf16 input */
-    if (P.scratch_floats < need) {
-        free(P.scratch);
-        P.scratch = malloc(need * sizeof(float));
-        P.scratch_floats = P.scratch ? need : 0;
-        if (!P.scratch) return -1;
-    }
-    if (P.group_rows < M) {
-        free(P.group);
-        P.group = malloc(2 * M * sizeof(int64_t));
-        P.group_rows = P.group ? M : 0;
-        if (!P.group) return -1;
-    }
-    return 0;
+    if (kv_grow((void **)&P.scratch, &P.scratch_floats, need, sizeof(float))) return -1;
+    int64_t group_ints = 2 * P.group_rows;
+    const int rc = kv_grow((void **)&P.group, &group_ints, 2 * M, sizeof(int64_t));
+    P.group_rows = group_ints / 2;
+    return rc;
 }
 
 /* The attention sublayer of layer s->L: x += o(attention(rotary(qk_norm(q|k|v(attn_in(x))))))

@@ -124,19 +124,8 @@ static int moe_reserve(const kv_decoder *d, int64_t M, int bf16) {
     const int64_t wide = z.I > d->hidden ? z.I : d->hidden;
     const int64_t floats = z.R * z.E + z.R * z.k + z.G * (2 * d->hidden + z.I) + (bf16 ? (z.G * wide + 1) / 2 : 0);
     const int64_t ints = 2 * z.R * z.k + z.G + 2 * z.E + 1 + z.tasks;
-    if (MOE.floats < floats) {
-        free(MOE.f);
-        MOE.f = malloc(floats * sizeof(float));
-        MOE.floats = MOE.f ? floats : 0;
-        if (!MOE.f) return -1;
-    }
-    if (MOE.ints < ints) {
-        free(MOE.i);
-        MOE.i = malloc(ints * sizeof(int64_t));
-        MOE.ints = MOE.i ? ints : 0;
-        if (!MOE.i) return -1;
-    }
-    return 0;
+    if (kv_grow((void **)&MOE.f, &MOE.floats, floats, sizeof(float))) return -1;
+    return kv_grow((void **)&MOE.i, &MOE.ints, ints, sizeof(int64_t));
 }
 
 /* One pass of the experts over the step rows r0 .. r0 + rows - 1. */

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,6 +44,17 @@ static struct {
     int64_t *group;             /* [2 M]: kv_step's group and leads */
     int64_t group_rows;
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 200000};
+
+/* *buf holds at least `need` elements of `size` bytes (grown, never shrunk; *have counts them).
+ * Returns 0, or -1 when out of memory (*buf is then NULL and *have 0). The step's scratch buffers
+ * (P.lock held). */
+static inline int kv_grow(void **buf, int64_t *have, int64_t need, size_t size) {
+    if (*have >= need) return 0;
+    free(*buf);
+    *buf = malloc((size_t)need * size);
+    *have = *buf ? need : 0;
+    return *buf ? 0 : -1;
+}
 
 static inline int64_t now_ns(void) {
     struct timespec t;
