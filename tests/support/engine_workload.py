@@ -54,3 +54,19 @@ def run(eng: LLMEngine, batch: list[list[int]], params=GREEDY) -> tuple[list[lis
                 cached += out.num_cached_tokens or 0
     order = sorted(final, key=lambda r: int(r[1:].split("-")[0]))
     return [final[k][0] for k in order], cached, [final[k][1] for k in order]
+
+
+def count_fused_rows(monkeypatch) -> list[int]:
+    """Record the row count of every fused C step (``FusedDecoder.step``) from now on; the list
+    fills as steps run (empty: no step ran fused)."""
+    from kvfleet.kernels.cpu_decoder import FusedDecoder
+
+    rows: list[int] = []
+    step = FusedDecoder.step
+
+    def counting(self, x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return step(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "step", counting)
+    return rows

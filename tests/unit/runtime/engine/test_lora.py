@@ -72,16 +72,15 @@ def test_adapters_give_peft_merged_tokens_and_mixed_batch_equals_alone(setup):
 def test_base_requests_on_a_lora_server_run_the_fused_decoder(setup, monkeypatch):
     """With LoRA on, steps without adapter tokens run the fused C decoder over the LoRA layers'
     base weights (the same tokens as before); a step with adapter tokens runs the LoRA layers."""
+    from support.engine_workload import count_fused_rows
+
     from kvfleet.kernels import cpu_woq
-    from kvfleet.kernels.cpu_decoder import FusedDecoder
 
     llm, prompts, refs, _, _ = setup
     if not cpu_woq.available():
         pytest.skip("no AVX2 kernels: no fused decoder here")
     assert llm.llm_engine.runner.cpu_decode is not None
-    steps = []
-    step = FusedDecoder.step
-    monkeypatch.setattr(FusedDecoder, "step", lambda self, x, *a: steps.append(x.shape[0]) or step(self, x, *a))
+    steps = count_fused_rows(monkeypatch)
     base = tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     assert steps, "no base-model step ran fused"
     steps.clear()

@@ -14,11 +14,11 @@ sliding window, and a family without a recipe left on transformers' modules."""
 from __future__ import annotations
 
 import pytest
-from support.engine_workload import CONFIG, Recorder, prompts, run
+from support.engine_workload import CONFIG, Recorder, count_fused_rows, prompts, run
 from support.tiny_models import FAMILIES
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq
-from kvfleet.kernels.cpu_decoder import MAX_ROWS, FusedDecoder, matmul_available
+from kvfleet.kernels.cpu_decoder import MAX_ROWS, matmul_available
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -49,14 +49,7 @@ def test_fused_decode_matches_the_transformers_path(smollm2_two_layers, plain_ru
     fused_rec = Recorder()
     fused = LLMEngine(EngineConfig(**CONFIG), [fused_rec], loaded=smollm2_two_layers)
     assert fused.runner.cpu_decode is not None and not fused.runner.cpu_decode.prefill
-    rows = []
-    step = FusedDecoder.step
-
-    def counting(self, x, *args):
-        rows.append(x.shape[0])
-        return step(self, x, *args)
-
-    monkeypatch.setattr(FusedDecoder, "step", counting)
+    rows = count_fused_rows(monkeypatch)
     got, cached, got_lp = run(fused, batch)
     assert got == expected
     worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
@@ -87,14 +80,7 @@ def test_fused_prefill_matches_the_transformers_path(smollm2_two_layers, plain_r
     hits, preemption): the greedy tokens of transformers' modules, log-probabilities within 1e-4
     (each request's first token comes from the fused prefill's logits)."""
     expected, _, expected_lp, _ = plain_run
-    rows = []
-    step = FusedDecoder.step
-
-    def counting(self, x, *args, **kwargs):
-        rows.append(x.shape[0])
-        return step(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(FusedDecoder, "step", counting)
+    rows = count_fused_rows(monkeypatch)
     fused = _fused_prefill_engine(smollm2_two_layers, monkeypatch, **CONFIG)
     got, cached, got_lp = run(fused, prompts(smollm2_two_layers.tokenizer))
     assert got == expected

@@ -22,11 +22,11 @@ import copy
 
 import pytest
 import torch
-from support.engine_workload import Recorder, run
+from support.engine_workload import Recorder, count_fused_rows, run
 from support.tiny_models import COMMON, GEN, PROMPTS, build
 
 from kvfleet.kernels import cpu_woq
-from kvfleet.kernels.cpu_decoder import FusedDecoder, matmul_available
+from kvfleet.kernels.cpu_decoder import matmul_available
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
@@ -82,15 +82,7 @@ def _engine(loaded, monkeypatch, fused: bool = True, prefill: str = "0") -> LLME
 
 
 def _counting(monkeypatch) -> list[int]:
-    rows = []
-    step = FusedDecoder.step
-
-    def counting(self, x, *args, **kwargs):
-        rows.append(x.shape[0])
-        return step(self, x, *args, **kwargs)
-
-    monkeypatch.setattr(FusedDecoder, "step", counting)
-    return rows
+    return count_fused_rows(monkeypatch)
 
 
 def test_linear_experts_compute_what_transformers_computes(checkpoints):
