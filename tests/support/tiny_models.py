@@ -89,3 +89,18 @@ def build(config, path, seed: int = 0):
     model.save_pretrained(path)
     save_tokenizer(path)
     return model
+
+
+def hf_greedy(model, prompts=PROMPTS, n: int = GEN) -> list[list[int]]:
+    """transformers' own greedy ``generate`` of ``model``: ``n`` new token ids per prompt of
+    ``prompts`` (token-id lists), one prompt at a time (its own mask), never stopping early
+    (the model's EOS cleared)."""
+    model.generation_config.eos_token_id = None
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=1)
+        out.append(gen[0, len(p):].tolist())
+    return out

@@ -26,23 +26,9 @@ import json
 
 import pytest
 import torch
-from support.tiny_models import COMMON, GEN, PROMPTS, VOCAB, build, configs
+from support.tiny_models import COMMON, GEN, PROMPTS, VOCAB, build, configs, hf_greedy
 
 from kvfleet.kernels import BACKEND_ENV
-
-
-def _hf_greedy(model, prompts=PROMPTS, n: int = GEN) -> list[list[int]]:
-    """transformers' own greedy ``generate`` (eager attention, its own mask), one prompt at
-    a time, never stopping early."""
-    model.generation_config.eos_token_id = None
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                 min_new_tokens=n, pad_token_id=1)
-        out.append(gen[0, len(p):].tolist())
-    return out
 
 
 def _engine_greedy(path, *, block_size: int = 4, max_num_batched_tokens: int = 16, prompts=PROMPTS,
@@ -82,7 +68,7 @@ def models(tmp_path_factory):
         plain._attn_implementation = "eager"
         plain_model = AutoModelForCausalLM.from_config(plain, attn_implementation="eager").eval()
         plain_model.load_state_dict(ref.state_dict())
-        out[name] = (path, ref, _hf_greedy(plain_model))
+        out[name] = (path, ref, hf_greedy(plain_model))
     return out
 
 
@@ -103,7 +89,7 @@ def test_layer_windows_follow_the_config():
 def test_engine_greedy_equals_transformers_generate(models, name, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "torch")
     path, ref, plain_tokens = models[name]
-    expected = _hf_greedy(ref)
+    expected = hf_greedy(ref)
     assert expected != plain_tokens, "the window/soft-cap does not change this model's tokens: the test is vacuous"
     # Blocks of 4 < window 8; 16-token steps: the 29- and 21-token prompts are prefilled in chunks.
     assert _engine_greedy(path) == expected
@@ -118,7 +104,7 @@ def test_engine_greedy_with_triton_kernels(models, name, monkeypatch):
     from kvfleet.kernels.testing import record_calls, triton_kernels
 
     path, ref, _ = models[name]
-    expected = _hf_greedy(ref, prompts=PROMPTS[:2], n=4)
+    expected = hf_greedy(ref, prompts=PROMPTS[:2], n=4)
     with triton_kernels(interpret=not torch.cuda.is_available()) as (_, attn_mod):
         calls = record_calls(monkeypatch, attn_mod, "paged_attention_triton")
         monkeypatch.setenv(BACKEND_ENV, "triton")
@@ -273,7 +259,7 @@ def test_window_frees_blocks_and_runs_prompts_longer_than_the_cache(models, cach
     # prompt + 14 tokens (and a second request beside it), window 8, 8-token prefill chunks.
     monkeypatch.setenv(BACKEND_ENV, "torch")
     path, ref, plain_tokens = models["mistral"]
-    expected = _hf_greedy(ref, prompts=LONG_PROMPTS, n=LONG_GEN)
+    expected = hf_greedy(ref, prompts=LONG_PROMPTS, n=LONG_GEN)
     engine = _poisoned_null_engine(path, num_blocks=8, block_size=4, max_num_batched_tokens=8,
                                    enable_prefix_caching=caching)
     assert engine.sliding_window == 8 and engine.max_model_len == 256  # not capped by the 28-token cache
@@ -292,7 +278,7 @@ def test_window_prefix_hit_on_the_real_model(models, monkeypatch):
     # cached) and the same greedy tokens.
     monkeypatch.setenv(BACKEND_ENV, "torch")
     path, ref, _ = models["mistral"]
-    expected = _hf_greedy(ref, prompts=LONG_PROMPTS[:1], n=LONG_GEN)
+    expected = hf_greedy(ref, prompts=LONG_PROMPTS[:1], n=LONG_GEN)
     engine = _poisoned_null_engine(path, num_blocks=16, block_size=4, max_num_batched_tokens=8)
     first, _ = _run_checking_the_pool(engine, LONG_PROMPTS[:1], LONG_GEN)
     assert first == expected and _run_checking_the_pool.num_cached_tokens == [0]

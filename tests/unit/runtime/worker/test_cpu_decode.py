@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from support.engine_workload import CONFIG, Recorder, count_fused_rows, prompts, run
-from support.tiny_models import FAMILIES
+from support.tiny_models import FAMILIES, hf_greedy
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq
 from kvfleet.kernels.cpu_decoder import MAX_ROWS, matmul_available
@@ -262,19 +262,8 @@ def families(tmp_path_factory):
     for family in FAMILIES:
         path = tmp_path_factory.mktemp(family)
         ref = build(family_config(family), path)
-        out[family] = (path, _hf_greedy(ref), ref)
+        out[family] = (path, hf_greedy(ref), ref)
     return out
-
-
-def _hf_greedy(model, n: int = 10) -> list[list[int]]:
-    import torch
-    from support.tiny_models import PROMPTS
-
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        return [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                               do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=1)[0, len(p):].tolist()
-                for p in PROMPTS]
 
 
 def _family_engine(path, monkeypatch, prefill: bool, matmul: str = "float32", **config) -> LLMEngine:
@@ -335,7 +324,7 @@ def test_gemma3_sliding_window_is_honoured(families, monkeypatch):
     config.layer_types = ["full_attention"] * 2
     unwindowed = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     unwindowed.load_state_dict(ref.state_dict())
-    assert _hf_greedy(unwindowed) != expected
+    assert hf_greedy(unwindowed) != expected
 
 
 @pytest.mark.parametrize("family", FAMILY_PARAMS)

@@ -23,7 +23,7 @@ import copy
 import pytest
 import torch
 from support.engine_workload import Recorder, count_fused_rows, run
-from support.tiny_models import COMMON, GEN, PROMPTS, build
+from support.tiny_models import COMMON, GEN, PROMPTS, build, hf_greedy
 
 from kvfleet.kernels import cpu_woq
 from kvfleet.kernels.cpu_decoder import matmul_available
@@ -58,20 +58,7 @@ def checkpoints(tmp_path_factory):
         path = tmp_path_factory.mktemp(model_type)
         ref = build(_config(model_type), path)
         ref.set_experts_implementation("eager")
-        out[model_type] = (path, ref, _hf_greedy(ref))
-    return out
-
-
-def _hf_greedy(model) -> list[list[int]]:
-    """transformers' greedy ``generate``, one prompt at a time, never stopping early."""
-    model.generation_config.eos_token_id = None
-    out = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=GEN,
-                                 min_new_tokens=GEN, pad_token_id=1)
-        out.append(gen[0, len(p):].tolist())
+        out[model_type] = (path, ref, hf_greedy(ref))
     return out
 
 
