@@ -114,7 +114,7 @@ def test_operator_imports_without_torch_in_a_fresh_interpreter():
 # the operator may use these (the engine config it writes into the ConfigMap).
 TORCH_FREE_RUNTIME = {"kvfleet.runtime", "kvfleet.runtime.config", "kvfleet.runtime.sampling_params",
                       "kvfleet.runtime.spec_decode", "kvfleet.runtime.spec_decode.config", "kvfleet.runtime.json_option",
-                      "kvfleet.runtime.model_errors"}
+                      "kvfleet.runtime.model_errors", "kvfleet.runtime.env"}
 
 
 def test_operator_uses_only_torch_free_runtime_modules():
@@ -154,7 +154,9 @@ def test_operator_uses_only_torch_free_runtime_modules():
     ],
 )
 def test_layers_import_only_downwards(package, forbidden):
-    bad = [(m, d) for m, d in _edges(package) if d.startswith(forbidden)]
+    # the settings registry (runtime/env.py: stdlib only) is below every layer; kernels import it
+    # as `import kvfleet.runtime.env`, which this graph records without the package kvfleet.runtime
+    bad = [(m, d) for m, d in _edges(package) if d.startswith(forbidden) and d != "kvfleet.runtime.env"]
     assert not bad
 
 
