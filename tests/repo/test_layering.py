@@ -150,6 +150,8 @@ def test_operator_uses_only_torch_free_runtime_modules():
                                          "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench", "kvfleet.runtime.router",
                                          "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
+        # what the server and the router share over HTTP: nothing of kvfleet (the router loads it)
+        ("kvfleet.runtime.http", ("kvfleet.",)),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],
 )
