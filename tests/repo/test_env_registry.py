@@ -1,5 +1,5 @@
-"""One settings registry (runtime/env.py): no module outside it reads a ``KVFLEET_*`` variable, and
-docs/configuration.md holds the table the registry renders.
+"""One settings registry (runtime/env.py): no module outside it reads a ``KVFLEET_*`` variable or
+spells one's name as a string, and docs/configuration.md holds the table the registry renders.
 
 The scan reads every Python file of runtime/, operator/ and kernels/ (the distribution) with
 ``ast`` (not grep: a name held in a constant counts, a docstring does not). It fails on
@@ -133,6 +133,16 @@ def test_the_scan_reads_the_tree_and_catches_each_form(tmp_path, monkeypatch):
 def test_no_module_outside_the_registry_reads_a_kvfleet_variable():
     found = [v for p in _files() for v in violations(p)]
     assert not found, "read these through kvfleet.runtime.env:\n" + "\n".join(found)
+
+
+def test_no_module_spells_a_variable_name_outside_the_registry():
+    # names the operator writes into pods, and the constants tests import, come from the registry
+    # (``env.CACHE_DIR.name``), so a rename is one line; prose that mentions a name is not a name
+    name = re.compile(r"KVFLEET_[A-Z0-9_]+")
+    found = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value}" for p in _files()
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and name.fullmatch(n.value)]
+    assert not found, "name these through kvfleet.runtime.env:\n" + "\n".join(found)
 
 
 def test_every_declared_name_is_used_outside_the_registry():
