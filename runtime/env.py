@@ -158,8 +158,8 @@ CONFIG = _var("CONFIG", "path", None, "`kvfleet serve`: a YAML or JSON file of o
 
 # --- CPU kernels -------------------------------------------------------------------------------
 CPU_ISA = _var("CPU_ISA", "str", None,
-               "Caps the CPU features the C kernels use: avx2, avx512 or avx512_bf16 (unset: all "
-               "this CPU has).", choices=("avx2", "avx512", "avx512_bf16"))
+               "Caps the CPU features the C kernels use (a level and those below it; unset: all this "
+               "CPU has).", choices=("avx2", "avx512", "avx512_bf16", "amx"))
 CPU_MATMUL = _var("CPU_MATMUL", "str", None,
                   "Where the CPU plan chose bf16 matmuls, the fused decoder's kernels instead: float32, "
                   "avx512_bf16 or amx (another value: a warning and the plan's). Unset: the plan's.")

@@ -185,3 +185,10 @@ def test_the_families_name_their_members():
     assert env.ROUTER_OPTION.name("api_key") == "KVFLEET_ROUTER_API_KEY"
     assert env.SERVE_OPTION.read("max_num_seqs", {"KVFLEET_MAX_NUM_SEQS": " 8 "}) == "8"
     assert env.ROUTER_OPTION.read("port", {"KVFLEET_ROUTER_PORT": ""}) is None
+
+
+def test_the_cpu_choices_are_the_kernels_own():
+    from kvfleet.kernels import cpu_features
+
+    assert env.CPU_ISA.choices == cpu_features.ISA_LEVELS
+    assert all(kind in env.CPU_MATMUL.doc for kind in cpu_features.MATMUL_KERNELS)
