@@ -33,9 +33,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import kvfleet.runtime.env as env
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import MODELS_DIR, parse_model_uri
-from kvfleet.runtime import env
 
 CONFIGMAP_KEY = "lora_modules"
 ENV_NAME = env.SERVE_OPTION.name("lora_modules")

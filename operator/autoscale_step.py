@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+import kvfleet.runtime.env as env
 from kvfleet.operator import builders, crd, hpa, pod_metrics, policy, reconcile, router, service_spec, tuning
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
@@ -28,7 +29,6 @@ from kvfleet.operator.router_load import read_router_load
 from kvfleet.operator.status import autoscaler_off_message, set_condition
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
-from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import kvfleet.runtime.env as kvenv
 from kvfleet.operator import adapters, fleet_secret, kv_tiers, router
 from kvfleet.operator.service_spec import (
     ANNOTATION_CONFIG_HASH,
@@ -41,7 +42,6 @@ from kvfleet.operator.weights import (
     progress_deadline_seconds,
     startup_seconds,
 )
-from kvfleet.runtime import env as kvenv
 
 
 def _container_security() -> dict[str, Any]:

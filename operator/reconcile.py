@@ -18,13 +18,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import kvfleet.runtime.env as env
 from kvfleet.operator import adapters, builders, crd, fleet_secret, gie, hpa, router, service_spec
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
-from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 

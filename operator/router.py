@@ -24,8 +24,8 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+import kvfleet.runtime.env as kvenv
 from kvfleet.operator import crd, crd_schema, fleet_secret, kv_tiers, service_spec
-from kvfleet.runtime import env as kvenv
 
 COMPONENT = "router"
 PORT = 8000
