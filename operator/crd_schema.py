@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfleet.runtime.router import routing
+
 BLOCK_SIZES = [8, 16, 32, 64, 128]
 MODEL_URI_SCHEMES = ["hf://", "pvc://", "file:///"]
 
@@ -356,14 +358,9 @@ ROUTER = _obj(
                                        "finish for at most this long (kvfleet router --shutdown-timeout), after a "
                                        "10 s preStop sleep; its terminationGracePeriodSeconds is 15 s more.",
                                        minimum=0, maximum=86400, default=30),
-        "algorithm": {"type": "string",
-                      "enum": ["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"],
-                      "default": "precise-prefix-cache",
-                      "description": "precise-prefix-cache (default): the replica caching the longest prefix of "
-                                     "the prompt's KV blocks, from the replicas' KV events (the operator turns "
-                                     "them on), within CHWBL's bound; prefix-hash: consistent hashing with bounded "
-                                     "loads on the prompt's characters, over least load; least-load; round-robin "
-                                     "(for comparison)."},
+        "algorithm": {"type": "string", "enum": list(routing.NAMES), "default": routing.DEFAULT.value,
+                      "description": "How the router picks a replica (kvfleet router --routing-algorithm). "
+                                     + routing.describe() + "."},
         "prefixChars": _int("Characters of the prompt the prefix key covers.", minimum=1, maximum=65536,
                             default=256),
         "loadFactor": _num("CHWBL bound: a replica takes at most ceil(loadFactor x mean load) before its "

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator import crd, crd_schema, fleet_secret, kv_tiers, service_spec
+from kvfleet.runtime.router import routing
 
 COMPONENT = "router"
 PORT = 8000
@@ -38,8 +39,6 @@ TERMINATION_MARGIN = 5
 ``--shutdown-timeout`` (its listener grace and exit)."""
 
 
-PRECISE = "precise-prefix-cache"
-"""The algorithm that routes on the replicas' KV events (docs/routing.md, "Precise prefix routing")."""
 IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
 """The operator's default router image (the chart's ``router.image``); unset: the runtime image."""
 
@@ -93,9 +92,10 @@ def status_url(isvc: Mapping[str, Any]) -> str:
 
 
 def precise(isvc: Mapping[str, Any]) -> bool:
-    """The router routes on the replicas' KV events (enabled, ``algorithm: precise-prefix-cache``):
-    the replicas must publish them (:func:`kv_tiers.engine_keys` with ``kv_events``)."""
-    return enabled(isvc) and router_spec(isvc)["algorithm"] == PRECISE
+    """The router routes on the replicas' KV events (enabled, an algorithm that reads them:
+    ``precise-prefix-cache``): the replicas must publish them (:func:`kv_tiers.engine_keys` with
+    ``kv_events``)."""
+    return enabled(isvc) and routing.reads_kv_events(router_spec(isvc)["algorithm"])
 
 
 def reads_kv_events(isvc: Mapping[str, Any]) -> bool:
