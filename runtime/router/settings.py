@@ -16,8 +16,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvfleet.runtime.router.routing import DEFAULT, NAMES, Algorithm, describe
 from kvfleet.runtime.router.prefix_key import DEFAULT_PREFIX_CHARS
+from kvfleet.runtime.router.routing import DEFAULT, NAMES, Algorithm, describe
 
 ENV_PREFIX = "KVFLEET_ROUTER_"
 

@@ -24,7 +24,8 @@ class PrecisePrefixCache:
 
     name = Algorithm.PRECISE_PREFIX_CACHE
     reads_kv_events = True
-    summary = "the replica caching the longest prefix of the prompt's KV blocks, from the replicas' KV events, within CHWBL's bound (replicas without events: as prefix-hash)"
+    summary = ("the replica caching the longest prefix of the prompt's KV blocks, from the replicas' KV events, "
+               "within CHWBL's bound (replicas without events: as prefix-hash)")
 
     def __init__(self, params: Params | None = None) -> None:
         self.prefix_hash = PrefixHash(params)
