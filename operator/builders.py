@@ -42,11 +42,13 @@ from kvfleet.operator.service_spec import (
 from kvfleet.operator.spec_enums import AutoscalingMode
 from kvfleet.operator.weights import model_path_in_pod, parse_model_uri
 
-ENGINE_KEYS = ("block_size", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-               "enable_prefix_caching", "batch_invariant", "scheduling_policy", "dtype", "kv_cache_dtype",
-               "tensor_parallel_size", "quantization", "enforce_eager")
-"""Fields of the view's ``spec.engine`` written to the config file under the same name (the
-runtime's EngineConfig field names are the view's snake_case names)."""
+ENGINE_SECTIONS = ("speculative", "kv_cache", "extra_args")
+"""Fields of the view's ``spec.engine`` with a translation of their own (``speculative_config``,
+:mod:`kvfleet.operator.kv_tiers`, the config file's other keys)."""
+ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(spec_view.Engine) if f.name not in ENGINE_SECTIONS)
+"""Every other field of ``spec.engine``, written to the config file under its own (snake_case)
+name: the runtime's EngineConfig field of that name. A new scalar engine field of the CRD needs no
+line here (tests/unit/operator/test_engine_config.py checks that the runtime knows each)."""
 
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
                       "metrics_compat", "shutdown_timeout", "termination_log", "tool_call_parser",
