@@ -18,8 +18,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-import kvfleet.runtime.env as env
 from kvfleet.operator import service_spec
+from kvfleet.runtime import env
 
 KEY = "secret"
 ENV = env.FLEET_SECRET.name

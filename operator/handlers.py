@@ -17,10 +17,10 @@ from typing import Any
 
 import kopf
 
-import kvfleet.runtime.env as env
 from kvfleet.operator import builders, crd, reconcile
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.service_spec import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
+from kvfleet.runtime import env
 
 DIFFBASE_PREFIX = "kvfleet.io"
 DIFFBASE_KEY = "last-handled-configuration"
