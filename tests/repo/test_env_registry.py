@@ -185,6 +185,10 @@ def test_the_families_name_their_members():
     assert env.ROUTER_OPTION.name("api_key") == "KVFLEET_ROUTER_API_KEY"
     assert env.SERVE_OPTION.read("max_num_seqs", {"KVFLEET_MAX_NUM_SEQS": " 8 "}) == "8"
     assert env.ROUTER_OPTION.read("port", {"KVFLEET_ROUTER_PORT": ""}) is None
+    # vLLM's name counts where kvfleet's is unset, never over it
+    vllm = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert env.SERVE_OPTION.read("allow_runtime_lora_updating", vllm) == "True"
+    assert env.SERVE_OPTION.read("allow_runtime_lora_updating", {**vllm, "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING": "0"}) == "0"
 
 
 def test_the_cpu_choices_are_the_kernels_own():
