@@ -42,30 +42,20 @@ def _switch(text: str) -> bool:
     return text != "0"
 
 
-def _flag(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "on", "yes"):
-        return True
-    if low in ("0", "false", "off", "no"):
-        return False
-    raise ValueError("expected 1/0, true/false, on/off or yes/no")
-
-
 def _path(text: str) -> Path:
     return Path(text).expanduser()
 
 
 _KINDS: dict[str, Callable[[str], Any]] = {
-    "str": str, "int": int, "float": float, "path": _path, "switch": _switch, "flag": _flag,
+    "str": str, "int": int, "float": float, "path": _path, "switch": _switch,
 }
 
 
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
-    """One variable: ``name``, the parse ``kind`` (a key of the kinds table: str, int, float, path,
-    switch, flag), its ``default`` (returned when unset or blank; a callable is called then),
-    ``choices`` (a str variable's
-    allowed values, compared lower-cased; empty: any) and ``doc``."""
+    """One variable: ``name``, the parse ``kind`` (str, int, float, path (``~`` expanded) or switch
+    (off only for ``0``)), its ``default`` (returned when unset or blank; a callable is called
+    then), ``doc``, and for a str variable its allowed values (``choices``; empty: any)."""
 
     name: str
     kind: str
@@ -79,9 +69,6 @@ class EnvVar(Generic[T]):
         """The stripped value, or None when unset or blank."""
         value = (os.environ if environ is None else environ).get(self.name, "").strip()
         return value or None
-
-    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
-        return self.raw(environ) is not None
 
     def get(self, environ: Mapping[str, str] | None = None) -> T:
         """The typed value (the default when unset or blank).
