@@ -6,14 +6,18 @@ on with no flag (issue 42): prefix-aware routing from the replicas' KV events wh
 them (``precise-prefix-cache``, the char-prefix CHWBL ring where they do not), signed peer hints
 and mid-stream migration; flags only turn things off (``--routing-algorithm prefix-hash``,
 ``--no-kv-peer-hint``, ``--max-migrations 0``). Meanings and defaults: docs/routing.md.
+An invalid value stops the router with argparse's exit status 2 and one line per problem naming
+where it came from (``--port='abc': ...`` or ``KVFLEET_ROUTER_PORT='abc': ...``), as ``kvfleet serve``
+does; an endpoint that is not an ``http(s)://host[:port]`` URL is such a problem.
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvfleet.runtime import env
 from kvfleet.runtime.router.prefix_key import DEFAULT_PREFIX_CHARS
@@ -64,6 +68,15 @@ class RouterSettings(BaseModel):
     api_key: str | None = None
     """When set, the router itself checks ``Authorization: Bearer KEY`` on ``/v1/*``."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not a replica base URL (http://host:port)")
+        return urls
 
     @model_validator(mode="after")
     def _one_source(self) -> RouterSettings:
@@ -122,16 +135,22 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
         parser.add_argument(flag, **kw)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items()}
     values: dict[str, object] = {}
+    where: dict[str, str] = {}
     for name in RouterSettings.model_fields:
         value = env.ROUTER_OPTION.read(name, environ)
         if name in given:
-            values[name] = given[name]
+            values[name], where[name] = given[name], "--" + name.replace("_", "-")
         elif value is not None:
-            values[name] = value
+            values[name], where[name] = value, env.ROUTER_OPTION.name(name)
     if isinstance(values.get("endpoints"), str):
         values["endpoints"] = [u.strip() for u in str(values["endpoints"]).split(",") if u.strip()]
     try:
         return RouterSettings(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            name = str(err["loc"][0]) if err["loc"] else ""
+            problems.append(f"{where.get(name, name)}={values.get(name)!r}: {msg}" if name else msg)
+        parser.error("invalid options:\n  " + "\n  ".join(problems))
         raise  # unreachable: parser.error exits
