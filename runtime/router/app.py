@@ -5,7 +5,8 @@ the process serves), ``/ready`` (200 once the endpoint source has been read, eve
 replica ready: the router must accept requests to hold them while replicas scale from zero; the
 body lists the endpoint counts; 503 while draining), ``/metrics`` (:mod:`.metrics`). The lifespan
 owns the HTTP clients, the probe loop and the endpoint source (static list or EndpointSlice
-watch). SIGTERM drains (:mod:`.shutdown`).
+watch). SIGTERM drains (:mod:`.shutdown`). A path or method it does not serve is a 404 / 405 in
+OpenAI's error shape, as ``kvfleet serve`` answers it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -166,10 +168,17 @@ def create_app(settings: RouterSettings) -> Starlette:
         Route("/v1/{path:path}", proxy, methods=METHODS),
     ]
     refused = state.metrics.requests.labels("", "shutting_down").inc
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(DrainMiddleware, drain=state.drain, on_refused=refused)])
     app.state.router = state
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 / 405 (a path or method the router does not serve) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
 
 def main(argv: list[str] | None = None) -> int:
