@@ -74,8 +74,8 @@ def test_a_failed_prefill_replica_fails_over_then_colocated():
     assert out is BODY  # no prefill replica could: the decode replica computes the prompt
     assert sorted(u for u, _ in seen) == ["http://p1", "http://p2"]
     assert legs == {"retried": 2.0, "colocated": 1.0} and not pool.available()  # both ejected
-    out, _, legs, _ = run({"http://p1": refuse, "http://p2": answer(PARAMS)})
-    assert out["kv_transfer_params"]["remote_url"] == "http://p2"
+    out, seen, legs, _ = run({"http://p1": answer(PARAMS), "http://p2": refuse})
+    assert out["kv_transfer_params"]["remote_url"] == "http://p1"
     assert legs["success"] == 1.0 and legs.get("retried", 0.0) == len(seen) - 1
 
 
