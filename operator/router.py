@@ -24,7 +24,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema, fleet_secret, kv_tiers, service_spec
+from kvfleet.operator import crd, crd_schema, disagg, fleet_secret, kv_tiers, service_spec
 
 COMPONENT = "router"
 PORT = 8000
@@ -126,7 +126,8 @@ def router_args(isvc: Mapping[str, Any]) -> list[str]:
             "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
             "--pending-timeout", str(r["pendingTimeoutSeconds"]),
             "--shutdown-timeout", str(r["shutdownTimeoutSeconds"]),
-            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"], kv_events=precise(isvc))]
+            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"], kv_events=precise(isvc)),
+            *disagg.router_args(isvc)]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:

@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOLD_TIMEOUT = 30.0
 """Seconds a prefill leg's blocks stay held for the decode replica to read them."""
 
+MAX_FINISHED_PARAMS = 4096
+"""Finished prefill legs' ``kv_transfer_params`` kept for the output side at most."""
+
 
 def transfer_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """The hashes a prompt's blocks are transferred under: the prefix-cache chain of its full blocks
@@ -270,6 +273,8 @@ class PeerPullConnector(KVConnectorBase):
                "remote_request_id": rid, "remote_block_ids": [b.block_id for b in held],
                "num_prompt_tokens": request.num_prompt_tokens, "expires_at": expires_at}
         self.finished_params[rid] = out
+        while len(self.finished_params) > MAX_FINISHED_PARAMS:  # answers nobody took (a client gone)
+            self.finished_params.pop(next(iter(self.finished_params)))
         return True, out
 
     def expire(self) -> None:
