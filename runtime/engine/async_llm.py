@@ -222,7 +222,7 @@ class AsyncLLMEngine:
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        remote = self.kv_puller is not None and prepared.state.params.kv_transfer_params is not None
+        remote = (prepared.state.params.kv_transfer_params or {}).get("do_remote_prefill")
         if self.kv_puller is not None and (kv_peer is not None or self.kv_puller.disk is not None or remote):
             if remote:  # a decode leg: its prompt's blocks from the prefill replica
                 await self.kv_puller.fetch_remote_prefill(prepared.requests[0])

@@ -60,6 +60,7 @@ class KVPuller:
         self.call = call
         self.config = engine.config.kv_transfer_config
         self.layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
+        self.keys = keys
         self.fetcher = (PeerFetcher(self.config, self.layout, keys)
                         if self.config.pulls and keys is not None else None)
         self.disk = next((s.disk for s in engine.kv_event_sinks if isinstance(s, DiskWriter)), None)
@@ -143,14 +144,19 @@ class KVPuller:
 
     async def fetch_remote_prefill(self, request) -> int:
         """A decode leg (``kv_transfer_params`` with ``do_remote_prefill``): fetch its prompt's blocks
-        from the prefill replica (``remote_url``) and hand them to the connector, which loads them at
-        the request's admission; the blocks fetched (0: none; the prompt is then computed here)."""
+        from the prefill replica (``remote_url``, taken only with the router's ``remote_signature``:
+        :meth:`FleetKeys.check_hint <kvfleet.runtime.kv_transfer.fleet_auth.FleetKeys.check_hint>`) and
+        hand them to the connector, which loads them at the request's admission; the blocks fetched
+        (0: none; the prompt is then computed here)."""
         params = transfer_params(request) or {}
         url = params.get("remote_url")
         if not params.get("do_remote_prefill") or not transferable(request) or self.fetcher is None:
             return 0
-        if not isinstance(url, str):
-            logger.warning("kv_transfer_params without remote_url: computing the prompt of %s", request.request_id)
+        refused = "no_url" if not isinstance(url, str) else self.keys.check_hint(url, params.get("remote_signature"))
+        if refused is not None:  # only the router names where a replica sends its fleet auth
+            logger.warning("kv_transfer_params' remote_url %r refused (%s): computing the prompt of %s",
+                           url, refused, request.request_id)
+            self._record(IterationStats(kv_pull_failures=["remote_" + refused]))
             return 0
         hashes = transfer_hashes(request.prompt_token_ids, self.engine.config.block_size)
         try:
@@ -159,6 +165,10 @@ class KVPuller:
             logger.warning("KV of %s from the prefill replica %s refused, computing it: %s",
                            request.request_id, url, exc)
             self._record(IterationStats(kv_pull_failures=[exc.reason]))
+            return 0
+        except Exception:  # an optimisation: its failure must never fail the request
+            logger.exception("KV fetch of %s failed, computing it", request.request_id)
+            self._record(IterationStats(kv_pull_failures=["error"]))
             return 0
         await self.call(self.engine.kv_connector.set_fetched, request.request_id, [p for _, p in fetched])
         self._record(IterationStats(num_pulled_tokens=min(len(fetched) * self.engine.config.block_size,

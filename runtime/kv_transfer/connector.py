@@ -28,14 +28,16 @@ disaggregation (docs/routing.md, "Prefill/decode disaggregation"):
   finishes (its one token), its prompt's blocks are held (one reference each, partial last block
   included) under :func:`transfer_hashes` until a peer has read them all or ``hold_timeout`` s pass,
   and its response carries ``{"do_remote_prefill": true, "remote_block_ids", "remote_engine_id",
-  "remote_request_id", "num_prompt_tokens", "expires_at"}`` (the router adds ``remote_url``);
+  "remote_request_id", "num_prompt_tokens", "expires_at"}`` (the router adds ``remote_url`` and its
+  signature of it, ``remote_signature``);
 - a request whose ``kv_transfer_params`` say ``do_remote_prefill`` (with ``remote_url``) is a
-  *decode leg*: before it is queued its prompt's blocks are fetched from ``remote_url`` (fleet auth,
-  sealed answer, every frame checked), and at admission they are loaded into its blocks up to the
-  last prompt token, which it computes itself (its logits give the first token): about one prompt
-  token computed per request. A failed or partial fetch loads what arrived; the rest is computed.
+  *decode leg*: before it is queued its prompt's blocks are fetched from ``remote_url`` when the
+  router signed it (fleet auth, sealed answer, every frame checked: ``engine/kv_pull.py``), and at
+  admission they are loaded into its blocks up to the last prompt token, which it computes itself
+  (its logits give the first token): one prompt token computed per request. A failed or partial
+  fetch loads what arrived; the rest is computed.
 
-Prefix/decode transfers are refused (computed locally, nothing held) for LoRA adapters, cache salts
+Prefill/decode transfers are refused (computed locally, nothing held) for LoRA adapters, cache salts
 and prompt logprobs, as peer pull is.
 """
 
@@ -56,7 +58,8 @@ DEFAULT_HOLD_TIMEOUT = 30.0
 """Seconds a prefill leg's blocks stay held for the decode replica to read them."""
 
 MAX_FINISHED_PARAMS = 4096
-"""Finished prefill legs' ``kv_transfer_params`` kept for the output side at most."""
+"""Finished prefill legs' ``kv_transfer_params`` kept for the output side, and decode legs' fetched
+blocks kept for the scheduler, at most (entries nobody took: a client gone)."""
 
 
 def transfer_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -232,6 +235,8 @@ class PeerPullConnector(KVConnectorBase):
         """A decode leg's fetched blocks (engine thread, before the request is queued)."""
         if payloads:
             self._fetched[request_id] = payloads
+        while len(self._fetched) > MAX_FINISHED_PARAMS:  # requests that never reached the scheduler
+            self._fetched.pop(next(iter(self._fetched)))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         payloads = self._fetched.get(request.request_id)

@@ -79,8 +79,12 @@ def start_prefill_pool(state: RouterState, probe_client: httpx.AsyncClient,
                                              eject_max=settings.eject_max_seconds)
     prober = Prober(pool, probe_client, interval=settings.probe_interval)
     assert state.forwarder is not None
-    state.forwarder.disagg = Disaggregator(pool, proxy_client, state.metrics, prefill_timeout=settings.prefill_timeout,
-                                           prefix_chars=settings.prefix_chars)
+    keys = load_fleet_keys(settings.fleet_secret_file)  # signs the decode legs' remote_url
+    if keys is None:
+        logger.warning("no fleet secret: decode replicas will not pull from the prefill replicas (they compute)")
+    state.forwarder.disagg = Disaggregator(pool, proxy_client, state.metrics, fleet_keys=keys,
+                                           prefill_timeout=settings.prefill_timeout, prefix_chars=settings.prefix_chars,
+                                           min_prompt_chars=settings.prefill_min_prompt_chars)
     tasks = [asyncio.create_task(prober.run())]
     if settings.prefill_endpoints:
         pool.set_urls(settings.prefill_endpoints)

@@ -40,6 +40,8 @@ class RouterSettings(BaseModel):
     """The same, from this Service's EndpointSlices (in ``kube_namespace``)."""
     prefill_timeout: float = Field(300.0, gt=0)
     """Seconds one prefill leg may take on one prefill replica before the next one is tried."""
+    prefill_min_prompt_chars: int = Field(0, ge=0)
+    """Prompts shorter than this (characters) skip the prefill leg: the decode replica computes them."""
     kube_namespace: str | None = None
     """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
     kube_port: str = "http"
@@ -94,6 +96,8 @@ _HELP = {
                          "of --endpoints / --kube-service are then the decode pool)",
     "prefill_kube_service": "prefill/decode disaggregation: Service whose EndpointSlices list the prefill replicas",
     "prefill_timeout": "seconds one prefill leg may take on one prefill replica before another is tried",
+    "prefill_min_prompt_chars": "prompts shorter than this many characters skip the prefill leg (the decode replica "
+                                "computes them; default 0: every prompt)",
     "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
     "routing_algorithm": "precise-prefix-cache (default: the replicas' KV events, longest cached prefix within "

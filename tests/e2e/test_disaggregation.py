@@ -5,7 +5,8 @@ blocks pulled by the decode replica over `/kv_blocks` (fleet auth, sealed frames
 about one prompt token per request (its `prompt_tokens_total`) and answers, streamed or not, the
 same greedy text as asked directly (colocated). A prefill replica killed mid-request (stopped,
 then SIGKILLed while the router waits on it) fails over: the decode replica computes the prompt
-itself and the client still gets the same text.
+itself and the client still gets the same text. A `remote_url` the router did not sign is never
+fetched from (the decode replica would send its fleet auth there).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def test_two_legs_give_the_colocated_text_with_one_prompt_token_on_the_decode_re
     assert value(p_metrics, "kvfleet:kv_pull_tokens_total") == 0
     assert value(r_metrics, "kvfleet:router_prefill_legs_total", outcome="success") == len(PROMPTS)
     assert value(after, "kvfleet:kv_pull_failures_total") == 0
+
+
+def test_a_remote_url_the_router_did_not_sign_is_never_fetched(pd):
+    decode, prefill = pd["decode"], pd["prefill"][1]
+    prompt = "Unsigned. " + PROMPTS[1]  # no prefix the decode replica caches
+    before = scrape(decode)
+    params = {"do_remote_prefill": True, "remote_url": prefill}  # a client's, without remote_signature
+    out = client(decode).completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                            extra_body={"kv_transfer_params": params})
+    after = scrape(decode)
+    computed = value(after, "kvfleet:prompt_tokens_total") - value(before, "kvfleet:prompt_tokens_total")
+    assert computed == out.usage.prompt_tokens  # the whole prompt computed here, nothing pulled
+    assert value(after, "kvfleet:kv_pull_failures_total", reason="remote_unsigned") == 1
 
 
 def test_a_prefill_replica_killed_mid_request_fails_over_to_colocated(pd):
