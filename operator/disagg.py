@@ -2,8 +2,10 @@
 two pools of runtime pods and the router's flags.
 
 Contract: :func:`disaggregation` is the one reader of the field (defaulted, checked; None when
-absent). With it, :func:`desired_children` renders each pool through the ordinary builders
-(``build``: :func:`kvfleet.operator.builders.desired_children`) from :func:`pool_isvc`, the
+absent; a dict, since a pool's ``engine`` is merged field by field over ``spec.engine`` before the
+pool's own view, :func:`kvfleet.operator.spec_view.of`, is built). With it,
+:func:`desired_children` renders each pool through the ordinary builders (``build``:
+:func:`kvfleet.operator.builders.desired_children`) from :func:`pool_isvc`, the
 InferenceService as that pool sees it: ``spec.engine`` overlaid with the pool's ``engine``, its
 ``replicas``, and its name:
 
@@ -26,9 +28,9 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema, kv_tiers
+from kvfleet.operator import crd, crd_schema, kv_tiers, spec_view
 from kvfleet.operator.crd import InvalidSpec
-from kvfleet.operator.service_spec import LABEL_ISVC, effective_spec
+from kvfleet.operator.service_spec import LABEL_ISVC
 
 ROLE_LABEL = "kvfleet.io/role"
 ROLES = ("prefill", "decode")
@@ -47,8 +49,8 @@ def disaggregation(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
     if not crd.apply_defaults(dict((isvc.get("spec") or {}).get("router") or {}), crd_schema.ROUTER).get("enabled"):
         raise InvalidSpec("InvalidDisaggregation", "disaggregation needs router.enabled: the router runs the two legs")
     for role in ROLES:
-        engine = effective_spec(pool_isvc(isvc, role, out))["engine"]
-        if int(engine.get("tensorParallelSize") or 1) > 1 or "peer" not in kv_tiers.tiers(engine):
+        engine = spec_view.of(pool_isvc(isvc, role, out)).engine
+        if int(engine.tensor_parallel_size or 1) > 1 or "peer" not in kv_tiers.tiers(engine):
             raise InvalidSpec("InvalidDisaggregation", f"disaggregation.{role}: the pool needs the peer KV tier "
                                                        "and tensorParallelSize 1 (blocks move between pods)")
     return out

@@ -99,7 +99,7 @@ class Disaggregator:
         self.metrics = metrics
         self.prefill_timeout = prefill_timeout
         self.prefix_chars = prefix_chars
-        self.picker = Picker("prefix-hash")
+        self.picker = Picker()  # prefix-hash (CHWBL affinity with bounded load) over the prefill pool
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
