@@ -2,11 +2,12 @@
 `kvfleet serve` processes, the default model cut to 2 layers) behind `kvfleet router
 --prefill-endpoints P --endpoints D`. Each request's prompt is computed on the prefill replica, its
 blocks pulled by the decode replica over `/kv_blocks` (fleet auth, sealed frames), which computes
-about one prompt token per request (its `prompt_tokens_total`) and answers, streamed or not, the
-same greedy text as asked directly (colocated). A prefill replica killed mid-request (stopped,
-then SIGKILLed while the router waits on it) fails over: the decode replica computes the prompt
-itself and the client still gets the same text. A `remote_url` the router did not sign is never
-fetched from (the decode replica would send its fleet auth there).
+one prompt token per request (its `prompt_tokens_total`) and answers, streamed or not, the same
+greedy text as a replica asked directly (colocated), completions and chat completions alike. A
+prefill replica killed mid-request (stopped, then SIGKILLed while the router waits on it) fails
+over: the decode replica computes the prompt itself and the client still gets the same text. A
+`remote_url` the router did not sign is never fetched from (the replica would send its fleet auth
+there).
 """
 
 from __future__ import annotations
@@ -78,6 +79,22 @@ def test_two_legs_give_the_colocated_text_with_one_prompt_token_on_the_decode_re
     assert value(p_metrics, "kvfleet:kv_pull_tokens_total") == 0
     assert value(r_metrics, "kvfleet:router_prefill_legs_total", outcome="success") == len(PROMPTS)
     assert value(after, "kvfleet:kv_pull_failures_total") == 0
+
+
+def test_a_chat_completion_runs_as_two_legs_too(pd):
+    decode, router, prefill = pd["decode"], pd["router"], pd["prefill"][1]
+    messages = [{"role": "user", "content": "Summarise: " + PROMPTS[2]}]
+
+    def chat(base: str) -> str:
+        out = client(base).chat.completions.create(model="tiny", messages=messages, max_completion_tokens=12,
+                                                   temperature=0)
+        return out.choices[0].message.content
+
+    colocated = chat(prefill)
+    before = scrape(decode)
+    assert chat(router) == colocated
+    after = scrape(decode)
+    assert value(after, "kvfleet:prompt_tokens_total") - value(before, "kvfleet:prompt_tokens_total") == 1
 
 
 def test_a_remote_url_the_router_did_not_sign_is_never_fetched(pd):
