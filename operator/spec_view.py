@@ -125,16 +125,21 @@ def _fill(cls: type, raw: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def effective_dict(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec`` as a dict with the :data:`ALWAYS_PRESENT` sections created and the CRD's defaults
-    applied (a deep copy; the resource is never changed)."""
-    spec = copy.deepcopy(dict(isvc.get("spec") or {}))
-    for path in ALWAYS_PRESENT:
-        node = spec
+def _with_sections(raw: dict[str, Any], paths: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``raw`` with the objects at ``paths`` (dotted, relative to it) created where absent."""
+    for path in paths:
+        node = raw
         for key in path.split("."):
             if not isinstance(node.get(key), dict):
                 node[key] = {}
             node = node[key]
+    return raw
+
+
+def effective_dict(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` as a dict with the :data:`ALWAYS_PRESENT` sections created and the CRD's defaults
+    applied (a deep copy; the resource is never changed)."""
+    spec = _with_sections(copy.deepcopy(dict(isvc.get("spec") or {})), ALWAYS_PRESENT)
     spec = crd.apply_defaults(spec, crd_schema.SPEC)
     if not spec["runtime"].get("image"):
         spec["runtime"]["image"] = crd_schema.DEFAULT_IMAGE
@@ -153,11 +158,26 @@ def section(schema: Mapping[str, Any], raw: Mapping[str, Any] | None) -> Any:
     functions handed one section). A schema that is not one of the spec's gets a class of its own."""
     cls = _SECTION_CLASSES.get(id(schema))
     if cls is None or cls._schema is not schema:  # type: ignore[attr-defined]
-        cls = _make_class("Section", schema)
-    return _fill(cls, crd.apply_defaults(dict(raw or {}), schema))
+        cls, path = _make_class("Section", schema), None
+    else:
+        path = _PATHS.get(id(schema))
+    raw = copy.deepcopy(dict(raw or {}))
+    if path is not None:  # one of the spec's sections: its ALWAYS_PRESENT objects, as in of()
+        prefix = path + "."
+        raw = _with_sections(raw, [p[len(prefix):] for p in ALWAYS_PRESENT if p.startswith(prefix)])
+    return _fill(cls, crd.apply_defaults(raw, schema))
+
+
+def _paths(schema: Mapping[str, Any], path: str = "") -> dict[int, str]:
+    out = {id(schema): path}
+    for prop, sub in (schema.get("properties") or {}).items():
+        if _is_object(sub):
+            out.update(_paths(sub, f"{path}.{prop}" if path else prop))
+    return out
 
 
 _SECTION_CLASSES: dict[int, type] = {id(cls._schema): cls for cls in ALL_CLASSES}  # type: ignore[attr-defined]
+_PATHS = _paths(crd_schema.SPEC)
 
 
 __all__ = ["ALL_CLASSES", "ALWAYS_PRESENT", "CLASSES", "Spec", "effective_dict", "of", "section", "snake"]

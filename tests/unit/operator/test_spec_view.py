@@ -118,6 +118,12 @@ def test_a_new_schema_field_is_in_the_view_with_its_default():
     view = spec_view.section(schema, {"replicas": 3})
     assert (view.warmup_seconds, view.replicas, view.algorithm) == (7, 3, "precise-prefix-cache")
     assert spec_view.section(crd_schema.ROUTER, None).enabled is True
+    # a spec section given alone gets the objects of()'s view always has, as in of()
+    auto = spec_view.section(crd_schema.AUTOSCALING, {"mode": "operator"})
+    assert auto == spec_view.of({"spec": {"autoscaling": {"mode": "operator"}}}).autoscaling
+    assert auto.scale_down.stabilization_window_seconds == 300
+    tier = crd_schema.KV_CACHE["properties"]["tiers"]["items"]
+    assert spec_view.section(tier, {"type": "disk", "size": "1Gi"}).size == "1Gi"
 
 
 def test_the_schema_enums_are_the_declared_constants():
