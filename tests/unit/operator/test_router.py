@@ -232,3 +232,14 @@ def test_parse_router_load():
     assert parse_router_load("") == policy.RouterLoad(0.0, 0.0)
     with pytest.raises(ValueError):
         parse_router_load("not { prometheus")
+
+
+def test_the_operators_router_image_applies_to_the_default_router_too():
+    # spec.router absent: the router is on (issue 42), so the chart's router.image is its image
+    for obj in (isvc(), isvc(router={"enabled": True})):
+        deploy = by_kind(router.desired_children(router.with_default_image(obj, "example/router:1")))["Deployment"]
+        assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "example/router:1"
+    own = isvc(router={"image": "mine/router:2"})
+    assert router.with_default_image(own, "example/router:1") == own
+    off = isvc(router={"enabled": False})
+    assert router.with_default_image(off, "example/router:1") == off
