@@ -20,8 +20,7 @@ How a view is filled (:func:`of`):
 
 Enum values stay the spec's strings; compare them with the members of
 :mod:`kvfleet.operator.spec_enums` (a ``StrEnum`` equals its string). :func:`effective_dict` is
-the same defaulted spec as a dict (for the children that copy whole sections, and for
-:func:`kvfleet.operator.service_spec.effective_spec`).
+the same defaulted spec as a dict.
 """
 
 from __future__ import annotations

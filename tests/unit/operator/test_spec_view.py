@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvfleet.operator import crd_schema, service_spec, spec_enums, spec_view
+from kvfleet.operator import crd_schema, spec_enums, spec_view
 
 ISVC = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "llm", "uid": "u-1"},
@@ -104,7 +104,7 @@ def test_read_only_and_built_from_a_copy():
 def test_the_dict_form_is_the_same_spec():
     isvc = copy.deepcopy(ISVC)
     isvc["spec"]["autoscaling"] = {"mode": "operator", "maxReplicas": 3}
-    d = service_spec.effective_spec(isvc)
+    d = spec_view.effective_dict(isvc)
     view = spec_view.of(isvc)
     assert d["autoscaling"]["scaleDown"]["stabilizationWindowSeconds"] == view.autoscaling.scale_down.stabilization_window_seconds
     assert d["autoscaling"]["maxReplicas"] == view.autoscaling.max_replicas == 3
