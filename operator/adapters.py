@@ -28,7 +28,6 @@ Invalid adapters raise :class:`~kvfleet.operator.crd.InvalidSpec` (reasons ``Inv
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -37,12 +36,13 @@ from urllib.parse import urlsplit
 from kvfleet.operator import spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import MODELS_DIR, parse_model_uri
+from kvfleet.runtime import env
 
 CONFIGMAP_KEY = "lora_modules"
-ENV_NAME = "KVFLEET_LORA_MODULES"
+ENV_NAME = env.SERVE_OPTION.name("lora_modules")
 CONDITION = "AdaptersLoaded"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-TIMEOUT = float(os.environ.get("KVFLEET_ADAPTER_LOAD_TIMEOUT", "120"))
+TIMEOUT = env.ADAPTER_LOAD_TIMEOUT.get()
 """Seconds one load call may take (an hf:// adapter downloads first); the chart's
 ``operator.adapterLoadTimeoutSeconds``."""
 
@@ -121,7 +121,7 @@ def pod_env(spec: spec_view.Spec, configmap: str) -> list[dict[str, Any]]:
     if not declared(spec):
         return []
     return [{"name": ENV_NAME, "valueFrom": {"configMapKeyRef": {"name": configmap, "key": CONFIGMAP_KEY}}},
-            {"name": "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}]
+            {"name": env.SERVE_OPTION.name("allow_runtime_lora_updating"), "value": "true"}]
 
 
 def engine_keys(spec: spec_view.Spec) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from kvfleet.operator.weights import (
     progress_deadline_seconds,
     startup_seconds,
 )
+from kvfleet.runtime import env as kvenv
 
 
 def _plain(value: Any) -> Any:
@@ -105,14 +106,14 @@ def _runtime_env(isvc: Mapping[str, Any], spec: spec_view.Spec) -> list[dict[str
     """The runtime container's environment: cache paths, offline hub, the API key, LoRA, the user's."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
-        {"name": "KVFLEET_CACHE_DIR", "value": f"{CACHE_DIR}/kvfleet"},
+        {"name": kvenv.CACHE_DIR.name, "value": f"{CACHE_DIR}/kvfleet"},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
     ]
     rt = spec.runtime
     if rt.api_key_secret_ref:
-        env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
+        env.append({"name": kvenv.SERVE_OPTION.name("api_key"), "valueFrom": {"secretKeyRef": {
             "name": rt.api_key_secret_ref.name, "key": rt.api_key_secret_ref.key}}})
     env.append(fleet_secret.env_entry(isvc))  # peer hints, /kv_blocks, pulls: this service's fleet only
     env += adapters.pod_env(spec, names(isvc)["configmap"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
+from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Outcome:
         return bool(self.applied or self.deleted or self.status_patch)
 
 
-RUNTIME_IMAGE_ENV = "KVFLEET_RUNTIME_IMAGE"
+RUNTIME_IMAGE_ENV = env.RUNTIME_IMAGE.name
 """The operator's default runtime image (the chart's ``runtimeImage``), for InferenceServices
 that set no ``spec.runtime.image``."""
 
@@ -123,8 +123,8 @@ that set no ``spec.runtime.image``."""
 def prepared(isvc: Mapping[str, Any]) -> dict[str, Any]:
     """``isvc`` (a copy) with the operator's own defaults: ``$KVFLEET_RUNTIME_IMAGE`` and
     ``$KVFLEET_ROUTER_IMAGE`` as the images, the InferencePool's metric names."""
-    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
-    return router.with_default_image(isvc, os.environ.get(router.IMAGE_ENV))
+    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, env.RUNTIME_IMAGE.get()))
+    return router.with_default_image(isvc, env.ROUTER_IMAGE.get())
 
 
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False,

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvfleet.operator import fleet_secret, kv_tiers, service_spec, spec_view
 from kvfleet.operator.spec_enums import AutoscalingMode, KVTierType
+from kvfleet.runtime import env as kvenv
 from kvfleet.runtime.router import routing
 
 COMPONENT = "router"
@@ -40,7 +41,7 @@ TERMINATION_MARGIN = 5
 ``--shutdown-timeout`` (its listener grace and exit)."""
 
 
-IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
+IMAGE_ENV = kvenv.ROUTER_IMAGE.name
 """The operator's default router image (the chart's ``router.image``); unset: the runtime image."""
 
 
@@ -107,7 +108,7 @@ def router_env(isvc: Mapping[str, Any], spec: spec_view.Spec) -> list[dict[str, 
     key_ref = spec.runtime.api_key_secret_ref
     if not key_ref or not reads_kv_events(spec):
         return env
-    return [*env, {"name": "KVFLEET_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {
+    return [*env, {"name": kvenv.ROUTER_OPTION.name("api_key"), "valueFrom": {"secretKeyRef": {
         "name": key_ref.name, "key": key_ref.key}}}]
 
 
