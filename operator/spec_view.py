@@ -53,10 +53,10 @@ def _is_object(schema: Mapping[str, Any]) -> bool:
 
 
 def _annotation(schema: Mapping[str, Any], cls: type | None) -> Any:
+    if schema.get("type") == "array":
+        return (tuple[cls, ...] if cls is not None else tuple) | None
     if cls is not None:
         return cls | None
-    if schema.get("type") == "array":
-        return tuple
     if schema.get("x-kubernetes-int-or-string") or "anyOf" in schema:
         return int | str | None
     if schema.get("type") == "object":
@@ -75,7 +75,7 @@ def _make_class(name: str, schema: Mapping[str, Any]) -> type:
             child = _make_class(prop[0].upper() + prop[1:], sub["items"])
         if child is not None:
             children[prop] = child
-        fields.append((snake(prop), _annotation(sub, child if sub.get("type") == "object" else None),
+        fields.append((snake(prop), _annotation(sub, child),
                        dataclasses.field(default=None)))
     cls = dataclasses.make_dataclass(name, fields, frozen=True, namespace={"__doc__": schema.get("description")})
     cls.__module__ = __name__
