@@ -545,17 +545,3 @@ def test_the_minimal_service_gets_the_router_the_peer_tier_and_the_hand_off_grac
     config = yaml.safe_load(by_kind(builders.desired_children(off))["ConfigMap"]["data"]["config.yaml"])
     assert "drain_handoff_grace" not in config
     assert config["kv_transfer_config"] is None and config["kv_events_config"] is None
-
-
-def test_one_view_of_the_spec_per_build(monkeypatch):
-    """desired_children builds the typed view once and hands it down; given one, it builds none
-    (the reconcile passes the view it built)."""
-    isvc = minimal(model={"uri": "hf://org/name"}, autoscaling={"mode": "hpa", "maxReplicas": 3},
-                   engine={"kvCache": {"tiers": [{"type": "peer"}, {"type": "disk", "size": "1Gi"}]}})
-    view = spec_view.of(isvc)
-    calls = []
-    real = spec_view.of
-    monkeypatch.setattr(spec_view, "of", lambda obj: calls.append(1) or real(obj))
-    built = builders.desired_children(isvc)
-    assert len(calls) == 1
-    assert builders.desired_children(isvc, spec=view) == built and len(calls) == 1

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvfleet.operator import crd_schema, spec_enums, spec_view
+from kvfleet.operator import builders, crd_schema, spec_enums, spec_view
 
 ISVC = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "llm", "uid": "u-1"},
@@ -142,3 +142,18 @@ def test_the_schema_enums_are_the_declared_constants():
     tiers = crd_schema.KV_CACHE["properties"]["tiers"]["items"]["properties"]["type"]
     assert tiers["enum"] == spec_enums.values(spec_enums.KVTierType)
     assert spec_enums.AutoscalingMode.HPA == "hpa" and f"{spec_enums.AutoscalingMode.HPA}" == "hpa"
+
+
+def test_one_view_of_the_spec_per_build(monkeypatch):
+    """desired_children builds the typed view once and hands it down; given one, it builds none
+    (the reconcile passes the view it built)."""
+    isvc = copy.deepcopy(ISVC)
+    isvc["spec"].update(autoscaling={"mode": "hpa", "maxReplicas": 3},
+                        engine={"kvCache": {"tiers": [{"type": "peer"}, {"type": "disk", "size": "1Gi"}]}})
+    view = spec_view.of(isvc)
+    calls = []
+    real = spec_view.of
+    monkeypatch.setattr(spec_view, "of", lambda obj: calls.append(1) or real(obj))
+    built = builders.desired_children(isvc)
+    assert len(calls) == 1
+    assert builders.desired_children(isvc, spec=view) == built and len(calls) == 1
