@@ -31,6 +31,7 @@
 #define KVFLEET_CPU_AMX_H
 
 #include "cpu_dpbf16.h"
+#include "cpu_amx_few.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KV_HAVE_AMX 1
@@ -170,6 +171,7 @@ static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M
  * Returns 0, or -1 when the widening buffer could not be allocated. */
 static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M, int64_t n0, int64_t n1, float *y,
                               int64_t ldy) {
+    if (M <= KV_AMX_FEW) return kv_amx_rows_few(m, xb, (int)M, n0, n1, y, ldy);   /* the same bits */
     const int64_t K = m->K, KB = K / 32;
     uint16_t *wb = kv_bf16_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);   /* narrow: 3 tiles x KC */
     if (!wb) return -1;
