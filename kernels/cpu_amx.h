@@ -12,6 +12,9 @@
  * order whatever M is; the tile unit computes each (channel, token) dot on its own, so a row's
  * result is the same bits alone, in any batch and at any position in it (tests/unit/kernels check
  * it bitwise; so did a probe on a Xeon with AMX: 1, 5 and 16 tokens per tile give equal bits).
+ * What one tdpbf16ps adds to an output, measured (tests/unit/kernels/test_cpu_amx.py): c + (E + O),
+ * E and O sequential fp32 sums of the even and odd products of its 16 pairs, FTZ/DAZ; another
+ * kernel gives these bits only in that order (docs/performance.md, "AMX tiles at one row").
  *
  * Layout. Weights are the A operand: 16 channels x 32 bf16 of K, row-major, which is how a
  * dequantized weight row lies, so each weight block is widened straight into a small buffer
@@ -31,7 +34,6 @@
 #define KVFLEET_CPU_AMX_H
 
 #include "cpu_dpbf16.h"
-#include "cpu_amx_few.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KV_HAVE_AMX 1
@@ -171,7 +173,6 @@ static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M
  * Returns 0, or -1 when the widening buffer could not be allocated. */
 static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M, int64_t n0, int64_t n1, float *y,
                               int64_t ldy) {
-    if (M <= KV_AMX_FEW) return kv_amx_rows_few(m, xb, (int)M, n0, n1, y, ldy);   /* the same bits */
     const int64_t K = m->K, KB = K / 32;
     uint16_t *wb = kv_bf16_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);   /* narrow: 3 tiles x KC */
     if (!wb) return -1;
