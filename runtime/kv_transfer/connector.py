@@ -294,6 +294,9 @@ class PeerPullConnector(KVConnectorBase):
         for h in hold.hashes:
             if self._held.get(h, (None,))[0] == rid:
                 del self._held[h]
+        for other_rid, other in self._holds.items():  # another hold of the same prompt takes its hashes over
+            for h, b in zip(other.hashes, other.blocks):
+                self._held.setdefault(h, (other_rid, b))
         self.access.pool.free_blocks(reversed(hold.blocks))
 
     @property

@@ -63,6 +63,16 @@ def test_a_prefill_leg_holds_its_blocks_until_read_or_timeout():
     access.pool.free_blocks(blocks)
     now[0] += 5
     assert conn.export(hashes[2:]) == [] and access.pool.num_free_blocks == 16
+    # two holds of one prompt: once the first is read, the second serves its own blocks
+    first, second = access.pool.get_new_blocks(3), access.pool.get_new_blocks(3)
+    access.write([b.block_id for b in second], [b"x", b"y", b"z"])
+    for rid, blocks in (("p1", first), ("p2", second)):
+        req.request_id = rid
+        conn.request_finished(req, blocks)
+        access.pool.free_blocks(blocks)
+    conn.export(hashes)
+    assert conn.num_held_blocks == 3 and conn.export(hashes) == list(zip(hashes, [b"x", b"y", b"z"]))
+    assert conn.num_held_blocks == 0 and access.pool.num_free_blocks == 16
 
 
 def test_no_hold_without_do_remote_decode_for_aborts_or_adapters():
