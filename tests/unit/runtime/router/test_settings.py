@@ -32,6 +32,7 @@ def test_everything_is_on_with_no_flag_and_flags_turn_things_off():
     (["--endpoints", "http://a:1"], {"KVFLEET_ROUTER_MAX_MIGRATIONS": "-3"}, "KVFLEET_ROUTER_MAX_MIGRATIONS='-3': "),
     (["--endpoints", "notaurl"], {}, "--endpoints=['notaurl']: 'notaurl' is not a replica base URL"),
     (["--endpoints", "http://a:1,ftp://b"], {}, "'ftp://b' is not a replica base URL"),
+    (["--endpoints", "http://a:1"], {"KVFLEET_ROUTER_PREFILL_ENDPOINTS": "p:1"}, "KVFLEET_ROUTER_PREFILL_ENDPOINTS=['p:1']"),
     ([], {}, "kvfleet router: error: invalid options:\n  give exactly one of --endpoints and --kube-service"),
 ])
 def test_a_bad_value_is_one_line_naming_its_flag_or_variable(argv, environ, expected, capsys):
