@@ -37,9 +37,17 @@ class EnvError(ValueError):
     """A ``KVFLEET_*`` variable's value does not parse; the message names the variable."""
 
 
+_SWITCH_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+                 "0": False, "false": False, "no": False, "off": False}
+
+
 def _switch(text: str) -> bool:
-    """Off only for ``0`` (the switches' convention: anything else, or unset, is on)."""
-    return text != "0"
+    """``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off`` (any case); anything else is an
+    error, never silently "on"."""
+    try:
+        return _SWITCH_WORDS[text.lower()]
+    except KeyError:
+        raise ValueError(f"a switch is one of {', '.join(_SWITCH_WORDS)}") from None
 
 
 def _path(text: str) -> Path:
@@ -54,7 +62,7 @@ _KINDS: dict[str, Callable[[str], Any]] = {
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
     """One variable: ``name``, the parse ``kind`` (str, int, float, path (``~`` expanded) or switch
-    (off only for ``0``)), its ``default`` (returned when unset or blank; a callable is called
+    (1/0, true/false, yes/no, on/off)), its ``default`` (returned when unset or blank; a callable is called
     then), ``doc``, and for a str variable its allowed values (``choices``; empty: any)."""
 
     name: str
@@ -148,8 +156,9 @@ CPU_ISA = _var("CPU_ISA", "str", None,
                "Caps the CPU features the C kernels use (a level and those below it; unset: all this "
                "CPU has).", choices=("avx2", "avx512", "avx512_bf16", "amx"))
 CPU_MATMUL = _var("CPU_MATMUL", "str", None,
-                  "Where the CPU plan chose bf16 matmuls, the fused decoder's kernels instead: float32, "
-                  "avx512_bf16 or amx (another value: a warning and the plan's). Unset: the plan's.")
+                  "Where the CPU plan chose bf16 matmuls, the fused decoder's kernels instead (where the "
+                  "CPU or library lacks them: float32). Unset: the plan's.",
+                  choices=("float32", "avx512_bf16", "amx"))
 CPU_DECODER = _var("CPU_DECODER", "switch", True,
                    "0 turns the fused C decode path off (every step runs transformers' modules).")
 CPU_FUSED_PREFILL = _var("CPU_FUSED_PREFILL", "str", None,
@@ -201,6 +210,19 @@ SERVE_OPTION = EnvFamily(PREFIX, "`kvfleet serve`'s option OPTION (command line 
 ROUTER_OPTION = EnvFamily(PREFIX + "ROUTER_", "`kvfleet router`'s option OPTION (command line beats "
                           "environment); e.g. KVFLEET_ROUTER_API_KEY.", "kvfleet router --help; docs/routing.md")
 FAMILIES = (SERVE_OPTION, ROUTER_OPTION)
+
+
+def check_all(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One message per declared variable whose value does not parse (empty: all good). Run once at
+    start (``kvfleet`` does, before any command loads a model), so a bad value fails in the first
+    second, not when a deep module first reads it."""
+    errors = []
+    for var in _REGISTRY.values():
+        try:
+            var.get(environ)
+        except EnvError as exc:
+            errors.append(str(exc))
+    return errors
 
 
 def registry() -> dict[str, EnvVar]:

@@ -60,7 +60,6 @@ import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
 from kvfleet.kernels.cpu_decoder import (
-    MATMULS,
     MAX_ROWS,
     DecoderWeights,
     FusedDecoder,
@@ -324,12 +323,7 @@ def matmul_asked(runner: Runner) -> str:
     plan = runner.cpu_plan
     if plan is None or not plan.bf16_matmuls:
         return "float32"
-    kind = env.CPU_MATMUL.get() or plan.matmul
-    if kind not in MATMULS:
-        logger.warning("$%s=%r is not one of %s: using the plan's %s", MATMUL_ENV, kind, ", ".join(MATMULS),
-                       plan.matmul)
-        kind = plan.matmul
-    return resolve_matmul(kind)
+    return resolve_matmul(env.CPU_MATMUL.get() or plan.matmul)  # the registry checks the name
 
 
 def fused_prefill(matmul: str) -> bool:
