@@ -10,7 +10,9 @@ each with a controller ownerReference to it and the labels of
   (:class:`kvfleet.runtime.config.EngineConfig` field names), and ``lora_modules`` when LoRA
   adapters are declared (:mod:`kvfleet.operator.adapters`; not in the config hash);
 - Service ``NAME`` (port 8000, ``http``) and Deployment ``NAME`` (the runtime pods; the pod
-  template carries the config hash, so a config change rolls them);
+  template carries the config hash, so a config change rolls them), or with
+  ``spec.parallelism.nodes > 1`` LeaderWorkerSet ``NAME`` (:mod:`kvfleet.operator.lws`: a group
+  of pods per replica; the Service and the HPA then target the groups' leaders);
 - PodDisruptionBudget ``NAME`` (``spec.disruption``; ``maxUnavailable: 1`` when it sets neither field), and
   HorizontalPodAutoscaler ``NAME`` in ``spec.autoscaling.mode: hpa``.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, hpa, kv_tiers, router
+from kvfleet.operator import adapters, hpa, kv_tiers, lws, parallelism, router
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.deployment import build_deployment
 from kvfleet.operator.service_spec import (
@@ -117,13 +119,16 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
     config["served_model_name"] = served
     config.update(adapters.engine_keys(isvc))  # LoRA adapters: see kvfleet.operator.adapters
     # spec.engine.kvCache.tiers and the KV events precise routing reads: see kvfleet.operator.kv_tiers
-    config.update(kv_tiers.engine_keys(engine, kv_events=router.precise(isvc)))
+    split = parallelism.parallelism(spec)  # spec.parallelism: tensor x pipeline ranks over nodes
+    config.update(kv_tiers.engine_keys({**engine, "tensorParallelSize": split.world},  # any split: no tiers
+                                       kv_events=router.precise(isvc)))
     for camel, snake in ENGINE_KEYS.items():
         if engine.get(camel) is None:
             continue
         if snake == "tensor_parallel_size" and (int(engine[camel]) <= 1 or snake not in known):
             continue  # GPUs and /dev/shm still follow it; the runtime may not take the key yet
         config[snake] = engine[camel]
+    config.update(parallelism.engine_keys(spec, known))
     if engine.get("speculative"):
         config["speculative_config"] = speculative_config(engine["speculative"])
     if router.enabled(isvc) and "drain_handoff_grace" not in (engine.get("extraArgs") or {}):
@@ -243,6 +248,12 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
     """
     cm = build_configmap(isvc)
     config_hash = content_hash(adapters.hashed_data(cm["data"]))  # the LoRA adapter list never rolls pods
+    if lws.split(isvc).multi_node:  # parallelism.nodes > 1: groups of pods, see kvfleet.operator.lws
+        hpa_child = build_hpa(isvc)
+        return [cm, lws.leaders_only(build_service(isvc)),
+                lws.build_leader_worker_set(isvc, config_hash=config_hash, replicas=replicas,
+                                            scaled_externally=scaled_externally),
+                *[c for c in (build_pdb(isvc), hpa_child and lws.hpa_target(hpa_child)) if c is not None]]
     children = [cm, build_service(isvc), build_deployment(isvc, config_hash=config_hash,
                                                           replicas=replicas, scaled_externally=scaled_externally)]
     children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]

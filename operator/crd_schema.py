@@ -1,6 +1,6 @@
 """The structural OpenAPI v3 schema of the ``InferenceService`` CRD: types, defaults, enums,
 ranges and the CEL rules (``x-kubernetes-validations``), one block per part of the spec
-(:data:`MODEL`, :data:`RUNTIME`, :data:`ENGINE`, :data:`AUTOSCALING`, :data:`TUNING`,
+(:data:`MODEL`, :data:`RUNTIME`, :data:`ENGINE`, :data:`PARALLELISM`, :data:`AUTOSCALING`, :data:`TUNING`,
 :data:`ROLLOUT`, :data:`DISRUPTION`, :data:`ROUTER`) and the status, all in
 :data:`OPENAPI_SCHEMA`.
 
@@ -393,10 +393,24 @@ ROUTER = _obj(
     },
 )
 
+PARALLELISM = _obj(
+    "How one replica is split (vLLM's tensor/pipeline parallel sizes and --nnodes): tensor x pipeline ranks "
+    "over `nodes` pods, tensor x pipeline / nodes in each. nodes > 1 runs every replica as a LeaderWorkerSet "
+    "group (leaderworkerset.x-k8s.io, a prerequisite). Unset: engine.tensorParallelSize on one node.", {
+        "tensor": _int("Tensor-parallel size; engine.tensorParallelSize (its one-node form) must agree.",
+                       minimum=1, maximum=64),
+        "pipeline": _int("Pipeline-parallel size: stages the layers are split into.", minimum=1, maximum=64),
+        "nodes": _int("Pods one replica spans (a LeaderWorkerSet group's size when above 1).", minimum=1, maximum=64),
+    }, **{"x-kubernetes-validations": [{
+        "rule": "((has(self.tensor) ? self.tensor : 1) * (has(self.pipeline) ? self.pipeline : 1)) % "
+                "(has(self.nodes) ? self.nodes : 1) == 0",
+        "message": "nodes must divide tensor x pipeline"}]})
+
 SPEC = _obj("Desired state of an InferenceService.", {
     "model": MODEL,
     "runtime": RUNTIME,
     "engine": ENGINE,
+    "parallelism": PARALLELISM,
     "replicas": _int("Runtime pods. Written by the autoscaler through the scale subresource when "
                      "autoscaling.mode is not none.", minimum=0, maximum=1000, default=1),
     "autoscaling": AUTOSCALING,
