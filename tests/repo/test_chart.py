@@ -249,6 +249,9 @@ EXPECTED_RULES = {
     ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
     ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
     ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},  # GIE
+    # spec.parallelism.nodes > 1: the runtime LeaderWorkerSet, pruned when back to one node; its /scale
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("leaderworkerset.x-k8s.io", "leaderworkersets/scale"): {"patch"},
 }
 
 
