@@ -146,11 +146,13 @@ def pod_selector(isvc: Mapping[str, Any]) -> dict[str, str]:
     return {**out, LABEL_WORKER_INDEX: "0"} if enabled(isvc) else out
 
 
-def leaders_only(service: Mapping[str, Any]) -> dict[str, Any]:
-    """The runtime Service (a copy) selecting only the leaders: the router and clients reach
-    the one pod of each group that serves HTTP."""
-    out = copy.deepcopy(dict(service))
-    out["spec"]["selector"] = {**out["spec"]["selector"], LABEL_WORKER_INDEX: "0"}
+def leaders_only(child: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime Service or the InferencePool (a copy) selecting only the leaders: the router,
+    a gateway and clients reach the one pod of each group that serves HTTP."""
+    out = copy.deepcopy(dict(child))
+    selector = out["spec"]["selector"]
+    labels = selector["matchLabels"] if "matchLabels" in selector else selector  # InferencePool | Service
+    labels[LABEL_WORKER_INDEX] = "0"
     return out
 
 

@@ -131,6 +131,8 @@ def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False)
     children = builders.desired_children(isvc, scaled_externally=scaled_externally)
     children += router.desired_children(isvc)  # spec.router: the router's RBAC, Deployment, Service
     pool = gie.build_inference_pool(isvc)
+    if pool is not None and lws.enabled(isvc):  # a multi-node replica: its leader serves
+        pool = lws.leaders_only(pool)
     return [stamped(c) for c in (children + ([pool] if pool else []))]
 
 

@@ -99,6 +99,14 @@ def test_two_nodes_render_a_leader_worker_set_instead_of_a_deployment():
     assert config["tensor_parallel_size"] == 2 and config["kv_transfer_config"] is None  # no peer tier when split
 
 
+def test_the_inference_pool_selects_the_leaders():
+    from kvfleet.operator import gie, reconcile
+
+    obj = isvc(**TWO_NODES, router={"inferencePool": {"enabled": True, "endpointPickerRef": {"name": "epp"}}})
+    (pool,) = [c for c in reconcile.desired_objects(obj) if c["kind"] == gie.KIND]
+    assert pool["spec"]["selector"]["matchLabels"][lws.LABEL_WORKER_INDEX] == "0"
+
+
 def test_the_templates_are_valid_pods():
     group = children(**TWO_NODES)[lws.KIND]["spec"]["leaderWorkerTemplate"]
     for key in ("leaderTemplate", "workerTemplate"):
