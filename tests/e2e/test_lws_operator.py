@@ -5,7 +5,7 @@ mid-test and the fake LWS controller (support/fake_lws.py) creating each group's
 pods from the templates. One service walks through: the missing LWS API as a condition, the LWS
 and its Ready groups once the API is there, scaling through ``/scale`` (the InferenceService's,
 then the LWS's own in mode ``hpa``), a roll on a spec change, a broken group in the status, and a
-group recreated when one of its pods restarts.
+group recreated when one of its pods restarts. About 90 s on the loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -89,15 +89,6 @@ def test_a_two_node_service_on_leader_worker_set(cluster):
         assert emu.get(LWS, NS, NAME, subresource="scale")["status"]["selector"] == (
             f"leaderworkerset.sigs.k8s.io/name={NAME},leaderworkerset.sigs.k8s.io/worker-index=0")
 
-        # mode hpa: the HPA targets the LWS, whose /scale the operator then leaves alone
-        emu.patch(ISVC, NS, NAME, {"spec": {"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}}})
-        hpa = emu.wait_for(lambda: emu.get("autoscaling/v2/horizontalpodautoscalers", NS, NAME), WAIT,
-                           message="the HPA")
-        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": lws.API_VERSION, "kind": lws.KIND, "name": NAME}
-        emu.wait_for(lambda: "replicas" not in emu.get(LWS, NS, NAME)["spec"], WAIT, message="replicas left to the HPA")
-        emu.patch(LWS, NS, NAME, {"spec": {"replicas": 3}}, subresource="scale")  # what the HPA controller does
-        emu.wait_for(ready_groups(emu, 3), WAIT, message="three ready groups")
-
         # a spec change rolls every group onto the new template
         before = lws.template_hash(emu.get(LWS, NS, NAME))
         emu.patch(ISVC, NS, NAME, {"spec": {"engine": {"maxNumSeqs": 8}}})
@@ -106,9 +97,9 @@ def test_a_two_node_service_on_leader_worker_set(cluster):
 
         def rolled():
             hashes = {p["metadata"]["annotations"].get(lws.ANNOTATION_TEMPLATE_HASH) for p in pods(emu)}
-            return hashes == {after} and ready_groups(emu, 3)()
+            return hashes == {after} and ready_groups(emu, 2)()
         emu.wait_for(rolled, WAIT, message="every group on the new template")
-        assert {g for n, g in ctl.recreated if n == NAME} >= {0, 1, 2}
+        assert {g for n, g in ctl.recreated if n == NAME} >= {0, 1}
 
         # a group whose worker does not come up: reported, then whole again
         ctl.break_group(NAME, 1)
@@ -116,11 +107,19 @@ def test_a_two_node_service_on_leader_worker_set(cluster):
         assert re.search(r"group 1: 1/2 pods ready \(worker lws-e2e-1-1 not ready\)", broken["message"])
         assert condition(emu, NAME, "Ready")["status"] == "False"
         ctl.break_group(NAME, 1, broken=False)
-        emu.wait_for(ready_groups(emu, 3), WAIT, message="whole again")
 
         # one worker restarts: its whole group is recreated (RecreateGroupOnPodRestart)
         leader_uid = emu.get(PODS, NS, f"{NAME}-0")["metadata"]["uid"]
         ctl.restart_pod(f"{NAME}-0-1")
         emu.wait_for(lambda: (emu.get(PODS, NS, f"{NAME}-0") or {}).get("metadata", {}).get("uid") not in
                      (None, leader_uid), WAIT, message="group 0 recreated")
-        emu.wait_for(ready_groups(emu, 3), WAIT, message="ready after the group restart")
+        emu.wait_for(ready_groups(emu, 2), WAIT, message="whole and ready again")
+
+        # mode hpa: the HPA targets the LWS, whose /scale the operator then leaves alone
+        emu.patch(ISVC, NS, NAME, {"spec": {"autoscaling": {"mode": "hpa", "minReplicas": 1, "maxReplicas": 4}}})
+        hpa = emu.wait_for(lambda: emu.get("autoscaling/v2/horizontalpodautoscalers", NS, NAME), WAIT,
+                           message="the HPA")
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": lws.API_VERSION, "kind": lws.KIND, "name": NAME}
+        emu.wait_for(lambda: "replicas" not in emu.get(LWS, NS, NAME)["spec"], WAIT, message="replicas left to the HPA")
+        emu.patch(LWS, NS, NAME, {"spec": {"replicas": 3}}, subresource="scale")  # what the HPA controller does
+        emu.wait_for(ready_groups(emu, 3), WAIT, message="three ready groups")
