@@ -44,24 +44,35 @@ class Parallelism:
         return self.nodes > 1
 
 
-def parallelism(spec: Mapping[str, Any]) -> Parallelism:
-    """``spec.parallelism`` of a spec (raw or effective), with ``engine.tensorParallelSize`` as
-    the one-node case.
+def _fields(spec: Any) -> tuple[Any, Any, Any, int]:
+    """``(tensor, pipeline, nodes, engine.tensorParallelSize)`` of a spec dict, or of the typed
+    spec view (snake_case attributes; None for an absent section or field)."""
+    if isinstance(spec, Mapping):
+        par = dict(spec.get("parallelism") or {})
+        engine_tp = (spec.get("engine") or {}).get("tensorParallelSize")
+        return par.get("tensor"), par.get("pipeline"), par.get("nodes"), int(engine_tp or 1)
+    par = getattr(spec, "parallelism", None)
+    engine_tp = getattr(getattr(spec, "engine", None), "tensor_parallel_size", None)
+    return (getattr(par, "tensor", None), getattr(par, "pipeline", None), getattr(par, "nodes", None),
+            int(engine_tp or 1))
+
+
+def parallelism(spec: Any) -> Parallelism:
+    """``spec.parallelism`` of a spec (a dict, raw or effective, or the typed spec view), with
+    ``engine.tensorParallelSize`` as the one-node case.
 
     Raises:
         InvalidSpec: ``parallelism.tensor`` and ``engine.tensorParallelSize`` (above 1) disagree
             (``ConflictingParallelism``); ``nodes`` does not divide ``tensor x pipeline``
             (``InvalidParallelism``).
     """
-    par = dict(spec.get("parallelism") or {})
-    engine_tp = int((spec.get("engine") or {}).get("tensorParallelSize") or 1)
-    tensor = par.get("tensor")
+    tensor, pipeline, nodes, engine_tp = _fields(spec)
     if tensor is not None and engine_tp > 1 and int(tensor) != engine_tp:
         raise InvalidSpec("ConflictingParallelism",
                           f"parallelism.tensor={tensor} and engine.tensorParallelSize={engine_tp} disagree: "
                           "set parallelism.tensor alone (engine.tensorParallelSize is its one-node form)")
     out = Parallelism(tensor=int(tensor if tensor is not None else engine_tp),
-                      pipeline=int(par.get("pipeline") or 1), nodes=int(par.get("nodes") or 1))
+                      pipeline=int(pipeline or 1), nodes=int(nodes or 1))
     if min(out.tensor, out.pipeline, out.nodes) < 1:
         raise InvalidSpec("InvalidParallelism", f"parallelism sizes must be at least 1, got {out}")
     if out.world % out.nodes:
@@ -71,7 +82,7 @@ def parallelism(spec: Mapping[str, Any]) -> Parallelism:
     return out
 
 
-def engine_keys(spec: Mapping[str, Any], known: Collection[str]) -> dict[str, Any]:
+def engine_keys(spec: Any, known: Collection[str]) -> dict[str, Any]:
     """The runtime config's ``tensor_parallel_size`` / ``pipeline_parallel_size`` (each only above
     1; ``tensor_parallel_size`` only when the runtime knows it, as before). The node options
     (``--nnodes``, ``--node-rank``, ...) differ per pod and go on the command line

@@ -199,3 +199,12 @@ def test_a_cluster_without_the_lws_api_gets_a_clear_reason():
     with pytest.raises(InvalidSpec) as e:
         lws.require_api(NoLws())
     assert e.value.reason == "LeaderWorkerSetMissing" and "install LeaderWorkerSet" in e.value.message
+
+
+def test_parallelism_reads_an_attribute_view_as_a_dict():
+    """The typed spec view (snake_case attributes, None when absent) reads the same."""
+    from types import SimpleNamespace as View
+
+    view = View(parallelism=View(tensor=2, pipeline=None, nodes=2), engine=View(tensor_parallel_size=1))
+    assert parallelism.parallelism(view) == parallelism.Parallelism(2, 1, 2)
+    assert parallelism.parallelism(View(parallelism=None, engine=View(tensor_parallel_size=4))).tensor == 4
