@@ -28,7 +28,6 @@ Invalid adapters raise :class:`~kvfleet.operator.crd.InvalidSpec` (reasons ``Inv
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -36,12 +35,13 @@ from urllib.parse import urlsplit
 
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import MODELS_DIR, parse_model_uri
+from kvfleet.runtime import env
 
 CONFIGMAP_KEY = "lora_modules"
-ENV_NAME = "KVFLEET_LORA_MODULES"
+ENV_NAME = env.SERVE_OPTION.name("lora_modules")
 CONDITION = "AdaptersLoaded"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-TIMEOUT = float(os.environ.get("KVFLEET_ADAPTER_LOAD_TIMEOUT", "120"))
+TIMEOUT = env.ADAPTER_LOAD_TIMEOUT.get()
 """Seconds one load call may take (an hf:// adapter downloads first); the chart's
 ``operator.adapterLoadTimeoutSeconds``."""
 
@@ -122,7 +122,7 @@ def pod_env(isvc: Mapping[str, Any], configmap: str) -> list[dict[str, Any]]:
     if not declared(isvc):
         return []
     return [{"name": ENV_NAME, "valueFrom": {"configMapKeyRef": {"name": configmap, "key": CONFIGMAP_KEY}}},
-            {"name": "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}]
+            {"name": env.SERVE_OPTION.name("allow_runtime_lora_updating"), "value": "true"}]
 
 
 def engine_keys(isvc: Mapping[str, Any]) -> dict[str, Any]:

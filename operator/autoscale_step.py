@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,11 +29,12 @@ from kvfleet.operator.router_load import read_router_load
 from kvfleet.operator.status import autoscaler_off_message, set_condition
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
+from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 
 
-INTERVAL_ENV = "KVFLEET_AUTOSCALER_INTERVAL"
+INTERVAL_ENV = env.AUTOSCALER_INTERVAL.name
 DEFAULT_INTERVAL = 15.0
 CONDITION = "ScalingActive"
 DEFAULT_MAX_NUM_SEQS = 128
@@ -44,9 +44,9 @@ DEFAULT_MAX_NUM_SEQS = 128
 def interval_seconds(spec: Mapping[str, Any]) -> float:
     """Seconds between two reads: ``$KVFLEET_AUTOSCALER_INTERVAL``, else
     ``spec.autoscaling.metrics.intervalSeconds``, else 15."""
-    env = os.environ.get(INTERVAL_ENV)
-    if env:
-        return max(0.1, float(env))
+    interval = env.AUTOSCALER_INTERVAL.get()
+    if interval is not None:
+        return max(0.1, interval)
     return float((((spec.get("autoscaling") or {}).get("metrics") or {}).get("intervalSeconds")) or DEFAULT_INTERVAL)
 
 

@@ -41,6 +41,7 @@ from kvfleet.operator.weights import (
     progress_deadline_seconds,
     startup_seconds,
 )
+from kvfleet.runtime import env as kvenv
 
 
 def _container_security() -> dict[str, Any]:
@@ -101,14 +102,14 @@ def _runtime_env(isvc: Mapping[str, Any], rt: Mapping[str, Any]) -> list[dict[st
     """The runtime container's environment: cache paths, offline hub, the API key, LoRA, the user's."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
-        {"name": "KVFLEET_CACHE_DIR", "value": f"{CACHE_DIR}/kvfleet"},
+        {"name": kvenv.CACHE_DIR.name, "value": f"{CACHE_DIR}/kvfleet"},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
     ]
     key_ref = rt.get("apiKeySecretRef")
     if key_ref:
-        env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
+        env.append({"name": kvenv.SERVE_OPTION.name("api_key"), "valueFrom": {"secretKeyRef": {
             "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}})
     env.append(fleet_secret.env_entry(isvc))  # peer hints, /kv_blocks, pulls: this service's fleet only
     env += adapters.pod_env(isvc, names(isvc)["configmap"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
+from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Outcome:
         return bool(self.applied or self.deleted or self.status_patch)
 
 
-RUNTIME_IMAGE_ENV = "KVFLEET_RUNTIME_IMAGE"
+RUNTIME_IMAGE_ENV = env.RUNTIME_IMAGE.name
 """The operator's default runtime image (the chart's ``runtimeImage``), for InferenceServices
 that set no ``spec.runtime.image``."""
 
@@ -126,8 +126,8 @@ that set no ``spec.runtime.image``."""
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Every desired child (:func:`builders.desired_children`, with ``$KVFLEET_RUNTIME_IMAGE`` as
     the default image), stamped."""
-    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
-    isvc = router.with_default_image(isvc, os.environ.get(router.IMAGE_ENV))
+    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, env.RUNTIME_IMAGE.get()))
+    isvc = router.with_default_image(isvc, env.ROUTER_IMAGE.get())
     children = builders.desired_children(isvc, scaled_externally=scaled_externally)
     children += router.desired_children(isvc)  # spec.router: the router's RBAC, Deployment, Service
     pool = gie.build_inference_pool(isvc)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator import crd, crd_schema, fleet_secret, kv_tiers, service_spec
+from kvfleet.runtime import env as kvenv
 
 COMPONENT = "router"
 PORT = 8000
@@ -40,7 +41,7 @@ TERMINATION_MARGIN = 5
 
 PRECISE = "precise-prefix-cache"
 """The algorithm that routes on the replicas' KV events (docs/routing.md, "Precise prefix routing")."""
-IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
+IMAGE_ENV = kvenv.ROUTER_IMAGE.name
 """The operator's default router image (the chart's ``router.image``); unset: the runtime image."""
 
 
@@ -112,7 +113,7 @@ def router_env(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
     key_ref = service_spec.effective_spec(isvc)["runtime"].get("apiKeySecretRef")
     if not key_ref or not reads_kv_events(isvc):
         return env
-    return [*env, {"name": "KVFLEET_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {
+    return [*env, {"name": kvenv.ROUTER_OPTION.name("api_key"), "valueFrom": {"secretKeyRef": {
         "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}}]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -23,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvfleet.runtime.http.auth import key_matches
+from kvfleet.runtime.http.errors import error_response
 from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
 from kvfleet.runtime.router.endpoints import EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue
@@ -32,7 +33,7 @@ from kvfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.precise import PreciseForwarder, PrecisePicker
 from kvfleet.runtime.router.probe import Prober
-from kvfleet.runtime.router.proxy import Forwarder, error_response
+from kvfleet.runtime.router.proxy import Forwarder
 from kvfleet.runtime.router.settings import RouterSettings, parse_args
 from kvfleet.runtime.router.shutdown import Drain, DrainingServer, DrainMiddleware
 
@@ -120,8 +121,7 @@ def create_app(settings: RouterSettings) -> Starlette:
 
     async def proxy(request: Request) -> Response:
         if settings.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
+            if not key_matches(request.headers, settings.api_key):
                 state.metrics.requests.labels("", "unauthorized").inc()
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       "invalid_request_error", "invalid_api_key")

@@ -11,15 +11,15 @@ and mid-stream migration; flags only turn things off (``--routing-algorithm pref
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvfleet.runtime import env
 from kvfleet.runtime.router.picker import ALGORITHMS
 from kvfleet.runtime.router.prefix_key import DEFAULT_PREFIX_CHARS
 
-ENV_PREFIX = "KVFLEET_ROUTER_"
+ENV_PREFIX = env.ROUTER_OPTION.prefix
 
 
 class RouterSettings(BaseModel):
@@ -112,7 +112,6 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
 
     Raises: SystemExit(2) with a message on invalid options (argparse's convention).
     """
-    environ = dict(os.environ if environ is None else environ)
     parser = argparse.ArgumentParser(prog="kvfleet router", description=(
         "Route OpenAI requests over kvfleet serve replicas: prefix affinity (CHWBL) with least load, "
         "failover, and a hold queue while no replica is ready. Options also as " + ENV_PREFIX + "<NAME>."))
@@ -127,11 +126,11 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
     given = {k: v for k, v in vars(parser.parse_args(argv)).items()}
     values: dict[str, object] = {}
     for name in RouterSettings.model_fields:
-        env = environ.get(ENV_PREFIX + name.upper())
+        value = env.ROUTER_OPTION.read(name, environ)
         if name in given:
             values[name] = given[name]
-        elif env:
-            values[name] = env
+        elif value is not None:
+            values[name] = value
     if isinstance(values.get("endpoints"), str):
         values["endpoints"] = [u.strip() for u in str(values["endpoints"]).split(",") if u.strip()]
     try:
