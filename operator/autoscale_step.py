@@ -22,7 +22,19 @@ from typing import Any
 
 import httpx
 
-from kvfleet.operator import builders, crd, hpa, lws, pod_metrics, policy, reconcile, router, service_spec, tuning
+from kvfleet.operator import (
+    builders,
+    crd,
+    hpa,
+    lws,
+    lws_status,
+    pod_metrics,
+    policy,
+    reconcile,
+    router,
+    service_spec,
+    tuning,
+)
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
 from kvfleet.operator.router_load import read_router_load
@@ -270,6 +282,8 @@ async def _tune(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], tc
     namespace, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
     tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
     deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, service_spec.names(isvc)["deployment"])
+    if lws.enabled(isvc):  # a multi-node service: its groups, as the rollout check reads a Deployment
+        deployment = await asyncio.to_thread(lws_status.live_view, kube, isvc)
     decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods,
                            hold=tuning.rollout_hold(deployment))
     patch = {"engine": decision.state.to_status()} if decision.state != tstate else {}

@@ -6,7 +6,8 @@ controller with ``leaderworkerset.sigs.k8s.io/group-index`` and ``worker-index``
 desired template hash. :func:`progress_views` turns the groups into the replica counts the
 Deployment path reads (:func:`kvfleet.operator.status.deployment_progress`: replicas = groups,
 ready = whole groups, updated / available = updated groups / updated whole groups), so
-``Ready`` / ``Progressing`` mean the same thing for both; :func:`group_status` adds the
+``Ready`` / ``Progressing`` (and the tuner's rollout check, :func:`live_view`) mean the same thing for
+both; :func:`group_status` adds the
 ``GroupsWhole`` condition (``False``, reason ``GroupNotWhole``, naming the group and the pods
 that are missing or not ready) and the leaders-only ``selector``.
 """
@@ -17,8 +18,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator.lws import ANNOTATION_TEMPLATE_HASH as TEMPLATE_HASH
-from kvfleet.operator.lws import LABEL_GROUP_INDEX, LABEL_WORKER_INDEX, pod_selector, template_hash
-from kvfleet.operator.service_spec import ANNOTATION_CONFIG_HASH
+from kvfleet.operator.lws import KIND, LABEL_GROUP_INDEX, LABEL_WORKER_INDEX, pod_selector, template_hash
+from kvfleet.operator.service_spec import ANNOTATION_CONFIG_HASH, names, selector_labels
 from kvfleet.operator.status import set_condition
 
 CONDITION = "GroupsWhole"
@@ -116,3 +117,13 @@ def group_status(isvc: Mapping[str, Any], status: Mapping[str, Any], *, desired:
                                       message=cond[2], now=now,
                                       observed_generation=(isvc.get("metadata") or {}).get("generation"))
     return out
+
+
+def live_view(kube: Any, isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The live LWS of ``isvc`` as :func:`progress_views` sees it (None without one): what the
+    tuner's rollout check (:func:`kvfleet.operator.tuning.rollout_hold`) reads."""
+    namespace = isvc["metadata"].get("namespace") or "default"
+    live = kube.get(KIND, namespace, names(isvc)["deployment"])
+    if live is None:
+        return None
+    return progress_views(live, live, kube.list_objects("Pod", namespace, selector_labels(isvc)))[0]

@@ -149,3 +149,34 @@ def test_a_multi_node_service_scales_its_leader_worker_set_on_its_leaders_metric
     reconcile.reconcile(client, NS, NAME)  # renders spec.replicas: the same count, no ping-pong
     assert kube.get(LWS, NS, NAME)["spec"]["replicas"] == wanted
     assert not reconcile.reconcile(client, NS, NAME).applied
+
+
+def test_tuning_a_multi_node_service_waits_for_whole_groups(cluster):
+    """The tuner's rollout check reads the LWS's groups: it waits while the group is not whole,
+    then changes status.engine (which rolls the groups through the template hash)."""
+    from support.fake_lws import LWS, install_lws_api
+
+    from kvfleet.operator import lws
+
+    kube, client, events, runtimes = cluster
+    install_lws_api(kube)
+    kube.create(ISVC, {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
+                       "metadata": {"name": NAME, "namespace": NS},
+                       "spec": {"model": {"uri": "file:///models/m.gguf"}, "router": {"enabled": False},
+                                "parallelism": {"tensor": 2, "nodes": 2}, "engine": {"blockSize": 16, "maxNumSeqs": 4},
+                                "tuning": {"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0}}})
+    reconcile.reconcile(client, NS, NAME)
+    digest = lws.template_hash(kube.get(LWS, NS, NAME))
+    for pod, worker, runtime in (("svc-0", "0", long_sequences()), ("svc-0-1", "1", None)):
+        add_pod(kube, runtimes, pod, runtime, ready=worker == "0")  # the worker is not ready yet
+        kube.patch("v1/pods", NS, pod, {"metadata": {"labels": {lws.LABEL_WORKER_INDEX: worker,
+                                                                  lws.LABEL_GROUP_INDEX: "0"},
+                                                       "annotations": {lws.ANNOTATION_TEMPLATE_HASH: digest}}})
+    state = autoscale_step.ServiceState()
+    run(client, state, now=T0)
+    assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {})
+    kube.patch("v1/pods", NS, "svc-0-1", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+               subresource="status")
+    run(client, state, now=T0 + 1)
+    assert kube.get(ISVC, NS, NAME)["status"]["engine"]["blockSize"] == 64
+    assert lws.template_hash(kube.get(LWS, NS, NAME)) != digest  # the groups roll onto it
