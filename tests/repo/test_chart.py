@@ -11,42 +11,18 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from support.helm_chart import CHART, VALUE_SETS, by_kind, helm, one, render
 from support.paths import ROOT
 
-CHART = ROOT / "charts" / "kvfleet"
 K8S_VERSION = "1.35.0"  # the kubectl the project installs is v1.35
 
 # Kinds whose schemas no offline package ships: checked field by field in the tests below.
 PROMETHEUS_OPERATOR_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
-
-
-def helm(helm_bin: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([helm_bin, *args], capture_output=True, text=True, timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
-
-
-def render(helm_bin: str, *args: str, namespace: str = "kvfleet-system") -> list[dict]:
-    """`helm template` -> the rendered objects (CRDs from crds/ included)."""
-    out = helm(helm_bin, "template", "kvf", str(CHART), "--namespace", namespace, "--include-crds", *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def by_kind(objs: list[dict], kind: str) -> list[dict]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[o['metadata']['name'] for o in found]}"
-    return found[0]
 
 
 def crd_schemas() -> dict[tuple[str, str], dict]:
@@ -85,35 +61,6 @@ def validate_all(objs: list[dict]) -> None:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
             raise AssertionError(f"{where} does not validate: {e.message} at {list(e.path)}") from e
-
-
-# Non-default value sets, each rendered, linted and validated.
-VALUE_SETS = {
-    "default": [],
-    "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
-    "namespaced-no-discovery": ["--set", "operator.watchNamespaces={team-a}", "--set", "rbac.clusterDiscovery=false"],
-    "monitoring-podmonitor": ["--set", "monitoring.enabled=true", "--set-json", 'monitoring.labels={"release":"kps"}'],
-    "monitoring-servicemonitor": ["--set", "monitoring.enabled=true", "--set", "monitoring.kind=ServiceMonitor",
-                                  "--set", "monitoring.namespaces={llm}"],
-    "monitoring-auto-served": ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"],
-    "all-optional-off": ["--set", "prometheusAdapter.rules.enabled=false", "--set", "grafanaDashboard.enabled=false",
-                         "--set", "tests.enabled=false", "--set", "podDisruptionBudget.enabled=false",
-                         "--set", "operator.peering.enabled=false", "--set", "monitoring.enabled=false"],
-    "ha-and-scheduling": [
-        "--set", "replicaCount=2", "--set", "podDisruptionBudget.minAvailable=1",
-        "--set", "image.digest=sha256:" + "a" * 64, "--set", "operator.logLevel=debug",
-        "--set-json", 'imagePullSecrets=[{"name":"regcred"}]',
-        "--set-json", 'tolerations=[{"key":"dedicated","operator":"Equal","value":"ops","effect":"NoSchedule"}]',
-        "--set-json", 'nodeSelector={"kubernetes.io/os":"linux"}',
-        "--set-json", 'operator.extraEnv=[{"name":"KOPF_LOG","value":"1"}]',
-        "--set-json", 'operator.extraArgs=["--priority=100"]',
-        "--set-json", 'topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname",'
-                      '"whenUnsatisfiable":"ScheduleAnyway","labelSelector":{"matchLabels":'
-                      '{"app.kubernetes.io/component":"operator"}}}]',
-        "--set", "grafanaDashboard.namespace=monitoring", "--set", "priorityClassName=system-cluster-critical"],
-    "existing-serviceaccount": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops-sa",
-                                "--set", "rbac.create=false"],
-}
 
 
 def test_values_schema_is_valid_json_schema_and_accepts_the_defaults():

@@ -4,7 +4,7 @@ really makes: tests/e2e/test_chart_rbac.py."""
 
 from __future__ import annotations
 
-from repo.test_chart import CHART, VALUE_SETS, by_kind, helm, one, render
+from support.helm_chart import CHART, VALUE_SETS, by_kind, helm, one, render
 
 
 def _rules(role: dict) -> dict[tuple[str, str], set[str]]:
