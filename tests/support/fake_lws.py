@@ -77,6 +77,15 @@ def install_lws_api(emu: EmulatorThread) -> None:
                                    "labelSelectorPath": ".status.hpaPodSelector"}}}]}})
 
 
+def validatable(child: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What kubernetes-validate can check of an operator child: the child itself, or, for a
+    LeaderWorkerSet (a CRD kind with no schema offline), its leader and worker templates as Pods."""
+    if child.get("kind") != "LeaderWorkerSet":
+        return [dict(child)]
+    group = child["spec"]["leaderWorkerTemplate"]
+    return [{"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(group[key])} for key in ("leaderTemplate", "workerTemplate")]
+
+
 def _revision(lws: Mapping[str, Any]) -> str:
     group = (lws.get("spec") or {}).get("leaderWorkerTemplate") or {}
     return hashlib.sha256(json.dumps(group, sort_keys=True).encode()).hexdigest()[:10]

@@ -208,3 +208,21 @@ def test_parallelism_reads_an_attribute_view_as_a_dict():
     view = View(parallelism=View(tensor=2, pipeline=None, nodes=2), engine=View(tensor_parallel_size=1))
     assert parallelism.parallelism(view) == parallelism.Parallelism(2, 1, 2)
     assert parallelism.parallelism(View(parallelism=None, engine=View(tensor_parallel_size=4))).tensor == 4
+
+
+def test_the_multi_node_example_is_admitted_and_renders_valid_groups():
+    """examples/multinode/llama-405b.yaml: admitted by the CRD (schema and CEL), 8 GPUs per pod,
+    every child valid (the LWS's templates as Pods)."""
+    from support.crd_admission import admit
+    from support.fake_lws import validatable
+
+    raw = yaml.safe_load((ROOT / "examples/multinode/llama-405b.yaml").read_text())
+    assert admit(copy.deepcopy(raw)) == []
+    raw["metadata"].update(uid=UID, generation=1)
+    kids = builders.desired_children(crd.apply_defaults(raw))
+    for obj in [o for c in kids for o in validatable(c)]:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    group = next(c for c in kids if c["kind"] == lws.KIND)["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2
+    for key in ("leaderTemplate", "workerTemplate"):
+        assert group[key]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
