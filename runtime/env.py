@@ -42,30 +42,20 @@ def _switch(text: str) -> bool:
     return text != "0"
 
 
-def _flag(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "on", "yes"):
-        return True
-    if low in ("0", "false", "off", "no"):
-        return False
-    raise ValueError("expected 1/0, true/false, on/off or yes/no")
-
-
 def _path(text: str) -> Path:
     return Path(text).expanduser()
 
 
 _KINDS: dict[str, Callable[[str], Any]] = {
-    "str": str, "int": int, "float": float, "path": _path, "switch": _switch, "flag": _flag,
+    "str": str, "int": int, "float": float, "path": _path, "switch": _switch,
 }
 
 
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
-    """One variable: ``name``, the parse ``kind`` (a key of the kinds table: str, int, float, path,
-    switch, flag), its ``default`` (returned when unset or blank; a callable is called then),
-    ``choices`` (a str variable's
-    allowed values, compared lower-cased; empty: any) and ``doc``."""
+    """One variable: ``name``, the parse ``kind`` (str, int, float, path (``~`` expanded) or switch
+    (off only for ``0``)), its ``default`` (returned when unset or blank; a callable is called
+    then), ``doc``, and for a str variable its allowed values (``choices``; empty: any)."""
 
     name: str
     kind: str
@@ -79,9 +69,6 @@ class EnvVar(Generic[T]):
         """The stripped value, or None when unset or blank."""
         value = (os.environ if environ is None else environ).get(self.name, "").strip()
         return value or None
-
-    def is_set(self, environ: Mapping[str, str] | None = None) -> bool:
-        return self.raw(environ) is not None
 
     def get(self, environ: Mapping[str, str] | None = None) -> T:
         """The typed value (the default when unset or blank).
@@ -158,8 +145,8 @@ CONFIG = _var("CONFIG", "path", None, "`kvfleet serve`: a YAML or JSON file of o
 
 # --- CPU kernels -------------------------------------------------------------------------------
 CPU_ISA = _var("CPU_ISA", "str", None,
-               "Caps the CPU features the C kernels use: avx2, avx512 or avx512_bf16 (unset: all "
-               "this CPU has).", choices=("avx2", "avx512", "avx512_bf16"))
+               "Caps the CPU features the C kernels use (a level and those below it; unset: all this "
+               "CPU has).", choices=("avx2", "avx512", "avx512_bf16", "amx"))
 CPU_MATMUL = _var("CPU_MATMUL", "str", None,
                   "Where the CPU plan chose bf16 matmuls, the fused decoder's kernels instead: float32, "
                   "avx512_bf16 or amx (another value: a warning and the plan's). Unset: the plan's.")

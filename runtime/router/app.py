@@ -34,6 +34,7 @@ from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.precise import PreciseForwarder, PrecisePicker
 from kvfleet.runtime.router.probe import Prober
 from kvfleet.runtime.router.proxy import Forwarder
+from kvfleet.runtime.router.routing import reads_kv_events
 from kvfleet.runtime.router.settings import RouterSettings, parse_args
 from kvfleet.runtime.router.shutdown import Drain, DrainingServer, DrainMiddleware
 
@@ -55,11 +56,12 @@ class RouterState:
         picker_kw = {"load_factor": settings.load_factor, "virtual_nodes": settings.virtual_nodes,
                      "min_capacity": settings.min_capacity}
         self.kv_index: KVIndex | None = None
-        """The replicas' cached blocks (``precise-prefix-cache`` or ``--kv-peer-hint``)."""
-        if settings.routing_algorithm == "precise-prefix-cache" or settings.kv_peer_hint:
+        """The replicas' cached blocks (an algorithm that reads KV events, or ``--kv-peer-hint``)."""
+        on_events = reads_kv_events(settings.routing_algorithm)
+        if on_events or settings.kv_peer_hint:
             self.kv_index = KVIndex()
-        if settings.routing_algorithm == "precise-prefix-cache":
-            self.picker: Picker = PrecisePicker(self.kv_index, **picker_kw)
+        if on_events:
+            self.picker: Picker = PrecisePicker(self.kv_index, settings.routing_algorithm, **picker_kw)
         else:
             self.picker = Picker(settings.routing_algorithm, **picker_kw)
         self.metrics = RouterMetrics()

@@ -1,5 +1,5 @@
-"""One settings registry (runtime/env.py): no module outside it reads a ``KVFLEET_*`` variable, and
-docs/configuration.md holds the table the registry renders.
+"""One settings registry (runtime/env.py): no module outside it reads a ``KVFLEET_*`` variable or
+spells one's name as a string, and docs/configuration.md holds the table the registry renders.
 
 The scan reads every Python file of runtime/, operator/ and kernels/ (the distribution) with
 ``ast`` (not grep: a name held in a constant counts, a docstring does not). It fails on
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -135,6 +135,16 @@ def test_no_module_outside_the_registry_reads_a_kvfleet_variable():
     assert not found, "read these through kvfleet.runtime.env:\n" + "\n".join(found)
 
 
+def test_no_module_spells_a_variable_name_outside_the_registry():
+    # names the operator writes into pods, and the constants tests import, come from the registry
+    # (``env.CACHE_DIR.name``), so a rename is one line; prose that mentions a name is not a name
+    name = re.compile(r"KVFLEET_[A-Z0-9_]+")
+    found = [f"{p.relative_to(ROOT)}:{n.lineno}: {n.value}" for p in _files()
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and name.fullmatch(n.value)]
+    assert not found, "name these through kvfleet.runtime.env:\n" + "\n".join(found)
+
+
 def test_every_declared_name_is_used_outside_the_registry():
     # a row nobody reads is a stale doc; the attribute names of the registry are the variables' own
     used = "\n".join(p.read_text() for p in _files())
@@ -142,14 +152,15 @@ def test_every_declared_name_is_used_outside_the_registry():
     assert not unused
 
 
-def test_the_docs_table_is_the_rendered_one():
+@pytest.mark.filterwarnings("ignore:'kvfleet.runtime.env' found in sys.modules:RuntimeWarning")  # runpy, re-run
+def test_the_docs_table_is_the_rendered_one(monkeypatch, capsys):
     text = DOC.read_text()
     found = re.search(r"<!-- env-table:[^>]*-->\n(.*?)\n<!-- /env-table -->", text, re.S)
     assert found, "docs/configuration.md has no generated table"
-    out = subprocess.run([sys.executable, "-m", "kvfleet.runtime.env"], capture_output=True, text=True,
-                         check=True, env={"HOME": "/home/user", "PATH": "/usr/bin"})
-    assert found.group(1) == out.stdout.rstrip("\n"), (
-        "docs/configuration.md's table is stale: paste `HOME=/home/user python -m kvfleet.runtime.env`")
+    monkeypatch.setenv("HOME", "/home/user")  # the defaults under ~ print as ~ whoever runs it
+    runpy.run_module("kvfleet.runtime.env", run_name="__main__")  # what `python -m kvfleet.runtime.env` prints
+    assert found.group(1) == capsys.readouterr().out.rstrip("\n") == env.table(), (
+        "docs/configuration.md's table is stale: paste `python -m kvfleet.runtime.env`")
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", 1), ("  ", 1), ("4", 4)])
@@ -174,3 +185,14 @@ def test_the_families_name_their_members():
     assert env.ROUTER_OPTION.name("api_key") == "KVFLEET_ROUTER_API_KEY"
     assert env.SERVE_OPTION.read("max_num_seqs", {"KVFLEET_MAX_NUM_SEQS": " 8 "}) == "8"
     assert env.ROUTER_OPTION.read("port", {"KVFLEET_ROUTER_PORT": ""}) is None
+    # vLLM's name counts where kvfleet's is unset, never over it
+    vllm = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert env.SERVE_OPTION.read("allow_runtime_lora_updating", vllm) == "True"
+    assert env.SERVE_OPTION.read("allow_runtime_lora_updating", {**vllm, "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING": "0"}) == "0"
+
+
+def test_the_cpu_choices_are_the_kernels_own():
+    from kvfleet.kernels import cpu_features
+
+    assert env.CPU_ISA.choices == cpu_features.ISA_LEVELS
+    assert all(kind in env.CPU_MATMUL.doc for kind in cpu_features.MATMUL_KERNELS)

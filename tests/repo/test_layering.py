@@ -113,6 +113,7 @@ def test_operator_imports_without_torch_in_a_fresh_interpreter():
 # Modules of kvfleet.runtime that import neither torch nor transformers, at any depth:
 # the operator may use these (the engine config it writes into the ConfigMap).
 TORCH_FREE_RUNTIME = {"kvfleet.runtime", "kvfleet.runtime.config", "kvfleet.runtime.sampling_params",
+                      "kvfleet.runtime.router", "kvfleet.runtime.router.routing",
                       "kvfleet.runtime.spec_decode", "kvfleet.runtime.spec_decode.config", "kvfleet.runtime.json_option",
                       "kvfleet.runtime.model_errors", "kvfleet.runtime.env"}
 

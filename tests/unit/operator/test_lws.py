@@ -11,7 +11,7 @@ import pytest
 import yaml
 from support.paths import ROOT
 
-from kvfleet.operator import builders, crd, lws, lws_status, parallelism, service_spec, status
+from kvfleet.operator import builders, crd, lws, lws_status, parallelism, service_spec, spec_view, status
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.runtime.entrypoints.openai.serve_args import parse_serve_args
 
@@ -62,7 +62,8 @@ def test_pipeline_needs_a_runtime_that_has_it():
 def test_one_node_keeps_the_deployment_and_its_gpus():
     kinds = [c["kind"] for c in builders.desired_children(isvc(engine={"tensorParallelSize": 2}))]
     assert "Deployment" in kinds and lws.KIND not in kinds
-    assert service_spec.gpu_count(service_spec.effective_spec(isvc(engine={"tensorParallelSize": 2}))) == 2
+    assert service_spec.gpu_count(spec_view.of(isvc(engine={"tensorParallelSize": 2}))) == 2
+    assert service_spec.gpu_count(spec_view.of(isvc(parallelism={"tensor": 4, "pipeline": 2, "nodes": 2}))) == 4
 
 
 def children(**spec) -> dict:
