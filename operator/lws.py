@@ -30,10 +30,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kvfleet.operator import spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.deployment import build_deployment
 from kvfleet.operator.parallelism import Parallelism, parallelism
-from kvfleet.operator.service_spec import CONFIG_DIR, CONFIG_FILE, child_meta, effective_spec, names, selector_labels
+from kvfleet.operator.service_spec import CONFIG_DIR, CONFIG_FILE, child_meta, names, selector_labels
+from kvfleet.operator.spec_enums import AutoscalingMode
 
 GROUP = "leaderworkerset.x-k8s.io"
 API_VERSION = f"{GROUP}/v1"
@@ -52,11 +54,11 @@ LWS_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX", "LWS_NAME
 
 
 def split(isvc: Mapping[str, Any]) -> Parallelism:
-    """The replica's split (:func:`~kvfleet.operator.parallelism.parallelism` of the effective spec).
+    """The replica's split (:func:`~kvfleet.operator.parallelism.parallelism` of the spec's view).
 
     Raises:
         InvalidSpec: see :func:`~kvfleet.operator.parallelism.parallelism`."""
-    return parallelism(effective_spec(isvc))
+    return parallelism(spec_view.of(isvc))
 
 
 def enabled(isvc: Mapping[str, Any]) -> bool:
@@ -109,8 +111,8 @@ def build_leader_worker_set(isvc: Mapping[str, Any], *, config_hash: str, replic
         InvalidSpec: see :func:`split` and :func:`~kvfleet.operator.deployment.build_deployment`.
     """
     par = split(isvc)
-    spec = effective_spec(isvc)
-    deployment = build_deployment(isvc, config_hash=config_hash, replicas=replicas, scaled_externally=True)
+    spec = spec_view.of(isvc)
+    deployment = build_deployment(isvc, config_hash=config_hash, replicas=replicas, scaled_externally=True, spec=spec)
     template = deployment["spec"]["template"]
     group = {"size": par.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
              "leaderTemplate": _leader_template(template, par.nodes),
@@ -119,8 +121,8 @@ def build_leader_worker_set(isvc: Mapping[str, Any], *, config_hash: str, replic
     for key in ("leaderTemplate", "workerTemplate"):
         group[key]["metadata"].setdefault("annotations", {})[ANNOTATION_TEMPLATE_HASH] = digest
     rolling = deployment["spec"]["strategy"]["rollingUpdate"]
-    hpa_scaled = scaled_externally or spec["autoscaling"].get("mode") == "hpa"
-    count = {} if hpa_scaled else {"replicas": int(spec["replicas"] if replicas is None else replicas)}
+    hpa_scaled = scaled_externally or spec.autoscaling.mode == AutoscalingMode.HPA
+    count = {} if hpa_scaled else {"replicas": int(spec.replicas if replicas is None else replicas)}
     return {
         "apiVersion": API_VERSION, "kind": KIND,
         "metadata": child_meta(isvc, names(isvc)["deployment"]),
