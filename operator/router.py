@@ -47,11 +47,11 @@ IMAGE_ENV = kvenv.ROUTER_IMAGE.name
 
 def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:
     """``isvc`` (a copy) with ``spec.router.image`` set to ``image`` when the router is enabled
-    and sets none."""
+    (as by default, ``spec.router`` absent) and sets none."""
     out = copy.deepcopy(dict(isvc))
-    router = (out.get("spec") or {}).get("router") or {}
-    if image and router.get("enabled") and not router.get("image"):
-        out["spec"]["router"] = {**router, "image": image}
+    if image and (view := spec_view.of(out)).router.enabled and not view.router.image:
+        spec = out.setdefault("spec", {})
+        spec["router"] = {**(spec.get("router") or {}), "image": image}  # on by default: absent counts
     return out
 
 
