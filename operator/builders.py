@@ -244,11 +244,11 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
     spec = spec_view.of(isvc) if spec is None else spec
     cm = build_configmap(isvc, spec)
     config_hash = content_hash(adapters.hashed_data(cm["data"]))  # the LoRA adapter list never rolls pods
-    if lws.split(isvc).multi_node:  # parallelism.nodes > 1: groups of pods, see kvfleet.operator.lws
+    if parallelism.parallelism(spec).multi_node:  # parallelism.nodes > 1: groups of pods, see kvfleet.operator.lws
         hpa_child = build_hpa(isvc, spec)
         return [cm, lws.leaders_only(build_service(isvc)),
                 lws.build_leader_worker_set(isvc, config_hash=config_hash, replicas=replicas,
-                                            scaled_externally=scaled_externally),
+                                            scaled_externally=scaled_externally, spec=spec),
                 *[c for c in (build_pdb(isvc, spec), hpa_child and lws.hpa_target(hpa_child)) if c is not None]]
     children = [cm, build_service(isvc), build_deployment(isvc, config_hash=config_hash, replicas=replicas,
                                                           scaled_externally=scaled_externally, spec=spec)]

@@ -98,7 +98,7 @@ def _worker_template(template: Mapping[str, Any], nodes: int) -> dict[str, Any]:
 
 
 def build_leader_worker_set(isvc: Mapping[str, Any], *, config_hash: str, replicas: int | None = None,
-                            scaled_externally: bool = False) -> dict[str, Any]:
+                            scaled_externally: bool = False, spec: spec_view.Spec | None = None) -> dict[str, Any]:
     """The LeaderWorkerSet of the InferenceService's groups (see the module docstring).
 
     Args:
@@ -106,12 +106,13 @@ def build_leader_worker_set(isvc: Mapping[str, Any], *, config_hash: str, replic
         replicas: override of ``spec.replicas`` (groups).
         scaled_externally: an autoscaler scales the LWS itself (mode ``hpa``, or a foreign one):
             ``replicas`` left out.
+        spec: the reconcile's view of ``isvc``'s spec (default: built here).
 
     Raises:
         InvalidSpec: see :func:`split` and :func:`~kvfleet.operator.deployment.build_deployment`.
     """
-    par = split(isvc)
-    spec = spec_view.of(isvc)
+    spec = spec_view.of(isvc) if spec is None else spec
+    par = parallelism(spec)
     deployment = build_deployment(isvc, config_hash=config_hash, replicas=replicas, scaled_externally=True, spec=spec)
     template = deployment["spec"]["template"]
     group = {"size": par.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
