@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfleet.operator.parallelism_schema import PARALLELISM
 from kvfleet.operator.spec_enums import (
     AutoscalingMode,
     ConditionStatus,
@@ -406,18 +407,30 @@ ROUTER = _obj(
     },
 )
 
-PARALLELISM = _obj(
-    "How one replica is split (vLLM's tensor/pipeline parallel sizes and --nnodes): tensor x pipeline ranks "
-    "over `nodes` pods, tensor x pipeline / nodes in each. nodes > 1 runs every replica as a LeaderWorkerSet "
-    "group (leaderworkerset.x-k8s.io, a prerequisite). Unset: engine.tensorParallelSize on one node.", {
-        "tensor": _int("Tensor-parallel size; engine.tensorParallelSize (its one-node form) must agree.",
-                       minimum=1, maximum=64),
-        "pipeline": _int("Pipeline-parallel size: stages the layers are split into.", minimum=1, maximum=64),
-        "nodes": _int("Pods one replica spans (a LeaderWorkerSet group's size when above 1).", minimum=1, maximum=64),
-    }, **{"x-kubernetes-validations": [{
-        "rule": "((has(self.tensor) ? self.tensor : 1) * (has(self.pipeline) ? self.pipeline : 1)) % "
-                "(has(self.nodes) ? self.nodes : 1) == 0",
-        "message": "nodes must divide tensor x pipeline"}]})
+
+
+def _no_defaults(schema: Any) -> Any:
+    """``schema`` without its ``default`` values (an override that must not reset what it omits)."""
+    if isinstance(schema, dict):
+        return {k: _no_defaults(v) for k, v in schema.items() if k != "default"}
+    return [_no_defaults(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def _pool(role: str, work: str) -> dict[str, Any]:
+    return _obj(f"The {role} pool: {work}.", {
+        "replicas": _int(f"{role.capitalize()} pods.", minimum=0, maximum=1000, default=1),
+        "engine": {**_no_defaults(ENGINE),
+                   "description": f"Engine settings of the {role} pods over spec.engine (the fields given)."},
+    })
+
+
+DISAGGREGATION = _obj(
+    "Prefill/decode disaggregation (needs router.enabled): the router computes each prompt on a prefill pod "
+    "(Deployment <name>-prefill, Service <name>-prefill), whose blocks a decode pod (Deployment and Service "
+    "<name>; the autoscaler's decisions apply to it) pulls over /kv_blocks to decode. Absent: every pod does both.", {
+        "prefill": _pool("prefill", "computes the prompts and holds their KV blocks until read"),
+        "decode": _pool("decode", "pulls the blocks and streams the tokens"),
+    }, required=["prefill", "decode"])
 
 SPEC = _obj("Desired state of an InferenceService.", {
     "model": MODEL,
@@ -431,6 +444,7 @@ SPEC = _obj("Desired state of an InferenceService.", {
     "rollout": ROLLOUT,
     "disruption": DISRUPTION,
     "router": ROUTER,
+    "disaggregation": DISAGGREGATION,
 }, required=["model"])
 
 CONDITION = _obj("A kstatus condition.", {

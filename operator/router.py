@@ -24,7 +24,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import fleet_secret, kv_tiers, service_spec, spec_view
+from kvfleet.operator import disagg, fleet_secret, kv_tiers, service_spec, spec_view
 from kvfleet.operator.spec_enums import AutoscalingMode, KVTierType
 from kvfleet.runtime import env as kvenv
 from kvfleet.runtime.router import routing
@@ -123,7 +123,7 @@ def router_args(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> 
             "--load-factor", f"{r.load_factor:g}", "--max-pending", str(r.max_pending),
             "--pending-timeout", str(r.pending_timeout_seconds),
             "--shutdown-timeout", str(r.shutdown_timeout_seconds),
-            *kv_tiers.router_args(spec.engine, kv_events=precise(spec))]
+            *kv_tiers.router_args(spec.engine, kv_events=precise(spec)), *disagg.router_args(isvc)]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
