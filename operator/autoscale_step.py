@@ -2,7 +2,8 @@
 their metrics, call the pure :mod:`kvfleet.operator.policy` and :mod:`kvfleet.operator.tuning`,
 write the result.
 
-It scales through the InferenceService's scale subresource, tunes through ``status.engine``
+It scales through the InferenceService's scale subresource (and, for a multi-node one, its
+LeaderWorkerSet's, whose leaders are the pods it reads: :mod:`kvfleet.operator.lws`), tunes through ``status.engine``
 (then reconciles), posts Events, writes ``status.metrics`` and the ``ScalingActive`` condition.
 :class:`ServiceState` is what the loop (:mod:`kvfleet.operator.autoscaler`) keeps between two
 iterations; :func:`tracked` says which objects it visits (:func:`wants_autoscaler`, or once more
@@ -21,7 +22,20 @@ from typing import Any
 
 import httpx
 
-from kvfleet.operator import builders, crd, hpa, pod_metrics, policy, reconcile, router, service_spec, spec_view, tuning
+from kvfleet.operator import (
+    builders,
+    crd,
+    hpa,
+    lws,
+    lws_status,
+    pod_metrics,
+    policy,
+    reconcile,
+    router,
+    service_spec,
+    spec_view,
+    tuning,
+)
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
 from kvfleet.operator.router_load import read_router_load
@@ -182,7 +196,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
         return interval
 
     now = time.time() if now is None else now
-    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, service_spec.selector_labels(isvc))
+    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, lws.pod_selector(isvc))  # leaders only
     metrics: pod_metrics.MetricsAggregate | None
     try:
         metrics = await source.read(pods, now=now, previous=state.previous)
@@ -241,6 +255,7 @@ async def _scale(kube: Kube, isvc: Mapping[str, Any], spec: spec_view.Spec, conf
     state.history = decision.history
     if decision.changed:
         await asyncio.to_thread(kube.scale, crd.KIND, namespace, name, decision.replicas)
+        await asyncio.to_thread(lws.scale, kube, isvc, decision.replicas)  # nodes > 1: the LWS's /scale too
         state.changes.append((now, decision.current, decision.replicas))
         logger.info("%s/%s: %s", namespace, name, decision.message)
         await _event(kube, isvc, "Normal", decision.reason, decision.message, decision.inputs)
@@ -268,6 +283,8 @@ async def _tune(kube: Kube, isvc: Mapping[str, Any], spec: spec_view.Spec, tconf
     namespace, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
     tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
     deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, service_spec.names(isvc)["deployment"])
+    if lws.enabled(isvc):  # a multi-node service: its groups, as the rollout check reads a Deployment
+        deployment = await asyncio.to_thread(lws_status.live_view, kube, isvc)
     decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec.engine, metrics=metrics, pods=pods,
                            hold=tuning.rollout_hold(deployment))
     patch = {"engine": decision.state.to_status()} if decision.state != tstate else {}

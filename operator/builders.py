@@ -10,7 +10,9 @@ each with a controller ownerReference to it and the labels of
   (:class:`kvfleet.runtime.config.EngineConfig` field names), and ``lora_modules`` when LoRA
   adapters are declared (:mod:`kvfleet.operator.adapters`; not in the config hash);
 - Service ``NAME`` (port 8000, ``http``) and Deployment ``NAME`` (the runtime pods; the pod
-  template carries the config hash, so a config change rolls them);
+  template carries the config hash, so a config change rolls them), or with
+  ``spec.parallelism.nodes > 1`` LeaderWorkerSet ``NAME`` (:mod:`kvfleet.operator.lws`: a group
+  of pods per replica; the Service and the HPA then target the groups' leaders);
 - PodDisruptionBudget ``NAME`` (``spec.disruption``; ``maxUnavailable: 1`` when it sets neither field), and
   HorizontalPodAutoscaler ``NAME`` in ``spec.autoscaling.mode: hpa``.
 
@@ -29,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, disagg, hpa, kv_tiers, router, spec_view
+from kvfleet.operator import adapters, disagg, hpa, kv_tiers, lws, parallelism, router, spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.deployment import build_deployment
 from kvfleet.operator.service_spec import (
@@ -107,7 +109,9 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
     config["served_model_name"] = served
     config.update(adapters.engine_keys(spec))  # LoRA adapters: see kvfleet.operator.adapters
     # spec.engine.kvCache.tiers and the KV events precise routing reads: see kvfleet.operator.kv_tiers
-    config.update(kv_tiers.engine_keys(engine, kv_events=router.precise(spec)))
+    split = parallelism.parallelism(spec)  # spec.parallelism: tensor x pipeline ranks over nodes
+    tiers_engine = dataclasses.replace(engine, tensor_parallel_size=split.world)  # any split: no KV tier
+    config.update(kv_tiers.engine_keys(tiers_engine, kv_events=router.precise(spec)))
     for key in ENGINE_KEYS:
         value = getattr(engine, key)
         if value is None:
@@ -115,6 +119,7 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
         if key == "tensor_parallel_size" and (int(value) <= 1 or key not in known):
             continue  # GPUs and /dev/shm still follow it; the runtime may not take the key yet
         config[key] = value
+    config.update(parallelism.engine_keys(spec, known))
     if engine.speculative is not None:
         config["speculative_config"] = speculative_config(engine.speculative)
     extra = engine.extra_args or {}
@@ -241,6 +246,12 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
     spec = spec_view.of(isvc) if spec is None else spec
     cm = build_configmap(isvc, spec)
     config_hash = content_hash(adapters.hashed_data(cm["data"]))  # the LoRA adapter list never rolls pods
+    if parallelism.parallelism(spec).multi_node:  # parallelism.nodes > 1: groups of pods, see kvfleet.operator.lws
+        hpa_child = build_hpa(isvc, spec)
+        return [cm, lws.leaders_only(build_service(isvc)),
+                lws.build_leader_worker_set(isvc, config_hash=config_hash, replicas=replicas,
+                                            scaled_externally=scaled_externally, spec=spec),
+                *[c for c in (build_pdb(isvc, spec), hpa_child and lws.hpa_target(hpa_child)) if c is not None]]
     children = [cm, build_service(isvc), build_deployment(isvc, config_hash=config_hash, replicas=replicas,
                                                           scaled_externally=scaled_externally, spec=spec)]
     children += [c for c in (build_pdb(isvc, spec), build_hpa(isvc, spec)) if c is not None]

@@ -1,6 +1,6 @@
 """The structural OpenAPI v3 schema of the ``InferenceService`` CRD: types, defaults, enums,
 ranges and the CEL rules (``x-kubernetes-validations``), one block per part of the spec
-(:data:`MODEL`, :data:`RUNTIME`, :data:`ENGINE`, :data:`AUTOSCALING`, :data:`TUNING`,
+(:data:`MODEL`, :data:`RUNTIME`, :data:`ENGINE`, :data:`PARALLELISM`, :data:`AUTOSCALING`, :data:`TUNING`,
 :data:`ROLLOUT`, :data:`DISRUPTION`, :data:`ROUTER`) and the status, all in
 :data:`OPENAPI_SCHEMA`.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvfleet.operator.parallelism_schema import PARALLELISM
 from kvfleet.operator.spec_enums import (
     AutoscalingMode,
     ConditionStatus,
@@ -435,6 +436,7 @@ SPEC = _obj("Desired state of an InferenceService.", {
     "model": MODEL,
     "runtime": RUNTIME,
     "engine": ENGINE,
+    "parallelism": PARALLELISM,
     "replicas": _int("Runtime pods. Written by the autoscaler through the scale subresource when "
                      "autoscaling.mode is not none.", minimum=0, maximum=1000, default=1),
     "autoscaling": AUTOSCALING,

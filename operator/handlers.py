@@ -34,6 +34,7 @@ CHILD_RESOURCES = [
     ("apps", "v1", "deployments"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),  # kopf skips it (a warning) where LWS is not installed
 ]
 
 MANAGED = {LABEL_MANAGED_BY: FIELD_MANAGER}

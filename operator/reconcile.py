@@ -7,6 +7,9 @@ it is missing, its ``kvfleet.io/desired-hash`` annotation differs from the hash 
 object, or a desired field differs in the live object (a hand edit); optional children no
 longer desired (:data:`PRUNABLE_KINDS`) are deleted; the status subresource is merge-patched
 with only the keys that changed. So reconciling an unchanged resource writes nothing.
+With ``spec.parallelism.nodes > 1`` the runtime child is a LeaderWorkerSet (:mod:`kvfleet.operator.lws`;
+without its API in the cluster, ``LeaderWorkerSetMissing`` and nothing applied) and the status
+counts its groups (:mod:`kvfleet.operator.lws_status`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import adapters, builders, crd, fleet_secret, gie, hpa, router, service_spec, spec_view
+from kvfleet.operator import (
+    adapters,
+    builders,
+    crd,
+    fleet_secret,
+    gie,
+    hpa,
+    lws,
+    lws_status,
+    router,
+    service_spec,
+    spec_view,
+)
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
@@ -138,6 +153,8 @@ def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False,
     children = builders.desired_children(isvc, scaled_externally=scaled_externally, spec=spec)
     children += router.desired_children(isvc, spec)  # spec.router: the router's RBAC, Deployment, Service
     pool = gie.build_inference_pool(isvc, spec)
+    if pool is not None and lws.enabled(isvc):  # a multi-node replica: its leader serves
+        pool = lws.leaders_only(pool)
     return [stamped(c) for c in (children + ([pool] if pool else []))]
 
 
@@ -273,8 +290,12 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
         conflict = None
         if on_deployment:
             conflict = hpa.conflict_message(scalers, spec.autoscaling.mode)
+        live_lws = desired_lws = None
+        multi_node = lws.enabled(isvc)  # parallelism.nodes > 1: a LeaderWorkerSet, not a Deployment
         try:
             desired = desired_objects(isvc, scaled_externally=on_deployment, spec=spec)
+            if multi_node:
+                lws.require_api(kube)  # no LWS API in the cluster: LeaderWorkerSetMissing, nothing applied
         except InvalidSpec as e:
             out.error = e
             live_deployment = kube.get("Deployment", namespace, service_spec.names(isvc)["deployment"])
@@ -291,6 +312,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
                     out.applied.append(f"{child['kind']}/{child['metadata']['name']}")
                 if child["kind"] == "Deployment" and child["metadata"]["name"] == runtime_deployment:
                     live_deployment, desired_deployment = live, child  # the runtime's (not the router's)
+                if child["kind"] == lws.KIND:
+                    live_lws, desired_lws = live, child
             names = service_spec.names(isvc)
             for kind in PRUNABLE_KINDS:  # by kind and name: the router's PDB is not the runtime's
                 child_name = names["pdb" if kind == "PodDisruptionBudget" else "hpa"]
@@ -301,11 +324,23 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
             out.deleted += prune_request_path(kube, isvc, desired, spec)
-        pods = kube.list_objects("Pod", namespace, service_spec.selector_labels(isvc)) if live_deployment else []
+            stale_kind, stale_name = lws.stale_runtime(isvc)  # the split changed: Deployment <-> LWS
+            stale = kube.get(stale_kind, namespace, stale_name)
+            if stale is not None and owned_by(stale, isvc):
+                kube.delete(stale_kind, namespace, stale_name)
+                out.deleted.append(f"{stale_kind}/{stale_name}")
+        pods = kube.list_objects("Pod", namespace, service_spec.selector_labels(isvc)) if (
+            live_deployment or live_lws) else []
+        if multi_node and out.error is None:  # the groups stand in for the Deployment's replicas
+            live_deployment, desired_deployment = lws_status.progress_views(desired_lws, live_lws, pods)
         claim_name = builders.model_claim(isvc, spec) if live_deployment else None
         claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
                                 error=out.error, pods=pods, claim=claim, scaling_conflict=conflict, spec=spec)
+        if multi_node:
+            wanted = lws_status.group_status(isvc, wanted, desired=desired_lws, live=live_lws, pods=pods, now=now)
+            pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(
+                lws.LABEL_WORKER_INDEX) == "0"]  # only the leaders serve HTTP (LoRA adapters below)
         if out.error is None and adapters.declared(spec):  # LoRA adapters onto the running ready pods
             synced = adapters.sync_pods(spec, pods)
             wanted["adapters"] = synced["adapters"]

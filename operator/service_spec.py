@@ -19,6 +19,7 @@ from typing import Any
 
 from kvfleet.operator import crd, spec_view
 from kvfleet.operator.crd import InvalidSpec
+from kvfleet.operator.parallelism import parallelism
 
 FIELD_MANAGER = "kvfleet-operator"
 """The one server-side-apply field manager of every write the operator makes."""
@@ -119,18 +120,22 @@ def termination_grace_seconds(spec: spec_view.Spec) -> int:
 
 
 def gpu_count(spec: spec_view.Spec) -> int:
-    """``runtime.resources.gpus``, else ``engine.tensorParallelSize`` when above 1, else 0.
+    """GPUs of one runtime pod: ``runtime.resources.gpus``, else the ranks each pod runs when a
+    replica has several (:func:`~kvfleet.operator.parallelism.parallelism`: ``tensor x pipeline /
+    nodes``; ``engine.tensorParallelSize`` on one node), else 0.
 
     Raises:
-        InvalidSpec: fewer GPUs than the tensor-parallel size (reason ``NotEnoughGPUs``).
+        InvalidSpec: fewer GPUs than the pod's ranks (reason ``NotEnoughGPUs``), or a
+            parallelism that cannot be split.
     """
-    tp = int(spec.engine.tensor_parallel_size or 1)
+    par = parallelism(spec)
+    tp = par.ranks_per_node if par.world > 1 else 0
     gpus = spec.runtime.resources.gpus
     if gpus is None:
-        return tp if tp > 1 else 0
-    if tp > 1 and int(gpus) < tp:
-        raise InvalidSpec("NotEnoughGPUs",
-                          f"runtime.resources.gpus={gpus} is below engine.tensorParallelSize={tp}")
+        return tp
+    if tp and int(gpus) < tp:
+        raise InvalidSpec("NotEnoughGPUs", f"runtime.resources.gpus={gpus} is below the {tp} ranks of each pod "
+                                           "(engine.tensorParallelSize, or parallelism)")
     return int(gpus)
 
 
@@ -139,8 +144,8 @@ def shm_size(spec: spec_view.Spec) -> str:
     ``4Gi`` per GPU with tensor parallelism (NCCL's shared-memory transport)."""
     if spec.runtime.shm_size is not None:
         return str(spec.runtime.shm_size)
-    tp = int(spec.engine.tensor_parallel_size or 1)
-    return "1Gi" if tp <= 1 else f"{4 * tp}Gi"
+    par = parallelism(spec)
+    return "1Gi" if par.world <= 1 else f"{4 * par.ranks_per_node}Gi"
 
 
 def child_meta(isvc: Mapping[str, Any], name: str) -> dict[str, Any]:
