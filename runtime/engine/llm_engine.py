@@ -96,9 +96,9 @@ class LLMEngine:
         self.stat_loggers = list(stat_loggers or [])
         self.executor: MultiprocExecutor | None = None  # tensor parallelism: rank 0 drives the workers
         config.check_engine_support()  # before any worker starts
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:  # tensor and/or pipeline parallelism
             if loaded is not None:
-                raise ValueError("tensor_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
+                raise ValueError("tensor/pipeline_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
             self.executor = MultiprocExecutor.start(config)
             loaded = self.executor.loaded
         elif loaded is None:
