@@ -98,7 +98,7 @@ class LLMEngine:
         config.check_engine_support()  # before any worker starts
         if config.world_size > 1:  # tensor and/or pipeline parallelism
             if loaded is not None:
-                raise ValueError("tensor/pipeline_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
+                raise ValueError("tensor/pipeline_parallel_size > 1: the engine loads its own shards; no loaded=")
             self.executor = MultiprocExecutor.start(config)
             loaded = self.executor.loaded
         elif loaded is None:

@@ -279,7 +279,7 @@ class MultiprocExecutor:
                 self.procs.append(multinode.spawn_worker(rank, local, config, model_path, self.store_host,
                                                          self.store_port, os.getpid()))
         # At exit or garbage collection without shutdown(): no stop message, terminate at once.
-        self._finalizer = weakref.finalize(self, _shutdown_procs, self.procs, 0.0)
+        self._finalizer = weakref.finalize(self, multinode.shutdown_procs, self.procs, 0.0)
         atexit.register(self._finalizer)
         try:
             self._wait_ready()

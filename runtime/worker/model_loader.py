@@ -429,7 +429,7 @@ def load_model(
     attn_implementation = _initial_attn_implementation(hf_config)
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation)
     from kvfleet.runtime.worker.pipeline import distributed_kwargs
-    kwargs.update(distributed_kwargs(tensor_parallel_size, pipeline_parallel_size))  # the executor's ranks: this one's TP shard, PP stage
+    kwargs.update(distributed_kwargs(tensor_parallel_size, pipeline_parallel_size))  # this rank's shard, stage
     hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if "distributed_config" not in kwargs:
         hf_model.to(dev)

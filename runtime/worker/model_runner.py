@@ -292,8 +292,8 @@ class ModelRunner:
         none = torch.empty(0, dtype=self.kv_cache_dtype, device=self.device)  # another stage's layer
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)) if i in self.layer_range else (none, none)
-            for i in range(self.num_layers)
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
+            if i in self.layer_range else (none, none) for i in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
         logger.info(
