@@ -298,7 +298,7 @@ class MultiprocExecutor:
         logger.info("tensor parallelism %d x pipeline stages %d: %d ranks (%s), workers pids %s", tp,
                     config.pipeline_parallel_size, world, self.device, [p.pid for p in self.procs])
         if multi:
-            logger.info("tensor parallelism over %d nodes: this node runs ranks %s, the others join at %s:%d",
+            logger.info("parallel ranks over %d nodes: this node runs ranks %s, the others join at %s:%d",
                         config.nnodes, list(local_ranks), config.master_addr, self.store_port)
 
     @classmethod
