@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.worker import multinode
-from kvfleet.runtime.worker.pipeline import layer_partition
+from kvfleet.runtime.worker.pipeline import PendingLogits, layer_partition
 
 logger = logging.getLogger(__name__)
 
@@ -420,6 +420,19 @@ class MultiprocExecutor:
         except BaseException as exc:
             self.broken = True
             raise self.failure(exc) from exc
+
+    def receive_logits(self, output):
+        """``output`` with a pipeline step's logits received from the last stage (rank 0 runs
+        ahead of it by up to ``pp`` micro-batches); other steps' outputs as they are.
+
+        Raises: TensorParallelError: a rank is dead (the ranks may be out of step: no further step runs)."""
+        if isinstance(output.logits, PendingLogits):
+            try:
+                output.logits = output.logits.wait()
+            except BaseException as exc:
+                self.broken = True
+                raise self.failure(exc) from exc
+        return output
 
     def broadcast(self, msg: Any) -> None:
         """Send one message to every worker (``broadcast_object_list`` on the gloo group).

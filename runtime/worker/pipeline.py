@@ -27,8 +27,10 @@ Contract:
   (:attr:`ModelRunner.layer_range <kvfleet.runtime.worker.model_runner.ModelRunner>`).
 - **Limits**: the torch path only (the fused C decoder embeds, runs every layer and the LM head
   in one call, with no hidden state in or out: a layer slice is a kernel change); no prompt
-  logprobs (the last stage's hidden states stay there), no compiled forward, one micro-batch in
-  flight (a step crosses the stages in turn).
+  logprobs (the last stage's hidden states stay there), no compiled forward. Sends do not wait
+  (``isend``) and rank 0 takes a step's logits only when the engine completes it
+  (:class:`PendingLogits`), so up to ``pp`` micro-batches are in flight
+  (:mod:`kvfleet.runtime.engine.micro_batches`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ class PipelineStage:
         self.model = model
         self.hidden_size = model.config.get_text_config().hidden_size
         self._received: torch.Tensor | None = None
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         if not self.is_first:  # the received hidden state replaces the first own layer's input
             _decoder_layers(model)[self.start].register_forward_pre_hook(self._substitute, with_kwargs=True)
         logger.info("pipeline stage %d of %d (rank %d): layers %d..%d", self.pp_rank, self.pp_size, self.rank,
@@ -187,33 +190,53 @@ class PipelineStage:
                 logits_indices: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Run this stage's part of one step (every rank of the world calls it with the same step).
 
-        Returns: on rank 0, the step's logits ``[S, vocab_size]`` float32 (from the last stage);
-        elsewhere None."""
+        Returns: on rank 0, the step's :class:`PendingLogits` (``[S, vocab_size]`` float32 from the
+        last stage, received when the step completes); elsewhere None."""
         num_tokens = input_ids.shape[1]
         device = input_ids.device
         if self.is_first:
             inputs = {"input_ids": input_ids}
         else:
             dtype = next(_decoder_layers(self.model)[self.start].parameters()).dtype
-            hidden = torch.empty((num_tokens, self.hidden_size), dtype=dtype)
+            hidden = torch.empty((num_tokens, self.hidden_size), dtype=dtype, device=self._comm(device))
             dist.recv(hidden, src=self.rank - self.tp)
             self._received = hidden.to(device)
             inputs = {"inputs_embeds": torch.zeros((1, num_tokens, self.hidden_size), dtype=dtype, device=device)}
-        logits = None
         if self.is_last:
             out = self.model(**inputs, position_ids=positions, logits_to_keep=logits_indices, use_cache=False,
                              **meta_kwargs)
             logits = out.logits[0].float()
-            if self.rank == self.last_stage_rank and self.rank != 0 and logits.shape[0]:
-                dist.send(logits.cpu().contiguous(), dst=0)
+            if self.rank == self.last_stage_rank and logits.shape[0]:
+                self._send(logits, 0)
         else:
             out = self.model.get_decoder()(**inputs, position_ids=positions, use_cache=False, **meta_kwargs)
-            dist.send(out.last_hidden_state[0].cpu().contiguous(), dst=self.rank + self.tp)
+            self._send(out.last_hidden_state[0], self.rank + self.tp)
         if self.rank != 0:
             return None
-        if logits is None:
-            logits = torch.empty((logits_indices.shape[0], vocab_size), dtype=torch.float32)
-            if logits.shape[0]:
-                dist.recv(logits, src=self.last_stage_rank)
-            logits = logits.to(device)
-        return logits
+        return PendingLogits(self.last_stage_rank, logits_indices.shape[0], vocab_size, device, self._comm(device))
+
+    @staticmethod
+    def _comm(device: torch.device) -> torch.device:
+        """Where the stages' tensors travel from: the CPU over gloo, the model's device over NCCL."""
+        return torch.device("cpu") if dist.get_backend() == "gloo" else device
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send without waiting (the next micro-batch's step goes on meanwhile); the tensor is kept
+        until its send completes."""
+        self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+        tensor = tensor.to(self._comm(tensor.device)).contiguous()
+        self._sends.append((dist.isend(tensor, dst=dst), tensor))
+
+
+class PendingLogits:
+    """Rank 0's logits of a step in flight: :meth:`wait` receives them from the last stage
+    (in step order: each step's logits are one message)."""
+
+    def __init__(self, src: int, rows: int, vocab_size: int, device: torch.device, comm: torch.device) -> None:
+        self.src, self.rows, self.vocab_size, self.device, self.comm = src, rows, vocab_size, device, comm
+
+    def wait(self) -> torch.Tensor:
+        logits = torch.empty((self.rows, self.vocab_size), dtype=torch.float32, device=self.comm)
+        if self.rows:
+            dist.recv(logits, src=self.src)
+        return logits.to(self.device)

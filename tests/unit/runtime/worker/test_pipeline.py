@@ -1,7 +1,8 @@
 """runtime/worker/pipeline.py: vLLM's layer split and its override, and a real pipeline-parallel
 engine (rank 0 here, rank 1 its own process, gloo on 127.0.0.1) over a tiny 3-layer Llama: greedy
 tokens equal to one process through continuous batching, each stage holding only its layers'
-weights and KV cache, the clear refusals, and a killed stage failing the engine within seconds.
+weights and KV cache, two micro-batches in flight, the clear refusals, and a killed stage
+failing the engine within seconds.
 Across two "nodes" with the launch flags, PP x TP included: tests/e2e/test_multinode_serve.py."""
 
 from __future__ import annotations
@@ -66,13 +67,14 @@ def _config(path, **kw) -> EngineConfig:
 
 
 def _greedy(engine: LLMEngine) -> dict[str, list[int]]:
-    """The tiny prompts through continuous batching: the third joins two steps late."""
+    """The tiny prompts through continuous batching: the third joins a step late (with two
+    micro-batches, while the first two requests' step is in flight)."""
     params = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
     engine.add_request("0", tiny_models.PROMPTS[0], params)
     engine.add_request("1", tiny_models.PROMPTS[1], params)
     final = {}
     for step in range(100):
-        if step == 2:
+        if step == 1:
             engine.add_request("2", tiny_models.PROMPTS[2], params)
         for out in engine.step():
             if out.finished:
@@ -98,9 +100,26 @@ def pp_engine(tiny3):
     engine.shutdown()
 
 
-def test_pp2_greedy_tokens_equal_one_process(pp_engine, one_process):
+def test_pp2_greedy_tokens_equal_one_process_with_two_micro_batches_in_flight(pp_engine, one_process):
+    """Once the third request joins, two micro-batches are in flight (the stages overlap) and a
+    request is never in both (engine/micro_batches, the scheduler's ``in_flight``)."""
     assert len(one_process) == 3 and all(len(t) == GEN for t in one_process.values())
-    assert _greedy(pp_engine) == one_process
+    scheduler, schedules = pp_engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        out = schedule()
+        schedules.append((set(scheduler.in_flight), {sr.request_id for sr in out.scheduled}))
+        return out
+
+    scheduler.schedule = recording
+    try:
+        assert _greedy(pp_engine) == one_process
+    finally:
+        del scheduler.schedule
+    assert pp_engine.micro_batches.depth == 2
+    assert all(not (flying & ids) for flying, ids in schedules), schedules
+    assert any(flying and ids for flying, ids in schedules), schedules  # a second one launched
 
 
 def test_stage_0_holds_only_its_layers_weights_and_kv(pp_engine):
