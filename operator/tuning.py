@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvfleet.operator import spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate
 from kvfleet.operator.times import parse_time, rfc3339
 
@@ -83,6 +84,25 @@ class TuningConfig:
             sustain=num("sustainSeconds", cls.sustain),
             min_requests=int(num("minRequests", cls.min_requests)),
         )
+
+    @classmethod
+    def from_view(cls, t: spec_view.Tuning) -> TuningConfig:
+        """The typed view's ``spec.tuning`` (the CRD's defaults already in it); the knobs the CRD
+        does not expose keep the class defaults. Raises ValueError as :meth:`from_spec`."""
+        g = t.gpu_memory_utilization
+        lo, hi, step = float(g.min), float(g.max), float(g.step)
+        if not (0 < lo <= hi <= 1) or step <= 0:
+            raise ValueError(f"need 0 < min <= max <= 1 and step > 0 for gpuMemoryUtilization, got {lo}, {hi}, {step}")
+        sizes = tuple(sorted({int(s) for s in (t.block_sizes or cls.block_sizes)}))
+        if min(sizes) < 1:
+            raise ValueError(f"blockSizes must be positive integers, got {sizes}")
+        for name, value in (("minIntervalSeconds", t.min_interval_seconds),
+                            ("oomCooldownSeconds", t.oom_cooldown_seconds)):
+            if float(value) < 0:
+                raise ValueError(f"tuning.{name} must be >= 0, got {value}")
+        return cls(enabled=bool(t.enabled), min_gpu_memory_utilization=lo, max_gpu_memory_utilization=hi, step=step,
+                   block_sizes=sizes, min_interval=float(t.min_interval_seconds),
+                   oom_cooldown=float(t.oom_cooldown_seconds))
 
 
 @dataclass(frozen=True)
@@ -249,7 +269,7 @@ def tune(
     state: TuningState,
     *,
     now: float,
-    spec_engine: Mapping[str, Any],
+    spec_engine: spec_view.Engine,
     metrics: MetricsAggregate | None,
     pods: Iterable[Mapping[str, Any]] = (),
     hold: tuple[str, str] | None = None,
@@ -270,8 +290,8 @@ def tune(
        ``min_requests`` of them): :func:`choose_block_size`, kept while the current size is
        what the length +- ``block_size_hysteresis`` would also choose.
 
-    ``spec_engine`` gives the starting values (``gpuMemoryUtilization`` default 0.9,
-    ``blockSize`` default 16) until the tuner has applied its own. ``now`` is seconds
+    ``spec_engine`` (the view's ``spec.engine``, the CRD's defaults in it) gives the starting
+    values until the tuner has applied its own. ``now`` is seconds
     since the epoch; ``pods`` are the pod dicts (their containerStatuses). ``hold``
     (:func:`rollout_hold`) holds every change but rule 1 (the pods crash anyway) and is
     returned as the decision's ``held``.
@@ -281,9 +301,9 @@ def tune(
     lo, hi = config.min_gpu_memory_utilization, config.max_gpu_memory_utilization
     gmu = state.gpu_memory_utilization
     if gmu is None:
-        gmu = float(spec_engine.get("gpuMemoryUtilization", 0.9))
+        gmu = float(spec_engine.gpu_memory_utilization)
     gmu_clamped = round(min(max(gmu, lo), hi), 4)
-    bs = state.block_size if state.block_size is not None else int(spec_engine.get("blockSize", 16))
+    bs = state.block_size if state.block_size is not None else int(spec_engine.block_size)
     changes: list[tuple[str, str]] = []
     notes: list[str] = []
 

@@ -36,14 +36,15 @@ Contract:
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
+from kvfleet.runtime import env
+
 logger = logging.getLogger(__name__)
 
-PARTITION_ENV = "KVFLEET_PP_LAYER_PARTITION"
+PARTITION_ENV = env.PP_LAYER_PARTITION.name
 """vLLM's ``VLLM_PP_LAYER_PARTITION``: the layers of each stage, e.g. ``"3,1"``."""
 PROMPT_LOGPROBS_REASON = "prompt logprobs are not supported with pipeline_parallel_size > 1"
 
@@ -59,7 +60,7 @@ def layer_partition(num_layers: int, pp_size: int, override: str | None = None) 
             a stage without layers, a sum other than ``num_layers``) or ``pipeline_parallel_size``
             (more stages than layers).
     """
-    text = os.environ.get(PARTITION_ENV) if override is None else override
+    text = env.PP_LAYER_PARTITION.get() if override is None else override
     if text:
         try:
             parts = [int(x) for x in text.split(",")]
