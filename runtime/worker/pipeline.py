@@ -23,7 +23,7 @@ Contract:
   the whole carry) to the same tensor-parallel rank of the next stage, which runs its layers from
   it; the last stage runs the norm and the LM head on the sampling rows and its rank ``(pp-1)*tp``
   sends the float32 logits ``[S, vocab]`` to rank 0, which samples. Point-to-point over the
-  default process group (gloo on the CPU). Each stage caches only its layers' KV
+  default process group (gloo on the CPU; NCCL on CUDA, not yet run on GPUs). Each stage caches only its layers' KV
   (:attr:`ModelRunner.layer_range <kvfleet.runtime.worker.model_runner.ModelRunner>`).
 - **Limits**: the torch path only (the fused C decoder embeds, runs every layer and the LM head
   in one call, with no hidden state in or out: a layer slice is a kernel change); no prompt

@@ -100,6 +100,7 @@ def pp_engine(tiny3):
     engine.shutdown()
 
 
+@pytest.mark.slow  # processes: the module's engine starts ~10-30 s on 2 shared cores
 def test_pp2_greedy_tokens_equal_one_process_with_two_micro_batches_in_flight(pp_engine, one_process):
     """Once the third request joins, two micro-batches are in flight (the stages overlap) and a
     request is never in both (engine/micro_batches, the scheduler's ``in_flight``)."""
@@ -122,6 +123,7 @@ def test_pp2_greedy_tokens_equal_one_process_with_two_micro_batches_in_flight(pp
     assert any(flying and ids for flying, ids in schedules), schedules  # a second one launched
 
 
+@pytest.mark.slow  # processes: the module's engine starts ~10-30 s on 2 shared cores
 def test_stage_0_holds_only_its_layers_weights_and_kv(pp_engine):
     runner = pp_engine.runner
     assert (runner.pp.start, runner.pp.end, runner.pp.pp_rank) == (0, 2, 0)
@@ -134,6 +136,7 @@ def test_stage_0_holds_only_its_layers_weights_and_kv(pp_engine):
         pp_engine.add_request("plp", [5, 6, 7], SamplingParams(max_tokens=1, prompt_logprobs=1))
 
 
+@pytest.mark.slow  # processes: the module's engine starts ~10-30 s on 2 shared cores
 def test_killed_stage_fails_the_engine_within_seconds(pp_engine):
     """Runs after the tests that use the module's engine: it breaks it."""
     worker = pp_engine.executor.procs[0]
@@ -147,6 +150,7 @@ def test_killed_stage_fails_the_engine_within_seconds(pp_engine):
     assert time.monotonic() - t0 < 10
     pp_engine.shutdown()
     assert worker.poll() is not None and not torch.distributed.is_initialized()
+@pytest.mark.slow  # processes: the module's engine starts ~10-30 s on 2 shared cores
 def test_partition_override_reaches_every_stage(pp_engine, tiny3, one_process, monkeypatch):
     pp_engine.shutdown()  # one parallel engine per process
     monkeypatch.setenv(PARTITION_ENV, "1,2")  # the workers inherit it
