@@ -3,10 +3,11 @@ the ABI check. The one module that compiles, names, loads and binds it; the ops 
 :mod:`kvfleet.kernels.cpu_woq` (weight-only linear layers) and :mod:`kvfleet.kernels.cpu_decoder`
 (the fused decode step).
 
-Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``, ``cpu_dpbf16.h`` and ``cpu_amx.h``;
+Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h`` (several rows, over
+``cpu_gemv_m1.h``'s formats and one-row dot products), ``cpu_dpbf16.h`` and ``cpu_amx.h``;
 ``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check; the decoder's
-pool, step state and attention are ``cpu_pool.h``, ``cpu_step.h`` and ``cpu_attention.h``, a layer's
-mixture of experts ``cpu_moe.h``), one ``.so``.
+pool, step state, cache writes and attention are ``cpu_pool.h``, ``cpu_step.h``, ``cpu_kv_write.h``
+and ``cpu_attention.h``, a layer's mixture of experts ``cpu_moe.h``), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -53,9 +54,9 @@ from kvfleet.kernels import cpu_features
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h", "cpu_decoder.h",
-                                                     "cpu_pool.h", "cpu_step.h", "cpu_attention.h",
-                                                     "cpu_moe.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv_m1.h", "cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h",
+                                                     "cpu_decoder.h", "cpu_pool.h", "cpu_step.h",
+                                                     "cpu_kv_write.h", "cpu_attention.h", "cpu_moe.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {

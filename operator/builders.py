@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, hpa, kv_tiers, router, spec_view
+from kvfleet.operator import adapters, disagg, hpa, kv_tiers, router, spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.deployment import build_deployment
 from kvfleet.operator.service_spec import (
@@ -236,6 +236,8 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
     Raises:
         InvalidSpec: the spec cannot be built (reason and message for a Degraded condition).
     """
+    if disagg.disaggregation(isvc) is not None:  # two pools: spec.disaggregation (kvfleet.operator.disagg)
+        return disagg.desired_children(isvc, desired_children, replicas=replicas, scaled_externally=scaled_externally)
     spec = spec_view.of(isvc) if spec is None else spec
     cm = build_configmap(isvc, spec)
     config_hash = content_hash(adapters.hashed_data(cm["data"]))  # the LoRA adapter list never rolls pods

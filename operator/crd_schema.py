@@ -406,6 +406,31 @@ ROUTER = _obj(
     },
 )
 
+
+
+def _no_defaults(schema: Any) -> Any:
+    """``schema`` without its ``default`` values (an override that must not reset what it omits)."""
+    if isinstance(schema, dict):
+        return {k: _no_defaults(v) for k, v in schema.items() if k != "default"}
+    return [_no_defaults(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def _pool(role: str, work: str) -> dict[str, Any]:
+    return _obj(f"The {role} pool: {work}.", {
+        "replicas": _int(f"{role.capitalize()} pods.", minimum=0, maximum=1000, default=1),
+        "engine": {**_no_defaults(ENGINE),
+                   "description": f"Engine settings of the {role} pods over spec.engine (the fields given)."},
+    })
+
+
+DISAGGREGATION = _obj(
+    "Prefill/decode disaggregation (needs router.enabled): the router computes each prompt on a prefill pod "
+    "(Deployment <name>-prefill, Service <name>-prefill), whose blocks a decode pod (Deployment and Service "
+    "<name>; the autoscaler's decisions apply to it) pulls over /kv_blocks to decode. Absent: every pod does both.", {
+        "prefill": _pool("prefill", "computes the prompts and holds their KV blocks until read"),
+        "decode": _pool("decode", "pulls the blocks and streams the tokens"),
+    }, required=["prefill", "decode"])
+
 SPEC = _obj("Desired state of an InferenceService.", {
     "model": MODEL,
     "runtime": RUNTIME,
@@ -417,6 +442,7 @@ SPEC = _obj("Desired state of an InferenceService.", {
     "rollout": ROLLOUT,
     "disruption": DISRUPTION,
     "router": ROUTER,
+    "disaggregation": DISAGGREGATION,
 }, required=["model"])
 
 CONDITION = _obj("A kstatus condition.", {

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import spec_view
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate, status_number
 from kvfleet.operator.spec_enums import AutoscalingMode
 
@@ -47,16 +47,9 @@ class AutoscalingConfig:
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> AutoscalingConfig:
-        """Read ``spec.autoscaling`` (a dict; None or {} means mode none).
-
-        Raises ValueError on an unknown mode, a non-positive target, or min > max.
-        """
-        a = dict(spec or {})
-        min_r = int(a.get("minReplicas", 1))
-        return cls.checked(a.get("mode", "none"), min_r, int(a.get("maxReplicas", max(min_r, 1))),
-                           float(a.get("targetQueueDepth", cls.target_queue_depth)),
-                           float(a.get("targetKVCacheUsage", cls.target_kv_cache_usage)),
-                           _window(a, "scaleUp", cls.scale_up_window), _window(a, "scaleDown", cls.scale_down_window))
+        """``spec.autoscaling`` given as a dict in the CRD's spelling (None or {}: mode none):
+        :meth:`from_view` of its view. Raises ValueError as :meth:`checked`."""
+        return cls.from_view(spec_view.section(crd_schema.AUTOSCALING, spec))
 
     @classmethod
     def from_view(cls, a: spec_view.Autoscaling) -> AutoscalingConfig:
@@ -83,24 +76,6 @@ class AutoscalingConfig:
             if value < 0:
                 raise ValueError(f"{direction} stabilization window must be >= 0 seconds, got {value}")
         return cls(str(mode), min_r, max_r, tq, tkv, up, down)
-
-
-def _window(a: Mapping[str, Any], direction: str, default: float) -> float:
-    """A stabilization window, seconds: ``scaleUp.stabilizationWindowSeconds`` (the CRD), or
-    a flat ``scaleUpStabilizationWindowSeconds`` / HPA-style ``behavior.scaleUp...``."""
-    for value in (
-        (a.get(direction) or {}).get("stabilizationWindowSeconds"),  # the CRD's spelling
-        a.get(f"{direction}StabilizationWindowSeconds"),
-        (a.get("behavior") or {}).get(direction, {}).get("stabilizationWindowSeconds"),
-        (a.get("stabilizationWindowSeconds") or {}).get(direction[len("scale"):].lower())
-        if isinstance(a.get("stabilizationWindowSeconds"), Mapping)
-        else None,
-    ):
-        if value is not None:
-            if float(value) < 0:
-                raise ValueError(f"{direction} stabilization window must be >= 0 seconds, got {value}")
-            return float(value)
-    return default
 
 
 @dataclass(frozen=True)

@@ -130,9 +130,11 @@ def prepared(isvc: Mapping[str, Any]) -> dict[str, Any]:
 def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False,
                     spec: spec_view.Spec | None = None) -> list[dict[str, Any]]:
     """Every desired child (:func:`builders.desired_children`, with the :func:`prepared`
-    defaults), stamped. ``spec``: the view of the :func:`prepared` resource (default: built here)."""
-    isvc = prepared(isvc)
-    spec = spec_view.of(isvc) if spec is None else spec
+    defaults), stamped. ``spec``: the view of the :func:`prepared` resource (default: built here;
+    the builders read the spec from it alone, ``isvc`` for its metadata and status)."""
+    if spec is None:
+        isvc = prepared(isvc)
+        spec = spec_view.of(isvc)
     children = builders.desired_children(isvc, scaled_externally=scaled_externally, spec=spec)
     children += router.desired_children(isvc, spec)  # spec.router: the router's RBAC, Deployment, Service
     pool = gie.build_inference_pool(isvc, spec)

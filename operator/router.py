@@ -24,7 +24,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import fleet_secret, kv_tiers, service_spec, spec_view
+from kvfleet.operator import disagg, fleet_secret, kv_tiers, service_spec, spec_view
 from kvfleet.operator.spec_enums import AutoscalingMode, KVTierType
 from kvfleet.runtime import env as kvenv
 from kvfleet.runtime.router import routing
@@ -47,11 +47,11 @@ IMAGE_ENV = kvenv.ROUTER_IMAGE.name
 
 def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:
     """``isvc`` (a copy) with ``spec.router.image`` set to ``image`` when the router is enabled
-    and sets none."""
+    (as by default, ``spec.router`` absent) and sets none."""
     out = copy.deepcopy(dict(isvc))
-    router = (out.get("spec") or {}).get("router") or {}
-    if image and router.get("enabled") and not router.get("image"):
-        out["spec"]["router"] = {**router, "image": image}
+    if image and (view := spec_view.of(out)).router.enabled and not view.router.image:
+        spec = out.setdefault("spec", {})
+        spec["router"] = {**(spec.get("router") or {}), "image": image}  # on by default: absent counts
     return out
 
 
@@ -123,7 +123,7 @@ def router_args(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> 
             "--load-factor", f"{r.load_factor:g}", "--max-pending", str(r.max_pending),
             "--pending-timeout", str(r.pending_timeout_seconds),
             "--shutdown-timeout", str(r.shutdown_timeout_seconds),
-            *kv_tiers.router_args(spec.engine, kv_events=precise(spec))]
+            *kv_tiers.router_args(spec.engine, kv_events=precise(spec)), *disagg.router_args(isvc)]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:

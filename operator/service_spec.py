@@ -1,13 +1,12 @@
 """What every child of an InferenceService is built from: pure functions of its dict.
 
-- :func:`effective_spec`: the spec as a dict with every section present and the CRD's defaults
-  applied (the typed view of it, which the builders read, is :mod:`kvfleet.operator.spec_view`);
 - the identity of its children: :func:`names`, :func:`labels`, :func:`selector_labels`,
   :func:`owner_reference`, :func:`child_meta`, :data:`FIELD_MANAGER`;
 - the runtime pod's contract: :data:`PORT`, the config and cache paths, the user id, the
   shutdown timings (:func:`termination_grace_seconds`), :func:`gpu_count`, :func:`shm_size`.
 
-The children themselves are built in :mod:`kvfleet.operator.builders` and
+The spec itself reaches the builders as :mod:`kvfleet.operator.spec_view`'s typed view. The
+children themselves are built in :mod:`kvfleet.operator.builders` and
 :mod:`kvfleet.operator.deployment`.
 """
 
@@ -48,13 +47,6 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 """``kvfleet serve --shutdown-timeout``'s default, seconds."""
 SHUTDOWN_MARGIN_SECONDS = 10
 """Grace after the drain: the server's short listener grace and the engine's exit, seconds."""
-
-
-def effective_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec`` as a dict with every optional section present and the CRD's defaults applied
-    (:func:`kvfleet.operator.spec_view.effective_dict`); code reads the typed view,
-    :func:`kvfleet.operator.spec_view.of`, instead."""
-    return spec_view.effective_dict(isvc)
 
 
 def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:

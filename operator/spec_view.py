@@ -20,8 +20,7 @@ How a view is filled (:func:`of`):
 
 Enum values stay the spec's strings; compare them with the members of
 :mod:`kvfleet.operator.spec_enums` (a ``StrEnum`` equals its string). :func:`effective_dict` is
-the same defaulted spec as a dict (for the children that copy whole sections, and for
-:func:`kvfleet.operator.service_spec.effective_spec`).
+the same defaulted spec as a dict.
 """
 
 from __future__ import annotations
@@ -54,10 +53,10 @@ def _is_object(schema: Mapping[str, Any]) -> bool:
 
 
 def _annotation(schema: Mapping[str, Any], cls: type | None) -> Any:
+    if schema.get("type") == "array":
+        return (tuple[cls, ...] if cls is not None else tuple) | None
     if cls is not None:
         return cls | None
-    if schema.get("type") == "array":
-        return tuple
     if schema.get("x-kubernetes-int-or-string") or "anyOf" in schema:
         return int | str | None
     if schema.get("type") == "object":
@@ -76,7 +75,7 @@ def _make_class(name: str, schema: Mapping[str, Any]) -> type:
             child = _make_class(prop[0].upper() + prop[1:], sub["items"])
         if child is not None:
             children[prop] = child
-        fields.append((snake(prop), _annotation(sub, child if sub.get("type") == "object" else None),
+        fields.append((snake(prop), _annotation(sub, child),
                        dataclasses.field(default=None)))
     cls = dataclasses.make_dataclass(name, fields, frozen=True, namespace={"__doc__": schema.get("description")})
     cls.__module__ = __name__
@@ -125,16 +124,21 @@ def _fill(cls: type, raw: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def effective_dict(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec`` as a dict with the :data:`ALWAYS_PRESENT` sections created and the CRD's defaults
-    applied (a deep copy; the resource is never changed)."""
-    spec = copy.deepcopy(dict(isvc.get("spec") or {}))
-    for path in ALWAYS_PRESENT:
-        node = spec
+def _with_sections(raw: dict[str, Any], paths: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``raw`` with the objects at ``paths`` (dotted, relative to it) created where absent."""
+    for path in paths:
+        node = raw
         for key in path.split("."):
             if not isinstance(node.get(key), dict):
                 node[key] = {}
             node = node[key]
+    return raw
+
+
+def effective_dict(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` as a dict with the :data:`ALWAYS_PRESENT` sections created and the CRD's defaults
+    applied (a deep copy; the resource is never changed)."""
+    spec = _with_sections(copy.deepcopy(dict(isvc.get("spec") or {})), ALWAYS_PRESENT)
     spec = crd.apply_defaults(spec, crd_schema.SPEC)
     if not spec["runtime"].get("image"):
         spec["runtime"]["image"] = crd_schema.DEFAULT_IMAGE
@@ -153,11 +157,26 @@ def section(schema: Mapping[str, Any], raw: Mapping[str, Any] | None) -> Any:
     functions handed one section). A schema that is not one of the spec's gets a class of its own."""
     cls = _SECTION_CLASSES.get(id(schema))
     if cls is None or cls._schema is not schema:  # type: ignore[attr-defined]
-        cls = _make_class("Section", schema)
-    return _fill(cls, crd.apply_defaults(dict(raw or {}), schema))
+        cls, path = _make_class("Section", schema), None
+    else:
+        path = _PATHS.get(id(schema))
+    raw = copy.deepcopy(dict(raw or {}))
+    if path is not None:  # one of the spec's sections: its ALWAYS_PRESENT objects, as in of()
+        prefix = path + "."
+        raw = _with_sections(raw, [p[len(prefix):] for p in ALWAYS_PRESENT if p.startswith(prefix)])
+    return _fill(cls, crd.apply_defaults(raw, schema))
+
+
+def _paths(schema: Mapping[str, Any], path: str = "") -> dict[int, str]:
+    out = {id(schema): path}
+    for prop, sub in (schema.get("properties") or {}).items():
+        if _is_object(sub):
+            out.update(_paths(sub, f"{path}.{prop}" if path else prop))
+    return out
 
 
 _SECTION_CLASSES: dict[int, type] = {id(cls._schema): cls for cls in ALL_CLASSES}  # type: ignore[attr-defined]
+_PATHS = _paths(crd_schema.SPEC)
 
 
 __all__ = ["ALL_CLASSES", "ALWAYS_PRESENT", "CLASSES", "Spec", "effective_dict", "of", "section", "snake"]

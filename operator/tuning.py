@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvfleet.operator import spec_view
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate
 from kvfleet.operator.times import parse_time, rfc3339
 
@@ -50,40 +50,9 @@ class TuningConfig:
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> TuningConfig:
-        """Read ``spec.tuning`` (None or {} means disabled). Raises ValueError when
-        min > max utilisation or a bound is outside (0, 1], or no block size is allowed."""
-        t = dict(spec or {})
-        gmu = t.get("gpuMemoryUtilization") or {}
-        lo = float(gmu.get("min", t.get("minGpuMemoryUtilization", cls.min_gpu_memory_utilization)))
-        hi = float(gmu.get("max", t.get("maxGpuMemoryUtilization", cls.max_gpu_memory_utilization)))
-        step = float(gmu.get("step", t.get("gpuMemoryUtilizationStep", cls.step)))
-        if not (0 < lo <= hi <= 1) or step <= 0:
-            raise ValueError(f"need 0 < min <= max <= 1 and step > 0 for gpuMemoryUtilization, got {lo}, {hi}, {step}")
-        block_size = t.get("blockSize")
-        sizes = t.get("blockSizes", block_size.get("allowed") if isinstance(block_size, Mapping) else None)
-        sizes = tuple(sorted({int(s) for s in (sizes or cls.block_sizes)}))
-        if not sizes or min(sizes) < 1:
-            raise ValueError(f"blockSizes must be positive integers, got {sizes}")
-
-        def num(key: str, default: float) -> float:
-            value = t.get(key, default)
-            if float(value) < 0:
-                raise ValueError(f"tuning.{key} must be >= 0, got {value}")
-            return float(value)
-
-        return cls(
-            enabled=bool(t.get("enabled", bool(t))),
-            min_gpu_memory_utilization=lo,
-            max_gpu_memory_utilization=hi,
-            step=step,
-            block_sizes=sizes,
-            min_interval=num("minIntervalSeconds", cls.min_interval),
-            oom_cooldown=num("oomCooldownSeconds", cls.oom_cooldown),
-            preemption_rate_threshold=num("preemptionRateThreshold", cls.preemption_rate_threshold),
-            kv_usage_threshold=num("kvCacheUsageThreshold", cls.kv_usage_threshold),
-            sustain=num("sustainSeconds", cls.sustain),
-            min_requests=int(num("minRequests", cls.min_requests)),
-        )
+        """``spec.tuning`` given as a dict in the CRD's spelling (None or {}: disabled):
+        :meth:`from_view` of its view."""
+        return cls.from_view(spec_view.section(crd_schema.TUNING, spec))
 
     @classmethod
     def from_view(cls, t: spec_view.Tuning) -> TuningConfig:

@@ -46,7 +46,7 @@ from kvfleet.runtime.core.request import RequestStatus
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.engine.input_processor import InputProcessor, PreparedRequest
-from kvfleet.runtime.engine.kv_disk import disk_writer
+from kvfleet.runtime.engine.kv_connector import attach_kv_transfer
 from kvfleet.runtime.engine.kv_event_publisher import KVEventPublisher
 from kvfleet.runtime.engine.micro_batches import MicroBatches
 from kvfleet.runtime.engine.output_processor import OutputProcessor, OutputProcessorOutput
@@ -138,8 +138,8 @@ class LLMEngine:
         kv_events = config.kv_events_config
         self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size)
                                    if kv_events is not None and kv_events.enable_kv_cache_events else None)
-        self.kv_event_sinks = [s for s in (self.kv_event_publisher, disk_writer(self)) if s is not None]
-        """Each step's KV events go to these: the ZMQ publisher (None: events off), the disk tier's writer."""
+        self.kv_connector, self.kv_event_sinks = attach_kv_transfer(self)
+        """The KV connector (``--kv-transfer-config``); the sinks of each step's KV events (ZMQ, disk tier)."""
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from kvfleet.runtime.http.auth import key_matches
 from kvfleet.runtime.http.errors import error_response
 from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
+from kvfleet.runtime.router.disagg import Disaggregator
 from kvfleet.runtime.router.endpoints import EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue
 from kvfleet.runtime.router.kv_index import KVIndex
@@ -68,6 +69,34 @@ class RouterState:
         self.source_ready = asyncio.Event()
         self.forwarder: Forwarder | None = None
         self.prober: Prober | None = None
+        self.prefill_pool: EndpointPool | None = None
+        """Prefill/decode disaggregation's prefill replicas (None: not disaggregated)."""
+
+
+def start_prefill_pool(state: RouterState, probe_client: httpx.AsyncClient,
+                       proxy_client: httpx.AsyncClient) -> list[asyncio.Task]:
+    """The prefill pool of prefill/decode disaggregation (:mod:`.disagg`): its endpoints, its
+    prober, the forwarder's :class:`~.disagg.Disaggregator`; the tasks it runs."""
+    settings = state.settings
+    pool = state.prefill_pool = EndpointPool(eject_base=settings.eject_base_seconds,
+                                             eject_max=settings.eject_max_seconds)
+    prober = Prober(pool, probe_client, interval=settings.probe_interval)
+    assert state.forwarder is not None
+    keys = load_fleet_keys(settings.fleet_secret_file)  # signs the decode legs' remote_url
+    if keys is None:
+        logger.warning("no fleet secret: decode replicas will not pull from the prefill replicas (they compute)")
+    state.forwarder.disagg = Disaggregator(pool, proxy_client, state.metrics, fleet_keys=keys,
+                                           prefill_timeout=settings.prefill_timeout, prefix_chars=settings.prefix_chars,
+                                           min_prompt_chars=settings.prefill_min_prompt_chars)
+    tasks = [asyncio.create_task(prober.run())]
+    if settings.prefill_endpoints:
+        pool.set_urls(settings.prefill_endpoints)
+    else:
+        from kvfleet.runtime.router.endpointslices import watch_endpoint_slices
+
+        tasks.append(asyncio.create_task(watch_endpoint_slices(
+            pool, settings.prefill_kube_service, settings.kube_namespace, settings.kube_port)))
+    return tasks
 
 
 async def _disconnected(receive) -> None:
@@ -101,6 +130,8 @@ def create_app(settings: RouterSettings) -> Starlette:
             tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))
         else:
             state.forwarder = Forwarder(*fwd_args, **fwd_kw)
+        if settings.disaggregated:
+            tasks.extend(start_prefill_pool(state, probe_client, proxy_client))
         if settings.endpoints:
             state.pool.set_urls(settings.endpoints)
             state.source_ready.set()
@@ -151,6 +182,9 @@ def create_app(settings: RouterSettings) -> Starlette:
         eps = list(state.pool)
         body = {"endpoints": len(eps), "available": len(state.pool.available()), "pending": len(state.pending),
                 "draining": state.drain.draining}
+        if state.prefill_pool is not None:
+            body["prefill_endpoints"] = len(state.prefill_pool.urls())
+            body["prefill_available"] = len(state.prefill_pool.available())
         ok = state.source_ready.is_set() and not state.drain.draining
         return JSONResponse(body, status_code=200 if ok else 503)
 

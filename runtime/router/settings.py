@@ -33,6 +33,15 @@ class RouterSettings(BaseModel):
     """Static replica base URLs (``http://127.0.0.1:8000``)."""
     kube_service: str | None = None
     """Watch this Service's EndpointSlices instead (in ``kube_namespace``)."""
+    prefill_endpoints: list[str] = Field(default_factory=list)
+    """Prefill/decode disaggregation (docs/routing.md): the prefill replicas' base URLs; the
+    replicas of ``endpoints`` / ``kube_service`` are then the decode pool."""
+    prefill_kube_service: str | None = None
+    """The same, from this Service's EndpointSlices (in ``kube_namespace``)."""
+    prefill_timeout: float = Field(300.0, gt=0)
+    """Seconds one prefill leg may take on one prefill replica before the next one is tried."""
+    prefill_min_prompt_chars: int = Field(0, ge=0)
+    """Prompts shorter than this (characters) skip the prefill leg: the decode replica computes them."""
     kube_namespace: str | None = None
     """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
     kube_port: str = "http"
@@ -69,12 +78,25 @@ class RouterSettings(BaseModel):
     def _one_source(self) -> RouterSettings:
         if bool(self.endpoints) == bool(self.kube_service):
             raise ValueError("give exactly one of --endpoints and --kube-service")
+        if self.prefill_endpoints and self.prefill_kube_service:
+            raise ValueError("give at most one of --prefill-endpoints and --prefill-kube-service")
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether requests run as prefill + decode legs (a prefill pool is given)."""
+        return bool(self.prefill_endpoints or self.prefill_kube_service)
 
 
 _HELP = {
     "endpoints": "comma-separated replica base URLs (static endpoints)",
     "kube_service": "Service whose EndpointSlices list the replicas (ready addresses only)",
+    "prefill_endpoints": "prefill/decode disaggregation: comma-separated prefill replica base URLs (the replicas "
+                         "of --endpoints / --kube-service are then the decode pool)",
+    "prefill_kube_service": "prefill/decode disaggregation: Service whose EndpointSlices list the prefill replicas",
+    "prefill_timeout": "seconds one prefill leg may take on one prefill replica before another is tried",
+    "prefill_min_prompt_chars": "prompts shorter than this many characters skip the prefill leg (the decode replica "
+                                "computes them; default 0: every prompt)",
     "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
     "routing_algorithm": describe(),
@@ -128,8 +150,9 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
             values[name] = given[name]
         elif value is not None:
             values[name] = value
-    if isinstance(values.get("endpoints"), str):
-        values["endpoints"] = [u.strip() for u in str(values["endpoints"]).split(",") if u.strip()]
+    for name in ("endpoints", "prefill_endpoints"):
+        if isinstance(values.get(name), str):
+            values[name] = [u.strip() for u in str(values[name]).split(",") if u.strip()]
     try:
         return RouterSettings(**values)
     except ValueError as exc:

@@ -138,6 +138,7 @@ class ModelRunner:
         refuses requests that ask for them)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.kv_connector = None  # the KV connector's worker side (kv_transfer/connector.py; the engine sets it)
         self.compiled: CompiledForward | None = None
         self.cpu_decode: CpuDecodePath | None = None
         """The fused CPU decode path (:mod:`kvfleet.runtime.worker.cpu_decode`), built by
@@ -433,6 +434,8 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        if self.kv_connector is not None:  # KV loaded instead of computed (a decode leg's prompt)
+            self.kv_connector.start_load_kv()
         if self.speculator is not None and runner_input.finished_request_ids:
             done = {rid: st.prompt_token_ids + st.output_token_ids for rid in runner_input.finished_request_ids
                     if (st := self.states.requests.get(rid)) is not None}

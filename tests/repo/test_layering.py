@@ -216,8 +216,6 @@ def test_no_import_cycles_lazy_ones_included(prefix):
 # The code folders have none since issue 26; the check covers tests/, benchmarks/, scripts/ and the
 # C sources too since issue 44.
 OVER_500_LINES_ALLOWED: dict[str, tuple[int, str]] = {
-    "kernels/cpu_gemv.h": (653, "the perf helper's (issues 40/41), who may split it in the same session"),
-    "kernels/cpu_attention.h": (531, "the perf helper's (issues 40/41), who may split it in the same session"),
     "tests/unit/runtime/entrypoints/openai/test_api_server.py": (
         714, "the routes over one module-scoped TestClient and engine; the pd and ci branches add to it in "
              "the same session, so it is split after they merge, not under them"),

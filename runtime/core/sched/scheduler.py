@@ -87,6 +87,8 @@ class Scheduler:
         self._stats = SchedulerStats()
         self.max_loras: int | None = config.max_loras if config.enable_lora else None
         """Most distinct LoRA adapters among the running requests (None: LoRA off)."""
+        self.kv_connector = None
+        """The KV connector's scheduler side (:mod:`kvfleet.runtime.kv_transfer.connector`; the engine sets it)."""
 
     # -- requests in and out ------------------------------------------------------
     @property
@@ -144,6 +146,8 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.kv_connector is not None:  # a prefill leg's blocks may be held for the decode replica
+            self.kv_connector.request_finished(request, self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
@@ -234,17 +238,22 @@ class Scheduler:
                     break
                 continue
             hit_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
+            # tokens the KV connector loads instead of computing (a decode leg's prompt)
+            external = self.kv_connector.get_num_new_matched_tokens(request, num_cached) if self.kv_connector else 0
+            num_new = request.num_tokens - num_cached - external
             if num_new > step.tokens:
                 if not self.chunked_prefill:
                     break
                 num_new = step.tokens
             if not self._fits(step, request, hit_blocks) or \
-                    self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                    self.kv_cache_manager.allocate_slots(request, external + num_new, hit_blocks) is None:
                 if self._preempt_for_priority(request, step):
                     continue
                 break
-            self._start(step, request, num_cached, num_new)
+            if external:
+                self.kv_connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), external)
+            self._start(step, request, num_cached, num_new, external)
             if loras is not None and request.lora_int_id:
                 loras.add(request.lora_int_id)
 
@@ -259,8 +268,9 @@ class Scheduler:
         need = self._num_lookahead_blocks(request, hit_blocks)
         return self.kv_cache_manager.num_free_blocks - step.reserved_blocks - need >= self.watermark_blocks
 
-    def _start(self, step: StepBudget, request: Request, num_cached: int, num_new: int) -> None:
-        """Move the admitted ``request`` from waiting to running and schedule its first tokens."""
+    def _start(self, step: StepBudget, request: Request, num_cached: int, num_new: int, external: int = 0) -> None:
+        """Move the admitted ``request`` from waiting to running and schedule its first tokens
+        (after its ``num_cached`` prefix-cache hits and the ``external`` tokens the KV connector loads)."""
         self.waiting.take(request)
         if request.num_cached_tokens < 0:
             # Prefix-cache counters: once per request, at its first successful schedule.
@@ -268,11 +278,11 @@ class Scheduler:
             self._stats.prefix_cache_queries += request.num_prompt_tokens
             self._stats.prefix_cache_hits += min(num_cached, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_cached
+        start = request.num_computed_tokens = num_cached + external
         self.running.append(request)
         if step.reserved_blocks is not None:
             step.reserved_blocks += self._num_lookahead_blocks(request)
-        step.schedule(ScheduledRequest(request, num_cached, request.token_ids_slice(num_cached, num_cached + num_new)))
+        step.schedule(ScheduledRequest(request, start, request.token_ids_slice(start, start + num_new)))
 
     def _step_output(self, step: StepBudget) -> SchedulerOutput:
         """The step's output: block tables, num_computed_tokens advanced, prefill / decode

@@ -6,12 +6,16 @@
 - :mod:`.prefix_hash`, :mod:`.precise_prefix_cache`, :mod:`.least_load`, :mod:`.round_robin`:
   one class each.
 
-:data:`ALGORITHMS` maps each name to its class; :func:`create` builds one. A new algorithm is
-one module, one enum member and one row here (plus its test and its line in docs/routing.md).
-Pure and stdlib-only: the operator imports this package for the CRD's enum.
+:data:`ALGORITHMS` maps each name to its class, found by the naming rule (``least-load`` is the
+class of :mod:`.least_load` whose ``name`` is ``Algorithm.LEAST_LOAD``); :func:`create` builds
+one. A new algorithm is its module and its enum member (plus its test, its row in
+docs/routing.md and the regenerated CRD files). Pure and stdlib-only: the operator imports this
+package for the CRD's enum.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from kvfleet.runtime.router.routing.base import (
     DEFAULT,
@@ -31,10 +35,22 @@ from kvfleet.runtime.router.routing.precise_prefix_cache import PrecisePrefixCac
 from kvfleet.runtime.router.routing.prefix_hash import HashRing, PrefixHash
 from kvfleet.runtime.router.routing.round_robin import RoundRobin
 
-ALGORITHMS: dict[Algorithm, type[RoutingAlgorithm]] = {
-    cls.name: cls for cls in (PrefixHash, PrecisePrefixCache, LeastLoad, RoundRobin)
-}
-"""Every algorithm's class by its name (one row per :class:`Algorithm` member)."""
+
+def _classes() -> dict[Algorithm, type[RoutingAlgorithm]]:
+    """Each member's class: the class of module ``<name with _ for ->`` whose ``name`` is it."""
+    out = {}
+    for algorithm in Algorithm:
+        module = importlib.import_module(f"{__name__}.{algorithm.value.replace('-', '_')}")
+        found = [c for c in vars(module).values() if isinstance(c, type) and getattr(c, "name", None) is algorithm]
+        if len(found) != 1:
+            raise ImportError(f"{module.__name__} must define one class named {algorithm!r}, found {found}")
+        out[algorithm] = found[0]
+    return out
+
+
+ALGORITHMS: dict[Algorithm, type[RoutingAlgorithm]] = _classes()
+"""Every algorithm's class by its name, found by the module naming rule (``precise-prefix-cache`` ->
+:mod:`.precise_prefix_cache`)."""
 
 NAMES: tuple[str, ...] = tuple(a.value for a in Algorithm)
 """The names as plain strings, in the enum's order (CLI choices, the CRD's enum)."""

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from kvfleet.operator import crd_schema, service_spec, spec_enums, spec_view
+from kvfleet.operator import builders, crd_schema, spec_enums, spec_view
 
 ISVC = {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "chat", "namespace": "llm", "uid": "u-1"},
@@ -104,7 +104,7 @@ def test_read_only_and_built_from_a_copy():
 def test_the_dict_form_is_the_same_spec():
     isvc = copy.deepcopy(ISVC)
     isvc["spec"]["autoscaling"] = {"mode": "operator", "maxReplicas": 3}
-    d = service_spec.effective_spec(isvc)
+    d = spec_view.effective_dict(isvc)
     view = spec_view.of(isvc)
     assert d["autoscaling"]["scaleDown"]["stabilizationWindowSeconds"] == view.autoscaling.scale_down.stabilization_window_seconds
     assert d["autoscaling"]["maxReplicas"] == view.autoscaling.max_replicas == 3
@@ -118,6 +118,12 @@ def test_a_new_schema_field_is_in_the_view_with_its_default():
     view = spec_view.section(schema, {"replicas": 3})
     assert (view.warmup_seconds, view.replicas, view.algorithm) == (7, 3, "precise-prefix-cache")
     assert spec_view.section(crd_schema.ROUTER, None).enabled is True
+    # a spec section given alone gets the objects of()'s view always has, as in of()
+    auto = spec_view.section(crd_schema.AUTOSCALING, {"mode": "operator"})
+    assert auto == spec_view.of({"spec": {"autoscaling": {"mode": "operator"}}}).autoscaling
+    assert auto.scale_down.stabilization_window_seconds == 300
+    tier = crd_schema.KV_CACHE["properties"]["tiers"]["items"]
+    assert spec_view.section(tier, {"type": "disk", "size": "1Gi"}).size == "1Gi"
 
 
 def test_the_schema_enums_are_the_declared_constants():
@@ -136,3 +142,18 @@ def test_the_schema_enums_are_the_declared_constants():
     tiers = crd_schema.KV_CACHE["properties"]["tiers"]["items"]["properties"]["type"]
     assert tiers["enum"] == spec_enums.values(spec_enums.KVTierType)
     assert spec_enums.AutoscalingMode.HPA == "hpa" and f"{spec_enums.AutoscalingMode.HPA}" == "hpa"
+
+
+def test_one_view_of_the_spec_per_build(monkeypatch):
+    """desired_children builds the typed view once and hands it down; given one, it builds none
+    (the reconcile passes the view it built)."""
+    isvc = copy.deepcopy(ISVC)
+    isvc["spec"].update(autoscaling={"mode": "hpa", "maxReplicas": 3},
+                        engine={"kvCache": {"tiers": [{"type": "peer"}, {"type": "disk", "size": "1Gi"}]}})
+    view = spec_view.of(isvc)
+    calls = []
+    real = spec_view.of
+    monkeypatch.setattr(spec_view, "of", lambda obj: calls.append(1) or real(obj))
+    built = builders.desired_children(isvc)
+    assert len(calls) == 1
+    assert builders.desired_children(isvc, spec=view) == built and len(calls) == 1
