@@ -185,6 +185,9 @@ TP_STARTUP_TIMEOUT = _var("TP_STARTUP_TIMEOUT", "float", 600.0,
 MULTINODE_HEARTBEAT_TIMEOUT = _var("MULTINODE_HEARTBEAT_TIMEOUT", "float", 3.0,
                                    "Seconds without a heartbeat after which a multi-node rank counts as "
                                    "lost and the replica fails (read at import).")
+PP_LAYER_PARTITION = _var("PP_LAYER_PARTITION", "str", None,
+                          "Pipeline parallelism: the layers of each stage, comma-separated (vLLM's "
+                          "VLLM_PP_LAYER_PARTITION, e.g. 3,1); unset: vLLM's get_pp_indices split.")
 LORA_FETCH_TIMEOUT = _var("LORA_FETCH_TIMEOUT", "float", 600.0,
                           "Seconds one download attempt of an hf:// LoRA adapter may take (read at import).")
 

@@ -64,13 +64,14 @@ def configure_cache(root) -> str:
 
 def compile_settings(config, device: torch.device, logits_error: str | None) -> dict | None:
     """:class:`CompiledForward` keyword arguments for this engine, or None to run eagerly:
-    ``enforce_eager``, tensor parallelism (its collectives run eagerly), or a model whose
+    ``enforce_eager``, tensor or pipeline parallelism (their collectives run eagerly), or a model whose
     logits the runner's LM head does not reproduce (``logits_error``, see
     ``ModelRunner._check_compute_logits``). Points inductor's cache into ``$KVFLEET_CACHE_DIR``."""
     if config.enforce_eager:
         return None
-    if config.tensor_parallel_size > 1:
-        logger.warning("tensor_parallel_size=%d: the model runs eagerly (enforce_eager)", config.tensor_parallel_size)
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        logger.warning("tensor_parallel_size=%d, pipeline_parallel_size=%d: the model runs eagerly (enforce_eager)",
+                       config.tensor_parallel_size, config.pipeline_parallel_size)
         return None
     if logits_error is not None:
         logger.warning("the model runs eagerly (enforce_eager): %s", logits_error)

@@ -345,6 +345,7 @@ def load_model(
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     batch_invariant: bool = True,
+    pipeline_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
 
@@ -357,7 +358,8 @@ def load_model(
         cache_root: override of the cache folder (default :func:`cache_dir`).
         tensor_parallel_size: above 1, load this rank's shard with transformers' tensor-parallel
             plan (``torch.distributed`` must be initialised by
-            :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's).
+            :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's);
+            ``pipeline_parallel_size`` above 1: only this rank's stage (:mod:`~kvfleet.runtime.worker.pipeline`).
         quantization: ``int8`` / ``int4``: quantize the decoder's linear layers after loading
             (:func:`kvfleet.runtime.worker.quantization.quantize_model`); None: as loaded.
         batch_invariant: the CPU plan keeps prefill in float32 (``EngineConfig.batch_invariant``,
@@ -421,12 +423,10 @@ def load_model(
     check_quantization(quantization, dev, torch_dtype, tensor_parallel_size)
     attn_implementation = _initial_attn_implementation(hf_config)
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation)
-    if tensor_parallel_size > 1:  # kvfleet.runtime.worker.executor: each rank loads its shard on its device
-        from transformers.distributed import DistributedConfig
-
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
+    from kvfleet.runtime.worker.pipeline import distributed_kwargs
+    kwargs.update(distributed_kwargs(tensor_parallel_size, pipeline_parallel_size))  # this rank's shard, stage
     hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if tensor_parallel_size == 1:
+    if "distributed_config" not in kwargs:
         hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)

@@ -78,6 +78,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self.in_flight: set[str] = set()
+        """Requests of the engine's micro-batches in flight (pipeline parallelism): never scheduled
+        again nor preempted until their step's tokens are back; their finished ids reach the
+        runner only after that (its state of them is read when their step samples)."""
         self._feed = RunnerFeed()
         """What the model runner holds (the runner's plain view of each step, see ``output``)."""
         self._stats = SchedulerStats()
@@ -150,8 +154,9 @@ class Scheduler:
         self._feed.drop(request.request_id)
 
     # -- the step -------------------------------------------------------------------
-    def _victim(self) -> Request:
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+    def _victim(self) -> Request | None:
+        idle = [r for r in self.running if r.request_id not in self.in_flight]
+        return max(idle, key=lambda r: (r.priority, r.arrival_time)) if idle else None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -187,8 +192,8 @@ class Scheduler:
         for request in list(self.running):
             if step.tokens <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.request_id in self.in_flight:
+                continue  # preempted earlier in this loop, or in a micro-batch in flight
             num_new = min(request.num_tokens - request.num_computed_tokens, step.tokens)
             if num_new <= 0:
                 continue
@@ -286,9 +291,9 @@ class Scheduler:
             scheduled=list(step.scheduled.values()),
             total_num_scheduled_tokens=step.used(self.max_num_batched_tokens),
             preempted_request_ids=step.preempted,
-            finished_request_ids=self._finished_ids,
+            finished_request_ids=self._finished_ids - self.in_flight,
         )
-        self._finished_ids = set()
+        self._finished_ids &= self.in_flight  # aborted in flight: the runner still samples them
         for sr in out.scheduled:
             request = sr.request
             sr.block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -384,7 +389,7 @@ class Scheduler:
         if self.policy != "priority" or not self.running:
             return False
         victim = self._victim()
-        if victim.priority <= request.priority:
+        if victim is None or victim.priority <= request.priority:
             return False
         self._unschedule(step, victim)
         return True

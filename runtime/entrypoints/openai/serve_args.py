@@ -138,8 +138,10 @@ _HELP = {
                        "quantized/bf16 weights on AVX512-BF16 / AMX CPUs, faster, batch-dependent rounding)",
     "scheduling_policy": "order of admission: fcfs, priority (request field), fair (per tenant = user field)",
     "enable_chunked_prefill": "split long prompts over several steps",
-    "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism (over --nnodes nodes)",
-    "nnodes": "nodes the tensor-parallel ranks run on (tensor_parallel_size / nnodes each)",
+    "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism (-tp; over --nnodes nodes)",
+    "pipeline_parallel_size": "stages the layers are split into (-pp; each of tensor_parallel_size ranks; layers as "
+                              "vLLM's get_pp_indices, $KVFLEET_PP_LAYER_PARTITION overrides)",
+    "nnodes": "nodes the ranks run on (tensor_parallel_size * pipeline_parallel_size / nnodes each)",
     "node_rank": "this node's index (0: the leader, serves HTTP; others run --headless)",
     "master_addr": "address of node 0, where the ranks meet (with --nnodes > 1)",
     "master_port": "port of node 0's rendezvous store (with --nnodes > 1)",
@@ -224,19 +226,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="PATH", help=f"YAML or JSON file of options (env {ENV_PREFIX}CONFIG)")
     for name in option_names():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *_SHORT_FLAGS.get(name, ())]
         help_ = f"{_HELP.get(name, name)} (env {env_var(name)})"
         if _is_bool(name):
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "lora_modules":  # vLLM's repeatable, multi-valued option
-            parser.add_argument(flag, dest=name, nargs="+", action="extend", metavar="NAME=PATH", help=help_)
+            parser.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="NAME=PATH", help=help_)
         else:
             choices = _choices(name)
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-            parser.add_argument(flag, dest=name, metavar=metavar, choices=choices, help=help_)
+            parser.add_argument(*flags, dest=name, metavar=metavar, choices=choices, help=help_)
     return parser
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+"""vLLM's short spellings of options."""
 _SIZE_OPTIONS = ("kv_cache_memory", "max_request_body_size")
 """Options that accept a size with a unit (:func:`parse_size`)."""
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -359,15 +363,15 @@ def resolve(
 
 def _fleet_defaults(values: dict[str, Any]) -> None:
     """KV events and peer KV pull when no source sets them (issue 42; docs/server.md): a replica
-    is a member of its fleet with no flag. Peer pull is left off with ``tensor_parallel_size`` > 1
-    (each rank caches a share of the heads)."""
+    is a member of its fleet with no flag. Peer pull is left off with ``tensor_parallel_size`` or
+    ``pipeline_parallel_size`` > 1 (each rank caches a share of the heads or of the layers)."""
     values.setdefault("kv_events_config", dict(DEFAULT_KV_EVENTS_CONFIG))
     if "kv_transfer_config" not in values:
         try:
-            tp = int(values.get("tensor_parallel_size", 1) or 1)
+            ranks = int(values.get("tensor_parallel_size", 1) or 1) * int(values.get("pipeline_parallel_size", 1) or 1)
         except (TypeError, ValueError):
             return  # the bad value's own error says what is wrong
-        if tp == 1:
+        if ranks == 1:
             values["kv_transfer_config"] = dict(DEFAULT_KV_TRANSFER_CONFIG)
 
 
