@@ -227,3 +227,10 @@ def test_the_multi_node_example_is_admitted_and_renders_valid_groups():
     assert group["size"] == 2
     for key in ("leaderTemplate", "workerTemplate"):
         assert group[key]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_this_runtime_takes_a_pipeline_split_end_to_end():
+    """With the runtime's own keys (EngineConfig has pipeline_parallel_size since pipeline
+    parallelism landed), a pipeline split reaches the config file instead of the refusal."""
+    config = builders.engine_config(isvc(parallelism={"tensor": 2, "pipeline": 2, "nodes": 2}))
+    assert config["pipeline_parallel_size"] == 2 and config["tensor_parallel_size"] == 2
