@@ -1,6 +1,7 @@
 """`kvfleet serve --model BAD.gguf`: a file with the wrong magic, a truncated one, one with an unknown
 tensor type and one of an architecture nobody maps each end the server with exit status 1 and one
-ERROR line that names the file and the reason (no traceback)."""
+ERROR line that names the file and the reason (no traceback); so does a hub id that cannot be
+fetched."""
 
 from __future__ import annotations
 
@@ -55,4 +56,14 @@ def test_a_bad_gguf_file_is_one_error_line_and_exit_1(case, tmp_path):
     errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1, done.stderr[-3000:]
     assert str(path) in errors[0] and reason in errors[0], errors[0]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_error_line_and_exit_1(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run([sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--model", "some-org/not-a-model",
+                           "--port", "0", "--host", "127.0.0.1"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "some-org/not-a-model" in errors[0] and "OSError" in errors[0], done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -169,10 +169,12 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         state.load_error = exc
         # The reason on the ERROR line itself (a bad option such as a tensor_parallel_size that
         # does not divide the heads is a ValueError), the traceback after it -- except for a model
-        # file that cannot be read (a missing path, or an error marked ``bad_input`` such as a bad
-        # GGUF file's): that one line is the whole story.
-        bad_input = isinstance(exc, FileNotFoundError) or getattr(exc, "bad_input", False)
-        logger.error("the engine failed to start: %s: %s", type(exc).__name__, exc, exc_info=not bad_input)
+        # file that cannot be read (a missing path, a hub id that cannot be fetched: OSError, or an
+        # error marked ``bad_input`` such as a bad GGUF file's): that one line is the whole story.
+        bad_input = isinstance(exc, OSError) or getattr(exc, "bad_input", False)
+        model = state.config.model or state.model_name
+        named = f" ({model})" if bad_input and str(model) not in str(exc) else ""
+        logger.error("the engine failed to start%s: %s: %s", named, type(exc).__name__, exc, exc_info=not bad_input)
         lifecycle.report_fatal(state, exc)
 
 
