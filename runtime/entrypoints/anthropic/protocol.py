@@ -161,6 +161,20 @@ class MessagesRequest(_Strict):
         return out
 
 
+class CountTokensRequest(_Strict):
+    """``POST /v1/messages/count_tokens``: the prompt part of a Messages request (no sampling)."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def to_chat(self) -> P.ChatCompletionRequest:
+        """The chat request whose prompt the count is of (as ``/v1/messages`` renders it)."""
+        return MessagesRequest(**self.model_dump(exclude_none=True), max_tokens=1).to_chat()
+
+
 def stop_reason(finish_reason: str | None, chat_stop_reason: Any) -> tuple[str | None, str | None]:
     """Anthropic's ``(stop_reason, stop_sequence)`` from a chat choice's ``finish_reason`` and
     ``stop_reason`` (the matched stop string, or an end-of-sequence token id)."""

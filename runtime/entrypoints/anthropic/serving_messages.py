@@ -15,6 +15,9 @@ the response model, or the stream's chunk models) is translated back:
   an engine failure mid-stream is an ``error`` event;
 * errors: Anthropic's ``{"type": "error", "error": {"type", "message"}}`` with the status.
 
+``POST /v1/messages/count_tokens`` (:func:`count_tokens`): ``{"input_tokens": N}``, the prompt the
+same request would have on ``/v1/messages`` (system, messages and tools through the chat template).
+
 Authentication: ``x-api-key`` (Anthropic's header) or ``Authorization: Bearer``.
 """
 
@@ -29,7 +32,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvfleet.runtime.entrypoints.anthropic.protocol import MessagesRequest, error_body, stop_reason, tool_use_id
+from kvfleet.runtime.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    error_body,
+    stop_reason,
+    tool_use_id,
+)
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, checked
 from kvfleet.runtime.entrypoints.openai.request_body import parse_body
@@ -60,6 +69,21 @@ async def create_message(request: Request, chat: OpenAIServingChat) -> Response:
     if isinstance(result, ChunkStream):
         return streaming_events(_events(result, msg_id, body.model))
     return JSONResponse(_message(result, msg_id, body.model))
+
+
+async def count_tokens(request: Request, chat: OpenAIServingChat) -> Response:
+    """``/v1/messages/count_tokens``'s body: the prompt's token count, errors in Anthropic's shape."""
+    try:
+        settings = chat.state.settings
+        _check_key(request, settings.api_key)
+        body = await parse_body(request, CountTokensRequest, settings.max_request_body_size)
+        chat.state.check_model(body.model)
+        chat_body = checked(body.to_chat)
+        ids = await chat.prompt_ids(chat.state.require_engine(), chat_body, chat_body.tools)
+    except APIError as exc:
+        return JSONResponse(error_body(exc.status, exc.body.error.message), status_code=exc.status,
+                            headers=exc.headers)
+    return JSONResponse({"input_tokens": len(ids)})
 
 
 def _message(chat: P.ChatCompletionResponse, msg_id: str, model: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.engine.protocol import EngineClient
 from kvfleet.runtime.entrypoints.anthropic.protocol import openapi_request_body as messages_request_body
-from kvfleet.runtime.entrypoints.anthropic.serving_messages import create_message
+from kvfleet.runtime.entrypoints.anthropic.serving_messages import count_tokens, create_message
 from kvfleet.runtime.entrypoints.openai import lifecycle
 from kvfleet.runtime.entrypoints.openai import protocol as P
 from kvfleet.runtime.entrypoints.openai.errors import APIError, add_exception_handlers
@@ -311,6 +311,11 @@ async def chat_completions(request: Request):
 @router.post("/v1/messages", openapi_extra={"requestBody": messages_request_body()})  # Anthropic's; own errors
 async def messages(request: Request):
     return await create_message(request, request.app.state.serving_chat)
+
+
+@router.post("/v1/messages/count_tokens")  # Anthropic's; own errors
+async def messages_count_tokens(request: Request):
+    return await count_tokens(request, request.app.state.serving_chat)
 
 
 @router.post("/tokenize", dependencies=_AUTH)

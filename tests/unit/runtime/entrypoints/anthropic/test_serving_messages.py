@@ -1,7 +1,7 @@
 """``POST /v1/messages`` on the real engine, in process, with the official ``anthropic`` SDK:
 ``usage.input_tokens`` is the prompt's token count in a message and in a stream (from
 ``message_start`` on, before the first chunk), the stream adds up to the message, and an engine
-failure mid-stream is Anthropic's ``error`` event."""
+failure mid-stream is Anthropic's ``error`` event; ``messages.count_tokens`` gives the same count."""
 
 from __future__ import annotations
 
@@ -54,6 +54,20 @@ def test_input_tokens_in_message_and_stream(claude, smollm2):
     assert delta.usage.input_tokens == expected and delta.usage.output_tokens == whole.usage.output_tokens
     assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
     assert final.usage.input_tokens == expected
+
+
+def test_count_tokens_is_the_input_tokens_of_the_same_request(claude, smollm2):
+    tools = [{"name": "get_weather", "description": "The weather in a city.",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    ask = {k: v for k, v in ASK.items() if k != "max_tokens"}
+    counted = claude.messages.count_tokens(**ask)
+    assert counted.input_tokens == prompt_tokens(smollm2.tokenizer, ASK)
+    with_tools = claude.messages.count_tokens(**ask, tools=tools)
+    assert with_tools.input_tokens == claude.messages.create(**ASK, tools=tools, extra_body=GREEDY).usage.input_tokens
+    assert with_tools.input_tokens > counted.input_tokens
+    with pytest.raises(anthropic.NotFoundError) as e:  # an unknown model: Anthropic's error shape
+        claude.messages.count_tokens(**{**ask, "model": "no-such-model"})
+    assert e.value.body["error"]["type"] == "not_found_error"
 
 
 def test_engine_failure_mid_stream_is_an_error_event(app, monkeypatch):
