@@ -130,7 +130,8 @@ class LLMEngine:
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
         kv_events = config.kv_events_config
-        self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size)
+        self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size, getattr(
+                                       config.kv_transfer_config, "fleet_secret_file", None))
                                    if kv_events is not None and kv_events.enable_kv_cache_events else None)
         self.kv_event_sinks = [s for s in (self.kv_event_publisher, disk_writer(self)) if s is not None]
         """Each step's KV events go to these: the ZMQ publisher (None: events off), the disk tier's writer."""

@@ -20,6 +20,9 @@ Names use the runtime's ``kvfleet:`` prefix and prometheus-client's suffixes:
 - ``kvfleet:router_upstream_latency_seconds{endpoint}``: histogram, request sent until the
   replica's response headers (for a stream: its first byte).
 - ``kvfleet:router_endpoints{state}``: endpoints ``available``, ``ejected``, ``not_ready``.
+- ``kvfleet:router_kv_events_refused_total{reason}``: KV event publishers refused
+  (:mod:`kvfleet.runtime.kv_events.auth`): ``not_fleet`` (the fleet's CURVE handshake failed: a
+  plaintext publisher or another key; one per attempt), ``malformed`` (a message that is no batch).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class RouterMetrics:
                                        "on the replica a stream migrated to.", registry=r)
         self.kv_peer_hints = Counter(PREFIX + "router_kv_peer_hints", "Requests sent with an x-kvfleet-kv-peer hint "
                                      "(--kv-peer-hint: another replica caches a longer prefix).", registry=r)
+        self.kv_events_refused = Counter(PREFIX + "router_kv_events_refused", "KV event publishers refused: "
+                                         "not_fleet (per handshake), malformed (per message).",
+                                         ["reason"], registry=r)
         for decision in ("hit", "spill", "fallback"):
             self.decisions.labels(decision)
 
