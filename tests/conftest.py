@@ -115,6 +115,14 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def kernels_build_root(tmp_path_factory):
+    """One build root for the CPU kernels' library variants (``<root>/kernels/<name>.so``) for
+    the session: tests/unit/kernels/test_cpu_lib.py compiles every variant into it and the image
+    test's prebuild (tests/repo/test_images.py) finds them there, so each compiles once, not twice."""
+    return tmp_path_factory.mktemp("kernels-build")
+
+
 # --- CPU kinds (tests/e2e/test_cpu_kinds.py) -------------------------------------------
 # The modules whose expectations depend on the kernels the CPU's ISA level selects (the fused
 # decoder's matmul kind, the library variant). tests/e2e/test_cpu_kinds.py runs them again in a

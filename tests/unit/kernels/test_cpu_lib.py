@@ -36,9 +36,9 @@ def test_no_variant_below_the_floor():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """One build folder for the module: each variant compiles once."""
-    return tmp_path_factory.mktemp("cpu-lib")
+def cache(kernels_build_root) -> Path:
+    """One build folder for the session (tests/conftest.py): each variant compiles once."""
+    return kernels_build_root
 
 
 @pytest.mark.skipif(not (HAS_CC and X86), reason="needs a C compiler on x86-64")
