@@ -190,8 +190,13 @@ def test_images_build_and_start(tmp_path):
     if reason:
         pytest.skip(reason)
     report_file = tmp_path / "report.json"
+    env = dict(os.environ)
+    if "kvfleet-test-config-" in env.get("XDG_CONFIG_HOME", ""):
+        # tests/conftest.py's folder for the suite's fleet secret: the build must see the user's own
+        # configuration (pip's user config file names the package indexes it reads)
+        del env["XDG_CONFIG_HOME"]
     proc = subprocess.run([sys.executable, str(SCRIPT), "--ci", "--work", str(tmp_path / "work"), "--report",
-                           str(report_file)], capture_output=True, text=True, timeout=3600)
+                           str(report_file)], capture_output=True, text=True, timeout=3600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(report_file.read_text())
     rt, op = report["runtime"], report["operator"]
