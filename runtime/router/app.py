@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
@@ -23,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvfleet.runtime.http.auth import key_matches
+from kvfleet.runtime.http.errors import error_response
 from kvfleet.runtime.kv_events.auth import events_keys
 from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
 from kvfleet.runtime.router.endpoints import EndpointPool
@@ -33,7 +34,8 @@ from kvfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.precise import PreciseForwarder, PrecisePicker
 from kvfleet.runtime.router.probe import Prober
-from kvfleet.runtime.router.proxy import Forwarder, error_response
+from kvfleet.runtime.router.proxy import Forwarder
+from kvfleet.runtime.router.routing import reads_kv_events
 from kvfleet.runtime.router.settings import RouterSettings, parse_args
 from kvfleet.runtime.router.shutdown import Drain, DrainingServer, DrainMiddleware
 
@@ -55,11 +57,12 @@ class RouterState:
         picker_kw = {"load_factor": settings.load_factor, "virtual_nodes": settings.virtual_nodes,
                      "min_capacity": settings.min_capacity}
         self.kv_index: KVIndex | None = None
-        """The replicas' cached blocks (``precise-prefix-cache`` or ``--kv-peer-hint``)."""
-        if settings.routing_algorithm == "precise-prefix-cache" or settings.kv_peer_hint:
+        """The replicas' cached blocks (an algorithm that reads KV events, or ``--kv-peer-hint``)."""
+        on_events = reads_kv_events(settings.routing_algorithm)
+        if on_events or settings.kv_peer_hint:
             self.kv_index = KVIndex()
-        if settings.routing_algorithm == "precise-prefix-cache":
-            self.picker: Picker = PrecisePicker(self.kv_index, **picker_kw)
+        if on_events:
+            self.picker: Picker = PrecisePicker(self.kv_index, settings.routing_algorithm, **picker_kw)
         else:
             self.picker = Picker(settings.routing_algorithm, **picker_kw)
         self.metrics = RouterMetrics()
@@ -124,8 +127,7 @@ def create_app(settings: RouterSettings) -> Starlette:
 
     async def proxy(request: Request) -> Response:
         if settings.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
+            if not key_matches(request.headers, settings.api_key):
                 state.metrics.requests.labels("", "unauthorized").inc()
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       "invalid_request_error", "invalid_api_key")

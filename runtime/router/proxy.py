@@ -36,6 +36,7 @@ import httpx
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvfleet.runtime.http.errors import error_response
 from kvfleet.runtime.router.endpoints import Endpoint, EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueClosed, QueueFull
 from kvfleet.runtime.router.metrics import RouterMetrics
@@ -67,13 +68,6 @@ KV_PEER_HEADER = b"x-kvfleet-kv-peer"
 """The router's pull hint to a replica (docs/routing.md, "Peer KV pull"); never taken from a client."""
 KV_PEER_SIGNATURE_HEADER = b"x-kvfleet-kv-peer-signature"
 """The router's signature of its hint (:mod:`kvfleet.runtime.kv_transfer.fleet_auth`); never a client's."""
-
-
-def error_response(status: int, message: str, type_: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def shutting_down_response() -> JSONResponse:

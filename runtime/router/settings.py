@@ -11,15 +11,15 @@ and mid-stream migration; flags only turn things off (``--routing-algorithm pref
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvfleet.runtime.router.picker import ALGORITHMS
+from kvfleet.runtime import env
 from kvfleet.runtime.router.prefix_key import DEFAULT_PREFIX_CHARS
+from kvfleet.runtime.router.routing import DEFAULT, NAMES, Algorithm, describe
 
-ENV_PREFIX = "KVFLEET_ROUTER_"
+ENV_PREFIX = env.ROUTER_OPTION.prefix
 
 
 class RouterSettings(BaseModel):
@@ -37,8 +37,7 @@ class RouterSettings(BaseModel):
     """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
     kube_port: str = "http"
     """Port of the EndpointSlices to use: its name, or its number."""
-    routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = (
-        "precise-prefix-cache")
+    routing_algorithm: Algorithm = DEFAULT
     """Default: the replicas' KV events where they publish them, else the char-prefix CHWBL ring."""
     kv_events_topic: str = ""
     """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
@@ -81,9 +80,7 @@ _HELP = {
     "kube_service": "Service whose EndpointSlices list the replicas (ready addresses only)",
     "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
-    "routing_algorithm": "precise-prefix-cache (default: the replicas' KV events, longest cached prefix within "
-                         "CHWBL's bound; replicas without events: as prefix-hash), prefix-hash (CHWBL prefix affinity "
-                         "on the prompt's characters + load), least-load, or round-robin",
+    "routing_algorithm": describe(),
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
     "kv_events_auth": "fleet (default: read KV events only from replicas holding the fleet secret, over ZMQ CURVE) "
                       "or none (replicas publishing in plaintext, kv_events_config auth none)",
@@ -117,7 +114,6 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
 
     Raises: SystemExit(2) with a message on invalid options (argparse's convention).
     """
-    environ = dict(os.environ if environ is None else environ)
     parser = argparse.ArgumentParser(prog="kvfleet router", description=(
         "Route OpenAI requests over kvfleet serve replicas: prefix affinity (CHWBL) with least load, "
         "failover, and a hold queue while no replica is ready. Options also as " + ENV_PREFIX + "<NAME>."))
@@ -125,18 +121,18 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
         flag = "--" + name.replace("_", "-")
         kw = {"dest": name, "default": argparse.SUPPRESS, "help": _HELP.get(name)}
         if name == "routing_algorithm":
-            kw["choices"] = list(ALGORITHMS)
+            kw["choices"] = list(NAMES)
         if RouterSettings.model_fields[name].annotation is bool:
             kw["action"] = argparse.BooleanOptionalAction  # --kv-peer-hint / --no-kv-peer-hint
         parser.add_argument(flag, **kw)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items()}
     values: dict[str, object] = {}
     for name in RouterSettings.model_fields:
-        env = environ.get(ENV_PREFIX + name.upper())
+        value = env.ROUTER_OPTION.read(name, environ)
         if name in given:
             values[name] = given[name]
-        elif env:
-            values[name] = env
+        elif value is not None:
+            values[name] = value
     if isinstance(values.get("endpoints"), str):
         values["endpoints"] = [u.strip() for u in str(values["endpoints"]).split(",") if u.strip()]
     try:

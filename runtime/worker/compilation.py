@@ -26,12 +26,13 @@ from collections.abc import Callable
 
 import torch
 
+from kvfleet.runtime import env
 from kvfleet.runtime.worker.attention import OP_KWARG, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-BACKEND_ENV = "KVFLEET_COMPILE_BACKEND"
+BACKEND_ENV = env.COMPILE_BACKEND.name
 """``torch.compile`` backend (default ``inductor``); ``eager`` traces with dynamo only (the custom
 op and graph capture without inductor's minutes of codegen: smoke checks)."""
 MIN_DYNAMIC_TOKENS = 2
@@ -107,7 +108,7 @@ class CompiledForward:
                  compile_sizes=()) -> None:
         self.decoder = decoder
         self.device = device
-        self.backend = os.environ.get(BACKEND_ENV, "").strip() or "inductor"
+        self.backend = env.COMPILE_BACKEND.get()
         self.compile_sizes = sorted(set(int(s) for s in compile_sizes))
         self.dynamic_min = max([MIN_DYNAMIC_TOKENS - 1, *self.compile_sizes]) + 1
         """The dynamic graph's smallest token count (its guard): every static graph's guard

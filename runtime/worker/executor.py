@@ -35,12 +35,13 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from kvfleet.runtime import env
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.worker import multinode
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("KVFLEET_TP_STARTUP_TIMEOUT", "600"))
+STARTUP_TIMEOUT_S = env.TP_STARTUP_TIMEOUT.get()
 """Seconds the driver waits for its workers to reach the rendezvous (spawn + imports)."""
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Timeout of the process groups' collectives (covers model loading; a dead peer is
@@ -158,7 +159,7 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_h
     the local KV cache, then run the driver's steps (their plain data) until the stop message.
     Exit status 0 after a stop, 1 on an error (its traceback is written to the rendezvous store
     under ``kvfleet/error/<rank>``), 3 when its parent or (multi-node) node 0 is gone."""
-    torch.set_num_threads(int(os.environ.get("KVFLEET_TP_WORKER_THREADS", "1")))
+    torch.set_num_threads(env.TP_WORKER_THREADS.get())
     # Ctrl+C reaches the whole process group: the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:

@@ -38,12 +38,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kvfleet.runtime import env
 from kvfleet.runtime.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("KVFLEET_MULTINODE_HEARTBEAT_TIMEOUT", "3"))
+HEARTBEAT_TIMEOUT_S = env.MULTINODE_HEARTBEAT_TIMEOUT.get()
 """Seconds without a heartbeat after which node 0 declares a rank lost."""
 CONFIG_KEY = "kvfleet/config"
 HEARTBEAT_KEY = "kvfleet/heartbeat/{rank}"
@@ -151,13 +152,13 @@ def spawn_worker(rank: int, local_rank: int, config: EngineConfig, model_path: s
     """Start worker ``rank`` (``local_rank`` on this node) as a fresh interpreter (``python -m
     kvfleet.runtime.worker.executor``), not multiprocessing's spawn: that re-imports the parent's
     __main__, which breaks unguarded scripts. It exits when ``parent_pid`` does."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=os.environ.get("KVFLEET_TP_WORKER_THREADS", "1"),
+    child_env = dict(os.environ)
+    child_env.update(
+        OMP_NUM_THREADS=str(env.TP_WORKER_THREADS.get()),
         LOCAL_RANK=str(local_rank),  # transformers binds cuda:LOCAL_RANK
         PYTHONSAFEPATH="1",  # a checkout's operator/ must not shadow the stdlib module
     )
     args = [sys.executable, "-m", "kvfleet.runtime.worker.executor", "--rank", str(rank),
             "--local-rank", str(local_rank), "--store-host", store_host, "--store-port", str(store_port),
             "--parent-pid", str(parent_pid), "--model-path", model_path, "--config", config.model_dump_json()]
-    return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(args, env=child_env, stdin=subprocess.DEVNULL)

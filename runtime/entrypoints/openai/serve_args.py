@@ -32,10 +32,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvfleet.runtime import env
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.pooler_config import PoolerConfig
 
-ENV_PREFIX = "KVFLEET_"
+ENV_PREFIX = env.SERVE_OPTION.prefix
 
 DEFAULT_DRAIN_HANDOFF_GRACE = 2.0
 """Seconds a SIGTERM drain lets router streams run before handing them off (issue 42). Measured
@@ -180,7 +181,7 @@ _HELP = {
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 
-ENV_ALIASES = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+ENV_ALIASES = env.SERVE_OPTION.aliases
 """vLLM's environment variables read when kvfleet's own is unset."""
 
 
@@ -191,7 +192,7 @@ def option_names() -> list[str]:
 
 def env_var(name: str) -> str:
     """Environment variable of an option: ``block_size`` -> ``KVFLEET_BLOCK_SIZE``."""
-    return ENV_PREFIX + name.upper()
+    return env.SERVE_OPTION.name(name)
 
 
 def _is_bool(name: str) -> bool:
@@ -306,7 +307,7 @@ class ServeArgsError(ValueError):
 
 
 def resolve(
-    cli: Mapping[str, Any], environ: Mapping[str, str], file_values: Mapping[str, Any]
+    cli: Mapping[str, Any], environ: Mapping[str, str] | None, file_values: Mapping[str, Any]
 ) -> ServeArgs:
     """Merge the three sources (CLI > env > file) and validate.
 
@@ -318,10 +319,8 @@ def resolve(
     for name in option_names():
         if name in cli:
             values[name], sources[name] = cli[name], "cli"
-        elif environ.get(env_var(name), "").strip() != "":
-            values[name], sources[name] = environ[env_var(name)].strip(), "env"
-        elif name in ENV_ALIASES and environ.get(ENV_ALIASES[name], "").strip() != "":
-            values[name], sources[name] = environ[ENV_ALIASES[name]].strip(), "env"
+        elif (value := env.SERVE_OPTION.read(name, environ)) is not None:
+            values[name], sources[name] = value, "env"
         elif name in file_values:
             values[name], sources[name] = file_values[name], "file"
     for name in _SIZE_OPTIONS:
@@ -379,10 +378,9 @@ def parse_serve_args(argv: list[str] | None = None, environ: Mapping[str, str] |
         SystemExit: on ``--help`` (status 0) or a usage error (status 2, message on stderr),
             including invalid values from the environment or the config file.
     """
-    environ = os.environ if environ is None else environ
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    config_path = ns.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG") or None
+    config_path = ns.pop("config", None) or env.CONFIG.raw(environ)
     try:
         file_values = load_config_file(config_path) if config_path else {}
         return resolve(ns, environ, file_values)
