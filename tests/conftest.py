@@ -115,13 +115,23 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def kernels_build_root(tmp_path_factory):
+    """One build root for the CPU kernels' library variants (``<root>/kernels/<name>.so``) for
+    the session: tests/unit/kernels/test_cpu_lib.py compiles every variant into it and the image
+    test's prebuild (tests/repo/test_images.py) finds them there, so each compiles once, not twice."""
+    return tmp_path_factory.mktemp("kernels-build")
+
+
 # --- CPU kinds (tests/e2e/test_cpu_kinds.py) -------------------------------------------
 # The modules whose expectations depend on the kernels the CPU's ISA level selects (the fused
 # decoder's matmul kind, the library variant). tests/e2e/test_cpu_kinds.py runs them again in a
 # child pytest capped to each lower CPU kind ($KVFLEET_CPU_ISA), so that a change that breaks
 # the Zen 4 path or the AVX2 floor fails here too, not only where such a CPU runs the suite.
+# Not tests/unit/kernels/test_cpu_lib.py: it names each library variant itself (compiles all four,
+# runs each one the CPU has), so under a cap it runs a subset of what the main suite ran -- two
+# reruns that protected nothing and cost the four variants' compile each.
 CPU_KIND_MODULES = (
-    "tests/unit/kernels/test_cpu_lib.py",
     "tests/unit/kernels/test_cpu_decoder.py",
     "tests/unit/runtime/worker/test_cpu_decode.py",
     "tests/unit/runtime/engine/test_determinism.py",

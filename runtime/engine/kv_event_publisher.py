@@ -7,16 +7,22 @@ with the next ``seq`` (1, 2, ...), sent on the ZMQ PUB socket (``publisher="zmq"
 ZMQ drops messages past ``hwm``, the reader sees a ``seq`` gap and re-reads the snapshot).
 :meth:`snapshot` (any thread) returns ``seq`` and the hashes cached after that batch, so the
 snapshot plus every batch with a larger ``seq`` replays to the replica's current cache.
+With ``auth: "fleet"`` (the default) the socket is a CURVE server that only the fleet's routers
+can read (:mod:`kvfleet.runtime.kv_events.auth`); with no fleet secret to be had nothing is sent
+(logged) and :attr:`bound_endpoint` is None, so routers do not subscribe.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 from kvfleet.runtime.core import kv_events as ev
 from kvfleet.runtime.kv_events import wire
 from kvfleet.runtime.kv_events.config import KVEventsConfig
+
+logger = logging.getLogger(__name__)
 
 
 def to_wire(event: ev.KVCacheEvent, token_ids: bool = True):
@@ -30,23 +36,52 @@ def to_wire(event: ev.KVCacheEvent, token_ids: bool = True):
 
 
 class KVEventPublisher:
-    """Args: config (``enable_kv_cache_events`` must be on), block_size (for the snapshot)."""
+    """Args: config (``enable_kv_cache_events`` must be on), block_size (for the snapshot),
+    fleet_secret_file (where the fleet secret is when ``$KVFLEET_FLEET_SECRET`` is unset: the
+    replica's ``kv_transfer_config.fleet_secret_file``; None: the default file).
 
-    def __init__(self, config: KVEventsConfig, block_size: int) -> None:
+    Raises:
+        ValueError: a fleet secret that is too short, or a ``fleet_secret_file`` that cannot be read."""
+
+    def __init__(self, config: KVEventsConfig, block_size: int, fleet_secret_file: str | None = None) -> None:
         self.config = config
         self.block_size = block_size
         self.seq = 0
         self._cached: set[bytes] = set()
         self._lock = threading.Lock()
-        self._ctx = self._socket = None
+        self._ctx = self._socket = self._secured = None
         if config.publisher == "zmq":
             import zmq  # only with the zmq publisher
 
+            keys = None
+            if config.auth == "fleet":
+                from kvfleet.runtime.kv_events.auth import events_keys
+                from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
+
+                fleet = load_fleet_keys(fleet_secret_file)
+                if fleet is None:
+                    logger.warning("KV events: no fleet secret, so nothing is published (routers route "
+                                   "by characters); {\"auth\": \"none\"} publishes them in plaintext")
+                    return
+                keys = events_keys(fleet)
             self._ctx = zmq.Context()
             self._socket = self._ctx.socket(zmq.PUB)
             self._socket.setsockopt(zmq.SNDHWM, config.hwm)
             self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.bind(config.endpoint)
+            if keys is not None:
+                from kvfleet.runtime.kv_events.auth import SecuredPublisher
+
+                self._secured = SecuredPublisher(self._ctx, self._socket, keys)
+            try:
+                self._socket.bind(config.endpoint)
+            except zmq.ZMQError:
+                self.close()
+                raise
+
+    @property
+    def refused_subscribers(self) -> int:
+        """Subscribers the fleet auth refused (a CURVE key that is not the fleet's reader key)."""
+        return self._secured.refused if self._secured is not None else 0
 
     @property
     def bound_endpoint(self) -> str | None:
@@ -80,13 +115,16 @@ class KVEventPublisher:
 
     def snapshot_json(self) -> dict:
         """The snapshot as ``GET /kv_events/snapshot`` answers it: ``seq``, ``block_size``, the
-        ``endpoint`` the events go out on (None with ``publisher="null"``), ``block_hashes`` (hex)."""
+        ``endpoint`` the events go out on (None with ``publisher="null"``, or with no fleet secret),
+        ``auth`` (``fleet``: CURVE with the fleet's keys; ``none``: plaintext), ``block_hashes`` (hex)."""
         snap = self.snapshot()
         return {"seq": snap.seq, "block_size": snap.block_size, "endpoint": self.bound_endpoint,
-                "block_hashes": [h.hex() for h in snap.block_hashes]}
+                "auth": self.config.auth, "block_hashes": [h.hex() for h in snap.block_hashes]}
 
     def close(self) -> None:
         if self._socket is not None:
             self._socket.close(0)
+            if self._secured is not None:
+                self._secured.stop()
             self._ctx.term()
-            self._socket = self._ctx = None
+            self._socket = self._ctx = self._secured = None

@@ -136,7 +136,8 @@ class LLMEngine:
         self.micro_batches = MicroBatches(self, config.pipeline_parallel_size)
         """Steps in flight: one, or up to ``pipeline_parallel_size`` so that the stages overlap."""
         kv_events = config.kv_events_config
-        self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size)
+        self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size, getattr(
+                                       config.kv_transfer_config, "fleet_secret_file", None))
                                    if kv_events is not None and kv_events.enable_kv_cache_events else None)
         self.kv_connector, self.kv_event_sinks = attach_kv_transfer(self)
         """The KV connector (``--kv-transfer-config``); the sinks of each step's KV events (ZMQ, disk tier)."""

@@ -6,6 +6,8 @@ instead reads ``GET /kv_events/snapshot`` (every hash cached after batch ``seq``
 applies the batches with a larger ``seq`` (docs/routing.md, "Precise prefix routing"). And
 ``include_token_ids`` (kvfleet's): ``false`` sends ``BlockStored`` with empty ``token_ids``, so the
 events carry no prompt text (``kvfleet serve``'s default events, which a router reads for hashes only).
+And ``auth`` (kvfleet's): by default the socket is authenticated and encrypted with keys of the
+fleet secret (:mod:`~kvfleet.runtime.kv_events.auth`); ``"none"`` publishes in plaintext as vLLM does.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class KVEventsConfig(BaseModel):
     """``BlockStored.token_ids`` as vLLM sends them; false: empty (block hashes only)."""
     buffer_steps: int = Field(10_000, ge=1)
     """Accepted for vLLM compatibility (its replay buffer); kvfleet replays from the snapshot."""
+    auth: Literal["fleet", "none"] = "fleet"
+    """kvfleet's. ``fleet``: the socket is a ZMQ CURVE server keyed by the fleet secret, which only
+    the fleet's routers can subscribe to and whose batches a router knows are the replica's
+    (:mod:`~kvfleet.runtime.kv_events.auth`; no secret to be had: nothing is published).
+    ``none``: plaintext, as vLLM publishes (any reader that reaches the port, e.g. an llm-d indexer)."""
 
     @property
     def enabled(self) -> bool:

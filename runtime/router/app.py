@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from kvfleet.runtime.http.auth import key_matches
 from kvfleet.runtime.http.errors import error_response
+from kvfleet.runtime.kv_events.auth import events_keys
 from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
 from kvfleet.runtime.router.disagg import Disaggregator
 from kvfleet.runtime.router.endpoints import EndpointPool
@@ -124,11 +125,14 @@ def create_app(settings: RouterSettings) -> Starlette:
                   "max_migrations": settings.max_migrations}
         tasks = [asyncio.create_task(prober.run())]
         if state.kv_index is not None:
-            keys = load_fleet_keys(settings.fleet_secret_file) if settings.kv_peer_hint else None
+            keys = (load_fleet_keys(settings.fleet_secret_file)
+                    if settings.kv_peer_hint or settings.kv_events_auth == "fleet" else None)
             state.forwarder = PreciseForwarder(*fwd_args, index=state.kv_index, kv_peer_hint=settings.kv_peer_hint,
-                                               fleet_keys=keys, **fwd_kw)
-            subscriber = KVSubscriber(state.kv_index, probe_client, topic=settings.kv_events_topic,
-                                      api_key=settings.api_key)
+                                               fleet_keys=keys if settings.kv_peer_hint else None, **fwd_kw)
+            subscriber = KVSubscriber(
+                state.kv_index, probe_client, topic=settings.kv_events_topic, api_key=settings.api_key,
+                auth=settings.kv_events_auth, keys=events_keys(keys) if keys is not None else None,
+                on_refused=lambda url, reason: state.metrics.kv_events_refused.labels(reason).inc())
             tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))
         else:
             state.forwarder = Forwarder(*fwd_args, **fwd_kw)

@@ -9,6 +9,14 @@ makes the index stale for that endpoint; the task re-reads the snapshot. A repli
 (events off) or not at all is retried every ``retry_s`` seconds; meanwhile it scores 0 and
 requests are placed by the char-prefix ring. Endpoints that leave the pool are forgotten.
 Known gap: a batch lost with no later batch is only noticed at the next one.
+
+Authentication (:mod:`kvfleet.runtime.kv_events.auth`): with ``auth="fleet"`` (the default) the SUB
+socket is a CURVE client with the fleet's reader key, so only a publisher holding the fleet's
+publisher key delivers anything; each refused handshake (``not_fleet``: the publisher speaks no
+CURVE or has another key) and each malformed message (``malformed``) is passed to
+``on_refused(url, reason)`` (the router counts them), and no batch of it reaches the index.
+Without fleet keys nothing is followed (logged).
+``auth="none"`` reads plaintext publishers (replicas with ``{"auth": "none"}``).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -24,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvfleet.runtime.kv_events import wire
+from kvfleet.runtime.kv_events.auth import HANDSHAKE_FAILED, EventsKeys, refusal_reason, secure_reader
 from kvfleet.runtime.router.kv_index import KVIndex
 
 logger = logging.getLogger("kvfleet.router")
@@ -31,8 +41,17 @@ logger = logging.getLogger("kvfleet.router")
 
 class KVSubscriber:
     def __init__(self, index: KVIndex, client: httpx.AsyncClient, *, topic: str = "",
-                 api_key: str | None = None, retry_s: float = 5.0) -> None:
+                 api_key: str | None = None, retry_s: float = 5.0, auth: str = "fleet",
+                 keys: EventsKeys | None = None,
+                 on_refused: Callable[[str, str], None] = lambda url, reason: None) -> None:
         self.index = index
+        self.auth = auth
+        self.keys = keys
+        self.on_refused = on_refused
+        self._warned: set[tuple[str, str]] = set()
+        if auth == "fleet" and keys is None:
+            logger.warning("KV events: no fleet secret, so no replica's events are read (precise routing "
+                           "routes by characters); --kv-events-auth none reads plaintext publishers")
         self.client = client
         self.topic = topic.encode()
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -93,12 +112,35 @@ class KVSubscriber:
                 return int(endpoint.rsplit(":", 1)[-1])
             await asyncio.sleep(self.retry_s)
 
+    async def _watch(self, url: str, monitor) -> None:
+        """Count each refused handshake of ``url``'s publisher (the first per reason is logged)."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            msg = parse_monitor_message(await monitor.recv_multipart())
+            reason = refusal_reason(msg["event"], msg["value"])
+            if reason is None:
+                continue
+            self.on_refused(url, reason)
+            if (url, reason) not in self._warned:
+                self._warned.add((url, reason))
+                logger.warning("KV events of %s refused: the publisher failed the fleet's CURVE handshake (it does "
+                               "not hold this fleet's secret, or publishes in plaintext: kv_events_config auth "
+                               "none, read with --kv-events-auth none)", url)
+
     async def _follow(self, url: str) -> None:
+        if self.auth == "fleet" and self.keys is None:
+            return
         host = urlsplit(url).hostname or "127.0.0.1"
         port = await self._events_port(url)
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)  # a refusing publisher is retried ever more slowly
+        if self.auth == "fleet":
+            secure_reader(sock, self.keys)
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+        watcher = asyncio.create_task(self._watch(url, monitor))
         sock.connect(f"tcp://{host}:{port}")
         await asyncio.sleep(self.join_s)  # ZMQ's slow joiner: batches sent before the subscription lands are lost
         try:
@@ -110,6 +152,7 @@ class KVSubscriber:
                     seq, batch = wire.parse_frames(parts)
                 except (ValueError, msgspec.DecodeError):
                     logger.warning("malformed KV event message from %s", url)
+                    self.on_refused(url, "malformed")
                     continue
                 rep = self.index.replicas.get(url)
                 if rep is not None and not rep.stale and seq < rep.seq - 1:  # the replica restarted
@@ -118,4 +161,8 @@ class KVSubscriber:
                     while not await self._snapshot(url):
                         await asyncio.sleep(self.retry_s)
         finally:
+            watcher.cancel()
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)

@@ -24,6 +24,9 @@ Names use the runtime's ``kvfleet:`` prefix and prometheus-client's suffixes:
   (:mod:`.disagg`): ``success`` (the decode leg pulls the blocks), ``retried`` (a prefill replica
   failed; the leg went to another), ``colocated`` (no prefill replica could: the decode replica
   computes the prompt).
+- ``kvfleet:router_kv_events_refused_total{reason}``: KV event publishers refused
+  (:mod:`kvfleet.runtime.kv_events.auth`): ``not_fleet`` (the fleet's CURVE handshake failed: a
+  plaintext publisher or another key; one per attempt), ``malformed`` (a message that is no batch).
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class RouterMetrics:
                                      "(--kv-peer-hint: another replica caches a longer prefix).", registry=r)
         self.prefill_legs = Counter(PREFIX + "router_prefill_legs", "Prefill legs of disaggregated requests, by "
                                     "outcome: success, retried, colocated.", ["outcome"], registry=r)
+        self.kv_events_refused = Counter(PREFIX + "router_kv_events_refused", "KV event publishers refused: "
+                                         "not_fleet (per handshake), malformed (per message).",
+                                         ["reason"], registry=r)
         for decision in ("hit", "spill", "fallback"):
             self.decisions.labels(decision)
 

@@ -54,11 +54,14 @@ class RouterSettings(BaseModel):
     """Default: the replicas' KV events where they publish them, else the char-prefix CHWBL ring."""
     kv_events_topic: str = ""
     """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
+    kv_events_auth: Literal["fleet", "none"] = "fleet"
+    """``fleet``: read KV events only from publishers holding the fleet secret (ZMQ CURVE,
+    :mod:`kvfleet.runtime.kv_events.auth`); ``none``: plaintext publishers (``{"auth": "none"}``)."""
     kv_peer_hint: bool = True
     """Read the replicas' KV events (any algorithm) and name, in ``x-kvfleet-kv-peer``, the replica
     caching a longer prefix than the chosen one (the replicas' ``--kv-transfer-config`` pulls it)."""
     fleet_secret_file: str | None = None
-    """The fleet secret's file, for signing peer hints (None: ``$KVFLEET_FLEET_SECRET``, else
+    """The fleet secret's file, for signing peer hints and reading KV events (None: ``$KVFLEET_FLEET_SECRET``, else
     ``~/.config/kvfleet/fleet-secret``; :mod:`kvfleet.runtime.kv_transfer.fleet_auth`)."""
     prefix_chars: int = Field(DEFAULT_PREFIX_CHARS, ge=1)
     load_factor: float = Field(1.25, ge=1.0)
@@ -114,11 +117,13 @@ _HELP = {
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
     "routing_algorithm": describe(),
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
+    "kv_events_auth": "fleet (default: read KV events only from replicas holding the fleet secret, over ZMQ CURVE) "
+                      "or none (replicas publishing in plaintext, kv_events_config auth none)",
     "kv_peer_hint": "tell the chosen replica (header x-kvfleet-kv-peer, signed with the fleet secret) which replica "
                     "caches a longer prefix of the prompt, from the replicas' KV events, so it pulls the KV instead "
                     "of recomputing it (default on; --no-kv-peer-hint: off)",
-    "fleet_secret_file": "file of the fleet secret that signs peer hints (default: $KVFLEET_FLEET_SECRET, "
-                         "else ~/.config/kvfleet/fleet-secret, created if missing)",
+    "fleet_secret_file": "file of the fleet secret that signs peer hints and reads KV events (default: "
+                         "$KVFLEET_FLEET_SECRET, else ~/.config/kvfleet/fleet-secret, created if missing)",
     "prefix_chars": "characters of the prompt the prefix key covers",
     "load_factor": "CHWBL bound: a replica takes at most ceil(load_factor * mean load) before its prefixes spill",
     "min_capacity": "a replica with fewer requests than this in flight never spills its prefixes (floor of the bound)",

@@ -36,9 +36,9 @@ def test_no_variant_below_the_floor():
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """One build folder for the module: each variant compiles once."""
-    return tmp_path_factory.mktemp("cpu-lib")
+def cache(kernels_build_root) -> Path:
+    """One build folder for the session (tests/conftest.py): each variant compiles once."""
+    return kernels_build_root
 
 
 @pytest.mark.skipif(not (HAS_CC and X86), reason="needs a C compiler on x86-64")
@@ -50,6 +50,18 @@ def test_every_variant_compiles_here(variant, cache):
     assert cpu_lib.build(variant, cache) == so  # cached by variant and source hash
     with pytest.raises(ValueError, match="unknown variant"):
         cpu_lib.build("sse2", cache)
+
+
+@pytest.mark.skipif(not (HAS_CC and X86), reason="needs a C compiler on x86-64")
+def test_prebuild_of_chosen_variants_and_an_unknown_one_refused(cache, capsys):
+    """``--prebuild DIR --variants a,b`` (the image check's trimmed build: its own CPU's only)."""
+    folder = cache / "kernels"  # the session's: a variant compiled already is not compiled again
+    assert cpu_lib.prebuild(folder, ["avx2"]) == [folder / cpu_lib.library_name("avx2")]
+    with pytest.raises(ValueError, match=r"unknown variant\(s\) \['sse2'\]"):
+        cpu_lib.prebuild(folder, ["avx2", "sse2"])
+    with pytest.raises(SystemExit) as exit_info:
+        cpu_lib.main(["--prebuild", str(folder), "--variants", "avx2,sse2"])
+    assert exit_info.value.code == 2 and "unknown variant" in capsys.readouterr().err
 
 
 def _runs(variant: str) -> str | None:

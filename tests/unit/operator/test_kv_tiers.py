@@ -158,7 +158,11 @@ def test_precise_routing_with_its_own_events_config_gets_the_topic_and_the_api_k
     obj["spec"]["runtime"]["apiKeySecretRef"] = {"name": "chat-key"}
     assert builders.engine_config(obj)["kv_events_config"]["topic"] == "kv"
     settings = parse_router_args(router.router_args(obj)[1:], environ={})
-    assert settings.kv_events_topic == "kv"
+    assert settings.kv_events_topic == "kv" and settings.kv_events_auth == "fleet"
+    # replicas publishing in plaintext (for a reader outside the fleet): the router reads them so
+    obj["spec"]["engine"]["extraArgs"]["kv_events_config"]["auth"] = "none"
+    assert parse_router_args(router.router_args(obj)[1:], environ={}).kv_events_auth == "none"
+    obj["spec"]["engine"]["extraArgs"]["kv_events_config"].pop("auth")
     deploy = by_kind(router.desired_children(obj))["Deployment"]
     (container,) = deploy["spec"]["template"]["spec"]["containers"]
     assert {"name": "KVFLEET_ROUTER_API_KEY",

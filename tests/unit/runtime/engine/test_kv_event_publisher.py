@@ -1,6 +1,7 @@
 """The KV event publisher (kvfleet.runtime.engine.kv_event_publisher) on a real ZMQ socket:
-a block pool's events arrive at a SUB socket as vLLM-encoded batches (three frames, seq
-1, 2, ...), and the snapshot at ``seq`` plus the later batches replays to the pool's hashes.
+a block pool's events arrive at a SUB socket (a reader of the fleet: the default publisher is
+CURVE-authenticated, tests/unit/runtime/kv_events/test_auth.py) as vLLM-encoded batches (three
+frames, seq 1, 2, ...), and the snapshot at ``seq`` plus the later batches replays to the pool's hashes.
 Also ``--kv-events-config`` parsing (kvfleet.runtime.kv_events.config)."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from kvfleet.runtime.core.kv_cache_manager import KVCacheManager
 from kvfleet.runtime.core.request import Request
 from kvfleet.runtime.engine.kv_event_publisher import KVEventPublisher
 from kvfleet.runtime.kv_events import wire
+from kvfleet.runtime.kv_events.auth import events_keys, secure_reader
 from kvfleet.runtime.kv_events.config import KVEventsConfig
+from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
 from kvfleet.runtime.sampling_params import SamplingParams
 
 
@@ -42,6 +45,7 @@ def test_batches_on_the_socket_replay_to_the_pool_and_snapshot():
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.setsockopt(zmq.RCVTIMEO, 5000)
+    secure_reader(sub, events_keys(load_fleet_keys()))  # the suite's fleet secret (tests/conftest.py)
     sub.connect(pub.bound_endpoint)
     m = KVCacheManager(num_blocks=6, block_size=4, enable_kv_cache_events=True)
     try:
