@@ -17,7 +17,8 @@ vLLM's ``lora_requests_info`` gauge (labels ``running_lora_adapters``, ``waiting
 comma-separated adapter names, ``max_lora``; value: the wall-clock time of the last step; only the
 current label set is kept) and ``kvfleet:lora_requests_total{lora_name}`` (finished requests per
 adapter, ``kvfleet:`` only), the gauge ``kvfleet:num_waiting_prompt_tokens`` (prompt tokens of the
-waiting requests: a prefill pool's scaling signal, docs/autoscaling.md; ``kvfleet:`` only). Peer KV pull (``--kv-transfer-config``, ``kvfleet:`` only):
+waiting requests: a prefill pool's scaling signal, docs/autoscaling.md; ``kvfleet:`` only). Peer KV
+pull (``--kv-transfer-config``, ``kvfleet:`` only):
 ``kv_pull_tokens_total`` (prompt tokens whose KV came from a peer; they count as prefix-cache hits
 too), ``kv_disk_load_tokens_total`` (the same from the disk tier), the gauge
 ``kv_disk_usage_bytes`` (the disk tier's size) and
