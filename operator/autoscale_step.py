@@ -219,11 +219,13 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     if config is not None:
         status_patch.update(await _scale(kube, isvc, spec, config, state, logger, now=now, pods=pods, metrics=metrics))
         if disagg.disaggregation(isvc) is not None:  # each pool's own decision, and status.pools
-            prefill = None
             if prefill_config is not None:
                 prefill = await pool_autoscale.scale_prefill(kube, isvc, prefill_config, state.prefill, source,
                                                              logger, now=now)
-            decode = (int(spec.replicas), sum(1 for p in pods if pod_is_ready(p)))
+            else:
+                prefill = await pool_autoscale.read_prefill(kube, isvc)
+            scaled_now = state.changes[-1][2] if state.changes and state.changes[-1][0] == now else None
+            decode = (int(spec.replicas) if scaled_now is None else scaled_now, sum(1 for p in pods if pod_is_ready(p)))
             pools = pool_autoscale.pools_status(prefill, decode)
             if (isvc.get("status") or {}).get("pools") != pools:
                 status_patch["pools"] = pools

@@ -11,7 +11,8 @@ the pool's waiting prompt tokens (``kvfleet:num_waiting_prompt_tokens`` against
 bounded by ``prefill.minReplicas`` (default 1) and ``prefill.maxReplicas``, and writes the
 decision through the prefill Deployment's scale subresource (the reconcile then leaves that
 Deployment's ``replicas`` out). The decode pool is the InferenceService's own children, scaled
-by ``spec.autoscaling`` as without disaggregation. :func:`pools_status` is ``status.pools``.
+by ``spec.autoscaling`` as without disaggregation. :func:`pools_status` is ``status.pools`` (a
+prefill pool that is not autoscaled: :func:`read_prefill`, its Deployment's counts).
 Without ``maxReplicas`` the prefill pool keeps ``prefill.replicas`` (as before).
 """
 
@@ -65,6 +66,17 @@ def pools_status(prefill: tuple[int, int] | None, decode: tuple[int, int]) -> di
     if prefill is not None:
         out["prefill"] = {"replicas": prefill[0], "readyReplicas": prefill[1]}
     return out
+
+
+async def read_prefill(kube: Kube, isvc: Mapping[str, Any]) -> tuple[int, int] | None:
+    """A prefill pool that is not autoscaled: ``(replicas, ready)`` from its Deployment (None
+    while it does not exist)."""
+    name = disagg.pool_isvc(isvc, "prefill")["metadata"]["name"]
+    deployment = await asyncio.to_thread(kube.get, "Deployment", isvc["metadata"]["namespace"], name)
+    if deployment is None:
+        return None
+    return (int((deployment.get("spec") or {}).get("replicas", 1)),
+            int((deployment.get("status") or {}).get("readyReplicas") or 0))
 
 
 async def scale_prefill(kube: Kube, isvc: Mapping[str, Any], config: policy.AutoscalingConfig, state: PoolState,

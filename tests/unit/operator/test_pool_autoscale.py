@@ -118,3 +118,16 @@ def test_the_runtimes_gauge_reaches_the_pods_metrics():
     finally:
         rt.close()
     assert pod.num_waiting_prompt_tokens == 1234 and aggregate(T0, [pod, pod]).waiting_prompt_tokens == 2468
+
+
+def test_status_pools_shows_this_iterations_decode_decision(cluster):
+    kube, client, _events, runtimes = cluster
+    kube.create(ISVC, isvc({"replicas": 2}))  # the prefill pool not autoscaled: it keeps 2
+    reconcile.reconcile(client, NS, NAME)
+    add_pod(kube, runtimes, "svc-0", Runtime(waiting=9))  # decode: 9 waiting, target 2 per pod
+    run(client, autoscale_step.ServiceState())
+    got = kube.get(ISVC, NS, NAME)
+    assert got["spec"]["replicas"] == 4  # maxReplicas
+    assert got["status"]["pools"] == {"decode": {"replicas": 4, "readyReplicas": 1},
+                                      "prefill": {"replicas": 2, "readyReplicas": 0}}  # its Deployment's counts
+    assert kube.get("apps/v1/deployments", NS, "svc-prefill")["spec"]["replicas"] == 2
