@@ -3,8 +3,10 @@ their metrics, call the pure :mod:`kvfleet.operator.policy` and :mod:`kvfleet.op
 write the result.
 
 It scales through the InferenceService's scale subresource (and, for a multi-node one, its
-LeaderWorkerSet's, whose leaders are the pods it reads: :mod:`kvfleet.operator.lws`), tunes through ``status.engine``
-(then reconciles), posts Events, writes ``status.metrics`` and the ``ScalingActive`` condition.
+LeaderWorkerSet's, whose leaders are the pods it reads: :mod:`kvfleet.operator.lws`; a
+disaggregated one's prefill pool through its own Deployment: :mod:`kvfleet.operator.pool_autoscale`),
+tunes through ``status.engine`` (then reconciles), posts Events, writes ``status.metrics``, the
+``ScalingActive`` condition and (disaggregated) ``status.pools``.
 :class:`ServiceState` is what the loop (:mod:`kvfleet.operator.autoscaler`) keeps between two
 iterations; :func:`tracked` says which objects it visits (:func:`wants_autoscaler`, or once more
 to retire the condition, :func:`needs_retire`).
@@ -25,11 +27,13 @@ import httpx
 from kvfleet.operator import (
     builders,
     crd,
+    disagg,
     hpa,
     lws,
     lws_status,
     pod_metrics,
     policy,
+    pool_autoscale,
     reconcile,
     router,
     service_spec,
@@ -84,6 +88,8 @@ class ServiceState:
     """``time.monotonic()`` at which the next iteration is due."""
     interval: float = DEFAULT_INTERVAL
     """Seconds between iterations, as the last one found (``interval_seconds``)."""
+    prefill: pool_autoscale.PoolState = field(default_factory=pool_autoscale.PoolState)
+    """The prefill pool's own history (``spec.disaggregation``: :mod:`kvfleet.operator.pool_autoscale`)."""
 
 
 async def _event(kube: Kube, body: Mapping[str, Any], type_: str, reason: str, message: str,
@@ -187,6 +193,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
 
     try:
         config = policy.AutoscalingConfig.from_view(spec.autoscaling) if mode == AutoscalingMode.OPERATOR else None
+        prefill_config = pool_autoscale.prefill_config(isvc, config) if config is not None else None
         tconfig = tuning.TuningConfig.from_view(spec.tuning) if tuning_on else None
         source = make_source(spec.autoscaling, namespace, client=state.http)
     except ValueError as e:  # the schema's CEL rules should have caught it
@@ -211,6 +218,17 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
 
     if config is not None:
         status_patch.update(await _scale(kube, isvc, spec, config, state, logger, now=now, pods=pods, metrics=metrics))
+        if disagg.disaggregation(isvc) is not None:  # each pool's own decision, and status.pools
+            if prefill_config is not None:
+                prefill = await pool_autoscale.scale_prefill(kube, isvc, prefill_config, state.prefill, source,
+                                                             logger, now=now)
+            else:
+                prefill = await pool_autoscale.read_prefill(kube, isvc)
+            scaled_now = state.changes[-1][2] if state.changes and state.changes[-1][0] == now else None
+            decode = (int(spec.replicas) if scaled_now is None else scaled_now, sum(1 for p in pods if pod_is_ready(p)))
+            pools = pool_autoscale.pools_status(prefill, decode)
+            if (isvc.get("status") or {}).get("pools") != pools:
+                status_patch["pools"] = pools
     else:
         status_patch.update(_retire_patch(isvc, mode))
     rollout = False

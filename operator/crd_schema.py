@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfleet.operator.parallelism_schema import PARALLELISM
+from kvfleet.operator.pool_schema import POOLS_STATUS, PREFILL_AUTOSCALING
 from kvfleet.operator.spec_enums import (
     AutoscalingMode,
     ConditionStatus,
@@ -416,19 +417,18 @@ def _no_defaults(schema: Any) -> Any:
     return [_no_defaults(v) for v in schema] if isinstance(schema, list) else schema
 
 
-def _pool(role: str, work: str) -> dict[str, Any]:
+def _pool(role: str, work: str, **extra: Any) -> dict[str, Any]:
     return _obj(f"The {role} pool: {work}.", {
         "replicas": _int(f"{role.capitalize()} pods.", minimum=0, maximum=1000, default=1),
         "engine": {**_no_defaults(ENGINE),
-                   "description": f"Engine settings of the {role} pods over spec.engine (the fields given)."},
-    })
+                   "description": f"Engine settings of the {role} pods over spec.engine (the fields given)."}, **extra})
 
 
 DISAGGREGATION = _obj(
     "Prefill/decode disaggregation (needs router.enabled): the router computes each prompt on a prefill pod "
     "(Deployment <name>-prefill, Service <name>-prefill), whose blocks a decode pod (Deployment and Service "
-    "<name>; the autoscaler's decisions apply to it) pulls over /kv_blocks to decode. Absent: every pod does both.", {
-        "prefill": _pool("prefill", "computes the prompts and holds their KV blocks until read"),
+    "<name>; spec.autoscaling scales it) pulls over /kv_blocks to decode. Absent: every pod does both.", {
+        "prefill": _pool("prefill", "computes the prompts and holds their KV blocks until read", **PREFILL_AUTOSCALING),
         "decode": _pool("decode", "pulls the blocks and streams the tokens"),
     }, required=["prefill", "decode"])
 
@@ -474,6 +474,7 @@ STATUS = _obj(
                          "loadedReplicas": _int("Ready pods that serve it.", minimum=0),
                          "readyReplicas": _int("Ready pods.", minimum=0),
                      })},
+        "pools": POOLS_STATUS,
         "engine": _obj("Engine values in effect (the spec's, or the tuner's).",
                        {"blockSize": _int("Tokens per KV block.", enum=BLOCK_SIZES),
                         "gpuMemoryUtilization": _num("Memory fraction.")},

@@ -13,8 +13,10 @@ InferenceService as that pool sees it: ``spec.engine`` overlaid with the pool's 
   ``NAME``, PDB, HPA), ``replicas`` = the autoscaler's decision when there is one, else
   ``decode.replicas``;
 - prefill: ConfigMap ``NAME-prefill-config``, Service and Deployment ``NAME-prefill``, PDB
-  ``NAME-prefill`` (no HPA: per-pool autoscaling is not built yet), labelled and owned as the
-  InferenceService's children.
+  ``NAME-prefill`` (no HPA), labelled and owned as the InferenceService's children; its
+  Deployment's ``replicas`` = ``prefill.replicas``, or left out when :func:`prefill_autoscaled`
+  (the operator's autoscaler then owns it through the Deployment's scale subresource:
+  :mod:`kvfleet.operator.pool_autoscale`).
 
 Every Deployment and its pods carry ``kvfleet.io/role: prefill|decode``. The router (needs
 ``spec.router.enabled``) gets :func:`router_args`: ``--prefill-kube-service NAME-prefill`` beside
@@ -71,13 +73,22 @@ def pool_isvc(isvc: Mapping[str, Any], role: str, spec: Mapping[str, Any] | None
     return out
 
 
+def prefill_autoscaled(isvc: Mapping[str, Any], spec: Mapping[str, Any] | None = None) -> bool:
+    """Whether the operator's autoscaler scales the prefill pool: ``autoscaling.mode`` is
+    ``operator`` and ``disaggregation.prefill.maxReplicas`` is set."""
+    spec = spec if spec is not None else disaggregation(isvc)
+    if spec is None or spec["prefill"].get("maxReplicas") is None:
+        return False
+    return spec_view.of(isvc).autoscaling.mode == "operator"
+
+
 def desired_children(isvc: Mapping[str, Any], build: Callable[..., list[dict[str, Any]]], *,
                      replicas: int | None = None, scaled_externally: bool = False) -> list[dict[str, Any]]:
     """Both pools' children, decode first (``build(pool_isvc, replicas=, scaled_externally=)``)."""
     spec = disaggregation(isvc)
     assert spec is not None
     decode = build(pool_isvc(isvc, "decode", spec), replicas=replicas, scaled_externally=scaled_externally)
-    prefill = build(pool_isvc(isvc, "prefill", spec))
+    prefill = build(pool_isvc(isvc, "prefill", spec), scaled_externally=prefill_autoscaled(isvc, spec))
     name, uid = isvc["metadata"]["name"], isvc["metadata"].get("uid")
     for role, children in (("decode", decode), ("prefill", prefill)):
         for child in children:

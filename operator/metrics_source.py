@@ -34,6 +34,7 @@ PREFIXES = ("kvfleet:", "vllm:")
 # exposition sample name (after the prefix) -> PodMetrics field
 _FIELDS = {
     "num_requests_waiting": "num_requests_waiting",
+    "num_waiting_prompt_tokens": "num_waiting_prompt_tokens",
     "num_requests_running": "num_requests_running",
     "kv_cache_usage_perc": "kv_cache_usage",
     "num_preemptions_total": "num_preemptions_total",

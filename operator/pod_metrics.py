@@ -43,6 +43,8 @@ class PodMetrics:
     request_generation_tokens_count: float = 0.0
     kv_disk_bytes: float = 0.0
     """Bytes held by the pod's KV disk tier (``kvfleet:kv_disk_usage_bytes``; 0 without one)."""
+    num_waiting_prompt_tokens: float = 0.0
+    """Prompt tokens of the queued requests (``kvfleet:num_waiting_prompt_tokens``; 0 when absent)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class MetricsAggregate:
     def queue_depth(self) -> float:
         """Total waiting requests over the pods read."""
         return sum(p.num_requests_waiting for p in self.pods)
+
+    @property
+    def waiting_prompt_tokens(self) -> float:
+        """Prompt tokens queued in the pods read."""
+        return sum(p.num_waiting_prompt_tokens for p in self.pods)
 
     @property
     def running(self) -> float:

@@ -6,8 +6,9 @@ back out as a value. :mod:`kvfleet.operator.autoscaler` reads the cluster, calls
 writes their results.
 
 - :class:`AutoscalingConfig` (``spec.autoscaling``) + :func:`decide_scale` -> :class:`ScaleDecision`
-  (mode ``operator``), the Kubernetes HPA algorithm on queue depth, KV cache usage and busy
-  batch slots, with its stabilization windows and rate limit (docs/autoscaling.md);
+  (mode ``operator``), the Kubernetes HPA algorithm on queue depth, KV cache usage, busy batch
+  slots and (a prefill pool, :mod:`kvfleet.operator.pool_autoscale`) waiting prompt tokens, with
+  its stabilization windows and rate limit (docs/autoscaling.md);
 - :class:`RouterLoad`: the routers' held and in-flight requests, which wake a service from zero.
 
 What it decides on (:class:`~kvfleet.operator.pod_metrics.MetricsAggregate`) is built in
@@ -44,6 +45,8 @@ class AutoscalingConfig:
     """Scale-up stabilization window, seconds (HPA default 0)."""
     scale_down_window: float = 300.0
     """Scale-down stabilization window, seconds (HPA default 300)."""
+    target_waiting_prompt_tokens: float | None = None
+    """Waiting prompt tokens per replica (a prefill pool's signal; None: not a basis)."""
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> AutoscalingConfig:
@@ -124,6 +127,9 @@ def raw_recommendation(
     n = len(metrics.pods)
     queue = metrics.queue_depth
     candidates = {"queue": math.ceil(queue / config.target_queue_depth - 1e-9)}
+    if config.target_waiting_prompt_tokens:
+        candidates["promptTokens"] = math.ceil(metrics.waiting_prompt_tokens / config.target_waiting_prompt_tokens
+                                               - 1e-9)
     kv = metrics.kv_cache_usage or 0.0
     if kv > config.target_kv_cache_usage:
         candidates["kvCache"] = math.ceil(n * kv / config.target_kv_cache_usage - 1e-9)
@@ -184,6 +190,8 @@ def decide_scale(
     horizon = now - max(config.scale_up_window, config.scale_down_window)
     history = tuple(r for r in history if r.time >= horizon)
     inputs = _inputs(current, ready, metrics)
+    if config.target_waiting_prompt_tokens and metrics is not None:  # a prefill pool's signal
+        inputs["waitingPromptTokens"] = status_number(metrics.waiting_prompt_tokens)
 
     def hold(reason: str, message: str, target: int | None = None) -> ScaleDecision:
         return ScaleDecision(current if target is None else target, current, reason, message, None, history, inputs)
@@ -296,6 +304,9 @@ def _explain(why: str, metrics: MetricsAggregate | None, config: AutoscalingConf
     text = (f"queue depth {metrics.queue_depth:g} over {len(metrics.pods)} pods, target "
             f"{config.target_queue_depth:g} per replica; mean KV usage {kv:.2f}, target "
             f"{config.target_kv_cache_usage:g}; running {metrics.running:g}")
+    if config.target_waiting_prompt_tokens:
+        text += (f"; waiting prompt tokens {metrics.waiting_prompt_tokens:g}, target "
+                 f"{config.target_waiting_prompt_tokens:g} per replica")
     if why == "missingMetrics":
         text += f"; {len(metrics.failed)} pods unread count as at target"
     elif why != "queue":

@@ -16,7 +16,9 @@ and (counts) ``request_prompt_tokens``, ``request_generation_tokens``, ``request
 vLLM's ``lora_requests_info`` gauge (labels ``running_lora_adapters``, ``waiting_lora_adapters``:
 comma-separated adapter names, ``max_lora``; value: the wall-clock time of the last step; only the
 current label set is kept) and ``kvfleet:lora_requests_total{lora_name}`` (finished requests per
-adapter, ``kvfleet:`` only). Peer KV pull (``--kv-transfer-config``, ``kvfleet:`` only):
+adapter, ``kvfleet:`` only), the gauge ``kvfleet:num_waiting_prompt_tokens`` (prompt tokens of the
+waiting requests: a prefill pool's scaling signal, docs/autoscaling.md; ``kvfleet:`` only). Peer KV
+pull (``--kv-transfer-config``, ``kvfleet:`` only):
 ``kv_pull_tokens_total`` (prompt tokens whose KV came from a peer; they count as prefix-cache hits
 too), ``kv_disk_load_tokens_total`` (the same from the disk tier), the gauge
 ``kv_disk_usage_bytes`` (the disk tier's size) and
@@ -182,6 +184,10 @@ class PrometheusStatLogger(StatLoggerBase):
         fan = self._fan
         self.gauge_running = fan(Gauge, "num_requests_running", "Number of requests in model execution batches.")
         self.gauge_waiting = fan(Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
+        self.gauge_waiting_prompt_tokens = _Fanout([  # kvfleet: only (vLLM has none; a prefill pool scales on it)
+            Gauge(p + "num_waiting_prompt_tokens", "Prompt tokens of the requests waiting to be processed.",
+                  labelnames=["model_name"], registry=self.registry).labels(self.model_name)
+            for p in self.prefixes if p == KVFLEET_PREFIX])
         self.gauge_kv_cache_usage = fan(Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.counter_preemptions = fan(Counter, "num_preemptions", "Cumulative number of preemption from the engine.")
         self.counter_prompt_tokens = fan(Counter, "prompt_tokens", "Number of prefill tokens processed.")
@@ -351,6 +357,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self.set_scheduler_state(
                 scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs, scheduler_stats.kv_cache_usage
             )
+            self.gauge_waiting_prompt_tokens.set(scheduler_stats.num_waiting_prompt_tokens)
             self.counter_preemptions.inc(scheduler_stats.num_preemptions)
             self.counter_prefix_cache_queries.inc(scheduler_stats.prefix_cache_queries)
             self.counter_prefix_cache_hits.inc(scheduler_stats.prefix_cache_hits)

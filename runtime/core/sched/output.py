@@ -174,6 +174,8 @@ class SchedulerOutput:
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_prompt_tokens: int = 0
+    """Prompt tokens of the waiting requests (what a prefill pool is scaled on)."""
     kv_cache_usage: float = 0.0
     """Fraction (0-1) of KV blocks referenced by requests (cached-but-free blocks excluded)."""
     num_preemptions: int = 0

@@ -477,6 +477,7 @@ class Scheduler:
         stats = self._stats
         stats.num_running_reqs = len(self.running)
         stats.num_waiting_reqs = len(self.waiting)
+        stats.num_waiting_prompt_tokens = sum(r.num_prompt_tokens for r in self.waiting)
         stats.kv_cache_usage = self.kv_cache_manager.usage
         if self.max_loras is not None:
             for counts, requests in ((stats.running_lora_adapters, self.running),

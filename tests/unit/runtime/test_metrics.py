@@ -50,18 +50,21 @@ def test_record_updates_every_series():
     lg = PrometheusStatLogger("m", max_model_len=2048)
     lg.log_engine_initialized(2048, {"block_size": "16", "num_blocks": "128", "gpu_memory_utilization": "0.9"})
     lg.record(
-        SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.25, num_preemptions=1,
+        SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, num_waiting_prompt_tokens=300, kv_cache_usage=0.25,
+                       num_preemptions=1,
                        prefix_cache_queries=40, prefix_cache_hits=16),
         IterationStats(num_prompt_tokens=40, num_generation_tokens=3, time_to_first_tokens=[0.05, 0.3],
                        inter_token_latencies=[0.02],
                        finished_requests=[FinishedRequestStats("stop", 1.2, 0.1, 20, 7),
                                           FinishedRequestStats("abort", 0.4, 0.0, 20, 1)]),
     )  # fmt: skip
+    assert value(families(lg), "kvfleet:num_waiting_prompt_tokens") == 300
     lg.record(SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_queries=10),
               IterationStats(num_generation_tokens=1))  # fmt: skip
     f = families(lg)
     assert value(f, "kvfleet:num_requests_running", model_name="m") == 1
     assert value(f, "kvfleet:num_requests_waiting") == 0
+    assert value(f, "kvfleet:num_waiting_prompt_tokens") == 0
     assert value(f, "kvfleet:kv_cache_usage_perc") == 0.5
     assert value(f, "kvfleet:num_preemptions", "_total") == 1
     assert value(f, "kvfleet:prompt_tokens", "_total") == 40
@@ -109,8 +112,9 @@ def test_vllm_compat_exports_the_same_series_under_vllm_names():
     kv = {n[len("kvfleet:"):] for n in f if n.startswith("kvfleet:")}
     vl = {n[len("vllm:"):] for n in f if n.startswith("vllm:")}
     kvfleet_only = {"kv_pull_tokens", "kv_pull_failures", "kv_disk_load_tokens", "kv_disk_usage_bytes",
-                    "kv_peer_hints_refused"}  # peer pull, its hints, disk tier: not vLLM's
-    assert vl == (kv - kvfleet_only) | {"gpu_cache_usage_perc"} and len(kv) == 31  # v0's name, which GIE's picker reads
+                    "kv_peer_hints_refused", "num_waiting_prompt_tokens"}  # peer pull, its hints, disk tier,
+    # the prefill pool's scaling signal: not vLLM's
+    assert vl == (kv - kvfleet_only) | {"gpu_cache_usage_perc"} and len(kv) == 32  # v0's name, which GIE's picker reads
     assert value(f, "vllm:gpu_cache_usage_perc", model_name="m") == 0.75
     assert value(f, "vllm:num_requests_waiting", model_name="m") == 7
     assert value(f, "vllm:kv_cache_usage_perc") == 0.75

@@ -345,3 +345,16 @@ def test_drafts_are_cut_to_max_tokens_the_budget_and_max_model_len():
     r.run_until_done()  # max_model_len 16: drafts never run a sequence past it
     assert all(sr.seq_len <= 16 for o in r.outputs for sr in o.scheduled)
     assert_all_free(s)
+
+
+def test_stats_count_the_waiting_requests_prompt_tokens():
+    s = make_scheduler(max_num_seqs=1)
+    r = FakeRunner(s)
+    for i, n in enumerate((5, 7, 9)):
+        s.add_request(make_request(f"r{i}", list(range(1, n + 1)), max_tokens=2))
+    assert s.make_stats().num_waiting_prompt_tokens == 5 + 7 + 9
+    r.step()  # one seat: r0 runs, r1 and r2 wait
+    stats = s.make_stats()
+    assert (stats.num_waiting_reqs, stats.num_waiting_prompt_tokens) == (2, 7 + 9)
+    r.run_until_done()
+    assert s.make_stats().num_waiting_prompt_tokens == 0
