@@ -19,10 +19,9 @@ docs/performance.md.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+import kvfleet.runtime.env as env  # the settings registry: stdlib only, below every layer
 from kvfleet.kernels.reference import paged_attention_torch, reshape_and_cache_torch
 
 __all__ = [
@@ -36,8 +35,8 @@ __all__ = [
     "BACKEND_ENV",
 ]
 
-BACKEND_ENV = "KVFLEET_ATTENTION_BACKEND"
-_BACKENDS = ("auto", "torch", "triton")
+BACKEND_ENV = env.ATTENTION_BACKEND.name
+_BACKENDS = env.ATTENTION_BACKEND.choices
 
 
 def select_backend(device: torch.device) -> str:
@@ -46,9 +45,7 @@ def select_backend(device: torch.device) -> str:
     ``KVFLEET_ATTENTION_BACKEND=auto`` (or unset): triton on CUDA, torch elsewhere.
     Raises ValueError for an unknown value of the variable.
     """
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if choice not in _BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(_BACKENDS)}")
+    choice = env.ATTENTION_BACKEND.get()
     if choice == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return choice

@@ -12,6 +12,9 @@
  * order whatever M is; the tile unit computes each (channel, token) dot on its own, so a row's
  * result is the same bits alone, in any batch and at any position in it (tests/unit/kernels check
  * it bitwise; so did a probe on a Xeon with AMX: 1, 5 and 16 tokens per tile give equal bits).
+ * What one tdpbf16ps adds to an output, measured (tests/unit/kernels/test_cpu_amx.py): c + (E + O),
+ * E and O sequential fp32 sums of the even and odd products of its 16 pairs, FTZ/DAZ; another
+ * kernel gives these bits only in that order (docs/performance.md, "AMX tiles at one row").
  *
  * Layout. Weights are the A operand: 16 channels x 32 bf16 of K, row-major, which is how a
  * dequantized weight row lies, so each weight block is widened straight into a small buffer

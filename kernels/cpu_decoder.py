@@ -43,19 +43,19 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 
+import kvfleet.runtime.env as env  # the settings registry: stdlib only, below every layer
 from kvfleet.kernels import cpu_lib
 from kvfleet.kernels.cpu_features import MATMUL_KERNELS
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
 ``max_num_batched_tokens`` is 2048)."""
-SPIN_ENV = "KVFLEET_CPU_SPIN_US"
-SPIN_US = 200
+SPIN_ENV = env.CPU_SPIN_US.name
+SPIN_US = env.CPU_SPIN_US.default
 """Microseconds a helper thread spins after its last task before it sleeps
 (``$KVFLEET_CPU_SPIN_US`` overrides). The phases of a step come microseconds apart; between
 steps (scheduler, sampler: milliseconds) the helpers sleep, so a CPU shared with other
@@ -385,7 +385,7 @@ class FusedDecoder:
                                 CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul], QK_NORMS[w.qk_norm],
                                 ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale)
         self._lib = lib
-        spin = int(os.environ.get(SPIN_ENV, "") or SPIN_US)
+        spin = env.CPU_SPIN_US.get()
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)
 
     def profile(self) -> dict[str, float]:

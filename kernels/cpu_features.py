@@ -21,12 +21,13 @@ CPU lacks.
 from __future__ import annotations
 
 import functools
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-ISA_ENV = "KVFLEET_CPU_ISA"
+import kvfleet.runtime.env as env  # the settings registry: stdlib only, below every layer
+
+ISA_ENV = env.CPU_ISA.name
 ISA_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 """kvfleet's CPU ISA levels, lowest first."""
 
@@ -139,4 +140,4 @@ def detect() -> CpuFeatures:
     Raises:
         ValueError: ``$KVFLEET_CPU_ISA`` is not one of :data:`ISA_LEVELS`.
     """
-    return _read_machine().capped(os.environ.get(ISA_ENV) or None)
+    return _read_machine().capped(env.CPU_ISA.raw())

@@ -3,10 +3,11 @@ the ABI check. The one module that compiles, names, loads and binds it; the ops 
 :mod:`kvfleet.kernels.cpu_woq` (weight-only linear layers) and :mod:`kvfleet.kernels.cpu_decoder`
 (the fused decode step).
 
-Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h``, ``cpu_dpbf16.h`` and ``cpu_amx.h``;
+Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h`` (several rows, over
+``cpu_gemv_m1.h``'s formats and one-row dot products), ``cpu_dpbf16.h`` and ``cpu_amx.h``;
 ``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check; the decoder's
-pool, step state and attention are ``cpu_pool.h``, ``cpu_step.h`` and ``cpu_attention.h``, a layer's
-mixture of experts ``cpu_moe.h``), one ``.so``.
+pool, step state, cache writes and attention are ``cpu_pool.h``, ``cpu_step.h``, ``cpu_kv_write.h``
+and ``cpu_attention.h``, a layer's mixture of experts ``cpu_moe.h``), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -47,14 +48,15 @@ import tempfile
 import threading
 from pathlib import Path
 
+import kvfleet.runtime.env as env  # the settings registry: stdlib only, below every layer
 from kvfleet.kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h", "cpu_decoder.h",
-                                                     "cpu_pool.h", "cpu_step.h", "cpu_attention.h",
-                                                     "cpu_moe.h"))
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv_m1.h", "cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h",
+                                                     "cpu_decoder.h", "cpu_pool.h", "cpu_step.h",
+                                                     "cpu_kv_write.h", "cpu_attention.h", "cpu_moe.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
@@ -65,11 +67,11 @@ VARIANT_FLAGS = {
 }
 """Compiler flags of each build variant (beyond :data:`COMMON_FLAGS`)."""
 _LEVEL_VARIANT = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16", "amx": "amx"}
-CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
-PREBUILT_DIR_ENV = "KVFLEET_KERNELS_DIR"
+CACHE_DIR_ENV = env.CACHE_DIR.name
+PREBUILT_DIR_ENV = env.KERNELS_DIR.name
 """A folder of prebuilt libraries (:func:`prebuild`), looked in before the cache folder."""
-PARALLEL_MIN_ENV = "KVFLEET_CPU_WOQ_PARALLEL_MIN"
-PARALLEL_MIN_WEIGHTS = 1 << 16
+PARALLEL_MIN_ENV = env.CPU_WOQ_PARALLEL_MIN.name
+PARALLEL_MIN_WEIGHTS = env.CPU_WOQ_PARALLEL_MIN.default
 """Layers with fewer weights run on one thread in the ``cpu_woq`` ops (``$KVFLEET_CPU_WOQ_PARALLEL_MIN``
 overrides): waking a sleeping OpenMP thread costs more than a small layer takes on one core. One
 int8 stream of the default model, 2 rounds: 2^16 (every layer on both threads) 17.0 / 14.7 tok/s,
@@ -143,8 +145,7 @@ def compiler() -> str | None:
 
 
 def _default_root() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
+    return env.CACHE_DIR.get()
 
 
 def library_name(variant: str) -> str:
@@ -171,7 +172,7 @@ def build(variant: str, cache_root: Path | None = None, *, folder: Path | None =
         OSError: no compiler, or it failed (its last lines in the message).
     """
     name = library_name(variant)
-    prebuilt = os.environ.get(PREBUILT_DIR_ENV)
+    prebuilt = env.KERNELS_DIR.get()
     if folder is None and prebuilt and (Path(prebuilt) / name).is_file():
         return Path(prebuilt) / name
     folder = folder if folder is not None else (cache_root or _default_root()) / "kernels"
@@ -262,7 +263,7 @@ def open_variant(variant: str, cache_root: Path | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(variant, cache_root)))
     check_abi(lib)
     bind(lib)
-    lib.kv_woq_set_parallel_min(int(os.environ.get(PARALLEL_MIN_ENV, "") or PARALLEL_MIN_WEIGHTS))
+    lib.kv_woq_set_parallel_min(env.CPU_WOQ_PARALLEL_MIN.get())
     return lib
 
 

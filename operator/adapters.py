@@ -28,51 +28,50 @@ Invalid adapters raise :class:`~kvfleet.operator.crd.InvalidSpec` (reasons ``Inv
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvfleet.operator import spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.weights import MODELS_DIR, parse_model_uri
+from kvfleet.runtime import env
 
 CONFIGMAP_KEY = "lora_modules"
-ENV_NAME = "KVFLEET_LORA_MODULES"
+ENV_NAME = env.SERVE_OPTION.name("lora_modules")
 CONDITION = "AdaptersLoaded"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
-TIMEOUT = float(os.environ.get("KVFLEET_ADAPTER_LOAD_TIMEOUT", "120"))
+TIMEOUT = env.ADAPTER_LOAD_TIMEOUT.get()
 """Seconds one load call may take (an hf:// adapter downloads first); the chart's
 ``operator.adapterLoadTimeoutSeconds``."""
 
 
-def declared(isvc: Mapping[str, Any]) -> bool:
+def declared(spec: spec_view.Spec) -> bool:
     """Whether ``spec.model.adapters`` is set (an empty list counts)."""
-    return isinstance(((isvc.get("spec") or {}).get("model") or {}).get("adapters"), list)
+    return spec.model.adapters is not None
 
 
-def _model_claim(spec: Mapping[str, Any]) -> str | None:
-    model = parse_model_uri(spec["model"]["uri"])
+def _model_claim(spec: spec_view.Spec) -> str | None:
+    model = parse_model_uri(spec.model.uri)
     if model["scheme"] == "pvc":
         return model["claim"]
     if model["scheme"] == "hf":
-        return ((spec["model"].get("download") or {}).get("claimName")) or None
+        return spec.model.download.claim_name or None
     return None
 
 
-def desired_adapters(isvc: Mapping[str, Any]) -> list[dict[str, str]]:
+def desired_adapters(spec: spec_view.Spec) -> list[dict[str, str]]:
     """``[{"name", "uri", "path"}]`` where ``path`` is what the runtime loads (an ``hf://`` URI, or a
     folder in the pod).
 
     Raises:
         InvalidSpec: a bad name, a duplicate, a bad URI, a ``pvc://`` claim the pods do not mount."""
-    spec = isvc.get("spec") or {}
-    items = (spec.get("model") or {}).get("adapters") or []
-    served = spec["model"].get("servedModelName")
+    served = spec.model.served_model_name
     out: list[dict[str, str]] = []
     seen: set[str] = set()
-    for i, item in enumerate(items):
-        name, uri = str((item or {}).get("name") or ""), str((item or {}).get("uri") or "")
+    for i, item in enumerate(spec.model.adapters or ()):
+        name, uri = str(item.name or ""), str(item.uri or "")
         if not _NAME_RE.match(name):
             raise InvalidSpec("InvalidAdapter", f"model.adapters[{i}].name {name!r} must be 1-128 letters, digits, "
                                                 "'.', '_', '-' or '/' (clients send it as the model)")
@@ -103,11 +102,11 @@ def desired_adapters(isvc: Mapping[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def configmap_data(isvc: Mapping[str, Any]) -> dict[str, str]:
+def configmap_data(spec: spec_view.Spec) -> dict[str, str]:
     """The ``lora_modules`` key of the ``NAME-config`` ConfigMap (none when not declared)."""
-    if not declared(isvc):
+    if not declared(spec):
         return {}
-    modules = [{"name": a["name"], "path": a["path"]} for a in desired_adapters(isvc)]
+    modules = [{"name": a["name"], "path": a["path"]} for a in desired_adapters(spec)]
     return {CONFIGMAP_KEY: json.dumps(modules, sort_keys=True)}
 
 
@@ -116,18 +115,18 @@ def hashed_data(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k != CONFIGMAP_KEY}
 
 
-def pod_env(isvc: Mapping[str, Any], configmap: str) -> list[dict[str, Any]]:
+def pod_env(spec: spec_view.Spec, configmap: str) -> list[dict[str, Any]]:
     """The runtime container's env entries (none when not declared): the adapter list from the
     ``configmap`` key, and runtime adapter updating on."""
-    if not declared(isvc):
+    if not declared(spec):
         return []
     return [{"name": ENV_NAME, "valueFrom": {"configMapKeyRef": {"name": configmap, "key": CONFIGMAP_KEY}}},
-            {"name": "KVFLEET_ALLOW_RUNTIME_LORA_UPDATING", "value": "true"}]
+            {"name": env.SERVE_OPTION.name("allow_runtime_lora_updating"), "value": "true"}]
 
 
-def engine_keys(isvc: Mapping[str, Any]) -> dict[str, Any]:
+def engine_keys(spec: spec_view.Spec) -> dict[str, Any]:
     """Keys of the pods' config file when adapters are declared (fixed: no restart as they change)."""
-    if not declared(isvc):
+    if not declared(spec):
         return {}
     return {"enable_lora": True, "skip_failed_lora_modules": True}
 
@@ -147,18 +146,18 @@ def _answer(r) -> str:
         return r.text[:300]
 
 
-def sync_pods(isvc: Mapping[str, Any], pods: list[Mapping[str, Any]], *, client=None) -> dict[str, Any]:
+def sync_pods(spec: spec_view.Spec, pods: list[Mapping[str, Any]], *, client=None) -> dict[str, Any]:
     """Load and unload adapters on the ready pods; return ``{"adapters": [...], "condition":
     (status, reason, message)}`` (see the module docstring). Never raises for a pod's failure."""
     import httpx
 
     from kvfleet.operator.metrics_source import pod_is_ready, pod_name
 
-    desired = desired_adapters(isvc)
+    desired = desired_adapters(spec)
     ready = [p for p in pods if pod_is_ready(p)]
     loaded = {a["name"]: 0 for a in desired}
     failures: list[str] = []
-    if ((isvc.get("spec") or {}).get("runtime") or {}).get("apiKeySecretRef") and desired:
+    if spec.runtime.api_key_secret_ref and desired:
         return {"adapters": [{"name": n, "loadedReplicas": 0, "readyReplicas": len(ready)} for n in loaded],
                 "condition": ("Unknown", "APIKeyRequired", "the pods require an API key: running pods are not "
                               "updated (new pods load the current adapters at start)")}

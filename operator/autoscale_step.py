@@ -2,7 +2,8 @@
 their metrics, call the pure :mod:`kvfleet.operator.policy` and :mod:`kvfleet.operator.tuning`,
 write the result.
 
-It scales through the InferenceService's scale subresource, tunes through ``status.engine``
+It scales through the InferenceService's scale subresource (and, for a multi-node one, its
+LeaderWorkerSet's, whose leaders are the pods it reads: :mod:`kvfleet.operator.lws`), tunes through ``status.engine``
 (then reconciles), posts Events, writes ``status.metrics`` and the ``ScalingActive`` condition.
 :class:`ServiceState` is what the loop (:mod:`kvfleet.operator.autoscaler`) keeps between two
 iterations; :func:`tracked` says which objects it visits (:func:`wants_autoscaler`, or once more
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,31 +22,46 @@ from typing import Any
 
 import httpx
 
-from kvfleet.operator import builders, crd, hpa, pod_metrics, policy, reconcile, router, service_spec, tuning
+from kvfleet.operator import (
+    builders,
+    crd,
+    hpa,
+    lws,
+    lws_status,
+    pod_metrics,
+    policy,
+    reconcile,
+    router,
+    service_spec,
+    spec_view,
+    tuning,
+)
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.metrics_source import MetricsSourceError, make_source, pod_is_ready
 from kvfleet.operator.router_load import read_router_load
+from kvfleet.operator.spec_enums import AutoscalingMode
 from kvfleet.operator.status import autoscaler_off_message, set_condition
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
+from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 
 
-INTERVAL_ENV = "KVFLEET_AUTOSCALER_INTERVAL"
+INTERVAL_ENV = env.AUTOSCALER_INTERVAL.name
 DEFAULT_INTERVAL = 15.0
 CONDITION = "ScalingActive"
 DEFAULT_MAX_NUM_SEQS = 128
 """The runtime's default ``max_num_seqs`` (kvfleet.runtime.config.EngineConfig), for the busy floor."""
 
 
-def interval_seconds(spec: Mapping[str, Any]) -> float:
+def interval_seconds(spec: spec_view.Spec | None) -> float:
     """Seconds between two reads: ``$KVFLEET_AUTOSCALER_INTERVAL``, else
-    ``spec.autoscaling.metrics.intervalSeconds``, else 15."""
-    env = os.environ.get(INTERVAL_ENV)
-    if env:
-        return max(0.1, float(env))
-    return float((((spec.get("autoscaling") or {}).get("metrics") or {}).get("intervalSeconds")) or DEFAULT_INTERVAL)
+    ``spec.autoscaling.metrics.intervalSeconds`` (the CRD's default 15), else (no spec yet) 15."""
+    interval = env.AUTOSCALER_INTERVAL.get()
+    if interval is not None:
+        return max(0.1, interval)
+    return float((spec.autoscaling.metrics.interval_seconds if spec is not None else None) or DEFAULT_INTERVAL)
 
 
 @dataclass
@@ -123,7 +138,8 @@ def wants_autoscaler(spec: Mapping[str, Any], **_: Any) -> bool:
     """Whether the loop works on an InferenceService: the operator scales it (mode
     ``operator``) or tunes it. Others (mode ``none``; mode ``hpa``, where the HPA scales)
     get no reads and no writes."""
-    return (spec.get("autoscaling") or {}).get("mode") == "operator" or bool((spec.get("tuning") or {}).get("enabled"))
+    view = spec_view.of({"spec": spec})
+    return view.autoscaling.mode == AutoscalingMode.OPERATOR or bool(view.tuning.enabled)
 
 
 def needs_retire(body: Mapping[str, Any]) -> bool:
@@ -132,7 +148,7 @@ def needs_retire(body: Mapping[str, Any]) -> bool:
     it was switched while the operator was down): the loop visits it once more to set
     ``ScalingActive=False``, reason ``OperatorAutoscalerOff``."""
     try:
-        mode = service_spec.effective_spec(body)["autoscaling"].get("mode", "none")
+        mode = spec_view.of(body).autoscaling.mode
     except (TypeError, AttributeError, KeyError, ValueError):  # a malformed spec: the reconcile reports it
         return False
     return bool(_retire_patch(body, mode))
@@ -159,22 +175,20 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     isvc = await asyncio.to_thread(kube.get, crd.KIND, namespace, name)
     if isvc is None or (isvc.get("metadata") or {}).get("deletionTimestamp"):
         return DEFAULT_INTERVAL
-    spec = service_spec.effective_spec(isvc)
+    spec = spec_view.of(isvc)
     interval = interval_seconds(spec)
-    auto, tuning_spec = spec["autoscaling"], spec["tuning"]
-    mode = auto.get("mode", "none")
-    tuning_on = bool(tuning_spec.get("enabled"))
+    mode, tuning_on = spec.autoscaling.mode, bool(spec.tuning.enabled)
     status_patch: dict[str, Any] = {}
 
-    if mode != "operator" and not tuning_on:  # leaving the loop (see wants_autoscaler)
+    if mode != AutoscalingMode.OPERATOR and not tuning_on:  # leaving the loop (see wants_autoscaler)
         await _retire(kube, isvc, mode)
         state.history, state.previous, state.last_reason = None, None, None
         return interval
 
     try:
-        config = policy.AutoscalingConfig.from_spec(auto) if mode == "operator" else None
-        tconfig = tuning.TuningConfig.from_spec(tuning_spec) if tuning_on else None
-        source = make_source(auto, namespace, client=state.http)
+        config = policy.AutoscalingConfig.from_view(spec.autoscaling) if mode == AutoscalingMode.OPERATOR else None
+        tconfig = tuning.TuningConfig.from_view(spec.tuning) if tuning_on else None
+        source = make_source(spec.autoscaling, namespace, client=state.http)
     except ValueError as e:  # the schema's CEL rules should have caught it
         status_patch.update(_condition_patch(isvc, "False", "InvalidAutoscaling", str(e)))
         if status_patch:
@@ -182,7 +196,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
         return interval
 
     now = time.time() if now is None else now
-    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, service_spec.selector_labels(isvc))
+    pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, lws.pod_selector(isvc))  # leaders only
     metrics: pod_metrics.MetricsAggregate | None
     try:
         metrics = await source.read(pods, now=now, previous=state.previous)
@@ -212,7 +226,7 @@ async def step(kube: Kube, namespace: str, name: str, state: ServiceState,
     return interval
 
 
-async def _scale(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], config: policy.AutoscalingConfig,
+async def _scale(kube: Kube, isvc: Mapping[str, Any], spec: spec_view.Spec, config: policy.AutoscalingConfig,
                  state: ServiceState, logger: logging.Logger, *, now: float, pods: list[dict[str, Any]],
                  metrics: pod_metrics.MetricsAggregate | None) -> dict[str, Any]:
     """Mode ``operator``: decide the replica count (unless a foreign autoscaler targets the
@@ -220,20 +234,20 @@ async def _scale(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], c
     namespace, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
     foreign = await asyncio.to_thread(reconcile.foreign_scalers, kube, isvc)
     if foreign:
-        message = hpa.conflict_message(foreign, "operator")
+        message = hpa.conflict_message(foreign, AutoscalingMode.OPERATOR.value)
         patch = _condition_patch(isvc, "False", "ConflictingAutoscaler", message)
         if patch:
             await _event(kube, isvc, "Warning", "ConflictingAutoscaler", message)
         state.last_reason = "ConflictingAutoscaler"
         return patch
     status_patch: dict[str, Any] = {}
-    current = int((isvc.get("spec") or {}).get("replicas", spec.get("replicas", 1)))
+    current = int(spec.replicas)  # the CRD's default 1 when unset
     ready = sum(1 for p in pods if pod_is_ready(p))
     if state.history is None:  # first look since (re)start: the down window starts now
         state.history = (policy.Recommendation(now, current),)
-    max_num_seqs = builders.effective_engine(isvc).get("maxNumSeqs") or DEFAULT_MAX_NUM_SEQS
+    max_num_seqs = builders.effective_engine(isvc, spec).max_num_seqs or DEFAULT_MAX_NUM_SEQS
     routers = None
-    if router.enabled(isvc):  # wake from zero on held requests; never 0 with requests in flight
+    if spec.router.enabled:  # wake from zero on held requests; never 0 with requests in flight
         router_pods = await asyncio.to_thread(kube.list_objects, "Pod", namespace, router.selector_labels(isvc))
         routers = await read_router_load(state.http, router_pods)
     decision = policy.decide_scale(config, now=now, current=current, ready=ready, metrics=metrics,
@@ -241,6 +255,7 @@ async def _scale(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], c
     state.history = decision.history
     if decision.changed:
         await asyncio.to_thread(kube.scale, crd.KIND, namespace, name, decision.replicas)
+        await asyncio.to_thread(lws.scale, kube, isvc, decision.replicas)  # nodes > 1: the LWS's /scale too
         state.changes.append((now, decision.current, decision.replicas))
         logger.info("%s/%s: %s", namespace, name, decision.message)
         await _event(kube, isvc, "Normal", decision.reason, decision.message, decision.inputs)
@@ -260,7 +275,7 @@ async def _scale(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], c
     return status_patch
 
 
-async def _tune(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], tconfig: tuning.TuningConfig,
+async def _tune(kube: Kube, isvc: Mapping[str, Any], spec: spec_view.Spec, tconfig: tuning.TuningConfig,
                 state: ServiceState, logger: logging.Logger, *, now: float, pods: list[dict[str, Any]],
                 metrics: pod_metrics.MetricsAggregate | None) -> tuple[dict[str, Any], bool]:
     """``spec.tuning``: the tuner's decision, its Events. Returns ``(status patch, whether
@@ -268,7 +283,9 @@ async def _tune(kube: Kube, isvc: Mapping[str, Any], spec: Mapping[str, Any], tc
     namespace, name = isvc["metadata"]["namespace"], isvc["metadata"]["name"]
     tstate = tuning.TuningState.from_status((isvc.get("status") or {}).get("engine"))
     deployment = await asyncio.to_thread(kube.get, "Deployment", namespace, service_spec.names(isvc)["deployment"])
-    decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec["engine"], metrics=metrics, pods=pods,
+    if lws.enabled(isvc):  # a multi-node service: its groups, as the rollout check reads a Deployment
+        deployment = await asyncio.to_thread(lws_status.live_view, kube, isvc)
+    decision = tuning.tune(tconfig, tstate, now=now, spec_engine=spec.engine, metrics=metrics, pods=pods,
                            hold=tuning.rollout_hold(deployment))
     patch = {"engine": decision.state.to_status()} if decision.state != tstate else {}
     held = decision.held[0] if decision.held else None

@@ -182,7 +182,7 @@ class AutoscalerLoop:
 
 def _default_interval() -> float:
     """The interval before an object's spec is known: ``$KVFLEET_AUTOSCALER_INTERVAL``, else 15 s."""
-    return interval_seconds({})
+    return interval_seconds(None)
 
 
 @kopf.on.startup(id="autoscaler-start")

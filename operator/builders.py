@@ -10,7 +10,9 @@ each with a controller ownerReference to it and the labels of
   (:class:`kvfleet.runtime.config.EngineConfig` field names), and ``lora_modules`` when LoRA
   adapters are declared (:mod:`kvfleet.operator.adapters`; not in the config hash);
 - Service ``NAME`` (port 8000, ``http``) and Deployment ``NAME`` (the runtime pods; the pod
-  template carries the config hash, so a config change rolls them);
+  template carries the config hash, so a config change rolls them), or with
+  ``spec.parallelism.nodes > 1`` LeaderWorkerSet ``NAME`` (:mod:`kvfleet.operator.lws`: a group
+  of pods per replica; the Service and the HPA then target the groups' leaders);
 - PodDisruptionBudget ``NAME`` (``spec.disruption``; ``maxUnavailable: 1`` when it sets neither field), and
   HorizontalPodAutoscaler ``NAME`` in ``spec.autoscaling.mode: hpa``.
 
@@ -21,43 +23,34 @@ A spec that cannot be built raises :class:`InvalidSpec`. The status is :mod:`kvf
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
 
-from kvfleet.operator import adapters, hpa, kv_tiers, router
+from kvfleet.operator import adapters, disagg, hpa, kv_tiers, lws, parallelism, router, spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.deployment import build_deployment
 from kvfleet.operator.service_spec import (
     CONFIG_FILE,
     PORT,
     child_meta,
-    effective_spec,
     names,
     selector_labels,
 )
+from kvfleet.operator.spec_enums import AutoscalingMode
 from kvfleet.operator.weights import model_path_in_pod, parse_model_uri
 
-# spec.engine (camelCase) -> runtime EngineConfig field (snake_case)
-ENGINE_KEYS = {
-    "blockSize": "block_size",
-    "gpuMemoryUtilization": "gpu_memory_utilization",
-    "maxNumSeqs": "max_num_seqs",
-    "maxNumBatchedTokens": "max_num_batched_tokens",
-    "maxModelLen": "max_model_len",
-    "enablePrefixCaching": "enable_prefix_caching",
-    "batchInvariant": "batch_invariant",
-    "schedulingPolicy": "scheduling_policy",
-    "dtype": "dtype",
-    "kvCacheDtype": "kv_cache_dtype",
-    "tensorParallelSize": "tensor_parallel_size",
-    "quantization": "quantization",
-    "enforceEager": "enforce_eager",
-}
+ENGINE_SECTIONS = ("speculative", "kv_cache", "extra_args")
+"""Fields of the view's ``spec.engine`` with a translation of their own (``speculative_config``,
+:mod:`kvfleet.operator.kv_tiers`, the config file's other keys)."""
+ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(spec_view.Engine) if f.name not in ENGINE_SECTIONS)
+"""Every other field of ``spec.engine``, written to the config file under its own (snake_case)
+name: the runtime's EngineConfig field of that name. A new scalar engine field of the CRD needs no
+line here (tests/unit/operator/test_engine_config.py checks that the runtime knows each)."""
 
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
                       "metrics_compat", "shutdown_timeout", "termination_log", "tool_call_parser",
@@ -79,20 +72,19 @@ TUNABLE_ENGINE_KEYS = ("blockSize", "gpuMemoryUtilization")
 # the engine config (ConfigMap)
 
 
-def effective_engine(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec.engine`` (defaulted) overlaid with the tuner's ``status.engine`` values for
-    :data:`TUNABLE_ENGINE_KEYS` when ``spec.tuning.enabled`` (camelCase keys)."""
-    spec = effective_spec(isvc)
-    engine = dict(spec["engine"])
-    if spec["tuning"].get("enabled"):
-        tuned = (isvc.get("status") or {}).get("engine") or {}
-        for key in TUNABLE_ENGINE_KEYS:
-            if tuned.get(key) is not None:
-                engine[key] = tuned[key]
-    return engine
+def effective_engine(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> spec_view.Engine:
+    """The view's ``spec.engine`` overlaid with the tuner's ``status.engine`` values for
+    :data:`TUNABLE_ENGINE_KEYS` when ``spec.tuning.enabled``."""
+    spec = spec_view.of(isvc) if spec is None else spec
+    if not spec.tuning.enabled:
+        return spec.engine
+    tuned = (isvc.get("status") or {}).get("engine") or {}
+    return dataclasses.replace(spec.engine, **{spec_view.snake(k): tuned[k] for k in TUNABLE_ENGINE_KEYS
+                                               if tuned.get(k) is not None})
 
 
-def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None = None) -> dict[str, Any]:
+def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None = None,
+                  spec: spec_view.Spec | None = None) -> dict[str, Any]:
     """The runtime's config-file content: EngineConfig field names -> values.
 
     Only keys the user set (or the CRD defaults) are written; the runtime's own defaults
@@ -102,33 +94,38 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
     Args:
         known_keys: the runtime's accepted keys (default: ``EngineConfig.model_fields`` and
             :data:`SERVER_CONFIG_KEYS`); extraArgs keys outside it raise.
+        spec: the reconcile's view of ``isvc``'s spec (default: built here).
 
     Raises:
         InvalidSpec: an ``engine.extraArgs`` key the runtime does not know
             (reason ``UnknownEngineArg``), or an extraArgs key that shadows a typed field.
     """
-    spec = effective_spec(isvc)
-    engine = effective_engine(isvc)
+    spec = spec_view.of(isvc) if spec is None else spec
+    engine = effective_engine(isvc, spec)
     known = set(_engine_config_fields() if known_keys is None else known_keys)
-    model = parse_model_uri(spec["model"]["uri"])
+    model = parse_model_uri(spec.model.uri)
     config: dict[str, Any] = {"model": model_path_in_pod(model)}
-    served = spec["model"].get("servedModelName") or (model["repo"] if model["scheme"] == "hf"
-                                                      else isvc["metadata"]["name"])
+    served = spec.model.served_model_name or (model["repo"] if model["scheme"] == "hf" else isvc["metadata"]["name"])
     config["served_model_name"] = served
-    config.update(adapters.engine_keys(isvc))  # LoRA adapters: see kvfleet.operator.adapters
+    config.update(adapters.engine_keys(spec))  # LoRA adapters: see kvfleet.operator.adapters
     # spec.engine.kvCache.tiers and the KV events precise routing reads: see kvfleet.operator.kv_tiers
-    config.update(kv_tiers.engine_keys(engine, kv_events=router.precise(isvc)))
-    for camel, snake in ENGINE_KEYS.items():
-        if engine.get(camel) is None:
+    split = parallelism.parallelism(spec)  # spec.parallelism: tensor x pipeline ranks over nodes
+    tiers_engine = dataclasses.replace(engine, tensor_parallel_size=split.world)  # any split: no KV tier
+    config.update(kv_tiers.engine_keys(tiers_engine, kv_events=router.precise(spec)))
+    for key in ENGINE_KEYS:
+        value = getattr(engine, key)
+        if value is None:
             continue
-        if snake == "tensor_parallel_size" and (int(engine[camel]) <= 1 or snake not in known):
+        if key == "tensor_parallel_size" and (int(value) <= 1 or key not in known):
             continue  # GPUs and /dev/shm still follow it; the runtime may not take the key yet
-        config[snake] = engine[camel]
-    if engine.get("speculative"):
-        config["speculative_config"] = speculative_config(engine["speculative"])
-    if router.enabled(isvc) and "drain_handoff_grace" not in (engine.get("extraArgs") or {}):
+        config[key] = value
+    config.update(parallelism.engine_keys(spec, known))
+    if engine.speculative is not None:
+        config["speculative_config"] = speculative_config(engine.speculative)
+    extra = engine.extra_args or {}
+    if spec.router.enabled and "drain_handoff_grace" not in extra:
         config["drain_handoff_grace"] = DRAIN_HANDOFF_GRACE_SECONDS  # the router's streams move on at a roll
-    for key, value in sorted((engine.get("extraArgs") or {}).items()):
+    for key, value in sorted(extra.items()):
         if key in config:
             raise InvalidSpec("ConflictingEngineArg",
                               f"engine.extraArgs.{key} duplicates a typed engine field; set that field instead")
@@ -142,9 +139,9 @@ def engine_config(isvc: Mapping[str, Any], *, known_keys: Iterable[str] | None =
     return config
 
 
-def speculative_config(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec.engine.speculative`` (camelCase) as ``--speculative-config``'s object (vLLM's
-    snake_case fields), checked as the runtime checks it.
+def speculative_config(spec: spec_view.Speculative) -> dict[str, Any]:
+    """``spec.engine.speculative`` as ``--speculative-config``'s object (vLLM's snake_case
+    fields: the view's names; the fields set), checked as the runtime checks it.
 
     Raises:
         InvalidSpec: a value the runtime would refuse (reason ``InvalidSpeculativeConfig``)."""
@@ -152,7 +149,7 @@ def speculative_config(spec: Mapping[str, Any]) -> dict[str, Any]:
 
     from kvfleet.runtime.spec_decode.config import SpeculativeConfig  # pydantic only, no torch
 
-    out = {re.sub(r"(?<!^)(?=[A-Z])", "_", key).lower(): value for key, value in spec.items()}
+    out = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if getattr(spec, f.name) is not None}
     try:
         SpeculativeConfig.model_validate(out)
     except ValidationError as exc:
@@ -178,12 +175,13 @@ def content_hash(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def build_configmap(isvc: Mapping[str, Any]) -> dict[str, Any]:
+def build_configmap(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> dict[str, Any]:
     """The ConfigMap holding ``config.yaml`` (and, with LoRA adapters declared, their list under
     ``lora_modules``: :mod:`kvfleet.operator.adapters`)."""
+    spec = spec_view.of(isvc) if spec is None else spec
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": child_meta(isvc, names(isvc)["configmap"]),
-            "data": {CONFIG_FILE: config_text(engine_config(isvc)), **adapters.configmap_data(isvc)}}
+            "data": {CONFIG_FILE: config_text(engine_config(isvc, spec=spec)), **adapters.configmap_data(spec)}}
 
 
 # ---------------------------------------------------------------------------------
@@ -198,30 +196,30 @@ def build_service(isvc: Mapping[str, Any]) -> dict[str, Any]:
                                 "appProtocol": "http"}]}}
 
 
-def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+def build_pdb(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> dict[str, Any] | None:
     """The PodDisruptionBudget: ``spec.disruption``'s field, else ``maxUnavailable: 1`` (voluntary
     disruptions take one replica at a time; with one replica a drain still proceeds)."""
-    dis = effective_spec(isvc)["disruption"]
+    dis = (spec_view.of(isvc) if spec is None else spec).disruption
     body: dict[str, Any] = {"selector": {"matchLabels": selector_labels(isvc)}}
-    if dis.get("minAvailable") is not None:
-        body["minAvailable"] = dis["minAvailable"]
+    if dis.min_available is not None:
+        body["minAvailable"] = dis.min_available
     else:
-        body["maxUnavailable"] = dis["maxUnavailable"] if dis.get("maxUnavailable") is not None else 1
+        body["maxUnavailable"] = dis.max_unavailable if dis.max_unavailable is not None else 1
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": child_meta(isvc, names(isvc)["pdb"]), "spec": body}
 
 
-def build_hpa(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+def build_hpa(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> dict[str, Any] | None:
     """The HorizontalPodAutoscaler (:func:`hpa.build_hpa`'s spec) in mode ``hpa``, else None.
 
     Raises:
         InvalidSpec: an invalid ``spec.autoscaling`` (reason ``InvalidAutoscaling``).
     """
-    spec = effective_spec(isvc)
-    if spec["autoscaling"].get("mode") != "hpa":
+    spec = spec_view.of(isvc) if spec is None else spec
+    if spec.autoscaling.mode != AutoscalingMode.HPA:
         return None
     try:
-        built = hpa.build_hpa({**isvc, "spec": spec})
+        built = hpa.build_hpa(isvc, spec=spec)
     except ValueError as e:
         raise InvalidSpec("InvalidAutoscaling", str(e)) from None
     return {"apiVersion": built["apiVersion"], "kind": built["kind"], "metadata": child_meta(isvc, names(isvc)["hpa"]),
@@ -229,7 +227,7 @@ def build_hpa(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
-                     scaled_externally: bool = False) -> list[dict[str, Any]]:
+                     scaled_externally: bool = False, spec: spec_view.Spec | None = None) -> list[dict[str, Any]]:
     """Every child the InferenceService should have, in apply order: ConfigMap, Service,
     Deployment, then the PodDisruptionBudget and the HorizontalPodAutoscaler when asked.
 
@@ -237,26 +235,37 @@ def desired_children(isvc: Mapping[str, Any], *, replicas: int | None = None,
         isvc: the InferenceService as a dict (``metadata.name``, ``metadata.uid`` required).
         replicas: override of ``spec.replicas`` for the Deployment, pods.
         scaled_externally: see :func:`kvfleet.operator.deployment.build_deployment`.
+        spec: the reconcile's view of ``isvc``'s spec (:func:`kvfleet.operator.spec_view.of`;
+            default: built here, once for every child).
 
     Raises:
         InvalidSpec: the spec cannot be built (reason and message for a Degraded condition).
     """
-    cm = build_configmap(isvc)
+    if disagg.disaggregation(isvc) is not None:  # two pools: spec.disaggregation (kvfleet.operator.disagg)
+        return disagg.desired_children(isvc, desired_children, replicas=replicas, scaled_externally=scaled_externally)
+    spec = spec_view.of(isvc) if spec is None else spec
+    cm = build_configmap(isvc, spec)
     config_hash = content_hash(adapters.hashed_data(cm["data"]))  # the LoRA adapter list never rolls pods
-    children = [cm, build_service(isvc), build_deployment(isvc, config_hash=config_hash,
-                                                          replicas=replicas, scaled_externally=scaled_externally)]
-    children += [c for c in (build_pdb(isvc), build_hpa(isvc)) if c is not None]
+    if parallelism.parallelism(spec).multi_node:  # parallelism.nodes > 1: groups of pods, see kvfleet.operator.lws
+        hpa_child = build_hpa(isvc, spec)
+        return [cm, lws.leaders_only(build_service(isvc)),
+                lws.build_leader_worker_set(isvc, config_hash=config_hash, replicas=replicas,
+                                            scaled_externally=scaled_externally, spec=spec),
+                *[c for c in (build_pdb(isvc, spec), hpa_child and lws.hpa_target(hpa_child)) if c is not None]]
+    children = [cm, build_service(isvc), build_deployment(isvc, config_hash=config_hash, replicas=replicas,
+                                                          scaled_externally=scaled_externally, spec=spec)]
+    children += [c for c in (build_pdb(isvc, spec), build_hpa(isvc, spec)) if c is not None]
     return children
 
 
-def model_claim(isvc: Mapping[str, Any]) -> str | None:
+def model_claim(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> str | None:
     """The PersistentVolumeClaim the model volume mounts (``download.claimName`` of an
     ``hf://`` model, the claim of a ``pvc://`` one), or None."""
     try:
-        spec = effective_spec(isvc)
-        model = parse_model_uri(spec["model"]["uri"])
-    except (InvalidSpec, KeyError, TypeError):
+        spec = spec_view.of(isvc) if spec is None else spec
+        model = parse_model_uri(spec.model.uri)
+    except (InvalidSpec, KeyError, TypeError, AttributeError):
         return None
     if model["scheme"] == "pvc":
         return model["claim"]
-    return spec["model"]["download"].get("claimName") if model["scheme"] == "hf" else None
+    return spec.model.download.claim_name if model["scheme"] == "hf" else None

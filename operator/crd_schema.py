@@ -1,6 +1,6 @@
 """The structural OpenAPI v3 schema of the ``InferenceService`` CRD: types, defaults, enums,
 ranges and the CEL rules (``x-kubernetes-validations``), one block per part of the spec
-(:data:`MODEL`, :data:`RUNTIME`, :data:`ENGINE`, :data:`AUTOSCALING`, :data:`TUNING`,
+(:data:`MODEL`, :data:`RUNTIME`, :data:`ENGINE`, :data:`PARALLELISM`, :data:`AUTOSCALING`, :data:`TUNING`,
 :data:`ROLLOUT`, :data:`DISRUPTION`, :data:`ROUTER`) and the status, all in
 :data:`OPENAPI_SCHEMA`.
 
@@ -12,6 +12,25 @@ its generated files are :mod:`kvfleet.operator.crd`.
 from __future__ import annotations
 
 from typing import Any
+
+from kvfleet.operator.parallelism_schema import PARALLELISM
+from kvfleet.operator.spec_enums import (
+    AutoscalingMode,
+    ConditionStatus,
+    Dtype,
+    FailureMode,
+    ImagePullPolicy,
+    KVCacheDtype,
+    KVTierType,
+    MetricsSource,
+    Quantization,
+    RolloutStrategy,
+    RouterAlgorithm,
+    SchedulingPolicy,
+    SpeculativeMethod,
+    values,
+)
+from kvfleet.runtime.router import routing
 
 BLOCK_SIZES = [8, 16, 32, 64, 128]
 MODEL_URI_SCHEMES = ["hf://", "pvc://", "file:///"]
@@ -148,7 +167,7 @@ RUNTIME = _obj("The runtime pods.", {
     "image": _str("Runtime container image (default: the operator's, env KVFLEET_RUNTIME_IMAGE, "
                   "which the chart's runtimeImage value sets; else " + DEFAULT_IMAGE + ").", max_length=1024),
     "imagePullPolicy": {"type": "string", "description": "Image pull policy.",
-                        "enum": ["Always", "IfNotPresent", "Never"], "default": "IfNotPresent"},
+                        "enum": values(ImagePullPolicy), "default": ImagePullPolicy.IF_NOT_PRESENT.value},
     "resources": RESOURCES,
     "env": _opaque("Extra environment variables (core EnvVar objects).", "array"),
     "nodeSelector": {"type": "object", "description": "Node selector of the runtime pods.",
@@ -174,7 +193,7 @@ KV_CACHE = _obj(
     "KV cache tiers beyond each replica's memory (docs/routing.md, \"Peer KV pull\" and \"Disk tier\"): "
     "the runtime's --kv-transfer-config.",
     {"tiers": {
-        "type": "array", "maxItems": 2, "default": [{"type": "peer"}],
+        "type": "array", "maxItems": 2, "default": [{"type": KVTierType.PEER.value}],
         "description": "peer (the default, [{type: peer}]): a replica pulls a prompt's missing prefix blocks from "
                        "the replica the router names in a hint signed with the service's fleet Secret (the "
                        "replicas publish KV events). disk: every cached block is written through to a bounded "
@@ -182,7 +201,7 @@ KV_CACHE = _obj(
                        "node (hostPath) starts warm. []: neither, and no KV events unless the router's algorithm "
                        "reads them.",
         "items": _obj("One tier.", {
-            "type": {"type": "string", "enum": ["peer", "disk"], "description": "The tier."},
+            "type": {"type": "string", "enum": values(KVTierType), "description": "The tier."},
             "minPullBlocks": _int("peer: pull only when this many leading blocks are missing.", minimum=1,
                                   maximum=65536),
             "maxConcurrentPulls": _int("peer: pulls in flight at once per replica.", minimum=1, maximum=64),
@@ -222,22 +241,22 @@ ENGINE = _obj("Engine settings, written to the runtime's config file (a ConfigMa
     "batchInvariant": _bool("Outputs independent of the batch (kvfleet serve --batch-invariant, on by default); "
                             "false: native bf16 prefill on AVX512-BF16 / AMX CPUs, faster, batch-dependent."),
     "schedulingPolicy": {"type": "string", "description": "Order of waiting requests.",
-                         "enum": ["fcfs", "priority", "fair"]},
+                         "enum": values(SchedulingPolicy)},
     "dtype": {"type": "string", "description": "Weights and activations dtype.",
-              "enum": ["auto", "float32", "float16", "bfloat16"]},
+              "enum": values(Dtype)},
     "kvCacheDtype": {"type": "string", "description": "KV cache dtype (kvfleet serve --kv-cache-dtype): auto "
                      "(the activation dtype), float32, or bfloat16 (CPU: half the cache bytes, activations float32).",
-                     "enum": ["auto", "float32", "bfloat16"]},
+                     "enum": values(KVCacheDtype)},
     "tensorParallelSize": _int("GPUs one model replica is split over.", minimum=1, maximum=16, default=1),
     "quantization": {"type": "string", "description": "Weight-only quantization of the linear layers "
                      "(torchao): int8 (CPU and GPU) or int4 (CPU); unset: weights in dtype.",
-                     "enum": ["int8", "int4"]},
+                     "enum": values(Quantization)},
     "enforceEager": _bool("Run the model eagerly, without torch.compile (kvfleet serve --enforce-eager)."),
     "speculative": _obj(
         "Speculative decoding (kvfleet serve --speculative-config, vLLM's fields): model-free drafts "
         "verified in one step; greedy output unchanged. Unset: off.", {
             "method": {"type": "string", "description": "ngram: prompt lookup; suffix: suffix decoding.",
-                       "enum": ["ngram", "suffix"], "default": "ngram"},
+                       "enum": values(SpeculativeMethod), "default": SpeculativeMethod.NGRAM.value},
             "numSpeculativeTokens": _int("Most tokens proposed per step (k).", minimum=1, maximum=16),
             "promptLookupMax": _int("ngram: the longest n-gram looked up.", minimum=1, maximum=64),
             "promptLookupMin": _int("ngram: the shortest n-gram looked up.", minimum=1, maximum=64),
@@ -263,7 +282,7 @@ AUTOSCALING = _obj(
     "writes the scale subresource; hpa: the operator creates an autoscaling/v2 HPA on the "
     "queue-depth metric that targets this resource's scale subresource.",
     {
-        "mode": {"type": "string", "enum": ["none", "operator", "hpa"], "default": "none",
+        "mode": {"type": "string", "enum": values(AutoscalingMode), "default": AutoscalingMode.NONE.value,
                  "description": "Who scales."},
         "minReplicas": _int("Fewest replicas (0 allows scale to zero with mode operator; with mode "
                             "hpa it acts as 1, since an HPA cannot scale to zero without the "
@@ -283,7 +302,7 @@ AUTOSCALING = _obj(
                                                "recommendation over this window (HPA algorithm).",
                                                minimum=0, maximum=3600, default=300)}),
         "metrics": _obj("Where the operator's autoscaler reads the pods' metrics.", {
-            "source": {"type": "string", "enum": ["pods", "prometheus"], "default": "pods",
+            "source": {"type": "string", "enum": values(MetricsSource), "default": MetricsSource.PODS.value,
                        "description": "pods: scrape each ready pod's /metrics; prometheus: query "
                                       "prometheusUrl."},
             "prometheusUrl": _str("Base URL of a Prometheus server.", max_length=1024),
@@ -321,7 +340,7 @@ TUNING = _obj(
 )
 
 ROLLOUT = _obj("How new pods replace old ones.", {
-    "strategy": {"type": "string", "enum": ["Availability", "ResourceAware"], "default": "Availability",
+    "strategy": {"type": "string", "enum": values(RolloutStrategy), "default": RolloutStrategy.AVAILABILITY.value,
                  "description": "Availability: surge one pod, never go below the replica count "
                                 "(maxSurge 1, maxUnavailable 0). ResourceAware: no surge, for "
                                 "clusters without a spare GPU (maxSurge 0, maxUnavailable 1)."},
@@ -356,14 +375,9 @@ ROUTER = _obj(
                                        "finish for at most this long (kvfleet router --shutdown-timeout), after a "
                                        "10 s preStop sleep; its terminationGracePeriodSeconds is 15 s more.",
                                        minimum=0, maximum=86400, default=30),
-        "algorithm": {"type": "string",
-                      "enum": ["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"],
-                      "default": "precise-prefix-cache",
-                      "description": "precise-prefix-cache (default): the replica caching the longest prefix of "
-                                     "the prompt's KV blocks, from the replicas' KV events (the operator turns "
-                                     "them on), within CHWBL's bound; prefix-hash: consistent hashing with bounded "
-                                     "loads on the prompt's characters, over least load; least-load; round-robin "
-                                     "(for comparison)."},
+        "algorithm": {"type": "string", "enum": values(RouterAlgorithm), "default": routing.DEFAULT.value,
+                      "description": "How the router picks a replica (kvfleet router --routing-algorithm). "
+                                     + routing.describe() + "."},
         "prefixChars": _int("Characters of the prompt the prefix key covers.", minimum=1, maximum=65536,
                             default=256),
         "loadFactor": _num("CHWBL bound: a replica takes at most ceil(loadFactor x mean load) before its "
@@ -386,17 +400,43 @@ ROUTER = _obj(
                 "endpointPickerRef": _obj("The endpoint picker Service of the cluster's GIE install.", {
                     "name": _str("Service name of the endpoint picker."),
                     "port": _int("Its gRPC port.", minimum=1, maximum=65535, default=9002),
-                    "failureMode": {"type": "string", "enum": ["FailOpen", "FailClose"],
+                    "failureMode": {"type": "string", "enum": values(FailureMode),
                                     "description": "What the gateway does when the picker does not answer."},
                 }, required=["name"]),
             }),
     },
 )
 
+
+
+def _no_defaults(schema: Any) -> Any:
+    """``schema`` without its ``default`` values (an override that must not reset what it omits)."""
+    if isinstance(schema, dict):
+        return {k: _no_defaults(v) for k, v in schema.items() if k != "default"}
+    return [_no_defaults(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def _pool(role: str, work: str) -> dict[str, Any]:
+    return _obj(f"The {role} pool: {work}.", {
+        "replicas": _int(f"{role.capitalize()} pods.", minimum=0, maximum=1000, default=1),
+        "engine": {**_no_defaults(ENGINE),
+                   "description": f"Engine settings of the {role} pods over spec.engine (the fields given)."},
+    })
+
+
+DISAGGREGATION = _obj(
+    "Prefill/decode disaggregation (needs router.enabled): the router computes each prompt on a prefill pod "
+    "(Deployment <name>-prefill, Service <name>-prefill), whose blocks a decode pod (Deployment and Service "
+    "<name>; the autoscaler's decisions apply to it) pulls over /kv_blocks to decode. Absent: every pod does both.", {
+        "prefill": _pool("prefill", "computes the prompts and holds their KV blocks until read"),
+        "decode": _pool("decode", "pulls the blocks and streams the tokens"),
+    }, required=["prefill", "decode"])
+
 SPEC = _obj("Desired state of an InferenceService.", {
     "model": MODEL,
     "runtime": RUNTIME,
     "engine": ENGINE,
+    "parallelism": PARALLELISM,
     "replicas": _int("Runtime pods. Written by the autoscaler through the scale subresource when "
                      "autoscaling.mode is not none.", minimum=0, maximum=1000, default=1),
     "autoscaling": AUTOSCALING,
@@ -404,11 +444,12 @@ SPEC = _obj("Desired state of an InferenceService.", {
     "rollout": ROLLOUT,
     "disruption": DISRUPTION,
     "router": ROUTER,
+    "disaggregation": DISAGGREGATION,
 }, required=["model"])
 
 CONDITION = _obj("A kstatus condition.", {
     "type": _str("Ready, Progressing, Degraded, ..."),
-    "status": {"type": "string", "enum": ["True", "False", "Unknown"], "description": "Condition status."},
+    "status": {"type": "string", "enum": values(ConditionStatus), "description": "Condition status."},
     "reason": _str("CamelCase reason.", max_length=1024),
     "message": _str("Human-readable detail.", max_length=32768),
     "lastTransitionTime": {"type": "string", "format": "date-time",

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import adapters, fleet_secret, kv_tiers, router
+from kvfleet.operator import adapters, fleet_secret, kv_tiers, router, spec_view
 from kvfleet.operator.service_spec import (
     ANNOTATION_CONFIG_HASH,
     CACHE_DIR,
@@ -25,7 +25,6 @@ from kvfleet.operator.service_spec import (
     PRESTOP_SECONDS,
     RUNTIME_UID,
     child_meta,
-    effective_spec,
     gpu_count,
     labels,
     names,
@@ -33,6 +32,7 @@ from kvfleet.operator.service_spec import (
     shm_size,
     termination_grace_seconds,
 )
+from kvfleet.operator.spec_enums import RolloutStrategy
 from kvfleet.operator.weights import (
     MODELS_DIR,
     model_path_in_pod,
@@ -41,6 +41,12 @@ from kvfleet.operator.weights import (
     progress_deadline_seconds,
     startup_seconds,
 )
+from kvfleet.runtime import env as kvenv
+
+
+def _plain(value: Any) -> Any:
+    """A view's tuple back as the list a child carries."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _container_security() -> dict[str, Any]:
@@ -48,24 +54,23 @@ def _container_security() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]}}
 
 
-def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
-    dl = spec["model"]["download"]
+def _download_container(spec: spec_view.Spec, model: Mapping[str, Any]) -> dict[str, Any]:
+    dl = spec.model.download
     env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}, {"name": "HOME", "value": "/tmp"}]
-    token = spec["model"].get("hfTokenSecretRef")
+    token = spec.model.hf_token_secret_ref
     if token:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": token["name"], "key": token.get("key") or "token"}}})
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}})
     dest = model_path_in_pod({**model, "file": None})
     args = ["-m", "kvfleet.operator.fetch", "--repo", str(model["repo"]), "--dest", dest,
-            "--timeout", str(dl["timeoutSeconds"]), "--retries", str(dl["retries"])]
+            "--timeout", str(dl.timeout_seconds), "--retries", str(dl.retries)]
     if model["revision"]:
         args += ["--revision", str(model["revision"])]
-    for pattern in [model["file"]] if model.get("file") else dl.get("allowPatterns") or []:
+    for pattern in [model["file"]] if model.get("file") else dl.allow_patterns or []:
         args += ["--allow-pattern", str(pattern)]   # a GGUF file: that file alone (config and tokenizer are in it)
     return {
         "name": "fetch-model",
-        "image": spec["runtime"]["image"],
-        "imagePullPolicy": spec["runtime"]["imagePullPolicy"],
+        "image": spec.runtime.image,
+        "imagePullPolicy": spec.runtime.image_pull_policy,
         "command": ["python"],
         "args": args,
         "env": env,
@@ -77,16 +82,16 @@ def _download_container(spec: Mapping[str, Any], model: Mapping[str, Any]) -> di
     }
 
 
-def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _resources(spec: spec_view.Spec) -> dict[str, Any]:
     """The runtime container's requests and limits (memory and GPUs limited to what is requested)."""
-    res = spec["runtime"]["resources"]
+    res = spec.runtime.resources
     gpus = gpu_count(spec)
     requests: dict[str, Any] = {}
     limits: dict[str, Any] = {}
-    if res.get("cpu") is not None:
-        requests["cpu"] = str(res["cpu"])
-    if res.get("memory") is not None:
-        requests["memory"] = limits["memory"] = str(res["memory"])
+    if res.cpu is not None:
+        requests["cpu"] = str(res.cpu)
+    if res.memory is not None:
+        requests["memory"] = limits["memory"] = str(res.memory)
     if gpus:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(gpus)
     resources: dict[str, Any] = {}
@@ -97,26 +102,26 @@ def _resources(spec: Mapping[str, Any]) -> dict[str, Any]:
     return resources
 
 
-def _runtime_env(isvc: Mapping[str, Any], rt: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _runtime_env(isvc: Mapping[str, Any], spec: spec_view.Spec) -> list[dict[str, Any]]:
     """The runtime container's environment: cache paths, offline hub, the API key, LoRA, the user's."""
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
-        {"name": "KVFLEET_CACHE_DIR", "value": f"{CACHE_DIR}/kvfleet"},
+        {"name": kvenv.CACHE_DIR.name, "value": f"{CACHE_DIR}/kvfleet"},
         {"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
     ]
-    key_ref = rt.get("apiKeySecretRef")
-    if key_ref:
-        env.append({"name": "KVFLEET_API_KEY", "valueFrom": {"secretKeyRef": {
-            "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}})
+    rt = spec.runtime
+    if rt.api_key_secret_ref:
+        env.append({"name": kvenv.SERVE_OPTION.name("api_key"), "valueFrom": {"secretKeyRef": {
+            "name": rt.api_key_secret_ref.name, "key": rt.api_key_secret_ref.key}}})
     env.append(fleet_secret.env_entry(isvc))  # peer hints, /kv_blocks, pulls: this service's fleet only
-    env += adapters.pod_env(isvc, names(isvc)["configmap"])
-    env += copy.deepcopy(rt.get("env") or [])
+    env += adapters.pod_env(spec, names(isvc)["configmap"])
+    env += copy.deepcopy(list(rt.env or []))
     return env
 
 
-def _storage(isvc: Mapping[str, Any], spec: Mapping[str, Any],
+def _storage(isvc: Mapping[str, Any], spec: spec_view.Spec,
              model: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """``(runtime mounts, pod volumes, init containers)``: config, caches, /dev/shm, the
     model volume of the URI's scheme (fetched by an init container for ``hf://``) and the KV
@@ -135,7 +140,7 @@ def _storage(isvc: Mapping[str, Any], spec: Mapping[str, Any],
     ]
     init_containers: list[dict[str, Any]] = []
     if model["scheme"] == "hf":
-        claim = spec["model"]["download"].get("claimName")
+        claim = spec.model.download.claim_name
         if claim:
             volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": claim}})
         else:
@@ -149,25 +154,25 @@ def _storage(isvc: Mapping[str, Any], spec: Mapping[str, Any],
     elif model["scheme"] == "pvc":
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": model["claim"], "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-    disk_mounts, disk_volumes = kv_tiers.disk_volume(spec["engine"])  # spec.engine.kvCache.tiers
+    disk_mounts, disk_volumes = kv_tiers.disk_volume(spec.engine)  # spec.engine.kvCache.tiers
     return mounts + disk_mounts, volumes + disk_volumes, init_containers
 
 
-def _runtime_container(isvc: Mapping[str, Any], spec: Mapping[str, Any], resources: dict[str, Any],
+def _runtime_container(isvc: Mapping[str, Any], spec: spec_view.Spec, resources: dict[str, Any],
                        mounts: list[dict[str, Any]]) -> dict[str, Any]:
     """The ``runtime`` container: ``kvfleet serve`` on the config file, its probes (the startup
     probe's budget from :func:`~kvfleet.operator.weights.startup_seconds`), the preStop sleep."""
-    rt = spec["runtime"]
+    rt = spec.runtime
     probe_period = 10
     container: dict[str, Any] = {
         "name": "runtime",
-        "image": rt["image"],
-        "imagePullPolicy": rt["imagePullPolicy"],
+        "image": rt.image,
+        "imagePullPolicy": rt.image_pull_policy,
         "command": ["kvfleet"],
         "args": ["serve", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}", "--host", "0.0.0.0", "--port", str(PORT)],
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"},
-                  *kv_tiers.events_ports(spec["engine"], kv_events=router.precise(isvc))],
-        "env": _runtime_env(isvc, rt),
+                  *kv_tiers.events_ports(spec.engine, kv_events=router.precise(spec))],
+        "env": _runtime_env(isvc, spec),
         "startupProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": probe_period,
                          "timeoutSeconds": 5,
                          "failureThreshold": max(1, math.ceil(startup_seconds(spec) / probe_period))},
@@ -187,11 +192,11 @@ def _runtime_container(isvc: Mapping[str, Any], spec: Mapping[str, Any], resourc
     return container
 
 
-def _pod_spec(isvc: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any]:
+def _pod_spec(isvc: Mapping[str, Any], spec: spec_view.Spec) -> dict[str, Any]:
     """The pod template's ``spec``: the runtime container, its volumes and init container, the
     pod security context, the grace period and the user's scheduling fields."""
-    rt = spec["runtime"]
-    model = parse_model_uri(spec["model"]["uri"])
+    rt = spec.runtime
+    model = parse_model_uri(spec.model.uri)
     resources = _resources(spec)  # before the storage: the GPU check's error comes first, as it always has
     mounts, volumes, init_containers = _storage(isvc, spec, model)
     pod_spec: dict[str, Any] = {
@@ -203,14 +208,16 @@ def _pod_spec(isvc: Mapping[str, Any], spec: Mapping[str, Any]) -> dict[str, Any
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
-    for key in ("nodeSelector", "tolerations", "affinity", "serviceAccountName", "imagePullSecrets"):
-        if rt.get(key):
-            pod_spec[key] = copy.deepcopy(rt[key])
+    for key in ("node_selector", "tolerations", "affinity", "service_account_name"):
+        if getattr(rt, key):
+            pod_spec[rt._keys[key]] = copy.deepcopy(_plain(getattr(rt, key)))
+    if rt.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in rt.image_pull_secrets]
     return pod_spec
 
 
 def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int | None = None,
-                     scaled_externally: bool = False) -> dict[str, Any]:
+                     scaled_externally: bool = False, spec: spec_view.Spec | None = None) -> dict[str, Any]:
     """The Deployment of runtime pods.
 
     Args:
@@ -219,23 +226,23 @@ def build_deployment(isvc: Mapping[str, Any], *, config_hash: str, replicas: int
         replicas: override of ``spec.replicas`` (the autoscaler's decision), pods.
         scaled_externally: an autoscaler targets the Deployment itself: leave ``replicas`` out
             (the operator stops writing it, so the two do not fight).
+        spec: the reconcile's view of ``isvc``'s spec (default: built here).
 
     Raises:
         InvalidSpec: see :func:`~kvfleet.operator.service_spec.gpu_count`,
             :func:`~kvfleet.operator.weights.parse_model_uri`.
     """
-    spec = effective_spec(isvc)
+    spec = spec_view.of(isvc) if spec is None else spec
     pod_spec = _pod_spec(isvc, spec)  # raises first: an invalid spec builds nothing
     pod_annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(PORT),
         "prometheus.io/path": "/metrics",
-        **dict(spec["runtime"].get("podAnnotations") or {}),
+        **dict(spec.runtime.pod_annotations or {}),
         ANNOTATION_CONFIG_HASH: config_hash,
     }
-    strategy = spec["rollout"]["strategy"]
-    surge, unavailable = (1, 0) if strategy == "Availability" else (0, 1)
-    count = {} if scaled_externally else {"replicas": int(spec["replicas"] if replicas is None else replicas)}
+    surge, unavailable = (1, 0) if spec.rollout.strategy == RolloutStrategy.AVAILABILITY else (0, 1)
+    count = {} if scaled_externally else {"replicas": int(spec.replicas if replicas is None else replicas)}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": child_meta(isvc, names(isvc)["deployment"]),

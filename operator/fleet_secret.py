@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfleet.operator import service_spec
+from kvfleet.runtime import env
 
 KEY = "secret"
-ENV = "KVFLEET_FLEET_SECRET"
+ENV = env.FLEET_SECRET.name
 
 
 def name(isvc: Mapping[str, Any]) -> str:

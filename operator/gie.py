@@ -17,8 +17,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import router as router_children
-from kvfleet.operator import service_spec
+from kvfleet.operator import service_spec, spec_view
 
 GROUP = "inference.networking.k8s.io"
 VERSION = "v1"
@@ -26,22 +25,23 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferencePool"
 
 
-def enabled(isvc: Mapping[str, Any]) -> bool:
-    return bool(router_children.router_spec(isvc)["inferencePool"].get("enabled"))
+def enabled(isvc: Mapping[str, Any], view: spec_view.Spec | None = None) -> bool:
+    """``spec.router.inferencePool.enabled``."""
+    return bool((spec_view.of(isvc) if view is None else view).router.inference_pool.enabled)
 
 
-def build_inference_pool(isvc: Mapping[str, Any]) -> dict[str, Any] | None:
+def build_inference_pool(isvc: Mapping[str, Any], view: spec_view.Spec | None = None) -> dict[str, Any] | None:
     """The ``InferencePool`` named like the InferenceService, or None when not enabled."""
-    if not enabled(isvc):
+    view = spec_view.of(isvc) if view is None else view
+    if not enabled(isvc, view):
         return None
-    pool = router_children.router_spec(isvc)["inferencePool"]
     spec: dict[str, Any] = {"selector": {"matchLabels": service_spec.selector_labels(isvc)},
                             "targetPorts": [{"number": service_spec.PORT}]}
-    epp = pool.get("endpointPickerRef")
+    epp = view.router.inference_pool.endpoint_picker_ref
     if epp:
-        ref: dict[str, Any] = {"name": epp["name"], "port": {"number": int(epp.get("port", 9002))}}
-        if epp.get("failureMode"):
-            ref["failureMode"] = epp["failureMode"]
+        ref: dict[str, Any] = {"name": epp.name, "port": {"number": int(epp.port)}}
+        if epp.failure_mode:
+            ref["failureMode"] = epp.failure_mode
         spec["endpointPickerRef"] = ref
     meta = {"name": isvc["metadata"]["name"], "namespace": isvc["metadata"].get("namespace") or "default",
             "labels": service_spec.labels(isvc), "ownerReferences": [service_spec.owner_reference(isvc)]}

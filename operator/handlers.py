@@ -13,7 +13,6 @@ All settings live in the one start-up handler :func:`configure` (see docs/operat
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import kopf
@@ -21,6 +20,7 @@ import kopf
 from kvfleet.operator import builders, crd, reconcile
 from kvfleet.operator.kube import ApiError, Kube, make_kube
 from kvfleet.operator.service_spec import FIELD_MANAGER, LABEL_ISVC, LABEL_MANAGED_BY
+from kvfleet.runtime import env
 
 DIFFBASE_PREFIX = "kvfleet.io"
 DIFFBASE_KEY = "last-handled-configuration"
@@ -34,6 +34,7 @@ CHILD_RESOURCES = [
     ("apps", "v1", "deployments"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),  # kopf skips it (a warning) where LWS is not installed
 ]
 
 MANAGED = {LABEL_MANAGED_BY: FIELD_MANAGER}
@@ -65,7 +66,7 @@ def configure(settings: kopf.OperatorSettings, memo: Any, logger: logging.Logger
     settings.networking.connect_timeout = 10
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.peering.lifetime = int(os.environ.get("KVFLEET_PEERING_LIFETIME", "30"))
+    settings.peering.lifetime = env.PEERING_LIFETIME.get()
     if not settings.peering.mandatory:  # no --peering NAME: use ours when it exists, else run alone
         settings.peering.name = DEFAULT_PEERING
     memo.kube = make_kube()

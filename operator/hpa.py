@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvfleet.operator import spec_view
 from kvfleet.operator.policy import AutoscalingConfig
 
 HPA_METRIC = "kvfleet_num_requests_waiting"
@@ -25,7 +26,8 @@ def _quantity(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{int(round(x * 1000))}m"
 
 
-def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None, *,
+              spec: spec_view.Spec | None = None) -> dict[str, Any]:
     """The ``autoscaling/v2`` HorizontalPodAutoscaler for an InferenceService in mode ``hpa``.
 
     It targets the InferenceService's own scale subresource (``kvfleet.io/v1alpha1``,
@@ -35,10 +37,11 @@ def build_hpa(isvc: Mapping[str, Any], labels: Mapping[str, str] | None = None) 
     stabilization windows as ``behavior``. ``minReplicas`` is at least 1: an HPA cannot scale
     to zero without the HPAScaleToZero feature gate. The ownerReference points at the
     InferenceService (its uid when it has one). Raises ValueError on an invalid
-    ``spec.autoscaling`` (see :meth:`AutoscalingConfig.from_spec`).
+    ``spec.autoscaling`` (see :meth:`AutoscalingConfig.from_view`). ``spec``: the view of
+    ``isvc``'s spec (default: built here).
     """
     meta = isvc.get("metadata", {})
-    cfg = AutoscalingConfig.from_spec((isvc.get("spec") or {}).get("autoscaling"))
+    cfg = AutoscalingConfig.from_view((spec_view.of(isvc) if spec is None else spec).autoscaling)
     name = meta["name"]
     owner = {
         "apiVersion": "kvfleet.io/v1alpha1",

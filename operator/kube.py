@@ -2,7 +2,8 @@
 
 - :class:`Kube` reads (``get``, ``list_objects``) and writes (``apply``: server-side apply,
   force, field manager ``kvfleet-operator``; ``create``, ``delete``, ``patch_status``,
-  ``scale``) the kinds in :data:`KINDS`, over a ``kubernetes.client.ApiClient``;
+  ``scale``) the kinds in :data:`KINDS`, and asks API discovery whether a kind is ``served``,
+  over a ``kubernetes.client.ApiClient``;
 - every failure is an :class:`ApiError` (HTTP status, 0 for a connection error); a missing
   object is ``None`` from ``get`` and no error from ``delete``;
 - :func:`make_kube` builds one from the in-cluster service account, else ``$KUBECONFIG``.
@@ -39,6 +40,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
     "ClusterKopfPeering": ("kopf.dev/v1", "clusterkopfpeerings"),
     "KopfPeering": ("kopf.dev/v1", "kopfpeerings"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     crd.KIND: (crd.API_VERSION, crd.PLURAL),
 }
 
@@ -112,6 +114,17 @@ class Kube:
             items = [o for o in items
                      if all(((o.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in selector.items())]
         return items
+
+    def served(self, api_version: str, plural: str) -> bool:
+        """Whether the cluster serves ``plural`` in ``api_version`` (API discovery, which every
+        client may read: a CRD's API is there once the CRD is established)."""
+        try:
+            found = self._call("GET", self.path(api_version, "", None).rstrip("/")) or {}
+        except ApiError as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources") or [])
 
     def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set ``spec.replicas`` through the scale subresource (JSON merge patch of the

@@ -29,29 +29,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.crd import InvalidSpec
+from kvfleet.operator.spec_enums import KVTierType
 
 DEFAULT_DISK_PATH = "/var/cache/kvfleet/kv"
 KV_EVENTS_ENDPOINT = "tcp://*:5557"
 VOLUME = "kv-disk"
-DEFAULT_TIERS = ({"type": "peer"},)
-"""The tiers of a service whose ``kvCache.tiers`` is absent (the CRD's default too)."""
+DEFAULT_TIERS = spec_view.section(crd_schema.KV_CACHE, {}).tiers
+"""The tiers of a service whose ``kvCache`` is absent: the CRD's default (the peer tier)."""
 
 
-def tiers(engine: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
-    """The tiers of an (effective) ``spec.engine``, by type (absent: :data:`DEFAULT_TIERS`, but none
-    with ``tensorParallelSize`` > 1, where each rank caches only a share of the heads).
+def tiers(engine: spec_view.Engine) -> dict[str, Any]:
+    """The tiers of a view's ``spec.engine``, by type (views of ``kvCache.tiers`` items; absent:
+    :data:`DEFAULT_TIERS`, but none with ``tensorParallelSize`` > 1, where each rank caches only a
+    share of the heads).
 
     Raises:
         InvalidSpec: tiers listed with ``tensorParallelSize`` > 1 (the runtime would refuse them)."""
-    listed = (engine.get("kvCache") or {}).get("tiers")
-    tensor_parallel = int(engine.get("tensorParallelSize") or 1) > 1
+    listed = engine.kv_cache.tiers if engine.kv_cache is not None else None
+    tensor_parallel = int(engine.tensor_parallel_size or 1) > 1
     if listed and tensor_parallel:
         raise InvalidSpec("InvalidKVCacheTier", "engine.kvCache.tiers: not with tensorParallelSize > 1 (each rank "
                                                 "caches only its share of the KV heads)")
     if listed is None:
         listed = () if tensor_parallel else DEFAULT_TIERS
-    return {t["type"]: t for t in listed}
+    return {t.type: t for t in listed}
 
 
 def _bytes(size: Any) -> int:
@@ -66,14 +69,14 @@ def _bytes(size: Any) -> int:
     return value
 
 
-def _events_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
+def _events_keys(engine: spec_view.Engine) -> dict[str, Any]:
     """``{"kv_events_config": ...}`` publishing on :data:`KV_EVENTS_ENDPOINT`, or ``{}`` when
     ``extraArgs`` sets its own (checked: it must publish over ZMQ).
 
     Raises:
         InvalidSpec: ``extraArgs.kv_events_config`` with events off or ``publisher: null``.
     """
-    own = (engine.get("extraArgs") or {}).get("kv_events_config")
+    own = (engine.extra_args or {}).get("kv_events_config")
     if own is None:
         return {"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
                                      "endpoint": KV_EVENTS_ENDPOINT, "include_token_ids": False}}
@@ -84,7 +87,7 @@ def _events_keys(engine: Mapping[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def engine_keys(engine: Mapping[str, Any], *, kv_events: bool = False) -> dict[str, Any]:
+def engine_keys(engine: spec_view.Engine, *, kv_events: bool = False) -> dict[str, Any]:
     """The runtime config keys of the tiers and of the replicas' KV events (empty with neither).
 
     Args:
@@ -96,59 +99,59 @@ def engine_keys(engine: Mapping[str, Any], *, kv_events: bool = False) -> dict[s
             that publishes nothing while events are needed.
     """
     by_type = tiers(engine)
-    extra = engine.get("extraArgs") or {}
-    keys: dict[str, Any] = _events_keys(engine) if kv_events or "peer" in by_type else {}
-    if not (kv_events or "peer" in by_type) and "kv_events_config" not in extra:
+    extra = engine.extra_args or {}
+    keys: dict[str, Any] = _events_keys(engine) if kv_events or KVTierType.PEER in by_type else {}
+    if not (kv_events or KVTierType.PEER in by_type) and "kv_events_config" not in extra:
         keys["kv_events_config"] = None  # off, not the runtime's default
     if not by_type:
         if "kv_transfer_config" not in extra:
             keys["kv_transfer_config"] = None
         return keys
     transfer: dict[str, Any] = {"kv_connector": "PeerPullConnector",
-                                "kv_role": "kv_both" if "peer" in by_type else "kv_producer"}
-    peer = by_type.get("peer")
+                                "kv_role": "kv_both" if KVTierType.PEER in by_type else "kv_producer"}
+    peer = by_type.get(KVTierType.PEER)
     if peer is not None:
-        for camel, snake in (("minPullBlocks", "min_pull_blocks"), ("maxConcurrentPulls", "max_concurrent_pulls")):
-            if peer.get(camel) is not None:
-                transfer[snake] = peer[camel]
-    disk = by_type.get("disk")
+        for name in ("min_pull_blocks", "max_concurrent_pulls"):
+            if getattr(peer, name) is not None:
+                transfer[name] = getattr(peer, name)
+    disk = by_type.get(KVTierType.DISK)
     if disk is not None:
-        transfer["disk_path"] = disk.get("path") or DEFAULT_DISK_PATH
-        transfer["disk_max_bytes"] = _bytes(disk["size"])
+        transfer["disk_path"] = disk.path or DEFAULT_DISK_PATH
+        transfer["disk_max_bytes"] = _bytes(disk.size)
     if "kv_transfer_config" not in extra:
         keys["kv_transfer_config"] = transfer
     return keys
 
 
-def events_ports(engine: Mapping[str, Any], *, kv_events: bool = False) -> list[dict[str, Any]]:
+def events_ports(engine: spec_view.Engine, *, kv_events: bool = False) -> list[dict[str, Any]]:
     """The runtime container's ``kv-events`` port when the operator writes ``kv_events_config``."""
-    wanted = kv_events or "peer" in tiers(engine)
-    if not wanted or "kv_events_config" in (engine.get("extraArgs") or {}):
+    wanted = kv_events or KVTierType.PEER in tiers(engine)
+    if not wanted or "kv_events_config" in (engine.extra_args or {}):
         return []
     return [{"name": "kv-events", "containerPort": int(KV_EVENTS_ENDPOINT.rsplit(":", 1)[1]), "protocol": "TCP"}]
 
 
-def disk_volume(engine: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def disk_volume(engine: spec_view.Engine) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(runtime mounts, pod volumes)`` of the disk tier (both empty without one)."""
-    disk = tiers(engine).get("disk")
+    disk = tiers(engine).get(KVTierType.DISK)
     if disk is None:
         return [], []
-    mount = {"name": VOLUME, "mountPath": disk.get("path") or DEFAULT_DISK_PATH}
-    if disk.get("hostPath"):
-        volume = {"name": VOLUME, "hostPath": {"path": disk["hostPath"], "type": "DirectoryOrCreate"}}
-    elif disk.get("claimName"):
-        volume = {"name": VOLUME, "persistentVolumeClaim": {"claimName": disk["claimName"]}}
+    mount = {"name": VOLUME, "mountPath": disk.path or DEFAULT_DISK_PATH}
+    if disk.host_path:
+        volume = {"name": VOLUME, "hostPath": {"path": disk.host_path, "type": "DirectoryOrCreate"}}
+    elif disk.claim_name:
+        volume = {"name": VOLUME, "persistentVolumeClaim": {"claimName": disk.claim_name}}
     else:
-        volume = {"name": VOLUME, "emptyDir": {"sizeLimit": str(disk["size"])}}
+        volume = {"name": VOLUME, "emptyDir": {"sizeLimit": str(disk.size)}}
     return [mount], [volume]
 
 
-def router_args(engine: Mapping[str, Any], *, kv_events: bool = False) -> list[str]:
+def router_args(engine: spec_view.Engine, *, kv_events: bool = False) -> list[str]:
     """``--no-kv-peer-hint`` without a peer tier (the router names peers by default), and
     ``--kv-events-topic`` when the router reads the replicas' events and ``extraArgs`` sets a topic."""
-    peer = "peer" in tiers(engine)
+    peer = KVTierType.PEER in tiers(engine)
     args = [] if peer else ["--no-kv-peer-hint"]
-    own = (engine.get("extraArgs") or {}).get("kv_events_config")
+    own = (engine.extra_args or {}).get("kv_events_config")
     topic = own.get("topic") if isinstance(own, Mapping) else None
     if (peer or kv_events) and topic:
         args += ["--kv-events-topic", str(topic)]

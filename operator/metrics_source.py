@@ -20,7 +20,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvfleet.operator import spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate, PodMetrics, aggregate
+from kvfleet.operator.spec_enums import MetricsSource
 
 METRICS_PORT_ANNOTATION = "kvfleet.io/metrics-port"
 DEFAULT_PORT = 8000
@@ -236,13 +238,13 @@ class PrometheusSource:
         return aggregate(now, ok, failed=failed, not_ready=not_ready, previous=previous)
 
 
-def make_source(autoscaling: Mapping[str, Any] | None, namespace: str,
+def make_source(autoscaling: spec_view.Autoscaling, namespace: str,
                 client: httpx.AsyncClient | None = None) -> PodScraper | PrometheusSource:
-    """The source ``spec.autoscaling.metrics`` asks for. Raises ValueError for
+    """The source the view's ``spec.autoscaling.metrics`` asks for. Raises ValueError for
     ``source: prometheus`` without ``prometheusUrl``."""
-    m = (autoscaling or {}).get("metrics") or {}
-    if m.get("source", "pods") == "prometheus":
-        if not m.get("prometheusUrl"):
+    m = autoscaling.metrics
+    if m is not None and m.source == MetricsSource.PROMETHEUS:
+        if not m.prometheus_url:
             raise ValueError("autoscaling.metrics.source is prometheus but prometheusUrl is not set")
-        return PrometheusSource(m["prometheusUrl"], namespace, client=client)
+        return PrometheusSource(m.prometheus_url, namespace, client=client)
     return PodScraper(client=client)

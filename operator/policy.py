@@ -22,16 +22,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate, status_number
+from kvfleet.operator.spec_enums import AutoscalingMode
 
-MODES = ("none", "operator", "hpa")
+MODES = tuple(AutoscalingMode)
 
 
 @dataclass(frozen=True)
 class AutoscalingConfig:
     """``spec.autoscaling`` with its defaults (see the CRD in :mod:`kvfleet.operator.crd`)."""
 
-    mode: str = "none"
+    mode: str = AutoscalingMode.NONE.value
     min_replicas: int = 1
     max_replicas: int = 1
     target_queue_depth: float = 4.0
@@ -45,43 +47,35 @@ class AutoscalingConfig:
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> AutoscalingConfig:
-        """Read ``spec.autoscaling`` (a dict; None or {} means mode none).
+        """``spec.autoscaling`` given as a dict in the CRD's spelling (None or {}: mode none):
+        :meth:`from_view` of its view. Raises ValueError as :meth:`checked`."""
+        return cls.from_view(spec_view.section(crd_schema.AUTOSCALING, spec))
 
-        Raises ValueError on an unknown mode, a non-positive target, or min > max.
-        """
-        a = dict(spec or {})
-        mode = a.get("mode", "none")
+    @classmethod
+    def from_view(cls, a: spec_view.Autoscaling) -> AutoscalingConfig:
+        """The typed view's ``spec.autoscaling`` (the CRD's defaults already in it).
+
+        Raises ValueError as :meth:`from_spec`."""
+        min_r = int(a.min_replicas)
+        up, down = a.scale_up.stabilization_window_seconds, a.scale_down.stabilization_window_seconds
+        return cls.checked(a.mode, min_r, int(a.max_replicas if a.max_replicas is not None else max(min_r, 1)),
+                           float(a.target_queue_depth), float(a.target_kv_cache_usage), float(up), float(down))
+
+    @classmethod
+    def checked(cls, mode: str, min_r: int, max_r: int, tq: float, tkv: float, up: float,
+                down: float) -> AutoscalingConfig:
+        """The config of these values. Raises ValueError on an unknown mode, a non-positive
+        target, a negative window, or min > max."""
         if mode not in MODES:
             raise ValueError(f"autoscaling.mode must be one of {MODES}, got {mode!r}")
-        min_r = int(a.get("minReplicas", 1))
-        max_r = int(a.get("maxReplicas", max(min_r, 1)))
         if min_r < 0 or max_r < 1 or min_r > max_r:
             raise ValueError(f"need 0 <= minReplicas <= maxReplicas and maxReplicas >= 1, got {min_r}, {max_r}")
-        tq = float(a.get("targetQueueDepth", cls.target_queue_depth))
-        tkv = float(a.get("targetKVCacheUsage", cls.target_kv_cache_usage))
         if tq <= 0 or not 0 < tkv <= 1:
             raise ValueError(f"need targetQueueDepth > 0 and 0 < targetKVCacheUsage <= 1, got {tq}, {tkv}")
-        up = _window(a, "scaleUp", cls.scale_up_window)
-        down = _window(a, "scaleDown", cls.scale_down_window)
-        return cls(mode, min_r, max_r, tq, tkv, up, down)
-
-
-def _window(a: Mapping[str, Any], direction: str, default: float) -> float:
-    """A stabilization window, seconds: ``scaleUp.stabilizationWindowSeconds`` (the CRD), or
-    a flat ``scaleUpStabilizationWindowSeconds`` / HPA-style ``behavior.scaleUp...``."""
-    for value in (
-        (a.get(direction) or {}).get("stabilizationWindowSeconds"),  # the CRD's spelling
-        a.get(f"{direction}StabilizationWindowSeconds"),
-        (a.get("behavior") or {}).get(direction, {}).get("stabilizationWindowSeconds"),
-        (a.get("stabilizationWindowSeconds") or {}).get(direction[len("scale"):].lower())
-        if isinstance(a.get("stabilizationWindowSeconds"), Mapping)
-        else None,
-    ):
-        if value is not None:
-            if float(value) < 0:
+        for direction, value in (("scaleUp", up), ("scaleDown", down)):
+            if value < 0:
                 raise ValueError(f"{direction} stabilization window must be >= 0 seconds, got {value}")
-            return float(value)
-    return default
+        return cls(str(mode), min_r, max_r, tq, tkv, up, down)
 
 
 @dataclass(frozen=True)

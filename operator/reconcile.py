@@ -7,24 +7,39 @@ it is missing, its ``kvfleet.io/desired-hash`` annotation differs from the hash 
 object, or a desired field differs in the live object (a hand edit); optional children no
 longer desired (:data:`PRUNABLE_KINDS`) are deleted; the status subresource is merge-patched
 with only the keys that changed. So reconciling an unchanged resource writes nothing.
+With ``spec.parallelism.nodes > 1`` the runtime child is a LeaderWorkerSet (:mod:`kvfleet.operator.lws`;
+without its API in the cluster, ``LeaderWorkerSetMissing`` and nothing applied) and the status
+counts its groups (:mod:`kvfleet.operator.lws_status`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfleet.operator import adapters, builders, crd, fleet_secret, gie, hpa, router, service_spec
+from kvfleet.operator import (
+    adapters,
+    builders,
+    crd,
+    fleet_secret,
+    gie,
+    hpa,
+    lws,
+    lws_status,
+    router,
+    service_spec,
+    spec_view,
+)
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.kube import ApiError, Kube
 from kvfleet.operator.status import desired_status, set_condition, status_patch
 from kvfleet.operator.status import event as status_event
 from kvfleet.operator.times import rfc3339
+from kvfleet.runtime import env
 
 log = logging.getLogger(__name__)
 
@@ -115,19 +130,31 @@ class Outcome:
         return bool(self.applied or self.deleted or self.status_patch)
 
 
-RUNTIME_IMAGE_ENV = "KVFLEET_RUNTIME_IMAGE"
+RUNTIME_IMAGE_ENV = env.RUNTIME_IMAGE.name
 """The operator's default runtime image (the chart's ``runtimeImage``), for InferenceServices
 that set no ``spec.runtime.image``."""
 
 
-def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False) -> list[dict[str, Any]]:
-    """Every desired child (:func:`builders.desired_children`, with ``$KVFLEET_RUNTIME_IMAGE`` as
-    the default image), stamped."""
-    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, os.environ.get(RUNTIME_IMAGE_ENV)))
-    isvc = router.with_default_image(isvc, os.environ.get(router.IMAGE_ENV))
-    children = builders.desired_children(isvc, scaled_externally=scaled_externally)
-    children += router.desired_children(isvc)  # spec.router: the router's RBAC, Deployment, Service
-    pool = gie.build_inference_pool(isvc)
+def prepared(isvc: Mapping[str, Any]) -> dict[str, Any]:
+    """``isvc`` (a copy) with the operator's own defaults: ``$KVFLEET_RUNTIME_IMAGE`` and
+    ``$KVFLEET_ROUTER_IMAGE`` as the images, the InferencePool's metric names."""
+    isvc = gie.with_pool_metrics(service_spec.with_default_image(isvc, env.RUNTIME_IMAGE.get()))
+    return router.with_default_image(isvc, env.ROUTER_IMAGE.get())
+
+
+def desired_objects(isvc: Mapping[str, Any], *, scaled_externally: bool = False,
+                    spec: spec_view.Spec | None = None) -> list[dict[str, Any]]:
+    """Every desired child (:func:`builders.desired_children`, with the :func:`prepared`
+    defaults), stamped. ``spec``: the view of the :func:`prepared` resource (default: built here;
+    the builders read the spec from it alone, ``isvc`` for its metadata and status)."""
+    if spec is None:
+        isvc = prepared(isvc)
+        spec = spec_view.of(isvc)
+    children = builders.desired_children(isvc, scaled_externally=scaled_externally, spec=spec)
+    children += router.desired_children(isvc, spec)  # spec.router: the router's RBAC, Deployment, Service
+    pool = gie.build_inference_pool(isvc, spec)
+    if pool is not None and lws.enabled(isvc):  # a multi-node replica: its leader serves
+        pool = lws.leaders_only(pool)
     return [stamped(c) for c in (children + ([pool] if pool else []))]
 
 
@@ -148,14 +175,16 @@ def ensure_fleet_secret(kube: Kube, isvc: Mapping[str, Any]) -> str | None:
     return f"Secret/{secret_name}"
 
 
-def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mapping[str, Any]]) -> list[str]:
+def prune_request_path(kube: Kube, isvc: Mapping[str, Any], desired: list[Mapping[str, Any]],
+                       spec: spec_view.Spec | None = None) -> list[str]:
     """Delete the router's children (router turned off) and the InferencePool (pool turned off)
     that this InferenceService owns; ``["Kind/name", ...]`` deleted. One GET each while off."""
     ns = isvc["metadata"].get("namespace") or "default"
     wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
     deleted: list[str] = []
-    candidates = [] if router.enabled(isvc) else [(k, router.name(isvc)) for k in ("Deployment",)]
-    if not gie.enabled(isvc):
+    spec = spec_view.of(prepared(isvc)) if spec is None else spec
+    candidates = [] if spec.router.enabled else [(k, router.name(isvc)) for k in ("Deployment",)]
+    if not spec.router.inference_pool.enabled:
         candidates.append((gie.KIND, isvc["metadata"]["name"]))
     for kind, child in candidates:
         if (kind, child) in wanted:
@@ -253,16 +282,20 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
             out.found = False
             return out
         now = now or rfc3339()
+        spec = spec_view.of(prepared(isvc))  # the typed view, once per reconcile
         live_deployment = None
         desired_deployment = None
         scalers = foreign_scalers(kube, isvc)
         on_deployment = any(target == "Deployment" for _, target in scalers)
         conflict = None
         if on_deployment:
-            mode = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("mode") or "none"
-            conflict = hpa.conflict_message(scalers, mode)
+            conflict = hpa.conflict_message(scalers, spec.autoscaling.mode)
+        live_lws = desired_lws = None
+        multi_node = lws.enabled(isvc)  # parallelism.nodes > 1: a LeaderWorkerSet, not a Deployment
         try:
-            desired = desired_objects(isvc, scaled_externally=on_deployment)
+            desired = desired_objects(isvc, scaled_externally=on_deployment, spec=spec)
+            if multi_node:
+                lws.require_api(kube)  # no LWS API in the cluster: LeaderWorkerSetMissing, nothing applied
         except InvalidSpec as e:
             out.error = e
             live_deployment = kube.get("Deployment", namespace, service_spec.names(isvc)["deployment"])
@@ -279,6 +312,8 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
                     out.applied.append(f"{child['kind']}/{child['metadata']['name']}")
                 if child["kind"] == "Deployment" and child["metadata"]["name"] == runtime_deployment:
                     live_deployment, desired_deployment = live, child  # the runtime's (not the router's)
+                if child["kind"] == lws.KIND:
+                    live_lws, desired_lws = live, child
             names = service_spec.names(isvc)
             for kind in PRUNABLE_KINDS:  # by kind and name: the router's PDB is not the runtime's
                 child_name = names["pdb" if kind == "PodDisruptionBudget" else "hpa"]
@@ -288,14 +323,26 @@ def reconcile(kube: Kube, namespace: str, name: str, *, now: str | None = None,
                 if live is not None and owned_by(live, isvc):
                     kube.delete(kind, namespace, child_name)
                     out.deleted.append(f"{kind}/{child_name}")
-            out.deleted += prune_request_path(kube, isvc, desired)
-        pods = kube.list_objects("Pod", namespace, service_spec.selector_labels(isvc)) if live_deployment else []
-        claim_name = builders.model_claim(isvc) if live_deployment else None
+            out.deleted += prune_request_path(kube, isvc, desired, spec)
+            stale_kind, stale_name = lws.stale_runtime(isvc)  # the split changed: Deployment <-> LWS
+            stale = kube.get(stale_kind, namespace, stale_name)
+            if stale is not None and owned_by(stale, isvc):
+                kube.delete(stale_kind, namespace, stale_name)
+                out.deleted.append(f"{stale_kind}/{stale_name}")
+        pods = kube.list_objects("Pod", namespace, service_spec.selector_labels(isvc)) if (
+            live_deployment or live_lws) else []
+        if multi_node and out.error is None:  # the groups stand in for the Deployment's replicas
+            live_deployment, desired_deployment = lws_status.progress_views(desired_lws, live_lws, pods)
+        claim_name = builders.model_claim(isvc, spec) if live_deployment else None
         claim = kube.get("PersistentVolumeClaim", namespace, claim_name) if claim_name else None
         wanted = desired_status(isvc, deployment=live_deployment, desired_deployment=desired_deployment, now=now,
-                                error=out.error, pods=pods, claim=claim, scaling_conflict=conflict)
-        if out.error is None and adapters.declared(isvc):  # LoRA adapters onto the running ready pods
-            synced = adapters.sync_pods(isvc, pods)
+                                error=out.error, pods=pods, claim=claim, scaling_conflict=conflict, spec=spec)
+        if multi_node:
+            wanted = lws_status.group_status(isvc, wanted, desired=desired_lws, live=live_lws, pods=pods, now=now)
+            pods = [p for p in pods if ((p.get("metadata") or {}).get("labels") or {}).get(
+                lws.LABEL_WORKER_INDEX) == "0"]  # only the leaders serve HTTP (LoRA adapters below)
+        if out.error is None and adapters.declared(spec):  # LoRA adapters onto the running ready pods
+            synced = adapters.sync_pods(spec, pods)
             wanted["adapters"] = synced["adapters"]
             status_, reason, message = synced["condition"]
             wanted["conditions"] = set_condition(wanted["conditions"], type=adapters.CONDITION, status=status_,

@@ -24,7 +24,10 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema, fleet_secret, kv_tiers, service_spec
+from kvfleet.operator import disagg, fleet_secret, kv_tiers, service_spec, spec_view
+from kvfleet.operator.spec_enums import AutoscalingMode, KVTierType
+from kvfleet.runtime import env as kvenv
+from kvfleet.runtime.router import routing
 
 COMPONENT = "router"
 PORT = 8000
@@ -38,31 +41,23 @@ TERMINATION_MARGIN = 5
 ``--shutdown-timeout`` (its listener grace and exit)."""
 
 
-PRECISE = "precise-prefix-cache"
-"""The algorithm that routes on the replicas' KV events (docs/routing.md, "Precise prefix routing")."""
-IMAGE_ENV = "KVFLEET_ROUTER_IMAGE"
+IMAGE_ENV = kvenv.ROUTER_IMAGE.name
 """The operator's default router image (the chart's ``router.image``); unset: the runtime image."""
 
 
 def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:
     """``isvc`` (a copy) with ``spec.router.image`` set to ``image`` when the router is enabled
-    and sets none."""
+    (as by default, ``spec.router`` absent) and sets none."""
     out = copy.deepcopy(dict(isvc))
-    router = (out.get("spec") or {}).get("router") or {}
-    if image and router.get("enabled") and not router.get("image"):
-        out["spec"]["router"] = {**router, "image": image}
+    if image and (view := spec_view.of(out)).router.enabled and not view.router.image:
+        spec = out.setdefault("spec", {})
+        spec["router"] = {**(spec.get("router") or {}), "image": image}  # on by default: absent counts
     return out
 
 
-def router_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec.router`` with the CRD's defaults applied (``{"enabled": False, ...}`` when absent)."""
-    raw = dict(((isvc.get("spec") or {}).get("router")) or {})
-    raw.setdefault("inferencePool", {})
-    return crd.apply_defaults(raw, crd_schema.ROUTER)
-
-
-def enabled(isvc: Mapping[str, Any]) -> bool:
-    return bool(router_spec(isvc).get("enabled"))
+def enabled(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> bool:
+    """``spec.router.enabled`` (on by default)."""
+    return bool((spec_view.of(isvc) if spec is None else spec).router.enabled)
 
 
 def name(isvc: Mapping[str, Any]) -> str:
@@ -87,46 +82,48 @@ def url(isvc: Mapping[str, Any]) -> str:
     return f"http://{name(isvc)}.{ns}.svc.cluster.local:{PORT}/v1"
 
 
-def status_url(isvc: Mapping[str, Any]) -> str:
+def status_url(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> str:
     """The OpenAI base URL clients should use: the router's when enabled, else the runtime Service's."""
-    return url(isvc) if enabled(isvc) else service_spec.service_url(isvc)
+    return url(isvc) if enabled(isvc, spec) else service_spec.service_url(isvc)
 
 
-def precise(isvc: Mapping[str, Any]) -> bool:
-    """The router routes on the replicas' KV events (enabled, ``algorithm: precise-prefix-cache``):
-    the replicas must publish them (:func:`kv_tiers.engine_keys` with ``kv_events``)."""
-    return enabled(isvc) and router_spec(isvc)["algorithm"] == PRECISE
+def precise(spec: spec_view.Spec) -> bool:
+    """The router routes on the replicas' KV events (enabled, an algorithm that reads them:
+    ``precise-prefix-cache``): the replicas must publish them (:func:`kv_tiers.engine_keys` with
+    ``kv_events``)."""
+    return bool(spec.router.enabled) and routing.reads_kv_events(spec.router.algorithm)
 
 
-def reads_kv_events(isvc: Mapping[str, Any]) -> bool:
+def reads_kv_events(spec: spec_view.Spec) -> bool:
     """The router follows the replicas' KV events: precise routing, or the peer tier's hints."""
-    return precise(isvc) or "peer" in kv_tiers.tiers(service_spec.effective_spec(isvc)["engine"])
+    return precise(spec) or KVTierType.PEER in kv_tiers.tiers(spec.engine)
 
 
-def router_env(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
+def router_env(isvc: Mapping[str, Any], spec: spec_view.Spec) -> list[dict[str, Any]]:
     """The fleet secret (:mod:`~kvfleet.operator.fleet_secret`: the router signs its peer hints
     with it), and ``KVFLEET_ROUTER_API_KEY`` from ``runtime.apiKeySecretRef`` when the router reads
     the replicas' KV events: it sends the key on its own ``/kv_events/snapshot`` reads (which the
     replicas' key guards) and then also checks it on ``/v1``, as the replicas do anyway."""
     env = [fleet_secret.env_entry(isvc)]
-    key_ref = service_spec.effective_spec(isvc)["runtime"].get("apiKeySecretRef")
-    if not key_ref or not reads_kv_events(isvc):
+    key_ref = spec.runtime.api_key_secret_ref
+    if not key_ref or not reads_kv_events(spec):
         return env
-    return [*env, {"name": "KVFLEET_ROUTER_API_KEY", "valueFrom": {"secretKeyRef": {
-        "name": key_ref["name"], "key": key_ref.get("key") or "api-key"}}}]
+    return [*env, {"name": kvenv.ROUTER_OPTION.name("api_key"), "valueFrom": {"secretKeyRef": {
+        "name": key_ref.name, "key": key_ref.key}}}]
 
 
-def router_args(isvc: Mapping[str, Any]) -> list[str]:
+def router_args(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> list[str]:
     """``kvfleet router`` arguments for the Deployment."""
-    r = router_spec(isvc)
+    spec = spec_view.of(isvc) if spec is None else spec
+    r = spec.router
     return ["router", "--host", "0.0.0.0", "--port", str(PORT),
             "--kube-service", service_spec.names(isvc)["service"],
             "--kube-namespace", isvc["metadata"].get("namespace") or "default", "--kube-port", "http",
-            "--routing-algorithm", r["algorithm"], "--prefix-chars", str(r["prefixChars"]),
-            "--load-factor", f"{r['loadFactor']:g}", "--max-pending", str(r["maxPending"]),
-            "--pending-timeout", str(r["pendingTimeoutSeconds"]),
-            "--shutdown-timeout", str(r["shutdownTimeoutSeconds"]),
-            *kv_tiers.router_args(service_spec.effective_spec(isvc)["engine"], kv_events=precise(isvc))]
+            "--routing-algorithm", r.algorithm, "--prefix-chars", str(r.prefix_chars),
+            "--load-factor", f"{r.load_factor:g}", "--max-pending", str(r.max_pending),
+            "--pending-timeout", str(r.pending_timeout_seconds),
+            "--shutdown-timeout", str(r.shutdown_timeout_seconds),
+            *kv_tiers.router_args(spec.engine, kv_events=precise(spec)), *disagg.router_args(isvc)]
 
 
 def build_service_account(isvc: Mapping[str, Any]) -> dict[str, Any]:
@@ -147,30 +144,28 @@ def build_role_binding(isvc: Mapping[str, Any]) -> dict[str, Any]:
             "subjects": [{"kind": "ServiceAccount", "name": meta["name"], "namespace": meta["namespace"]}]}
 
 
-def termination_grace_seconds(isvc: Mapping[str, Any]) -> int:
+def termination_grace_seconds(spec: spec_view.Spec) -> int:
     """The router pod's grace: the preStop sleep, the drain (``shutdownTimeoutSeconds``), a margin."""
-    return service_spec.PRESTOP_SECONDS + int(router_spec(isvc)["shutdownTimeoutSeconds"]) + TERMINATION_MARGIN
+    return service_spec.PRESTOP_SECONDS + int(spec.router.shutdown_timeout_seconds) + TERMINATION_MARGIN
 
 
-def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
+def build_deployment(isvc: Mapping[str, Any], spec: spec_view.Spec) -> dict[str, Any]:
     """The router Deployment (``spec.router.replicas`` pods; the runtime image unless
     ``spec.router.image``)."""
-    spec = service_spec.effective_spec(isvc)
-    r = router_spec(isvc)
-    runtime = spec["runtime"]
+    r, runtime = spec.router, spec.runtime
     probe = lambda path, period: {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
                                   "timeoutSeconds": 2, "failureThreshold": 3}
     container: dict[str, Any] = {
         "name": "router",
-        "image": r.get("image") or runtime["image"],
-        "imagePullPolicy": runtime.get("imagePullPolicy", "IfNotPresent"),
+        "image": r.image or runtime.image,
+        "imagePullPolicy": runtime.image_pull_policy,
         "command": ["kvfleet"],
-        "args": router_args(isvc),
+        "args": router_args(isvc, spec),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "readinessProbe": probe("/ready", 5),
         "livenessProbe": probe("/health", 10),
-        "resources": copy.deepcopy(r.get("resources") or DEFAULT_RESOURCES),
-        "env": router_env(isvc),
+        "resources": copy.deepcopy(r.resources or DEFAULT_RESOURCES),
+        "env": router_env(isvc, spec),
         # as the runtime's: endpoints are removed while the pod sleeps; only then does SIGTERM start the drain
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(service_spec.PRESTOP_SECONDS)]}}},
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -182,19 +177,19 @@ def build_deployment(isvc: Mapping[str, Any]) -> dict[str, Any]:
         "securityContext": {"runAsNonRoot": True, "runAsUser": service_spec.RUNTIME_UID,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "terminationGracePeriodSeconds": termination_grace_seconds(isvc),
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
             "weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": selector_labels(isvc)},
                                                "topologyKey": "kubernetes.io/hostname"}}]}},
     }
-    if runtime.get("imagePullSecrets"):
-        pod_spec["imagePullSecrets"] = copy.deepcopy(runtime["imagePullSecrets"])
+    if runtime.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in runtime.image_pull_secrets]
     meta = _meta(isvc)
     pod_labels = {**meta["labels"]}
     return {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
         "spec": {
-            "replicas": int(r["replicas"]),
+            "replicas": int(r.replicas),
             "selector": {"matchLabels": selector_labels(isvc)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {"metadata": {"labels": pod_labels,
@@ -218,19 +213,21 @@ def build_pdb(isvc: Mapping[str, Any]) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(isvc)}}}
 
 
-def desired_children(isvc: Mapping[str, Any]) -> list[dict[str, Any]]:
+def desired_children(isvc: Mapping[str, Any], spec: spec_view.Spec | None = None) -> list[dict[str, Any]]:
     """The router's children in apply order (RBAC first), or ``[]`` when the router is off.
 
     Raises:
         InvalidSpec: as :func:`service_spec.owner_reference` (no uid).
     """
-    if not enabled(isvc):
+    spec = spec_view.of(isvc) if spec is None else spec
+    if not spec.router.enabled:
         return []
-    return [build_service_account(isvc), build_role(isvc), build_role_binding(isvc), build_deployment(isvc),
+    return [build_service_account(isvc), build_role(isvc), build_role_binding(isvc), build_deployment(isvc, spec),
             build_service(isvc), build_pdb(isvc)]
 
 
-def scale_from_zero_condition(isvc: Mapping[str, Any]) -> tuple[str, str, str] | None:
+def scale_from_zero_condition(isvc: Mapping[str, Any],
+                              spec: spec_view.Spec | None = None) -> tuple[str, str, str] | None:
     """``(status, reason, message)`` of the ``ScaleFromZero`` condition, for services the
     operator may scale to zero (autoscaling mode ``operator``, ``minReplicas: 0``); None otherwise.
 
@@ -238,10 +235,10 @@ def scale_from_zero_condition(isvc: Mapping[str, Any]) -> tuple[str, str, str] |
     nothing receives a request, so nothing can wake the service; a documented, visible choice
     (e.g. for batch services scaled up by hand), not a silent trap.
     """
-    auto = (isvc.get("spec") or {}).get("autoscaling") or {}
-    if auto.get("mode") != "operator" or int(auto.get("minReplicas", 1)) != 0:
+    spec = spec_view.of(isvc) if spec is None else spec
+    if spec.autoscaling.mode != AutoscalingMode.OPERATOR or int(spec.autoscaling.min_replicas) != 0:
         return None
-    if enabled(isvc):
+    if spec.router.enabled:
         return ("True", "RouterHoldsRequests",
                 "at 0 replicas the router holds requests and the autoscaler scales to 1 on them")
     return ("False", "NoRouter",

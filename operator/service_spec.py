@@ -1,12 +1,12 @@
 """What every child of an InferenceService is built from: pure functions of its dict.
 
-- :func:`effective_spec`: the spec with every section present and the CRD's defaults applied;
 - the identity of its children: :func:`names`, :func:`labels`, :func:`selector_labels`,
   :func:`owner_reference`, :func:`child_meta`, :data:`FIELD_MANAGER`;
 - the runtime pod's contract: :data:`PORT`, the config and cache paths, the user id, the
   shutdown timings (:func:`termination_grace_seconds`), :func:`gpu_count`, :func:`shm_size`.
 
-The children themselves are built in :mod:`kvfleet.operator.builders` and
+The spec itself reaches the builders as :mod:`kvfleet.operator.spec_view`'s typed view. The
+children themselves are built in :mod:`kvfleet.operator.builders` and
 :mod:`kvfleet.operator.deployment`.
 """
 
@@ -17,8 +17,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, crd_schema
+from kvfleet.operator import crd, spec_view
 from kvfleet.operator.crd import InvalidSpec
+from kvfleet.operator.parallelism import parallelism
 
 FIELD_MANAGER = "kvfleet-operator"
 """The one server-side-apply field manager of every write the operator makes."""
@@ -47,26 +48,6 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 """``kvfleet serve --shutdown-timeout``'s default, seconds."""
 SHUTDOWN_MARGIN_SECONDS = 10
 """Grace after the drain: the server's short listener grace and the engine's exit, seconds."""
-
-
-def effective_spec(isvc: Mapping[str, Any]) -> dict[str, Any]:
-    """``spec`` with every optional section present and the CRD's defaults applied.
-
-    Unlike the API server (which defaults only present objects), absent sections
-    (engine, runtime, autoscaling, ...) are created first, so callers never test for them.
-    """
-    spec = copy.deepcopy(dict(isvc.get("spec") or {}))
-    for section in ("model", "runtime", "engine", "autoscaling", "tuning", "rollout", "disruption"):
-        spec.setdefault(section, {})
-    spec["model"].setdefault("download", {})
-    spec["runtime"].setdefault("resources", {})
-    spec["autoscaling"].setdefault("scaleUp", {})
-    spec["autoscaling"].setdefault("scaleDown", {})
-    spec["autoscaling"].setdefault("metrics", {})
-    spec["tuning"].setdefault("gpuMemoryUtilization", {})
-    spec = crd.apply_defaults(spec, crd_schema.SPEC)
-    spec["runtime"].setdefault("image", crd_schema.DEFAULT_IMAGE)
-    return spec
 
 
 def with_default_image(isvc: Mapping[str, Any], image: str | None) -> dict[str, Any]:
@@ -120,10 +101,10 @@ def service_url(isvc: Mapping[str, Any]) -> str:
     return f"http://{names(isvc)['service']}.{ns}.svc.cluster.local:{PORT}/v1"
 
 
-def shutdown_timeout_seconds(spec: Mapping[str, Any]) -> float:
+def shutdown_timeout_seconds(spec: spec_view.Spec) -> float:
     """The runtime's ``shutdown_timeout`` (``engine.extraArgs.shutdown_timeout``, else its
     default :data:`DEFAULT_SHUTDOWN_TIMEOUT`): how long a SIGTERM waits for requests in flight."""
-    value = (spec.get("engine", {}).get("extraArgs") or {}).get("shutdown_timeout")
+    value = (spec.engine.extra_args or {}).get("shutdown_timeout")
     try:
         return float(DEFAULT_SHUTDOWN_TIMEOUT if value is None else value)
     except (TypeError, ValueError):
@@ -131,37 +112,40 @@ def shutdown_timeout_seconds(spec: Mapping[str, Any]) -> float:
                                               f"got {value!r}") from None
 
 
-def termination_grace_seconds(spec: Mapping[str, Any]) -> int:
+def termination_grace_seconds(spec: spec_view.Spec) -> int:
     """The pod's ``terminationGracePeriodSeconds``: the preStop sleep, then the runtime's drain
     (``shutdown_timeout``), then :data:`SHUTDOWN_MARGIN_SECONDS` for the listener's grace and
     the engine's exit; the kubelet's SIGKILL never cuts a drain short."""
     return int(PRESTOP_SECONDS + math.ceil(shutdown_timeout_seconds(spec)) + SHUTDOWN_MARGIN_SECONDS)
 
 
-def gpu_count(spec: Mapping[str, Any]) -> int:
-    """``runtime.resources.gpus``, else ``engine.tensorParallelSize`` when above 1, else 0.
+def gpu_count(spec: spec_view.Spec) -> int:
+    """GPUs of one runtime pod: ``runtime.resources.gpus``, else the ranks each pod runs when a
+    replica has several (:func:`~kvfleet.operator.parallelism.parallelism`: ``tensor x pipeline /
+    nodes``; ``engine.tensorParallelSize`` on one node), else 0.
 
     Raises:
-        InvalidSpec: fewer GPUs than the tensor-parallel size (reason ``NotEnoughGPUs``).
+        InvalidSpec: fewer GPUs than the pod's ranks (reason ``NotEnoughGPUs``), or a
+            parallelism that cannot be split.
     """
-    tp = int(spec.get("engine", {}).get("tensorParallelSize") or 1)
-    gpus = spec.get("runtime", {}).get("resources", {}).get("gpus")
+    par = parallelism(spec)
+    tp = par.ranks_per_node if par.world > 1 else 0
+    gpus = spec.runtime.resources.gpus
     if gpus is None:
-        return tp if tp > 1 else 0
-    if tp > 1 and int(gpus) < tp:
-        raise InvalidSpec("NotEnoughGPUs",
-                          f"runtime.resources.gpus={gpus} is below engine.tensorParallelSize={tp}")
+        return tp
+    if tp and int(gpus) < tp:
+        raise InvalidSpec("NotEnoughGPUs", f"runtime.resources.gpus={gpus} is below the {tp} ranks of each pod "
+                                           "(engine.tensorParallelSize, or parallelism)")
     return int(gpus)
 
 
-def shm_size(spec: Mapping[str, Any]) -> str:
+def shm_size(spec: spec_view.Spec) -> str:
     """Size limit of the ``/dev/shm`` memory volume: ``runtime.shmSize``, else ``1Gi``, or
     ``4Gi`` per GPU with tensor parallelism (NCCL's shared-memory transport)."""
-    override = spec.get("runtime", {}).get("shmSize")
-    if override is not None:
-        return str(override)
-    tp = int(spec.get("engine", {}).get("tensorParallelSize") or 1)
-    return "1Gi" if tp <= 1 else f"{4 * tp}Gi"
+    if spec.runtime.shm_size is not None:
+        return str(spec.runtime.shm_size)
+    par = parallelism(spec)
+    return "1Gi" if par.world <= 1 else f"{4 * par.ranks_per_node}Gi"
 
 
 def child_meta(isvc: Mapping[str, Any], name: str) -> dict[str, Any]:

@@ -15,9 +15,10 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import crd, router
+from kvfleet.operator import crd, router, spec_view
 from kvfleet.operator.crd import InvalidSpec
 from kvfleet.operator.service_spec import ANNOTATION_CONFIG_HASH, names, selector_string
+from kvfleet.operator.spec_enums import AutoscalingMode
 from kvfleet.runtime.model_errors import reason_of
 
 
@@ -86,7 +87,8 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
                    error: InvalidSpec | None = None,
                    pods: list[Mapping[str, Any]] | None = None,
                    claim: Mapping[str, Any] | None = None,
-                   scaling_conflict: str | None = None) -> dict[str, Any]:
+                   scaling_conflict: str | None = None,
+                   spec: spec_view.Spec | None = None) -> dict[str, Any]:
     """The status the operator owns, computed from the live Deployment.
 
     Args:
@@ -102,6 +104,7 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
             claim that pods on several nodes would mount: :func:`claim_problem`).
         scaling_conflict: a message when a foreign autoscaler targets the Deployment itself
             (-> ``ScalingActive=False``, reason ``ConflictingAutoscaler``).
+        spec: the reconcile's view of ``isvc``'s spec (default: built here).
 
     Returns:
         ``{"observedGeneration", "replicas", "readyReplicas", "updatedReplicas", "selector",
@@ -109,6 +112,7 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         generation is fully rolled out; ``Progressing`` True while a rollout is under way;
         ``Degraded`` True on an invalid spec or a stalled rollout.
     """
+    spec = spec_view.of(isvc) if spec is None else spec
     meta = isvc.get("metadata") or {}
     gen = meta.get("generation")
     old = (isvc.get("status") or {}).get("conditions") or []
@@ -147,16 +151,16 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         degraded = ("False", "AsExpected", "")
 
     conds: list[dict[str, Any]] = [dict(c) for c in old]
-    cached = model_cached(isvc, pods, claim, desired_deployment or deployment,
+    cached = model_cached(spec, pods, claim, desired_deployment or deployment,
                           available=prog["available"]) if prog["exists"] else None
     extra = [("ModelCached", cached)] if cached else []
-    mode = ((isvc.get("spec") or {}).get("autoscaling") or {}).get("mode") or "none"
+    mode = spec.autoscaling.mode
     was = next((c for c in old if c.get("type") == "ScalingActive"), {})
     if scaling_conflict:
         extra.append(("ScalingActive", ("False", "ConflictingAutoscaler", scaling_conflict)))
-    elif was.get("reason") == "ConflictingAutoscaler" and mode != "operator":  # the conflict is gone
+    elif was.get("reason") == "ConflictingAutoscaler" and mode != AutoscalingMode.OPERATOR:  # the conflict is gone
         extra.append(("ScalingActive", ("False", "OperatorAutoscalerOff", autoscaler_off_message(isvc, mode))))
-    from_zero = router.scale_from_zero_condition(isvc)  # minReplicas 0: does anything wake it?
+    from_zero = router.scale_from_zero_condition(isvc, spec)  # minReplicas 0: does anything wake it?
     if from_zero is not None:
         extra.append(("ScaleFromZero", from_zero))
     for type_, (status, reason, message) in (("Ready", ready), ("Progressing", progressing),
@@ -168,7 +172,7 @@ def desired_status(isvc: Mapping[str, Any], *, deployment: Mapping[str, Any] | N
         "readyReplicas": prog["ready"],
         "updatedReplicas": prog["updated"],
         "selector": selector_string(isvc),
-        "url": router.status_url(isvc),  # the router's Service when spec.router.enabled
+        "url": router.status_url(isvc, spec),  # the router's Service when spec.router.enabled
         "conditions": conds,
     }
     if gen is not None:
@@ -279,7 +283,7 @@ def event(body: Mapping[str, Any], type_: str, reason: str, message: str, now: s
 def autoscaler_off_message(isvc: Mapping[str, Any], mode: str) -> str:
     """The ``ScalingActive=False`` / ``OperatorAutoscalerOff`` message (mode ``none`` or ``hpa``)."""
     message = f"autoscaling.mode is {mode}: the operator's autoscaler does not scale this InferenceService"
-    if mode == "hpa":
+    if mode == AutoscalingMode.HPA:
         message += f" (HorizontalPodAutoscaler {names(isvc)['hpa']} does)"
     return message
 
@@ -308,7 +312,7 @@ def claim_problem(claim: Mapping[str, Any] | None,
         "rollout.strategy ResourceAware")
 
 
-def model_cached(isvc: Mapping[str, Any], pods: list[Mapping[str, Any]] | None,
+def model_cached(spec: spec_view.Spec, pods: list[Mapping[str, Any]] | None,
                  claim: Mapping[str, Any] | None = None,
                  deployment: Mapping[str, Any] | None = None, *, available: int = 0) -> tuple[str, str, str] | None:
     """The ``ModelCached`` condition ``(status, reason, message)`` of an ``hf://`` model (None
@@ -316,7 +320,7 @@ def model_cached(isvc: Mapping[str, Any], pods: list[Mapping[str, Any]] | None,
     once one finished (or a runtime container runs, or ``available`` pods serve), ``False``/``ModelFetchFailed``,
     ``False``/``Downloading`` while one runs, else ``False``/``Pending``. A
     :func:`claim_problem` is appended to the message."""
-    uri = str(((isvc.get("spec") or {}).get("model") or {}).get("uri") or "")
+    uri = str(spec.model.uri or "")
     if not uri.startswith("hf://"):
         return None
     result = ("False", "Pending", f"no pod has fetched {uri} yet")

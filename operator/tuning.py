@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate
 from kvfleet.operator.times import parse_time, rfc3339
 
@@ -49,40 +50,28 @@ class TuningConfig:
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> TuningConfig:
-        """Read ``spec.tuning`` (None or {} means disabled). Raises ValueError when
-        min > max utilisation or a bound is outside (0, 1], or no block size is allowed."""
-        t = dict(spec or {})
-        gmu = t.get("gpuMemoryUtilization") or {}
-        lo = float(gmu.get("min", t.get("minGpuMemoryUtilization", cls.min_gpu_memory_utilization)))
-        hi = float(gmu.get("max", t.get("maxGpuMemoryUtilization", cls.max_gpu_memory_utilization)))
-        step = float(gmu.get("step", t.get("gpuMemoryUtilizationStep", cls.step)))
+        """``spec.tuning`` given as a dict in the CRD's spelling (None or {}: disabled):
+        :meth:`from_view` of its view."""
+        return cls.from_view(spec_view.section(crd_schema.TUNING, spec))
+
+    @classmethod
+    def from_view(cls, t: spec_view.Tuning) -> TuningConfig:
+        """The typed view's ``spec.tuning`` (the CRD's defaults already in it); the knobs the CRD
+        does not expose keep the class defaults. Raises ValueError as :meth:`from_spec`."""
+        g = t.gpu_memory_utilization
+        lo, hi, step = float(g.min), float(g.max), float(g.step)
         if not (0 < lo <= hi <= 1) or step <= 0:
             raise ValueError(f"need 0 < min <= max <= 1 and step > 0 for gpuMemoryUtilization, got {lo}, {hi}, {step}")
-        block_size = t.get("blockSize")
-        sizes = t.get("blockSizes", block_size.get("allowed") if isinstance(block_size, Mapping) else None)
-        sizes = tuple(sorted({int(s) for s in (sizes or cls.block_sizes)}))
-        if not sizes or min(sizes) < 1:
+        sizes = tuple(sorted({int(s) for s in (t.block_sizes or cls.block_sizes)}))
+        if min(sizes) < 1:
             raise ValueError(f"blockSizes must be positive integers, got {sizes}")
-
-        def num(key: str, default: float) -> float:
-            value = t.get(key, default)
+        for name, value in (("minIntervalSeconds", t.min_interval_seconds),
+                            ("oomCooldownSeconds", t.oom_cooldown_seconds)):
             if float(value) < 0:
-                raise ValueError(f"tuning.{key} must be >= 0, got {value}")
-            return float(value)
-
-        return cls(
-            enabled=bool(t.get("enabled", bool(t))),
-            min_gpu_memory_utilization=lo,
-            max_gpu_memory_utilization=hi,
-            step=step,
-            block_sizes=sizes,
-            min_interval=num("minIntervalSeconds", cls.min_interval),
-            oom_cooldown=num("oomCooldownSeconds", cls.oom_cooldown),
-            preemption_rate_threshold=num("preemptionRateThreshold", cls.preemption_rate_threshold),
-            kv_usage_threshold=num("kvCacheUsageThreshold", cls.kv_usage_threshold),
-            sustain=num("sustainSeconds", cls.sustain),
-            min_requests=int(num("minRequests", cls.min_requests)),
-        )
+                raise ValueError(f"tuning.{name} must be >= 0, got {value}")
+        return cls(enabled=bool(t.enabled), min_gpu_memory_utilization=lo, max_gpu_memory_utilization=hi, step=step,
+                   block_sizes=sizes, min_interval=float(t.min_interval_seconds),
+                   oom_cooldown=float(t.oom_cooldown_seconds))
 
 
 @dataclass(frozen=True)
@@ -249,7 +238,7 @@ def tune(
     state: TuningState,
     *,
     now: float,
-    spec_engine: Mapping[str, Any],
+    spec_engine: spec_view.Engine,
     metrics: MetricsAggregate | None,
     pods: Iterable[Mapping[str, Any]] = (),
     hold: tuple[str, str] | None = None,
@@ -270,8 +259,8 @@ def tune(
        ``min_requests`` of them): :func:`choose_block_size`, kept while the current size is
        what the length +- ``block_size_hysteresis`` would also choose.
 
-    ``spec_engine`` gives the starting values (``gpuMemoryUtilization`` default 0.9,
-    ``blockSize`` default 16) until the tuner has applied its own. ``now`` is seconds
+    ``spec_engine`` (the view's ``spec.engine``, the CRD's defaults in it) gives the starting
+    values until the tuner has applied its own. ``now`` is seconds
     since the epoch; ``pods`` are the pod dicts (their containerStatuses). ``hold``
     (:func:`rollout_hold`) holds every change but rule 1 (the pods crash anyway) and is
     returned as the decision's ``held``.
@@ -281,9 +270,9 @@ def tune(
     lo, hi = config.min_gpu_memory_utilization, config.max_gpu_memory_utilization
     gmu = state.gpu_memory_utilization
     if gmu is None:
-        gmu = float(spec_engine.get("gpuMemoryUtilization", 0.9))
+        gmu = float(spec_engine.gpu_memory_utilization)
     gmu_clamped = round(min(max(gmu, lo), hi), 4)
-    bs = state.block_size if state.block_size is not None else int(spec_engine.get("blockSize", 16))
+    bs = state.block_size if state.block_size is not None else int(spec_engine.block_size)
     changes: list[tuple[str, str]] = []
     notes: list[str] = []
 

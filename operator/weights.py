@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvfleet.operator import fetch
+from kvfleet.operator import fetch, spec_view
 from kvfleet.operator.crd import InvalidSpec
 
 MODELS_DIR = "/models"
@@ -61,9 +61,9 @@ def parse_model_uri(uri: str) -> dict[str, str | None]:
     return out
 
 
-def model_size_bytes(spec: Mapping[str, Any]) -> int | None:
+def model_size_bytes(spec: spec_view.Spec) -> int | None:
     """``spec.model.size`` in bytes (a Kubernetes quantity), or None when unset."""
-    size = spec.get("model", {}).get("size")
+    size = spec.model.size
     if size is None:
         return None
     from kubernetes.utils import parse_quantity
@@ -74,26 +74,25 @@ def model_size_bytes(spec: Mapping[str, Any]) -> int | None:
         raise InvalidSpec("InvalidModelSize", f"model.size {size!r}: {e}") from None
 
 
-def startup_seconds(spec: Mapping[str, Any]) -> int:
+def startup_seconds(spec: spec_view.Spec) -> int:
     """Startup probe budget, seconds: ``runtime.startupTimeoutSeconds``, else
     :data:`STARTUP_BASE_SECONDS` + :data:`STARTUP_SECONDS_PER_GIB` per GiB of
     ``model.size``, else :data:`DEFAULT_STARTUP_SECONDS`."""
-    override = spec.get("runtime", {}).get("startupTimeoutSeconds")
-    if override:
-        return int(override)
+    if spec.runtime.startup_timeout_seconds:
+        return int(spec.runtime.startup_timeout_seconds)
     size = model_size_bytes(spec)
     if size is None:
         return DEFAULT_STARTUP_SECONDS
     return STARTUP_BASE_SECONDS + int(math.ceil(size / 2**30 * STARTUP_SECONDS_PER_GIB))
 
 
-def progress_deadline_seconds(spec: Mapping[str, Any]) -> int:
+def progress_deadline_seconds(spec: spec_view.Spec) -> int:
     """The Deployment's ``progressDeadlineSeconds``: the startup budget, plus for ``hf://``
     models the whole download budget (every attempt timing out, and the back-offs), plus 600 s."""
     total = startup_seconds(spec) + 600
-    if spec["model"]["uri"].startswith("hf://"):
-        dl = spec["model"].get("download") or {}
-        total += int(math.ceil(fetch.budget_seconds(float(dl.get("timeoutSeconds", 3600)), int(dl.get("retries", 3)))))
+    if spec.model.uri.startswith("hf://"):
+        dl = spec.model.download
+        total += int(math.ceil(fetch.budget_seconds(float(dl.timeout_seconds), int(dl.retries))))
     return total
 
 

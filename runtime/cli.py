@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in _SUBCOMMANDS:
         print(f"kvfleet: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from kvfleet.runtime import env
+
+    bad = env.check_all()
+    if bad:
+        for message in bad:
+            print(f"kvfleet: {message}", file=sys.stderr)
+        return 2
     import importlib
 
     module = importlib.import_module(_SUBCOMMANDS[name][0])

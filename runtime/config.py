@@ -128,11 +128,15 @@ class EngineConfig(BaseModel):
     ``num_attention_heads`` and ``num_key_value_heads`` (checked when the engine starts, a
     ``ValueError`` naming this field). Across nodes with ``nnodes``, see
     :mod:`kvfleet.runtime.worker.executor` and :mod:`kvfleet.runtime.worker.multinode`."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Stages the decoder's layers are split into (vLLM's ``--pipeline-parallel-size``, ``-pp``),
+    each of ``tensor_parallel_size`` ranks: ``pp * tp`` ranks in all, rank ``r`` tensor-parallel rank
+    ``r % tp`` of stage ``r // tp``; layers as vLLM's ``get_pp_indices`` (``$KVFLEET_PP_LAYER_PARTITION``
+    overrides). See :mod:`kvfleet.runtime.worker.pipeline`."""
     nnodes: int = Field(1, ge=1)
-    """Nodes the ``tensor_parallel_size`` ranks run on (vLLM's ``--nnodes``, launched without Ray):
-    must divide ``tensor_parallel_size``; node ``r`` runs ranks ``r*k .. r*k+k-1`` with
-    ``k = tensor_parallel_size / nnodes``. Node 0 serves HTTP, schedules and samples; the others
-    run ``--headless``."""
+    """Nodes the ``tensor_parallel_size * pipeline_parallel_size`` ranks run on (vLLM's ``--nnodes``,
+    launched without Ray): must divide that world size; node ``r`` runs ranks ``r*k .. r*k+k-1`` with
+    ``k = world / nnodes``. Node 0 serves HTTP, schedules and samples; the others run ``--headless``."""
     node_rank: int = Field(0, ge=0)
     """This node's index, ``0 .. nnodes-1`` (vLLM's ``--node-rank``); 0 is the leader."""
     master_addr: str = "127.0.0.1"
@@ -252,13 +256,19 @@ class EngineConfig(BaseModel):
         if dupes:
             raise ValueError(f"lora_modules: adapter name(s) given twice: {', '.join(dupes)}")
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def _check_nodes(self) -> None:
         """The multi-node options agree with each other (see ``nnodes``)."""
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be below nnodes ({self.nnodes})")
-        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size "
-                             f"({self.tensor_parallel_size}): each node runs the same number of ranks")
+        world = self.world_size
+        if self.nnodes > 1 and world % self.nnodes:
+            raise ValueError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size * pipeline_parallel_size "
+                             f"({world}): each node runs the same number of ranks")
         if self.headless and self.node_rank == 0:
             raise ValueError("headless: node 0 (node_rank 0) is the leader, which serves HTTP; "
                              "run the other nodes (node_rank >= 1) headless")
@@ -271,7 +281,8 @@ class EngineConfig(BaseModel):
         Raises:
             ValueError: ``--enable-lora`` with ``tensor_parallel_size > 1`` or without
                 ``--enforce-eager``; ``--quantization`` or ``--kv-transfer-config`` with
-                ``tensor_parallel_size > 1``."""
+                ``tensor_parallel_size > 1``; those and ``--speculative-config`` with
+                ``pipeline_parallel_size > 1``."""
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("--enable-lora: not supported with tensor_parallel_size > 1 (the adapters' stacked "
                              "slots are not sharded over the ranks)")
@@ -281,6 +292,11 @@ class EngineConfig(BaseModel):
         if self.kv_transfer_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("--kv-transfer-config: not supported with tensor_parallel_size > 1 (each rank caches "
                              "only its share of the KV heads)")
+        if self.pipeline_parallel_size > 1 and (self.enable_lora or self.quantization or self.kv_transfer_config
+                                                or self.speculative_config):
+            raise ValueError("pipeline_parallel_size > 1: not supported with --enable-lora, --quantization, "
+                             "--kv-transfer-config or --speculative-config (each stage runs its layers through "
+                             "transformers' plain modules and caches only its layers' KV)")
         if self.tensor_parallel_size > 1 and self.quantization is not None:
             raise ValueError(f"--quantization {self.quantization}: not supported with tensor_parallel_size > 1 "
                              "(the tensor-parallel plan shards plain weights)")

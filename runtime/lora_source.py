@@ -16,14 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvfleet.runtime import env
+
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
-FETCH_TIMEOUT = float(os.environ.get("KVFLEET_LORA_FETCH_TIMEOUT", "600"))
+FETCH_TIMEOUT = env.LORA_FETCH_TIMEOUT.get()
 """Seconds one download attempt of an ``hf://`` adapter may take."""
 
 
 def lora_cache_dir() -> Path:
-    env = os.environ.get("KVFLEET_CACHE_DIR")
-    return (Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet") / "lora"
+    return env.CACHE_DIR.get() / "lora"
 
 
 def resolve_lora_path(path: str) -> str:

@@ -156,6 +156,9 @@ class SamplingParams:
     """``bad_words`` tokenized (filled by the engine when it prepares the request)."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each output of the request holds: :class:`RequestOutputKind`."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's ``kv_transfer_params`` (prefill/decode disaggregation, :mod:`kvfleet.runtime.kv_transfer.connector`):
+    ``{"do_remote_decode": true}`` on a prefill leg; the prefill leg's answer on a decode leg."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -207,6 +210,9 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.kv_transfer_params is not None and (not isinstance(self.kv_transfer_params, dict)
+                                                     or self.n != 1):
+            bad("kv_transfer_params", "must be a JSON object, with n == 1")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0 and isinstance(b, (int, float))

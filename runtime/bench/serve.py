@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from kvfleet.runtime import env
 from kvfleet.runtime.bench.datasets import SampleRequest
 from kvfleet.runtime.bench.metrics import (
     RequestResult,
@@ -299,7 +300,7 @@ def add_arguments(p) -> None:
         help="tokenizer path for building prompts and counting "
         "(default: --model if it is a path, else the default model's)",
     )
-    p.add_argument("--api-key", default=os.environ.get("KVFLEET_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--api-key", default=env.SERVE_OPTION.read("api_key") or os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=sorted(ENDPOINTS), default="completions")
     p.add_argument("--dataset-name", choices=["random", "sharegpt", "shared-prefix"], default="random")
     p.add_argument(

@@ -222,8 +222,12 @@ class AsyncLLMEngine:
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.kv_puller is not None and (kv_peer is not None or self.kv_puller.disk is not None):
-            await self.kv_puller.pull(prepared.requests[0], kv_peer)
+        remote = (prepared.state.params.kv_transfer_params or {}).get("do_remote_prefill")
+        if self.kv_puller is not None and (kv_peer is not None or self.kv_puller.disk is not None or remote):
+            if remote:  # a decode leg: its prompt's blocks from the prefill replica
+                await self.kv_puller.fetch_remote_prefill(prepared.requests[0])
+            else:
+                await self.kv_puller.pull(prepared.requests[0], kv_peer)
             self._check_alive()
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
@@ -246,6 +250,10 @@ class AsyncLLMEngine:
                     item = later if isinstance(later, BaseException) else item.add(later, aggregate)
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished and self.engine.kv_connector is not None:  # a prefill leg's answer
+                    params = self.engine.kv_connector.finished_params.pop(prepared.requests[0].request_id, None)
+                    if params is not None:
+                        item.extra["kv_transfer_params"] = params
                 yield item
                 if item.finished:
                     return

@@ -1,7 +1,7 @@
 """Peer KV pull in the engine (issue 29; ``--kv-transfer-config``, docs/routing.md "Peer KV pull").
 
 Serving side: :func:`export_blocks` (engine thread) reads the leading run of the asked hashes
-that the block pool caches. Pulling side: :class:`KVPuller` (event loop) decides from the
+that the block pool caches (or holds for a decode leg). Pulling side: :class:`KVPuller` (event loop) decides from the
 prompt's hash chain whether a pull is worth it (at least ``min_pull_blocks`` leading blocks
 missing locally; never for a LoRA adapter, a ``cache_salt`` or prompt logprobs, whose blocks hash
 differently or must be computed), fetches them from the peer
@@ -11,7 +11,10 @@ sealed by a replica of the fleet) and
 prefix cache as if computed, before the request is queued: the scheduler then sees prefix hits.
 A refused or failed transfer installs nothing (the prompt is computed as without a peer).
 With a disk tier (``disk_path``, :mod:`kvfleet.runtime.engine.kv_disk`) the prompt's leading
-blocks found on disk are loaded the same way first, with or without a peer.
+blocks found on disk are loaded the same way first, with or without a peer. Both reach the cache
+only through the engine's KV connector (:mod:`kvfleet.runtime.kv_transfer.connector`).
+A prefill/decode *decode leg* (:meth:`KVPuller.fetch_remote_prefill`) fetches its whole prompt's
+blocks from the prefill replica and hands them to the connector, which loads them at admission.
 """
 
 from __future__ import annotations
@@ -22,63 +25,28 @@ import logging
 from kvfleet.runtime.engine.kv_disk import DiskWriter
 from kvfleet.runtime.engine.stats import IterationStats
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
+from kvfleet.runtime.kv_transfer.connector import transfer_hashes, transfer_params, transferable
 from kvfleet.runtime.kv_transfer.fleet_auth import FleetKeys
 from kvfleet.runtime.kv_transfer.peer_pull import PeerFetcher
 from kvfleet.runtime.kv_transfer.wire import TransferError
-from kvfleet.runtime.worker.kv_blocks import block_layout, read_blocks, write_blocks
+from kvfleet.runtime.worker.kv_blocks import block_layout
 
 logger = logging.getLogger(__name__)
 
 
-def _cached_run(pool, hashes) -> list:
-    """The pool's blocks of the leading run of ``hashes`` it caches."""
-    out = []
-    for h in hashes:
-        block = pool.get_cached_block(h)
-        if block is None:
-            break
-        out.append(block)
-    return out
-
-
 def export_blocks(engine, hashes: list[bytes]) -> list[tuple[bytes, bytes]]:
-    """``(hash, payload)`` of the leading run of ``hashes`` this engine caches (engine thread)."""
-    blocks = _cached_run(engine.scheduler.kv_cache_manager.block_pool, hashes)
-    return list(zip(hashes, read_blocks(engine.runner.kv_caches, [b.block_id for b in blocks])))
+    """``(hash, payload)`` of the leading run of ``hashes`` this engine caches or holds for a
+    decode leg (engine thread; :meth:`PeerPullConnector.export`)."""
+    return engine.kv_connector.export(hashes)
 
 
 def install_blocks(engine, hashes: list[bytes], token_ids: list[int], start: int,
                    pulled: list[tuple[bytes, bytes]]) -> int:
-    """Register ``pulled`` (blocks ``start, start + 1, ...`` of the chain ``hashes`` of
-    ``token_ids``) in the prefix cache (engine thread). Blocks cached meanwhile are kept as
-    they are; the run stops where the pool has no free block left. Returns the tokens installed
-    (0 when the cached prefix the pull extends was evicted meanwhile)."""
-    pool, bs = engine.scheduler.kv_cache_manager.block_pool, engine.config.block_size
-    if not pool.enable_caching:
-        return 0
-    chain = _cached_run(pool, hashes[:start])
-    if len(chain) < start:
-        return 0
-    pool.touch(chain)  # no allocation below may evict the prefix the pulled blocks extend
-    todo = []  # (index in the chain, hash, payload, fresh block)
-    try:
-        for i, (h, payload) in enumerate(pulled, start):
-            block = pool.get_cached_block(h)
-            if block is not None:
-                pool.touch([block])
-            elif pool.num_free_blocks == 0:
-                break
-            else:
-                (block,) = pool.get_new_blocks(1)
-                todo.append((i, h, payload, block))
-            chain.append(block)
-        write_blocks(engine.runner.kv_caches, [t[3].block_id for t in todo], [t[2] for t in todo])
-        for i, h, _, block in todo:
-            pool.cache_block(block, h, token_ids[i * bs:(i + 1) * bs], hashes[i - 1] if i else None)
-    finally:  # whatever happens, every reference taken here is dropped (fresh blocks unwritten: uncached)
-        pool.free_blocks(reversed(chain))  # the deepest block is evicted first, as a finished request's
+    """Register ``pulled`` in the prefix cache as blocks ``start, ...`` of ``hashes`` (engine thread;
+    :meth:`PeerPullConnector.install`); the tokens installed. The KV events of the new blocks go out."""
+    installed = engine.kv_connector.install(hashes, token_ids, start, pulled)
     engine._publish_kv_events()
-    return len(todo) * bs
+    return installed
 
 
 class KVPuller:
@@ -92,6 +60,7 @@ class KVPuller:
         self.call = call
         self.config = engine.config.kv_transfer_config
         self.layout = block_layout(engine.runner, engine.model_name, engine.loaded.quantization)
+        self.keys = keys
         self.fetcher = (PeerFetcher(self.config, self.layout, keys)
                         if self.config.pulls and keys is not None else None)
         self.disk = next((s.disk for s in engine.kv_event_sinks if isinstance(s, DiskWriter)), None)
@@ -104,12 +73,11 @@ class KVPuller:
         bs = self.engine.config.block_size
         tokens = request.prompt_token_ids
         hashes = prompt_block_hashes(tokens[:((len(tokens) - 1) // bs) * bs], bs)
-        return hashes, len(_cached_run(self.engine.scheduler.kv_cache_manager.block_pool, hashes))
+        return hashes, len(self.engine.kv_connector.cached_run(hashes))
 
     def eligible(self, request) -> bool:
         """Base-model prompts without a cache salt or prompt logprobs, with prefix caching on."""
-        return self.engine.config.enable_prefix_caching and not (
-            request.lora_int_id or request.cache_salt or request.sampling_params.prompt_logprobs is not None)
+        return self.engine.config.enable_prefix_caching and transferable(request)
 
     async def aclose(self) -> None:
         if self.fetcher is not None:
@@ -173,6 +141,39 @@ class KVPuller:
                 self._record(IterationStats(kv_pull_failures=["disk_" + exc.reason]))
                 break
         return out
+
+    async def fetch_remote_prefill(self, request) -> int:
+        """A decode leg (``kv_transfer_params`` with ``do_remote_prefill``): fetch its prompt's blocks
+        from the prefill replica (``remote_url``, taken only with the router's ``remote_signature``:
+        :meth:`FleetKeys.check_hint <kvfleet.runtime.kv_transfer.fleet_auth.FleetKeys.check_hint>`) and
+        hand them to the connector, which loads them at the request's admission; the blocks fetched
+        (0: none; the prompt is then computed here)."""
+        params = transfer_params(request) or {}
+        url = params.get("remote_url")
+        if not params.get("do_remote_prefill") or not transferable(request) or self.fetcher is None:
+            return 0
+        refused = "no_url" if not isinstance(url, str) else self.keys.check_hint(url, params.get("remote_signature"))
+        if refused is not None:  # only the router names where a replica sends its fleet auth
+            logger.warning("kv_transfer_params' remote_url %r refused (%s): computing the prompt of %s",
+                           url, refused, request.request_id)
+            self._record(IterationStats(kv_pull_failures=["remote_" + refused]))
+            return 0
+        hashes = transfer_hashes(request.prompt_token_ids, self.engine.config.block_size)
+        try:
+            fetched = await self.fetcher.fetch(url, hashes)
+        except TransferError as exc:
+            logger.warning("KV of %s from the prefill replica %s refused, computing it: %s",
+                           request.request_id, url, exc)
+            self._record(IterationStats(kv_pull_failures=[exc.reason]))
+            return 0
+        except Exception:  # an optimisation: its failure must never fail the request
+            logger.exception("KV fetch of %s failed, computing it", request.request_id)
+            self._record(IterationStats(kv_pull_failures=["error"]))
+            return 0
+        await self.call(self.engine.kv_connector.set_fetched, request.request_id, [p for _, p in fetched])
+        self._record(IterationStats(num_pulled_tokens=min(len(fetched) * self.engine.config.block_size,
+                                                          len(request.prompt_token_ids))))
+        return len(fetched)
 
     def _record(self, iteration: IterationStats) -> None:
         for stat_logger in self.engine.stat_loggers:  # prometheus-client is thread-safe

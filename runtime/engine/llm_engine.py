@@ -15,6 +15,9 @@ One :meth:`LLMEngine.step` is one iteration of continuous batching::
     scheduler.finish_requests()     those sequences (a stop string or an error ended them)
     stats                           stat loggers' record()
 
+With pipeline parallelism the forward pass and the rest of the step come apart: up to
+``pipeline_parallel_size`` steps are in flight (:mod:`kvfleet.runtime.engine.micro_batches`).
+
 Requests come in through :mod:`kvfleet.runtime.engine.input_processor` (every check of a prompt
 and its parameters); the output processor is asked about requests by id only.
 
@@ -43,9 +46,10 @@ from kvfleet.runtime.core.request import RequestStatus
 from kvfleet.runtime.core.sched.output import SchedulerStats
 from kvfleet.runtime.core.sched.scheduler import Scheduler
 from kvfleet.runtime.engine.input_processor import InputProcessor, PreparedRequest
-from kvfleet.runtime.engine.kv_disk import disk_writer
+from kvfleet.runtime.engine.kv_connector import attach_kv_transfer
 from kvfleet.runtime.engine.kv_event_publisher import KVEventPublisher
-from kvfleet.runtime.engine.output_processor import OutputProcessor, OutputProcessorOutput, SequenceUpdate
+from kvfleet.runtime.engine.micro_batches import MicroBatches
+from kvfleet.runtime.engine.output_processor import OutputProcessor, OutputProcessorOutput
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.engine.stats import IterationStats, StatLoggerBase
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
@@ -96,7 +100,7 @@ class LLMEngine:
         self.stat_loggers = list(stat_loggers or [])
         self.executor: MultiprocExecutor | None = None  # tensor parallelism: rank 0 drives the workers
         config.check_engine_support()  # before any worker starts
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:  # tensor and/or pipeline parallelism
             if loaded is not None:
                 raise ValueError("tensor_parallel_size > 1: the engine loads its own shards; do not pass loaded=")
             self.executor = MultiprocExecutor.start(config)
@@ -129,11 +133,13 @@ class LLMEngine:
         self.runner.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len, sliding_window=self.sliding_window)
+        self.micro_batches = MicroBatches(self, config.pipeline_parallel_size)
+        """Steps in flight: one, or up to ``pipeline_parallel_size`` so that the stages overlap."""
         kv_events = config.kv_events_config
         self.kv_event_publisher = (KVEventPublisher(kv_events, config.block_size)
                                    if kv_events is not None and kv_events.enable_kv_cache_events else None)
-        self.kv_event_sinks = [s for s in (self.kv_event_publisher, disk_writer(self)) if s is not None]
-        """Each step's KV events go to these: the ZMQ publisher (None: events off), the disk tier's writer."""
+        self.kv_connector, self.kv_event_sinks = attach_kv_transfer(self)
+        """The KV connector (``--kv-transfer-config``); the sinks of each step's KV events (ZMQ, disk tier)."""
         self.vocab_size = self.runner.vocab_size
         self.eos_token_id, self._extra_eos_ids = self._eos_ids()
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -417,33 +423,8 @@ class LLMEngine:
                 carries ``finish_reason="abort"`` and ``extra["error"]``) and the step goes on.
         """
         proc = self.output_processor
-        scheduler_output = self.scheduler.schedule()
         iteration = IterationStats()
-        updates: list[SequenceUpdate] = []
-        if scheduler_output.scheduled:
-            cached = {sr.request.request_id: sr.request.num_cached_tokens for sr in scheduler_output.scheduled}
-            proc.record_scheduled(cached, time.monotonic())
-            for sr in scheduler_output.scheduled:
-                num_prompt = sr.request.num_prompt_tokens
-                if sr.start_pos < num_prompt:
-                    iteration.num_prompt_tokens += min(sr.seq_len, num_prompt) - sr.start_pos
-            step = scheduler_output.runner_input  # plain data: no scheduler Request crosses to the runner
-            if self.executor is None:
-                result = self.runner.execute_model(step)
-            else:  # every tensor-parallel rank runs the same step
-                result = self.executor.execute_model(self.runner, step)
-            if result.prompt_logprobs:
-                self._add_prompt_logprobs(scheduler_output, result.prompt_logprobs, iteration)
-            sampled = self.runner.sample(result, self._grammar_mask)  # rows keyed by request id
-            logprobs = sampled.logprobs
-            before = {sr.request_id: sr.request.num_output_tokens for sr in scheduler_output.scheduled}
-            changed = self.scheduler.update_from_output(scheduler_output, sampled.token_ids, sampled.spec_token_ids)
-            updates = [
-                SequenceUpdate(r.request_id, r.output_token_ids[before[r.request_id]:], r.status.finish_reason,
-                               r.stop_reason, logprobs.get(r.request_id))
-                for r in changed
-            ]
-            iteration.num_generation_tokens = sum(len(u.new_token_ids) for u in updates)
+        updates = self.micro_batches.step(iteration)  # launch one, complete the oldest (see micro_batches)
         self.num_steps += 1
         self._publish_kv_events()
         processed = proc.process_outputs(updates, time.monotonic(), iteration)

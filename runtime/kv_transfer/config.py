@@ -35,6 +35,9 @@ class KVTransferConfig(BaseModel):
     """Pulls in flight at once on this replica (more requests wait for a slot)."""
     pull_timeout: float = Field(30.0, gt=0)
     """Seconds a pull may take in all; past it the request recomputes its prefix."""
+    hold_timeout: float = Field(30.0, gt=0)
+    """Prefill/decode disaggregation: seconds a prefill leg's blocks stay held for the decode
+    replica to read them (then they are freed; an unread decode leg computes its prompt)."""
     disk_path: str | None = None
     """The disk tier's folder (``<disk_path>/<block hash>.kv``); None: no disk tier. Every block
     the replica caches is written there after the step that computed it, and a prompt's leading

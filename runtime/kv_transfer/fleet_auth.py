@@ -39,9 +39,11 @@ import secrets
 import time
 from pathlib import Path
 
+from kvfleet.runtime import env
+
 logger = logging.getLogger(__name__)
 
-SECRET_ENV = "KVFLEET_FLEET_SECRET"
+SECRET_ENV = env.FLEET_SECRET.name
 HINT_SIGNATURE_HEADER = "x-kvfleet-kv-peer-signature"
 FLEET_AUTH_HEADER = "x-kvfleet-fleet-auth"
 SEAL_MAGIC = b"KVM1"
@@ -168,8 +170,7 @@ def load_fleet_keys(secret_file: str | None = None, environ=None) -> FleetKeys |
     Raises:
         ValueError: a secret shorter than :data:`MIN_SECRET_BYTES`, or a ``secret_file`` that
             cannot be read (given explicitly, it must exist)."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(SECRET_ENV, "").strip()
+    value = env.FLEET_SECRET.get(environ)
     if value:
         return FleetKeys(value.encode())
     if secret_file:

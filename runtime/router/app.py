@@ -5,25 +5,29 @@ the process serves), ``/ready`` (200 once the endpoint source has been read, eve
 replica ready: the router must accept requests to hold them while replicas scale from zero; the
 body lists the endpoint counts; 503 while draining), ``/metrics`` (:mod:`.metrics`). The lifespan
 owns the HTTP clients, the probe loop and the endpoint source (static list or EndpointSlice
-watch). SIGTERM drains (:mod:`.shutdown`).
+watch). SIGTERM drains (:mod:`.shutdown`). A path or method it does not serve is a 404 / 405 in
+OpenAI's error shape, as ``kvfleet serve`` answers it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from contextlib import asynccontextmanager
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvfleet.runtime.http.auth import key_matches
+from kvfleet.runtime.http.errors import error_response
 from kvfleet.runtime.kv_transfer.fleet_auth import load_fleet_keys
+from kvfleet.runtime.router.disagg import Disaggregator
 from kvfleet.runtime.router.endpoints import EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue
 from kvfleet.runtime.router.kv_index import KVIndex
@@ -32,7 +36,8 @@ from kvfleet.runtime.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.precise import PreciseForwarder, PrecisePicker
 from kvfleet.runtime.router.probe import Prober
-from kvfleet.runtime.router.proxy import Forwarder, error_response
+from kvfleet.runtime.router.proxy import Forwarder
+from kvfleet.runtime.router.routing import reads_kv_events
 from kvfleet.runtime.router.settings import RouterSettings, parse_args
 from kvfleet.runtime.router.shutdown import Drain, DrainingServer, DrainMiddleware
 
@@ -54,17 +59,46 @@ class RouterState:
         picker_kw = {"load_factor": settings.load_factor, "virtual_nodes": settings.virtual_nodes,
                      "min_capacity": settings.min_capacity}
         self.kv_index: KVIndex | None = None
-        """The replicas' cached blocks (``precise-prefix-cache`` or ``--kv-peer-hint``)."""
-        if settings.routing_algorithm == "precise-prefix-cache" or settings.kv_peer_hint:
+        """The replicas' cached blocks (an algorithm that reads KV events, or ``--kv-peer-hint``)."""
+        on_events = reads_kv_events(settings.routing_algorithm)
+        if on_events or settings.kv_peer_hint:
             self.kv_index = KVIndex()
-        if settings.routing_algorithm == "precise-prefix-cache":
-            self.picker: Picker = PrecisePicker(self.kv_index, **picker_kw)
+        if on_events:
+            self.picker: Picker = PrecisePicker(self.kv_index, settings.routing_algorithm, **picker_kw)
         else:
             self.picker = Picker(settings.routing_algorithm, **picker_kw)
         self.metrics = RouterMetrics()
         self.source_ready = asyncio.Event()
         self.forwarder: Forwarder | None = None
         self.prober: Prober | None = None
+        self.prefill_pool: EndpointPool | None = None
+        """Prefill/decode disaggregation's prefill replicas (None: not disaggregated)."""
+
+
+def start_prefill_pool(state: RouterState, probe_client: httpx.AsyncClient,
+                       proxy_client: httpx.AsyncClient) -> list[asyncio.Task]:
+    """The prefill pool of prefill/decode disaggregation (:mod:`.disagg`): its endpoints, its
+    prober, the forwarder's :class:`~.disagg.Disaggregator`; the tasks it runs."""
+    settings = state.settings
+    pool = state.prefill_pool = EndpointPool(eject_base=settings.eject_base_seconds,
+                                             eject_max=settings.eject_max_seconds)
+    prober = Prober(pool, probe_client, interval=settings.probe_interval)
+    assert state.forwarder is not None
+    keys = load_fleet_keys(settings.fleet_secret_file)  # signs the decode legs' remote_url
+    if keys is None:
+        logger.warning("no fleet secret: decode replicas will not pull from the prefill replicas (they compute)")
+    state.forwarder.disagg = Disaggregator(pool, proxy_client, state.metrics, fleet_keys=keys,
+                                           prefill_timeout=settings.prefill_timeout, prefix_chars=settings.prefix_chars,
+                                           min_prompt_chars=settings.prefill_min_prompt_chars)
+    tasks = [asyncio.create_task(prober.run())]
+    if settings.prefill_endpoints:
+        pool.set_urls(settings.prefill_endpoints)
+    else:
+        from kvfleet.runtime.router.endpointslices import watch_endpoint_slices
+
+        tasks.append(asyncio.create_task(watch_endpoint_slices(
+            pool, settings.prefill_kube_service, settings.kube_namespace, settings.kube_port)))
+    return tasks
 
 
 async def _disconnected(receive) -> None:
@@ -98,6 +132,8 @@ def create_app(settings: RouterSettings) -> Starlette:
             tasks.append(asyncio.create_task(subscriber.run(state.pool.urls)))
         else:
             state.forwarder = Forwarder(*fwd_args, **fwd_kw)
+        if settings.disaggregated:
+            tasks.extend(start_prefill_pool(state, probe_client, proxy_client))
         if settings.endpoints:
             state.pool.set_urls(settings.endpoints)
             state.source_ready.set()
@@ -120,8 +156,7 @@ def create_app(settings: RouterSettings) -> Starlette:
 
     async def proxy(request: Request) -> Response:
         if settings.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
+            if not key_matches(request.headers, settings.api_key):
                 state.metrics.requests.labels("", "unauthorized").inc()
                 return error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                       "invalid_request_error", "invalid_api_key")
@@ -149,6 +184,9 @@ def create_app(settings: RouterSettings) -> Starlette:
         eps = list(state.pool)
         body = {"endpoints": len(eps), "available": len(state.pool.available()), "pending": len(state.pending),
                 "draining": state.drain.draining}
+        if state.prefill_pool is not None:
+            body["prefill_endpoints"] = len(state.prefill_pool.urls())
+            body["prefill_available"] = len(state.prefill_pool.available())
         ok = state.source_ready.is_set() and not state.drain.draining
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -164,10 +202,17 @@ def create_app(settings: RouterSettings) -> Starlette:
         Route("/v1/{path:path}", proxy, methods=METHODS),
     ]
     refused = state.metrics.requests.labels("", "shutting_down").inc
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                     middleware=[Middleware(DrainMiddleware, drain=state.drain, on_refused=refused)])
     app.state.router = state
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 / 405 (a path or method the router does not serve) in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
 
 def main(argv: list[str] | None = None) -> int:

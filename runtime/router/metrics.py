@@ -20,6 +20,10 @@ Names use the runtime's ``kvfleet:`` prefix and prometheus-client's suffixes:
 - ``kvfleet:router_upstream_latency_seconds{endpoint}``: histogram, request sent until the
   replica's response headers (for a stream: its first byte).
 - ``kvfleet:router_endpoints{state}``: endpoints ``available``, ``ejected``, ``not_ready``.
+- ``kvfleet:router_prefill_legs_total{outcome}``: prefill/decode disaggregation's prefill legs
+  (:mod:`.disagg`): ``success`` (the decode leg pulls the blocks), ``retried`` (a prefill replica
+  failed; the leg went to another), ``colocated`` (no prefill replica could: the decode replica
+  computes the prompt).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class RouterMetrics:
                                        "on the replica a stream migrated to.", registry=r)
         self.kv_peer_hints = Counter(PREFIX + "router_kv_peer_hints", "Requests sent with an x-kvfleet-kv-peer hint "
                                      "(--kv-peer-hint: another replica caches a longer prefix).", registry=r)
+        self.prefill_legs = Counter(PREFIX + "router_prefill_legs", "Prefill legs of disaggregated requests, by "
+                                    "outcome: success, retried, colocated.", ["outcome"], registry=r)
         for decision in ("hit", "spill", "fallback"):
             self.decisions.labels(decision)
 

@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
+from kvfleet.runtime.http.errors import error_event
+
 logger = logging.getLogger("kvfleet.router")
 
 MIGRATABLE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -209,5 +211,4 @@ def _is_role_only(choice: dict) -> bool:
 
 
 def _error_event(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "migration_failed"}}
-    return f"data: {json.dumps(body)}\n\n".encode()
+    return error_event(message, "server_error", code="migration_failed")

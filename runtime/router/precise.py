@@ -32,6 +32,7 @@ from kvfleet.runtime.kv_transfer.fleet_auth import FleetKeys
 from kvfleet.runtime.router.kv_index import KVIndex
 from kvfleet.runtime.router.picker import Picker
 from kvfleet.runtime.router.proxy import KV_PEER_HEADER, KV_PEER_SIGNATURE_HEADER, Forwarder
+from kvfleet.runtime.router.routing import Algorithm
 
 _HASHES: contextvars.ContextVar[list[bytes] | None] = contextvars.ContextVar("kvfleet_block_hashes", default=None)
 TOKENIZE_PATHS = {"/v1/completions", "/v1/chat/completions"}
@@ -51,8 +52,8 @@ def tokenize_body(path: str, body) -> dict | None:
 class PrecisePicker(Picker):
     """A :class:`Picker` whose ``cached_blocks`` come from the index and this request's hashes."""
 
-    def __init__(self, index: KVIndex, **kw) -> None:
-        super().__init__("precise-prefix-cache", **kw)
+    def __init__(self, index: KVIndex, algorithm: str = Algorithm.PRECISE_PREFIX_CACHE, **kw) -> None:
+        super().__init__(algorithm, **kw)
         self.index = index
 
     def pick(self, candidates, prefix_key, *, ring_keys=None, cached_blocks=None):

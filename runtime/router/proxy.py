@@ -36,6 +36,7 @@ import httpx
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from kvfleet.runtime.http.errors import error_response
 from kvfleet.runtime.router.endpoints import Endpoint, EndpointPool
 from kvfleet.runtime.router.hold import PendingQueue, PendingTimeout, QueueClosed, QueueFull
 from kvfleet.runtime.router.metrics import RouterMetrics
@@ -67,13 +68,6 @@ KV_PEER_HEADER = b"x-kvfleet-kv-peer"
 """The router's pull hint to a replica (docs/routing.md, "Peer KV pull"); never taken from a client."""
 KV_PEER_SIGNATURE_HEADER = b"x-kvfleet-kv-peer-signature"
 """The router's signature of its hint (:mod:`kvfleet.runtime.kv_transfer.fleet_auth`); never a client's."""
-
-
-def error_response(status: int, message: str, type_: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def shutting_down_response() -> JSONResponse:
@@ -199,6 +193,8 @@ class Forwarder:
         self.max_migrations = max_migrations
         self.in_flight = 0
         self.affinity = ResponseAffinity()
+        self.disagg = None
+        """The prefill legs (:class:`~.disagg.Disaggregator`; None: every replica does both)."""
 
     def _done(self, ep: Endpoint, outcome: str) -> None:
         ep.in_flight -= 1
@@ -214,12 +210,15 @@ class Forwarder:
                 key = prefix_key(path, parsed, self.prefix_chars)
             except ValueError:
                 key = None
+        if self.disagg is not None:  # prefill/decode disaggregation: the prefill leg first (.disagg)
+            decode_body = await self.disagg.prepare(method, path, self._forwarded(headers), parsed)
+            if decode_body is not None and decode_body is not parsed:
+                parsed, body = decode_body, json.dumps(decode_body).encode()
         migrate = self.max_migrations > 0 and wants_migration(path, parsed)
         if migrate:
             body = json.dumps(upstream_body(parsed)).encode()
         pinned = self.affinity.replica(wanted_response_id(method, path, parsed))
-        fwd_headers = [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP
-                       and k.lower() not in (KV_PEER_HEADER, KV_PEER_SIGNATURE_HEADER)]
+        fwd_headers = self._forwarded(headers)
         target = path + ("?" + query.decode("latin-1") if query else "")
         tried: set[str] = set()
         deadline: float | None = None
@@ -285,6 +284,12 @@ class Forwarder:
             if migrate and upstream.status_code == 200:
                 return MigratingResponse(upstream, ep, self, parsed, target, fwd_headers)
             return UpstreamResponse(upstream, ep, self._done)
+
+    @staticmethod
+    def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The client's headers a replica gets (never hop-by-hop ones, never a KV peer hint)."""
+        return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP
+                and k.lower() not in (KV_PEER_HEADER, KV_PEER_SIGNATURE_HEADER)]
 
     def upstream_headers(self, ep: Endpoint, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """The headers sent to ``ep`` (a subclass may add its own, e.g. the KV peer hint)."""

@@ -6,20 +6,24 @@ on with no flag (issue 42): prefix-aware routing from the replicas' KV events wh
 them (``precise-prefix-cache``, the char-prefix CHWBL ring where they do not), signed peer hints
 and mid-stream migration; flags only turn things off (``--routing-algorithm prefix-hash``,
 ``--no-kv-peer-hint``, ``--max-migrations 0``). Meanings and defaults: docs/routing.md.
+An invalid value stops the router with argparse's exit status 2 and one line per problem naming
+where it came from (``--port='abc': ...`` or ``KVFLEET_ROUTER_PORT='abc': ...``), as ``kvfleet serve``
+does; an endpoint that is not an ``http(s)://host[:port]`` URL is such a problem.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvfleet.runtime.router.picker import ALGORITHMS
+from kvfleet.runtime import env
 from kvfleet.runtime.router.prefix_key import DEFAULT_PREFIX_CHARS
+from kvfleet.runtime.router.routing import DEFAULT, NAMES, Algorithm, describe
 
-ENV_PREFIX = "KVFLEET_ROUTER_"
+ENV_PREFIX = env.ROUTER_OPTION.prefix
 
 
 class RouterSettings(BaseModel):
@@ -33,12 +37,20 @@ class RouterSettings(BaseModel):
     """Static replica base URLs (``http://127.0.0.1:8000``)."""
     kube_service: str | None = None
     """Watch this Service's EndpointSlices instead (in ``kube_namespace``)."""
+    prefill_endpoints: list[str] = Field(default_factory=list)
+    """Prefill/decode disaggregation (docs/routing.md): the prefill replicas' base URLs; the
+    replicas of ``endpoints`` / ``kube_service`` are then the decode pool."""
+    prefill_kube_service: str | None = None
+    """The same, from this Service's EndpointSlices (in ``kube_namespace``)."""
+    prefill_timeout: float = Field(300.0, gt=0)
+    """Seconds one prefill leg may take on one prefill replica before the next one is tried."""
+    prefill_min_prompt_chars: int = Field(0, ge=0)
+    """Prompts shorter than this (characters) skip the prefill leg: the decode replica computes them."""
     kube_namespace: str | None = None
     """Namespace of ``kube_service`` (default: the pod's own, else ``default``)."""
     kube_port: str = "http"
     """Port of the EndpointSlices to use: its name, or its number."""
-    routing_algorithm: Literal["prefix-hash", "precise-prefix-cache", "least-load", "round-robin"] = (
-        "precise-prefix-cache")
+    routing_algorithm: Algorithm = DEFAULT
     """Default: the replicas' KV events where they publish them, else the char-prefix CHWBL ring."""
     kv_events_topic: str = ""
     """Topic of the replicas' KV events (their ``--kv-events-config`` topic)."""
@@ -66,21 +78,41 @@ class RouterSettings(BaseModel):
     """When set, the router itself checks ``Authorization: Bearer KEY`` on ``/v1/*``."""
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
+    @field_validator("endpoints", "prefill_endpoints")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not a replica base URL (http://host:port)")
+        return urls
+
     @model_validator(mode="after")
     def _one_source(self) -> RouterSettings:
         if bool(self.endpoints) == bool(self.kube_service):
             raise ValueError("give exactly one of --endpoints and --kube-service")
+        if self.prefill_endpoints and self.prefill_kube_service:
+            raise ValueError("give at most one of --prefill-endpoints and --prefill-kube-service")
         return self
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether requests run as prefill + decode legs (a prefill pool is given)."""
+        return bool(self.prefill_endpoints or self.prefill_kube_service)
 
 
 _HELP = {
     "endpoints": "comma-separated replica base URLs (static endpoints)",
     "kube_service": "Service whose EndpointSlices list the replicas (ready addresses only)",
+    "prefill_endpoints": "prefill/decode disaggregation: comma-separated prefill replica base URLs (the replicas "
+                         "of --endpoints / --kube-service are then the decode pool)",
+    "prefill_kube_service": "prefill/decode disaggregation: Service whose EndpointSlices list the prefill replicas",
+    "prefill_timeout": "seconds one prefill leg may take on one prefill replica before another is tried",
+    "prefill_min_prompt_chars": "prompts shorter than this many characters skip the prefill leg (the decode replica "
+                                "computes them; default 0: every prompt)",
     "kube_namespace": "namespace of --kube-service (default: this pod's namespace)",
     "kube_port": "EndpointSlice port to use, by name or number (default http)",
-    "routing_algorithm": "precise-prefix-cache (default: the replicas' KV events, longest cached prefix within "
-                         "CHWBL's bound; replicas without events: as prefix-hash), prefix-hash (CHWBL prefix affinity "
-                         "on the prompt's characters + load), least-load, or round-robin",
+    "routing_algorithm": describe(),
     "kv_events_topic": "precise-prefix-cache: topic of the replicas' KV events",
     "kv_peer_hint": "tell the chosen replica (header x-kvfleet-kv-peer, signed with the fleet secret) which replica "
                     "caches a longer prefix of the prompt, from the replicas' KV events, so it pulls the KV instead "
@@ -112,7 +144,6 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
 
     Raises: SystemExit(2) with a message on invalid options (argparse's convention).
     """
-    environ = dict(os.environ if environ is None else environ)
     parser = argparse.ArgumentParser(prog="kvfleet router", description=(
         "Route OpenAI requests over kvfleet serve replicas: prefix affinity (CHWBL) with least load, "
         "failover, and a hold queue while no replica is ready. Options also as " + ENV_PREFIX + "<NAME>."))
@@ -120,22 +151,29 @@ def parse_args(argv: list[str], environ: dict[str, str] | None = None) -> Router
         flag = "--" + name.replace("_", "-")
         kw = {"dest": name, "default": argparse.SUPPRESS, "help": _HELP.get(name)}
         if name == "routing_algorithm":
-            kw["choices"] = list(ALGORITHMS)
+            kw["choices"] = list(NAMES)
         if RouterSettings.model_fields[name].annotation is bool:
             kw["action"] = argparse.BooleanOptionalAction  # --kv-peer-hint / --no-kv-peer-hint
         parser.add_argument(flag, **kw)
     given = {k: v for k, v in vars(parser.parse_args(argv)).items()}
     values: dict[str, object] = {}
+    where: dict[str, str] = {}
     for name in RouterSettings.model_fields:
-        env = environ.get(ENV_PREFIX + name.upper())
+        value = env.ROUTER_OPTION.read(name, environ)
         if name in given:
-            values[name] = given[name]
-        elif env:
-            values[name] = env
-    if isinstance(values.get("endpoints"), str):
-        values["endpoints"] = [u.strip() for u in str(values["endpoints"]).split(",") if u.strip()]
+            values[name], where[name] = given[name], "--" + name.replace("_", "-")
+        elif value is not None:
+            values[name], where[name] = value, env.ROUTER_OPTION.name(name)
+    for name in ("endpoints", "prefill_endpoints"):
+        if isinstance(values.get(name), str):
+            values[name] = [u.strip() for u in str(values[name]).split(",") if u.strip()]
     try:
         return RouterSettings(**values)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            name = str(err["loc"][0]) if err["loc"] else ""
+            problems.append(f"{where.get(name, name)}={values.get(name)!r}: {msg}" if name else msg)
+        parser.error("invalid options:\n  " + "\n  ".join(problems))
         raise  # unreachable: parser.error exits

@@ -11,6 +11,9 @@
   :data:`LISTEN_GRACE` seconds, for clients whose endpoints are not updated yet) or once
   ``shutdown_timeout`` passes (then the remaining streams are cut). The process then exits 0;
   a second signal stops it at once. How clients see it: docs/routing.md, "Router restarts".
+
+The uvicorn server and the counting middleware are the server's too (:mod:`kvfleet.runtime.http.draining`);
+this module holds the router's drain policy.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from types import FrameType
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
+from kvfleet.runtime.http import draining
 from kvfleet.runtime.router.proxy import shutting_down_response
 
 logger = logging.getLogger("kvfleet.router")
@@ -52,7 +55,7 @@ class Drain:
         """Call ``callback`` when the drain starts (e.g. release the held requests)."""
         self._on_start.append(callback)
 
-    def start(self) -> None:
+    def start(self, sig: int | None = None) -> None:
         if self.since is not None:
             return
         self.since = time.monotonic()
@@ -75,46 +78,22 @@ class Drain:
             return True
         return False
 
+    async def poll(self) -> bool:
+        return self.done()
 
-class DrainMiddleware:
+
+class DrainMiddleware(draining.InFlightMiddleware):
     """ASGI middleware: counts ``/v1`` requests in :attr:`Drain.in_flight`; refuses new ones while
     draining (calling ``on_refused`` for each, e.g. a metric)."""
 
     def __init__(self, app: ASGIApp, drain: Drain, on_refused: Callable[[], None] = lambda: None):
-        self.app, self.drain, self.on_refused = app, drain, on_refused
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        if self.drain.draining:
-            self.on_refused()
-            await shutting_down_response()(scope, receive, send)
-            return
-        self.drain.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.drain.in_flight -= 1
+        super().__init__(app, drain, lambda path: path.startswith("/v1/"), shutting_down_response, on_refused)
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn whose first SIGTERM/SIGINT drains (module docstring); the exit status stays 0."""
+class DrainingServer(draining.DrainingServer):
+    """uvicorn whose first SIGTERM/SIGINT drains (module docstring); the exit status stays 0 (the
+    signal is not re-raised after a finished drain)."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain):
         config.timeout_graceful_shutdown = CUT_GRACE
-        super().__init__(config)
-        self.drain = drain
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.drain.draining or self.should_exit:
-            super().handle_exit(sig, frame)  # a second signal: stop now
-            return
-        self.drain.start()  # not re-raised after shutdown: a finished drain exits 0
-
-    async def on_tick(self, counter: int) -> bool:
-        if await super().on_tick(counter):
-            return True
-        if self.drain.draining and counter % 10 == 0:
-            logger.info("draining: %d requests in flight", self.drain.in_flight)
-        return self.drain.done()
+        super().__init__(config, drain, exit_by_signal=False, log=logger)

@@ -26,12 +26,13 @@ from collections.abc import Callable
 
 import torch
 
+from kvfleet.runtime import env
 from kvfleet.runtime.worker.attention import OP_KWARG, AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-BACKEND_ENV = "KVFLEET_COMPILE_BACKEND"
+BACKEND_ENV = env.COMPILE_BACKEND.name
 """``torch.compile`` backend (default ``inductor``); ``eager`` traces with dynamo only (the custom
 op and graph capture without inductor's minutes of codegen: smoke checks)."""
 MIN_DYNAMIC_TOKENS = 2
@@ -63,13 +64,14 @@ def configure_cache(root) -> str:
 
 def compile_settings(config, device: torch.device, logits_error: str | None) -> dict | None:
     """:class:`CompiledForward` keyword arguments for this engine, or None to run eagerly:
-    ``enforce_eager``, tensor parallelism (its collectives run eagerly), or a model whose
+    ``enforce_eager``, tensor or pipeline parallelism (their collectives run eagerly), or a model whose
     logits the runner's LM head does not reproduce (``logits_error``, see
     ``ModelRunner._check_compute_logits``). Points inductor's cache into ``$KVFLEET_CACHE_DIR``."""
     if config.enforce_eager:
         return None
-    if config.tensor_parallel_size > 1:
-        logger.warning("tensor_parallel_size=%d: the model runs eagerly (enforce_eager)", config.tensor_parallel_size)
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        logger.warning("tensor_parallel_size=%d, pipeline_parallel_size=%d: the model runs eagerly (enforce_eager)",
+                       config.tensor_parallel_size, config.pipeline_parallel_size)
         return None
     if logits_error is not None:
         logger.warning("the model runs eagerly (enforce_eager): %s", logits_error)
@@ -107,7 +109,7 @@ class CompiledForward:
                  compile_sizes=()) -> None:
         self.decoder = decoder
         self.device = device
-        self.backend = os.environ.get(BACKEND_ENV, "").strip() or "inductor"
+        self.backend = env.COMPILE_BACKEND.get()
         self.compile_sizes = sorted(set(int(s) for s in compile_sizes))
         self.dynamic_min = max([MIN_DYNAMIC_TOKENS - 1, *self.compile_sizes]) + 1
         """The dynamic graph's smallest token count (its guard): every static graph's guard

@@ -54,14 +54,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import Any, Protocol
 
 import torch
 
 from kvfleet.kernels import BACKEND_ENV, cpu_woq, select_backend
 from kvfleet.kernels.cpu_decoder import (
-    MATMULS,
     MAX_ROWS,
     DecoderWeights,
     FusedDecoder,
@@ -69,6 +67,7 @@ from kvfleet.kernels.cpu_decoder import (
     Linear,
     resolve_matmul,
 )
+from kvfleet.runtime import env
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
 from kvfleet.runtime.worker.lora_layers import LoRALinear
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
@@ -77,13 +76,13 @@ from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupL
 
 logger = logging.getLogger(__name__)
 
-ENV = "KVFLEET_CPU_DECODER"
+ENV = env.CPU_DECODER.name
 """``0`` turns the fused decode path off (every step runs transformers' modules)."""
-MATMUL_ENV = "KVFLEET_CPU_MATMUL"
+MATMUL_ENV = env.CPU_MATMUL.name
 """Where the CPU plan chose bf16 matmuls (:attr:`~kvfleet.runtime.worker.cpu_plan.CpuPlan.matmul`),
 the kernels to run instead: ``float32`` (the float32 kernels: one stream is faster there on AMX
 CPUs), ``avx512_bf16`` or ``amx`` (where the library and CPU have them). Unset: the plan's."""
-PREFILL_ENV = "KVFLEET_CPU_FUSED_PREFILL"
+PREFILL_ENV = env.CPU_FUSED_PREFILL.name
 """``1`` runs prefill chunks and mixed steps fused too, ``0`` never; unset: :func:`fused_prefill`'s default."""
 DECODE_ROWS = 64
 """Most rows of a decode or speculative step that runs fused while fused prefill is off."""
@@ -205,7 +204,7 @@ def _norm(module: torch.nn.Module | None, offset: float) -> torch.Tensor | None:
 def unsupported(runner: Runner) -> str | None:
     """Why this engine cannot take the fused path (None: it can)."""
     cfg = runner.hf_config
-    if os.environ.get(ENV, "") == "0":
+    if not env.CPU_DECODER.get():
         return f"${ENV}=0"
     if runner.device.type != "cpu" or runner.dtype != torch.float32:
         return f"it runs {runner.dtype} on {runner.device.type}, not float32 on the CPU"
@@ -324,12 +323,7 @@ def matmul_asked(runner: Runner) -> str:
     plan = runner.cpu_plan
     if plan is None or not plan.bf16_matmuls:
         return "float32"
-    kind = os.environ.get(MATMUL_ENV, "") or plan.matmul
-    if kind not in MATMULS:
-        logger.warning("$%s=%r is not one of %s: using the plan's %s", MATMUL_ENV, kind, ", ".join(MATMULS),
-                       plan.matmul)
-        kind = plan.matmul
-    return resolve_matmul(kind)
+    return resolve_matmul(env.CPU_MATMUL.get() or plan.matmul)  # the registry checks the name
 
 
 def fused_prefill(matmul: str) -> bool:
@@ -338,7 +332,7 @@ def fused_prefill(matmul: str) -> bool:
     whole step is one code path (bitwise batch-invariant from the prompt on) and faster than
     torch's prefill; with the float32 kernels the fused prefill was 2.2-2.6x slower than torch's
     (docs/performance.md, "Fused prefill"), so those engines keep prefill in torch."""
-    value = os.environ.get(PREFILL_ENV, "")
+    value = env.CPU_FUSED_PREFILL.get()
     return value == "1" if value else matmul != "float32"
 
 

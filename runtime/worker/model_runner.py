@@ -45,6 +45,7 @@ from kvfleet.runtime.worker.compilation import CompiledForward, compile_settings
 from kvfleet.runtime.worker.cpu_decode import CpuDecodePath
 from kvfleet.runtime.worker.input_batch import InputBatch
 from kvfleet.runtime.worker.model_loader import LoadedModel
+from kvfleet.runtime.worker.pipeline import PROMPT_LOGPROBS_REASON, PipelineStage
 from kvfleet.runtime.worker.prompt_logprobs import (
     PROMPT_LOGPROBS_CHUNK_BYTES,
     PromptLogprobsTensors,
@@ -116,6 +117,9 @@ class ModelRunner:
         self.tp_size = config.tensor_parallel_size
         self.num_heads //= self.tp_size
         self.num_kv_heads //= self.tp_size
+        # Pipeline parallelism (kvfleet.runtime.worker.pipeline): this rank runs and caches its stage's layers.
+        self.pp = PipelineStage(self.model, self.tp_size) if config.pipeline_parallel_size > 1 else None
+        self.layer_range = self.pp.layer_range if self.pp is not None else range(self.num_layers)
         self.vocab_size = text_config.vocab_size
         self.model_max_len = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
         # Per-layer sliding windows; ValueError for attention features the kernels lack.
@@ -129,11 +133,12 @@ class ModelRunner:
             )
         self._logit_scale = 1.0
         # Its two-token probe forward also checks every layer's attention call before any request.
-        self.prompt_logprobs_error = self._check_compute_logits()
+        self.prompt_logprobs_error = self._check_compute_logits() if self.pp is None else PROMPT_LOGPROBS_REASON
         """None, or why prompt logprobs cannot be computed for this model (the engine then
         refuses requests that ask for them)."""
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.kv_connector = None  # the KV connector's worker side (kv_transfer/connector.py; the engine sets it)
         self.compiled: CompiledForward | None = None
         self.cpu_decode: CpuDecodePath | None = None
         """The fused CPU decode path (:mod:`kvfleet.runtime.worker.cpu_decode`), built by
@@ -171,7 +176,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         """Bytes of one KV block over all layers: ``2 * layers * block_size * kv_heads * head_size * elem``."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+        return 2 * len(self.layer_range) * self.block_size * self.num_kv_heads * self.head_size * elem
 
     def determine_num_blocks(self) -> int:
         """Number of KV blocks the memory budget allows.
@@ -195,7 +200,7 @@ class ModelRunner:
             budget = self.config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
             source = "kv_cache_memory"
             if self.device.type != "cuda":  # ranks share the host's memory: each gets 1/tp of it
-                budget /= self.tp_size
+                budget /= self.tp_size * (self.pp.pp_size if self.pp is not None else 1)
         else:
             budget = self._profile_cuda_budget()
             source = "gpu_memory_utilization"
@@ -268,7 +273,7 @@ class ModelRunner:
         if requested == "auto":
             if self.device.type != "cpu" or self.dtype != torch.float32:
                 return self.dtype
-            why = cpu_decode.unsupported(self)
+            why = cpu_decode.unsupported(self) if self.pp is None else "pipeline parallelism"
             bf16 = why is None and cpu_decode.matmul_asked(self) != "float32"
             dtype = torch.bfloat16 if bf16 else CPU_AUTO_KV_CACHE_DTYPE if why is None else self.dtype
             logger.info("KV cache dtype: %s (kv_cache_dtype auto: %s)", str(dtype).removeprefix("torch."),
@@ -285,17 +290,18 @@ class ModelRunner:
         """Allocate (zeroed) key and value caches of ``num_blocks`` blocks for every layer, in
         :attr:`kv_cache_dtype`."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        none = torch.empty(0, dtype=self.kv_cache_dtype, device=self.device)  # another stage's layer
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(self.num_layers)
+            if i in self.layer_range else (none, none) for i in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks x %d tokens, %s (%.1f MiB)", num_blocks, self.block_size,
             str(self.kv_cache_dtype).removeprefix("torch."), num_blocks * self.bytes_per_block / 2**20
         )
-        self.cpu_decode = cpu_decode.build(self)
+        self.cpu_decode = cpu_decode.build(self) if self.pp is None else None  # the fused step runs every layer
         if self.speculator is not None and self.cpu_decode is not None:
             self.speculator.max_step_rows = CPU_STEP_ROWS  # within the fused path's rows, where drafts pay
             self.speculator.row_cost = CPU_ROW_COST
@@ -428,6 +434,8 @@ class ModelRunner:
         """
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute_model()")
+        if self.kv_connector is not None:  # KV loaded instead of computed (a decode leg's prompt)
+            self.kv_connector.start_load_kv()
         if self.speculator is not None and runner_input.finished_request_ids:
             done = {rid: st.prompt_token_ids + st.output_token_ids for rid in runner_input.finished_request_ids
                     if (st := self.states.requests.get(rid)) is not None}
@@ -441,6 +449,9 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(scheduled)
         rows = prompt_logprob_rows(scheduled)
         max_query = 1 + (self.speculator.config.num_speculative_tokens if self.speculator is not None else 0)
+        if self.pp is not None:  # this stage's layers; rank 0 gets the last stage's logits
+            logits = self.pp.execute(input_ids, positions, {METADATA_KWARG: meta}, logits_indices, self.vocab_size)
+            return ModelRunnerOutput(sampling, logits, draft_token_ids=drafts)
         adapters = self.lora is not None and any(s.request.lora_int_id for s in scheduled)
         if self.cpu_decode is not None and not adapters and self.cpu_decode.applies(
             input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None,

@@ -1,16 +1,19 @@
-"""Tensor parallelism over several nodes, launched as vLLM launches without Ray
+"""Tensor and pipeline parallelism over several nodes, launched as vLLM launches without Ray
 (``--nnodes N --node-rank R --master-addr A --master-port P``, ``--headless`` on every node but 0).
 
 Contract:
 
-- **Rank layout** (:func:`node_ranks`): the ``tensor_parallel_size`` ranks are cut into ``nnodes``
-  contiguous runs of ``k = tensor_parallel_size / nnodes``; node ``r`` runs ranks ``r*k .. r*k+k-1``
+- **Rank layout** (:func:`node_ranks`): the ``world = tensor_parallel_size * pipeline_parallel_size``
+  ranks (rank ``g`` is tensor-parallel rank ``g % tp`` of pipeline stage ``g // tp``,
+  :mod:`kvfleet.runtime.worker.pipeline`) are cut into ``nnodes`` contiguous runs of
+  ``k = world / nnodes``; node ``r`` runs ranks ``r*k .. r*k+k-1``
   and its local rank ``i`` (``cuda:i``) is global rank ``r*k + i``. Node 0's process is rank 0
   (:class:`kvfleet.runtime.worker.executor.MultiprocExecutor`): it serves HTTP, schedules and
   samples, and spawns only its own ranks ``1 .. k-1``.
 - **Rendezvous**: node 0 owns the TCPStore on ``master_port`` (all interfaces); every rank connects
   to ``master_addr:master_port``. Node 0 publishes its engine options there (``kvfleet/config``);
-  a headless node checks that its ``model``, ``tensor_parallel_size`` and ``nnodes`` agree
+  a headless node checks that its ``model``, ``tensor_parallel_size``, ``pipeline_parallel_size``
+  and ``nnodes`` agree
   (:func:`check_leader_config`) and then runs node 0's options, so that every rank's runner sees the
   same steps the same way.
 - **Headless node** (:mod:`kvfleet.runtime.worker.headless`): spawns its ranks ``r*k+1 ..`` and
@@ -38,31 +41,33 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kvfleet.runtime import env
 from kvfleet.runtime.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("KVFLEET_MULTINODE_HEARTBEAT_TIMEOUT", "3"))
+HEARTBEAT_TIMEOUT_S = env.MULTINODE_HEARTBEAT_TIMEOUT.get()
 """Seconds without a heartbeat after which node 0 declares a rank lost."""
 CONFIG_KEY = "kvfleet/config"
 HEARTBEAT_KEY = "kvfleet/heartbeat/{rank}"
 ERROR_KEY = "kvfleet/error/{rank}"
 """A rank's error report (the executor's ``_ERROR_KEY``)."""
-_CHECKED_FIELDS = ("model", "tensor_parallel_size", "nnodes")
+_CHECKED_FIELDS = ("model", "tensor_parallel_size", "pipeline_parallel_size", "nnodes")
 
 
-def node_ranks(tensor_parallel_size: int, nnodes: int, node_rank: int) -> range:
-    """The global ranks node ``node_rank`` runs: ``r*k .. r*k+k-1``, ``k = tp / nnodes``.
+def node_ranks(world_size: int, nnodes: int, node_rank: int) -> range:
+    """The global ranks node ``node_rank`` runs: ``r*k .. r*k+k-1``, ``k = world_size / nnodes``
+    (``world_size``: ``tensor_parallel_size * pipeline_parallel_size``).
 
     Raises:
-        ValueError: ``nnodes`` does not divide ``tensor_parallel_size`` or ``node_rank`` is out of range.
+        ValueError: ``nnodes`` does not divide ``world_size`` or ``node_rank`` is out of range.
     """
-    if nnodes < 1 or tensor_parallel_size % nnodes:
-        raise ValueError(f"nnodes ({nnodes}) must divide tensor_parallel_size ({tensor_parallel_size})")
+    if nnodes < 1 or world_size % nnodes:
+        raise ValueError(f"nnodes ({nnodes}) must divide tensor_parallel_size * pipeline_parallel_size ({world_size})")
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"node_rank ({node_rank}) must be in 0..{nnodes - 1}")
-    k = tensor_parallel_size // nnodes
+    k = world_size // nnodes
     return range(node_rank * k, node_rank * k + k)
 
 
@@ -75,7 +80,8 @@ def check_leader_config(own: EngineConfig, leader: dict[str, Any]) -> EngineConf
     """The options a headless node runs: node 0's, with this node's ``node_rank`` and ``headless``.
 
     Raises:
-        ValueError: naming each of ``model``, ``tensor_parallel_size``, ``nnodes`` that differs
+        ValueError: naming each of ``model``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
+            ``nnodes`` that differs
             between this node and node 0.
     """
     diffs = [f"{name}: this node {getattr(own, name)!r}, node 0 {leader.get(name)!r}"
@@ -151,13 +157,35 @@ def spawn_worker(rank: int, local_rank: int, config: EngineConfig, model_path: s
     """Start worker ``rank`` (``local_rank`` on this node) as a fresh interpreter (``python -m
     kvfleet.runtime.worker.executor``), not multiprocessing's spawn: that re-imports the parent's
     __main__, which breaks unguarded scripts. It exits when ``parent_pid`` does."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS=os.environ.get("KVFLEET_TP_WORKER_THREADS", "1"),
+    child_env = dict(os.environ)
+    child_env.update(
+        OMP_NUM_THREADS=str(env.TP_WORKER_THREADS.get()),
         LOCAL_RANK=str(local_rank),  # transformers binds cuda:LOCAL_RANK
         PYTHONSAFEPATH="1",  # a checkout's operator/ must not shadow the stdlib module
     )
     args = [sys.executable, "-m", "kvfleet.runtime.worker.executor", "--rank", str(rank),
             "--local-rank", str(local_rank), "--store-host", store_host, "--store-port", str(store_port),
             "--parent-pid", str(parent_pid), "--model-path", model_path, "--config", config.model_dump_json()]
-    return subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(args, env=child_env, stdin=subprocess.DEVNULL)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    try:
+        proc.wait(max(0.0, timeout))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def shutdown_procs(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait up to ``timeout`` s for the workers to exit, then SIGTERM, then SIGKILL; reaps them."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        _wait(proc, deadline - time.monotonic())
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        if not _wait(proc, 2.0):
+            proc.kill()
+            _wait(proc, 2.0)

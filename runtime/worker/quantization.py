@@ -29,17 +29,18 @@ start-up error: ``kvfleet serve`` logs it on one line and exits 1).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvfleet.runtime import env
+
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("int8", "int4")
 """Values of ``--quantization`` (``EngineConfig.quantization``); None: the model dtype."""
-CPU_WOQ_ENV = "KVFLEET_CPU_WOQ"
+CPU_WOQ_ENV = env.CPU_WOQ.name
 """``0`` turns kvfleet's AVX2 kernels off (torchao's kernels, LM head unquantized)."""
 INT4_GROUP_SIZES = (32,)
 """int4 group sizes, in order of preference. torchao's CPU int4 kernel also takes 64 and 128
@@ -229,7 +230,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> QuantizationInfo:
 def use_cpu_kernels(model: torch.nn.Module) -> bool:
     """Whether :func:`quantize_model` uses kvfleet's AVX2 kernels: the model is on the CPU, the
     kernels build here (:func:`kvfleet.kernels.cpu_woq.available`) and ``KVFLEET_CPU_WOQ`` is not 0."""
-    if os.environ.get(CPU_WOQ_ENV, "").strip() == "0":
+    if not env.CPU_WOQ.get():
         return False
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu":

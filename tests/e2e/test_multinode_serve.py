@@ -70,9 +70,9 @@ def _reference(path: Path) -> str:
     return out.text
 
 
-def _start_headless(path: Path, port: int, log: Path, tp: int = 2) -> subprocess.Popen:
+def _start_headless(path: Path, port: int, log: Path, tp: int = 2, pp: int = 1) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--model", str(path), *COMMON,
-           "--tensor-parallel-size", str(tp),
+           "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
            "--master-port", str(port), "--node-rank", "1", "--headless"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "wb") as fh:
@@ -80,9 +80,13 @@ def _start_headless(path: Path, port: int, log: Path, tp: int = 2) -> subprocess
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "ending"), [(2, "kill_node"), (2, "stop_leader"), (4, "kill_node")])
-def test_tp_over_two_nodes_answers_as_one_process(tp, ending, four_head_checkpoint, tmp_path):
-    """Greedy text over 2 nodes x ``tp/2`` ranks equals the one-process engine's. Then ``kill_node``:
+@pytest.mark.parametrize(("tp", "pp", "ending"), [(2, 1, "kill_node"), (2, 1, "stop_leader"), (4, 1, "kill_node"),
+                                                 (1, 2, "kill_node"), (2, 2, "kill_node")])
+def test_tp_over_two_nodes_answers_as_one_process(tp, pp, ending, four_head_checkpoint, tmp_path):
+    """Greedy text over 2 nodes x ``tp*pp/2`` ranks equals the one-process engine's: tensor
+    parallelism across the nodes, pipeline parallelism (one stage, one layer, per node) and both
+    (each node a stage of 2 tensor-parallel ranks: rank 2 on node 1 gets its hidden state from
+    rank 0, rank 3 from rank 1). Then ``kill_node``:
     SIGKILL of the headless node makes the leader exit 1 within seconds (its engine loop sees
     the lost heartbeat while idle), the reason in the termination log; ``stop_leader``: SIGTERM
     of the leader stops the headless node too, both cleanly (its rank exits 0)."""
@@ -90,10 +94,11 @@ def test_tp_over_two_nodes_answers_as_one_process(tp, ending, four_head_checkpoi
     expected = _reference(path)
     port = free_port()
     worker_log, leader_log, term_log = tmp_path / "node1.log", tmp_path / "node0.log", tmp_path / "termination-log"
-    worker = _start_headless(path, port, worker_log, tp)
+    worker = _start_headless(path, port, worker_log, tp, pp)
+    world = tp * pp
     leader = None
     try:
-        leader, base = start_serve(["--model", str(path), *COMMON, "--tensor-parallel-size", str(tp),
+        leader, base = start_serve(["--model", str(path), *COMMON, "--tensor-parallel-size", str(tp), "-pp", str(pp),
                                     "--master-port", str(port), "--node-rank", "0",
                                     "--termination-log", str(term_log), "--log-level", "info"], leader_log)
         assert worker.poll() is None, worker_log.read_text()
@@ -101,9 +106,9 @@ def test_tp_over_two_nodes_answers_as_one_process(tp, ending, four_head_checkpoi
         resp = httpx.post(base + "/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == expected, (resp.json(), expected)
-        assert f"this node runs ranks {list(range(tp // 2))}" in leader_log.read_text()
-        node1_children = worker_pids(worker.pid)  # the headless node's own extra ranks (tp=4: rank 3)
-        assert len(node1_children) == tp // 2 - 1, node1_children
+        assert f"this node runs ranks {list(range(world // 2))}" in leader_log.read_text()
+        node1_children = worker_pids(worker.pid)  # the headless node's own extra ranks (4 ranks: rank 3)
+        assert len(node1_children) == world // 2 - 1, node1_children
 
         if ending == "stop_leader":
             leader.send_signal(signal.SIGTERM)
@@ -120,7 +125,7 @@ def test_tp_over_two_nodes_answers_as_one_process(tp, ending, four_head_checkpoi
         log = leader_log.read_text()
         assert code == 1, log
         assert elapsed < 15, f"the leader took {elapsed:.1f} s to exit:\n{log}"
-        assert f"rank {tp // 2}: no heartbeat" in term_log.read_text(), term_log.read_text()
+        assert f"rank {world // 2}: no heartbeat" in term_log.read_text(), term_log.read_text()
         assert wait_gone(node1_children, 10), f"ranks {node1_children} outlived their node"
         print(f"leader exited {code} {elapsed:.2f} s after SIGKILL of the headless node")
     finally:

@@ -3,50 +3,26 @@
 `helm lint --strict`; `helm template` with default and non-default values, every rendered
 object validated against the official Kubernetes schemas (kubernetes-validate) or, for the
 kopf peering objects, against the chart's own CRDs; values that the schema must reject;
-the CRDs identical to the top-level crds/; what RBAC grants; the monitoring objects
-rendered only when asked or when the cluster serves them.
+the CRDs identical to the top-level crds/; the monitoring objects
+rendered only when asked or when the cluster serves them. What RBAC grants: test_chart_rbac_rules.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from support.helm_chart import CHART, VALUE_SETS, by_kind, helm, one, render
 from support.paths import ROOT
 
-CHART = ROOT / "charts" / "kvfleet"
 K8S_VERSION = "1.35.0"  # the kubectl the project installs is v1.35
 
 # Kinds whose schemas no offline package ships: checked field by field in the tests below.
 PROMETHEUS_OPERATOR_KINDS = {("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
-
-
-def helm(helm_bin: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([helm_bin, *args], capture_output=True, text=True, timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
-    return proc
-
-
-def render(helm_bin: str, *args: str, namespace: str = "kvfleet-system") -> list[dict]:
-    """`helm template` -> the rendered objects (CRDs from crds/ included)."""
-    out = helm(helm_bin, "template", "kvf", str(CHART), "--namespace", namespace, "--include-crds", *args).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
-
-
-def by_kind(objs: list[dict], kind: str) -> list[dict]:
-    return [o for o in objs if o["kind"] == kind]
-
-
-def one(objs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [o for o in by_kind(objs, kind) if name is None or o["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind} {name or ''}, got {[o['metadata']['name'] for o in found]}"
-    return found[0]
 
 
 def crd_schemas() -> dict[tuple[str, str], dict]:
@@ -85,35 +61,6 @@ def validate_all(objs: list[dict]) -> None:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as e:
             raise AssertionError(f"{where} does not validate: {e.message} at {list(e.path)}") from e
-
-
-# Non-default value sets, each rendered, linted and validated.
-VALUE_SETS = {
-    "default": [],
-    "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
-    "namespaced-no-discovery": ["--set", "operator.watchNamespaces={team-a}", "--set", "rbac.clusterDiscovery=false"],
-    "monitoring-podmonitor": ["--set", "monitoring.enabled=true", "--set-json", 'monitoring.labels={"release":"kps"}'],
-    "monitoring-servicemonitor": ["--set", "monitoring.enabled=true", "--set", "monitoring.kind=ServiceMonitor",
-                                  "--set", "monitoring.namespaces={llm}"],
-    "monitoring-auto-served": ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"],
-    "all-optional-off": ["--set", "prometheusAdapter.rules.enabled=false", "--set", "grafanaDashboard.enabled=false",
-                         "--set", "tests.enabled=false", "--set", "podDisruptionBudget.enabled=false",
-                         "--set", "operator.peering.enabled=false", "--set", "monitoring.enabled=false"],
-    "ha-and-scheduling": [
-        "--set", "replicaCount=2", "--set", "podDisruptionBudget.minAvailable=1",
-        "--set", "image.digest=sha256:" + "a" * 64, "--set", "operator.logLevel=debug",
-        "--set-json", 'imagePullSecrets=[{"name":"regcred"}]',
-        "--set-json", 'tolerations=[{"key":"dedicated","operator":"Equal","value":"ops","effect":"NoSchedule"}]',
-        "--set-json", 'nodeSelector={"kubernetes.io/os":"linux"}',
-        "--set-json", 'operator.extraEnv=[{"name":"KOPF_LOG","value":"1"}]',
-        "--set-json", 'operator.extraArgs=["--priority=100"]',
-        "--set-json", 'topologySpreadConstraints=[{"maxSkew":1,"topologyKey":"kubernetes.io/hostname",'
-                      '"whenUnsatisfiable":"ScheduleAnyway","labelSelector":{"matchLabels":'
-                      '{"app.kubernetes.io/component":"operator"}}}]',
-        "--set", "grafanaDashboard.namespace=monitoring", "--set", "priorityClassName=system-cluster-critical"],
-    "existing-serviceaccount": ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops-sa",
-                                "--set", "rbac.create=false"],
-}
 
 
 def test_values_schema_is_valid_json_schema_and_accepts_the_defaults():
@@ -217,95 +164,6 @@ def test_image_tag_defaults_to_app_version_and_digest_wins(helm_bin):
     (c,) = one(render(helm_bin, "--set", f"image.digest={digest}", "--set", "image.tag=x"),
                "Deployment")["spec"]["template"]["spec"]["containers"]
     assert c["image"] == f"ghcr.io/kvfleet/kvfleet-operator@{digest}"
-
-
-def _rules(role: dict) -> dict[tuple[str, str], set[str]]:
-    out: dict[tuple[str, str], set[str]] = {}
-    for rule in role["rules"]:
-        for g in rule["apiGroups"]:
-            for r in rule["resources"]:
-                out.setdefault((g, r), set()).update(rule["verbs"])
-    return out
-
-
-# What the operator does, and so what it needs (least privilege: nothing more).
-EXPECTED_RULES = {
-    ("kvfleet.io", "inferenceservices"): {"get", "list", "watch", "patch"},
-    ("kvfleet.io", "inferenceservices/status"): {"get", "patch"},
-    ("kvfleet.io", "inferenceservices/scale"): {"patch"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},  # delete: spec.router turned off
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("autoscaling", "horizontalpodautoscalers"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch"},               # watched: pod-level reasons
-    ("", "persistentvolumeclaims"): {"get"},              # the model volume's access modes
-    ("keda.sh", "scaledobjects"): {"list"},               # one scaler per target
-    ("", "events"): {"create"},                           # others' secrets: learnt from the pods
-    ("", "secrets"): {"get", "create"},                   # its own fleet Secret: read by name, created once
-    # spec.router: the router's own RBAC, and what its Role grants (RBAC escalation check)
-    ("", "serviceaccounts"): {"get", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "roles"): {"get", "create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch", "delete"},
-    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
-    ("inference.networking.k8s.io", "inferencepools"): {"get", "create", "patch", "delete"},  # GIE
-}
-
-
-def test_cluster_wide_rbac_is_least_privilege(helm_bin):
-    role = one(render(helm_bin), "ClusterRole")
-    rules = _rules(role)
-    expected = dict(EXPECTED_RULES)
-    expected[("kopf.dev", "clusterkopfpeerings")] = {"get", "list", "watch", "patch"}
-    expected[("apiextensions.k8s.io", "customresourcedefinitions")] = {"list", "watch"}
-    assert rules == expected
-    for rule in role["rules"]:
-        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
-        assert "resourceNames" not in rule
-
-
-def test_namespaced_rbac_grants_only_in_the_watched_namespaces(helm_bin):
-    objs = render(helm_bin, *VALUE_SETS["namespaced"])
-    (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert "--namespace=team-a" in c["args"] and "--namespace=team-b" in c["args"]
-    assert "--all-namespaces" not in c["args"]
-    roles = by_kind(objs, "Role")
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    for role in roles:
-        expected = dict(EXPECTED_RULES)
-        expected[("kopf.dev", "kopfpeerings")] = {"get", "list", "watch", "patch"}
-        assert _rules(role) == expected
-    bindings = by_kind(objs, "RoleBinding")
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
-    for b in bindings:
-        assert b["subjects"][0]["namespace"] == "kvfleet-system"  # the operator's own namespace
-    # Cluster-wide: only read-only discovery of namespaces and CRDs, nothing inside a namespace.
-    (cr,) = by_kind(objs, "ClusterRole")
-    assert _rules(cr) == {("", "namespaces"): {"list", "watch"},
-                          ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}}
-    peerings = by_kind(objs, "KopfPeering")
-    assert sorted(p["metadata"]["namespace"] for p in peerings) == ["team-a", "team-b"]
-    assert not by_kind(objs, "ClusterKopfPeering")
-
-    objs = render(helm_bin, *VALUE_SETS["namespaced-no-discovery"])
-    assert not by_kind(objs, "ClusterRole") and not by_kind(objs, "ClusterRoleBinding")
-
-
-def test_existing_serviceaccount_and_no_rbac(helm_bin):
-    objs = render(helm_bin, *VALUE_SETS["existing-serviceaccount"])
-    assert not [o for o in objs if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role",
-                                                 "RoleBinding")]
-    assert one(objs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "ops-sa"
-    proc = helm(helm_bin, "template", "kvf", str(CHART), "--set", "serviceAccount.create=false", check=False)
-    assert proc.returncode != 0 and "serviceAccount.name is required" in proc.stderr
-
-
-def test_standalone_without_peering(helm_bin):
-    objs = render(helm_bin, "--set", "operator.peering.enabled=false")
-    (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert "--standalone" in c["args"] and not any(a.startswith("--peering") for a in c["args"])
-    assert not by_kind(objs, "ClusterKopfPeering")
-    assert ("kopf.dev", "clusterkopfpeerings") not in _rules(one(objs, "ClusterRole"))
 
 
 def _monitors(objs):

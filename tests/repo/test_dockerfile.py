@@ -328,14 +328,32 @@ def test_operator_deps_are_project_deps_without_torch():
 
 
 def _imports(path: Path) -> set[str]:
-    """Absolute module names imported anywhere in a file (function-level imports included)."""
+    """Absolute module names imported anywhere in a file (function-level imports included).
+
+    ``from PKG import mod`` where ``PKG.mod`` is a module needs ``PKG.mod`` and only the top level of
+    ``PKG/__init__.py`` (what Python runs); it is named ``PKG:top``. Any other ``from PKG import x``
+    may reach a package's lazy ``__getattr__`` and needs all of ``PKG``."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}
+            subs = {f"{node.module}.{a.name}" for a in node.names}
+            if all(_module_file(m) is not None and _module_file(m) != _module_file(node.module) for m in subs):
+                out |= subs | {f"{node.module}:top"}
+            else:
+                out |= subs | {node.module}
+    return out
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The absolute module names a file imports at its top level (what importing it runs)."""
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
     return out
 
 
@@ -372,10 +390,11 @@ def test_operator_image_deps_cover_what_kvfleet_operator_imports():
         if module in seen or module in NOT_IN_OPERATOR_IMAGE:
             continue
         seen.add(module)
-        path = _module_file(module)
+        name, _, top_only = module.partition(":")
+        path = _module_file(name)
         if path is None:
             continue
-        for name in _imports(path):
+        for name in (_top_level_imports(path) if top_only else _imports(path)):
             top = name.split(".")[0]
             if top == "kvfleet":
                 todo.append(name)

@@ -113,8 +113,9 @@ def test_operator_imports_without_torch_in_a_fresh_interpreter():
 # Modules of kvfleet.runtime that import neither torch nor transformers, at any depth:
 # the operator may use these (the engine config it writes into the ConfigMap).
 TORCH_FREE_RUNTIME = {"kvfleet.runtime", "kvfleet.runtime.config", "kvfleet.runtime.sampling_params",
+                      "kvfleet.runtime.router", "kvfleet.runtime.router.routing",
                       "kvfleet.runtime.spec_decode", "kvfleet.runtime.spec_decode.config", "kvfleet.runtime.json_option",
-                      "kvfleet.runtime.model_errors"}
+                      "kvfleet.runtime.model_errors", "kvfleet.runtime.env"}
 
 
 def test_operator_uses_only_torch_free_runtime_modules():
@@ -150,11 +151,15 @@ def test_operator_uses_only_torch_free_runtime_modules():
                                          "kvfleet.runtime.entrypoints", "kvfleet.runtime.bench", "kvfleet.runtime.router",
                                          "kvfleet.operator")),
         ("kvfleet.kernels", ("kvfleet.runtime", "kvfleet.operator")),
+        # what the server and the router share over HTTP: nothing of kvfleet (the router loads it)
+        ("kvfleet.runtime.http", ("kvfleet.",)),
         ("kvfleet.operator", ("kvfleet.kernels",)),
     ],
 )
 def test_layers_import_only_downwards(package, forbidden):
-    bad = [(m, d) for m, d in _edges(package) if d.startswith(forbidden)]
+    # the settings registry (runtime/env.py: stdlib only) is below every layer; kernels import it
+    # as `import kvfleet.runtime.env`, which this graph records without the package kvfleet.runtime
+    bad = [(m, d) for m, d in _edges(package) if d.startswith(forbidden) and d != "kvfleet.runtime.env"]
     assert not bad
 
 
@@ -206,24 +211,45 @@ def test_no_import_cycles_lazy_ones_included(prefix):
     assert _cycles(prefix) == []
 
 
-# Files over 500 lines allowed while being shrunk (a file listed here may not grow past its
-# number); empty since issue 26: none is over.
-OVER_500_LINES_ALLOWED: dict[str, int] = {}
+# Files over 500 lines, allowed with a reason while they wait to be split: a file listed here may
+# not grow past its number (a new test of it goes in a new test_<X>_<concern>.py, tests/README.md).
+# The code folders have none since issue 26; the check covers tests/, benchmarks/, scripts/ and the
+# C sources too since issue 44.
+OVER_500_LINES_ALLOWED: dict[str, tuple[int, str]] = {
+    "tests/unit/runtime/entrypoints/openai/test_api_server.py": (
+        714, "the routes over one module-scoped TestClient and engine; the pd and ci branches add to it in "
+             "the same session, so it is split after they merge, not under them"),
+    "tests/unit/operator/test_builders.py": (
+        547, "the lws and pd branches add spec.parallelism / spec.disaggregation cases in the same session"),
+    "tests/support/kube_emulator.py": (
+        515, "the test cluster's API server; the lws branch adds its fake LeaderWorkerSet controller beside it"),
+    "tests/unit/runtime/engine/test_prompt_logprobs.py": (
+        513, "its engine and server halves share the module-scoped transformers reference (hf_logprobs): "
+             "split, each would compute it (CI time)"),
+}
 MAX_LINES = 500
 MAX_FMT_SKIP = 10
 """``# fmt: skip`` is for tables that read better as laid out by hand, not for packing code."""
+CHECKED = (*(f"{folder}/**/*.py" for folder in FOLDERS), "tests/**/*.py", "benchmarks/**/*.py", "scripts/**/*.py",
+           "kernels/*.c", "kernels/*.h")
+"""Every file the 500-line rule covers: code, tests, benchmark scripts and the C kernels."""
 
 
 def _code_files() -> dict[str, list[str]]:
     return {str(p.relative_to(ROOT)): p.read_text().splitlines() for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
 
 
-def test_no_module_over_500_lines_and_the_http_app_under_400():
-    files = _code_files()
-    too_long = {rel: len(lines) for rel, lines in files.items() if len(lines) > MAX_LINES}
-    grown = {rel: n for rel, n in too_long.items() if n > OVER_500_LINES_ALLOWED.get(rel, MAX_LINES)}
+def _checked_files() -> dict[str, int]:
+    return {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for pattern in CHECKED for p in ROOT.glob(pattern)}
+
+
+def test_no_file_over_500_lines_and_the_http_app_under_400():
+    files = _checked_files()
+    assert {"kernels/cpu_decoder.c", "tests/conftest.py", "runtime/env.py"} <= set(files)
+    allowed = {rel: n for rel, (n, _) in OVER_500_LINES_ALLOWED.items()}
+    grown = {rel: n for rel, n in files.items() if n > allowed.get(rel, MAX_LINES)}
     assert not grown, f"over {MAX_LINES} lines (or past their allowance): {grown}"
-    assert len(files["runtime/entrypoints/openai/api_server.py"]) < 400
+    assert files["runtime/entrypoints/openai/api_server.py"] < 400
 
 
 def test_fmt_skip_only_for_tables():
@@ -233,10 +259,11 @@ def test_fmt_skip_only_for_tables():
     assert sum(used.values()) <= MAX_FMT_SKIP, f"# fmt: skip packs code: {used}"
 
 
-def test_the_allowances_name_real_files():
-    # An entry for a renamed or deleted file would allow nothing and hide nothing: drop it.
-    files = _code_files()
-    assert set(OVER_500_LINES_ALLOWED) <= set(files)
+def test_the_allowances_name_real_files_still_over_the_limit():
+    # An entry for a renamed, deleted or shrunk file would allow nothing and hide nothing: drop it.
+    files = _checked_files()
+    stale = {rel for rel in OVER_500_LINES_ALLOWED if files.get(rel, 0) <= MAX_LINES}
+    assert not stale, f"no longer over {MAX_LINES} lines: drop from OVER_500_LINES_ALLOWED: {stale}"
 
 
 def test_architecture_map_names_every_module():

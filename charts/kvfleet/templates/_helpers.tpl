@@ -174,6 +174,14 @@ names the code that needs it; nothing here grants access to other kinds.
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "create", "patch", "delete"]
+# spec.parallelism.nodes > 1: each replica a LeaderWorkerSet group (the LWS CRD is a prerequisite);
+# scaled through its /scale subresource by the autoscaler.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets/scale"]
+  verbs: ["patch"]
 {{- end }}
 
 {{/* kopf peering: the operator replicas' heartbeats in the peering object's status. */}}

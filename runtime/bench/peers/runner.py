@@ -36,6 +36,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvfleet.runtime import env
 from kvfleet.runtime.bench.machine import machine
 from kvfleet.runtime.bench.peers import systems as ps
 from kvfleet.runtime.bench.peers.report import format_tables, plot_peers, shares
@@ -65,7 +66,7 @@ def add_arguments(p) -> None:
     p.add_argument("--vllm-dtype", default="auto", help="auto: bfloat16 on a CPU with native bf16 matmul, else float32")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (default: all CPUs)")
     p.add_argument("--timeout", type=float, default=3600, help="per offline run / server start, seconds")
-    p.add_argument("--peers-dir", default=os.environ.get("KVFLEET_PEERS_DIR", ".peers"),
+    p.add_argument("--peers-dir", default=str(env.PEERS_DIR.get()),
                    help="the peers' virtualenvs, as benchmarks/peers/setup.sh makes them "
                         "(default: $KVFLEET_PEERS_DIR, else .peers in the current directory)")
     p.add_argument("--output-dir", default=None, help="default benchmarks/results/peers-<UTC time> (current directory)")

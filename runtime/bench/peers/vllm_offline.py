@@ -27,11 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from kvfleet.runtime import env
+
 
 def default_model() -> Path:
     """Newest complete checkpoint (config.json + safetensors) under ``$KVFLEET_CACHE_DIR/gguf``."""
-    env = os.environ.get("KVFLEET_CACHE_DIR")
-    root = (Path(env).expanduser() if env else Path.home() / ".cache" / "kvfleet") / "gguf"
+    root = env.CACHE_DIR.get() / "gguf"
     found = [d for d in root.glob("*") if d.is_dir() and (d / "config.json").is_file() and any(d.glob("*.safetensors"))]
     if not found:
         raise FileNotFoundError(

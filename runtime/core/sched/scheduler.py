@@ -78,11 +78,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self.in_flight: set[str] = set()
+        """Requests of the engine's micro-batches in flight (pipeline parallelism): never scheduled
+        again nor preempted until their step's tokens are back; their finished ids reach the
+        runner only after that (its state of them is read when their step samples)."""
         self._feed = RunnerFeed()
         """What the model runner holds (the runner's plain view of each step, see ``output``)."""
         self._stats = SchedulerStats()
         self.max_loras: int | None = config.max_loras if config.enable_lora else None
         """Most distinct LoRA adapters among the running requests (None: LoRA off)."""
+        self.kv_connector = None
+        """The KV connector's scheduler side (:mod:`kvfleet.runtime.kv_transfer.connector`; the engine sets it)."""
 
     # -- requests in and out ------------------------------------------------------
     @property
@@ -140,14 +146,17 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.kv_connector is not None:  # a prefill leg's blocks may be held for the decode replica
+            self.kv_connector.request_finished(request, self.kv_cache_manager.req_to_blocks.get(request.request_id, []))
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
         self._feed.drop(request.request_id)
 
     # -- the step -------------------------------------------------------------------
-    def _victim(self) -> Request:
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+    def _victim(self) -> Request | None:
+        idle = [r for r in self.running if r.request_id not in self.in_flight]
+        return max(idle, key=lambda r: (r.priority, r.arrival_time)) if idle else None
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -183,8 +192,8 @@ class Scheduler:
         for request in list(self.running):
             if step.tokens <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.request_id in self.in_flight:
+                continue  # preempted earlier in this loop, or in a micro-batch in flight
             num_new = min(request.num_tokens - request.num_computed_tokens, step.tokens)
             if num_new <= 0:
                 continue
@@ -229,17 +238,22 @@ class Scheduler:
                     break
                 continue
             hit_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
+            # tokens the KV connector loads instead of computing (a decode leg's prompt)
+            external = self.kv_connector.get_num_new_matched_tokens(request, num_cached) if self.kv_connector else 0
+            num_new = request.num_tokens - num_cached - external
             if num_new > step.tokens:
                 if not self.chunked_prefill:
                     break
                 num_new = step.tokens
             if not self._fits(step, request, hit_blocks) or \
-                    self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                    self.kv_cache_manager.allocate_slots(request, external + num_new, hit_blocks) is None:
                 if self._preempt_for_priority(request, step):
                     continue
                 break
-            self._start(step, request, num_cached, num_new)
+            if external:
+                self.kv_connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), external)
+            self._start(step, request, num_cached, num_new, external)
             if loras is not None and request.lora_int_id:
                 loras.add(request.lora_int_id)
 
@@ -254,8 +268,9 @@ class Scheduler:
         need = self._num_lookahead_blocks(request, hit_blocks)
         return self.kv_cache_manager.num_free_blocks - step.reserved_blocks - need >= self.watermark_blocks
 
-    def _start(self, step: StepBudget, request: Request, num_cached: int, num_new: int) -> None:
-        """Move the admitted ``request`` from waiting to running and schedule its first tokens."""
+    def _start(self, step: StepBudget, request: Request, num_cached: int, num_new: int, external: int = 0) -> None:
+        """Move the admitted ``request`` from waiting to running and schedule its first tokens
+        (after its ``num_cached`` prefix-cache hits and the ``external`` tokens the KV connector loads)."""
         self.waiting.take(request)
         if request.num_cached_tokens < 0:
             # Prefix-cache counters: once per request, at its first successful schedule.
@@ -263,11 +278,11 @@ class Scheduler:
             self._stats.prefix_cache_queries += request.num_prompt_tokens
             self._stats.prefix_cache_hits += min(num_cached, request.num_prompt_tokens)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_cached
+        start = request.num_computed_tokens = num_cached + external
         self.running.append(request)
         if step.reserved_blocks is not None:
             step.reserved_blocks += self._num_lookahead_blocks(request)
-        step.schedule(ScheduledRequest(request, num_cached, request.token_ids_slice(num_cached, num_cached + num_new)))
+        step.schedule(ScheduledRequest(request, start, request.token_ids_slice(start, start + num_new)))
 
     def _step_output(self, step: StepBudget) -> SchedulerOutput:
         """The step's output: block tables, num_computed_tokens advanced, prefill / decode
@@ -276,9 +291,9 @@ class Scheduler:
             scheduled=list(step.scheduled.values()),
             total_num_scheduled_tokens=step.used(self.max_num_batched_tokens),
             preempted_request_ids=step.preempted,
-            finished_request_ids=self._finished_ids,
+            finished_request_ids=self._finished_ids - self.in_flight,
         )
-        self._finished_ids = set()
+        self._finished_ids &= self.in_flight  # aborted in flight: the runner still samples them
         for sr in out.scheduled:
             request = sr.request
             sr.block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -374,7 +389,7 @@ class Scheduler:
         if self.policy != "priority" or not self.running:
             return False
         victim = self._victim()
-        if victim.priority <= request.priority:
+        if victim is None or victim.priority <= request.priority:
             return False
         self._unschedule(step, victim)
         return True

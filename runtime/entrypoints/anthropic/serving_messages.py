@@ -21,7 +21,6 @@ Authentication: ``x-api-key`` (Anthropic's header) or ``Authorization: Bearer``.
 from __future__ import annotations
 
 import json
-import secrets
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -36,16 +35,13 @@ from kvfleet.runtime.entrypoints.openai.errors import APIError, checked
 from kvfleet.runtime.entrypoints.openai.request_body import parse_body
 from kvfleet.runtime.entrypoints.openai.serving_chat import ChatStream, OpenAIServingChat
 from kvfleet.runtime.entrypoints.openai.streaming import ChunkStream, sse_event, streaming_events
+from kvfleet.runtime.http.auth import key_matches
 
 
 def _check_key(request: Request, key: str | None) -> None:
     if not key:
         return
-    token = request.headers.get("x-api-key")
-    if token is None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token if scheme.lower() == "bearer" else ""
-    if not secrets.compare_digest(token.strip().encode(), key.encode()):
+    if not key_matches(request.headers, key, x_api_key=True):
         raise APIError(401, "invalid x-api-key")
 
 

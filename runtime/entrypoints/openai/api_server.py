@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
@@ -43,6 +42,7 @@ from kvfleet.runtime.entrypoints.openai.serving_responses import OpenAIServingRe
 from kvfleet.runtime.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import prompt_length_bound
 from kvfleet.runtime.entrypoints.openai.tool_calls import detect_tool_parser
+from kvfleet.runtime.http.auth import key_matches
 from kvfleet.runtime.metrics import CONTENT_TYPE, KVFLEET_PREFIX, VLLM_PREFIX, PrometheusStatLogger, exposition
 from kvfleet.runtime.model_errors import ModelLoadError
 
@@ -195,8 +195,7 @@ async def check_api_key(request: Request) -> None:
     key = _state(request).settings.api_key
     if not key:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+    if not key_matches(request.headers, key):
         raise APIError(
             401,
             "Incorrect or missing API key: send 'Authorization: Bearer <key>'",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import ClassVar, TypeVar
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfleet.runtime.engine.outputs import RequestOutput
 from kvfleet.runtime.entrypoints.openai import protocol as P
+from kvfleet.runtime.http.errors import error_response, error_type
 from kvfleet.runtime.lora_request import LoRANotFoundError
 
 logger = logging.getLogger("kvfleet.server")
@@ -28,17 +29,6 @@ T = TypeVar("T")
 
 class APIError(Exception):
     """An error answered in OpenAI's shape with HTTP ``status``."""
-
-    _TYPES: ClassVar[dict[int, str]] = {
-        400: "invalid_request_error",
-        401: "invalid_request_error",
-        404: "invalid_request_error",
-        405: "invalid_request_error",
-        413: "invalid_request_error",
-        429: "rate_limit_error",
-        500: "internal_server_error",
-        503: "service_unavailable",
-    }
 
     def __init__(
         self,
@@ -55,7 +45,7 @@ class APIError(Exception):
         self.body = P.ErrorResponse(
             error=P.ErrorInfo(
                 message=message,
-                type=type or self._TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+                type=type or error_type(status),
                 param=param,
                 code=code,
             )
@@ -63,7 +53,8 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
+        e = self.body.error
+        return error_response(self.status, e.message, e.type, e.code, param=e.param, headers=self.headers)
 
 
 def bad_request(exc: P.ProtocolError) -> APIError:

@@ -15,6 +15,8 @@
   ``engine_iteration_timeout`` (``/health`` fails).
 - :func:`report_fatal`: when the engine fails to load or (:func:`watch_engine`) its loop dies, the
   reason goes to the termination log (:func:`write_termination_log`), ``on_fatal`` ends the process.
+The uvicorn server and the counting middleware are the router's too (:mod:`kvfleet.runtime.http.draining`);
+this module holds the server's drain policy (:class:`ServerDrain`).
 Why these bounds hold: docs/server.md, "Shutdown, probes and the termination log".
 """
 
@@ -25,13 +27,13 @@ import logging
 import os
 import signal
 import time
-from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from kvfleet.runtime.entrypoints.openai.errors import APIError
+from kvfleet.runtime.http import draining
 from kvfleet.runtime.model_errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -56,25 +58,13 @@ def shutting_down_error() -> APIError:
     )
 
 
-class InFlight:
+class InFlight(draining.InFlightMiddleware):
     """ASGI middleware: ``state.in_flight`` counts the generation requests being answered (a stream
     until its last byte); while ``state.draining`` a new one is answered 503 ``shutting_down``."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        if self.state.draining_since is not None:
-            await shutting_down_error().response()(scope, receive, send)
-            return
-        self.state.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.in_flight -= 1
+        super().__init__(app, ServerDrain(state), GENERATION_PATHS.__contains__,
+                         lambda: shutting_down_error().response())
 
 
 def engine_stalled(state: ServerState) -> str | None:
@@ -151,32 +141,34 @@ async def watch_engine(state: ServerState, interval: float = 0.25) -> None:
     report_fatal(state, state.engine.dead_error)
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, whose first SIGTERM/SIGINT drains (see the module docstring) before it shuts down."""
+class ServerDrain:
+    """The server's drain policy (module docstring) over ``state``'s ``draining_since``,
+    ``in_flight`` and ``handing_off``: the :class:`~kvfleet.runtime.http.draining.Drain` that
+    :class:`DrainingServer` and :class:`InFlight` run."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
-        super().__init__(config)
+    def __init__(self, state: ServerState):
         self.state = state
         self._sigint = False
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.state.draining_since is not None or self.should_exit:
-            super().handle_exit(sig, frame)  # a second signal: uvicorn's shutdown now
-            return
-        captured = getattr(self, "_captured_signals", None)
-        if captured is not None:  # uvicorn re-raises it once shut down: the process ends by the signal
-            captured.append(sig)
+    @property
+    def draining(self) -> bool:
+        return self.state.draining_since is not None
+
+    @property
+    def in_flight(self) -> int:
+        return self.state.in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: int) -> None:
+        self.state.in_flight = value
+
+    def start(self, sig: int) -> None:
         self._sigint = sig == signal.SIGINT
         self.state.draining_since = time.monotonic()
 
-    async def on_tick(self, counter: int) -> bool:
-        if await super().on_tick(counter):
-            return True
+    async def poll(self) -> bool:
         since = self.state.draining_since
-        if since is None:
-            return False
-        if counter % 10 == 0:
-            logger.info("draining: %d requests in flight", self.state.in_flight)
+        assert since is not None
         elapsed = time.monotonic() - since
         handoff = self.state.settings.drain_handoff_grace
         if handoff is not None and elapsed >= handoff and not self.state.handing_off:
@@ -198,3 +190,12 @@ class DrainingServer(uvicorn.Server):
                 await self.state.engine.shutdown()  # their streams end with an error event
             return True
         return False
+
+
+class DrainingServer(draining.DrainingServer):
+    """uvicorn, whose first SIGTERM/SIGINT drains (see the module docstring) before it shuts down;
+    the signal is re-raised after shutdown (the process ends by it)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config, ServerDrain(state), exit_by_signal=True, log=logger)
+        self.state = state

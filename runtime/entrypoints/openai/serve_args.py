@@ -32,10 +32,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvfleet.runtime import env
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.pooler_config import PoolerConfig
 
-ENV_PREFIX = "KVFLEET_"
+ENV_PREFIX = env.SERVE_OPTION.prefix
 
 DEFAULT_DRAIN_HANDOFF_GRACE = 2.0
 """Seconds a SIGTERM drain lets router streams run before handing them off (issue 42). Measured
@@ -137,8 +138,10 @@ _HELP = {
                        "quantized/bf16 weights on AVX512-BF16 / AMX CPUs, faster, batch-dependent rounding)",
     "scheduling_policy": "order of admission: fcfs, priority (request field), fair (per tenant = user field)",
     "enable_chunked_prefill": "split long prompts over several steps",
-    "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism (over --nnodes nodes)",
-    "nnodes": "nodes the tensor-parallel ranks run on (tensor_parallel_size / nnodes each)",
+    "tensor_parallel_size": "processes (GPUs) the model is split over by tensor parallelism (-tp; over --nnodes nodes)",
+    "pipeline_parallel_size": "stages the layers are split into (-pp; each of tensor_parallel_size ranks; layers as "
+                              "vLLM's get_pp_indices, $KVFLEET_PP_LAYER_PARTITION overrides)",
+    "nnodes": "nodes the ranks run on (tensor_parallel_size * pipeline_parallel_size / nnodes each)",
     "node_rank": "this node's index (0: the leader, serves HTTP; others run --headless)",
     "master_addr": "address of node 0, where the ranks meet (with --nnodes > 1)",
     "master_port": "port of node 0's rendezvous store (with --nnodes > 1)",
@@ -180,7 +183,7 @@ _HELP = {
     "allow_runtime_lora_updating": "serve /v1/load_lora_adapter and /v1/unload_lora_adapter",
 }
 
-ENV_ALIASES = {"allow_runtime_lora_updating": "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+ENV_ALIASES = env.SERVE_OPTION.aliases
 """vLLM's environment variables read when kvfleet's own is unset."""
 
 
@@ -191,7 +194,7 @@ def option_names() -> list[str]:
 
 def env_var(name: str) -> str:
     """Environment variable of an option: ``block_size`` -> ``KVFLEET_BLOCK_SIZE``."""
-    return ENV_PREFIX + name.upper()
+    return env.SERVE_OPTION.name(name)
 
 
 def _is_bool(name: str) -> bool:
@@ -223,19 +226,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="PATH", help=f"YAML or JSON file of options (env {ENV_PREFIX}CONFIG)")
     for name in option_names():
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *_SHORT_FLAGS.get(name, ())]
         help_ = f"{_HELP.get(name, name)} (env {env_var(name)})"
         if _is_bool(name):
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_)
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_)
         elif name == "lora_modules":  # vLLM's repeatable, multi-valued option
-            parser.add_argument(flag, dest=name, nargs="+", action="extend", metavar="NAME=PATH", help=help_)
+            parser.add_argument(*flags, dest=name, nargs="+", action="extend", metavar="NAME=PATH", help=help_)
         else:
             choices = _choices(name)
             metavar = "{" + ",".join(choices) + "}" if choices else name.upper()
-            parser.add_argument(flag, dest=name, metavar=metavar, choices=choices, help=help_)
+            parser.add_argument(*flags, dest=name, metavar=metavar, choices=choices, help=help_)
     return parser
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+"""vLLM's short spellings of options."""
 _SIZE_OPTIONS = ("kv_cache_memory", "max_request_body_size")
 """Options that accept a size with a unit (:func:`parse_size`)."""
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
@@ -306,7 +311,7 @@ class ServeArgsError(ValueError):
 
 
 def resolve(
-    cli: Mapping[str, Any], environ: Mapping[str, str], file_values: Mapping[str, Any]
+    cli: Mapping[str, Any], environ: Mapping[str, str] | None, file_values: Mapping[str, Any]
 ) -> ServeArgs:
     """Merge the three sources (CLI > env > file) and validate.
 
@@ -318,10 +323,8 @@ def resolve(
     for name in option_names():
         if name in cli:
             values[name], sources[name] = cli[name], "cli"
-        elif environ.get(env_var(name), "").strip() != "":
-            values[name], sources[name] = environ[env_var(name)].strip(), "env"
-        elif name in ENV_ALIASES and environ.get(ENV_ALIASES[name], "").strip() != "":
-            values[name], sources[name] = environ[ENV_ALIASES[name]].strip(), "env"
+        elif (value := env.SERVE_OPTION.read(name, environ)) is not None:
+            values[name], sources[name] = value, "env"
         elif name in file_values:
             values[name], sources[name] = file_values[name], "file"
     for name in _SIZE_OPTIONS:
@@ -360,15 +363,15 @@ def resolve(
 
 def _fleet_defaults(values: dict[str, Any]) -> None:
     """KV events and peer KV pull when no source sets them (issue 42; docs/server.md): a replica
-    is a member of its fleet with no flag. Peer pull is left off with ``tensor_parallel_size`` > 1
-    (each rank caches a share of the heads)."""
+    is a member of its fleet with no flag. Peer pull is left off with ``tensor_parallel_size`` or
+    ``pipeline_parallel_size`` > 1 (each rank caches a share of the heads or of the layers)."""
     values.setdefault("kv_events_config", dict(DEFAULT_KV_EVENTS_CONFIG))
     if "kv_transfer_config" not in values:
         try:
-            tp = int(values.get("tensor_parallel_size", 1) or 1)
+            ranks = int(values.get("tensor_parallel_size", 1) or 1) * int(values.get("pipeline_parallel_size", 1) or 1)
         except (TypeError, ValueError):
             return  # the bad value's own error says what is wrong
-        if tp == 1:
+        if ranks == 1:
             values["kv_transfer_config"] = dict(DEFAULT_KV_TRANSFER_CONFIG)
 
 
@@ -379,10 +382,9 @@ def parse_serve_args(argv: list[str] | None = None, environ: Mapping[str, str] |
         SystemExit: on ``--help`` (status 0) or a usage error (status 2, message on stderr),
             including invalid values from the environment or the config file.
     """
-    environ = os.environ if environ is None else environ
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    config_path = ns.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG") or None
+    config_path = ns.pop("config", None) or env.CONFIG.raw(environ)
     try:
         file_values = load_config_file(config_path) if config_path else {}
         return resolve(ns, environ, file_values)

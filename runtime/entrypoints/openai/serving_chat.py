@@ -106,6 +106,7 @@ class _Chat:
             choices=choices,
             usage=usage([len(self.prompt_ids)], outputs),
             prompt_logprobs=LP.prompt_logprobs_body(final.prompt_logprobs if final else None),
+            kv_transfer_params=final.extra.get("kv_transfer_params") if final else None,
         )
         return resp
 

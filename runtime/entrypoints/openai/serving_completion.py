@@ -107,6 +107,8 @@ class _Completion:
             model=self.model,
             choices=choices,
             usage=usage([len(x) for x in self.prompt_ids], outputs),
+            kv_transfer_params=next((f.extra["kv_transfer_params"] for f in final.values()
+                                     if "kv_transfer_params" in f.extra), None),
         )
         return body_response(resp)
 

@@ -35,8 +35,9 @@ class OpenAIServingEmbedding(OpenAIServing):
                            f"model {self.state.model_name!r} only", param="model", code="unsupported")
         items = checked(body.inputs)
         engine = self.state.require_engine()
-        if self.state.config.tensor_parallel_size > 1:
-            raise APIError(400, "embeddings are not served with tensor parallelism", param="input", code="unsupported")
+        if self.state.config.world_size > 1:
+            raise APIError(400, "embeddings are not served with tensor or pipeline parallelism", param="input",
+                           code="unsupported")
         tokenizer = engine.tokenizer
         seqs = await self.on_tokenizer_thread(lambda: [tokenizer.encode(x) if isinstance(x, str) else x for x in items])
         for i, s in enumerate(seqs):

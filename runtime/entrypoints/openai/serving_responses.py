@@ -10,7 +10,8 @@ is translated into a ``response`` object (``message`` and ``function_call`` outp
 ``sequence_number``; a failure once streaming is an ``error`` then a ``response.failed`` event. With ``store``
 (default true) the response and the conversation that led to it are kept in a bounded LRU store
 (:class:`ResponseStore`, ``--max-stored-responses``) on *this replica* for GET / DELETE and
-``previous_response_id``.
+``previous_response_id``. A 400 from the chat path names the Responses field, not the chat one
+(``max_output_tokens``, ``text.format``: :func:`_as_responses_error`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ class OpenAIServingResponses:
         except ValidationError as exc:
             raise APIError(400, f"invalid request: {exc.errors()[0]['msg']}", param="input") from None
         rid = f"resp_{uuid.uuid4().hex}"
-        chat = await self.chat.chat(chat_body, http_request)
+        try:
+            chat = await self.chat.chat(chat_body, http_request)
+        except APIError as exc:
+            raise _as_responses_error(exc) from None
         shell = _shell(body, rid, self.chat.state.response_model(body.model))
         keep = history + new
         if isinstance(chat, ChunkStream):
@@ -243,6 +247,20 @@ class _ResponseStream:
                 out.append(self.event("response.function_call_arguments.done", **ids, arguments=item["arguments"]))
             out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
+
+
+# The chat fields a Responses request sets (chat_fields) -> the Responses field the user sent.
+_CHAT_TO_RESPONSES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
+def _as_responses_error(exc: APIError) -> APIError:
+    """``exc`` with the Responses field names in its ``param`` and message (others unchanged)."""
+    err = exc.body.error
+    if err.param not in _CHAT_TO_RESPONSES:
+        return exc
+    param = _CHAT_TO_RESPONSES[err.param]
+    message = err.message.replace(err.param, param)
+    return APIError(exc.status, message, param=param, code=err.code, type=err.type, headers=exc.headers)
 
 
 def _id_header(body: ResponsesRequest, rid: str) -> dict[str, str]:

@@ -120,3 +120,63 @@ def test_a_deployment_scaler_in_mode_none_is_reported_once_and_cleared_once(clus
     assert not autoscale_step.needs_retire(kube.get(ISVC, NS, NAME))
     run(client, autoscale_step.ServiceState(), now=T0 + 5)
     assert not reconcile.reconcile(client, NS, NAME).wrote and len(kube.writes()) == mark
+
+
+def test_a_multi_node_service_scales_its_leader_worker_set_on_its_leaders_metrics(cluster):
+    """parallelism.nodes 2: the loop reads only the leaders (workers serve no HTTP) and scales the
+    InferenceService, then the LeaderWorkerSet through its /scale; the reconcile then agrees."""
+    from support.fake_lws import LWS, install_lws_api
+
+    from kvfleet.operator import lws
+
+    kube, client, events, runtimes = cluster
+    install_lws_api(kube)
+    kube.create(ISVC, {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
+                       "metadata": {"name": NAME, "namespace": NS},
+                       "spec": {"model": {"uri": "file:///models/m.gguf"}, "autoscaling": OPERATOR,
+                                "parallelism": {"tensor": 2, "nodes": 2}, "router": {"enabled": False}}})
+    reconcile.reconcile(client, NS, NAME)
+    assert kube.get(LWS, NS, NAME)["spec"]["replicas"] == 1
+    for pod, worker, runtime in (("svc-0", "0", Runtime(waiting=9)), ("svc-0-1", "1", None)):
+        add_pod(kube, runtimes, pod, runtime)  # the worker's metrics port answers nothing
+        kube.patch("v1/pods", NS, pod, {"metadata": {"labels": {lws.LABEL_WORKER_INDEX: worker,
+                                                                  lws.LABEL_GROUP_INDEX: "0"}}})
+    run(client, autoscale_step.ServiceState())
+    wanted = kube.get(ISVC, NS, NAME)["spec"]["replicas"]
+    assert wanted > 1 and kube.get(LWS, NS, NAME)["spec"]["replicas"] == wanted
+    metrics = kube.get(ISVC, NS, NAME)["status"]["metrics"]
+    assert metrics["podsRead"] == 1 and not metrics.get("failedPods")  # the leader alone
+    reconcile.reconcile(client, NS, NAME)  # renders spec.replicas: the same count, no ping-pong
+    assert kube.get(LWS, NS, NAME)["spec"]["replicas"] == wanted
+    assert not reconcile.reconcile(client, NS, NAME).applied
+
+
+def test_tuning_a_multi_node_service_waits_for_whole_groups(cluster):
+    """The tuner's rollout check reads the LWS's groups: it waits while the group is not whole,
+    then changes status.engine (which rolls the groups through the template hash)."""
+    from support.fake_lws import LWS, install_lws_api
+
+    from kvfleet.operator import lws
+
+    kube, client, events, runtimes = cluster
+    install_lws_api(kube)
+    kube.create(ISVC, {"apiVersion": "kvfleet.io/v1alpha1", "kind": "InferenceService",
+                       "metadata": {"name": NAME, "namespace": NS},
+                       "spec": {"model": {"uri": "file:///models/m.gguf"}, "router": {"enabled": False},
+                                "parallelism": {"tensor": 2, "nodes": 2}, "engine": {"blockSize": 16, "maxNumSeqs": 4},
+                                "tuning": {"enabled": True, "blockSizes": [16, 64], "minIntervalSeconds": 0}}})
+    reconcile.reconcile(client, NS, NAME)
+    digest = lws.template_hash(kube.get(LWS, NS, NAME))
+    for pod, worker, runtime in (("svc-0", "0", long_sequences()), ("svc-0-1", "1", None)):
+        add_pod(kube, runtimes, pod, runtime, ready=worker == "0")  # the worker is not ready yet
+        kube.patch("v1/pods", NS, pod, {"metadata": {"labels": {lws.LABEL_WORKER_INDEX: worker,
+                                                                  lws.LABEL_GROUP_INDEX: "0"},
+                                                       "annotations": {lws.ANNOTATION_TEMPLATE_HASH: digest}}})
+    state = autoscale_step.ServiceState()
+    run(client, state, now=T0)
+    assert "blockSize" not in (kube.get(ISVC, NS, NAME)["status"].get("engine") or {})
+    kube.patch("v1/pods", NS, "svc-0-1", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+               subresource="status")
+    run(client, state, now=T0 + 1)
+    assert kube.get(ISVC, NS, NAME)["status"]["engine"]["blockSize"] == 64
+    assert lws.template_hash(kube.get(LWS, NS, NAME)) != digest  # the groups roll onto it

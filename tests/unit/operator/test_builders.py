@@ -17,7 +17,7 @@ import pytest
 import yaml
 from support.paths import GOLDEN, ROOT
 
-from kvfleet.operator import builders, crd, crd_schema, fetch, service_spec, status, weights
+from kvfleet.operator import builders, crd, crd_schema, fetch, spec_view, status, weights
 from kvfleet.operator.builders import InvalidSpec
 from kvfleet.runtime.config import EngineConfig
 from kvfleet.runtime.entrypoints.openai.serve_args import DEFAULT_DRAIN_HANDOFF_GRACE, ServerSettings
@@ -469,7 +469,7 @@ def _check_deadline(isvc):
     deploy = by_kind(builders.desired_children(isvc))["Deployment"]
     budget = fetch.budget_seconds(1000, 4)
     assert budget == 4000 + 10 + 20 + 40
-    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + weights.startup_seconds(service_spec.effective_spec(isvc))
+    assert deploy["spec"]["progressDeadlineSeconds"] >= budget + weights.startup_seconds(spec_view.of(isvc))
     pvc = by_kind(builders.desired_children(minimal(model={"uri": "pvc://store/m"})))["Deployment"]
     assert pvc["spec"]["progressDeadlineSeconds"] == weights.DEFAULT_STARTUP_SECONDS + 600
 
@@ -501,13 +501,13 @@ def test_model_cached_condition_and_read_write_once_claim():
     isvc = minimal(model={"uri": "hf://org/name", "download": {"claimName": "cache"}})
     init = {"name": "fetch-model"}
     pods = lambda *cs: [{"metadata": {"name": "p"}, "status": {"initContainerStatuses": list(cs)}}]
-    assert status.model_cached(isvc, []) == ("False", "Pending", "no pod has fetched hf://org/name yet")
-    assert status.model_cached(isvc, pods({**init, "state": {"running": {}}}))[1] == "Downloading"
-    assert status.model_cached(isvc, pods({**init, "state": {"terminated": {"exitCode": 0}}}))[:2] == (
+    assert status.model_cached(spec_view.of(isvc), []) == ("False", "Pending", "no pod has fetched hf://org/name yet")
+    assert status.model_cached(spec_view.of(isvc), pods({**init, "state": {"running": {}}}))[1] == "Downloading"
+    assert status.model_cached(spec_view.of(isvc), pods({**init, "state": {"terminated": {"exitCode": 0}}}))[:2] == (
         "True", "Fetched")
-    assert status.model_cached(isvc, pods({**init, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+    assert status.model_cached(spec_view.of(isvc), pods({**init, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
                                            "lastState": {"terminated": {"exitCode": 1}}}))[1] == "ModelFetchFailed"
-    assert status.model_cached(minimal(model={"uri": "pvc://store/m"}), []) is None
+    assert status.model_cached(spec_view.of(minimal(model={"uri": "pvc://store/m"})), []) is None
     deploy = by_kind(builders.desired_children(isvc))["Deployment"]  # Availability: maxSurge 1
     rwo = {"metadata": {"name": "cache"}, "spec": {"accessModes": ["ReadWriteOnce"]}}
     rwx = {"metadata": {"name": "cache"}, "spec": {"accessModes": ["ReadWriteMany"]}}

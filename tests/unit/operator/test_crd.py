@@ -202,8 +202,8 @@ def _all_rules(schema: dict[str, Any]) -> list[str]:
 
 def test_every_cel_rule_compiles_and_has_a_message():
     rules = _all_rules(crd_schema.OPENAPI_SCHEMA)
-    assert len(rules) == 10  # uri scheme, blockSize, gpuMemoryUtilization, 3 kvCache tiers, 2 autoscaling, tuning,
-    # disruption
+    assert len(rules) == 11 + 2 * 5  # uri scheme, blockSize, gpuMemoryUtilization, 3 kvCache tiers, 2 autoscaling,
+    # tuning, disruption, parallelism; the engine's 5 again in each disaggregation pool's engine
     for rule in rules:
         CEL_ENV.compile(rule)  # raises on a syntax error
 

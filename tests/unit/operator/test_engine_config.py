@@ -29,6 +29,13 @@ def test_every_server_option_but_the_operators_own_passes_through():
     assert set(builders.SERVER_CONFIG_KEYS) == set(ServerSettings.model_fields) - OWNED_BY_THE_OPERATOR
 
 
+def test_every_typed_engine_field_is_a_runtime_option_of_its_name():
+    # spec.engine's fields reach the config file by name (builders.ENGINE_KEYS is the view's fields)
+    assert set(builders.ENGINE_KEYS) <= set(EngineConfig.model_fields)
+    assert {"block_size", "gpu_memory_utilization", "kv_cache_dtype", "enforce_eager"} <= set(builders.ENGINE_KEYS)
+    assert not set(builders.ENGINE_SECTIONS) & set(builders.ENGINE_KEYS)
+
+
 def test_extra_args_reach_kvfleet_serve_through_the_config_file(tmp_path):
     config = builders.engine_config(isvc(metrics_compat="vllm", max_queue_len=4, shutdown_timeout=45,
                                          enable_chunked_prefill=True))

@@ -11,6 +11,7 @@ import time
 import pytest
 from support.serve import free_port
 
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.metrics_source import (
     METRICS_PORT_ANNOTATION,
     PodScraper,
@@ -165,7 +166,11 @@ def test_preemption_rate_across_two_reads(servers):
 
 
 def test_make_source():
-    assert isinstance(make_source(None, "ns"), PodScraper)
-    assert make_source({"metrics": {"source": "prometheus", "prometheusUrl": "http://p:9090/"}}, "ns").url == "http://p:9090"
+    def auto(raw):
+        return spec_view.section(crd_schema.AUTOSCALING, raw)
+
+    assert isinstance(make_source(auto(None), "ns"), PodScraper)
+    assert isinstance(make_source(auto({"metrics": {}}), "ns"), PodScraper)
+    assert make_source(auto({"metrics": {"source": "prometheus", "prometheusUrl": "http://p:9090/"}}), "ns").url == "http://p:9090"
     with pytest.raises(ValueError):
-        make_source({"metrics": {"source": "prometheus"}}, "ns")
+        make_source(auto({"metrics": {"source": "prometheus"}}), "ns")

@@ -84,7 +84,7 @@ def load(queue, **kw):
     ],
 )
 def test_single_decision(queue, n, kv, running, max_num_seqs, current, expected):
-    c = cfg(scaleDownStabilizationWindowSeconds=0)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 0})
     d = decide_scale(c, now=100.0, current=current, ready=current,
                      metrics=fleet(100.0, queue, n, kv=kv, running=running), max_num_seqs=max_num_seqs)
     assert d.replicas == expected, d
@@ -98,10 +98,10 @@ def test_config_defaults_and_errors():
     assert (c.scale_up_window, c.scale_down_window) == (0.0, 300.0)  # HPA defaults
     assert c.min_replicas == 0
     assert AutoscalingConfig.from_spec(None).mode == "none"
-    hpa_style = {"mode": "operator", "behavior": {"scaleDown": {"stabilizationWindowSeconds": 20}}}
-    assert AutoscalingConfig.from_spec(hpa_style).scale_down_window == 20
+    windowed = {"mode": "operator", "scaleDown": {"stabilizationWindowSeconds": 20}}
+    assert AutoscalingConfig.from_spec(windowed).scale_down_window == 20
     for bad in ({"mode": "keda"}, {"minReplicas": 3, "maxReplicas": 2}, {"targetQueueDepth": 0},
-                {"targetKVCacheUsage": 1.5}, {"scaleDownStabilizationWindowSeconds": -1}):
+                {"targetKVCacheUsage": 1.5}, {"scaleDown": {"stabilizationWindowSeconds": -1}}):
         with pytest.raises(ValueError):
             AutoscalingConfig.from_spec(bad)
 
@@ -109,7 +109,7 @@ def test_config_defaults_and_errors():
 # ---- histories ------------------------------------------------------------------------
 
 def test_scale_down_waits_for_the_window_then_follows_the_max():
-    c = cfg(scaleDownStabilizationWindowSeconds=300)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 300})
     steps = [load(12)] + [load(0)] * 30  # 15 s polls
     ds = simulate(c, steps)
     r = replicas(ds)
@@ -121,7 +121,7 @@ def test_scale_down_waits_for_the_window_then_follows_the_max():
 
 
 def test_flapping_queue_does_not_oscillate():
-    c = cfg(scaleDownStabilizationWindowSeconds=300)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 300})
     # A bursty queue: 12 waiting, then 0, every other poll, for 30 minutes.
     steps = [load(12) if i % 2 == 0 else load(0) for i in range(120)]
     r = replicas(simulate(c, steps))
@@ -131,7 +131,7 @@ def test_flapping_queue_does_not_oscillate():
 
 
 def test_slow_flapping_settles_with_at_most_one_change_per_window():
-    c = cfg(scaleDownStabilizationWindowSeconds=120)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 120})
     # 4 polls busy, 4 polls idle: the down window (8 polls) is longer than an idle period.
     steps = [load(8) if (i // 4) % 2 == 0 else load(0) for i in range(80)]
     r = replicas(simulate(c, steps))
@@ -140,14 +140,14 @@ def test_slow_flapping_settles_with_at_most_one_change_per_window():
 
 def test_without_a_down_window_it_would_flap():
     """The control for the two tests above: the window is what stops the oscillation."""
-    c = cfg(scaleDownStabilizationWindowSeconds=0)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 0})
     steps = [load(12) if i % 2 == 0 else load(0) for i in range(10)]
     r = replicas(simulate(c, steps))
     assert sum(1 for a, b in zip(r, r[1:]) if a != b) >= 8
 
 
 def test_scale_up_window_takes_the_min():
-    c = cfg(scaleUpStabilizationWindowSeconds=60)
+    c = cfg(scaleUp={"stabilizationWindowSeconds": 60})
     steps = [load(0)] * 2 + [load(12)] * 8
     ds = simulate(c, steps)
     r = replicas(ds)
@@ -158,7 +158,7 @@ def test_scale_up_window_takes_the_min():
 
 
 def test_a_short_spike_inside_the_up_window_is_ignored():
-    c = cfg(scaleUpStabilizationWindowSeconds=60)
+    c = cfg(scaleUp={"stabilizationWindowSeconds": 60})
     steps = [load(0)] * 3 + [load(20)] + [load(0)] * 10
     assert set(replicas(simulate(c, steps))) == {1}
 
@@ -175,7 +175,7 @@ def test_no_further_scale_up_while_pods_start():
 
 
 def test_scrape_failures_never_scale_down_or_to_zero():
-    c = cfg(minReplicas=0, scaleDownStabilizationWindowSeconds=0)
+    c = cfg(minReplicas=0, scaleDown={"stabilizationWindowSeconds": 0})
     # All pods fail to scrape: hold.
     d = decide_scale(c, now=0.0, current=3, ready=3, metrics=fleet(0.0, 0, 0, failed=3))
     assert (d.replicas, d.reason) == (3, "MetricsUnavailable")
@@ -194,7 +194,7 @@ def test_scrape_failures_never_scale_down_or_to_zero():
 
 
 def test_missing_metrics_that_would_reverse_the_direction_hold():
-    c = cfg(scaleDownStabilizationWindowSeconds=0)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 0})
     # 2 readable pods with 4 queued; 2 unread: 4 + 2*4 = 12 -> 3 >= current 3: hold.
     d = decide_scale(c, now=0.0, current=3, ready=4, metrics=fleet(0.0, 4, 2, failed=2))
     assert d.replicas == 3
@@ -202,7 +202,7 @@ def test_missing_metrics_that_would_reverse_the_direction_hold():
 
 
 def test_pods_not_created_yet_are_not_a_scale_to_zero():
-    c = cfg(minReplicas=0, scaleDownStabilizationWindowSeconds=0)
+    c = cfg(minReplicas=0, scaleDown={"stabilizationWindowSeconds": 0})
     d = decide_scale(c, now=0.0, current=1, ready=0, metrics=aggregate(0.0, []))
     assert d.replicas == 1
     d = decide_scale(c, now=0.0, current=2, ready=0, metrics=aggregate(0.0, [], not_ready=["a", "b"]))
@@ -210,7 +210,7 @@ def test_pods_not_created_yet_are_not_a_scale_to_zero():
 
 
 def test_min_zero_scales_to_zero_after_the_window_and_stays():
-    c = cfg(minReplicas=0, scaleDownStabilizationWindowSeconds=60)
+    c = cfg(minReplicas=0, scaleDown={"stabilizationWindowSeconds": 60})
     steps = [load(3)] + [load(0)] * 10
     ds = simulate(c, steps)
     r = replicas(ds)
@@ -235,7 +235,7 @@ def test_bounds_apply_even_without_metrics():
 
 
 def test_restart_seeded_history_keeps_the_down_window():
-    c = cfg(scaleDownStabilizationWindowSeconds=300)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 300})
     seeded = (Recommendation(0.0, 4),)
     d = decide_scale(c, now=10.0, current=4, ready=4, metrics=fleet(10.0, 0, 4), history=seeded)
     assert d.replicas == 4 and d.reason == "ScaleDownStabilized"
@@ -244,7 +244,7 @@ def test_restart_seeded_history_keeps_the_down_window():
 
 
 def test_history_is_pruned_to_the_longest_window():
-    c = cfg(scaleDownStabilizationWindowSeconds=60)
+    c = cfg(scaleDown={"stabilizationWindowSeconds": 60})
     ds = simulate(c, [load(0)] * 100)
     assert len(ds[-1].history) <= 60 / 15 + 1
 

@@ -353,3 +353,32 @@ def test_a_burst_of_watch_events_costs_at_most_two_reconciles(kube_env, monkeypa
     assert skipped == [None] * 5 and runs == ["smollm2"]
     assert outcomes[0].applied and emu.get("apps/v1/deployments", NS, "smollm2") is not None  # it did reconcile
     assert reconcile.reconcile_coalesced(kube, NS, "smollm2") is not None  # idle again: runs at once
+
+
+def test_parallelism_nodes_switches_the_runtime_between_deployment_and_leader_worker_set(kube_env):
+    """nodes 2 without the LWS API: a clear reason, nothing applied; with it: the LWS, not the
+    Deployment (pruned), a leaders-only Service, no writes when unchanged; nodes 1: back."""
+    from support.fake_lws import LWS, install_lws_api
+
+    from kvfleet.operator import lws
+
+    emu, kube = kube_env
+    emu.create(ISVC, example(router={"enabled": False}))
+    reconcile.reconcile(kube, NS, "smollm2")
+    assert emu.get("apps/v1/deployments", NS, "smollm2") is not None
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"parallelism": {"tensor": 2, "nodes": 2}}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.error.reason == "LeaderWorkerSetMissing" and not out.applied and not out.deleted
+    assert emu.get("apps/v1/deployments", NS, "smollm2") is not None  # the old pods keep serving
+
+    install_lws_api(emu)
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert out.error is None and "LeaderWorkerSet/smollm2" in out.applied and out.deleted == ["Deployment/smollm2"]
+    assert emu.get(LWS, NS, "smollm2")["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert emu.get("v1/services", NS, "smollm2")["spec"]["selector"][lws.LABEL_WORKER_INDEX] == "0"
+    assert not reconcile.reconcile(kube, NS, "smollm2").wrote
+
+    emu.patch(ISVC, NS, "smollm2", {"spec": {"parallelism": {"tensor": 2, "nodes": 1}}})
+    out = reconcile.reconcile(kube, NS, "smollm2")
+    assert "Deployment/smollm2" in out.applied and out.deleted == ["LeaderWorkerSet/smollm2"]
+    assert lws.LABEL_WORKER_INDEX not in emu.get("v1/services", NS, "smollm2")["spec"]["selector"]

@@ -13,7 +13,7 @@ import yaml
 from support.crd_admission import admit, cel_errors
 from support.paths import GOLDEN
 
-from kvfleet.operator import crd, gie, pod_metrics, policy, reconcile, router, service_spec
+from kvfleet.operator import crd, gie, pod_metrics, policy, reconcile, router, service_spec, spec_view
 from kvfleet.operator.router_load import parse_router_load
 from kvfleet.operator.status import desired_status
 
@@ -94,7 +94,7 @@ def test_router_deployment_watches_the_runtime_service_and_is_not_selected_by_it
     assert flags["--kube-service"] == service_spec.names(obj)["service"] == "chat"
     assert flags["--routing-algorithm"] == "least-load"
     assert flags["--pending-timeout"] == "900" and flags["--max-pending"] == "64" and flags["--port"] == "8000"
-    assert c["image"] == service_spec.effective_spec(obj)["runtime"]["image"]
+    assert c["image"] == spec_view.of(obj).runtime.image
     runtime_selector = service_spec.selector_labels(obj)
     router_labels = kids["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert not all(router_labels.get(k) == v for k, v in runtime_selector.items())  # runtime Service skips it
@@ -232,3 +232,14 @@ def test_parse_router_load():
     assert parse_router_load("") == policy.RouterLoad(0.0, 0.0)
     with pytest.raises(ValueError):
         parse_router_load("not { prometheus")
+
+
+def test_the_operators_router_image_applies_to_the_default_router_too():
+    # spec.router absent: the router is on (issue 42), so the chart's router.image is its image
+    for obj in (isvc(), isvc(router={"enabled": True})):
+        deploy = by_kind(router.desired_children(router.with_default_image(obj, "example/router:1")))["Deployment"]
+        assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "example/router:1"
+    own = isvc(router={"image": "mine/router:2"})
+    assert router.with_default_image(own, "example/router:1") == own
+    off = isvc(router={"enabled": False})
+    assert router.with_default_image(off, "example/router:1") == off

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvfleet.operator import crd_schema, spec_view
 from kvfleet.operator.pod_metrics import MetricsAggregate, PodMetrics, aggregate
 from kvfleet.operator.times import rfc3339
 from kvfleet.operator.tuning import TuningConfig, TuningState, choose_block_size, oom_restarts, rollout_hold, tune
 
 T0 = 1_800_000_000.0
-ENGINE = {"gpuMemoryUtilization": 0.8, "blockSize": 16}
+ENGINE = spec_view.section(crd_schema.ENGINE, {"gpuMemoryUtilization": 0.8, "blockSize": 16})
 
 
 def config(**kw) -> TuningConfig:

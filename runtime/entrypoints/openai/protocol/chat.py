@@ -159,6 +159,8 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
     """vLLM's extra, with ``prompt_logprobs`` in the request (on the response, as vLLM)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill leg's blocks for the decode replica (vLLM's field; only when the request asked)."""
 
 
 class DeltaMessage(BaseModel):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typing
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -119,6 +119,8 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill leg's blocks for the decode replica (vLLM's field; only when the request asked)."""
 
 
 class CompletionStreamChoice(BaseModel):

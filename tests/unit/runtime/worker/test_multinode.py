@@ -27,7 +27,8 @@ def test_node_ranks_are_contiguous_runs_of_tp_over_nnodes():
 
 
 @pytest.mark.parametrize(("opts", "message"), [
-    ({"tensor_parallel_size": 3, "nnodes": 2}, r"nnodes \(2\) must divide tensor_parallel_size \(3\)"),
+    ({"tensor_parallel_size": 3, "nnodes": 2}, r"nnodes \(2\) must divide tensor_parallel_size \* pipeline_parallel_size \(3\)"),
+    ({"pipeline_parallel_size": 3, "nnodes": 2}, r"must divide tensor_parallel_size \* pipeline_parallel_size \(3\)"),
     ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 2, "headless": True}, r"node_rank \(2\) must be below"),
     ({"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1}, "give --headless"),
     ({"tensor_parallel_size": 2, "nnodes": 2, "headless": True}, "node 0 .* is the leader"),
@@ -42,6 +43,9 @@ def test_serve_flags_are_vllms_names():
                              "--master-addr", "10.0.0.1", "--master-port", "29600"], environ={})
     e = args.engine
     assert (e.nnodes, e.node_rank, e.headless, e.master_addr, e.master_port) == (2, 1, True, "10.0.0.1", 29600)
+    args = parse_serve_args(["-pp", "2", "-tp", "2", "--nnodes", "2"], environ={})  # vLLM's short spellings
+    assert (args.engine.pipeline_parallel_size, args.engine.tensor_parallel_size, args.engine.world_size) == (2, 2, 4)
+    EngineConfig(pipeline_parallel_size=2, nnodes=2, node_rank=1, headless=True)  # one stage per node
     with pytest.raises(SystemExit):  # a usage error: exit 2
         parse_serve_args(["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"], environ={})
 
@@ -54,6 +58,10 @@ def test_headless_runs_node_0s_options_and_names_the_ones_that_differ():
     other = EngineConfig(model="x", tensor_parallel_size=2, nnodes=2, node_rank=1, headless=True)
     with pytest.raises(ValueError, match=r"model: this node 'x', node 0 'm'; tensor_parallel_size: this node 2"):
         multinode.check_leader_config(other, leader)
+    stages = EngineConfig(model="m", tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=1,
+                          headless=True)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size: this node 2, node 0 1"):
+        multinode.check_leader_config(stages, leader)
 
 
 def test_heartbeat_monitor_names_the_rank_that_stopped_beating():

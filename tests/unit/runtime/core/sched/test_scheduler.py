@@ -65,6 +65,30 @@ def test_preemption_by_recompute_latest_arrival_first_and_resumes():
     assert_all_free(s)
 
 
+def test_a_request_in_a_micro_batch_in_flight_is_left_out_never_preempted_and_its_state_kept():
+    """Pipeline parallelism (engine/micro_batches): a request in a step whose tokens are not back
+    is not scheduled again (not even its next prefill chunk), is no preemption victim, and when it
+    is aborted meanwhile the runner hears of it only once that step is back (it samples it)."""
+    s = make_scheduler(max_num_batched_tokens=8, max_model_len=64)
+    s.add_request(make_request("long", list(range(1, 21)), max_tokens=2, ignore_eos=True, arrival_time=2.0))
+    first = s.schedule()  # 8 of its 20 prompt tokens
+    s.in_flight.update(sr.request_id for sr in first.scheduled)
+    assert s.schedule().scheduled == []  # its next chunk waits for this one
+    s.add_request(make_request("b", [5] * 3, max_tokens=1, ignore_eos=True, arrival_time=1.0))
+    second = s.schedule()
+    assert [(x.request_id, x.num_new_tokens) for x in second.scheduled] == [("b", 3)]
+    assert s._victim().request_id == "b"  # "long" arrived later, but it is in flight
+    s.in_flight.add("b")
+    assert s._victim() is None
+    s.finish_requests(["long"], RequestStatus.FINISHED_ABORTED)
+    s.in_flight.discard("b")
+    s.update_from_output(second, {"b": 9})  # b finishes (max_tokens 1)
+    assert s.schedule().finished_request_ids == {"b"}  # "long": its step is still in flight
+    s.in_flight.discard("long")
+    assert s.schedule().finished_request_ids == {"long"}
+    assert_all_free(s)
+
+
 def test_requests_that_can_never_fit_are_rejected():
     s = make_scheduler(num_blocks=4, block_size=4, max_model_len=32)
     with pytest.raises(ValueError, match="max_model_len"):

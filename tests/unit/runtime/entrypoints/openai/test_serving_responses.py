@@ -86,3 +86,18 @@ def test_engine_failure_mid_stream_is_error_then_failed(app, monkeypatch):
     failed = events[3]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == events[2]["message"]
     assert app.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_400_names_the_responses_field_not_the_chat_one(app):
+    """max_output_tokens over the context and a bad text.format schema: the 400 names the field sent."""
+    r = app.post("/v1/responses", json={**ASK, "max_output_tokens": 10**8})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_output_tokens", err
+    assert "max_output_tokens" in err["message"] and "max_completion_tokens" not in err["message"]
+    bad = {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}
+    r = app.post("/v1/responses", json={**ASK, "text": {"format": bad}})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "text.format" and err["message"].startswith("text.format:"), err
+    assert app.post("/v1/responses", json=ASK).status_code == 200
