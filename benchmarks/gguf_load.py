@@ -1,7 +1,7 @@
 """Load time and peak memory of GGUF files: kvfleet's reader (tensors as stored) against the float32
 conversion through transformers, first start and cached start. Not a test::
 
-    python benchmarks/gguf_load.py [FILE.gguf ...]      (default: the embedded default model)
+    python benchmarks/gguf_load.py [--reader-only] [FILE.gguf ...]   (default: the embedded default model)
 
 Each load runs in a fresh process (``load_model`` with ``--dtype auto`` for the reader, ``--dtype
 float32`` for the conversion) against a fresh ``$KVFLEET_CACHE_DIR`` (first start), then again
@@ -30,6 +30,11 @@ import torch, transformers
 from kvfleet.runtime.worker import model_loader, gguf_model, woq_linear, quantization
 from kvfleet.kernels import cpu_woq
 cpu_woq.load()
+import accelerate, safetensors.torch, tokenizers  # the load's lazy imports, outside it: the models' code too
+from transformers.models.llama import modeling_llama
+from transformers.models.gemma3 import modeling_gemma3
+import ctypes, gc; gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed import-time heap back
+with open("/proc/self/clear_refs", "w") as f: f.write("5")  # VmHWM from here
 base = mem("VmRSS")
 t0, c0 = time.monotonic(), time.process_time()
 loaded = model_loader.load_model(sys.argv[1], dtype=sys.argv[2], device="cpu")
@@ -52,21 +57,24 @@ def main() -> None:
     from kvfleet.runtime.worker import model_loader
 
     cpu_lib.load(Path.home() / ".cache" / "kvfleet")  # the kernels library, outside the timed loads
-    files = sys.argv[1:] or [str(model_loader.default_model_path())]
+    args = sys.argv[1:]
+    reader_only = "--reader-only" in args
+    files = [a for a in args if a != "--reader-only"] or [str(model_loader.default_model_path())]
     print(f"CPU: {cpu_features.detect().summary()}")
     print("| file (MB) | path | start | load s (wall) | load CPU s | RSS after imports MB | peak RSS MB | "
-          "peak - imports MB | weights MB |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "peak - imports MB | weights MB | (peak - imports) / file |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in files:
         size = Path(path).stat().st_size / 2**20
-        for label, dtype in (("reader, as stored", "auto"), ("transformers float32", "float32")):
+        paths = (("reader, as stored", "auto"),) + (() if reader_only else (("transformers float32", "float32"),))
+        for label, dtype in paths:
             with tempfile.TemporaryDirectory() as cache:
                 for start in ("first", "cached"):
                     r = _run(path, dtype, cache)
                     print(f"| {Path(path).name} ({size:.0f}) | {label} | {start} | {r['seconds']:.1f} | "
                           f"{r['cpu_seconds']:.1f} | "
                           f"{r['base_mb']:.0f} | {r['peak_mb']:.0f} | {r['peak_mb'] - r['base_mb']:.0f} | "
-                          f"{r['weights_mb']:.0f} |", flush=True)
+                          f"{r['weights_mb']:.0f} | {(r['peak_mb'] - r['base_mb']) / size:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 Contract: :func:`load` turns a ``.gguf`` file into ``(model, tokenizer)``:
 
-- the config and the tokenizer are transformers' own GGUF conversions (``AutoConfig`` /
-  ``AutoTokenizer`` with ``gguf_file=``), read from one parse of the file (the ``gguf`` package's
-  memory-mapped ``GGUFReader``, shared with transformers for the call; parsing a 262k-token
-  vocabulary takes ~25 s here, so it is done once);
+- the config is transformers' own GGUF conversion (``AutoConfig`` with ``gguf_file=``, its own
+  metadata parser), the tokenizer transformers' conversion stored and loaded lean
+  (:mod:`kvfleet.runtime.worker.gguf_tokenizer`), built before any weight is read; the tensor table
+  comes from the ``gguf`` package's memory-mapped ``GGUFReader``, its metadata arrays (the
+  vocabulary) stepped over, not parsed;
 - the model is built with its parameters on the ``meta`` device (``accelerate.init_empty_weights``,
   buffers such as rotary tables made as usual), then every tensor is filled from the file: a linear
   layer's weight becomes the layer that runs it in its stored format
@@ -31,10 +32,8 @@ the reason in one line.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import mmap
 import os
 import shutil
 import tempfile
@@ -44,25 +43,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvfleet.runtime.worker.gguf_tensors import Stored, from_gguf, to_float32, unify_siblings
+from kvfleet.runtime.worker import gguf_tokenizer
+from kvfleet.runtime.worker.gguf_header import GgufError, architecture, drop_pages, open_reader, shared_reader
+from kvfleet.runtime.worker.gguf_header import read_architecture as read_architecture  # this module's API too
+from kvfleet.runtime.worker.gguf_header import stored as stored_tensor
+from kvfleet.runtime.worker.gguf_tensors import Stored, to_float32, unify_siblings
 
 logger = logging.getLogger(__name__)
 
 LAYOUT = "layout.json"
 TENSORS = "tensors.safetensors"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the tokenizer as gguf_tokenizer builds it (compact merges)
 LINEAR_SAFE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4",
                "starcoder2", "stablelm", "nemotron", "deci", "mixtral"}
 """GGUF architectures whose transformers tensor processor leaves linear weights as stored (or, for
 llama, only permutes q / k rows, which :func:`load` does on the stored rows)."""
 _PERMUTED = {"llama"}  # transformers' LlamaTensorProcessor: attn_q / attn_k rows permuted by llama.cpp
-
-
-class GgufError(ValueError):
-    """A GGUF file kvfleet cannot load; ``str()`` is one line naming the file and the reason
-    (``bad_input``: the server logs that line alone, no traceback)."""
-
-    bad_input = True
 
 
 class StoredEmbedding(torch.nn.Module):
@@ -83,115 +79,6 @@ class StoredEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.stored.rows(input_ids)
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
-
-
-@contextlib.contextmanager
-def _shared_reader(path: Path, reader):
-    """transformers' GGUF config / tokenizer loaders each build a ``GGUFReader``; for the call,
-    hand them ours for this file (the others as usual)."""
-    import gguf
-
-    real = gguf.GGUFReader
-
-    def reader_for(p, *args, **kwargs):
-        return reader if Path(p).resolve() == path else real(p, *args, **kwargs)
-
-    gguf.GGUFReader = reader_for
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = real
-
-
-_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-"""GGUF metadata value types of a fixed size (bytes); 8 is a string, 9 an array."""
-
-
-def read_architecture(path: Path) -> str:
-    """The file's ``general.architecture``, read from the head of the file without parsing the
-    rest (a full parse of a large vocabulary takes tens of seconds).
-
-    Raises:
-        GgufError: not a GGUF file (magic), an unsupported version, or the header ends early.
-    """
-    import struct
-
-    path = Path(path)
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if m[:4] != b"GGUF":
-                raise GgufError(f"{path}: not a GGUF file (magic {bytes(m[:4])!r}, expected b'GGUF')")
-            version, _, kv_count = struct.unpack_from("<IQQ", m, 4)
-            if version not in (2, 3):
-                raise GgufError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-            pos = 24
-
-            def string(at: int) -> tuple[str, int]:
-                (n,) = struct.unpack_from("<Q", m, at)
-                if at + 8 + n > len(m):
-                    raise struct.error("string past the end")
-                return bytes(m[at + 8:at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
-
-            def skip(kind: int, at: int) -> int:
-                if kind in _SCALARS:
-                    return at + _SCALARS[kind]
-                if kind == 8:
-                    return string(at)[1]
-                if kind == 9:
-                    item, count = struct.unpack_from("<IQ", m, at)
-                    at += 12
-                    if item in _SCALARS:
-                        return at + count * _SCALARS[item]
-                    for _ in range(count):
-                        at = skip(item, at)
-                    return at
-                raise GgufError(f"{path}: unknown GGUF metadata value type {kind}")
-
-            for _ in range(kv_count):
-                key, pos = string(pos)
-                (kind,) = struct.unpack_from("<I", m, pos)
-                pos += 4
-                if key == "general.architecture" and kind == 8:
-                    return string(pos)[0]
-                pos = skip(kind, pos)
-    except (struct.error, ValueError, OSError) as exc:
-        if isinstance(exc, GgufError):
-            raise
-        raise GgufError(f"{path}: truncated or unreadable GGUF header ({exc})") from None
-    raise GgufError(f"{path}: no general.architecture in the GGUF metadata")
-
-
-def _reader_class():
-    import gguf
-
-    class Reader(gguf.GGUFReader):
-        """``gguf.GGUFReader`` over a plain ndarray view of its memory map: the same bytes, the same
-        fields and tensors, but slicing the map per metadata string no longer goes through
-        ``np.memmap``'s Python-level ``__getitem__`` (the Gemma 3 file's 262k-token vocabulary:
-        27 s and 718 MB parsed as memmaps, 10 s and 348 MB as ndarrays; this CPU)."""
-
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, mm):
-            self.memmap = mm
-            self._plain = np.asarray(mm).view(np.ndarray)
-
-    return Reader
-
-
-def _open(path: Path):
-    try:
-        return _reader_class()(str(path))
-    except Exception as exc:  # wrong magic, a truncated file, an unknown tensor type: the reader's words
-        raise GgufError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
-
-
-def _arch(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    return bytes(field.parts[-1]).decode() if field is not None else ""
 
 
 def _empty_model(config, attn_implementation: str):
@@ -230,17 +117,6 @@ def _name_map(model, arch: str, num_layers: int) -> dict[str, str]:
         if gguf_name is not None:
             out[gguf_name + dot + suffix] = hf_name
     return out
-
-
-def _drop_pages(reader, t) -> None:
-    """Release tensor ``t``'s pages of the file map from this process (clean pages: read again if needed)."""
-    mm = getattr(getattr(reader, "memmap", None), "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-    end = int(t.data_offset) + int(t.n_bytes)
-    with contextlib.suppress(OSError, ValueError):
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _set_param(model, name: str, value: torch.Tensor) -> None:
@@ -294,26 +170,29 @@ def _check_filled(model, path: Path) -> None:
                         f"{' ...' if len(missing) > 4 else ''}")
 
 
-def _from_file(path: Path, attn_implementation: str):
-    """(model, tokenizer, cache record) from the GGUF file itself."""
-    from transformers import AutoConfig, AutoTokenizer
+def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
+    """(model, tokenizer, config, cache record) from the GGUF file itself; the tokenizer's files are
+    written to ``tok_dir``."""
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     t0 = time.monotonic()
-    reader = _open(path)
-    arch = _arch(reader)
+    reader = open_reader(path)
+    arch = architecture(reader)
     logger.info("GGUF %s: header read in %.1f s (architecture %s, %d tensors)", path.name, time.monotonic() - t0,
                 arch or "?", len(reader.tensors))
     if arch not in LINEAR_SAFE:
         raise GgufError(f"{path}: GGUF architecture {arch!r} is not one kvfleet's GGUF reader takes "
                         f"({', '.join(sorted(LINEAR_SAFE))})")
     try:
-        with _shared_reader(path.resolve(), reader):
+        with shared_reader(path.resolve(), reader):
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            shared = gguf_tokenizer.build(path, tok_dir)  # before the weights: its transient is the load's largest
+        if not shared:  # this transformers read the vocabulary through the reader: its own, in full
+            gguf_tokenizer.build(path, tok_dir)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise GgufError(f"{path}: transformers cannot map its config or tokenizer ({exc})") from None
-    reader.fields.clear()  # the parsed metadata (a large vocabulary: hundreds of MB) is in config and tokenizer now
+    tokenizer = gguf_tokenizer.load(tok_dir)
     model = _empty_model(config, attn_implementation)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     name_map = _name_map(model, arch, config.get_text_config().num_hidden_layers)
@@ -337,7 +216,7 @@ def _from_file(path: Path, attn_implementation: str):
         dims = [int(d) for d in reversed(t.shape)]  # numpy order: rows first
         try:
             if attr == "weight" and len(dims) == 2 and (isinstance(parent, torch.nn.Linear) or parent is emb_module):
-                stored = from_gguf(t.tensor_type, t.data, (dims[0], dims[1]), t.name)
+                stored = stored_tensor(reader, t, dims)
                 kind = t.name.split(".")[-2] if t.name.count(".") >= 2 else ""
                 if arch in _PERMUTED and kind in heads:
                     stored = stored.take(_unpermute(dims[0], heads[kind]))
@@ -356,7 +235,7 @@ def _from_file(path: Path, attn_implementation: str):
                     floats[hf] = value
         except ValueError as exc:
             raise GgufError(f"{path}: {exc}") from None
-        _drop_pages(reader, t)
+        drop_pages(reader, t.data_offset, t.n_bytes)
     head_tied = not any(t.name == "output.weight" for t in reader.tensors)
     for name, value in floats.items():
         _set_param(model, name, value)
@@ -376,7 +255,7 @@ def _from_file(path: Path, attn_implementation: str):
     return model, tokenizer, config, record
 
 
-def _write_cache(folder: Path, config, tokenizer, record: dict) -> None:
+def _write_cache(folder: Path, config, tok_dir: Path, record: dict) -> None:
     """``folder``: config, tokenizer, ``tensors.safetensors`` and ``layout.json``, written to a
     temporary sibling and renamed (another process's finished copy wins)."""
     from safetensors.torch import save_file
@@ -402,7 +281,8 @@ def _write_cache(folder: Path, config, tokenizer, record: dict) -> None:
     try:
         os.chmod(tmp, 0o755)
         config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        for f in Path(tok_dir).iterdir():  # the tokenizer's files as built (compact merges)
+            shutil.copy(f, tmp / f.name)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
         (tmp / LAYOUT).write_text(json.dumps(layout, indent=1))
         try:
@@ -418,13 +298,13 @@ def _write_cache(folder: Path, config, tokenizer, record: dict) -> None:
 
 def _from_cache(folder: Path, attn_implementation: str):
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     layout = json.loads((folder / LAYOUT).read_text())
     if layout.get("version") != LAYOUT_VERSION:
         return None
     config = AutoConfig.from_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = gguf_tokenizer.load(folder)
     tensors = load_file(str(folder / TENSORS))
     model = _empty_model(config, attn_implementation)
     for name in layout["floats"]:
@@ -464,9 +344,11 @@ def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa
         else:  # another layout version or damaged: replaced below
             shutil.rmtree(cache_folder, ignore_errors=True)
     if loaded is None:
-        model, tokenizer, config, record = _from_file(path, attn_implementation)
-        if cache_folder is not None:
-            _write_cache(cache_folder, config, tokenizer, record)
+        with tempfile.TemporaryDirectory(prefix="kvfleet-gguf-tokenizer-") as tok_dir:
+            model, tokenizer, config, record = _from_file(path, attn_implementation, Path(tok_dir))
+            if cache_folder is not None:
+                _write_cache(cache_folder, config, tok_dir, record)
+        gguf_tokenizer.release_heap()
         loaded = (model, tokenizer)
     model, tokenizer = loaded
     model.eval()

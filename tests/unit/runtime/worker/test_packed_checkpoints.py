@@ -6,11 +6,9 @@ engine's greedy tokens (the fused decoder where the layout allows) equal that mo
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
+from support import packed_writer
 
 from kvfleet.runtime.worker import model_loader, packed_checkpoints
 from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
@@ -19,8 +17,7 @@ pytestmark = pytest.mark.skipif(
     not model_loader.cpu_facts().kernels, reason="kvfleet's C kernels do not build on this machine"
 )
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+LINEARS = packed_writer.LINEARS
 
 
 def _config():
@@ -31,101 +28,13 @@ def _config():
                                 initializer_range=0.1, tie_word_embeddings=False, max_position_embeddings=512)
 
 
-def _quantize(w: torch.Tensor, group_of: torch.Tensor, groups: int, sym: bool):
-    """Reference 4-bit quantizer: per (row, group) fp16 scale, zero 8 (symmetric) or from the minimum;
-    ``q`` 0..15, ``z`` and ``s`` ``[N, groups]``; ``(q - z) * s`` is the dequantized weight."""
-    n, k = w.shape
-    s = torch.empty(n, groups)
-    z = torch.empty(n, groups)
-    for g in range(groups):
-        cols = w[:, group_of == g]
-        if sym:
-            s[:, g] = (cols.abs().amax(1) / 7).half().float().clamp_min(1e-4)
-            z[:, g] = 8
-        else:
-            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            s[:, g] = ((hi - lo) / 15).half().float().clamp_min(1e-4)
-            z[:, g] = torch.round(-lo / s[:, g]).clamp(0, 15)
-    q = torch.clamp(torch.round(w / s[:, group_of]) + z[:, group_of], 0, 15)
-    return q.to(torch.int64), z.to(torch.int64), s
-
-
-def _pack(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
-    """int64 0..15 -> int32 words of eight along ``dim``; nibble i holds element 8c + order[i]."""
-    v = values.movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
-    word = sum(v[..., i] << (4 * i) for i in range(8))
-    word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
-    return word.movedim(-1, dim).contiguous()
-
-
 def _write(path, fmt: str, group: int, sym: bool, act_order: bool):
     """A small random Llama checkpoint in ``fmt`` at ``path``; returns the dequantized float32 model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     cfg = _config()
-    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
-    gen = torch.Generator().manual_seed(1)
-    tensors = {}
-    for name, p in ref.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if not any(module.endswith(lin) for lin in LINEARS):
-            tensors[name] = p.contiguous()
-            continue
-        w = p.detach()
-        n, k = w.shape
-        if fmt == "ct8":  # W8A8's weights: symmetric int8, an fp16 scale per output channel
-            s8 = (w.abs().amax(1, keepdim=True) / 127).half().float()
-            q8 = torch.round(w / s8).clamp(-127, 127)
-            with torch.no_grad():
-                p.copy_(q8 * s8)
-            tensors[f"{module}.weight"] = q8.to(torch.int8)
-            tensors[f"{module}.weight_scale"] = s8.half()
-            continue
-        groups = k // group
-        group_of = torch.arange(k) // group
-        if act_order:
-            perm = torch.randperm(k, generator=gen)
-            group_of = torch.empty(k, dtype=torch.int64)
-            group_of[perm] = torch.arange(k) // group
-        q, z, s = _quantize(w, group_of, groups, sym)
-        with torch.no_grad():
-            p.copy_((q - z[:, group_of]).float() * s[:, group_of])
-        if fmt == "awq":
-            tensors[f"{module}.qweight"] = _pack(q.T, 1, packed_checkpoints.AWQ_ORDER)
-            tensors[f"{module}.qzeros"] = _pack(z.T, 1, packed_checkpoints.AWQ_ORDER)
-            tensors[f"{module}.scales"] = s.T.half().contiguous()
-        elif fmt == "gptq":
-            tensors[f"{module}.qweight"] = _pack(q.T, 0)
-            tensors[f"{module}.qzeros"] = _pack((z - 1).T, 1)  # v1 stores z - 1
-            tensors[f"{module}.scales"] = s.T.half().contiguous()
-            tensors[f"{module}.g_idx"] = group_of.to(torch.int32)
-        else:
-            tensors[f"{module}.weight_packed"] = _pack(q, 1)
-            tensors[f"{module}.weight_scale"] = s.half().contiguous()
-            tensors[f"{module}.weight_shape"] = torch.tensor([n, k])
-            if not sym:
-                tensors[f"{module}.weight_zero_point"] = (z - 8).to(torch.int8)
-    save_file(tensors, str(path / "model.safetensors"))
-    quant = {
-        "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True},
-        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym,
-                 "checkpoint_format": "gptq"},
-        "ct": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                   "num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group", "group_size": group}}}},
-        "ct8": {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
-                                          "strategy": "token"}}}},
-    }[fmt]
-    cfg.save_pretrained(path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = quant
-    (path / "config.json").write_text(json.dumps(raw))
-    return ref
+    return packed_writer.write(path, AutoModelForCausalLM.from_config(cfg).float().eval(), fmt, group, sym, act_order)
 
 
 CASES = [("awq", 32, False, False), ("awq", 128, False, False), ("gptq", 64, True, False),

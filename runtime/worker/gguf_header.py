@@ -1,0 +1,219 @@
+"""The GGUF file itself for kvfleet's reader (:mod:`kvfleet.runtime.worker.gguf_model`): its header,
+its tensor table over a memory map, and each tensor as stored.
+
+Contract: :func:`read_architecture` reads ``general.architecture`` from the head of a file without
+parsing the rest; :func:`open_reader` gives the ``gguf`` package's ``GGUFReader`` over the file without
+its vocabulary (metadata arrays of more than :data:`BIG_ARRAY` items stepped over, each item read as
+an empty string or a zero: their count stays), and :func:`shared_reader` hands that reader to
+transformers' GGUF config loader for a call; :func:`stored` repacks one tensor into its kernel format
+(:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as it
+goes (:func:`drop_pages`). Every bad file is a :class:`GgufError`: one line naming the file and the
+reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import mmap
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvfleet.runtime.worker.gguf_tensors import Stored, from_gguf
+
+
+class GgufError(ValueError):
+    """A GGUF file kvfleet cannot load; ``str()`` is one line naming the file and the reason
+    (``bad_input``: the server logs that line alone, no traceback)."""
+
+    bad_input = True
+
+
+BIG_ARRAY = 4096
+"""Metadata arrays longer than this are the tokenizer's (vocabulary, scores, merges): not parsed."""
+
+
+@contextlib.contextmanager
+def shared_reader(path: Path, reader):
+    """transformers' GGUF config loader builds a ``GGUFReader`` (its tokenizer loader too, to pick the
+    class); for the call, hand them ours for this file (the others as usual)."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader_for(p, *args, **kwargs):
+        return reader if Path(p).resolve() == path else real(p, *args, **kwargs)
+
+    gguf.GGUFReader = reader_for
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""GGUF metadata value types of a fixed size (bytes); 8 is a string, 9 an array."""
+
+
+def read_architecture(path: Path) -> str:
+    """The file's ``general.architecture``, read from the head of the file without parsing the
+    rest (a full parse of a large vocabulary takes tens of seconds).
+
+    Raises:
+        GgufError: not a GGUF file (magic), an unsupported version, or the header ends early.
+    """
+    import struct
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m[:4] != b"GGUF":
+                raise GgufError(f"{path}: not a GGUF file (magic {bytes(m[:4])!r}, expected b'GGUF')")
+            version, _, kv_count = struct.unpack_from("<IQQ", m, 4)
+            if version not in (2, 3):
+                raise GgufError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+            pos = 24
+
+            def string(at: int) -> tuple[str, int]:
+                (n,) = struct.unpack_from("<Q", m, at)
+                if at + 8 + n > len(m):
+                    raise struct.error("string past the end")
+                return bytes(m[at + 8:at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+            def skip(kind: int, at: int) -> int:
+                if kind in _SCALARS:
+                    return at + _SCALARS[kind]
+                if kind == 8:
+                    return string(at)[1]
+                if kind == 9:
+                    item, count = struct.unpack_from("<IQ", m, at)
+                    at += 12
+                    if item in _SCALARS:
+                        return at + count * _SCALARS[item]
+                    for _ in range(count):
+                        at = skip(item, at)
+                    return at
+                raise GgufError(f"{path}: unknown GGUF metadata value type {kind}")
+
+            for _ in range(kv_count):
+                key, pos = string(pos)
+                (kind,) = struct.unpack_from("<I", m, pos)
+                pos += 4
+                if key == "general.architecture" and kind == 8:
+                    return string(pos)[0]
+                pos = skip(kind, pos)
+    except (struct.error, ValueError, OSError) as exc:
+        if isinstance(exc, GgufError):
+            raise
+        raise GgufError(f"{path}: truncated or unreadable GGUF header ({exc})") from None
+    raise GgufError(f"{path}: no general.architecture in the GGUF metadata")
+
+
+def _reader_class():
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        """``gguf.GGUFReader`` without the vocabulary: metadata arrays of more than :data:`BIG_ARRAY`
+        items (the tokens, their scores and types, merges) are stepped over, each item read as an
+        empty string or a zero (their count stays: the config's ``vocab_size``) (the
+        stock reader makes numpy views of every element: ~320 MB and seconds for the Gemma 3 file;
+        the tokenizer's conversion reads them with transformers' own parser); the map is a plain
+        ndarray view (``np.memmap``'s Python-level ``__getitem__`` costs seconds over many small
+        reads)."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, mm):
+            self.memmap = mm
+            self._plain = np.asarray(mm).view(np.ndarray)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if int(raw_type) != gguf.GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            count = self._get(orig_offs + 4, np.uint64)
+            if int(count[0]) <= BIG_ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            item = int(raw_itype[0])
+            end = _skip_array(self._plain, item, int(count[0]), orig_offs + 12)
+            np_type = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item)) if item in _SCALARS else None
+            blank = np.zeros(1 if np_type else 0, dtype=np_type or np.uint8)  # every item reads as this
+            return (end - orig_offs, [raw_itype, count, blank], [2] * int(count[0]),
+                    [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item)])
+
+    return Reader
+
+
+def _skip_array(buf, item: int, count: int, at: int) -> int:
+    """Offset just past a metadata array of ``count`` items of type ``item`` starting at ``at``."""
+    import struct
+
+    if item in _SCALARS:
+        return at + count * _SCALARS[item]
+    for _ in range(count):
+        if item == 8:
+            at += 8 + struct.unpack_from("<Q", buf, at)[0]
+        elif item == 9:
+            inner, n = struct.unpack_from("<IQ", buf, at)
+            at = _skip_array(buf, inner, n, at + 12)
+        else:
+            raise ValueError(f"unknown GGUF metadata value type {item}")
+    return at
+
+
+def open_reader(path: Path):
+    try:
+        return _reader_class()(str(path))
+    except Exception as exc:  # wrong magic, a truncated file, an unknown tensor type: the reader's words
+        raise GgufError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
+
+
+def architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    return bytes(field.parts[-1]).decode() if field is not None else ""
+
+
+def drop_pages(reader, start: int, length: int) -> None:
+    """Release bytes ``start .. start + length`` of the file map from this process (whole pages
+    inside or under them; clean pages: read again if needed)."""
+    mm = getattr(getattr(reader, "memmap", None), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    first = int(start) // mmap.PAGESIZE * mmap.PAGESIZE
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(mmap.MADV_DONTNEED, first, int(start) + int(length) - first)
+
+
+CHUNK_BYTES = 16 << 20
+"""A weight larger than this in the file is repacked this many bytes of rows at a time, each chunk's
+pages of the map released before the next: the file's copy of it is never resident whole next to
+the repacked one (the Gemma 3 embedding: 178 MB)."""
+
+
+def stored(reader, t, dims: list[int]) -> Stored:
+    """GGUF tensor ``t`` (``dims`` rows first) in its kernel format, its pages of the map released."""
+    n, k = dims
+    row_bytes = int(t.n_bytes) // n
+    step = max(1, CHUNK_BYTES // max(row_bytes, 1))
+    if n <= step:
+        stored = from_gguf(t.tensor_type, t.data, (n, k), t.name)
+        drop_pages(reader, t.data_offset, t.n_bytes)
+        return stored
+    out: dict[str, torch.Tensor] = {}
+    first = None
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        part = from_gguf(t.tensor_type, t.data[r0:r1], (r1 - r0, k), t.name)
+        if first is None:
+            first = part
+            out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in ("w", "scale", "shift")
+                   if (x := getattr(part, f)) is not None}
+        for f, x in out.items():
+            x[r0:r1] = getattr(part, f)
+        drop_pages(reader, t.data_offset + r0 * row_bytes, (r1 - r0) * row_bytes)
+    return dataclasses.replace(first, **out)

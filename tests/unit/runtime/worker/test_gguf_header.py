@@ -1,0 +1,64 @@
+"""The GGUF file for kvfleet's reader (runtime/worker/gguf_header.py): the tensor table read with the
+vocabulary stepped over (its count kept, transformers' parse of the other fields unchanged), and a
+large tensor repacked in chunks equal to the whole tensor's repack."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvfleet.runtime.worker import gguf_header
+from kvfleet.runtime.worker.gguf_tensors import from_gguf
+
+TOKENS = [f"tok{i}" for i in range(gguf_header.BIG_ARRAY + 7)]
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "small.gguf"
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list(TOKENS)
+    w.add_token_scores([float(i) for i in range(len(TOKENS))])
+    w.add_array("llama.small_list", [3, 1, 4])
+    q8 = gguf.quants.quantize(rng.standard_normal((96, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_down.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_vocabulary_is_stepped_over_and_the_rest_read_as_gguf_reads_it(small_file):
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    ours, stock = gguf_header.open_reader(small_file), gguf.GGUFReader(str(small_file))
+    assert gguf_header.architecture(ours) == "llama"
+    tokens = ours.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == len(TOKENS)  # the count (the config's vocab_size), not the strings
+    assert {_gguf_parse_value(tokens.parts[i], tokens.types) for i in tokens.data} == {""}
+    assert {_gguf_parse_value(ours.fields["tokenizer.ggml.scores"].parts[i], ours.fields["tokenizer.ggml.scores"]
+                              .types) for i in ours.fields["tokenizer.ggml.scores"].data} == {0.0}
+    small = ours.fields["llama.small_list"]
+    assert [_gguf_parse_value(small.parts[i], small.types) for i in small.data] == [3, 1, 4]
+    assert [t.name for t in ours.tensors] == [t.name for t in stock.tensors]
+    for a, b in zip(ours.tensors, stock.tensors):
+        assert a.data_offset == b.data_offset and np.array_equal(a.data, b.data)
+
+
+def test_a_large_tensor_is_repacked_in_chunks_as_a_whole(small_file, monkeypatch):
+    reader = gguf_header.open_reader(small_file)
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    whole = from_gguf(t.tensor_type, t.data, (96, 64), t.name)
+    monkeypatch.setattr(gguf_header, "CHUNK_BYTES", 5 * int(t.n_bytes) // 96)  # 5 rows a chunk: 20, the last 1
+    chunked = gguf_header.stored(reader, t, [96, 64])
+    assert (chunked.fmt, chunked.group) == (whole.fmt, whole.group)
+    for f in ("w", "scale", "shift"):
+        a, b = getattr(chunked, f), getattr(whole, f)
+        assert (a is None and b is None) or torch.equal(a, b), f
+    assert torch.equal(chunked.dequantize(), whole.dequantize())
