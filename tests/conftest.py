@@ -143,3 +143,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(Path(str(item.fspath)).resolve().relative_to(root)) in CPU_KIND_MODULES:
             item.add_marker(pytest.mark.cpu_kinds)
+
+
+# --- The images (tests/repo/test_images.py) ---------------------------------------------
+# Building both images is minutes of disk and package-index waits: it starts in the background
+# as soon as collection holds the image test, beside the rest of the suite (tests/support/image_build.py).
+def pytest_collection_finish(session):
+    from support import image_build
+
+    if session.config.option.collectonly or not any(item.nodeid == image_build.TEST_ID for item in session.items):
+        return
+    if image_build.why_not() is None:
+        image_build.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from support import image_build
+
+    image_build.stop()

@@ -5,7 +5,9 @@ The end-to-end test runs in the suite (CI included): the script's trimmed varian
 both Dockerfile targets built at once, no bytecode compiled, the Debian root filesystem reused
 for a week; docs/images.md has the times). It skips, saying why, where it cannot run: not root,
 no ``unshare``/``chroot``/``nsenter``, no buildah or mmdebstrap and no ``apt-get`` that installs
-them, Debian's archive unreachable; ``KVFLEET_IMAGE_TEST=0`` skips it on purpose. The helpers it
+them, Debian's archive unreachable; ``KVFLEET_IMAGE_TEST=0`` skips it on purpose. In a
+whole run it builds in the background from the end of collection on (tests/support/image_build.py),
+beside the rest of the suite. The helpers it
 rests on (the host's pip configuration carried into the build, the read-only sandbox) are checked
 here on every run, and so is the CPU image's kernel prebuild: the entry point its build runs, then
 ``load()`` with no compiler and the prebuilt folder read-only.
@@ -14,21 +16,18 @@ here on every run, and so is the CPU image's kernel prebuild: the entry point it
 from __future__ import annotations
 
 import configparser
-import functools
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from support.paths import ROOT
+from support import image_build
 
-SCRIPT = ROOT / "scripts" / "build_images.py"
-OPT_OUT_ENV = "KVFLEET_IMAGE_TEST"
+SCRIPT = image_build.SCRIPT
 
 
 def _script():
@@ -164,40 +163,15 @@ def test_prebuilt_kernels_load_without_a_compiler_from_a_read_only_folder(tmp_pa
     assert proc.returncode == 0 and "ok kvfleet_cpu-" in proc.stdout, proc.stdout + proc.stderr
 
 
-@functools.cache
-def why_no_image_build() -> str | None:
-    """Why the images cannot be built and started here (None: they can)."""
-    if os.environ.get(OPT_OUT_ENV) == "0":
-        return f"{OPT_OUT_ENV}=0"
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "needs root (mmdebstrap, buildah's storage, mount namespaces)"
-    missing = [t for t in ("unshare", "chroot", "nsenter") if shutil.which(t) is None]
-    if missing:
-        return f"no {', '.join(missing)} (util-linux, coreutils)"
-    if shutil.which("apt-get") is None:
-        return "no apt-get: the base is made from Debian's archive (mmdebstrap), buildah installed with apt-get"
-    # The archive mmdebstrap and the Dockerfile's apt-get read (the host's apt sources).
-    update = subprocess.run(["apt-get", "update", "-qq"], capture_output=True, text=True, timeout=300)
-    if update.returncode != 0 or "Err:" in update.stdout + update.stderr:
-        return "Debian's archive is unreachable: " + (update.stderr or update.stdout).strip()[-300:]
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_images_build_and_start(tmp_path):
-    reason = why_no_image_build()
+def test_images_build_and_start():
+    reason = image_build.why_not()
     if reason:
         pytest.skip(reason)
-    report_file = tmp_path / "report.json"
-    env = dict(os.environ)
-    if "kvfleet-test-config-" in env.get("XDG_CONFIG_HOME", ""):
-        # tests/conftest.py's folder for the suite's fleet secret: the build must see the user's own
-        # configuration (pip's user config file names the package indexes it reads)
-        del env["XDG_CONFIG_HOME"]
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--ci", "--work", str(tmp_path / "work"), "--report",
-                           str(report_file)], capture_output=True, text=True, timeout=3600, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # started in the background when the suite's collection finished (tests/conftest.py)
+    rc, output, report_file = image_build.result(timeout=3600)
+    assert rc == 0, output
     report = json.loads(report_file.read_text())
     rt, op = report["runtime"], report["operator"]
     assert set(report["times_s"]) == {"mmdebstrap", "base_image", "context", "runtime_cpu_image", "operator_image"}
