@@ -8,6 +8,7 @@ that 2 and 4 ranks divide it (2 nodes x 1 rank, 2 nodes x 2 ranks). Rank layout 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.netns import TwoNodes, two_nodes
 from support.procfs import wait_gone, worker_pids
 from support.serve import free_port, start_serve, stop_serve
 
@@ -70,23 +72,40 @@ def _reference(path: Path) -> str:
     return out.text
 
 
-def _start_headless(path: Path, port: int, log: Path, tp: int = 2, pp: int = 1) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--model", str(path), *COMMON,
+def _start_headless(path: Path, port: int, log: Path, tp: int = 2, pp: int = 1,
+                    net: TwoNodes | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvfleet.runtime.cli", "serve", "--model", str(path), *_common(net),
            "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
            "--master-port", str(port), "--node-rank", "1", "--headless"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if net is not None:  # node 1 in its own network namespace, its ranks on its end of the link
+        cmd, env["GLOO_SOCKET_IFNAME"] = [*net.worker_prefix, *cmd], net.worker_ifname
     with open(log, "wb") as fh:
         return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
 
+def _common(net: TwoNodes | None) -> list[str]:
+    """COMMON, with node 0's address on the link between the namespaces when there is one."""
+    return COMMON if net is None else [net.leader_addr if a == "127.0.0.1" else a for a in COMMON]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp", "ending"), [(2, 1, "kill_node"), (2, 1, "stop_leader"), (4, 1, "kill_node"),
-                                                 (1, 2, "kill_node"), (2, 2, "kill_node")])
-def test_tp_over_two_nodes_answers_as_one_process(tp, pp, ending, four_head_checkpoint, tmp_path):
+@pytest.mark.parametrize(("tp", "pp", "ending", "netns"), [(2, 1, "kill_node", False), (2, 1, "stop_leader", False),
+                                                           (4, 1, "kill_node", False), (1, 2, "kill_node", False),
+                                                           (2, 2, "kill_node", True)])
+def test_tp_over_two_nodes_answers_as_one_process(tp, pp, ending, netns, four_head_checkpoint, tmp_path):
+    with two_nodes() if netns else contextlib.nullcontext() as net:
+        if netns and net is None:
+            print("no network namespace here (needs root and iproute2): node 1 runs on 127.0.0.1")
+        _two_nodes(tp, pp, ending, net, four_head_checkpoint, tmp_path)
+
+
+def _two_nodes(tp: int, pp: int, ending: str, net: TwoNodes | None, four_head_checkpoint: Path, tmp_path: Path):
     """Greedy text over 2 nodes x ``tp*pp/2`` ranks equals the one-process engine's: tensor
     parallelism across the nodes, pipeline parallelism (one stage, one layer, per node) and both
     (each node a stage of 2 tensor-parallel ranks: rank 2 on node 1 gets its hidden state from
-    rank 0, rank 3 from rank 1). Then ``kill_node``:
+    rank 0, rank 3 from rank 1; node 1 in its own network namespace, the ranks over a veth link,
+    where the test can make one: ``netns``). Then ``kill_node``:
     SIGKILL of the headless node makes the leader exit 1 within seconds (its engine loop sees
     the lost heartbeat while idle), the reason in the termination log; ``stop_leader``: SIGTERM
     of the leader stops the headless node too, both cleanly (its rank exits 0)."""
@@ -94,13 +113,14 @@ def test_tp_over_two_nodes_answers_as_one_process(tp, pp, ending, four_head_chec
     expected = _reference(path)
     port = free_port()
     worker_log, leader_log, term_log = tmp_path / "node1.log", tmp_path / "node0.log", tmp_path / "termination-log"
-    worker = _start_headless(path, port, worker_log, tp, pp)
+    worker = _start_headless(path, port, worker_log, tp, pp, net)
     world = tp * pp
     leader = None
     try:
-        leader, base = start_serve(["--model", str(path), *COMMON, "--tensor-parallel-size", str(tp), "-pp", str(pp),
-                                    "--master-port", str(port), "--node-rank", "0",
-                                    "--termination-log", str(term_log), "--log-level", "info"], leader_log)
+        leader, base = start_serve(["--model", str(path), *_common(net), "--tensor-parallel-size", str(tp), "-pp",
+                                    str(pp), "--master-port", str(port), "--node-rank", "0",
+                                    "--termination-log", str(term_log), "--log-level", "info"], leader_log,
+                                   env=None if net is None else {"GLOO_SOCKET_IFNAME": net.leader_ifname})
         assert worker.poll() is None, worker_log.read_text()
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
         resp = httpx.post(base + "/v1/completions", json=body, timeout=120)
