@@ -170,6 +170,12 @@ def open_reader(path: Path):
     try:
         return _reader_class()(str(path))
     except Exception as exc:  # wrong magic, a truncated file, an unknown tensor type: the reader's words
+        size = path.stat().st_size if path.exists() else 0
+        if isinstance(exc, ValueError) and "cannot reshape array" in str(exc):
+            # the tensor table parsed, but a tensor's data is a shorter view than its shape: the
+            # map ended early (numpy's reshape is where the gguf package notices)
+            raise GgufError(f"{path}: truncated GGUF file: its tensor data runs past the end of the file "
+                            f"({size} bytes; a partial download?)") from None
         raise GgufError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 

@@ -62,3 +62,11 @@ def test_a_large_tensor_is_repacked_in_chunks_as_a_whole(small_file, monkeypatch
         a, b = getattr(chunked, f), getattr(whole, f)
         assert (a is None and b is None) or torch.equal(a, b), f
     assert torch.equal(chunked.dequantize(), whole.dequantize())
+
+
+def test_a_file_cut_inside_its_tensor_data_is_named_truncated(small_file, tmp_path):
+    data = small_file.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 300])  # the header and tensor table whole, the last tensor short
+    with pytest.raises(gguf_header.GgufError, match=r"cut\.gguf: truncated GGUF file: .*\(\d+ bytes"):
+        gguf_header.open_reader(cut)
