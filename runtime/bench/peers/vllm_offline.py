@@ -27,12 +27,13 @@ import sys
 import time
 from pathlib import Path
 
-from kvfleet.runtime import env
-
 
 def default_model() -> Path:
     """Newest complete checkpoint (config.json + safetensors) under ``$KVFLEET_CACHE_DIR/gguf``."""
-    root = env.CACHE_DIR.get() / "gguf"
+    # stdlib only: this file runs in vLLM's own interpreter, where kvfleet (and its settings
+    # registry, runtime/env.py: KVFLEET_CACHE_DIR) is not installed
+    cache = os.environ.get("KVFLEET_CACHE_DIR", "").strip()
+    root = (Path(cache).expanduser() if cache else Path.home() / ".cache" / "kvfleet") / "gguf"
     found = [d for d in root.glob("*") if d.is_dir() and (d / "config.json").is_file() and any(d.glob("*.safetensors"))]
     if not found:
         raise FileNotFoundError(
