@@ -219,8 +219,6 @@ OVER_500_LINES_ALLOWED: dict[str, tuple[int, str]] = {
     "tests/unit/runtime/entrypoints/openai/test_api_server.py": (
         714, "the routes over one module-scoped TestClient and engine; the pd and ci branches add to it in "
              "the same session, so it is split after they merge, not under them"),
-    "tests/unit/operator/test_builders.py": (
-        547, "the lws and pd branches add spec.parallelism / spec.disaggregation cases in the same session"),
     "tests/support/kube_emulator.py": (
         515, "the test cluster's API server; the lws branch adds its fake LeaderWorkerSet controller beside it"),
     "tests/unit/runtime/engine/test_prompt_logprobs.py": (
