@@ -35,7 +35,8 @@
  * x += attn_out(attn Wo^T) * residual_scale; h = mlp_in(x);
  * x += mlp_out((act(h Wg^T) * h Wu^T) Wd^T) * residual_scale, act SiLU or GELU-tanh. The weights are
  * kv_matrix (cpu_gemv.h: fp32, bf16, int8, int4, grouped int8); gate_up holds the I gate rows,
- * then the I up rows. A layer with experts (kv_layer.moe) runs cpu_moe.h's moe_phase in place of
+ * then the I up rows. A matrix with an input permutation (kv_matrix.perm; not the head's nor the
+ * experts') runs on its input rows gathered by it (cpu_perm.h), once per phase. A layer with experts (kv_layer.moe) runs cpu_moe.h's moe_phase in place of
  * that MLP (router, top-k, each expert's rows as one group; SiLU), between the same norms.
  *
  * Threads: cpu_pool.h (the pool, its phases and the step's scratch). Sizes and the step's state:
@@ -49,6 +50,7 @@
  */
 #define _GNU_SOURCE
 #include "cpu_attention.h"
+#include "cpu_perm.h"
 #include "cpu_step.h"
 
 #include <stdlib.h>
@@ -101,6 +103,24 @@ static void pack_input(const kv_step *s, const float *x, int64_t K) {
     if (!s->xb) return;
     const kv_prep p = {.s = s, .x = x, .K = K};
     kv_parallel(task_pack, &p, prep_tasks(s));
+}
+
+static void task_permute(const void *ctx, int64_t t) {
+    const kv_prep *p = ctx;
+    const int64_t m0 = t * KV_PREP_ROWS, m1 = min64(m0 + KV_PREP_ROWS, p->s->M);
+    kv_permute_rows(p->out, p->K, m0, m1, p->perm);
+    pack_rows(p->s, p->out, p->K, m0, m1);
+}
+
+/* The next matrix's input rows x [M, K]: gathered in place by its input permutation, if it has one
+ * (cpu_perm.h), then packed for bf16 matmuls (pack_input). */
+static void input_rows(const kv_step *s, float *x, int64_t K, const int32_t *perm) {
+    if (!perm) {
+        pack_input(s, x, K);
+        return;
+    }
+    const kv_prep p = {.s = s, .out = x, .K = K, .perm = perm};
+    kv_parallel(task_permute, &p, prep_tasks(s));
 }
 
 /* Rows per block of a task's loop over the step's rows: a bf16 call widens its weights once for
@@ -285,13 +305,14 @@ static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
  * (through attn_out and residual_scale where the layer has them). */
 static void attention_phase(kv_step *s, int64_t num_leads, int64_t *t) {
     const kv_decoder *d = s->d;
-    norm_rows(s, s->L->attn_in_norm, s->h, 1);
+    norm_rows(s, s->L->attn_in_norm, s->h, !s->L->qkv.perm);
+    if (s->L->qkv.perm) input_rows(s, s->h, d->hidden, s->L->qkv.perm);
     timed(PROF_NORM, t);
     kv_parallel(task_qkv, s, spans(s, qkv_width(d)));
     timed(PROF_QKV, t);
     write_kv(s);
     attention(s, num_leads);
-    pack_input(s, s->attn, d->num_heads * d->head_size);
+    input_rows(s, s->attn, d->num_heads * d->head_size, s->L->o.perm);
     timed(PROF_ATTN, t);
     kv_parallel(task_o, s, spans(s, d->hidden));
     if (s->L->attn_out_norm) add_normed(s, s->L->attn_out_norm);
@@ -302,13 +323,15 @@ static void attention_phase(kv_step *s, int64_t num_leads, int64_t *t) {
  * mlp_out and residual_scale where the layer has them). */
 static void mlp_phase(kv_step *s, int64_t *t) {
     const kv_decoder *d = s->d;
-    norm_rows(s, s->L->mlp_in_norm, s->h, 1);
+    const int32_t *perm = s->L->moe ? NULL : s->L->gate_up.perm;   /* (experts: none, cpu_decoder.py) */
+    norm_rows(s, s->L->mlp_in_norm, s->h, !perm);
+    if (perm) input_rows(s, s->h, d->hidden, perm);
     timed(PROF_NORM, t);
     if (s->L->moe) {
         moe_phase(s, t);   /* its output into x, or into h for mlp_out_norm, as task_down's */
     } else {
         kv_parallel(task_mlp, s, spans(s, d->intermediate));
-        pack_input(s, s->act, d->intermediate);
+        input_rows(s, s->act, d->intermediate, s->L->down.perm);
         timed(PROF_MLP, t);
         kv_parallel(task_down, s, spans(s, d->hidden));
     }

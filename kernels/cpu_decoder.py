@@ -31,7 +31,11 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``) or
   ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None, G a multiple of 16:
   grouped int8, ``q * scale (+ shift)``; GGUF Q8_0, Q6_K and Q5_K tensors' layouts);
-  ``bias [N]`` float32 or None.
+  ``bias [N]`` float32 or None; ``perm [K]`` int32 or None: an input permutation (act-order GPTQ,
+  its int4 weights over the input features sorted by group): the step runs the layer on
+  ``x[:, perm]`` (``kernels/cpu_perm.h``), a gather of each row before its matmul with every matmul
+  kind; a permutation of ``0 .. K-1``, at most :data:`MAX_PERM` long, not on the LM head nor the
+  experts, and q/k/v (gate/up) stacked into one matrix share one.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
   caches ``[num_blocks, block_size, KVH, D]`` float32 or bfloat16 (every layer's alike: the
@@ -63,6 +67,8 @@ processes loses at most this much per step."""
 
 PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
 """The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
+MAX_PERM = 1 << 18
+"""Longest input permutation (the C gather copies a row of that many floats on its thread's stack)."""
 _FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3, "int8g": 4}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """KV cache dtypes the C step reads (``KV_CACHE_F32`` / ``KV_CACHE_BF16`` in cpu_decoder.h)."""
@@ -81,6 +87,7 @@ class Linear:
     shift: torch.Tensor | None = None
     group: int = 0
     bias: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -115,11 +122,17 @@ class Linear:
             t = getattr(self, field)
             if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError(f"{name}: {field} must be a contiguous float32 {shape} tensor")
+        if self.perm is not None:
+            p = self.perm
+            if p.shape != (k,) or p.dtype != torch.int32 or not p.is_contiguous() or k > MAX_PERM:
+                raise ValueError(f"{name}: perm must be a contiguous int32 ({k},) tensor (at most {MAX_PERM})")
+            if not torch.equal(torch.sort(p).values, torch.arange(k, dtype=torch.int32)):
+                raise ValueError(f"{name}: perm is not a permutation of 0..{k - 1}")
 
     def struct(self) -> _Matrix:
         n, k = self.shape
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
-                       self.group, _data(self.bias))
+                       self.group, _data(self.bias), _data(self.perm))
 
 
 def _data(t: torch.Tensor | None) -> int | None:
@@ -182,6 +195,8 @@ class MoeLayer:
         if self.router.fmt != "fp32":
             raise ValueError(f"{name}: the router must be fp32, got {self.router.fmt}")
         self.router.check(f"{name} router", E, hidden)
+        if any(m.perm is not None for m in (self.router, *self.gate_up, *self.down)):
+            raise ValueError(f"{name}: the experts' step takes no input permutation")
         if inter < 1 or len({(m.fmt, m.group) for m in (*self.gate_up, *self.down)}) != 1:
             raise ValueError(f"{name}: experts of width {inter} in formats "
                              f"{sorted({m.fmt for m in (*self.gate_up, *self.down)})}; need one format")
@@ -359,6 +374,8 @@ class FusedDecoder:
             raise ValueError("final_norm must be a contiguous float32 tensor")
         if w.head is not None:
             w.head.check("head", w.head.shape[0], H)
+            if w.head.perm is not None:
+                raise ValueError("head: the LM head takes no input permutation")
         self.weights = w
         self.cache_dtype = cache_dtype
         """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""

@@ -237,6 +237,8 @@ typedef struct {
     const float *shift;     /* int4: [N, K/G]; int8g: [N, K/G] or NULL; else NULL */
     int64_t group;          /* int4 / int8g group size G */
     const float *bias;      /* [N] or NULL */
+    const int32_t *perm;    /* [K] or NULL: the input permutation (act-order GPTQ): the fused decoder
+                             * runs the matrix on x[m, perm[k]] (cpu_perm.h); the kernels here ignore it */
 } kv_matrix;
 
 /* Software prefetch of `bytes` from p, one cache line at a time (addresses past the end of the
