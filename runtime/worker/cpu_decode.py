@@ -18,7 +18,10 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   :func:`~kvfleet.runtime.worker.moe_experts.moe_layer` reads (Mixtral, Qwen3-MoE), and its linear
   layers (the experts' too) are plain float32 ``nn.Linear`` or kvfleet's
   :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
-  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
+  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU, or a
+  packed checkpoint's layer; an act-order GPTQ layer,
+  :class:`~kvfleet.runtime.worker.packed_checkpoints.PermutedInt4Linear`, as its int4 layer and its
+  input permutation, which q/k/v and gate/up must share to be fused, else the path is off) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
   :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
 - KV caches in float32 or bf16 (``kv_cache_dtype``; the torch path of prefill and mixed steps reads
@@ -71,6 +74,7 @@ from kvfleet.runtime import env
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
 from kvfleet.runtime.worker.lora_layers import LoRALinear
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
+from kvfleet.runtime.worker.packed_checkpoints import PermutedInt4Linear
 from kvfleet.runtime.worker.recipes import Recipe, recipe_for
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
@@ -117,9 +121,22 @@ def _base(module: torch.nn.Module | None) -> torch.nn.Module | None:
     return module.base_layer if isinstance(module, LoRALinear) else module
 
 
-def _linear(module: torch.nn.Module) -> Linear | None:
-    """The layer's weights in a format the C step reads, or None."""
+def _inner(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The layer holding the weights: :func:`_base`, and an act-order layer's int4 layer."""
     module = _base(module)
+    return module.inner if isinstance(module, PermutedInt4Linear) else module
+
+
+def _linear(module: torch.nn.Module) -> Linear | None:
+    """The layer's weights in a format the C step reads (an act-order layer's with its input
+    permutation), or None."""
+    base = _base(module)
+    if isinstance(base, PermutedInt4Linear):
+        inner = _linear(base.inner)
+        if inner is not None:
+            inner.perm = base.perm.to(torch.int32).contiguous()
+        return inner
+    module = base
     if isinstance(module, Int8Linear):
         return Linear("int8", module.weight, module.qscale, bias=module.bias32)
     if isinstance(module, Bf16Linear):
@@ -139,11 +156,19 @@ def _linear(module: torch.nn.Module) -> Linear | None:
 def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
     """One :class:`Linear` over ``modules`` stacked along the output features; the modules'
     weights (and int8/int4 scales) become views of it. None when a module's format is not one
-    the C step reads or the formats differ."""
-    modules = [_base(m) for m in modules]
+    the C step reads or the formats differ.
+
+    Raises:
+        ValueError: the modules have different input permutations (act-order GPTQ layers
+            quantized with different orders: one matrix takes one)."""
     parts = [_linear(m) for m in modules]
+    modules = [_inner(m) for m in modules]
     if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) != 1:
         return None
+    perms = [p.perm for p in parts]
+    if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
+        raise ValueError("act-order layers with different input permutations cannot be one matrix ("
+                         + ", ".join("none" if p is None else "own" for p in perms) + ")")
     fmt, group = parts[0].fmt, parts[0].group
     w = torch.cat([p.w for p in parts])
     scale = torch.cat([p.scale for p in parts]) if fmt in ("int8", "int4", "int8g") else None
@@ -165,7 +190,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             if shift is not None:
                 module.qshift = shift[start:end]
         start = end
-    return Linear(fmt, w, scale, shift, group, bias)
+    return Linear(fmt, w, scale, shift, group, bias, perms[0])
 
 
 def _stacked(modules: list[torch.nn.Module]) -> Linear | None:
@@ -175,15 +200,18 @@ def _stacked(modules: list[torch.nn.Module]) -> Linear | None:
 
 def _fused_layer(layer: torch.nn.Module, recipe: Recipe) -> tuple[Linear, Linear | None] | None:
     """``(qkv, gate_up)`` of a decoder layer (the recipe's modules), fused on first use and kept on
-    the layer; ``gate_up`` None for a mixture of experts (:func:`moe_layer` reads those)."""
+    the layer; ``gate_up`` None for a mixture of experts (:func:`moe_layer` reads those).
+
+    Raises:
+        ValueError: :func:`_fuse`'s (act-order layers with different permutations)."""
     cached = getattr(layer, _FUSED_ATTR, None)
     moe = is_moe_block(layer.mlp)
     qkv_mods = [getattr(layer.self_attn, n, None) for n in recipe.layer.qkv]
     gate_up_mods = [] if moe else [getattr(layer.mlp, n, None) for n in recipe.layer.gate_up]
-    if any(m is None or getattr(m, "weight", None) is None for m in qkv_mods + gate_up_mods):
+    if any(m is None or getattr(_inner(m), "weight", None) is None for m in qkv_mods + gate_up_mods):
         return None
-    if cached is not None and cached[0].w.data_ptr() == qkv_mods[0].weight.data_ptr() \
-            and (moe or cached[1].w.data_ptr() == gate_up_mods[0].weight.data_ptr()):
+    if cached is not None and cached[0].w.data_ptr() == _inner(qkv_mods[0]).weight.data_ptr() \
+            and (moe or cached[1].w.data_ptr() == _inner(gate_up_mods[0]).weight.data_ptr()):
         return cached
     qkv = _stacked(qkv_mods)
     gate_up = _stacked(gate_up_mods) if qkv is not None and not moe else None
@@ -350,11 +378,15 @@ def build(runner: Runner) -> CpuDecodePath | None:
             if isinstance(moe, str):
                 reason = f"layer {i}'s mixture of experts: {moe}"
                 break
-            fused = _fused_layer(layer, recipe)
+            try:
+                fused = _fused_layer(layer, recipe)
+            except ValueError as exc:
+                reason = f"layer {i}: {exc}"
+                break
             o = _linear(getattr(layer.self_attn, fam.o))
             down = None if moe else _linear(getattr(layer.mlp, fam.down, None))
             if fused is None or o is None or (down is None and moe is None):
-                reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4"
+                reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4 (act-order int4)"
                 break
             k_cache, v_cache = runner.kv_caches[i]
             norms = {p: _norm(getattr(layer, name), offset) for p, name in fam.norms.items()}
