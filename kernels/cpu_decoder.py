@@ -132,7 +132,7 @@ class Linear:
     def struct(self) -> _Matrix:
         n, k = self.shape
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
-                       self.group, _data(self.bias), _data(self.perm))
+                       self.group, _data(self.bias), perm=_data(self.perm))   # (by name: fields are appended)
 
 
 def _data(t: torch.Tensor | None) -> int | None:
