@@ -1,18 +1,24 @@
-"""Throughput of a mixed LoRA batch vs the base model alone (issue 17; a benchmark, not a test).
+"""Throughput with LoRA adapters vs the base model alone (issues 17, 40; a benchmark, not a test).
 
-    nice -n 10 python benchmarks/lora.py                 # C=32, rank 8, 0 / 1 / 4 adapters
+    nice -n 10 python benchmarks/lora.py                 # 1 and 8 requests, rank 8, 0 / 1 / 4 adapters
     nice -n 10 python benchmarks/lora.py --json benchmarks/results/lora-cpu.json
 
-The default model, fp32, eager. ``--concurrency`` requests at once (prompts of ``--prompt-len``
-tokens, ``--max-tokens`` new tokens each, greedy, EOS ignored), in one ``LLM.generate`` call:
+The default model, fp32, eager, no other flags. For each ``--concurrency`` C (default 1 and 8),
+C requests at once (prompts of ``--prompt-len`` tokens, ``--max-tokens`` new tokens each, greedy,
+EOS ignored), in one ``LLM.generate`` call, all in one invocation (the ratios compare runs of the
+same process, minutes apart):
 
 - ``base alone``: an engine without ``--enable-lora`` (the reference);
 - ``k adapters`` (k = 0, 1, 4): one engine with ``--enable-lora --max-loras 4 --max-lora-rank R``
   whose requests are spread round robin over k random rank-R PEFT adapters of every attention
-  and MLP projection (k = 0: all base requests, the cost of the wrapped layers alone).
+  and MLP projection (k = 0: all base requests, the cost of the wrapped layers alone); adapter
+  steps run the fused C decoder with the adapters' deltas inside it (kernels/cpu_lora.h) where it runs;
+- ``k adapters, unfused``: the same with the C step's LoRA tables switched off for the run, so
+  adapter steps run transformers' modules with the LoRA layers (the path before issue 40).
 
-Prints output tokens/s and the ratio to the base alone (target: >= 0.8 with 4 adapters). The
-adapters are written here in PEFT's file format from random tensors (no download).
+Prints output tokens/s and the ratio to the base alone (issue 40's target: a few percent below
+1.0 with adapters). The adapters are written here in PEFT's file format from random tensors (no
+download).
 """
 
 from __future__ import annotations
@@ -56,11 +62,12 @@ def run(llm, prompts, params, loras) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4])
+    p.add_argument("--no-unfused", action="store_true", help="skip the runs with adapter steps in transformers")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
@@ -75,16 +82,19 @@ def main(argv=None) -> int:
 
     loaded = load_model(None, dtype="float32", device="cpu")
     vocab = loaded.tokenizer.vocab_size
-    prompts = [[(i * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(a.prompt_len)] for i in range(a.concurrency)]
+    most = max(a.concurrency)
+    prompts = [[(i * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(a.prompt_len)] for i in range(most)]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    common = dict(dtype="float32", device="cpu", max_num_seqs=a.concurrency, kv_cache_memory=512 * 2**20,
+    common = dict(dtype="float32", device="cpu", max_num_seqs=most, kv_cache_memory=512 * 2**20,
                   enable_prefix_caching=False)
-    results: dict = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "args": vars(a), "runs": {}}
+    results: dict = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "load": os.getloadavg(),
+                     "args": vars(a), "runs": {}}
 
     base = LLM.from_engine(LLMEngine(EngineConfig(**common), loaded=loaded))  # before the layers are wrapped
     run(base, prompts[:2], SamplingParams(max_tokens=2), None)  # warm-up
-    results["runs"]["base alone"] = run(base, prompts, params, None)
-    print(f"base alone: {results['runs']['base alone']}", flush=True)
+    for c in a.concurrency:
+        results["runs"][f"C={c} base alone"] = run(base, prompts[:c], params, None)
+        print(f"C={c} base alone: {results['runs'][f'C={c} base alone']}", flush=True)
     del base
 
     targets = {n: (m.in_features, m.out_features) for n, m in decoder_linears(loaded.model).items()}
@@ -96,13 +106,26 @@ def main(argv=None) -> int:
         config = EngineConfig(**common, enable_lora=True, max_loras=max(4, max(a.adapters)), max_lora_rank=a.rank,
                               lora_modules=[f"{n}={Path(tmp) / n}" for n in names])
         llm = LLM.from_engine(LLMEngine(config, loaded=loaded))
+        path = llm.llm_engine.runner.cpu_decode
+        results["fused"] = path is not None and bool(path.lora_modules)
         run(llm, prompts[:2], SamplingParams(max_tokens=2), names[:2] or None)  # warm-up
-        for k in a.adapters:
-            loras = [names[i % k] for i in range(a.concurrency)] if k else None
-            r = run(llm, prompts, params, loras)
-            r["vs_base"] = round(r["tok_s"] / results["runs"]["base alone"]["tok_s"], 3)
-            results["runs"][f"{k} adapters"] = r
-            print(f"{k} adapters: {r}", flush=True)
+        for c in a.concurrency:
+            for k in a.adapters:
+                loras = [names[i % k] for i in range(c)] if k else None
+                for unfused in (False, True) if k and path is not None and not a.no_unfused else (False,):
+                    tables = path.lora_modules if path is not None else None
+                    if unfused:
+                        path.lora_modules = frozenset()  # adapter steps: transformers' modules
+                    try:
+                        r = run(llm, prompts[:c], params, loras)
+                    finally:
+                        if unfused:
+                            path.lora_modules = tables
+                    r["vs_base"] = round(r["tok_s"] / results["runs"][f"C={c} base alone"]["tok_s"], 3)
+                    label = f"C={c} {k} adapters" + (", unfused" if unfused else "")
+                    results["runs"][label] = r
+                    print(f"{label}: {r}", flush=True)
+    results["load_after"] = os.getloadavg()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
