@@ -3,7 +3,9 @@
     nice -n 10 python benchmarks/lora.py                 # 1 and 8 requests, rank 8, 0 / 1 / 4 adapters
     nice -n 10 python benchmarks/lora.py --json benchmarks/results/lora-cpu.json
 
-The default model, fp32, eager, no other flags. For each ``--concurrency`` C (default 1 and 8),
+The default model, eager, no other flags (``--dtype auto``: the CPU plan's weights and matmul
+kernels, e.g. bf16 weights on AMX tiles with fused prefill on a Sapphire Rapids; ``--dtype float32``
+for the float32 kernels). For each ``--concurrency`` C (default 1 and 8),
 C requests at once (prompts of ``--prompt-len`` tokens, ``--max-tokens`` new tokens each, greedy,
 EOS ignored), in one ``LLM.generate`` call, all in one invocation (the ratios compare runs of the
 same process, minutes apart):
@@ -15,6 +17,11 @@ same process, minutes apart):
   steps run the fused C decoder with the adapters' deltas inside it (kernels/cpu_lora.h) where it runs;
 - ``k adapters, unfused``: the same with the C step's LoRA tables switched off for the run, so
   adapter steps run transformers' modules with the LoRA layers (the path before issue 40).
+
+Then the fused C step alone (where it runs): milliseconds per step of C rows (decode rows at
+position 100, the LM head on every row) with no adapter row, every row with one adapter, and the
+rows spread over 4 adapters, ``--rounds`` rounds of ``--steps`` steps interleaved, the best
+round's median each: the C step's own LoRA cost without the engine's run-to-run noise.
 
 Prints output tokens/s and the ratio to the base alone (issue 40's target: a few percent below
 1.0 with adapters). The adapters are written here in PEFT's file format from random tensors (no
@@ -60,13 +67,47 @@ def run(llm, prompts, params, loras) -> dict:
     return {"seconds": round(dt, 2), "output_tokens": tokens, "tok_s": round(tokens / dt, 1)}
 
 
+def step_times(path, manager, ids: list[int], a) -> dict:
+    """Milliseconds per fused C step (see the module docstring), by rows and adapters."""
+    import statistics
+
+    import torch
+
+    slot_of = manager.activate(ids[:4])
+    fused, out = path._fused, {}
+    for c in a.concurrency:
+        x0 = torch.randn(c, fused.hidden)
+        cos, sin = path._rope(x0, torch.full((1, c), 100, dtype=torch.long))
+        args = (cos, sin, torch.full((c,), -1, dtype=torch.long), torch.zeros((c, 8), dtype=torch.int32),
+                torch.full((c,), 101, dtype=torch.int32), torch.arange(c))
+        cases = {"no adapter": None, "1 adapter": torch.full((c,), slot_of[ids[0]], dtype=torch.long),
+                 "4 adapters": torch.tensor([slot_of[ids[i % min(4, len(ids))]] for i in range(c)])}
+        best = {k: float("inf") for k in cases}
+        for _ in range(a.rounds):
+            for name, lora in cases.items():
+                times = []
+                for _ in range(a.steps):
+                    t0 = time.perf_counter()
+                    fused.step(x0.clone(), *args, lora_slots=lora)
+                    times.append(time.perf_counter() - t0)
+                best[name] = min(best[name], statistics.median(times) * 1e3)
+        row = {k: round(v, 3) for k, v in best.items()}
+        row |= {f"{k} vs none": round(best["no adapter"] / v, 3) for k, v in best.items() if k != "no adapter"}
+        out[f"C={c}"] = row
+        print(f"fused step, C={c}: {row}", flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-unfused", action="store_true", help="skip the runs with adapter steps in transformers")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -80,12 +121,12 @@ def main(argv=None) -> int:
     from kvfleet.runtime.worker.model_loader import load_model
     from kvfleet.runtime.worker.quantization import decoder_linears
 
-    loaded = load_model(None, dtype="float32", device="cpu")
+    loaded = load_model(None, dtype=a.dtype, device="cpu")
     vocab = loaded.tokenizer.vocab_size
     most = max(a.concurrency)
     prompts = [[(i * 7919 + j * 104729) % (vocab - 1) + 1 for j in range(a.prompt_len)] for i in range(most)]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    common = dict(dtype="float32", device="cpu", max_num_seqs=most, kv_cache_memory=512 * 2**20,
+    common = dict(dtype=a.dtype, device="cpu", max_num_seqs=most, kv_cache_memory=512 * 2**20,
                   enable_prefix_caching=False)
     results: dict = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "load": os.getloadavg(),
                      "args": vars(a), "runs": {}}
@@ -108,6 +149,10 @@ def main(argv=None) -> int:
         llm = LLM.from_engine(LLMEngine(config, loaded=loaded))
         path = llm.llm_engine.runner.cpu_decode
         results["fused"] = path is not None and bool(path.lora_modules)
+        results["matmul"] = path.matmul if path is not None else None
+        results["fused_prefill"] = path is not None and path.prefill
+        print(f"fused adapter steps: {results['fused']}, matmuls {results['matmul']}, "
+              f"fused prefill {results['fused_prefill']}", flush=True)
         run(llm, prompts[:2], SamplingParams(max_tokens=2), names[:2] or None)  # warm-up
         for c in a.concurrency:
             for k in a.adapters:
@@ -125,6 +170,9 @@ def main(argv=None) -> int:
                     label = f"C={c} {k} adapters" + (", unfused" if unfused else "")
                     results["runs"][label] = r
                     print(f"{label}: {r}", flush=True)
+        if path is not None and path.lora_modules:
+            ids = [llm.llm_engine.loras[n].lora_int_id for n in names]
+            results["step_ms"] = step_times(path, llm.llm_engine.runner.lora, ids, a)
     results["load_after"] = os.getloadavg()
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2) + "\n")

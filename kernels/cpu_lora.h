@@ -14,7 +14,7 @@
  * nothing; a step without adapter rows costs a NULL test per phase.
  *
  * Two halves, so that neither needs a [M, N] buffer: lora_shrink (a phase of its own before W's
- * tasks, one task per adapter row) computes every adapted part's u[m] = x[m] a[s]^T into the
+ * tasks: (row, part, 4 ranks) each) computes every adapted part's u[m] = x[m] a[s]^T into the
  * step's small scratch; lora_expand (called inside W's tasks on the block of rows and output
  * columns the task just computed) adds u[m] b[s] to those columns.
  *
@@ -62,27 +62,29 @@ static inline int lora_any(const kv_layer *L, int p0, int p1) {
     return 0;
 }
 
-typedef struct { const kv_step *s; const float *x; int64_t K; int p0, p1; } kv_lora_shrink;
+/* Shrink tasks: (adapter row, part, KV_LORA_RANKS ranks), so that one decode row's few hundred dot
+ * products still spread over the threads. */
+enum { KV_LORA_RANKS = 4 };
+typedef struct { const kv_step *s; const float *x; int64_t K, chunks; int p0, p1; } kv_lora_shrink;
 
 static void task_lora_shrink(const void *ctx, int64_t t) {
     const kv_lora_shrink *c = ctx;
-    const int64_t R = c->s->d->lora_rank, K = c->K, m = LORA.rows[t];
-    const int64_t slot = c->s->d->lora_slots[m];
-    const float *x = c->x + m * K;
-    for (int p = c->p0; p < c->p1; p++) {
-        const kv_lora_part *part = &c->s->L->lora->part[p];
-        if (!part->a) continue;
-        const float *a = part->a + slot * R * K;
-        float *u = LORA.u + (t * KV_LORA_PARTS + p) * R;
-        for (int64_t r = 0; r < R; r++) u[r] = f32_m1(x, K, a + r * K);
-    }
+    const int64_t R = c->s->d->lora_rank, K = c->K, per_row = (c->p1 - c->p0) * c->chunks;
+    const int64_t i = t / per_row, p = c->p0 + t % per_row / c->chunks, r0 = t % c->chunks * KV_LORA_RANKS;
+    const kv_lora_part *part = &c->s->L->lora->part[p];
+    if (!part->a) return;
+    const int64_t m = LORA.rows[i], slot = c->s->d->lora_slots[m];
+    const float *x = c->x + m * K, *a = part->a + slot * R * K;
+    float *u = LORA.u + (i * KV_LORA_PARTS + p) * R;
+    for (int64_t r = r0; r < min64(r0 + KV_LORA_RANKS, R); r++) u[r] = f32_m1(x, K, a + r * K);
 }
 
 /* u of parts p0 .. p1 - 1 of the current layer for every adapter row, from their input rows x [M, K]. */
 static void lora_shrink(const kv_step *s, const float *x, int64_t K, int p0, int p1) {
     if (!lora_any(s->L, p0, p1)) return;
-    const kv_lora_shrink c = {.s = s, .x = x, .K = K, .p0 = p0, .p1 = p1};
-    kv_parallel(task_lora_shrink, &c, LORA.n);
+    const int64_t chunks = (s->d->lora_rank + KV_LORA_RANKS - 1) / KV_LORA_RANKS;
+    const kv_lora_shrink c = {.s = s, .x = x, .K = K, .chunks = chunks, .p0 = p0, .p1 = p1};
+    kv_parallel(task_lora_shrink, &c, LORA.n * (p1 - p0) * chunks);
 }
 
 /* y[j] += sum_r u[r] b[r * ldb + j] for j < n, r = 0 .. R - 1 in order, one FMA each. */
