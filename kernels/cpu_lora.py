@@ -15,14 +15,10 @@ the layer's matrix; every table of a decoder has the same ``S`` and ``R``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvfleet.kernels import cpu_lib
-
-if TYPE_CHECKING:
-    from kvfleet.kernels.cpu_decoder import DecoderWeights
 
 LORA_PARTS = ("q", "k", "v", "o", "gate", "up", "down")
 """The keys of a layer's tables in ``kv_lora.part``'s order: the projection a table adds to
@@ -52,9 +48,9 @@ class LoRATable:
                              f"do not fit {slots} slots of rank {rank}, {k} inputs, {n_max} outputs")
 
 
-def check_lora(w: DecoderWeights, H: int, inter: int) -> tuple[int, int]:
-    """``(slots, rank)`` of the layers' tables of ``w`` (hidden size ``H``, MLP width ``inter``),
-    (0, 0) without any.
+def check_lora(w, H: int, inter: int) -> tuple[int, int]:
+    """``(slots, rank)`` of the layers' tables of ``w`` (a :class:`kvfleet.kernels.cpu_decoder.DecoderWeights`;
+    hidden size ``H``, MLP width ``inter``), (0, 0) without any.
 
     Raises:
         ValueError: an unknown part, a table on the MLP of a mixture-of-experts layer, or a table
