@@ -155,7 +155,7 @@ static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64
         for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
             const int64_t n1 = min64(n0 + KV_CHUNK, end);
             rows_of(s, w, a, m0, rows, n0, n1, tmp, KV_CHUNK);
-            lora_expand(s, lora, lora + 1, m0, rows, n0, n1, tmp, KV_CHUNK);   /* the part W's adapters */
+            lora_expand(s, lora, lora + 1, m0, rows, n0, n1, tmp, KV_CHUNK);   /* W's adapter deltas (part `lora`) */
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t n = n0; n < n1; n++) {
                     const float y = tmp[m * KV_CHUNK + n - n0];
@@ -363,7 +363,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
     const int64_t matmul = step_matmul(d);
     pthread_mutex_lock(&P.lock);
-    if (grow_scratch(d, M, matmul != KV_MATMUL_F32) || moe_reserve(d, M, matmul != KV_MATMUL_F32) || lora_begin(d, M)) {
+    if (grow_scratch(d, M, matmul != KV_MATMUL_F32) || moe_reserve(d, M, matmul != KV_MATMUL_F32)
+        || lora_begin(d, M)) {
         pthread_mutex_unlock(&P.lock);
         return -1;
     }
