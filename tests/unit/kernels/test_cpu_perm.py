@@ -3,7 +3,8 @@
 features in a random order (each its own: q|k|v, o, gate|up, down), stepped with their
 permutations, equals the same dequantized weights in the natural order as float32 matrices: to
 float32 rounding on the float32 kernels, to bf16's on AVX512-BF16 and AMX; without the
-permutations it does not. A row's bits are the same alone and in a batch with every matmul kind.
+permutations it does not; with LoRA adapters on every projection (their shrink reads the input
+before the gather) alike. A row's bits are the same alone and in a batch with every matmul kind.
 Permutations that are not, and ones where the step takes none (LM head, experts), are refused."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvfleet.kernels.cpu_decoder import (  # noqa: E402
     FusedDecoder,
     Layer,
     Linear,
+    LoRATable,
     MoeLayer,
     matmul_available,
 )
@@ -70,14 +72,14 @@ def _inputs(M: int, seed: int = 1):
     return torch.randn(M, H, generator=gen), angles.cos().float(), angles.sin().float(), slots, tables, lens
 
 
-def _step(weights: DecoderWeights, matmul: str, rows, inputs) -> torch.Tensor:
+def _step(weights: DecoderWeights, matmul: str, rows, inputs, lora_slots=None) -> torch.Tensor:
     """Logits of ``inputs[rows]`` from fresh copies of the caches (so steps do not see each other)."""
     saved = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
     fused = FusedDecoder(weights, threads=2, matmul=matmul)
     assert fused.matmul == matmul
     x, cos, sin, slots, tables, lens = inputs
     _, logits = fused.step(x[rows].clone(), cos[rows].contiguous(), sin[rows].contiguous(), slots[rows].contiguous(),
-                           tables[rows].contiguous(), lens[rows].contiguous())
+                           tables[rows].contiguous(), lens[rows].contiguous(), lora_slots=lora_slots)
     for layer, (kc, vc) in zip(weights.layers, saved):
         layer.k_cache.copy_(kc)
         layer.v_cache.copy_(vc)
@@ -98,6 +100,25 @@ def test_permuted_int4_equals_its_dequantized_float32_model(matmul):
             m.perm = None
     off = _step(permuted, matmul, slice(0, 9), inputs).double()
     assert (off - want).abs().max() / want.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("matmul", MATMULS)
+def test_lora_adapters_on_permuted_matrices(matmul):
+    permuted, natural = _models(seed=4)
+    gen = torch.Generator().manual_seed(6)
+    parts = {"q": (H, 0, QH * D), "k": (H, QH * D, KVH * D), "v": (H, (QH + KVH) * D, KVH * D), "o": (QH * D, 0, H),
+             "gate": (H, 0, FF), "up": (H, FF, FF), "down": (FF, 0, H)}
+    for p, n in zip(permuted.layers, natural.layers):   # 2 slots of rank 4, the same tables on both models
+        p.lora = n.lora = {part: LoRATable(torch.randn(2, 4, k, generator=gen) / k ** 0.5,
+                                           torch.randn(2, 4, cols, generator=gen) * 0.3, n0)
+                           for part, (k, n0, cols) in parts.items()}
+    inputs = _inputs(6, seed=7)
+    slots = torch.tensor([0, -1, 1, 0, 1, -1])
+    want = _step(natural, "float32", slice(0, 6), inputs, slots).double()
+    assert (want - _step(natural, "float32", slice(0, 6), inputs).double()).abs().max() > 0.1 * want.abs().max()
+    got = _step(permuted, matmul, slice(0, 6), inputs, slots).double()
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= (1e-4 if matmul == "float32" else 2e-2), f"{matmul}: relative error {float(err):.2e}"
 
 
 @pytest.mark.parametrize("matmul", MATMULS)
