@@ -2,13 +2,14 @@
 its tensor table over a memory map, and each tensor as stored.
 
 Contract: :func:`read_architecture` reads ``general.architecture`` from the head of a file without
-parsing the rest; :func:`open_reader` gives the ``gguf`` package's ``GGUFReader`` over the file without
-its vocabulary (metadata arrays of more than :data:`BIG_ARRAY` items stepped over, each item read as
-an empty string or a zero: their count stays), and :func:`shared_reader` hands that reader to
-transformers' GGUF config loader for a call; :func:`stored` repacks one tensor into its kernel format
-(:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as it
-goes (:func:`drop_pages`). Every bad file is a :class:`GgufError`: one line naming the file and the
-reason.
+parsing the rest; :func:`open_reader` gives the ``gguf`` package's ``GGUFReader`` over the file
+without its vocabulary (metadata arrays of more than :data:`BIG_ARRAY` items stepped over, each item
+read as an empty string or a zero: their count stays; the parsed header's pages of the map
+released), and :func:`shared_reader` hands that reader to transformers' GGUF config loader for a
+call; :func:`stored` repacks one tensor into its kernel format
+(:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as
+it goes (:func:`drop_pages`, with the neighbouring pages a read fault maps in too). Every bad file is
+a :class:`GgufError`: one line naming the file and the reason.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import mmap
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -143,10 +145,28 @@ def _reader_class():
             end = _skip_array(self._plain, item, int(count[0]), orig_offs + 12)
             np_type = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item)) if item in _SCALARS else None
             blank = np.zeros(1 if np_type else 0, dtype=np_type or np.uint8)  # every item reads as this
-            return (end - orig_offs, [raw_itype, count, blank], [2] * int(count[0]),
+            return (end - orig_offs, [raw_itype, count, blank], _Same(2, int(count[0])),
                     [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item)])
 
     return Reader
+
+
+class _Same(Sequence):
+    """``count`` times ``value`` without a list of them (a stepped-over array's item indices: a list
+    of 262,144 would be 2 MB per array)."""
+
+    def __init__(self, value: int, count: int) -> None:
+        self.value, self.count = value, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.value] * len(range(*index.indices(self.count)))
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        return self.value
 
 
 def _skip_array(buf, item: int, count: int, at: int) -> int:
@@ -167,8 +187,13 @@ def _skip_array(buf, item: int, count: int, at: int) -> int:
 
 
 def open_reader(path: Path):
+    """The file's ``GGUFReader`` (vocabulary stepped over), the map's pages of the metadata and tensor
+    table it parsed released from the process (clean file pages: the Gemma 3 file's vocabulary is
+    ~12 MB of them; read again if a later parse needs them)."""
     try:
-        return _reader_class()(str(path))
+        reader = _reader_class()(str(path))
+        drop_pages(reader, 0, reader.data_offset)
+        return reader
     except Exception as exc:  # wrong magic, a truncated file, an unknown tensor type: the reader's words
         size = path.stat().st_size if path.exists() else 0
         if isinstance(exc, ValueError) and "cannot reshape array" in str(exc):
@@ -184,15 +209,25 @@ def architecture(reader) -> str:
     return bytes(field.parts[-1]).decode() if field is not None else ""
 
 
+FAULT_AROUND = 256 << 10
+"""A read fault on a file map also maps the neighbouring pages already in the page cache (Linux's
+``fault_around_bytes``, 64 KiB by default): dropping a range drops this much on either side too, or
+each tensor's read would map back pages of the tensors around it (~9 MB over SmolLM2's 272
+tensors, measured)."""
+
+
 def drop_pages(reader, start: int, length: int) -> None:
     """Release bytes ``start .. start + length`` of the file map from this process (whole pages
-    inside or under them; clean pages: read again if needed)."""
+    inside or under them, and :data:`FAULT_AROUND` bytes either side; clean pages: read again if
+    needed)."""
     mm = getattr(getattr(reader, "memmap", None), "_mmap", None)
     if mm is None or not hasattr(mm, "madvise"):
         return
-    first = int(start) // mmap.PAGESIZE * mmap.PAGESIZE
+    first = max(0, int(start) - FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(mm), int(start) + int(length) + FAULT_AROUND)
     with contextlib.suppress(OSError, ValueError):
-        mm.madvise(mmap.MADV_DONTNEED, first, int(start) + int(length) - first)
+        if end > first:
+            mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 CHUNK_BYTES = 16 << 20
