@@ -8,7 +8,8 @@ read as an empty string or a zero: their count stays; the parsed header's pages 
 released), and :func:`shared_reader` hands that reader to transformers' GGUF config loader for a
 call; :func:`stored` repacks one tensor into its kernel format
 (:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as
-it goes (:func:`drop_pages`, with the neighbouring pages a read fault maps in too). Every bad file is
+it goes (:func:`drop_pages`, with the neighbouring pages a read fault maps in too), and
+:func:`stored_experts` a MoE layer's ``[E, N, K]`` experts tensor expert by expert. Every bad file is
 a :class:`GgufError`: one line naming the file and the reason.
 """
 
@@ -258,3 +259,19 @@ def stored(reader, t, dims: list[int]) -> Stored:
             x[r0:r1] = getattr(part, f)
         drop_pages(reader, t.data_offset + r0 * row_bytes, (r1 - r0) * row_bytes)
     return dataclasses.replace(first, **out)
+
+
+def stored_experts(reader, t) -> list[Stored]:
+    """A MoE layer's GGUF tensor ``[E, N, K]`` (llama.cpp's ``ffn_{gate,up,down}_exps``) as one
+    stored weight ``[N, K]`` per expert, each expert's pages of the map released once repacked."""
+    dims = [int(d) for d in reversed(t.shape)]
+    if len(dims) != 3:
+        raise ValueError(f"{t.name}: an experts tensor has 3 dimensions, not {len(dims)}")
+    e, n, k = dims
+    per = int(t.n_bytes) // e
+    data = t.data.reshape(e, n, -1)
+    out = []
+    for i in range(e):
+        out.append(from_gguf(t.tensor_type, data[i], (n, k), f"{t.name}[{i}]"))
+        drop_pages(reader, t.data_offset + i * per, per)
+    return out

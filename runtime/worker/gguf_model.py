@@ -43,8 +43,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvfleet.runtime.worker import gguf_tokenizer
-from kvfleet.runtime.worker.gguf_header import GgufError, architecture, drop_pages, open_reader, shared_reader
+from kvfleet.runtime.worker import gguf_experts, gguf_tokenizer
+from kvfleet.runtime.worker.gguf_header import (
+    GgufError,
+    architecture,
+    drop_pages,
+    open_reader,
+    shared_reader,
+    stored_experts,
+)
 from kvfleet.runtime.worker.gguf_header import read_architecture as read_architecture  # this module's API too
 from kvfleet.runtime.worker.gguf_header import stored as stored_tensor
 from kvfleet.runtime.worker.gguf_tensors import Stored, to_float32, unify_siblings
@@ -53,9 +60,9 @@ logger = logging.getLogger(__name__)
 
 LAYOUT = "layout.json"
 TENSORS = "tensors.safetensors"
-LAYOUT_VERSION = 2  # 2: the tokenizer as gguf_tokenizer builds it (compact merges)
+LAYOUT_VERSION = 2  # 2: the tokenizer as gguf_tokenizer builds it (compact merges); "experts" optional
 LINEAR_SAFE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4",
-               "starcoder2", "stablelm", "nemotron", "deci", "mixtral"}
+               "starcoder2", "stablelm", "nemotron", "deci", "mixtral", "qwen3moe"}
 """GGUF architectures whose transformers tensor processor leaves linear weights as stored (or, for
 llama, only permutes q / k rows, which :func:`load` does on the stored rows)."""
 _PERMUTED = {"llama"}  # transformers' LlamaTensorProcessor: attn_q / attn_k rows permuted by llama.cpp
@@ -137,8 +144,9 @@ def _replace(model, name: str, module: torch.nn.Module) -> None:
 
 
 def _assemble(model, linears: dict[str, Stored], biases: dict[str, torch.Tensor], embedding: tuple[str, Stored] | None,
-              head_tied: bool) -> None:
+              head_tied: bool, experts: dict | None = None) -> None:
     """Put the stored weights into ``model`` (its parameters and the float tensors already set)."""
+    gguf_experts.assemble(model, experts or {})
     emb_module = model.get_input_embeddings()
     emb_name = next(n for n, m in model.named_modules() if m is emb_module)
     head = model.get_output_embeddings()
@@ -170,6 +178,15 @@ def _check_filled(model, path: Path) -> None:
                         f"{' ...' if len(missing) > 4 else ''}")
 
 
+def _expert_width(reader, arch: str, config) -> None:
+    """An expert's intermediate size from ``<arch>.expert_feed_forward_length`` where transformers'
+    config mapping leaves it out (Qwen3-MoE's ``moe_intermediate_size`` kept its default of 768)."""
+    field = reader.fields.get(f"{arch}.expert_feed_forward_length")
+    text = config.get_text_config()
+    if field is not None and hasattr(text, "moe_intermediate_size"):
+        text.moe_intermediate_size = int(field.parts[-1][0])
+
+
 def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
     """(model, tokenizer, config, cache record) from the GGUF file itself; the tokenizer's files are
     written to ``tok_dir``."""
@@ -192,11 +209,13 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
             gguf_tokenizer.build(path, tok_dir)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise GgufError(f"{path}: transformers cannot map its config or tokenizer ({exc})") from None
+    _expert_width(reader, arch, config)
     tokenizer = gguf_tokenizer.load(tok_dir)
     model = _empty_model(config, attn_implementation)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     name_map = _name_map(model, arch, config.get_text_config().num_hidden_layers)
-    if any(t.name not in name_map for t in reader.tensors):  # transformers' full (slower) walk of the submodules
+    if any(t.name not in name_map and not gguf_experts.match(t.name) for t in reader.tensors):
+        # transformers' full (slower) walk of the submodules
         name_map = get_gguf_hf_weights_map(model, processor)
     text = config.get_text_config()
     heads = {"attn_q": text.num_attention_heads,
@@ -206,7 +225,14 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
     biases: dict[str, torch.Tensor] = {}
     floats: dict[str, torch.Tensor] = {}
     embedding = None
+    expert_parts: dict[int, dict[str, list[Stored]]] = {}
     for t in reader.tensors:
+        if (which := gguf_experts.match(t.name)) is not None:
+            try:
+                expert_parts.setdefault(which[0], {})[which[1]] = stored_experts(reader, t)
+            except ValueError as exc:
+                raise GgufError(f"{path}: {exc}") from None
+            continue
         hf = name_map.get(t.name)
         if hf is None:
             logger.info("GGUF %s: tensor %s has no place in the model; skipped", path.name, t.name)
@@ -242,13 +268,20 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
     for name, value in biases.items():  # a float32 layer's bias lives on it; quantized layers take theirs below
         if name not in linears:
             _set_param(model, f"{name}.bias", value)
-    _assemble(model, linears, biases, embedding, head_tied)
+    try:
+        experts = gguf_experts.combine(model, expert_parts)
+    except ValueError as exc:
+        raise GgufError(f"{path}: {exc}") from None
+    _assemble(model, linears, biases, embedding, head_tied, experts)
     _check_filled(model, path)
     record = {"linears": linears, "biases": {k: v for k, v in biases.items() if k in linears}, "floats": floats,
-              "embedding": embedding, "head_tied": head_tied}
+              "embedding": embedding, "head_tied": head_tied, "experts": experts}
     counts: dict[str, int] = {}
     for stored in [*linears.values(), *([embedding[1]] if embedding else [])]:
         counts[stored.source] = counts.get(stored.source, 0) + 1
+    for gate_up, down in experts.values():
+        for stored in [*gate_up, *down]:
+            counts[f"{stored.source} expert"] = counts.get(f"{stored.source} expert", 0) + 1
     logger.info("GGUF %s: %s tensors kept as stored (%s) in %.1f s", path.name, len(linears) + bool(embedding),
                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), time.monotonic() - t0)
     del reader
@@ -272,6 +305,9 @@ def _write_cache(folder: Path, config, tok_dir: Path, record: dict) -> None:
         layout["embedding"] = {"name": name, "fmt": stored.fmt, "group": stored.group, "source": stored.source}
     tensors.update({f"float.{k}": v.contiguous() for k, v in record["floats"].items()})
     tensors.update({f"bias.{k}": v.contiguous() for k, v in record["biases"].items()})
+    if record.get("experts"):
+        flat, layout["experts"] = gguf_experts.tensors(record["experts"])
+        tensors.update(flat)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -316,7 +352,8 @@ def _from_cache(folder: Path, attn_implementation: str):
     if layout["embedding"] is not None:
         spec = layout["embedding"]
         embedding = (spec["name"], Stored.from_tensors(tensors, "embedding", spec["fmt"], spec["group"]))
-    _assemble(model, linears, biases, embedding, layout["head_tied"])
+    experts = gguf_experts.from_tensors(tensors, layout.get("experts", {}))
+    _assemble(model, linears, biases, embedding, layout["head_tied"], experts)
     _check_filled(model, folder)
     return model, tokenizer
 

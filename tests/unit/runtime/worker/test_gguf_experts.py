@@ -1,0 +1,156 @@
+"""A GGUF file's mixture-of-experts layers (runtime/worker/gguf_experts.py): a tiny random Qwen3-MoE
+written by ``gguf.GGUFWriter`` the way llama.cpp lays it out (``ffn_{gate,up,down}_exps [E, ...]``,
+the router ``ffn_gate_inp``; experts' gate Q4_0, up and down Q8_0) is read with each expert as
+stored (gate and up unified as grouped int8, bit-equal to the ``gguf`` package's dequantization),
+cached, and run on the fused decoder with the greedy tokens of transformers' model over the same
+(dequantized) weights; the fused step's matmuls in float32 (``KVFLEET_CPU_MATMUL=float32``: exact
+products of the int8 weights, so token equality is the expectation)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from support.engine_workload import run
+from support.tiny_models import COMMON, GEN, PROMPTS, VOCAB, hf_greedy
+
+from kvfleet.kernels import cpu_woq
+from kvfleet.runtime.config import EngineConfig
+from kvfleet.runtime.engine.llm_engine import LLMEngine
+from kvfleet.runtime.sampling_params import SamplingParams
+from kvfleet.runtime.worker import cpu_decode, gguf_experts, gguf_model
+from kvfleet.runtime.worker.moe_experts import LinearExperts
+from kvfleet.runtime.worker.woq_linear import Int8GroupLinear
+
+pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
+
+T = gguf.GGMLQuantizationType
+E, I_EXPERT = 4, 64
+GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+
+
+def _quantized(w: torch.Tensor, qtype) -> tuple[np.ndarray, torch.Tensor]:
+    """``w`` in ``qtype``'s bytes, and the float32 weights they hold (``gguf``'s dequantization)."""
+    raw = gguf.quants.quantize(w.detach().float().numpy(), qtype)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    """(the file, transformers' model over its dequantized weights, that model's greedy tokens)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I_EXPERT,
+                                  norm_topk_prob=True, head_dim=16, **dict(COMMON, initializer_range=0.1))
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_context_length(COMMON["max_position_embeddings"])
+    w.add_embedding_length(COMMON["hidden_size"])
+    w.add_block_count(COMMON["num_hidden_layers"])
+    w.add_feed_forward_length(COMMON["intermediate_size"])
+    w.add_head_count(COMMON["num_attention_heads"])
+    w.add_head_count_kv(COMMON["num_key_value_heads"])
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_expert_count(E)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(I_EXPERT)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(["<s>", "</s>"] + [chr(c) for c in range(33, 33 + VOCAB - 3)] + ['!"'])
+    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_merges(["! \""])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    params = dict(ref.named_parameters())
+
+    def put(name: str, hf: str, qtype=None):
+        t = params[hf]
+        if qtype is None:
+            w.add_tensor(name, t.detach().float().numpy())
+            return
+        raw, deq = _quantized(t, qtype)
+        w.add_tensor(name, raw, raw_dtype=qtype)
+        with torch.no_grad():
+            t.copy_(deq)
+
+    put("token_embd.weight", "model.embed_tokens.weight")
+    put("output_norm.weight", "model.norm.weight")
+    put("output.weight", "lm_head.weight", T.Q8_0)
+    for i in range(COMMON["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight")
+        put(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight")
+        put(f"blk.{i}.attn_q_norm.weight", p + "self_attn.q_norm.weight")
+        put(f"blk.{i}.attn_k_norm.weight", p + "self_attn.k_norm.weight")
+        for g, h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
+            put(f"blk.{i}.{g}.weight", p + f"self_attn.{h}.weight", T.Q8_0)
+        put(f"blk.{i}.ffn_gate_inp.weight", p + "mlp.gate.weight")
+        gate_up, down = params[p + "mlp.experts.gate_up_proj"], params[p + "mlp.experts.down_proj"]
+        raw_g, deq_g = _quantized(gate_up[:, :I_EXPERT], T.Q4_0)    # [E, I, H]
+        raw_u, deq_u = _quantized(gate_up[:, I_EXPERT:], T.Q8_0)
+        raw_d, deq_d = _quantized(down, T.Q8_0)                     # [E, H, I]
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", raw_g, raw_dtype=T.Q4_0)
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", raw_u, raw_dtype=T.Q8_0)
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", raw_d, raw_dtype=T.Q8_0)
+        with torch.no_grad():
+            gate_up.copy_(torch.cat([deq_g, deq_u], dim=1))
+            down.copy_(deq_d)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref.set_experts_implementation("eager")
+    return path, ref, hf_greedy(ref)
+
+
+def test_the_experts_are_read_as_stored_bit_equal_to_the_files_weights(moe_file, tmp_path):
+    path, ref, _ = moe_file
+    model, _ = gguf_model.load(path, tmp_path / "cache")
+    assert model.config.moe_intermediate_size == I_EXPERT   # from expert_feed_forward_length
+    for i in range(COMMON["num_hidden_layers"]):
+        experts = model.model.layers[i].mlp.experts
+        want = ref.model.layers[i].mlp.experts
+        assert isinstance(experts, LinearExperts) and experts.num_experts == E
+        for e in range(E):
+            assert isinstance(experts.gate_up[e], Int8GroupLinear)   # Q4_0 gate + Q8_0 up: grouped int8, G32
+            assert torch.equal(experts.gate_up[e].dequantized(), want.gate_up_proj[e])
+            assert torch.equal(experts.down[e].dequantized(), want.down_proj[e])
+        assert torch.equal(model.model.layers[i].mlp.gate.weight, ref.model.layers[i].mlp.gate.weight)
+    again, _ = gguf_model.load(path, tmp_path / "cache")   # from the cache: the same experts
+    a, b = again.model.layers[1].mlp.experts, model.model.layers[1].mlp.experts
+    assert torch.equal(a.gate_up[3].dequantized(), b.gate_up[3].dequantized())
+    assert torch.equal(a.down[2].dequantized(), b.down[2].dequantized())
+
+
+def test_the_file_runs_fused_with_transformers_greedy_tokens(moe_file, monkeypatch, tmp_path):
+    from kvfleet.runtime.worker.model_loader import load_model
+
+    path, _, expected = moe_file
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVFLEET_CPU_MATMUL", "float32")
+    monkeypatch.setenv(cpu_decode.ENV, "1")
+    monkeypatch.setenv(cpu_decode.PREFILL_ENV, "1")
+    loaded = load_model(str(path), dtype="auto", device="cpu")
+    engine = LLMEngine(EngineConfig(block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 * 2**20,
+                                    quantization=loaded.quantization), [], loaded=loaded)
+    fused = engine.runner.cpu_decode
+    assert fused is not None and fused.matmul == "float32"
+    layers = fused._fused.weights.layers
+    assert all(layer.moe is not None and len(layer.moe.gate_up) == E and layer.moe.top_k == 2 for layer in layers)
+    got, _, _ = run(engine, [list(p) for p in PROMPTS], GREEDY)
+    assert got == expected
+
+
+def test_incomplete_experts_are_a_one_line_error(moe_file, tmp_path):
+    reader = gguf_model.open_reader(moe_file[0])
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    assert gguf_experts.match(t.name) == (0, "down") and gguf_experts.match("blk.0.ffn_down.weight") is None
+    model, _ = gguf_model.load(moe_file[0], None)
+    with pytest.raises(ValueError, match=r"layer 0: experts tensors incomplete \(missing up"):
+        gguf_experts.combine(model, {0: {"gate": [None] * E, "down": [None] * E}})
