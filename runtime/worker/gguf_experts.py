@@ -1,7 +1,9 @@
 """A GGUF file's mixture-of-experts layers, as stored, for kvfleet's reader
 (:mod:`kvfleet.runtime.worker.gguf_model`).
 
-Contract: llama.cpp stores a MoE layer's experts as three 3-D tensors, ``blk.N.ffn_gate_exps``,
+Contract: :func:`moe_config` completes transformers' config of a MoE file (Mixtral from a
+llama-architecture file with experts; the experts' width). llama.cpp stores a MoE layer's experts
+as three 3-D tensors, ``blk.N.ffn_gate_exps``,
 ``ffn_up_exps`` (``[E, I, H]``, numpy order) and ``ffn_down_exps`` (``[E, H, I]``), and its router as
 ``blk.N.ffn_gate_inp`` (``[E, H]``; read by the reader as any other float tensor). :func:`match`
 names the experts tensors; the reader repacks each expert into its kernel format
@@ -36,6 +38,34 @@ def match(name: str) -> tuple[int, str] | None:
     """``(layer, "gate" | "up" | "down")`` for an experts tensor's GGUF name, else None."""
     m = _EXPERTS.fullmatch(name)
     return (int(m[1]), m[2]) if m else None
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.parts[-1][0]
+
+
+def moe_config(reader, arch: str, config):
+    """``config`` (transformers' conversion of the file's metadata) with what its mapping leaves out
+    of a MoE file: a llama-architecture file with ``llama.expert_count`` experts is Mixtral
+    (llama.cpp writes Mixtral as ``llama``; transformers would build a dense Llama without its
+    experts), and an expert's intermediate size comes from ``<arch>.expert_feed_forward_length``
+    (Qwen3-MoE's ``moe_intermediate_size`` otherwise keeps transformers' default of 768)."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        from transformers import MixtralConfig
+
+        skip = ("model_type", "architectures", "transformers_version")
+        d = {k: v for k, v in config.to_dict().items() if k not in skip}
+        used = _field(reader, "llama.expert_used_count")
+        d.update(num_local_experts=int(experts), num_experts_per_tok=int(used or 2),
+                 architectures=["MixtralForCausalLM"])
+        config = MixtralConfig(**d)
+    width = _field(reader, f"{arch}.expert_feed_forward_length")
+    text = config.get_text_config()
+    if width is not None and hasattr(text, "moe_intermediate_size"):
+        text.moe_intermediate_size = int(width)
+    return config
 
 
 def _cat_rows(a: Stored, b: Stored) -> Stored:

@@ -178,15 +178,6 @@ def _check_filled(model, path: Path) -> None:
                         f"{' ...' if len(missing) > 4 else ''}")
 
 
-def _expert_width(reader, arch: str, config) -> None:
-    """An expert's intermediate size from ``<arch>.expert_feed_forward_length`` where transformers'
-    config mapping leaves it out (Qwen3-MoE's ``moe_intermediate_size`` kept its default of 768)."""
-    field = reader.fields.get(f"{arch}.expert_feed_forward_length")
-    text = config.get_text_config()
-    if field is not None and hasattr(text, "moe_intermediate_size"):
-        text.moe_intermediate_size = int(field.parts[-1][0])
-
-
 def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
     """(model, tokenizer, config, cache record) from the GGUF file itself; the tokenizer's files are
     written to ``tok_dir``."""
@@ -209,7 +200,7 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
             gguf_tokenizer.build(path, tok_dir)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise GgufError(f"{path}: transformers cannot map its config or tokenizer ({exc})") from None
-    _expert_width(reader, arch, config)
+    config = gguf_experts.moe_config(reader, arch, config)
     tokenizer = gguf_tokenizer.load(tok_dir)
     model = _empty_model(config, attn_implementation)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())

@@ -1,5 +1,6 @@
 """A GGUF file's mixture-of-experts layers (runtime/worker/gguf_experts.py): a tiny random Qwen3-MoE
-written by ``gguf.GGUFWriter`` the way llama.cpp lays it out (``ffn_{gate,up,down}_exps [E, ...]``,
+(``qwen3moe``) and Mixtral (``llama`` with ``expert_count``, q / k rows permuted as llama.cpp's
+converter writes them) written by ``gguf.GGUFWriter`` the way llama.cpp lays them out (``ffn_{gate,up,down}_exps [E, ...]``,
 the router ``ffn_gate_inp``; experts' gate Q4_0, up and down Q8_0) is read with each expert as
 stored (gate and up unified as grouped int8, bit-equal to the ``gguf`` package's dequantization),
 cached, and run on the fused decoder with the greedy tokens of transformers' model over the same
@@ -26,7 +27,7 @@ from kvfleet.runtime.worker.woq_linear import Int8GroupLinear
 pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
 
 T = gguf.GGMLQuantizationType
-E, I_EXPERT = 4, 64
+E = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
 
 
@@ -36,17 +37,30 @@ def _quantized(w: torch.Tensor, qtype) -> tuple[np.ndarray, torch.Tensor]:
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(w.shape)
 
 
-@pytest.fixture(scope="module")
-def moe_file(tmp_path_factory):
-    """(the file, transformers' model over its dequantized weights, that model's greedy tokens)."""
+def _permuted(raw: np.ndarray, n_head: int) -> np.ndarray:
+    """Rows in llama.cpp's q / k order (``convert_hf_to_gguf.py``'s ``LlamaModel.permute``)."""
+    return raw.reshape(n_head, 2, raw.shape[0] // n_head // 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "llama"])
+def moe_file(request, tmp_path_factory):
+    """(the file, its experts' width, transformers' model over the file's dequantized weights, that
+    model's greedy tokens)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3_moe", num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I_EXPERT,
-                                  norm_topk_prob=True, head_dim=16, **dict(COMMON, initializer_range=0.1))
+    arch = request.param
+    tiny = dict(COMMON, initializer_range=0.1)
+    if arch == "qwen3moe":
+        width = 64
+        config = AutoConfig.for_model("qwen3_moe", num_experts=E, num_experts_per_tok=2, moe_intermediate_size=width,
+                                      norm_topk_prob=True, head_dim=16, **tiny)
+    else:
+        width = COMMON["intermediate_size"]
+        config = AutoConfig.for_model("mixtral", num_local_experts=E, num_experts_per_tok=2, **tiny)
     torch.manual_seed(0)
     ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    path = tmp_path_factory.mktemp("moe") / "tiny-qwen3moe.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    path = tmp_path_factory.mktemp("moe") / f"tiny-{arch}-moe.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(COMMON["max_position_embeddings"])
     w.add_embedding_length(COMMON["hidden_size"])
     w.add_block_count(COMMON["num_hidden_layers"])
@@ -55,11 +69,13 @@ def moe_file(tmp_path_factory):
     w.add_head_count_kv(COMMON["num_key_value_heads"])
     w.add_key_length(16)
     w.add_value_length(16)
+    w.add_rope_dimension_count(16)
     w.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_expert_count(E)
     w.add_expert_used_count(2)
-    w.add_expert_feed_forward_length(I_EXPERT)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(width)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(["<s>", "</s>"] + [chr(c) for c in range(33, 33 + VOCAB - 3)] + ['!"'])
@@ -69,13 +85,13 @@ def moe_file(tmp_path_factory):
     w.add_eos_token_id(1)
     params = dict(ref.named_parameters())
 
-    def put(name: str, hf: str, qtype=None):
+    def put(name: str, hf: str, qtype=None, heads: int = 0):
         t = params[hf]
         if qtype is None:
             w.add_tensor(name, t.detach().float().numpy())
             return
         raw, deq = _quantized(t, qtype)
-        w.add_tensor(name, raw, raw_dtype=qtype)
+        w.add_tensor(name, _permuted(raw, heads) if heads else raw, raw_dtype=qtype)
         with torch.no_grad():
             t.copy_(deq)
 
@@ -86,14 +102,16 @@ def moe_file(tmp_path_factory):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", p + "input_layernorm.weight")
         put(f"blk.{i}.ffn_norm.weight", p + "post_attention_layernorm.weight")
-        put(f"blk.{i}.attn_q_norm.weight", p + "self_attn.q_norm.weight")
-        put(f"blk.{i}.attn_k_norm.weight", p + "self_attn.k_norm.weight")
+        if arch == "qwen3moe":
+            put(f"blk.{i}.attn_q_norm.weight", p + "self_attn.q_norm.weight")
+            put(f"blk.{i}.attn_k_norm.weight", p + "self_attn.k_norm.weight")
+        permute = {"attn_q": COMMON["num_attention_heads"], "attn_k": COMMON["num_key_value_heads"]}
         for g, h in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
-            put(f"blk.{i}.{g}.weight", p + f"self_attn.{h}.weight", T.Q8_0)
+            put(f"blk.{i}.{g}.weight", p + f"self_attn.{h}.weight", T.Q8_0, permute.get(g, 0) * (arch == "llama"))
         put(f"blk.{i}.ffn_gate_inp.weight", p + "mlp.gate.weight")
         gate_up, down = params[p + "mlp.experts.gate_up_proj"], params[p + "mlp.experts.down_proj"]
-        raw_g, deq_g = _quantized(gate_up[:, :I_EXPERT], T.Q4_0)    # [E, I, H]
-        raw_u, deq_u = _quantized(gate_up[:, I_EXPERT:], T.Q8_0)
+        raw_g, deq_g = _quantized(gate_up[:, :width], T.Q4_0)    # [E, I, H]
+        raw_u, deq_u = _quantized(gate_up[:, width:], T.Q8_0)
         raw_d, deq_d = _quantized(down, T.Q8_0)                     # [E, H, I]
         w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", raw_g, raw_dtype=T.Q4_0)
         w.add_tensor(f"blk.{i}.ffn_up_exps.weight", raw_u, raw_dtype=T.Q8_0)
@@ -106,13 +124,18 @@ def moe_file(tmp_path_factory):
     w.write_tensors_to_file()
     w.close()
     ref.set_experts_implementation("eager")
-    return path, ref, hf_greedy(ref)
+    return path, width, ref, hf_greedy(ref)
 
 
 def test_the_experts_are_read_as_stored_bit_equal_to_the_files_weights(moe_file, tmp_path):
-    path, ref, _ = moe_file
+    path, width, ref, _ = moe_file
     model, _ = gguf_model.load(path, tmp_path / "cache")
-    assert model.config.moe_intermediate_size == I_EXPERT   # from expert_feed_forward_length
+    assert model.config.model_type == ref.config.model_type   # "llama" with experts: Mixtral
+    for name, p in ref.named_parameters():   # attention (q / k un-permuted), norms, head: the file's weights
+        if "experts" not in name:
+            got = model.get_submodule(name.rpartition(".")[0])
+            got = got.dequantized() if hasattr(got, "dequantized") else getattr(got, name.rpartition(".")[2])
+            assert torch.equal(got, p), name
     for i in range(COMMON["num_hidden_layers"]):
         experts = model.model.layers[i].mlp.experts
         want = ref.model.layers[i].mlp.experts
@@ -131,7 +154,7 @@ def test_the_experts_are_read_as_stored_bit_equal_to_the_files_weights(moe_file,
 def test_the_file_runs_fused_with_transformers_greedy_tokens(moe_file, monkeypatch, tmp_path):
     from kvfleet.runtime.worker.model_loader import load_model
 
-    path, _, expected = moe_file
+    path, _, _, expected = moe_file
     monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("KVFLEET_CPU_MATMUL", "float32")
     monkeypatch.setenv(cpu_decode.ENV, "1")
@@ -152,5 +175,6 @@ def test_incomplete_experts_are_a_one_line_error(moe_file, tmp_path):
     t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
     assert gguf_experts.match(t.name) == (0, "down") and gguf_experts.match("blk.0.ffn_down.weight") is None
     model, _ = gguf_model.load(moe_file[0], None)
+    assert model.model.layers[0].mlp.experts.gate_up[0].out_features == 2 * moe_file[1]
     with pytest.raises(ValueError, match=r"layer 0: experts tensors incomplete \(missing up"):
         gguf_experts.combine(model, {0: {"gate": [None] * E, "down": [None] * E}})
