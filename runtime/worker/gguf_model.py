@@ -24,8 +24,10 @@ Contract: :func:`load` turns a ``.gguf`` file into ``(model, tokenizer)``:
   ``layout.json``, atomically); a later :func:`load` reads only those (seconds, no GGUF parse).
 
 Architectures: those whose transformers tensor processor is the plain one, llama's or Gemma's
-(:data:`LINEAR_SAFE`); others raise :class:`GgufError` (the caller may fall back to transformers'
-float32 conversion). Any bad file (wrong magic, truncated, an unknown tensor type, an architecture
+(:data:`LINEAR_SAFE`), mixture-of-experts files among them (Mixtral as llama.cpp writes it, ``llama``
+with experts; ``qwen3moe``): their experts as stored through
+:mod:`kvfleet.runtime.worker.gguf_experts`; others raise :class:`GgufError` (the caller may fall
+back to transformers' float32 conversion). Any bad file (wrong magic, truncated, an unknown tensor type, an architecture
 transformers has no GGUF mapping for) raises :class:`GgufError` whose message names the file and
 the reason in one line.
 """
