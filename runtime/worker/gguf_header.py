@@ -16,7 +16,6 @@ a :class:`GgufError`: one line naming the file and the reason.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,6 +134,11 @@ def _reader_class():
             self.memmap = mm
             self._plain = np.asarray(mm).view(np.ndarray)
 
+        def _push_field(self, field, skip_sum: bool = False) -> int:
+            if len(field.data) > BIG_ARRAY and len(set(field.data[:2])) == 1:  # a stepped-over array's
+                field = field._replace(data=_Same(field.data[0], len(field.data)))  # indices, not a list
+            return super()._push_field(field, skip_sum)
+
         def _get_field_parts(self, orig_offs, raw_type):
             if int(raw_type) != gguf.GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
@@ -231,6 +235,26 @@ def drop_pages(reader, start: int, length: int) -> None:
             mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
+_LIBC = None
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``; a no-op elsewhere).
+    A repack's numpy temporaries of megabytes come from the heap once glibc's mmap threshold has
+    risen past them; without this, their freed pages stay resident (~9 MB over Gemma 3's tensors)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
 CHUNK_BYTES = 16 << 20
 """A weight larger than this in the file is repacked this many bytes of rows at a time, each chunk's
 pages of the map released before the next: the file's copy of it is never resident whole next to
@@ -247,18 +271,21 @@ def stored(reader, t, dims: list[int]) -> Stored:
         drop_pages(reader, t.data_offset, t.n_bytes)
         return stored
     out: dict[str, torch.Tensor] = {}
-    first = None
+    kind = None
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         part = from_gguf(t.tensor_type, t.data[r0:r1], (r1 - r0, k), t.name)
-        if first is None:
-            first = part
+        if kind is None:
+            kind = (part.fmt, part.group, part.source)
             out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in ("w", "scale", "shift")
                    if (x := getattr(part, f)) is not None}
         for f, x in out.items():
             x[r0:r1] = getattr(part, f)
         drop_pages(reader, t.data_offset + r0 * row_bytes, (r1 - r0) * row_bytes)
-    return dataclasses.replace(first, **out)
+        del part
+        trim_heap()
+    fmt, group, source = kind
+    return Stored(fmt, out["w"], out.get("scale"), out.get("shift"), group, source)
 
 
 def stored_experts(reader, t) -> list[Stored]:
@@ -274,4 +301,6 @@ def stored_experts(reader, t) -> list[Stored]:
     for i in range(e):
         out.append(from_gguf(t.tensor_type, data[i], (n, k), f"{t.name}[{i}]"))
         drop_pages(reader, t.data_offset + i * per, per)
+        if per >= 1 << 20:
+            trim_heap()
     return out

@@ -53,6 +53,7 @@ from kvfleet.runtime.worker.gguf_header import (
     open_reader,
     shared_reader,
     stored_experts,
+    trim_heap,
 )
 from kvfleet.runtime.worker.gguf_header import read_architecture as read_architecture  # this module's API too
 from kvfleet.runtime.worker.gguf_header import stored as stored_tensor
@@ -63,6 +64,8 @@ logger = logging.getLogger(__name__)
 LAYOUT = "layout.json"
 TENSORS = "tensors.safetensors"
 LAYOUT_VERSION = 2  # 2: the tokenizer as gguf_tokenizer builds it (compact merges); "experts" optional
+TRIM_BYTES = 1 << 20
+"""After each tensor of this many bytes in the file, the heap's free pages go back (:func:`trim_heap`)."""
 LINEAR_SAFE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4",
                "starcoder2", "stablelm", "nemotron", "deci", "mixtral", "qwen3moe"}
 """GGUF architectures whose transformers tensor processor leaves linear weights as stored (or, for
@@ -255,6 +258,8 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
         except ValueError as exc:
             raise GgufError(f"{path}: {exc}") from None
         drop_pages(reader, t.data_offset, t.n_bytes)
+        if t.n_bytes >= TRIM_BYTES:
+            trim_heap()
     head_tied = not any(t.name == "output.weight" for t in reader.tensors)
     for name, value in floats.items():
         _set_param(model, name, value)

@@ -41,6 +41,7 @@ def test_the_vocabulary_is_stepped_over_and_the_rest_read_as_gguf_reads_it(small
     assert gguf_header.architecture(ours) == "llama"
     tokens = ours.fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == len(TOKENS)  # the count (the config's vocab_size), not the strings
+    assert not isinstance(tokens.data, list)  # nor a list of their indices
     assert {_gguf_parse_value(tokens.parts[i], tokens.types) for i in tokens.data} == {""}
     assert {_gguf_parse_value(ours.fields["tokenizer.ggml.scores"].parts[i], ours.fields["tokenizer.ggml.scores"]
                               .types) for i in ours.fields["tokenizer.ggml.scores"].data} == {0.0}
