@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUT = "layout.json"
 TENSORS = "tensors.safetensors"
-LAYOUT_VERSION = 2  # 2: the tokenizer as gguf_tokenizer builds it (compact merges); "experts" optional
+LAYOUT_VERSION = 3  # 2: compact merges; 3: added_tokens_decoder in tokenizer_config.json; "experts" optional
 TRIM_BYTES = 1 << 20
 """After each tensor of this many bytes in the file, the heap's free pages go back (:func:`trim_heap`)."""
 LINEAR_SAFE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4",
