@@ -8,9 +8,10 @@ as three 3-D tensors, ``blk.N.ffn_gate_exps``,
 ``blk.N.ffn_gate_inp`` (``[E, H]``; read by the reader as any other float tensor). :func:`match`
 names the experts tensors; the reader repacks each expert into its kernel format
 (:func:`kvfleet.runtime.worker.gguf_header.stored_experts`) and :func:`combine` makes each expert's
-``gate_up`` weight (its gate rows, then its up rows: transformers' ``gate_up_proj`` layout; a gate
-and up of different formats both become grouped int8, as :func:`gguf_tensors.unify_siblings` does
-for dense siblings) and keeps its ``down``. :func:`assemble` puts them into the model: each layer's
+``gate_up`` weight (its gate rows, then its up rows: transformers' ``gate_up_proj`` layout) and keeps
+its ``down``, all of a layer's in one format (the fused decoder's MoE step takes one: a mix of int4
+and grouped int8 becomes grouped int8, as :func:`gguf_tensors.unify_siblings` does for dense
+siblings). :func:`assemble` puts them into the model: each layer's
 transformers experts module (``mlp.experts``, its 3-D parameters on ``meta``) becomes a
 :class:`~kvfleet.runtime.worker.moe_experts.LinearExperts` over one layer per expert in its stored
 format (``Int4Linear`` / ``Int8GroupLinear`` / ...), which the fused decoder's MoE layers read as
@@ -21,11 +22,14 @@ and layout a cache holds. Every mismatch (a missing gate, up or down, experts wi
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 
 from kvfleet.runtime.worker.gguf_tensors import Stored, unify_siblings
+
+logger = logging.getLogger(__name__)
 
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _MODULE = re.compile(r"(?:.*\.)?layers\.(\d+)\.mlp\.experts")
@@ -99,8 +103,23 @@ def combine(model, parts: dict[int, dict[str, list[Stored]]]) -> dict[str, Exper
             if (g.fmt, g.group) != (u.fmt, u.group):
                 raise ValueError(f"layer {layer}: experts' gate ({g.source}) and up ({u.source}) have no common format")
             gate_up.append(_cat_rows(g, u))
-        out[modules[layer]] = (gate_up, list(p["down"]))
+        out[modules[layer]] = _one_format(layer, gate_up, list(p["down"]))
     return out
+
+
+def _one_format(layer: int, gate_up: list[Stored], down: list[Stored]) -> Experts:
+    """The layer's experts in one format and group, as the fused decoder's MoE step takes them: a
+    mix of int4 and grouped int8 (a Q4_K_M file's Q4_K gate / up beside its Q6_K down) all as grouped
+    int8 with the smallest group (the same float32 weights; the int4 ones take one byte per weight)."""
+    kinds = {(m.fmt, m.group) for m in (*gate_up, *down)}
+    if len(kinds) == 1 or not all(fmt in ("int4", "int8g") for fmt, _ in kinds):
+        return gate_up, down
+    group = min(g for _, g in kinds)
+    if any(g % group for _, g in kinds):
+        return gate_up, down
+    logger.info("GGUF MoE layer %d: experts stored as %s; all as grouped int8 (G%d) for the fused decoder",
+                layer, "/".join(sorted({m.source for m in (*gate_up, *down)})), group)
+    return [m.as_int8g(group) for m in gate_up], [m.as_int8g(group) for m in down]
 
 
 def assemble(model, experts: dict[str, Experts]) -> None:

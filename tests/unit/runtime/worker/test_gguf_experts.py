@@ -1,8 +1,10 @@
 """A GGUF file's mixture-of-experts layers (runtime/worker/gguf_experts.py): a tiny random Qwen3-MoE
 (``qwen3moe``) and Mixtral (``llama`` with ``expert_count``, q / k rows permuted as llama.cpp's
-converter writes them) written by ``gguf.GGUFWriter`` the way llama.cpp lays them out (``ffn_{gate,up,down}_exps [E, ...]``,
-the router ``ffn_gate_inp``; experts' gate Q4_0, up and down Q8_0) is read with each expert as
-stored (gate and up unified as grouped int8, bit-equal to the ``gguf`` package's dequantization),
+converter writes them) written by ``gguf.GGUFWriter`` the way llama.cpp lays them out
+(``ffn_{gate,up,down}_exps [E, ...]``, the router ``ffn_gate_inp``; Qwen3-MoE's experts' gate Q4_0,
+up Q8_0 or Q4_0, down Q8_0, Mixtral's all Q4_0) is read with each expert as stored (a layer's mixed Q4_0 and
+Q8_0 experts all as grouped int8, all-Q4_0 ones int4, bit-equal to the ``gguf`` package's
+dequantization),
 cached, and run on the fused decoder with the greedy tokens of transformers' model over the same
 (dequantized) weights; the fused step's matmuls in float32 (``KVFLEET_CPU_MATMUL=float32``: exact
 products of the int8 weights, so token equality is the expectation)."""
@@ -23,12 +25,18 @@ from kvfleet.runtime.engine.llm_engine import LLMEngine
 from kvfleet.runtime.sampling_params import SamplingParams
 from kvfleet.runtime.worker import cpu_decode, gguf_experts, gguf_model
 from kvfleet.runtime.worker.moe_experts import LinearExperts
-from kvfleet.runtime.worker.woq_linear import Int8GroupLinear
+from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8GroupLinear
 
 pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
 
 T = gguf.GGMLQuantizationType
 E = 4
+UP_TYPE = {("qwen3moe", 0): T.Q8_0, ("qwen3moe", 1): T.Q4_0, ("llama", 0): T.Q4_0, ("llama", 1): T.Q4_0}
+DOWN_TYPE = {"qwen3moe": T.Q8_0, "llama": T.Q4_0}
+GATE_UP_LAYER = {"qwen3moe": Int8GroupLinear, "llama": Int4Linear}
+"""The experts' layers (gate Q4_0 always): Qwen3-MoE's layer 0 a Q8_0 up beside it (gate and up as
+grouped int8), its layer 1 a Q4_0 up (an int4 gate_up beside a Q8_0 down: the layer all grouped
+int8, the fused MoE step's one format), Mixtral's all-Q4_0 experts int4."""
 GREEDY = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=0)
 
 
@@ -111,12 +119,13 @@ def moe_file(request, tmp_path_factory):
             put(f"blk.{i}.{g}.weight", p + f"self_attn.{h}.weight", T.Q8_0, permute.get(g, 0) * (arch == "llama"))
         put(f"blk.{i}.ffn_gate_inp.weight", p + "mlp.gate.weight")
         gate_up, down = params[p + "mlp.experts.gate_up_proj"], params[p + "mlp.experts.down_proj"]
+        up_type = UP_TYPE[arch, i]
         raw_g, deq_g = _quantized(gate_up[:, :width], T.Q4_0)    # [E, I, H]
-        raw_u, deq_u = _quantized(gate_up[:, width:], T.Q8_0)
-        raw_d, deq_d = _quantized(down, T.Q8_0)                     # [E, H, I]
+        raw_u, deq_u = _quantized(gate_up[:, width:], up_type)
+        raw_d, deq_d = _quantized(down, DOWN_TYPE[arch])            # [E, H, I]
         w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", raw_g, raw_dtype=T.Q4_0)
-        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", raw_u, raw_dtype=T.Q8_0)
-        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", raw_d, raw_dtype=T.Q8_0)
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", raw_u, raw_dtype=up_type)
+        w.add_tensor(f"blk.{i}.ffn_down_exps.weight", raw_d, raw_dtype=DOWN_TYPE[arch])
         with torch.no_grad():
             gate_up.copy_(torch.cat([deq_g, deq_u], dim=1))
             down.copy_(deq_d)
@@ -142,7 +151,8 @@ def test_the_experts_are_read_as_stored_bit_equal_to_the_files_weights(moe_file,
         want = ref.model.layers[i].mlp.experts
         assert isinstance(experts, LinearExperts) and experts.num_experts == E
         for e in range(E):
-            assert isinstance(experts.gate_up[e], Int8GroupLinear)   # Q4_0 gate + Q8_0 up: grouped int8, G32
+            layer_type = GATE_UP_LAYER[path.name.split("-")[1]]
+            assert isinstance(experts.gate_up[e], layer_type) and isinstance(experts.down[e], layer_type)
             assert torch.equal(experts.gate_up[e].dequantized(), want.gate_up_proj[e])
             assert torch.equal(experts.down[e].dequantized(), want.down_proj[e])
         assert torch.equal(model.model.layers[i].mlp.gate.weight, ref.model.layers[i].mlp.gate.weight)
@@ -177,10 +187,11 @@ def test_the_file_runs_fused_with_transformers_greedy_tokens(moe_file, monkeypat
     assert got == expected
 
 
-BF16_TOLERANCE = {"amx": 5e-2, "avx512_bf16": 5e-2}
+BF16_TOLERANCE = {"amx": 1e-1, "avx512_bf16": 1e-1}
 """Largest difference of a sampled token's log-probability from the float32 kind's, per bf16 matmul
-kind (activations rounded to bf16; measured on a Xeon with AMX, either kind: 1.5e-2 Mixtral,
-3.0e-2 Qwen3-MoE, whose int8 attention and per-head q / k norms see bf16 inputs)."""
+kind (activations rounded to bf16; measured on a Xeon with AMX, either kind, while tokens agree:
+1.7e-2 Mixtral, 6.2e-2 Qwen3-MoE, whose int8 attention and per-head q / k norms see bf16 inputs;
+wrong weights part the tokens at once)."""
 
 
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.skipif(not matmul_available(k),
