@@ -9,7 +9,8 @@ released), and :func:`shared_reader` hands that reader to transformers' GGUF con
 call; :func:`stored` repacks one tensor into its kernel format
 (:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as
 it goes (:func:`drop_pages`, with the neighbouring pages a read fault maps in too), and
-:func:`stored_experts` a MoE layer's ``[E, N, K]`` experts tensor expert by expert. Every bad file is
+:func:`stored_experts` a MoE layer's ``[E, N, K]`` experts tensor expert by expert, each handing the C
+heap's free pages back as it goes (:func:`trim_heap`). Every bad file is
 a :class:`GgufError`: one line naming the file and the reason.
 """
 
