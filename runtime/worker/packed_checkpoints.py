@@ -145,6 +145,10 @@ def _int4_module(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group
 
     n, k = q.shape
     scale = scale.float()
+    if group_of is not None and (group_of.shape != (k,) or group_of.dtype.is_floating_point or (k and (
+            int(group_of.min()) < 0 or int(group_of.max()) >= scale.shape[1]))):
+        raise PackedError(f"{name}: g_idx must hold {k} group indices in 0..{scale.shape[1] - 1} "
+                          f"(got shape {list(group_of.shape)}, {group_of.dtype})")
     shell = types.SimpleNamespace(in_features=k, out_features=n, bias=bias)
     perm = None
     if group_of is not None and not torch.equal(group_of.long(), torch.arange(k) // group):
@@ -251,9 +255,12 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
     if not files:
         raise PackedError(f"{path}: no *.safetensors files")
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                tensors[key] = st.get_tensor(key)
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    tensors[key] = st.get_tensor(key)
+        except Exception as exc:  # safetensors' own error type (a truncated or corrupt file)
+            raise PackedError(f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
     key = _KEYS[method]
     if method == "compressed-tensors" and q.get("format") != "pack-quantized":
         key = "weight_scale"  # int-quantized: every quantized layer has one; its weight is int8

@@ -98,6 +98,29 @@ def test_formats_kvfleet_does_not_read_are_one_line_errors(tmp_path):
         model_loader.load_model(str(tmp_path), device="cpu", quantization="int8")
 
 
+def test_a_g_idx_out_of_range_or_a_truncated_file_is_a_one_line_error(tmp_path):
+    """A g_idx naming a group the scales do not have, and a safetensors file cut short, are
+    PackedErrors naming the layer / file (were an IndexError and safetensors' own error)."""
+    from safetensors.torch import load_file, save_file
+
+    _write(tmp_path, "gptq", 32, False, True)
+    cfg = _config()
+    cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
+    st = tmp_path / "model.safetensors"
+    good = st.read_bytes()
+    tensors = load_file(str(st))
+    key = "model.layers.1.self_attn.q_proj.g_idx"
+    tensors[key] = tensors[key].clone()
+    tensors[key][0] = 999
+    save_file(tensors, str(st))
+    with pytest.raises(packed_checkpoints.PackedError, match=r"layers\.1\.self_attn\.q_proj: g_idx must hold 128 "
+                                                             r"group indices in 0\.\.3"):
+        packed_checkpoints.load(tmp_path, cfg)
+    st.write_bytes(good[: len(good) // 2])
+    with pytest.raises(packed_checkpoints.PackedError, match="model.safetensors: not a readable safetensors file"):
+        packed_checkpoints.load(tmp_path, cfg)
+
+
 def _engine(path, monkeypatch):
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
