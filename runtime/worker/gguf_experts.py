@@ -96,13 +96,18 @@ def combine(model, parts: dict[int, dict[str, list[Stored]]]) -> dict[str, Exper
         if missing or len(counts) != 1:
             raise ValueError(f"layer {layer}: experts tensors incomplete (missing {', '.join(missing) or 'none'}; "
                              f"expert counts {sorted(counts)})")
-        gate_up = []
+        gate_up, unified = [], set()
         for g, u in zip(p["gate"], p["up"]):
-            same = unify_siblings({"gate_proj": g, "up_proj": u})
+            same = unify_siblings({"gate_proj": g, "up_proj": u}, log=False)
+            if same["gate_proj"] is not g or same["up_proj"] is not u:
+                unified.add((g.source or g.fmt, u.source or u.fmt, same["gate_proj"].group))
             g, u = same["gate_proj"], same["up_proj"]
             if (g.fmt, g.group) != (u.fmt, u.group):
                 raise ValueError(f"layer {layer}: experts' gate ({g.source}) and up ({u.source}) have no common format")
             gate_up.append(_cat_rows(g, u))
+        for g_src, u_src, group in sorted(unified):  # once per layer, not once per expert
+            logger.info("GGUF MoE layer %d: experts' gate/up stored as %s/%s; both as grouped int8 (G%d) for the "
+                        "fused decoder", layer, g_src, u_src, group)
         out[modules[layer]] = _one_format(layer, gate_up, list(p["down"]))
     return out
 

@@ -156,11 +156,12 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linear layers of one module that the fused CPU decoder stacks into one matrix (one format)."""
 
 
-def unify_siblings(linears: dict[str, Stored]) -> dict[str, Stored]:
+def unify_siblings(linears: dict[str, Stored], log: bool = True) -> dict[str, Stored]:
     """``linears`` (module name -> weight) with each set of :data:`FUSED_SIBLINGS` under one parent
     in one format, so the fused decoder can stack them: a Q4_K_M file keeps a layer's q and k in
     Q4_K (int4) and its v in Q6_K (int8g G16); mixed int4 / int8g siblings all become int8g with the
-    smallest group (the same float32 weights; the int4 ones take one byte per weight)."""
+    smallest group (the same float32 weights; the int4 ones take one byte per weight). ``log``: one
+    info line per unified set (off for a caller that logs once for many, as each expert's gate / up)."""
     out = dict(linears)
     parents = {name.rpartition(".")[0] for name in linears}
     for parent in parents:
@@ -176,8 +177,9 @@ def unify_siblings(linears: dict[str, Stored]) -> dict[str, Stored]:
                 continue
             for n, p in zip(full, parts):
                 out[n] = p.as_int8g(group)
-            logger.info("%s: %s stored as %s; all as grouped int8 (G%d) for the fused decoder", parent,
-                        "/".join(names), "/".join(p.source or p.fmt for p in parts), group)
+            if log:
+                logger.info("%s: %s stored as %s; all as grouped int8 (G%d) for the fused decoder", parent,
+                            "/".join(names), "/".join(p.source or p.fmt for p in parts), group)
     return out
 
 

@@ -224,3 +224,28 @@ def test_incomplete_experts_are_a_one_line_error(moe_file, tmp_path):
     assert model.model.layers[0].mlp.experts.gate_up[0].out_features == 2 * moe_file[1]
     with pytest.raises(ValueError, match=r"layer 0: experts tensors incomplete \(missing up"):
         gguf_experts.combine(model, {0: {"gate": [None] * E, "down": [None] * E}})
+
+
+def test_mixed_gate_up_experts_are_logged_once_per_layer(moe_file, caplog):
+    """Experts whose gate (Q4_0) and up (Q8_0) differ are unified to grouped int8 with one log line
+    for the layer naming it (was one line per expert, with an empty module name)."""
+    from kvfleet.runtime.worker import gguf_tensors
+
+    model, _ = gguf_model.load(moe_file[0], None)
+    width, hidden = moe_file[1], COMMON["hidden_size"]
+    gen = torch.Generator().manual_seed(5)
+
+    def stored(qtype, n, k):
+        raw, _ = _quantized(torch.randn(n, k, generator=gen), qtype)
+        return gguf_tensors.from_gguf(qtype, raw, (n, k))
+
+    parts = {1: {"gate": [stored(T.Q4_0, width, hidden) for _ in range(E)],
+                 "up": [stored(T.Q8_0, width, hidden) for _ in range(E)],
+                 "down": [stored(T.Q8_0, hidden, width) for _ in range(E)]}}
+    with caplog.at_level("INFO", logger="kvfleet.runtime.worker"):
+        experts = gguf_experts.combine(model, parts)
+    gate_up, _ = next(iter(experts.values()))
+    assert {(m.fmt, m.group) for m in gate_up} == {("int8g", 32)}
+    lines = [r.getMessage() for r in caplog.records if "stored as" in r.getMessage()]
+    assert lines == ["GGUF MoE layer 1: experts' gate/up stored as Q4_0/Q8_0; both as grouped int8 (G32) for the "
+                     "fused decoder"], lines
