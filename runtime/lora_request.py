@@ -34,4 +34,7 @@ class LoRANotFoundError(LookupError):
 class LoRALoadError(ValueError):
     """An adapter cannot be served: a bad path, not a PEFT LoRA checkpoint, a feature kvfleet does
     not support (DoRA, embedding or LM-head adapters, ...), a rank over ``max_lora_rank``, or a
-    name already in use. The message says which and why (the server answers 400)."""
+    name already in use. The message says which and why (the server answers 400; at start-up,
+    ``bad_input``: the server logs that one line, no traceback, and exits 1)."""
+
+    bad_input = True
