@@ -34,6 +34,7 @@ from kvfleet.kernels.lora import slot_mask
 from kvfleet.runtime.lora_request import LoRALoadError, LoRANotFoundError, LoRARequest
 from kvfleet.runtime.worker.lora_checkpoint import LoRAWeights, load_lora_weights
 from kvfleet.runtime.worker.lora_layers import LoRALinear, LoRAStepContext, lora_context
+from kvfleet.runtime.worker.packed_checkpoints import PermutedInt4Linear
 from kvfleet.runtime.worker.quantization import decoder_linears
 from kvfleet.runtime.worker.request_state import ScheduledRow
 
@@ -60,6 +61,10 @@ class LoRAManager:
         for name, linear in decoder_linears(model).items():
             parent_name, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
+            if isinstance(parent, PermutedInt4Linear):  # act-order: adapt the layer (its input in natural order)
+                name, linear = parent_name, parent
+                parent_name, _, leaf = name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
             wrapped = LoRALinear(linear, max_loras, max_lora_rank, dtype)
             setattr(parent, leaf, wrapped)
             self.layers[name] = wrapped

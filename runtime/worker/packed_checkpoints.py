@@ -132,6 +132,11 @@ class PermutedInt4Linear(torch.nn.Module):
         self.in_features, self.out_features = inner.in_features, inner.out_features
         self.register_buffer("perm", perm.to(torch.int64), persistent=False)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """``inner``'s (packed) weight: its device and dtype, for code that reads ``layer.weight``."""
+        return self.inner.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.index_select(-1, self.perm))
 

@@ -203,3 +203,60 @@ def test_the_engine_serves_a_packed_checkpoint_with_the_dequantized_models_greed
         with torch.no_grad():
             want = ref.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
         assert out.outputs[0].token_ids == want, (fmt, fused)
+
+
+def test_lora_adapters_on_an_act_order_checkpoint_run_fused_with_the_merged_models_tokens(act_order, tmp_path,
+                                                                                         monkeypatch, smollm2):
+    """--enable-lora on an act-order GPTQ checkpoint: the adapters wrap each act-order layer (their
+    input in natural order), the fused decoder builds (was an AttributeError at start: the LoRA
+    wrapper sat on the layer's inner int4 layer), and base and adapter rows in one batch give the
+    greedy tokens of the dequantized model, without and with the adapter merged."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from kvfleet.runtime.llm import LLM
+    from kvfleet.runtime.sampling_params import SamplingParams
+    from kvfleet.runtime.worker.lora_layers import LoRALinear
+
+    path, _, ref, _, _ = act_order
+    gen = torch.Generator().manual_seed(3)
+    merged = copy.deepcopy(ref)
+    tensors = {}
+    for name, module in merged.named_modules():
+        if any(name.endswith(lin) for lin in LINEARS):
+            n, k = module.weight.shape
+            a, b = torch.randn(8, k, generator=gen) / k**0.5, torch.randn(n, 8, generator=gen) * 0.3
+            tensors[f"base_model.model.{name}.lora_A.weight"], tensors[f"base_model.model.{name}.lora_B.weight"] = a, b
+            with torch.no_grad():
+                module.weight += 2.0 * (b @ a)   # lora_alpha 16 / r 8
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "bias": "none",
+                                                             "target_modules": [n.split(".")[-1] for n in LINEARS]}))
+    monkeypatch.setenv("KVFLEET_CPU_DECODER", "1")
+    monkeypatch.setenv("KVFLEET_CPU_MATMUL", "float32")
+    llm = LLM(model=str(path), max_model_len=256, enable_lora=True, max_lora_rank=8, lora_modules=[f"a={adapter}"])
+    q = llm.llm_engine.runner.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, LoRALinear) and isinstance(q.base_layer, packed_checkpoints.PermutedInt4Linear)
+    assert llm.llm_engine.runner.cpu_decode is not None
+    adapter_rows = []
+    step = FusedDecoder.step
+
+    def recording(self, *args, **kw):
+        lora_slots = kw.get("lora_slots", args[7] if len(args) > 7 else None)
+        adapter_rows.append(0 if lora_slots is None else int((lora_slots >= 0).sum()))
+        return step(self, *args, **kw)
+
+    monkeypatch.setattr(FusedDecoder, "step", recording)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    outs = llm.generate(prompts * 2, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                        lora_request=[None, None, "a", "a"], use_tqdm=False)
+    assert sum(adapter_rows) > 0  # adapter rows ran in the C step
+    for i, (model, out) in enumerate(zip([ref, ref, merged, merged], outs)):
+        ids = smollm2.tokenizer(prompts[i % 2], return_tensors="pt").input_ids
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert list(out.outputs[0].token_ids) == want, i
+    assert outs[0].outputs[0].token_ids != outs[2].outputs[0].token_ids
