@@ -38,6 +38,11 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   decoder's :attr:`FusedDecoder.cache_dtype`). A bf16 cache holds each new key and value rounded to
   nearest even (bitwise what ``.to(torch.bfloat16)`` gives, so the torch attention path can share the
   cache), and attention widens them to float32 in registers; activations and sums stay float32.
+- LoRA (:mod:`kvfleet.kernels.cpu_lora`, ``Layer.lora``): per adapted projection the adapters' slots ``a [S, R, K]``
+  and ``b [S, R, n]`` float32 (``lora_layers.LoRALinear``'s ``lora_a`` / ``lora_b``: B transposed,
+  scaling folded in); a step's ``lora_slots [M]`` picks each row's slot (-1: none), and the C step
+  adds ``(x a[s]^T) b[s]`` to that projection's output columns (``kernels/cpu_lora.h``), float32
+  whatever the matmul kind, each row's delta its own (batch-invariant).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import torch
 import kvfleet.runtime.env as env  # the settings registry: stdlib only, below every layer
 from kvfleet.kernels import cpu_lib
 from kvfleet.kernels.cpu_features import MATMUL_KERNELS
+from kvfleet.kernels.cpu_lora import LoRATable, check_lora, lora_struct
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
@@ -209,7 +215,8 @@ class Layer:
     row attends to its last ``window`` positions; 0: all). ``rope``: which of the step's cos/sin
     tables rotates this layer (Gemma 3's local and global layers differ). ``moe``: a mixture of
     experts in place of the dense MLP (then ``gate_up`` and ``down`` are None; the norms around
-    the MLP apply to it alike)."""
+    the MLP apply to it alike). ``lora``: the adapted projections' tables, or None (keys
+    :data:`~kvfleet.kernels.cpu_lora.LORA_PARTS`; not ``gate`` / ``up`` / ``down`` with experts)."""
 
     attn_in_norm: torch.Tensor | None
     mlp_in_norm: torch.Tensor | None
@@ -226,6 +233,7 @@ class Layer:
     window: int = 0
     rope: int = 0
     moe: MoeLayer | None = None
+    lora: dict[str, LoRATable] | None = None
 
 
 @dataclass
@@ -359,6 +367,8 @@ class FusedDecoder:
             raise ValueError("final_norm must be a contiguous float32 tensor")
         if w.head is not None:
             w.head.check("head", w.head.shape[0], H)
+        self.lora_slots, self.lora_rank = check_lora(w, H, inter)
+        """LoRA: the adapter slots and their rank (0, 0 without adapter tables)."""
         self.weights = w
         self.cache_dtype = cache_dtype
         """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""
@@ -367,12 +377,14 @@ class FusedDecoder:
         self.num_ropes = 1 + max(layer.rope for layer in w.layers)
         """The cos/sin tables a step takes (:meth:`step`)."""
         self._moes = [layer.moe.struct() if layer.moe is not None else None for layer in w.layers]
+        self._loras = [lora_struct(layer.lora) if layer.lora else None for layer in w.layers]
         self._layers = (_Layer * len(w.layers))(*[
             _Layer(_data(layer.attn_in_norm), _data(layer.attn_out_norm), _data(layer.mlp_in_norm),
                    _data(layer.mlp_out_norm), _data(layer.q_norm), _data(layer.k_norm), layer.qkv.struct(),
                    layer.o.struct(), _mlp(layer.gate_up), _mlp(layer.down), layer.k_cache.data_ptr(),
-                   layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None)
-            for layer, moe in zip(w.layers, self._moes)])
+                   layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None,
+                   ctypes.pointer(lora) if lora is not None else None)
+            for layer, moe, lora in zip(w.layers, self._moes, self._loras)])
         self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
         matrices += [m for layer in w.layers if layer.moe is not None for m in (*layer.moe.gate_up, *layer.moe.down)]
@@ -383,7 +395,7 @@ class FusedDecoder:
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,
                                 CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul], QK_NORMS[w.qk_norm],
-                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale)
+                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale, self.lora_rank, None)
         self._lib = lib
         spin = env.CPU_SPIN_US.get()
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)
@@ -399,7 +411,7 @@ class FusedDecoder:
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
              block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step: each of the ``M`` rows is one token, a one-token decode at its position.
 
         Args:
@@ -412,6 +424,9 @@ class FusedDecoder:
             seq_lens: ``[M]`` int32 positions each row attends over (its own included).
             logits_indices: ``[L]`` int64 rows whose logits the LM head computes, in order
                 (None: every row).
+            lora_slots: ``[M]`` int64 LoRA slot of each row (-1: the base model; None: every row),
+                for a decoder with LoRA tables (:attr:`lora_slots` slots). Not thread-safe: one
+                :class:`FusedDecoder` steps in one thread at a time.
 
         Returns:
             ``(hidden [M, H] float32, logits [L, V] float32 or None)``: the final norm's output
@@ -440,6 +455,15 @@ class FusedDecoder:
         if block_tables.dim() != 2 or block_tables.shape[0] != M or block_tables.dtype != torch.int32 \
                 or block_tables.stride(1) != 1:
             raise ValueError(f"block_tables must be int32 [{M}, W] with contiguous rows")
+        if lora_slots is not None:
+            if lora_slots.shape != (M,) or lora_slots.dtype != torch.int64 or not lora_slots.is_contiguous():
+                raise ValueError(f"lora_slots must be a contiguous int64 ({M},) tensor, got {lora_slots.dtype} "
+                                 f"{tuple(lora_slots.shape)}")
+            if not self.lora_slots:
+                raise ValueError("lora_slots given, but this decoder has no LoRA tables")
+            if M and not (-1 <= int(lora_slots.min()) and int(lora_slots.max()) < self.lora_slots):
+                raise ValueError(f"lora_slots must be -1 (none) or slots 0..{self.lora_slots - 1}")
+        self._struct.lora_slots = lora_slots.data_ptr() if lora_slots is not None else None
         out = torch.empty((M, self.hidden), dtype=torch.float32)
         L = M if logits_indices is None else logits_indices.numel()
         logits = torch.empty((L, self.vocab_size), dtype=torch.float32) if self._head is not None else None
@@ -447,6 +471,7 @@ class FusedDecoder:
                                  slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                                  seq_lens.data_ptr(), out.data_ptr(), _data(logits) if L else None,
                                  _data(logits_indices), L)
+        self._struct.lora_slots = None
         if rc != 0:
             raise MemoryError("kv_decode could not allocate its scratch memory")
         return out, logits

@@ -9,9 +9,12 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 - the model runs on the CPU in float32, the AVX2 kernels are available, ``$KVFLEET_CPU_DECODER``
   is not ``0``;
 - no tensor parallelism, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
-  not ``triton``); with LoRA on (``enable_lora``) the path reads the LoRA layers' base layers and
-  runs the steps without adapter tokens (the runner sends a step with any adapter token to
-  transformers' modules), so base-model requests on a LoRA server keep the fused speed;
+  not ``triton``); with LoRA on (``enable_lora``) the path reads the LoRA layers' base layers,
+  and their slot tensors as the C step's adapter tables (:mod:`kvfleet.kernels.cpu_lora`: q, k, v,
+  o, gate, up, down of the dense layers), so a step with adapter tokens runs fused too, each row
+  adding its own adapter's deltas (:meth:`CpuDecodePath.lora_slots`); only a step with an adapter
+  of a layer the C step has no table for (a mixture of experts' experts or router) runs
+  transformers' modules;
 - :func:`~kvfleet.runtime.worker.recipes.recipe_for` has a recipe for the model (its reason is
   logged otherwise), the engine's per-layer sliding windows, attention scale and logit scale agree
   with the recipe's, a mixture-of-experts layer's router and experts are ones
@@ -67,6 +70,7 @@ from kvfleet.kernels.cpu_decoder import (
     Linear,
     resolve_matmul,
 )
+from kvfleet.kernels.cpu_lora import LoRATable
 from kvfleet.runtime import env
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
 from kvfleet.runtime.worker.lora_layers import LoRALinear
@@ -112,8 +116,8 @@ class Runner(Protocol):
 
 
 def _base(module: torch.nn.Module | None) -> torch.nn.Module | None:
-    """The layer whose weights the C step reads: a LoRA wrapper's base layer (the fused path runs the
-    steps without adapter tokens, which are the base model's), else the module itself."""
+    """The layer whose weights the C step reads: a LoRA wrapper's base layer (its adapters' slots are
+    the C step's LoRA tables, :func:`_lora_tables`), else the module itself."""
     return module.base_layer if isinstance(module, LoRALinear) else module
 
 
@@ -134,6 +138,25 @@ def _linear(module: torch.nn.Module) -> Linear | None:
         if w.dtype == torch.float32 and w.is_contiguous():
             return Linear("fp32", w, bias=bias)
     return None
+
+
+def _lora_tables(layer: torch.nn.Module, recipe: Recipe, moe: bool) -> dict[str, LoRATable]:
+    """The layer's LoRA slot tensors as the C step's tables (:mod:`kvfleet.kernels.cpu_lora`): every
+    LoRA-wrapped module among q, k, v (or a stored qkv), o, gate, up (or a stored gate_up) and down
+    (not an MLP of experts), each at its columns of the stacked matrix."""
+    fam, attn, mlp = recipe.layer, layer.self_attn, layer.mlp
+    groups = [([getattr(attn, n, None) for n in fam.qkv], ("q", "k", "v")), ([getattr(attn, fam.o, None)], ("o",))]
+    if not moe:
+        groups += [([getattr(mlp, n, None) for n in fam.gate_up], ("gate", "up")),
+                   ([getattr(mlp, fam.down, None)], ("down",))]
+    tables = {}
+    for modules, parts in groups:
+        n0 = 0
+        for module, part in zip(modules, parts):
+            if isinstance(module, LoRALinear):
+                tables[part] = LoRATable(module.lora_a, module.lora_b, n0)
+            n0 += module.out_features if module is not None else 0
+    return tables
 
 
 def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
@@ -244,7 +267,7 @@ class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
     def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False,
-                 recipe: Recipe | None = None) -> None:
+                 recipe: Recipe | None = None, lora_modules: frozenset[str] = frozenset()) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
@@ -258,6 +281,9 @@ class CpuDecodePath:
         """Whether prefill chunks and mixed steps run fused too (the module docstring)."""
         self.matmul = fused.matmul
         """The fused decoder's matmul kernels (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`)."""
+        self._lora = runner.lora
+        self.lora_modules = lora_modules
+        """The LoRA-wrapped module paths whose slot tensors the C step reads (empty without LoRA)."""
 
     def profile(self) -> dict[str, float]:
         """The C step's milliseconds per phase since the last call (:meth:`FusedDecoder.profile`)."""
@@ -275,14 +301,28 @@ class CpuDecodePath:
             return num_tokens <= MAX_ROWS
         return num_tokens <= DECODE_ROWS and (num_tokens == num_seqs or 1 < max_query_len <= max_query)
 
-    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor
-                ) -> torch.Tensor:
+    def lora_slots(self, scheduled) -> torch.Tensor | None:
+        """For a step with adapter tokens (``scheduled``: the runner's rows): each token's slot, ``[T]``
+        int64, -1 for the base model's (the adapters put into their slots), to pass to :meth:`execute`;
+        None when one of the step's adapters adapts a layer the C step has no table for (the step then
+        runs transformers' modules)."""
+        if self._lora is None or not self.lora_modules:
+            return None
+        ids = {s.request.lora_int_id for s in scheduled} - {0}
+        if any(not self._lora.adapted_modules(i) <= self.lora_modules for i in ids):
+            return None
+        slots = self._lora.token_slots(scheduled)
+        return slots[0] if slots is not None else None
+
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[S, V]`` float32 of the rows ``logits_indices`` (the LM head runs on those
         only) for a step that :meth:`applies`; writes every row's key and value into the caches.
         A sequence with several new tokens (a prompt chunk, or a last token and its drafts) runs
         as that many rows, row ``j`` attending over the positions up to its own (the C step
         writes every row's key and value before any row's attention), so each row's numbers are
-        those of a one-token decode at its position."""
+        those of a one-token decode at its position. ``lora_slots``: :meth:`lora_slots` (None: no
+        adapter tokens)."""
         num_tokens = input_ids.shape[1]
         block_tables, seq_lens = meta.block_tables, meta.seq_lens
         if num_tokens != seq_lens.shape[0]:
@@ -295,7 +335,7 @@ class CpuDecodePath:
         x = x.contiguous()
         cos, sin = self._rope(x, positions)
         hidden, logits = self._fused.step(x, cos, sin, meta.slot_mapping.contiguous(), block_tables,
-                                          seq_lens.contiguous(), logits_indices.contiguous())
+                                          seq_lens.contiguous(), logits_indices.contiguous(), lora_slots)
         if logits is None:
             return self._compute_logits(hidden.index_select(0, logits_indices))
         if self._logit_scale != 1.0:   # as the engine's compute_logits finishes the torch path's
@@ -362,7 +402,8 @@ def build(runner: Runner) -> CpuDecodePath | None:
                   for n in ("q_norm", "k_norm")]
             layers.append(Layer(norms.get("attn_in"), norms.get("mlp_in"), fused[0], o, fused[1], down, k_cache,
                                 v_cache, norms.get("attn_out"), norms.get("mlp_out"), qk[0], qk[1],
-                                recipe.windows[i], recipe.layer_rope[i], moe))
+                                recipe.windows[i], recipe.layer_rope[i], moe,
+                                _lora_tables(layer, recipe, moe is not None) or None))
     if reason is not None:
         logger.info("fused CPU decode: off (%s)", reason)
         return None
@@ -377,7 +418,10 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe)
+    tables = {id(t.a) for layer in layers for t in (layer.lora or {}).values()}
+    lora_modules = frozenset(name for name, m in (runner.lora.layers.items() if runner.lora is not None else ())
+                             if id(m.lora_a) in tables)
+    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe, lora_modules)
     cos, _ = path._rope(torch.zeros(1, fused.hidden), torch.zeros(1, 1, dtype=torch.long))
     if tuple(cos.shape) != (fused.num_ropes, 1, fused.rotary_dim):
         logger.info("fused CPU decode: off (the rotary embedding gives %s tables of width %d, the recipe "

@@ -13,7 +13,10 @@ sliding window, and a family without a recipe left on transformers' modules."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from support.engine_workload import CONFIG, Recorder, count_fused_rows, prompts, run
 from support.tiny_models import FAMILIES, hf_greedy
 
@@ -147,10 +150,26 @@ def test_the_path_is_off_where_it_does_not_apply(smollm2_two_layers, monkeypatch
     assert not path.applies(MAX_ROWS + 1, 3, False, False, 4000)
     assert not path.applies(400, 1, prompt_logprobs=True, padded=False)
     assert not path.applies(400, 1, prompt_logprobs=False, padded=True)
-    # LoRA keeps the path (steps without adapter tokens: tests/unit/runtime/engine/test_lora.py); it reads the
-    # LoRA layers' base weights
+    # LoRA keeps the path (tests/unit/runtime/engine/test_lora.py): it reads the LoRA layers' base weights, and
+    # their slots as the C step's tables; a step with adapter tokens gets each token's slot, unless one of its
+    # adapters adapts a layer without a table (then None: transformers' modules)
     eng = LLMEngine(EngineConfig(num_blocks=8, enable_lora=True, max_lora_rank=8), loaded=smollm2_two_layers)
-    assert eng.runner.cpu_decode is not None
+    path = eng.runner.cpu_decode
+    assert path is not None and len(path.lora_modules) == 2 * 7 and path._fused.lora_rank == 8
+    covered = next(iter(path.lora_modules))
+
+    class Manager:
+        def adapted_modules(self, lora_int_id):
+            return frozenset([covered] if lora_int_id == 1 else [covered, "model.layers.0.mlp.experts.0"])
+
+        def token_slots(self, scheduled):
+            return torch.tensor([0, -1]), 1
+
+    path._lora = Manager()
+    rows = [SimpleNamespace(request=SimpleNamespace(lora_int_id=i)) for i in (1, 0)]
+    assert path.lora_slots(rows).tolist() == [0, -1]
+    rows[1].request.lora_int_id = 2
+    assert path.lora_slots(rows) is None
 
 
 def test_bf16_weights_keep_the_fused_path(smollm2_two_layers, monkeypatch):
