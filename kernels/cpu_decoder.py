@@ -81,6 +81,10 @@ class Linear:
     shift: torch.Tensor | None = None
     group: int = 0
     bias: torch.Tensor | None = None
+    matmul: str | None = None
+    """This matrix's kernels (:data:`MATMULS`) where they differ from the decoder's: None (the
+    decoder's), ``float32``, or the decoder's own kind; fixed for every step, whatever its row count
+    (:func:`kvfleet.runtime.worker.cpu_plan.matrix_matmul` chooses it)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -119,7 +123,7 @@ class Linear:
     def struct(self) -> _Matrix:
         n, k = self.shape
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
-                       self.group, _data(self.bias))
+                       self.group, _data(self.bias), 0 if self.matmul is None else 1 + _MATMUL_CODES[self.matmul])
 
 
 def _data(t: torch.Tensor | None) -> int | None:
@@ -373,12 +377,21 @@ class FusedDecoder:
                    layer.o.struct(), _mlp(layer.gate_up), _mlp(layer.down), layer.k_cache.data_ptr(),
                    layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None)
             for layer, moe in zip(w.layers, self._moes)])
-        self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
         matrices += [m for layer in w.layers if layer.moe is not None for m in (*layer.moe.gate_up, *layer.moe.down)]
         matrices += [w.head] if w.head is not None else []
-        self.matmul = resolve_matmul(matmul, matrices)
-        """The matmul kernels the steps run (:data:`MATMULS`)."""
+        for m in matrices:
+            if m.matmul not in (None, "float32", matmul):
+                raise ValueError(f"a matrix's own matmul must be None, 'float32' or the decoder's {matmul!r}; "
+                                 f"got {m.matmul!r}")
+        stepped = [m for m in matrices if m.matmul != "float32"]   # those on the decoder's kernels
+        self.matmul = resolve_matmul(matmul, stepped) if stepped else "float32"
+        """The matmul kernels the steps run (:data:`MATMULS`; a matrix with its own
+        :attr:`Linear.matmul` ``float32`` runs the float32 kernels in every step)."""
+        self.head_matmul = (w.head.matmul or self.matmul) if w.head is not None and self.matmul != "float32" \
+            else "float32"
+        """The LM head's kernels (:data:`MATMULS`)."""
+        self._head = w.head.struct() if w.head is not None else None
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,

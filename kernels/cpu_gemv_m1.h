@@ -237,6 +237,9 @@ typedef struct {
     const float *shift;     /* int4: [N, K/G]; int8g: [N, K/G] or NULL; else NULL */
     int64_t group;          /* int4 / int8g group size G */
     const float *bias;      /* [N] or NULL */
+    int64_t kind;           /* the fused decoder's kernels for this matrix: 0 the step's (kv_decoder.matmul),
+                             * else 1 + a KV_MATMUL_* code (runtime/worker/cpu_plan.py chooses it once per
+                             * matrix, never per row count: batch invariance); other callers ignore it */
 } kv_matrix;
 
 /* Software prefetch of `bytes` from p, one cache line at a time (addresses past the end of the
