@@ -304,7 +304,9 @@ class FusedDecoder:
     ``avx512_bf16`` as bf16 dot products (``kernels/cpu_dpbf16.h``): activations and dequantized
     weights rounded to bf16, float32 sums; every row's bits independent of the step's other rows as
     on the float32 kernels. It takes effect only where :func:`matmul_available` and every matrix has
-    a multiple of 32 columns (and for ``amx`` of 16 rows); :attr:`matmul` says what runs.
+    a multiple of 32 columns (and for ``amx`` of 16 rows); :attr:`matmul` says what runs. A
+    :class:`Linear` whose ``matmul`` is ``float32`` runs the float32 kernels in every step (its
+    own kind, ``kv_matrix.kind``; :attr:`head_matmul` says the head's), the others the decoder's.
     """
 
     def __init__(self, weights: DecoderWeights, threads: int | None = None, matmul: str = "float32") -> None:
