@@ -19,7 +19,10 @@
  * Layout. Weights are the A operand: 16 channels x 32 bf16 of K, row-major, which is how a
  * dequantized weight row lies, so each weight block is widened straight into a small buffer
  * (KV_AMX_CH channels x K, reused for every group of tokens; kv_bf16_blocks, cpu_dpbf16.h, as
- * the dot-product kernels widen them). Activations are the B operand:
+ * the dot-product kernels widen them); bf16 weights need no widening: the tiles load them as
+ * stored, 2K bytes a row (amx_direct; the same values in the same order, so the same bits --
+ * tests/unit/kernels/test_cpu_amx.py checks them against fp32 weights of equal values, which
+ * take the widening path). Activations are the B operand:
  * for each 16 tokens and each 32-wide block of K, 16 rows (the K pairs 2r, 2r + 1) of 16 tokens x
  * 2 bf16 ("VNNI" pairs), written by kv_amx_pack_x. C tiles: 16 channels x up to 16 tokens. Two
  * paths (amx_configure): up to 16 tokens (decode), three channel tiles against one token tile,
@@ -141,6 +144,42 @@ static inline void amx_store(const kv_matrix *m, int tile, int64_t c0, int64_t t
     }
 }
 
+/* bf16 weights are already A tiles: rows n .. n + 15 of w [N, K], 64 bytes of block kb each, 2K
+ * bytes apart (amx_direct). The tiles load them from the matrix itself: no widening copy, which
+ * was most of a bf16 call's time (one thread, 12 rows, [1536, 576] x 24 matrices from L3: 0.41 ->
+ * 0.08 ms a call). amx_prefetch_block: block kb of `count` rows from n, one line each (the next
+ * group's, while this group multiplies), into L2; it bought the wide path 20 %, the narrow one
+ * nothing measurable (docs/performance.md, "bf16 weights as A tiles"). */
+static inline const uint16_t *amx_direct(const kv_matrix *m, int64_t n, int64_t kb) {
+    return (const uint16_t *)m->w + n * m->K + 32 * kb;
+}
+static inline void amx_prefetch_block(const kv_matrix *m, int64_t n, int64_t count, int64_t kb) {
+    const char *p = (const char *)amx_direct(m, n, kb);
+    count = n + count <= m->N ? count : m->N - n;   /* none past the matrix */
+    for (int64_t j = 0; j < count; j++) _mm_prefetch(p + j * 2 * m->K, _MM_HINT_T1);
+}
+
+/* At most 16 tokens, bf16 weights: amx_rows_narrow's tiles and order (so its bits), the A tiles
+ * loaded from w. */
+static inline void amx_rows_narrow_bf16(const kv_matrix *m, const uint16_t *xb, int M, int64_t n0, int64_t n1,
+                                        float *y, int64_t ldy) {
+    const int64_t KB = m->K / 32, ld = 2 * m->K;
+    amx_configure(M, -1);
+    for (int64_t n = n0; n < n1; n += 48) {
+        const int nc = (int)((n1 - n) / 16 < 3 ? (n1 - n) / 16 : 3);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2);
+        for (int64_t kb = 0; kb < KB; kb++) {
+            amx_prefetch_block(m, n + 16 * nc, 16 * nc, kb);   /* the next group */
+            _tile_loadd(6, xb + kb * 512, 64);
+            _tile_loadd(3, amx_direct(m, n, kb), ld);
+            _tile_dpbf16ps(0, 3, 6);
+            if (nc > 1) { _tile_loadd(4, amx_direct(m, n + 16, kb), ld); _tile_dpbf16ps(1, 4, 6); }
+            if (nc > 2) { _tile_loadd(5, amx_direct(m, n + 32, kb), ld); _tile_dpbf16ps(2, 5, 6); }
+        }
+        for (int c = 0; c < nc; c++) amx_store(m, c, n + 16 * c, 0, M, n0, y, ldy);
+    }
+}
+
 /* At most 16 tokens (decode): three channel tiles at a time. Their weights are widened row after
  * row first (one sequential stream per thread, prefetched ahead: interleaving the rows block by
  * block made 48 streams that the hardware prefetcher did not follow), into wb [48, K]. */
@@ -174,19 +213,30 @@ static inline void amx_rows_narrow(const kv_matrix *m, const uint16_t *xb, int M
 static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M, int64_t n0, int64_t n1, float *y,
                               int64_t ldy) {
     const int64_t K = m->K, KB = K / 32;
-    uint16_t *wb = kv_bf16_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);   /* narrow: 3 tiles x KC */
-    if (!wb) return -1;
+    const int direct = m->fmt == KV_BF16;   /* bf16 rows are A tiles as stored (amx_direct) */
+    if (direct && M <= 16) {
+        amx_rows_narrow_bf16(m, xb, (int)M, n0, n1, y, ldy);
+        return 0;
+    }
+    /* the widening buffer; the narrow path's is 3 tiles x KC blocks */
+    uint16_t *wb = direct ? NULL : kv_bf16_buffer(48 * K > 3 * KV_AMX_KC * 512 ? 48 * K : 3 * KV_AMX_KC * 512);
+    if (!direct && !wb) return -1;
     if (M <= 16) {
         amx_rows_narrow(m, xb, (int)M, n0, n1, y, ldy, wb);
         return 0;
     }
     for (int64_t n = n0; n < n1; n += KV_AMX_CH) {
         const int two = n1 - n > 16;
-        prefetch_rows(m, n + 32, 8);
-        for (int64_t j = 0; j < (two ? 32 : 16); j++) {
-            if (j % 8 == 0) prefetch_rows(m, n + 40 + j, 8);
-            amx_widen_row(m, n + j, wb, j / 16, j % 16);
+        if (!direct) {
+            prefetch_rows(m, n + 32, 8);
+            for (int64_t j = 0; j < (two ? 32 : 16); j++) {
+                if (j % 8 == 0) prefetch_rows(m, n + 40 + j, 8);
+                amx_widen_row(m, n + j, wb, j / 16, j % 16);
+            }
         }
+        /* the two channel tiles' blocks: widened (wb, rows 64 bytes apart) or as stored (w, 2K apart) */
+        const uint16_t *a0 = direct ? amx_direct(m, n, 0) : wb, *a1 = direct ? amx_direct(m, n + 16, 0) : wb + KB * 512;
+        const int64_t as = direct ? 32 : 512, ald = direct ? 2 * K : 64;
         for (int64_t t0 = 0; t0 < M; t0 += KV_AMX_TOK) {
             const int nt0 = (int)(M - t0 < 16 ? M - t0 : 16);
             const int nt1 = (int)(M - t0 - 16 <= 0 ? 0 : M - t0 - 16 < 16 ? M - t0 - 16 : 16);
@@ -194,11 +244,12 @@ static inline int kv_amx_rows(const kv_matrix *m, const uint16_t *xb, int64_t M,
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             const uint16_t *b0 = xb + (t0 / 16) * KB * 512, *b1 = b0 + KB * 512;
             for (int64_t kb = 0; kb < KB; kb++) {
-                _tile_loadd(4, wb + kb * 512, 64);
+                if (direct && t0 == 0) amx_prefetch_block(m, n + KV_AMX_CH, two ? 32 : 16, kb);
+                _tile_loadd(4, a0 + kb * as, ald);
                 _tile_loadd(6, b0 + kb * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
                 if (two) {
-                    _tile_loadd(5, wb + (KB + kb) * 512, 64);
+                    _tile_loadd(5, a1 + kb * as, ald);
                     _tile_dpbf16ps(1, 5, 6);
                 }
                 if (nt1) {

@@ -35,8 +35,13 @@
  * x += attn_out(attn Wo^T) * residual_scale; h = mlp_in(x);
  * x += mlp_out((act(h Wg^T) * h Wu^T) Wd^T) * residual_scale, act SiLU or GELU-tanh. The weights are
  * kv_matrix (cpu_gemv.h: fp32, bf16, int8, int4, grouped int8); gate_up holds the I gate rows,
- * then the I up rows. A layer with experts (kv_layer.moe) runs cpu_moe.h's moe_phase in place of
- * that MLP (router, top-k, each expert's rows as one group; SiLU), between the same norms.
+ * then the I up rows. A matrix with an input permutation (kv_matrix.perm; not the head's nor the
+ * experts') runs on its input rows gathered by it (cpu_perm.h), once per phase, after the LoRA
+ * shrink of that input (adapters keep the natural order). A layer with experts (kv_layer.moe) runs
+ * cpu_moe.h's moe_phase in place of that MLP (router, top-k, each expert's rows as one group; SiLU), between the same norms.
+ * LoRA (cpu_lora.h): a row whose adapter slot (d->lora_slots) is >= 0 gets each adapted
+ * projection's delta (q, k, v, o, gate, up, down; the layer's kv_lora) added to that projection's
+ * output before anything reads it; float32, the row's own arithmetic (batch-invariant).
  *
  * Threads: cpu_pool.h (the pool, its phases and the step's scratch). Sizes and the step's state:
  * cpu_step.h. Attention, rotary and the cache writes: cpu_attention.h.
@@ -49,6 +54,8 @@
  */
 #define _GNU_SOURCE
 #include "cpu_attention.h"
+#include "cpu_lora.h"
+#include "cpu_perm.h"
 #include "cpu_step.h"
 
 #include <stdlib.h>
@@ -103,6 +110,24 @@ static void pack_input(const kv_step *s, const float *x, int64_t K) {
     kv_parallel(task_pack, &p, prep_tasks(s));
 }
 
+static void task_permute(const void *ctx, int64_t t) {
+    const kv_prep *p = ctx;
+    const int64_t m0 = t * KV_PREP_ROWS, m1 = min64(m0 + KV_PREP_ROWS, p->s->M);
+    kv_permute_rows(p->out, p->K, m0, m1, p->perm);
+    pack_rows(p->s, p->out, p->K, m0, m1);
+}
+
+/* The next matrix's input rows x [M, K]: gathered in place by its input permutation, if it has one
+ * (cpu_perm.h), then packed for bf16 matmuls (pack_input). */
+static void input_rows(const kv_step *s, float *x, int64_t K, const int32_t *perm) {
+    if (!perm) {
+        pack_input(s, x, K);
+        return;
+    }
+    const kv_prep p = {.s = s, .out = x, .K = K, .perm = perm};
+    kv_parallel(task_permute, &p, prep_tasks(s));
+}
+
 /* Rows per block of a task's loop over the step's rows: a bf16 call widens its weights once for
  * its rows, so it takes more of them (its blocks start at multiples of 16, as the tiles do). */
 static inline int64_t row_block(const kv_step *s) { return s->xb ? KV_BF16_ROW_BLOCK : KV_ROW_BLOCK; }
@@ -144,12 +169,13 @@ static void task_qkv(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t N = qkv_width(s->d), n0 = t * s->span;
     matrix_rows(s, &s->L->qkv, s->h, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
+    lora_expand(s, KV_LORA_QKV, KV_LORA_O, 0, s->M, n0, min64(n0 + s->span, N), s->qkv + n0, N);
 }
 
 /* The task's columns n of a W^T (W = o or down), row block after row block (matrix_rows),
  * KV_CHUNK channels at a time: x[:, n] += y * residual_scale, or with an output norm (`normed`)
  * y into h[:, n], which add_normed then normalizes and adds. */
-static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t, int normed) {
+static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64_t t, int normed, int lora) {
     const int64_t H = s->d->hidden, end = min64((t + 1) * s->span, H);
     const float rs = (float)s->d->residual_scale;
     float tmp[KV_BF16_ROW_BLOCK * KV_CHUNK];
@@ -158,6 +184,7 @@ static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64
         for (int64_t n0 = t * s->span; n0 < end; n0 += KV_CHUNK) {
             const int64_t n1 = min64(n0 + KV_CHUNK, end);
             rows_of(s, w, a, m0, rows, n0, n1, tmp, KV_CHUNK);
+            lora_expand(s, lora, lora + 1, m0, rows, n0, n1, tmp, KV_CHUNK);   /* W's adapter deltas (part `lora`) */
             for (int64_t m = 0; m < rows; m++)
                 for (int64_t n = n0; n < n1; n++) {
                     const float y = tmp[m * KV_CHUNK + n - n0];
@@ -170,12 +197,12 @@ static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64
 
 static void task_o(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
-    add_rows(s, &s->L->o, s->attn, t, s->L->attn_out_norm != NULL);
+    add_rows(s, &s->L->o, s->attn, t, s->L->attn_out_norm != NULL, KV_LORA_O);
 }
 
 static void task_down(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
-    add_rows(s, &s->L->down, s->act, t, s->L->mlp_out_norm != NULL);
+    add_rows(s, &s->L->down, s->act, t, s->L->mlp_out_norm != NULL, KV_LORA_DOWN);
 }
 
 static void task_add_normed(const void *ctx, int64_t t) {
@@ -218,6 +245,8 @@ static void act_rows(const kv_step *s, int64_t m0, int64_t rows, int64_t j0, int
     float g[KV_BF16_ROW_BLOCK * KV_CHUNK], u[KV_BF16_ROW_BLOCK * KV_CHUNK];
     rows_of(s, &s->L->gate_up, s->h, m0, rows, j0, j1, g, KV_CHUNK);
     rows_of(s, &s->L->gate_up, s->h, m0, rows, I + j0, I + j1, u, KV_CHUNK);
+    lora_expand(s, KV_LORA_GATE_UP, KV_LORA_DOWN, m0, rows, j0, j1, g, KV_CHUNK);
+    lora_expand(s, KV_LORA_GATE_UP, KV_LORA_DOWN, m0, rows, I + j0, I + j1, u, KV_CHUNK);
     float *act = s->act + m0 * I;
     for (int64_t m = 0; m < rows; m++) {
         int64_t j = j0;
@@ -293,14 +322,17 @@ static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
  * (through attn_out and residual_scale where the layer has them). */
 static void attention_phase(kv_step *s, int64_t num_leads, int64_t *t) {
     const kv_decoder *d = s->d;
-    norm_rows(s, s->L->attn_in_norm, s->h, 1);
+    norm_rows(s, s->L->attn_in_norm, s->h, !s->L->qkv.perm);
     timed(PROF_NORM, t);
+    lora_shrink(s, s->h, d->hidden, KV_LORA_QKV, KV_LORA_O);
+    if (s->L->qkv.perm) input_rows(s, s->h, d->hidden, s->L->qkv.perm);   /* (after: adapters read x in order) */
     kv_parallel(task_qkv, s, spans(s, qkv_width(d)));
     timed(PROF_QKV, t);
     write_kv(s);
     attention(s, num_leads);
-    pack_input(s, s->attn, d->num_heads * d->head_size);
     timed(PROF_ATTN, t);
+    lora_shrink(s, s->attn, d->num_heads * d->head_size, KV_LORA_O, KV_LORA_GATE_UP);
+    input_rows(s, s->attn, d->num_heads * d->head_size, s->L->o.perm);
     kv_parallel(task_o, s, spans(s, d->hidden));
     if (s->L->attn_out_norm) add_normed(s, s->L->attn_out_norm);
     timed(PROF_O, t);
@@ -310,14 +342,18 @@ static void attention_phase(kv_step *s, int64_t num_leads, int64_t *t) {
  * mlp_out and residual_scale where the layer has them). */
 static void mlp_phase(kv_step *s, int64_t *t) {
     const kv_decoder *d = s->d;
-    norm_rows(s, s->L->mlp_in_norm, s->h, 1);
+    const int32_t *perm = s->L->moe ? NULL : s->L->gate_up.perm;   /* (experts: none, cpu_decoder.py) */
+    norm_rows(s, s->L->mlp_in_norm, s->h, !perm);
     timed(PROF_NORM, t);
     if (s->L->moe) {
         moe_phase(s, t);   /* its output into x, or into h for mlp_out_norm, as task_down's */
     } else {
+        lora_shrink(s, s->h, d->hidden, KV_LORA_GATE_UP, KV_LORA_DOWN);
+        if (perm) input_rows(s, s->h, d->hidden, perm);
         kv_parallel(task_mlp, s, spans(s, d->intermediate));
-        pack_input(s, s->act, d->intermediate);
         timed(PROF_MLP, t);
+        lora_shrink(s, s->act, d->intermediate, KV_LORA_DOWN, KV_LORA_PARTS);
+        input_rows(s, s->act, d->intermediate, s->L->down.perm);
         kv_parallel(task_down, s, spans(s, d->hidden));
     }
     if (s->L->mlp_out_norm) add_normed(s, s->L->mlp_out_norm);
@@ -359,7 +395,8 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     const int64_t H = d->hidden, QD = d->num_heads * d->head_size, I = d->intermediate;
     const int64_t matmul = step_matmul(d);
     pthread_mutex_lock(&P.lock);
-    if (grow_scratch(d, M, matmul != KV_MATMUL_F32) || moe_reserve(d, M, matmul != KV_MATMUL_F32)) {
+    if (grow_scratch(d, M, matmul != KV_MATMUL_F32) || moe_reserve(d, M, matmul != KV_MATMUL_F32)
+        || lora_begin(d, M)) {
         pthread_mutex_unlock(&P.lock);
         return -1;
     }

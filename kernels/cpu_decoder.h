@@ -21,6 +21,21 @@ typedef struct {
     const kv_matrix *down;                      /* [E]: [H, I] each */
 } kv_moe;
 
+/* A LoRA adapter table of one projection (kv_lora; cpu_lora.h adds its deltas): the adapters'
+ * slots as runtime/worker/lora_layers.py holds them, a [slots, R, K] and b [slots, R, n] (B
+ * transposed, the adapter's scaling folded in, ranks below R = kv_decoder.lora_rank zero-padded),
+ * float32; they add to the output columns n0 .. n0 + n - 1 of the layer's matrix. a NULL: none. */
+typedef struct {
+    const float *a, *b;
+    int64_t n0, n;
+} kv_lora_part;
+
+/* kv_lora.part indices: q, k, v (parts of qkv; a stored qkv is one part), o, gate, up (of gate_up), down. */
+enum { KV_LORA_QKV = 0, KV_LORA_O = 3, KV_LORA_GATE_UP = 4, KV_LORA_DOWN = 6, KV_LORA_PARTS = 7 };
+typedef struct {
+    kv_lora_part part[KV_LORA_PARTS];
+} kv_lora;
+
 /* One decoder layer (runtime/worker/recipes.py describes the families that fill it). The four
  * RMSNorm positions, each [H] or NULL (none): attn_in before q|k|v (NULL: the residual itself is
  * the input), attn_out on o's output before it is added to the residual, mlp_in and mlp_out alike
@@ -36,6 +51,7 @@ typedef struct {
     int64_t window;                        /* sliding window in positions: a row attends to len - window .. len - 1; 0: all */
     int64_t rope;                          /* which cos/sin table (kv_decode's cos [R, M, rotary_dim]) */
     const kv_moe *moe;                     /* NULL: the dense MLP (gate_up, down); else the experts (those unused) */
+    const kv_lora *lora;                   /* the LoRA adapters' tables of this layer, or NULL (none) */
 } kv_layer;
 
 /* kv_decoder.qk_norm: RMSNorm of the new queries and keys before rotary: none, per head (weights
@@ -66,15 +82,17 @@ typedef struct {
     int64_t rotary_dim;                    /* the first rotary_dim elements of each head rotate (even, <= D) */
     int64_t rotary_interleaved;            /* 0: pairs (i, i + rotary_dim / 2); 1: pairs (2i, 2i + 1) (GLM-4) */
     double residual_scale;                 /* each sublayer's output times this before the residual add (Granite) */
+    int64_t lora_rank;                     /* R, the width of the layers' LoRA slots (kv_lora_part) */
+    const int64_t *lora_slots;             /* set per step: [M] each row's adapter slot (-1: none); NULL: no row has one */
 } kv_decoder;
 
 
-/* sizeof() of kv_matrix, kv_layer, kv_decoder and kv_moe into out[0 .. n - 1]; returns how many there are. */
+/* sizeof() of kv_matrix, kv_layer, kv_decoder, kv_moe and kv_lora into out[0 .. n - 1]; returns how many there are. */
 static inline int64_t kv_abi_sizes_of(int64_t *out, int64_t n) {
     const int64_t sizes[] = {(int64_t)sizeof(kv_matrix), (int64_t)sizeof(kv_layer), (int64_t)sizeof(kv_decoder),
-                             (int64_t)sizeof(kv_moe)};
-    for (int64_t i = 0; i < n && i < 4; i++) out[i] = sizes[i];
-    return 4;
+                             (int64_t)sizeof(kv_moe), (int64_t)sizeof(kv_lora)};
+    for (int64_t i = 0; i < n && i < 5; i++) out[i] = sizes[i];
+    return 5;
 }
 
 #endif

@@ -31,13 +31,22 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``) or
   ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None, G a multiple of 16:
   grouped int8, ``q * scale (+ shift)``; GGUF Q8_0, Q6_K and Q5_K tensors' layouts);
-  ``bias [N]`` float32 or None.
+  ``bias [N]`` float32 or None; ``perm [K]`` int32 or None: an input permutation (act-order GPTQ,
+  its int4 weights over the input features sorted by group): the step runs the layer on
+  ``x[:, perm]`` (``kernels/cpu_perm.h``), a gather of each row before its matmul with every matmul
+  kind; a permutation of ``0 .. K-1``, at most :data:`MAX_PERM` long, not on the LM head nor the
+  experts, and q/k/v (gate/up) stacked into one matrix share one.
 - per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
   ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
   caches ``[num_blocks, block_size, KVH, D]`` float32 or bfloat16 (every layer's alike: the
   decoder's :attr:`FusedDecoder.cache_dtype`). A bf16 cache holds each new key and value rounded to
   nearest even (bitwise what ``.to(torch.bfloat16)`` gives, so the torch attention path can share the
   cache), and attention widens them to float32 in registers; activations and sums stay float32.
+- LoRA (:mod:`kvfleet.kernels.cpu_lora`, ``Layer.lora``): per adapted projection the adapters' slots ``a [S, R, K]``
+  and ``b [S, R, n]`` float32 (``lora_layers.LoRALinear``'s ``lora_a`` / ``lora_b``: B transposed,
+  scaling folded in); a step's ``lora_slots [M]`` picks each row's slot (-1: none), and the C step
+  adds ``(x a[s]^T) b[s]`` to that projection's output columns (``kernels/cpu_lora.h``), float32
+  whatever the matmul kind, each row's delta its own (batch-invariant).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ import torch
 import kvfleet.runtime.env as env  # the settings registry: stdlib only, below every layer
 from kvfleet.kernels import cpu_lib
 from kvfleet.kernels.cpu_features import MATMUL_KERNELS
+from kvfleet.kernels.cpu_lora import LoRATable, check_lora, lora_struct
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
@@ -63,6 +73,8 @@ processes loses at most this much per step."""
 
 PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
 """The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
+MAX_PERM = 1 << 18
+"""Longest input permutation (the C gather copies a row of that many floats on its thread's stack)."""
 _FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3, "int8g": 4}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """KV cache dtypes the C step reads (``KV_CACHE_F32`` / ``KV_CACHE_BF16`` in cpu_decoder.h)."""
@@ -81,10 +93,8 @@ class Linear:
     shift: torch.Tensor | None = None
     group: int = 0
     bias: torch.Tensor | None = None
-    matmul: str | None = None
-    """This matrix's kernels (:data:`MATMULS`) where they differ from the decoder's: None (the
-    decoder's), ``float32``, or the decoder's own kind; fixed for every step, whatever its row count
-    (:func:`kvfleet.runtime.worker.cpu_plan.matrix_matmul` chooses it)."""
+    perm: torch.Tensor | None = None
+    matmul: str | None = None   # its kernels in every step (cpu_plan.matrix_matmul): None (the decoder's), float32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -119,11 +129,17 @@ class Linear:
             t = getattr(self, field)
             if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError(f"{name}: {field} must be a contiguous float32 {shape} tensor")
+        if self.perm is not None:
+            p = self.perm
+            if p.shape != (k,) or p.dtype != torch.int32 or not p.is_contiguous() or k > MAX_PERM:
+                raise ValueError(f"{name}: perm must be a contiguous int32 ({k},) tensor (at most {MAX_PERM})")
+            if not torch.equal(torch.sort(p).values, torch.arange(k, dtype=torch.int32)):
+                raise ValueError(f"{name}: perm is not a permutation of 0..{k - 1}")
 
-    def struct(self) -> _Matrix:
+    def struct(self) -> _Matrix:   # (the appended fields by name; kind 0: the decoder's kernels)
         n, k = self.shape
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
-                       self.group, _data(self.bias), 0 if self.matmul is None else 1 + _MATMUL_CODES[self.matmul])
+                       self.group, _data(self.bias), perm=_data(self.perm), kind=1 + _MATMUL_CODES.get(self.matmul, -1))
 
 
 def _data(t: torch.Tensor | None) -> int | None:
@@ -186,6 +202,8 @@ class MoeLayer:
         if self.router.fmt != "fp32":
             raise ValueError(f"{name}: the router must be fp32, got {self.router.fmt}")
         self.router.check(f"{name} router", E, hidden)
+        if any(m.perm is not None for m in (self.router, *self.gate_up, *self.down)):
+            raise ValueError(f"{name}: the experts' step takes no input permutation")
         if inter < 1 or len({(m.fmt, m.group) for m in (*self.gate_up, *self.down)}) != 1:
             raise ValueError(f"{name}: experts of width {inter} in formats "
                              f"{sorted({m.fmt for m in (*self.gate_up, *self.down)})}; need one format")
@@ -213,7 +231,8 @@ class Layer:
     row attends to its last ``window`` positions; 0: all). ``rope``: which of the step's cos/sin
     tables rotates this layer (Gemma 3's local and global layers differ). ``moe``: a mixture of
     experts in place of the dense MLP (then ``gate_up`` and ``down`` are None; the norms around
-    the MLP apply to it alike)."""
+    the MLP apply to it alike). ``lora``: the adapted projections' tables, or None (keys
+    :data:`~kvfleet.kernels.cpu_lora.LORA_PARTS`; not ``gate`` / ``up`` / ``down`` with experts)."""
 
     attn_in_norm: torch.Tensor | None
     mlp_in_norm: torch.Tensor | None
@@ -230,6 +249,7 @@ class Layer:
     window: int = 0
     rope: int = 0
     moe: MoeLayer | None = None
+    lora: dict[str, LoRATable] | None = None
 
 
 @dataclass
@@ -304,9 +324,7 @@ class FusedDecoder:
     ``avx512_bf16`` as bf16 dot products (``kernels/cpu_dpbf16.h``): activations and dequantized
     weights rounded to bf16, float32 sums; every row's bits independent of the step's other rows as
     on the float32 kernels. It takes effect only where :func:`matmul_available` and every matrix has
-    a multiple of 32 columns (and for ``amx`` of 16 rows); :attr:`matmul` says what runs. A
-    :class:`Linear` whose ``matmul`` is ``float32`` runs the float32 kernels in every step (its
-    own kind, ``kv_matrix.kind``; :attr:`head_matmul` says the head's), the others the decoder's.
+    a multiple of 32 columns (and for ``amx`` of 16 rows); :attr:`matmul` says what runs.
     """
 
     def __init__(self, weights: DecoderWeights, threads: int | None = None, matmul: str = "float32") -> None:
@@ -365,6 +383,10 @@ class FusedDecoder:
             raise ValueError("final_norm must be a contiguous float32 tensor")
         if w.head is not None:
             w.head.check("head", w.head.shape[0], H)
+            if w.head.perm is not None:
+                raise ValueError("head: the LM head takes no input permutation")
+        self.lora_slots, self.lora_rank = check_lora(w, H, inter)
+        """LoRA: the adapter slots and their rank (0, 0 without adapter tables)."""
         self.weights = w
         self.cache_dtype = cache_dtype
         """The KV caches' dtype (``torch.float32`` or ``torch.bfloat16``)."""
@@ -373,32 +395,30 @@ class FusedDecoder:
         self.num_ropes = 1 + max(layer.rope for layer in w.layers)
         """The cos/sin tables a step takes (:meth:`step`)."""
         self._moes = [layer.moe.struct() if layer.moe is not None else None for layer in w.layers]
+        self._loras = [lora_struct(layer.lora) if layer.lora else None for layer in w.layers]
         self._layers = (_Layer * len(w.layers))(*[
             _Layer(_data(layer.attn_in_norm), _data(layer.attn_out_norm), _data(layer.mlp_in_norm),
                    _data(layer.mlp_out_norm), _data(layer.q_norm), _data(layer.k_norm), layer.qkv.struct(),
                    layer.o.struct(), _mlp(layer.gate_up), _mlp(layer.down), layer.k_cache.data_ptr(),
-                   layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None)
-            for layer, moe in zip(w.layers, self._moes)])
+                   layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None,
+                   ctypes.pointer(lora) if lora is not None else None)
+            for layer, moe, lora in zip(w.layers, self._moes, self._loras)])
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
         matrices += [m for layer in w.layers if layer.moe is not None for m in (*layer.moe.gate_up, *layer.moe.down)]
         matrices += [w.head] if w.head is not None else []
-        for m in matrices:
-            if m.matmul not in (None, "float32", matmul):
-                raise ValueError(f"a matrix's own matmul must be None, 'float32' or the decoder's {matmul!r}; "
-                                 f"got {m.matmul!r}")
-        stepped = [m for m in matrices if m.matmul != "float32"]   # those on the decoder's kernels
-        self.matmul = resolve_matmul(matmul, stepped) if stepped else "float32"
-        """The matmul kernels the steps run (:data:`MATMULS`; a matrix with its own
-        :attr:`Linear.matmul` ``float32`` runs the float32 kernels in every step)."""
-        self.head_matmul = (w.head.matmul or self.matmul) if w.head is not None and self.matmul != "float32" \
-            else "float32"
+        if {m.matmul for m in matrices} - {None, "float32", matmul}:   # (cpu_plan.matrix_matmul)
+            raise ValueError(f"a matrix's own matmul must be None, 'float32' or the decoder's {matmul!r}")
+        on = [m for m in matrices if m.matmul != "float32"]   # the matrices on the decoder's kernels
+        self.matmul = resolve_matmul(matmul, on) if on else "float32"
+        """The matmul kernels the steps run (:data:`MATMULS`)."""
+        self.head_matmul = "float32" if w.head is None or self.matmul == "float32" else w.head.matmul or self.matmul
         """The LM head's kernels (:data:`MATMULS`)."""
         self._head = w.head.struct() if w.head is not None else None
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,
                                 CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul], QK_NORMS[w.qk_norm],
-                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale)
+                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale, self.lora_rank, None)
         self._lib = lib
         spin = env.CPU_SPIN_US.get()
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)
@@ -414,7 +434,7 @@ class FusedDecoder:
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
              block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step: each of the ``M`` rows is one token, a one-token decode at its position.
 
         Args:
@@ -427,6 +447,9 @@ class FusedDecoder:
             seq_lens: ``[M]`` int32 positions each row attends over (its own included).
             logits_indices: ``[L]`` int64 rows whose logits the LM head computes, in order
                 (None: every row).
+            lora_slots: ``[M]`` int64 LoRA slot of each row (-1: the base model; None: every row),
+                for a decoder with LoRA tables (:attr:`lora_slots` slots). Not thread-safe: one
+                :class:`FusedDecoder` steps in one thread at a time.
 
         Returns:
             ``(hidden [M, H] float32, logits [L, V] float32 or None)``: the final norm's output
@@ -455,6 +478,15 @@ class FusedDecoder:
         if block_tables.dim() != 2 or block_tables.shape[0] != M or block_tables.dtype != torch.int32 \
                 or block_tables.stride(1) != 1:
             raise ValueError(f"block_tables must be int32 [{M}, W] with contiguous rows")
+        if lora_slots is not None:
+            if lora_slots.shape != (M,) or lora_slots.dtype != torch.int64 or not lora_slots.is_contiguous():
+                raise ValueError(f"lora_slots must be a contiguous int64 ({M},) tensor, got {lora_slots.dtype} "
+                                 f"{tuple(lora_slots.shape)}")
+            if not self.lora_slots:
+                raise ValueError("lora_slots given, but this decoder has no LoRA tables")
+            if M and not (-1 <= int(lora_slots.min()) and int(lora_slots.max()) < self.lora_slots):
+                raise ValueError(f"lora_slots must be -1 (none) or slots 0..{self.lora_slots - 1}")
+        self._struct.lora_slots = lora_slots.data_ptr() if lora_slots is not None else None
         out = torch.empty((M, self.hidden), dtype=torch.float32)
         L = M if logits_indices is None else logits_indices.numel()
         logits = torch.empty((L, self.vocab_size), dtype=torch.float32) if self._head is not None else None
@@ -462,6 +494,7 @@ class FusedDecoder:
                                  slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                                  seq_lens.data_ptr(), out.data_ptr(), _data(logits) if L else None,
                                  _data(logits_indices), L)
+        self._struct.lora_slots = None
         if rc != 0:
             raise MemoryError("kv_decode could not allocate its scratch memory")
         return out, logits

@@ -237,6 +237,8 @@ typedef struct {
     const float *shift;     /* int4: [N, K/G]; int8g: [N, K/G] or NULL; else NULL */
     int64_t group;          /* int4 / int8g group size G */
     const float *bias;      /* [N] or NULL */
+    const int32_t *perm;    /* [K] or NULL: the input permutation (act-order GPTQ): the fused decoder
+                             * runs the matrix on x[m, perm[k]] (cpu_perm.h); the kernels here ignore it */
     int64_t kind;           /* the fused decoder's kernels for this matrix: 0 the step's (kv_decoder.matmul),
                              * else 1 + a KV_MATMUL_* code (runtime/worker/cpu_plan.py chooses it once per
                              * matrix, never per row count: batch invariance); other callers ignore it */

@@ -7,7 +7,8 @@ Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h`` (sever
 ``cpu_gemv_m1.h``'s formats and one-row dot products), ``cpu_dpbf16.h`` and ``cpu_amx.h``;
 ``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check; the decoder's
 pool, step state, cache writes and attention are ``cpu_pool.h``, ``cpu_step.h``, ``cpu_kv_write.h``
-and ``cpu_attention.h``, a layer's mixture of experts ``cpu_moe.h``), one ``.so``.
+and ``cpu_attention.h``, a layer's mixture of experts ``cpu_moe.h``, LoRA adapters' deltas
+``cpu_lora.h``), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -31,9 +32,9 @@ about a second per variant, once per cache folder. A library prebuilt into ``$KV
 nothing is compiled: that folder may be read-only.
 
 ABI check: the C side exports ``kv_abi_sizes``, the ``sizeof`` of each struct the ctypes side
-mirrors (:data:`STRUCTS`: ``kv_matrix``, ``kv_layer``, ``kv_decoder``, ``kv_moe``); :func:`load` compares them
-with ``ctypes.sizeof`` and refuses a library that disagrees (:class:`AbiMismatch`, logged, and
-:func:`available` is False), rather than pass misread pointers to C.
+mirrors (:data:`STRUCTS`: ``kv_matrix``, ``kv_layer``, ``kv_decoder``, ``kv_moe``, ``kv_lora``);
+:func:`load` compares them with ``ctypes.sizeof`` and refuses a library that disagrees
+(:class:`AbiMismatch`, logged, and :func:`available` is False), rather than pass misread pointers to C.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv_m1.h", "cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h",
                                                      "cpu_decoder.h", "cpu_pool.h", "cpu_step.h",
-                                                     "cpu_kv_write.h", "cpu_attention.h", "cpu_moe.h"))
+                                                     "cpu_kv_write.h", "cpu_attention.h", "cpu_moe.h",
+                                                     "cpu_lora.h", "cpu_perm.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
@@ -85,7 +87,7 @@ class Matrix(ctypes.Structure):
     """``kv_matrix`` (cpu_gemv.h)."""
 
     _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("w", _ptr), ("scale", _ptr), ("shift", _ptr),
-                ("group", _i64), ("bias", _ptr), ("kind", _i64)]
+                ("group", _i64), ("bias", _ptr), ("perm", _ptr), ("kind", _i64)]
 
 
 class Moe(ctypes.Structure):
@@ -96,13 +98,29 @@ class Moe(ctypes.Structure):
                 ("down", ctypes.POINTER(Matrix))]
 
 
+class LoraPart(ctypes.Structure):
+    """``kv_lora_part`` (cpu_decoder.h)."""
+
+    _fields_ = [("a", _ptr), ("b", _ptr), ("n0", _i64), ("n", _i64)]
+
+
+LORA_PARTS = 7
+"""``KV_LORA_PARTS``: q, k, v, o, gate, up, down."""
+
+
+class Lora(ctypes.Structure):
+    """``kv_lora`` (cpu_decoder.h)."""
+
+    _fields_ = [("part", LoraPart * LORA_PARTS)]
+
+
 class Layer(ctypes.Structure):
     """``kv_layer`` (cpu_decoder.h)."""
 
     _fields_ = [("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
                 ("q_norm", _ptr), ("k_norm", _ptr), ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix),
                 ("down", Matrix), ("k_cache", _ptr), ("v_cache", _ptr), ("window", _i64), ("rope", _i64),
-                ("moe", ctypes.POINTER(Moe))]
+                ("moe", ctypes.POINTER(Moe)), ("lora", ctypes.POINTER(Lora))]
 
 
 class Decoder(ctypes.Structure):
@@ -113,11 +131,11 @@ class Decoder(ctypes.Structure):
                 ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
                 ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("matmul", _i64),
                 ("qk_norm", _i64), ("act", _i64), ("rotary_dim", _i64), ("rotary_interleaved", _i64),
-                ("residual_scale", ctypes.c_double)]
+                ("residual_scale", ctypes.c_double), ("lora_rank", _i64), ("lora_slots", _ptr)]
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),
-                                                          ("kv_decoder", Decoder), ("kv_moe", Moe))
+                                                          ("kv_decoder", Decoder), ("kv_moe", Moe), ("kv_lora", Lora))
 """The C structs mirrored here, in ``kv_abi_sizes``'s order."""
 
 

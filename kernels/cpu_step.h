@@ -82,7 +82,7 @@ static void rmsnorm(const float *x, const float *w, int64_t H, float eps, float 
  * merge) runs as tasks of KV_PREP_ROWS rows: serial it took ~10 % of a prefill step. A decode
  * step's rows are one task. */
 enum { KV_PREP_ROWS = 16 };   /* a multiple of an AMX tile's 16 rows */
-typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K, rows; } kv_prep;
+typedef struct { const kv_step *s; const float *w, *x; float *out; int64_t K, rows; const int32_t *perm; } kv_prep;
 
 static inline int64_t prep_tasks(const kv_step *s) { return (s->M + KV_PREP_ROWS - 1) / KV_PREP_ROWS; }
 

@@ -137,11 +137,11 @@ int64_t kv_bf16_linear(const kv_matrix *m, const float *x, int64_t M, int64_t ld
     if (matmul == 1) kv_amx_pack_x(x, ldx, M, m->K, xb);
 #endif
     if (matmul == 2) kv_dp_pack_rows(x, ldx, m->K, 0, M, xb);
-    const int64_t blocks = (m->N + 31) / 32;
+    const int64_t blocks = (m->N + 95) / 96;   /* 96 channels a call: the tiles' groups of 48 and 32 (cpu_amx.h) */
     int failed = 0;
     #pragma omp parallel for schedule(static) reduction(|: failed)
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * 32, n1 = n0 + 32 < m->N ? n0 + 32 : m->N;
+        const int64_t n0 = b * 96, n1 = n0 + 96 < m->N ? n0 + 96 : m->N;
 #if KV_HAVE_AMX
         if (matmul == 1) failed |= kv_amx_rows(m, xb, M, n0, n1, y + n0, m->N) != 0;
 #endif

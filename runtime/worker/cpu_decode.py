@@ -9,16 +9,22 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 - the model runs on the CPU in float32, the AVX2 kernels are available, ``$KVFLEET_CPU_DECODER``
   is not ``0``;
 - no tensor parallelism, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
-  not ``triton``); with LoRA on (``enable_lora``) the path reads the LoRA layers' base layers and
-  runs the steps without adapter tokens (the runner sends a step with any adapter token to
-  transformers' modules), so base-model requests on a LoRA server keep the fused speed;
+  not ``triton``); with LoRA on (``enable_lora``) the path reads the LoRA layers' base layers,
+  and their slot tensors as the C step's adapter tables (:mod:`kvfleet.kernels.cpu_lora`: q, k, v,
+  o, gate, up, down of the dense layers), so a step with adapter tokens runs fused too, each row
+  adding its own adapter's deltas (:meth:`CpuDecodePath.lora_slots`); only a step with an adapter
+  of a layer the C step has no table for (a mixture of experts' experts or router) runs
+  transformers' modules;
 - :func:`~kvfleet.runtime.worker.recipes.recipe_for` has a recipe for the model (its reason is
   logged otherwise), the engine's per-layer sliding windows, attention scale and logit scale agree
   with the recipe's, a mixture-of-experts layer's router and experts are ones
   :func:`~kvfleet.runtime.worker.moe_experts.moe_layer` reads (Mixtral, Qwen3-MoE), and its linear
   layers (the experts' too) are plain float32 ``nn.Linear`` or kvfleet's
   :class:`~kvfleet.runtime.worker.woq_linear.Int8Linear` /
-  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU) /
+  :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` (``--quantization`` on an AVX2 CPU, or a
+  packed checkpoint's layer; an act-order GPTQ layer,
+  :class:`~kvfleet.runtime.worker.packed_checkpoints.PermutedInt4Linear`, as its int4 layer and its
+  input permutation, which q/k/v and gate/up must share to be fused, else the path is off) /
   :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear` (bf16 weights of a float32 model,
   :func:`~kvfleet.runtime.worker.woq_linear.to_bf16_weights`);
 - KV caches in float32 or bf16 (``kv_cache_dtype``; the torch path of prefill and mixed steps reads
@@ -67,10 +73,12 @@ from kvfleet.kernels.cpu_decoder import (
     Linear,
     resolve_matmul,
 )
+from kvfleet.kernels.cpu_lora import LoRATable
 from kvfleet.runtime import env
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan, matrix_matmul
 from kvfleet.runtime.worker.lora_layers import LoRALinear
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
+from kvfleet.runtime.worker.packed_checkpoints import PermutedInt4Linear
 from kvfleet.runtime.worker.recipes import Recipe, recipe_for
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8GroupLinear, Int8Linear
 
@@ -112,14 +120,27 @@ class Runner(Protocol):
 
 
 def _base(module: torch.nn.Module | None) -> torch.nn.Module | None:
-    """The layer whose weights the C step reads: a LoRA wrapper's base layer (the fused path runs the
-    steps without adapter tokens, which are the base model's), else the module itself."""
+    """The layer whose weights the C step reads: a LoRA wrapper's base layer (its adapters' slots are
+    the C step's LoRA tables, :func:`_lora_tables`), else the module itself."""
     return module.base_layer if isinstance(module, LoRALinear) else module
 
 
-def _linear(module: torch.nn.Module) -> Linear | None:
-    """The layer's weights in a format the C step reads, or None."""
+def _inner(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The layer holding the weights: :func:`_base`, and an act-order layer's int4 layer."""
     module = _base(module)
+    return module.inner if isinstance(module, PermutedInt4Linear) else module
+
+
+def _linear(module: torch.nn.Module) -> Linear | None:
+    """The layer's weights in a format the C step reads (an act-order layer's with its input
+    permutation), or None."""
+    base = _base(module)
+    if isinstance(base, PermutedInt4Linear):
+        inner = _linear(base.inner)
+        if inner is not None:
+            inner.perm = base.perm.to(torch.int32).contiguous()
+        return inner
+    module = base
     if isinstance(module, Int8Linear):
         return Linear("int8", module.weight, module.qscale, bias=module.bias32)
     if isinstance(module, Bf16Linear):
@@ -136,14 +157,41 @@ def _linear(module: torch.nn.Module) -> Linear | None:
     return None
 
 
+def _lora_tables(layer: torch.nn.Module, recipe: Recipe, moe: bool) -> dict[str, LoRATable]:
+    """The layer's LoRA slot tensors as the C step's tables (:mod:`kvfleet.kernels.cpu_lora`): every
+    LoRA-wrapped module among q, k, v (or a stored qkv), o, gate, up (or a stored gate_up) and down
+    (not an MLP of experts), each at its columns of the stacked matrix."""
+    fam, attn, mlp = recipe.layer, layer.self_attn, layer.mlp
+    groups = [([getattr(attn, n, None) for n in fam.qkv], ("q", "k", "v")), ([getattr(attn, fam.o, None)], ("o",))]
+    if not moe:
+        groups += [([getattr(mlp, n, None) for n in fam.gate_up], ("gate", "up")),
+                   ([getattr(mlp, fam.down, None)], ("down",))]
+    tables = {}
+    for modules, parts in groups:
+        n0 = 0
+        for module, part in zip(modules, parts):
+            if isinstance(module, LoRALinear):
+                tables[part] = LoRATable(module.lora_a, module.lora_b, n0)
+            n0 += module.out_features if module is not None else 0
+    return tables
+
+
 def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
     """One :class:`Linear` over ``modules`` stacked along the output features; the modules'
     weights (and int8/int4 scales) become views of it. None when a module's format is not one
-    the C step reads or the formats differ."""
-    modules = [_base(m) for m in modules]
+    the C step reads or the formats differ.
+
+    Raises:
+        ValueError: the modules have different input permutations (act-order GPTQ layers
+            quantized with different orders: one matrix takes one)."""
     parts = [_linear(m) for m in modules]
+    modules = [_inner(m) for m in modules]
     if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) != 1:
         return None
+    perms = [p.perm for p in parts]
+    if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
+        raise ValueError("act-order layers with different input permutations cannot be one matrix ("
+                         + ", ".join("none" if p is None else "own" for p in perms) + ")")
     fmt, group = parts[0].fmt, parts[0].group
     w = torch.cat([p.w for p in parts])
     scale = torch.cat([p.scale for p in parts]) if fmt in ("int8", "int4", "int8g") else None
@@ -165,7 +213,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             if shift is not None:
                 module.qshift = shift[start:end]
         start = end
-    return Linear(fmt, w, scale, shift, group, bias)
+    return Linear(fmt, w, scale, shift, group, bias, perms[0])
 
 
 def _stacked(modules: list[torch.nn.Module]) -> Linear | None:
@@ -175,15 +223,18 @@ def _stacked(modules: list[torch.nn.Module]) -> Linear | None:
 
 def _fused_layer(layer: torch.nn.Module, recipe: Recipe) -> tuple[Linear, Linear | None] | None:
     """``(qkv, gate_up)`` of a decoder layer (the recipe's modules), fused on first use and kept on
-    the layer; ``gate_up`` None for a mixture of experts (:func:`moe_layer` reads those)."""
+    the layer; ``gate_up`` None for a mixture of experts (:func:`moe_layer` reads those).
+
+    Raises:
+        ValueError: :func:`_fuse`'s (act-order layers with different permutations)."""
     cached = getattr(layer, _FUSED_ATTR, None)
     moe = is_moe_block(layer.mlp)
     qkv_mods = [getattr(layer.self_attn, n, None) for n in recipe.layer.qkv]
     gate_up_mods = [] if moe else [getattr(layer.mlp, n, None) for n in recipe.layer.gate_up]
-    if any(m is None or getattr(m, "weight", None) is None for m in qkv_mods + gate_up_mods):
+    if any(m is None or getattr(_inner(m), "weight", None) is None for m in qkv_mods + gate_up_mods):
         return None
-    if cached is not None and cached[0].w.data_ptr() == qkv_mods[0].weight.data_ptr() \
-            and (moe or cached[1].w.data_ptr() == gate_up_mods[0].weight.data_ptr()):
+    if cached is not None and cached[0].w.data_ptr() == _inner(qkv_mods[0]).weight.data_ptr() \
+            and (moe or cached[1].w.data_ptr() == _inner(gate_up_mods[0]).weight.data_ptr()):
         return cached
     qkv = _stacked(qkv_mods)
     gate_up = _stacked(gate_up_mods) if qkv is not None and not moe else None
@@ -244,7 +295,7 @@ class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
     def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False,
-                 recipe: Recipe | None = None) -> None:
+                 recipe: Recipe | None = None, lora_modules: frozenset[str] = frozenset()) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
@@ -258,6 +309,9 @@ class CpuDecodePath:
         """Whether prefill chunks and mixed steps run fused too (the module docstring)."""
         self.matmul = fused.matmul
         """The fused decoder's matmul kernels (:data:`~kvfleet.kernels.cpu_decoder.MATMULS`)."""
+        self._lora = runner.lora
+        self.lora_modules = lora_modules
+        """The LoRA-wrapped module paths whose slot tensors the C step reads (empty without LoRA)."""
 
     def profile(self) -> dict[str, float]:
         """The C step's milliseconds per phase since the last call (:meth:`FusedDecoder.profile`)."""
@@ -275,14 +329,28 @@ class CpuDecodePath:
             return num_tokens <= MAX_ROWS
         return num_tokens <= DECODE_ROWS and (num_tokens == num_seqs or 1 < max_query_len <= max_query)
 
-    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor
-                ) -> torch.Tensor:
+    def lora_slots(self, scheduled) -> torch.Tensor | None:
+        """For a step with adapter tokens (``scheduled``: the runner's rows): each token's slot, ``[T]``
+        int64, -1 for the base model's (the adapters put into their slots), to pass to :meth:`execute`;
+        None when one of the step's adapters adapts a layer the C step has no table for (the step then
+        runs transformers' modules)."""
+        if self._lora is None or not self.lora_modules:
+            return None
+        ids = {s.request.lora_int_id for s in scheduled} - {0}
+        if any(not self._lora.adapted_modules(i) <= self.lora_modules for i in ids):
+            return None
+        slots = self._lora.token_slots(scheduled)
+        return slots[0] if slots is not None else None
+
+    def execute(self, input_ids: torch.Tensor, positions: torch.Tensor, meta, logits_indices: torch.Tensor,
+                lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[S, V]`` float32 of the rows ``logits_indices`` (the LM head runs on those
         only) for a step that :meth:`applies`; writes every row's key and value into the caches.
         A sequence with several new tokens (a prompt chunk, or a last token and its drafts) runs
         as that many rows, row ``j`` attending over the positions up to its own (the C step
         writes every row's key and value before any row's attention), so each row's numbers are
-        those of a one-token decode at its position."""
+        those of a one-token decode at its position. ``lora_slots``: :meth:`lora_slots` (None: no
+        adapter tokens)."""
         num_tokens = input_ids.shape[1]
         block_tables, seq_lens = meta.block_tables, meta.seq_lens
         if num_tokens != seq_lens.shape[0]:
@@ -295,7 +363,7 @@ class CpuDecodePath:
         x = x.contiguous()
         cos, sin = self._rope(x, positions)
         hidden, logits = self._fused.step(x, cos, sin, meta.slot_mapping.contiguous(), block_tables,
-                                          seq_lens.contiguous(), logits_indices.contiguous())
+                                          seq_lens.contiguous(), logits_indices.contiguous(), lora_slots)
         if logits is None:
             return self._compute_logits(hidden.index_select(0, logits_indices))
         if self._logit_scale != 1.0:   # as the engine's compute_logits finishes the torch path's
@@ -350,11 +418,15 @@ def build(runner: Runner) -> CpuDecodePath | None:
             if isinstance(moe, str):
                 reason = f"layer {i}'s mixture of experts: {moe}"
                 break
-            fused = _fused_layer(layer, recipe)
+            try:
+                fused = _fused_layer(layer, recipe)
+            except ValueError as exc:
+                reason = f"layer {i}: {exc}"
+                break
             o = _linear(getattr(layer.self_attn, fam.o))
             down = None if moe else _linear(getattr(layer.mlp, fam.down, None))
             if fused is None or o is None or (down is None and moe is None):
-                reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4"
+                reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4 (act-order int4)"
                 break
             k_cache, v_cache = runner.kv_caches[i]
             norms = {p: _norm(getattr(layer, name), offset) for p, name in fam.norms.items()}
@@ -362,7 +434,8 @@ def build(runner: Runner) -> CpuDecodePath | None:
                   for n in ("q_norm", "k_norm")]
             layers.append(Layer(norms.get("attn_in"), norms.get("mlp_in"), fused[0], o, fused[1], down, k_cache,
                                 v_cache, norms.get("attn_out"), norms.get("mlp_out"), qk[0], qk[1],
-                                recipe.windows[i], recipe.layer_rope[i], moe))
+                                recipe.windows[i], recipe.layer_rope[i], moe,
+                                _lora_tables(layer, recipe, moe is not None) or None))
     if reason is not None:
         logger.info("fused CPU decode: off (%s)", reason)
         return None
@@ -380,7 +453,10 @@ def build(runner: Runner) -> CpuDecodePath | None:
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
-    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe)
+    tables = {id(t.a) for layer in layers for t in (layer.lora or {}).values()}
+    lora_modules = frozenset(name for name, m in (runner.lora.layers.items() if runner.lora is not None else ())
+                             if id(m.lora_a) in tables)
+    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe, lora_modules)
     cos, _ = path._rope(torch.zeros(1, fused.hidden), torch.zeros(1, 1, dtype=torch.long))
     if tuple(cos.shape) != (fused.num_ropes, 1, fused.rotary_dim):
         logger.info("fused CPU decode: off (the rotary embedding gives %s tables of width %d, the recipe "

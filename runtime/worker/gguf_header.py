@@ -2,20 +2,23 @@
 its tensor table over a memory map, and each tensor as stored.
 
 Contract: :func:`read_architecture` reads ``general.architecture`` from the head of a file without
-parsing the rest; :func:`open_reader` gives the ``gguf`` package's ``GGUFReader`` over the file without
-its vocabulary (metadata arrays of more than :data:`BIG_ARRAY` items stepped over, each item read as
-an empty string or a zero: their count stays), and :func:`shared_reader` hands that reader to
-transformers' GGUF config loader for a call; :func:`stored` repacks one tensor into its kernel format
-(:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as it
-goes (:func:`drop_pages`). Every bad file is a :class:`GgufError`: one line naming the file and the
-reason.
+parsing the rest; :func:`open_reader` gives the ``gguf`` package's ``GGUFReader`` over the file
+without its vocabulary (metadata arrays of more than :data:`BIG_ARRAY` items stepped over, each item
+read as an empty string or a zero: their count stays; the parsed header's pages of the map
+released), and :func:`shared_reader` hands that reader to transformers' GGUF config loader for a
+call; :func:`stored` repacks one tensor into its kernel format
+(:func:`kvfleet.runtime.worker.gguf_tensors.from_gguf`) chunk by chunk, releasing the map's pages as
+it goes (:func:`drop_pages`, with the neighbouring pages a read fault maps in too), and
+:func:`stored_experts` a MoE layer's ``[E, N, K]`` experts tensor expert by expert, each handing the C
+heap's free pages back as it goes (:func:`trim_heap`). Every bad file is
+a :class:`GgufError`: one line naming the file and the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import mmap
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +135,11 @@ def _reader_class():
             self.memmap = mm
             self._plain = np.asarray(mm).view(np.ndarray)
 
+        def _push_field(self, field, skip_sum: bool = False) -> int:
+            if len(field.data) > BIG_ARRAY and len(set(field.data[:2])) == 1:  # a stepped-over array's
+                field = field._replace(data=_Same(field.data[0], len(field.data)))  # indices, not a list
+            return super()._push_field(field, skip_sum)
+
         def _get_field_parts(self, orig_offs, raw_type):
             if int(raw_type) != gguf.GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
@@ -143,10 +151,28 @@ def _reader_class():
             end = _skip_array(self._plain, item, int(count[0]), orig_offs + 12)
             np_type = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item)) if item in _SCALARS else None
             blank = np.zeros(1 if np_type else 0, dtype=np_type or np.uint8)  # every item reads as this
-            return (end - orig_offs, [raw_itype, count, blank], [2] * int(count[0]),
+            return (end - orig_offs, [raw_itype, count, blank], _Same(2, int(count[0])),
                     [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(item)])
 
     return Reader
+
+
+class _Same(Sequence):
+    """``count`` times ``value`` without a list of them (a stepped-over array's item indices: a list
+    of 262,144 would be 2 MB per array)."""
+
+    def __init__(self, value: int, count: int) -> None:
+        self.value, self.count = value, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.value] * len(range(*index.indices(self.count)))
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        return self.value
 
 
 def _skip_array(buf, item: int, count: int, at: int) -> int:
@@ -167,8 +193,13 @@ def _skip_array(buf, item: int, count: int, at: int) -> int:
 
 
 def open_reader(path: Path):
+    """The file's ``GGUFReader`` (vocabulary stepped over), the map's pages of the metadata and tensor
+    table it parsed released from the process (clean file pages: the Gemma 3 file's vocabulary is
+    ~12 MB of them; read again if a later parse needs them)."""
     try:
-        return _reader_class()(str(path))
+        reader = _reader_class()(str(path))
+        drop_pages(reader, 0, reader.data_offset)
+        return reader
     except Exception as exc:  # wrong magic, a truncated file, an unknown tensor type: the reader's words
         size = path.stat().st_size if path.exists() else 0
         if isinstance(exc, ValueError) and "cannot reshape array" in str(exc):
@@ -184,15 +215,45 @@ def architecture(reader) -> str:
     return bytes(field.parts[-1]).decode() if field is not None else ""
 
 
+FAULT_AROUND = 256 << 10
+"""A read fault on a file map also maps the neighbouring pages already in the page cache (Linux's
+``fault_around_bytes``, 64 KiB by default): dropping a range drops this much on either side too, or
+each tensor's read would map back pages of the tensors around it (~9 MB over SmolLM2's 272
+tensors, measured)."""
+
+
 def drop_pages(reader, start: int, length: int) -> None:
     """Release bytes ``start .. start + length`` of the file map from this process (whole pages
-    inside or under them; clean pages: read again if needed)."""
+    inside or under them, and :data:`FAULT_AROUND` bytes either side; clean pages: read again if
+    needed)."""
     mm = getattr(getattr(reader, "memmap", None), "_mmap", None)
     if mm is None or not hasattr(mm, "madvise"):
         return
-    first = int(start) // mmap.PAGESIZE * mmap.PAGESIZE
+    first = max(0, int(start) - FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(mm), int(start) + int(length) + FAULT_AROUND)
     with contextlib.suppress(OSError, ValueError):
-        mm.madvise(mmap.MADV_DONTNEED, first, int(start) + int(length) - first)
+        if end > first:
+            mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+_LIBC = None
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim(0)``; a no-op elsewhere).
+    A repack's numpy temporaries of megabytes come from the heap once glibc's mmap threshold has
+    risen past them; without this, their freed pages stay resident (~9 MB over Gemma 3's tensors)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
 
 
 CHUNK_BYTES = 16 << 20
@@ -211,15 +272,36 @@ def stored(reader, t, dims: list[int]) -> Stored:
         drop_pages(reader, t.data_offset, t.n_bytes)
         return stored
     out: dict[str, torch.Tensor] = {}
-    first = None
+    kind = None
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         part = from_gguf(t.tensor_type, t.data[r0:r1], (r1 - r0, k), t.name)
-        if first is None:
-            first = part
+        if kind is None:
+            kind = (part.fmt, part.group, part.source)
             out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in ("w", "scale", "shift")
                    if (x := getattr(part, f)) is not None}
         for f, x in out.items():
             x[r0:r1] = getattr(part, f)
         drop_pages(reader, t.data_offset + r0 * row_bytes, (r1 - r0) * row_bytes)
-    return dataclasses.replace(first, **out)
+        del part
+        trim_heap()
+    fmt, group, source = kind
+    return Stored(fmt, out["w"], out.get("scale"), out.get("shift"), group, source)
+
+
+def stored_experts(reader, t) -> list[Stored]:
+    """A MoE layer's GGUF tensor ``[E, N, K]`` (llama.cpp's ``ffn_{gate,up,down}_exps``) as one
+    stored weight ``[N, K]`` per expert, each expert's pages of the map released once repacked."""
+    dims = [int(d) for d in reversed(t.shape)]
+    if len(dims) != 3:
+        raise ValueError(f"{t.name}: an experts tensor has 3 dimensions, not {len(dims)}")
+    e, n, k = dims
+    per = int(t.n_bytes) // e
+    data = t.data.reshape(e, n, -1)
+    out = []
+    for i in range(e):
+        out.append(from_gguf(t.tensor_type, data[i], (n, k), f"{t.name}[{i}]"))
+        drop_pages(reader, t.data_offset + i * per, per)
+        if per >= 1 << 20:
+            trim_heap()
+    return out

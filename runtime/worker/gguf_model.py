@@ -24,8 +24,10 @@ Contract: :func:`load` turns a ``.gguf`` file into ``(model, tokenizer)``:
   ``layout.json``, atomically); a later :func:`load` reads only those (seconds, no GGUF parse).
 
 Architectures: those whose transformers tensor processor is the plain one, llama's or Gemma's
-(:data:`LINEAR_SAFE`); others raise :class:`GgufError` (the caller may fall back to transformers'
-float32 conversion). Any bad file (wrong magic, truncated, an unknown tensor type, an architecture
+(:data:`LINEAR_SAFE`), mixture-of-experts files among them (Mixtral as llama.cpp writes it, ``llama``
+with experts; ``qwen3moe``): their experts as stored through
+:mod:`kvfleet.runtime.worker.gguf_experts`; others raise :class:`GgufError` (the caller may fall
+back to transformers' float32 conversion). Any bad file (wrong magic, truncated, an unknown tensor type, an architecture
 transformers has no GGUF mapping for) raises :class:`GgufError` whose message names the file and
 the reason in one line.
 """
@@ -43,8 +45,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvfleet.runtime.worker import gguf_tokenizer
-from kvfleet.runtime.worker.gguf_header import GgufError, architecture, drop_pages, open_reader, shared_reader
+from kvfleet.runtime.worker import gguf_experts, gguf_tokenizer
+from kvfleet.runtime.worker.gguf_header import (
+    GgufError,
+    architecture,
+    drop_pages,
+    open_reader,
+    shared_reader,
+    stored_experts,
+    trim_heap,
+)
 from kvfleet.runtime.worker.gguf_header import read_architecture as read_architecture  # this module's API too
 from kvfleet.runtime.worker.gguf_header import stored as stored_tensor
 from kvfleet.runtime.worker.gguf_tensors import Stored, to_float32, unify_siblings
@@ -53,9 +63,11 @@ logger = logging.getLogger(__name__)
 
 LAYOUT = "layout.json"
 TENSORS = "tensors.safetensors"
-LAYOUT_VERSION = 2  # 2: the tokenizer as gguf_tokenizer builds it (compact merges)
+LAYOUT_VERSION = 3  # 2: compact merges; 3: added_tokens_decoder in tokenizer_config.json; "experts" optional
+TRIM_BYTES = 1 << 20
+"""After each tensor of this many bytes in the file, the heap's free pages go back (:func:`trim_heap`)."""
 LINEAR_SAFE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4",
-               "starcoder2", "stablelm", "nemotron", "deci", "mixtral"}
+               "starcoder2", "stablelm", "nemotron", "deci", "mixtral", "qwen3moe"}
 """GGUF architectures whose transformers tensor processor leaves linear weights as stored (or, for
 llama, only permutes q / k rows, which :func:`load` does on the stored rows)."""
 _PERMUTED = {"llama"}  # transformers' LlamaTensorProcessor: attn_q / attn_k rows permuted by llama.cpp
@@ -137,8 +149,9 @@ def _replace(model, name: str, module: torch.nn.Module) -> None:
 
 
 def _assemble(model, linears: dict[str, Stored], biases: dict[str, torch.Tensor], embedding: tuple[str, Stored] | None,
-              head_tied: bool) -> None:
+              head_tied: bool, experts: dict | None = None) -> None:
     """Put the stored weights into ``model`` (its parameters and the float tensors already set)."""
+    gguf_experts.assemble(model, experts or {})
     emb_module = model.get_input_embeddings()
     emb_name = next(n for n, m in model.named_modules() if m is emb_module)
     head = model.get_output_embeddings()
@@ -192,11 +205,13 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
             gguf_tokenizer.build(path, tok_dir)
     except (ValueError, KeyError, NotImplementedError) as exc:
         raise GgufError(f"{path}: transformers cannot map its config or tokenizer ({exc})") from None
+    config = gguf_experts.moe_config(reader, arch, config)
     tokenizer = gguf_tokenizer.load(tok_dir)
     model = _empty_model(config, attn_implementation)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     name_map = _name_map(model, arch, config.get_text_config().num_hidden_layers)
-    if any(t.name not in name_map for t in reader.tensors):  # transformers' full (slower) walk of the submodules
+    if any(t.name not in name_map and not gguf_experts.match(t.name) for t in reader.tensors):
+        # transformers' full (slower) walk of the submodules
         name_map = get_gguf_hf_weights_map(model, processor)
     text = config.get_text_config()
     heads = {"attn_q": text.num_attention_heads,
@@ -206,7 +221,14 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
     biases: dict[str, torch.Tensor] = {}
     floats: dict[str, torch.Tensor] = {}
     embedding = None
+    expert_parts: dict[int, dict[str, list[Stored]]] = {}
     for t in reader.tensors:
+        if (which := gguf_experts.match(t.name)) is not None:
+            try:
+                expert_parts.setdefault(which[0], {})[which[1]] = stored_experts(reader, t)
+            except ValueError as exc:
+                raise GgufError(f"{path}: {exc}") from None
+            continue
         hf = name_map.get(t.name)
         if hf is None:
             logger.info("GGUF %s: tensor %s has no place in the model; skipped", path.name, t.name)
@@ -236,19 +258,28 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
         except ValueError as exc:
             raise GgufError(f"{path}: {exc}") from None
         drop_pages(reader, t.data_offset, t.n_bytes)
+        if t.n_bytes >= TRIM_BYTES:
+            trim_heap()
     head_tied = not any(t.name == "output.weight" for t in reader.tensors)
     for name, value in floats.items():
         _set_param(model, name, value)
     for name, value in biases.items():  # a float32 layer's bias lives on it; quantized layers take theirs below
         if name not in linears:
             _set_param(model, f"{name}.bias", value)
-    _assemble(model, linears, biases, embedding, head_tied)
+    try:
+        experts = gguf_experts.combine(model, expert_parts)
+    except ValueError as exc:
+        raise GgufError(f"{path}: {exc}") from None
+    _assemble(model, linears, biases, embedding, head_tied, experts)
     _check_filled(model, path)
     record = {"linears": linears, "biases": {k: v for k, v in biases.items() if k in linears}, "floats": floats,
-              "embedding": embedding, "head_tied": head_tied}
+              "embedding": embedding, "head_tied": head_tied, "experts": experts}
     counts: dict[str, int] = {}
     for stored in [*linears.values(), *([embedding[1]] if embedding else [])]:
         counts[stored.source] = counts.get(stored.source, 0) + 1
+    for gate_up, down in experts.values():
+        for stored in [*gate_up, *down]:
+            counts[f"{stored.source} expert"] = counts.get(f"{stored.source} expert", 0) + 1
     logger.info("GGUF %s: %s tensors kept as stored (%s) in %.1f s", path.name, len(linears) + bool(embedding),
                 ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), time.monotonic() - t0)
     del reader
@@ -272,6 +303,9 @@ def _write_cache(folder: Path, config, tok_dir: Path, record: dict) -> None:
         layout["embedding"] = {"name": name, "fmt": stored.fmt, "group": stored.group, "source": stored.source}
     tensors.update({f"float.{k}": v.contiguous() for k, v in record["floats"].items()})
     tensors.update({f"bias.{k}": v.contiguous() for k, v in record["biases"].items()})
+    if record.get("experts"):
+        flat, layout["experts"] = gguf_experts.tensors(record["experts"])
+        tensors.update(flat)
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
@@ -316,7 +350,8 @@ def _from_cache(folder: Path, attn_implementation: str):
     if layout["embedding"] is not None:
         spec = layout["embedding"]
         embedding = (spec["name"], Stored.from_tensors(tensors, "embedding", spec["fmt"], spec["group"]))
-    _assemble(model, linears, biases, embedding, layout["head_tied"])
+    experts = gguf_experts.from_tensors(tensors, layout.get("experts", {}))
+    _assemble(model, linears, biases, embedding, layout["head_tied"], experts)
     _check_filled(model, folder)
     return model, tokenizer
 

@@ -13,8 +13,11 @@ layers :func:`kvfleet.runtime.worker.quantization.decoder_linears` names) in a
 - ``max_cpu_loras`` adapters' weights resident in host memory (:class:`LoRAWeights`); an
   adapter evicted from it stays registered and is read from its folder again when a step needs it.
 
-Per step it builds each packed token's slot index (``-1``: base model) and, on CPU, the slot
-mask of :func:`kvfleet.kernels.lora.slot_mask`, and sets them as the forward's LoRA context.
+Per step it builds each packed token's slot index (``-1``: base model, :meth:`LoRAManager.token_slots`)
+and, on CPU, the slot mask of :func:`kvfleet.kernels.lora.slot_mask`, and sets them as the forward's
+LoRA context; the fused CPU decoder (:mod:`kvfleet.runtime.worker.cpu_decode`) takes the slot indices
+alone and reads the same slot tensors (:meth:`LoRAManager.adapted_modules` says which layers an
+adapter needs).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class LoRAManager:
         self.registered: dict[int, LoRARequest] = {}
         self._cpu: OrderedDict[int, LoRAWeights] = OrderedDict()
         self._slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
+        self._adapted: dict[int, frozenset[str]] = {}  # lora_int_id -> the module paths it adapts
         self.num_slot_loads = 0
         """Adapters copied into a slot so far (a measure of slot churn)."""
 
@@ -78,6 +82,7 @@ class LoRAManager:
             LoRALoadError: the checkpoint cannot be served (why, in the message)."""
         weights = load_lora_weights(lora.lora_path, self.targets, self.max_lora_rank)
         self.registered[lora.lora_int_id] = lora
+        self._adapted[lora.lora_int_id] = frozenset(weights.modules)
         self._cache(lora.lora_int_id, weights)
         logger.info("LoRA adapter %s (id %d, rank %d, %d layers, %.1f MiB) from %s", lora.lora_name,
                     lora.lora_int_id, weights.rank, len(weights.modules), weights.num_bytes / 2**20, lora.lora_path)
@@ -86,6 +91,7 @@ class LoRAManager:
     def remove(self, lora_int_id: int) -> None:
         """Forget an adapter: its slot is cleared and its host weights dropped (unknown ids: no-op)."""
         self.registered.pop(lora_int_id, None)
+        self._adapted.pop(lora_int_id, None)
         self._cpu.pop(lora_int_id, None)
         slot = self._slots.pop(lora_int_id, None)
         if slot is not None:
@@ -112,6 +118,16 @@ class LoRAManager:
             raise RuntimeError(f"LoRA adapter {lora.lora_name!r} could not be read again: {exc}") from exc
         self._cache(lora_int_id, weights)
         return weights
+
+    def adapted_modules(self, lora_int_id: int) -> frozenset[str]:
+        """The module paths (keys of :attr:`layers`) that a registered adapter adapts.
+
+        Raises:
+            LoRANotFoundError: an id that is not registered."""
+        modules = self._adapted.get(lora_int_id)
+        if modules is None:
+            raise LoRANotFoundError(f"LoRA adapter id {lora_int_id} is not loaded")
+        return modules
 
     @property
     def resident_ids(self) -> list[int]:
@@ -151,8 +167,9 @@ class LoRAManager:
             self.num_slot_loads += 1
         return {i: self._slots[i] for i in wanted}
 
-    def make_context(self, scheduled: Sequence[ScheduledRow]) -> LoRAStepContext | None:
-        """The step's per-token slots (and CPU mask); None when no scheduled request has an adapter."""
+    def token_slots(self, scheduled: Sequence[ScheduledRow]) -> tuple[torch.Tensor, int] | None:
+        """Each packed token's slot (``[T]`` int64 on the CPU, -1: base model), its adapters put into
+        slots (:meth:`activate`), and the highest slot + 1; None when no scheduled request has an adapter."""
         ids = [s.request.lora_int_id for s in scheduled]
         if not any(ids):
             return None
@@ -160,10 +177,18 @@ class LoRAManager:
         per_request = [slots.get(i, -1) for i in ids]
         counts = [s.num_new_tokens for s in scheduled]
         token_slots = torch.repeat_interleave(torch.tensor(per_request, dtype=torch.long),
-                                              torch.tensor(counts, dtype=torch.long)).to(self.device)
+                                              torch.tensor(counts, dtype=torch.long))
+        return token_slots, max(per_request) + 1
+
+    def make_context(self, scheduled: Sequence[ScheduledRow]) -> LoRAStepContext | None:
+        """The step's per-token slots (and CPU mask); None when no scheduled request has an adapter."""
+        slots = self.token_slots(scheduled)
+        if slots is None:
+            return None
+        token_slots, k = slots[0].to(self.device), slots[1]
         mask = None
         if select_backend(self.device) != "triton":  # the torch path (CPU) takes the mask
-            mask = slot_mask(token_slots, max(per_request) + 1, self.max_lora_rank, self.dtype)
+            mask = slot_mask(token_slots, k, self.max_lora_rank, self.dtype)
         return LoRAStepContext(token_slots=token_slots, mask=mask)
 
     @contextmanager

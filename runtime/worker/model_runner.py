@@ -453,11 +453,12 @@ class ModelRunner:
             logits = self.pp.execute(input_ids, positions, {METADATA_KWARG: meta}, logits_indices, self.vocab_size)
             return ModelRunnerOutput(sampling, logits, draft_token_ids=drafts)
         adapters = self.lora is not None and any(s.request.lora_int_id for s in scheduled)
-        if self.cpu_decode is not None and not adapters and self.cpu_decode.applies(
+        lora_slots = self.cpu_decode.lora_slots(scheduled) if adapters and self.cpu_decode is not None else None
+        if self.cpu_decode is not None and (lora_slots is not None or not adapters) and self.cpu_decode.applies(
             input_ids.shape[1], len(scheduled), bool(rows), meta.num_actual_tokens is not None,
             meta.max_query_len, max_query,
-        ):  # a step with adapter tokens runs transformers' modules (the LoRA layers)
-            logits = self.cpu_decode.execute(input_ids, positions, meta, logits_indices)
+        ):  # adapter tokens run fused where the C step has their layers' tables (else the LoRA layers below)
+            logits = self.cpu_decode.execute(input_ids, positions, meta, logits_indices, lora_slots)
             return ModelRunnerOutput(sampling, logits, draft_token_ids=drafts)
         if self.compiled is not None:
             hidden = self.compiled(input_ids, positions, meta)  # [T, hidden_size]

@@ -19,9 +19,10 @@ Layouts (DESIGN.md, "Quantized formats, facts"; the formats' own loaders):
   ``k = 8j + i``), ``qzeros`` int32 ``[K/G, N/8]`` packed along the output dim, stored as ``z - 1``;
   ``scales`` ``[K/G, N]``; ``g_idx`` ``[K]`` the group of each input feature. With act-order
   (``g_idx`` not ``k // G``) the input features are sorted by group, so each group is contiguous,
-  and the layer permutes its input the same way (:class:`PermutedInt4Linear`: exact; it runs on the
-  int4 kernels through torch, not in the fused decoder). Groups of unequal sizes: the layer is
-  dequantized to bf16, logged.
+  and the layer permutes its input the same way (:class:`PermutedInt4Linear`: exact; the fused
+  decoder runs it as its int4 layer with an input permutation, ``kernels/cpu_perm.h``, so q/k/v
+  and gate/up, quantized in one order from one input, stay one matrix each). Groups of unequal
+  sizes: the layer is dequantized to bf16, logged.
 - compressed-tensors pack-quantized: ``weight_packed`` int32 ``[N, K/8]`` along the input dim,
   values stored plus 8 (``q + 8`` for ``q`` in -8..7), ``weight_scale`` ``[N, K/G]``, optional
   ``weight_zero_point`` ``[N, K/G]`` (or packed ``[N/8, K/G]``); ``weight_g_idx`` as GPTQ's.
@@ -122,7 +123,8 @@ def _along_rows(packed: torch.Tensor) -> torch.Tensor:
 class PermutedInt4Linear(torch.nn.Module):
     """An act-order layer: ``y = inner(x[..., perm])`` where ``inner`` is an ``Int4Linear`` over the
     weight's input features sorted by group (``perm``), so it equals the checkpoint's layer exactly.
-    Not an ``nn.Linear``: the fused decoder does not take it (its step has no input permutation)."""
+    The fused decoder reads ``inner`` and ``perm`` (:mod:`kvfleet.runtime.worker.cpu_decode`) and
+    gathers the input in its C step; this forward is the torch path's."""
 
     def __init__(self, inner: torch.nn.Module, perm: torch.Tensor) -> None:
         super().__init__()

@@ -45,14 +45,24 @@ def pack(values: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
     return word.movedim(-1, dim).contiguous()
 
 
-def write(path, ref, fmt: str, group: int, sym: bool, act_order: bool):
+INPUT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+"""Layers that read one input: GPTQ's act-order quantizes them in one order (the order of their
+Hessian's diagonal, which is the same for the same inputs)."""
+
+
+def write(path, ref, fmt: str, group: int, sym: bool, act_order: bool, shared_orders: bool = True):
     """``ref`` (a float32 transformers model) quantized in ``fmt`` (``awq``, ``gptq``, ``ct``
     pack-quantized, ``ct8`` int-quantized), its checkpoint written at ``path`` (safetensors and
     config.json with the format's ``quantization_config``); ``ref``'s linear weights are replaced by
-    their dequantization, so it is the float32 model the checkpoint holds. Returns ``ref``."""
+    their dequantization, so it is the float32 model the checkpoint holds. Returns ``ref``.
+
+    ``act_order``: each layer's groups over its input features in a random order, one order per
+    input (q/k/v, gate/up: :data:`INPUT_OF`) as GPTQ gives them, or with ``shared_orders`` False
+    one per layer."""
     path = Path(path)
     cfg = ref.config
     gen = torch.Generator().manual_seed(1)
+    orders: dict[str, torch.Tensor] = {}
     tensors = {}
     for name, p in ref.state_dict().items():
         module = name.rsplit(".", 1)[0]
@@ -74,7 +84,9 @@ def write(path, ref, fmt: str, group: int, sym: bool, act_order: bool):
         groups = k // group
         group_of = torch.arange(k) // group
         if act_order:
-            perm = torch.randperm(k, generator=gen)
+            parent, _, leaf = module.rpartition(".")
+            key = f"{parent}.{INPUT_OF.get(leaf, leaf)}" if shared_orders else module
+            perm = orders[key] if key in orders else orders.setdefault(key, torch.randperm(k, generator=gen))
             group_of = torch.empty(k, dtype=torch.int64)
             group_of[perm] = torch.arange(k) // group
         q, z, s = quantize(w, group_of, groups, sym)

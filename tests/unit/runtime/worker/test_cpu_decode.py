@@ -13,7 +13,10 @@ sliding window, and a family without a recipe left on transformers' modules."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 from support.engine_workload import CONFIG, Recorder, count_fused_rows, prompts, run
 from support.tiny_models import FAMILIES, hf_greedy
 
@@ -147,10 +150,26 @@ def test_the_path_is_off_where_it_does_not_apply(smollm2_two_layers, monkeypatch
     assert not path.applies(MAX_ROWS + 1, 3, False, False, 4000)
     assert not path.applies(400, 1, prompt_logprobs=True, padded=False)
     assert not path.applies(400, 1, prompt_logprobs=False, padded=True)
-    # LoRA keeps the path (steps without adapter tokens: tests/unit/runtime/engine/test_lora.py); it reads the
-    # LoRA layers' base weights
+    # LoRA keeps the path (tests/unit/runtime/engine/test_lora.py): it reads the LoRA layers' base weights, and
+    # their slots as the C step's tables; a step with adapter tokens gets each token's slot, unless one of its
+    # adapters adapts a layer without a table (then None: transformers' modules)
     eng = LLMEngine(EngineConfig(num_blocks=8, enable_lora=True, max_lora_rank=8), loaded=smollm2_two_layers)
-    assert eng.runner.cpu_decode is not None
+    path = eng.runner.cpu_decode
+    assert path is not None and len(path.lora_modules) == 2 * 7 and path._fused.lora_rank == 8
+    covered = next(iter(path.lora_modules))
+
+    class Manager:
+        def adapted_modules(self, lora_int_id):
+            return frozenset([covered] if lora_int_id == 1 else [covered, "model.layers.0.mlp.experts.0"])
+
+        def token_slots(self, scheduled):
+            return torch.tensor([0, -1]), 1
+
+    path._lora = Manager()
+    rows = [SimpleNamespace(request=SimpleNamespace(lora_int_id=i)) for i in (1, 0)]
+    assert path.lora_slots(rows).tolist() == [0, -1]
+    rows[1].request.lora_int_id = 2
+    assert path.lora_slots(rows) is None
 
 
 def test_bf16_weights_keep_the_fused_path(smollm2_two_layers, monkeypatch):
@@ -471,21 +490,3 @@ def test_logit_scale_and_softcap_match_the_torch_path(family, fields, tmp_path, 
     assert got == expected
     worst = max(abs(x - y) for a, b in zip(got_lp, expected_lp) for x, y in zip(a, b))
     assert worst <= 1e-4, worst
-
-
-def test_the_step_weights_that_decide_the_heads_kernels():
-    """``_step_weights`` (cpu_plan.matrix_matmul's denominator): every dense matrix, ``top_k`` of
-    ``E`` experts' worth of a mixture of experts, and the head."""
-    import torch
-
-    from kvfleet.kernels.cpu_decoder import Layer, Linear, MoeLayer
-
-    def m(n, k):
-        return Linear("fp32", torch.zeros(n, k))
-
-    dense = Layer(None, None, m(96, 64), m(64, 32), m(256, 64), m(64, 128), None, None)
-    moe = MoeLayer(m(4, 64), [m(256, 64)] * 4, [m(64, 128)] * 4, top_k=2)
-    experts = Layer(None, None, m(96, 64), m(64, 32), None, None, None, None, moe=moe)
-    layers = 96 * 64 + 64 * 32
-    assert cpu_decode._step_weights([dense], m(1000, 64)) == layers + 256 * 64 + 64 * 128 + 1000 * 64
-    assert cpu_decode._step_weights([experts], None) == layers + 2 * (256 * 64 + 64 * 128)

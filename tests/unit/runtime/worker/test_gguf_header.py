@@ -41,6 +41,7 @@ def test_the_vocabulary_is_stepped_over_and_the_rest_read_as_gguf_reads_it(small
     assert gguf_header.architecture(ours) == "llama"
     tokens = ours.fields["tokenizer.ggml.tokens"]
     assert len(tokens.data) == len(TOKENS)  # the count (the config's vocab_size), not the strings
+    assert not isinstance(tokens.data, list)  # nor a list of their indices
     assert {_gguf_parse_value(tokens.parts[i], tokens.types) for i in tokens.data} == {""}
     assert {_gguf_parse_value(ours.fields["tokenizer.ggml.scores"].parts[i], ours.fields["tokenizer.ggml.scores"]
                               .types) for i in ours.fields["tokenizer.ggml.scores"].data} == {0.0}
@@ -70,3 +71,37 @@ def test_a_file_cut_inside_its_tensor_data_is_named_truncated(small_file, tmp_pa
     cut.write_bytes(data[:len(data) - 300])  # the header and tensor table whole, the last tensor short
     with pytest.raises(gguf_header.GgufError, match=r"cut\.gguf: truncated GGUF file: .*\(\d+ bytes"):
         gguf_header.open_reader(cut)
+
+
+def _mapped_kb(path) -> int:
+    """Resident kB of this process's maps of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_every_tensor_read_leaves_none_of_the_map_resident(tmp_path):
+    """Each tensor's pages are released once repacked, the neighbours a read fault maps with them
+    (the kernel's fault-around) too: after the last tensor none of the file's map is resident."""
+    path = tmp_path / "many.gguf"
+    rng = np.random.default_rng(1)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_token_list(TOKENS)
+    for i in range(24):  # 69,632 bytes each: tensors straddle the 64 KiB fault-around windows
+        q8 = gguf.quants.quantize(rng.standard_normal((64, 1024)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor(f"blk.{i}.ffn_down.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf_header.open_reader(path)
+    assert _mapped_kb(path) <= 4  # the header and the vocabulary's pages released after the parse
+    kept = [gguf_header.stored(reader, t, [64, 1024]) for t in reader.tensors]
+    assert len(kept) == 24 and _mapped_kb(path) <= 4
+    ref = gguf.GGUFReader(str(path))
+    t = ref.tensors[5]
+    assert torch.equal(kept[5].dequantize(), torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type)))

@@ -70,3 +70,20 @@ def test_the_default_files_tokenizer_is_transformers_own(built):
         chat, add_generation_prompt=True)
     assert (tok.eos_token_id, tok.bos_token_id, len(tok)) == (ref.eos_token_id, ref.bos_token_id, len(ref))
     assert tok.all_special_ids == ref.all_special_ids
+
+
+def test_loading_never_parses_tokenizer_json_in_python(built, monkeypatch):
+    """The added tokens are in tokenizer_config.json (as tokenizer.json holds them), so transformers
+    does not read all of tokenizer.json into Python objects for them (Gemma 3's: 124 MB transient)."""
+    added = json.loads((built / "tokenizer_config.json").read_text(encoding="utf-8"))["added_tokens_decoder"]
+    whole = json.loads((built / gguf_tokenizer.TOKENIZER_FILE).read_text(encoding="utf-8"))["added_tokens"]
+    assert added == {str(t.pop("id")): t for t in whole} and added
+    real = json.load
+
+    def guarded(f, *args, **kwargs):
+        assert not str(getattr(f, "name", "")).endswith(gguf_tokenizer.TOKENIZER_FILE), "parsed in Python"
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", guarded)
+    tok = gguf_tokenizer.load(built)
+    assert len(tok.added_tokens_decoder) == len(added)

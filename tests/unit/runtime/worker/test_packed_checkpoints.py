@@ -2,14 +2,22 @@
 pack-quantized (W4A16) and int-quantized (W8A8's int8 weights) checkpoints, written here from a reference quantizer in each format's own layout,
 loaded by kvfleet (runtime/worker/packed_checkpoints.py through model_loader): every layer's weights
 equal the reference's dequantization, the logits equal the dequantized float32 model's, and the
-engine's greedy tokens (the fused decoder where the layout allows) equal that model's."""
+engine's greedy tokens (on the fused decoder) equal that model's. An act-order GPTQ checkpoint runs
+on the fused decoder with its input permutations (kernels/cpu_perm.h): its logits, with every
+matmul kind, equal the dequantized model's (float32 kernels: to rounding; bf16 matmuls: within a
+tenth of the quantization's own error) and the torch PermutedInt4Linear path's; layers of one
+input quantized in different orders keep the fused path off, with the reason logged."""
 
 from __future__ import annotations
+
+import copy
+import logging
 
 import pytest
 import torch
 from support import packed_writer
 
+from kvfleet.kernels.cpu_decoder import FusedDecoder, matmul_available
 from kvfleet.runtime.worker import model_loader, packed_checkpoints
 from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
 
@@ -28,13 +36,16 @@ def _config():
                                 initializer_range=0.1, tie_word_embeddings=False, max_position_embeddings=512)
 
 
-def _write(path, fmt: str, group: int, sym: bool, act_order: bool):
-    """A small random Llama checkpoint in ``fmt`` at ``path``; returns the dequantized float32 model."""
+def _original():
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = _config()
-    return packed_writer.write(path, AutoModelForCausalLM.from_config(cfg).float().eval(), fmt, group, sym, act_order)
+    return AutoModelForCausalLM.from_config(_config()).float().eval()
+
+
+def _write(path, fmt: str, group: int, sym: bool, act_order: bool, **kw):
+    """A small random Llama checkpoint in ``fmt`` at ``path``; returns the dequantized float32 model."""
+    return packed_writer.write(path, _original(), fmt, group, sym, act_order, **kw)
 
 
 CASES = [("awq", 32, False, False), ("awq", 128, False, False), ("gptq", 64, True, False),
@@ -87,6 +98,69 @@ def test_formats_kvfleet_does_not_read_are_one_line_errors(tmp_path):
         model_loader.load_model(str(tmp_path), device="cpu", quantization="int8")
 
 
+def _engine(path, monkeypatch):
+    from kvfleet.runtime.config import EngineConfig
+    from kvfleet.runtime.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("KVFLEET_CPU_DECODER", "1")
+    return LLMEngine(EngineConfig(num_blocks=8, max_num_batched_tokens=32),
+                     loaded=model_loader.load_model(str(path), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def act_order(tmp_path_factory, smollm2):
+    """An act-order GPTQ checkpoint (asymmetric, groups of 32), the float32 model it quantizes, its
+    dequantized float32 model, an engine over the checkpoint and a plain load of it (the torch path)."""
+    path = tmp_path_factory.mktemp("gptq-act")
+    original = _original()
+    ref = packed_writer.write(path, copy.deepcopy(original), "gptq", 32, False, True)
+    smollm2.tokenizer.save_pretrained(path)
+    with pytest.MonkeyPatch.context() as mp:
+        eng = _engine(path, mp)
+    return path, original, ref, eng, model_loader.load_model(str(path), device="cpu").model
+
+
+BF16 = [pytest.param(k, marks=pytest.mark.skipif(not matmul_available(k), reason=f"no {k} kernels here"))
+        for k in ("avx512_bf16", "amx")]
+
+
+@pytest.mark.parametrize("kind", ["float32", *BF16])
+def test_an_act_order_checkpoint_runs_fused_with_the_dequantized_models_logits(act_order, kind):
+    _, original, ref, eng, plain = act_order
+    path = eng.runner.cpu_decode
+    assert path is not None, "the fused decoder is off for the act-order checkpoint"
+    weights = path._fused.weights
+    assert all(m.perm is not None for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    fused = FusedDecoder(weights, threads=2, matmul=kind)
+    assert fused.matmul == kind
+    T = 24
+    ids = torch.randint(0, 49152, (T,), generator=torch.Generator().manual_seed(2))
+    x = path._embed(ids).float().contiguous()
+    cos, sin = path._rope(x, torch.arange(T)[None])
+    block = weights.layers[0].k_cache.shape[1]
+    tables = torch.arange((T + block - 1) // block, dtype=torch.int32).repeat(T, 1).contiguous()
+    _, got = fused.step(x, cos, sin, torch.arange(T), tables, torch.arange(1, T + 1, dtype=torch.int32))
+    with torch.no_grad():
+        deq, torch_path, full = (m(ids[None]).logits[0] for m in (ref, plain, original))
+    scale = deq.abs().max()
+    assert (torch_path - deq).abs().max() <= 1e-4 * scale   # PermutedInt4Linear through torch
+    quant_error = (full - deq).abs().max()
+    err = (got - deq).abs().max()
+    if kind == "float32":   # the same sums in another order
+        assert err <= 1e-4 * scale and (got - torch_path).abs().max() <= 1e-4 * scale
+    else:   # activations and weights rounded to bf16
+        assert err <= 0.1 * quant_error, (float(err), float(quant_error))
+
+
+def test_layers_of_one_input_in_different_orders_keep_the_fused_path_off(tmp_path, smollm2, monkeypatch, caplog):
+    _write(tmp_path, "gptq", 32, True, True, shared_orders=False)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    with caplog.at_level(logging.INFO, logger="kvfleet.runtime.worker.cpu_decode"):
+        eng = _engine(tmp_path, monkeypatch)
+    assert eng.runner.cpu_decode is None
+    assert "layer 0: act-order layers with different input permutations cannot be one matrix" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", True)])
 def test_the_engine_serves_a_packed_checkpoint_with_the_dequantized_models_greedy_tokens(fmt, act_order, tmp_path,
@@ -100,7 +174,7 @@ def test_the_engine_serves_a_packed_checkpoint_with_the_dequantized_models_greed
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     fused = llm.llm_engine.runner.cpu_decode is not None
-    assert fused == (not act_order)  # the fused decoder runs the int4 layers; an input permutation it has not
+    assert fused  # the fused decoder runs the int4 layers, act-order ones with their input permutations
     for prompt, out in zip(prompts, outs):
         ids = smollm2.tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
