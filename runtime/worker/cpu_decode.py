@@ -447,7 +447,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
                              rotary_interleaved=recipe.rotary_interleaved, residual_scale=recipe.residual_scale)
     asked = matmul_asked(runner)
     if head is not None:   # the plan's per-matrix choice (the layers keep the decoder's kernels)
-        head.matmul = matrix_matmul(asked, "head", _weights(head), _step_weights(layers, head))
+        head.matmul = matrix_matmul(asked, "head", head.fmt, _weights(head), _step_weights(layers, head))
     try:
         fused = FusedDecoder(weights, matmul=asked)
     except (ValueError, RuntimeError) as exc:
