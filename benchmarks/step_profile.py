@@ -3,7 +3,7 @@
 ::
 
     python benchmarks/step_profile.py phases [--concurrency 1 32] [--dtype float32 bfloat16] [--steps 40]
-        [--kv-cache-dtype auto float32 bfloat16]
+        [--kv-cache-dtype auto float32 bfloat16] [--model PATH]
     python benchmarks/step_profile.py bench [--baseline REV] [--rounds 2] [--dtype float32 bfloat16]
     python benchmarks/step_profile.py w48 [--dtype auto] [--no-batch-invariant] [--kv-cache-dtype float32 bfloat16]
     python benchmarks/step_profile.py prefill [--lengths 400] [--rounds 5] [--dtype float32]
@@ -75,11 +75,12 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def make_engine(dtype: str, max_num_seqs: int = 128, kv_cache_dtype: str = "auto"):
+def make_engine(dtype: str, max_num_seqs: int = 128, kv_cache_dtype: str = "auto", model: str | None = None):
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
 
     extra = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}  # a --baseline may lack it
+    extra |= {"model": model} if model else {}
     return LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=max_num_seqs, **extra))
 
 
@@ -108,12 +109,12 @@ class _Timer:
 
 
 def profile_phases(dtype: str, concurrency: int, steps: int, cprofile: int, stub_forward: bool = False,
-                   kv_cache_dtype: str = "auto") -> dict:
+                   kv_cache_dtype: str = "auto", model: str | None = None) -> dict:
     import torch
 
     from kvfleet.runtime.sampling_params import SamplingParams
 
-    eng = make_engine(dtype, kv_cache_dtype=kv_cache_dtype)
+    eng = make_engine(dtype, kv_cache_dtype=kv_cache_dtype, model=model)
     timer = _Timer()
     runner = eng.runner
     runner_acc = {"execute_model": 0.0}
@@ -414,6 +415,7 @@ def main() -> None:
     p.add_argument("--stub-forward", action="store_true",
                    help="replace the model's forward by fixed logits: time the host work alone")
     p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"])
+    p.add_argument("--model", default=None, help="the model (default: the engine's default), e.g. a GGUF file")
     b = sub.add_parser("bench")
     b.add_argument("--baseline", default=None, metavar="REV")
     b.add_argument("--new", default=None, metavar="REV", help="measure REV's code as 'new' (default: the working tree)")
@@ -454,7 +456,7 @@ def main() -> None:
         for dtype in args.dtype:
             for kv in args.kv_cache_dtype:
                 for c in args.concurrency:
-                    profile_phases(dtype, c, args.steps, args.cprofile, args.stub_forward, kv)
+                    profile_phases(dtype, c, args.steps, args.cprofile, args.stub_forward, kv, args.model)
     elif args.cmd == "bench":
         bench(args)
     elif args.cmd == "w48":

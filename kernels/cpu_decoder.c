@@ -132,18 +132,26 @@ static void input_rows(const kv_step *s, float *x, int64_t K, const int32_t *per
  * its rows, so it takes more of them (its blocks start at multiples of 16, as the tiles do). */
 static inline int64_t row_block(const kv_step *s) { return s->xb ? KV_BF16_ROW_BLOCK : KV_ROW_BLOCK; }
 
-/* y[m * ldy + n - n0] = x[m0 + m] . w[n] for m < rows, n0 <= n < n1: on AMX tiles or as bf16 dot
+/* The kernels matrix w runs in step s (KV_MATMUL_*): its own kind (kv_matrix.kind, fixed when the
+ * decoder is built, so the same for every row count) where it names one, else the step's; a step
+ * on float32 kernels (a build or thread without the bf16 ones) runs every matrix there. */
+static inline int64_t kind_of(const kv_step *s, const kv_matrix *w) {
+    return w->kind == 0 || s->matmul == KV_MATMUL_F32 ? s->matmul : w->kind - 1;
+}
+
+/* y[m * ldy + n - n0] = x[m0 + m] . w[n] for m < rows, n0 <= n < n1 (kind_of): on AMX tiles or as bf16 dot
  * products from s->xb (pack_input of x; m0 a multiple of 16: either layout puts row m0's data at
  * m0 K), else kvfleet's float32 kernels (one-row order). */
 static inline void rows_of(const kv_step *s, const kv_matrix *w, const float *x, int64_t m0, int64_t rows,
                            int64_t n0, int64_t n1, float *y, int64_t ldy) {
+    const int64_t kind = kind_of(s, w);
 #if KV_HAVE_AMX
-    if (s->matmul == KV_MATMUL_AMX && kv_amx_rows(w, s->xb + m0 * w->K, rows, n0, n1, y, ldy) == 0) return;
+    if (kind == KV_MATMUL_AMX && kv_amx_rows(w, s->xb + m0 * w->K, rows, n0, n1, y, ldy) == 0) return;
 #endif
 #if KV_HAVE_DPBF16
-    if (s->matmul == KV_MATMUL_DPBF16 && kv_dp_rows(w, s->xb + m0 * w->K, rows, n0, n1, y, ldy) == 0) return;
+    if (kind == KV_MATMUL_DPBF16 && kv_dp_rows(w, s->xb + m0 * w->K, rows, n0, n1, y, ldy) == 0) return;
 #endif
-    (void)s;
+    (void)kind;
     kv_matrix_rows(w, x + m0 * w->K, w->K, rows, n0, n1, y, ldy);   /* (-1 above: no buffer memory) */
 }
 
@@ -362,7 +370,7 @@ static void lm_head(kv_step *s, const float *out, const int64_t *logits_indices,
         s->h = (float *)out;
     }
     s->M = L;
-    pack_input(s, s->h, H);
+    if (kind_of(s, s->d->head) != KV_MATMUL_F32) pack_input(s, s->h, H);
     kv_parallel(task_head, s, spans(s, s->d->head->N));
 }
 

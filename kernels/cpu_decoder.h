@@ -65,7 +65,8 @@ enum { KV_CACHE_F32 = 0, KV_CACHE_BF16 = 1 };
 
 /* kv_decoder.matmul: the kernels of the linear layers: float32 (cpu_gemv.h), bf16 on AMX tiles
  * (cpu_amx.h; the `amx` build), bf16 dot products (cpu_dpbf16.h; the avx512_bf16 and amx builds).
- * A build without the asked kernels runs float32. */
+ * A build without the asked kernels runs float32. A matrix may name its own (kv_matrix.kind = 1 +
+ * a code: float32, or the decoder's own kind; kernels/cpu_decoder.py checks it), for every step. */
 enum { KV_MATMUL_F32 = 0, KV_MATMUL_AMX = 1, KV_MATMUL_DPBF16 = 2 };
 
 typedef struct {

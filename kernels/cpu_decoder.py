@@ -94,6 +94,7 @@ class Linear:
     group: int = 0
     bias: torch.Tensor | None = None
     perm: torch.Tensor | None = None
+    matmul: str | None = None   # its kernels in every step (cpu_plan.matrix_matmul): None (the decoder's), float32
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -135,10 +136,10 @@ class Linear:
             if not torch.equal(torch.sort(p).values, torch.arange(k, dtype=torch.int32)):
                 raise ValueError(f"{name}: perm is not a permutation of 0..{k - 1}")
 
-    def struct(self) -> _Matrix:
+    def struct(self) -> _Matrix:   # (the appended fields by name; kind 0: the decoder's kernels)
         n, k = self.shape
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
-                       self.group, _data(self.bias), perm=_data(self.perm))   # (by name: fields are appended)
+                       self.group, _data(self.bias), perm=_data(self.perm), kind=1 + _MATMUL_CODES.get(self.matmul, -1))
 
 
 def _data(t: torch.Tensor | None) -> int | None:
@@ -402,12 +403,17 @@ class FusedDecoder:
                    layer.v_cache.data_ptr(), layer.window, layer.rope, ctypes.pointer(moe[0]) if moe else None,
                    ctypes.pointer(lora) if lora is not None else None)
             for layer, moe, lora in zip(w.layers, self._moes, self._loras)])
-        self._head = w.head.struct() if w.head is not None else None
         matrices = [m for layer in w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down) if m is not None]
         matrices += [m for layer in w.layers if layer.moe is not None for m in (*layer.moe.gate_up, *layer.moe.down)]
         matrices += [w.head] if w.head is not None else []
-        self.matmul = resolve_matmul(matmul, matrices)
+        if {m.matmul for m in matrices} - {None, "float32", matmul}:   # (cpu_plan.matrix_matmul)
+            raise ValueError(f"a matrix's own matmul must be None, 'float32' or the decoder's {matmul!r}")
+        on = [m for m in matrices if m.matmul != "float32"]   # the matrices on the decoder's kernels
+        self.matmul = resolve_matmul(matmul, on) if on else "float32"
         """The matmul kernels the steps run (:data:`MATMULS`)."""
+        self.head_matmul = "float32" if w.head is None or self.matmul == "float32" else w.head.matmul or self.matmul
+        """The LM head's kernels (:data:`MATMULS`)."""
+        self._head = w.head.struct() if w.head is not None else None
         self._struct = _Decoder(len(w.layers), H, QH, KVH, D, inter, block_size, w.eps, w.scale, self._layers,
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,

@@ -239,6 +239,9 @@ typedef struct {
     const float *bias;      /* [N] or NULL */
     const int32_t *perm;    /* [K] or NULL: the input permutation (act-order GPTQ): the fused decoder
                              * runs the matrix on x[m, perm[k]] (cpu_perm.h); the kernels here ignore it */
+    int64_t kind;           /* the fused decoder's kernels for this matrix: 0 the step's (kv_decoder.matmul),
+                             * else 1 + a KV_MATMUL_* code (runtime/worker/cpu_plan.py chooses it once per
+                             * matrix, never per row count: batch invariance); other callers ignore it */
 } kv_matrix;
 
 /* Software prefetch of `bytes` from p, one cache line at a time (addresses past the end of the

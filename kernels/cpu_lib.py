@@ -87,7 +87,7 @@ class Matrix(ctypes.Structure):
     """``kv_matrix`` (cpu_gemv.h)."""
 
     _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("w", _ptr), ("scale", _ptr), ("shift", _ptr),
-                ("group", _i64), ("bias", _ptr), ("perm", _ptr)]
+                ("group", _i64), ("bias", _ptr), ("perm", _ptr), ("kind", _i64)]
 
 
 class Moe(ctypes.Structure):

@@ -75,7 +75,7 @@ from kvfleet.kernels.cpu_decoder import (
 )
 from kvfleet.kernels.cpu_lora import LoRATable
 from kvfleet.runtime import env
-from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan
+from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan, matrix_matmul
 from kvfleet.runtime.worker.lora_layers import LoRALinear
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
 from kvfleet.runtime.worker.packed_checkpoints import PermutedInt4Linear
@@ -445,8 +445,11 @@ def build(runner: Runner) -> CpuDecodePath | None:
                              float(decoder.layers[0].self_attn.scaling), layers, _norm(decoder.norm, offset), head,
                              qk_norm=fam.qk_norm, act=recipe.act, rotary_dim=recipe.rotary_dim,
                              rotary_interleaved=recipe.rotary_interleaved, residual_scale=recipe.residual_scale)
+    asked = matmul_asked(runner)
+    if head is not None:   # the plan's per-matrix choice (the layers keep the decoder's kernels)
+        head.matmul = matrix_matmul(asked, "head", head.fmt, _weights(head), _step_weights(layers, head))
     try:
-        fused = FusedDecoder(weights, matmul=matmul_asked(runner))
+        fused = FusedDecoder(weights, matmul=asked)
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
@@ -462,8 +465,28 @@ def build(runner: Runner) -> CpuDecodePath | None:
     prefill = path.prefill
     experts = [layer.moe for layer in layers if layer.moe is not None]
     moe = f" ({len(experts)} with {len(experts[0].gate_up)} experts, top {experts[0].top_k})" if experts else ""
-    logger.info("fused CPU decode: on (%s, %d layers%s, weights %s, LM head %s, KV cache %s, matmuls %s, prefill %s)",
-                recipe.family, len(layers), moe, layers[0].qkv.fmt, head.fmt if head is not None else "in torch",
+    on = f" on {MATMUL_NAMES[fused.head_matmul]}" if head is not None and fused.head_matmul != fused.matmul else ""
+    logger.info("fused CPU decode: on (%s, %d layers%s, weights %s, LM head %s%s, KV cache %s, matmuls %s, prefill %s)",
+                recipe.family, len(layers), moe, layers[0].qkv.fmt, head.fmt if head is not None else "in torch", on,
                 str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
                 "fused" if prefill else "in torch")
     return path
+
+
+def _weights(m: Linear) -> int:
+    n, k = m.shape
+    return n * k
+
+
+def _step_weights(layers: list[Layer], head: Linear | None) -> int:
+    """The weights a one-row step reads: every dense matrix, ``top_k`` experts' worth of each
+    mixture of experts, and the head."""
+    total = _weights(head) if head is not None else 0
+    for layer in layers:
+        total += _weights(layer.qkv) + _weights(layer.o)
+        if layer.moe is not None:
+            experts = layer.moe.gate_up + layer.moe.down
+            total += sum(map(_weights, experts)) * layer.moe.top_k // len(layer.moe.gate_up)
+        else:
+            total += _weights(layer.gate_up) + _weights(layer.down)
+    return total

@@ -42,6 +42,18 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
 - ``--dtype bfloat16`` or ``float16`` with ``--quantization``, and ``--dtype float16``: as asked,
   through torch (the fused decoder is off; the reason says so).
 
+**Per matrix** (:func:`matrix_matmul`, the one place that chooses it): every matrix runs the
+plan's ``matmul`` except **a quantized LM head that holds more than half the weights a one-row
+step reads** (:data:`HEAD_FLOAT32_SHARE`; a large vocabulary on a small model: Gemma 3 270M's
+262,144 x 640 Q8_0 head is 62 %), which runs the float32 kernels. At one row the bf16 kinds lose to
+the float32 kernels ~2x on quantized weights (widening each weight to bf16 costs more than the
+float32 multiply-add), at 48 rows they win ~4x; a head that dominates the weights decides one
+stream, so it takes the float32 kernels, and the layers keep the bf16 kind's batch speed. bf16
+weights are tile-loaded as stored (no widening): there the tiles cost ~1.1x at one row and win ~10x
+at 48, so a bf16 head keeps them. The choice is made once
+per matrix, never per row count (batch invariance: docs/performance.md, "Which kernels each matrix
+runs").
+
 No start-up measurement refines the choice: with float32 activations the flags decide nothing
 but the weight storage, and a timing on a shared CPU (steps measured 10-20x slower under
 contention) would make the numerics of a restart depend on the load at that moment.
@@ -61,6 +73,13 @@ with native bf16 (AVX512-BF16 / AMX: prefill matmuls run oneDNN's bf16 there) wh
 decoder is expected. On AVX2 ``auto`` keeps float32 weights: steps of more than 32 rows that the
 fused decoder does not take widen bf16 weights before torch's fp32 matmul, which is not measured
 to pay there. False: ``--dtype bfloat16`` runs bf16 activations through torch, as before."""
+
+HEAD_FLOAT32_SHARE = 0.5
+"""The share of a one-row step's weights above which a quantized LM head runs the float32 kernels
+(:func:`matrix_matmul`). Measured on a Xeon with AMX, one thread, ms per call (float32 / AMX
+tiles / AVX512-BF16 dot products): Gemma 3's int8g head [262144, 640] 16.5 / 37.0 / 28.0 at one
+row, 203 / 51 / 173 at 48; SmolLM2's bf16 head [49152, 576] 2.1 / 2.4 / 2.8 at one row, 39 / 4.0 /
+30 at 48 (docs/performance.md, "Which kernels each matrix runs")."""
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "int4")
@@ -273,3 +292,36 @@ def _why_not_fused(features: CpuFeatures, facts: CpuFacts, kernels: bool, single
     if quantization is not None and not facts.woq_kernels:
         return "$KVFLEET_CPU_WOQ=0 (torchao's kernels)"
     return ""
+
+
+MATRIX_ROLES = ("layer", "head")
+MATRIX_FORMATS = ("bf16", "int8", "int8g", "int4", "fp32")
+
+
+def matrix_matmul(matmul: str, role: str, fmt: str, weights: int, step_weights: int) -> str | None:
+    """The fused decoder's kernels for one matrix, fixed for every step (the rule: module
+    docstring): None (the decoder's ``matmul``) or ``float32``.
+
+    Args:
+        matmul: the decoder's kernels (:attr:`CpuPlan.matmul`, after ``$KVFLEET_CPU_MATMUL``).
+        role: ``layer`` (a decoder layer's q|k|v, o, gate|up, down or expert) or ``head`` (the LM head).
+        fmt: its weights' format (``kernels.cpu_decoder.Linear.fmt``: ``bf16``, ``int8``, ``int8g``,
+            ``int4`` or ``fp32``).
+        weights: the matrix's weights (N K).
+        step_weights: the weights a one-row step reads (every dense matrix, the head, and
+            ``top_k`` experts' worth of each mixture of experts).
+
+    Raises:
+        ValueError: an unknown ``matmul``, ``role`` or ``fmt``, or weights outside ``0 < weights <= step_weights``.
+    """
+    if matmul not in MATMUL_KERNELS:
+        raise ValueError(f"matmul must be one of {', '.join(MATMUL_KERNELS)}; got {matmul!r}")
+    if role not in MATRIX_ROLES:
+        raise ValueError(f"role must be one of {', '.join(MATRIX_ROLES)}; got {role!r}")
+    if fmt not in MATRIX_FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(MATRIX_FORMATS)}; got {fmt!r}")
+    if not 0 < weights <= step_weights:
+        raise ValueError(f"weights {weights} must be positive and at most the step's {step_weights}")
+    if matmul != "float32" and role == "head" and fmt != "bf16" and weights > HEAD_FLOAT32_SHARE * step_weights:
+        return "float32"
+    return None

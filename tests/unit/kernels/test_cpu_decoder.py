@@ -391,6 +391,45 @@ def test_bf16_matmul_rows_give_the_same_bits_in_any_batch(fmt, matmul):
         assert torch.equal(step(slice(i, i + 1))[0], together[i]), f"row {i} differs in the batch"
 
 
+@pytest.mark.parametrize("matmul", BF16_MATMULS)
+def test_matrices_on_their_own_kernels_keep_every_rows_bits_in_any_batch(matmul):
+    """Per-matrix kernels (``Linear.matmul``, cpu_plan.matrix_matmul): the head and one layer's o and
+    gate|up on the float32 kernels in a bf16 decoder. A row alone equals the same row among 16 and
+    among 40, bit for bit; the head's logits are the float32 kernels' own (cpu_woq's int8g linear on
+    the step's hidden state, bitwise), and differ from an all-bf16 decoder's."""
+    weights, _, _ = _model("int8g", vocab=304)
+    all_bf16 = FusedDecoder(weights, threads=2, matmul=matmul)
+    for m in (weights.head, weights.layers[1].o, weights.layers[1].gate_up):
+        m.matmul = "float32"
+    fused = FusedDecoder(weights, threads=2, matmul=matmul)
+    assert (fused.matmul, fused.head_matmul, all_bf16.head_matmul) == (matmul, "float32", matmul)
+    M = 40   # one block per row, BLOCKS of them: no row reads another's new key
+    x, cos, sin, _, _, lens = _inputs(M, seed=21)
+    lens = lens.clamp(max=BS)
+    tables = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(22))[:M].view(M, 1).to(torch.int32)
+    slots = tables[:, 0].long() * BS + (lens.long() - 1)
+    snapshot = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]
+
+    def step(decoder, rows):
+        for layer, (kc, vc) in zip(weights.layers, snapshot):
+            layer.k_cache.copy_(kc)
+            layer.v_cache.copy_(vc)
+        return decoder.step(x[rows].clone(), cos[rows], sin[rows], slots[rows], tables[rows].contiguous(), lens[rows])
+
+    hidden, together = step(fused, slice(0, M))
+    sixteen = step(fused, slice(12, 28))[1]
+    assert torch.equal(sixteen, together[12:28])
+    for i in (0, 13, 27, 39):
+        assert torch.equal(step(fused, slice(i, i + 1))[1][0], together[i]), f"row {i} differs in the batch"
+    head = weights.head
+    want = cpu_woq.int8g_linear_unchecked(hidden, head.w, head.scale, head.shift, head.group, None)
+    assert torch.equal(together, want)
+    assert not torch.equal(step(all_bf16, slice(0, M))[1], together)
+    weights.head.matmul = "fp16"
+    with pytest.raises(ValueError, match="own matmul"):
+        FusedDecoder(weights, threads=2, matmul=matmul)
+
+
 def _prefill_rows(seqs: list[tuple[int, int]], gen: torch.Generator):
     """Rows of prompt chunks: sequence ``i`` has tokens at positions ``start .. start + n - 1``
     (``seqs[i] = (start, n)``; the positions before ``start`` are in the cache already), its own

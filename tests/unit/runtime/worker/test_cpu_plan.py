@@ -95,6 +95,46 @@ def test_the_gguf_default_runs_bf16_matmuls_where_the_cpu_has_them():
     assert cp.plan(cpu("spr").capped("avx512"), "auto", facts=KERNELS, checkpoint_weights="gguf").matmul == "float32"
 
 
+# One-row step weights (N K of every matrix) of two real models: Gemma 3 270M (18 layers, hidden
+# 640, q|k|v 1536, o from 1024, MLP 2048; head 262,144 x 640) and SmolLM2-135M (30 layers, hidden
+# 576, q|k|v 960, o 576, MLP 1536; head 49,152 x 576).
+GEMMA3_270M = (262144 * 640, 18 * (1536 * 640 + 640 * 1024 + 2 * 2048 * 640 + 640 * 2048))
+SMOLLM2_135M = (49152 * 576, 30 * (960 * 576 + 576 * 576 + 2 * 1536 * 576 + 576 * 1536))
+
+
+@pytest.mark.parametrize("checkpoint", ["gguf", "bf16"])
+@pytest.mark.parametrize("machine", list(MACHINES))
+def test_each_matrix_runs_the_plans_kernels_but_a_head_holding_most_weights(machine, checkpoint):
+    """The per-matrix rule on each recorded CPU's plan: Gemma 3 270M's quantized head (62 % of a
+    one-row step's weights) runs the float32 kernels wherever the plan chose bf16 ones; a bf16 head,
+    its layers, and every matrix of SmolLM2 (head 21 %) keep the plan's kernels (None)."""
+    p = cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights=checkpoint)
+    assert p.matmul == {"zen3": "float32", "zen4": "avx512_bf16", "spr": "amx"}[machine]
+    for (head, layers), big in ((GEMMA3_270M, True), (SMOLLM2_135M, False)):
+        step = head + layers
+        for fmt in ("int8g", "int4", "int8", "fp32"):
+            want = "float32" if big and p.bf16_matmuls else None
+            assert cp.matrix_matmul(p.matmul, "head", fmt, head, step) == want, fmt
+        # bf16 weights are tile-loaded as stored: a bf16 head keeps the plan's kernels however large
+        assert cp.matrix_matmul(p.matmul, "head", "bf16", head, step) is None
+        assert cp.matrix_matmul(p.matmul, "layer", "int8g", 2048 * 640, step) is None
+    # the threshold: more than half, not half
+    assert cp.matrix_matmul("amx", "head", "int8g", 50, 100) is None
+    assert cp.matrix_matmul("amx", "head", "int8g", 51, 100) == "float32"
+
+
+def test_matrix_matmul_refuses_bad_input():
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        cp.matrix_matmul("bf16", "head", "int8g", 1, 2)
+    with pytest.raises(ValueError, match="role must be one of"):
+        cp.matrix_matmul("amx", "embedding", "int8g", 1, 2)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        cp.matrix_matmul("amx", "head", "q8_0", 1, 2)
+    for weights, step in ((0, 2), (3, 2), (-1, 2)):
+        with pytest.raises(ValueError, match="must be positive and at most"):
+            cp.matrix_matmul("amx", "head", "int8g", weights, step)
+
+
 @pytest.mark.parametrize("machine", list(MACHINES))
 def test_without_the_fused_decoder_auto_stays_float32_and_says_why(machine):
     cases = {
