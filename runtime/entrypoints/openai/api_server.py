@@ -155,6 +155,8 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
                 "prompts longer than %d characters per token of max_model_len are rejected untokenized",
                 state.prompt_bound.chars_per_token,
             )
+        if state.settings.chat_template is not None:  # --chat-template replaces the tokenizer's
+            engine.tokenizer.chat_template = state.settings.chat_template
         _pick_tool_parser(state, getattr(engine.tokenizer, "chat_template", None))
         await engine.start()
         state.engine = engine

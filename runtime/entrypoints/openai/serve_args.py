@@ -105,6 +105,15 @@ class ServerSettings(BaseModel):
     enable_auto_tool_choice: bool = False
     """vLLM's flag, accepted with ``tool_call_parser`` (``auto`` works without it whenever a parser
     is given or detected)."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one (vLLM's ``--chat-template``): replaces the
+    tokenizer's (a GGUF file or checkpoint without one gets chat). Checked at start: a file that
+    cannot be read or a template that does not compile is an option error."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: str | None) -> str | None:
+        return None if value is None else read_chat_template(value)
 
     @model_validator(mode="after")
     def _auto_needs_parser(self) -> ServerSettings:
@@ -165,6 +174,7 @@ _HELP = {
     "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes, llama3_json, mistral "
     "(default: detected from the chat template)",
     "enable_auto_tool_choice": "vLLM's flag for tool_choice auto (on by default when a parser is given or detected)",
+    "chat_template": "a Jinja chat template, or a file holding one; replaces the tokenizer's (default: the model's)",
     "enable_lora": "serve LoRA adapters (a request names one in its model field)",
     "lora_modules": "LoRA adapters to load at start: name=path ... or JSON {\"name\",\"path\",\"base_model_name\"}",
     "max_loras": "most distinct LoRA adapters in one engine step",
@@ -185,6 +195,30 @@ _HELP = {
 
 ENV_ALIASES = env.SERVE_OPTION.aliases
 """vLLM's environment variables read when kvfleet's own is unset."""
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value as a template: ``value`` itself when it holds Jinja (``{``, ``}``
+    or a newline), else the text of the file it names; compiled once here (transformers' sandboxed
+    Jinja) so a broken one stops the start with its reason.
+
+    Raises:
+        ValueError: the file cannot be read, or the template does not compile.
+    """
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    text = value
+    if not any(c in value for c in "{}\n"):  # no Jinja in it: a file's name (vLLM reads it the same way)
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise ValueError(f"chat_template: cannot read the file {value}: {exc.strerror or exc}") from None
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateError as exc:
+        raise ValueError(f"chat_template: not a valid Jinja template: {exc}") from None
+    return text
 
 
 def option_names() -> list[str]:

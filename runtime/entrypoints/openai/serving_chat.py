@@ -258,9 +258,13 @@ class OpenAIServingChat(OpenAIServing):
                     code="invalid_value",
                 )
         tokenizer = engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        template = body.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
             raise APIError(
-                400, "this model has no chat template; use /v1/completions", param="messages", code="no_chat_template"
+                400,
+                "this model has no chat template; use /v1/completions, or start the server with --chat-template",
+                param="messages",
+                code="no_chat_template",
             )
         extra_kwargs = dict(body.chat_template_kwargs or {})
         reserved = sorted(set(extra_kwargs) & _RESERVED_TEMPLATE_KWARGS)
@@ -272,7 +276,7 @@ class OpenAIServingChat(OpenAIServing):
                 code="invalid_value",
             )
 
-        native = template_renders_tools(tokenizer.chat_template)
+        native = template_renders_tools(template)
         messages = prepare_messages(messages, tools, native)
         if tools and native:
             extra_kwargs["tools"] = tools
@@ -284,6 +288,7 @@ class OpenAIServingChat(OpenAIServing):
                     tokenize=False,
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
+                    chat_template=template,
                     **extra_kwargs,
                 )
             except Exception as exc:  # jinja TemplateError, ValueError, TypeError from the template

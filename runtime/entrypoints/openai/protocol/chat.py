@@ -69,6 +69,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    """A Jinja template for this request only (vLLM's extra field); None: the server's."""
 
     def check_supported(self) -> None:
         """Raises UnsupportedFeature/ProtocolError for what the server cannot do."""
