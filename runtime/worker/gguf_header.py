@@ -207,6 +207,10 @@ def open_reader(path: Path):
             # map ended early (numpy's reshape is where the gguf package notices)
             raise GgufError(f"{path}: truncated GGUF file: its tensor data runs past the end of the file "
                             f"({size} bytes; a partial download?)") from None
+        if "requires a buffer of at least" in str(exc) or isinstance(exc, (EOFError, IndexError)):
+            # the header or tensor table itself ends early (struct's / numpy's words for a short read)
+            raise GgufError(f"{path}: truncated GGUF file: its header ends early ({size} bytes; a partial "
+                            "download?)") from None
         raise GgufError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from None
 
 

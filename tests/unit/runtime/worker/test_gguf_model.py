@@ -146,6 +146,11 @@ def test_bad_files_are_one_line_errors_naming_the_file(tmp_path):
         cut.write_bytes(f.read(64))
     with pytest.raises(gguf_model.GgufError, match=r"cut\.gguf: truncated"):
         gguf_model.read_architecture(cut)
+    head = tmp_path / "head.gguf"  # cut inside the metadata: the reader's short read, named as such
+    with open(src, "rb") as f:
+        head.write_bytes(f.read(100_000))
+    with pytest.raises(gguf_model.GgufError, match=r"head\.gguf: truncated GGUF file: its header ends early"):
+        gguf_model.load(head, None)
     body = tmp_path / "body.gguf"  # a whole header, the tensor data cut short
     with open(src, "rb") as f:
         body.write_bytes(f.read(os.path.getsize(src) // 2))
