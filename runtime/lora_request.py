@@ -38,3 +38,4 @@ class LoRALoadError(ValueError):
     ``bad_input``: the server logs that one line, no traceback, and exits 1)."""
 
     bad_input = True
+    about_model = False  # the start-up line names the adapter (in the message), not the base model

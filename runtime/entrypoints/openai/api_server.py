@@ -175,7 +175,8 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
         # error marked ``bad_input`` such as a bad GGUF file's): that one line is the whole story.
         bad_input = isinstance(exc, OSError) or getattr(exc, "bad_input", False)
         model = state.config.model or state.model_name
-        named = f" ({model})" if bad_input and str(model) not in str(exc) else ""
+        about_model = getattr(exc, "about_model", True)  # e.g. a --lora-modules adapter's error is not
+        named = f" ({model})" if bad_input and about_model and str(model) not in str(exc) else ""
         logger.error("the engine failed to start%s: %s: %s", named, type(exc).__name__, exc, exc_info=not bad_input)
         lifecycle.report_fatal(state, exc)
 

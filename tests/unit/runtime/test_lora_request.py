@@ -20,7 +20,7 @@ def test_an_adapter_that_cannot_be_served_is_one_error_line_at_start(caplog):
     def factory(config, stat_loggers):
         raise LoRALoadError(REASON)
 
-    app = create_app(EngineConfig(enable_lora=True), ServerSettings(), engine_factory=factory)
+    app = create_app(EngineConfig(model="base-model", enable_lora=True), ServerSettings(), engine_factory=factory)
     app.state.kvfleet.on_fatal = lambda: None
     with caplog.at_level(logging.ERROR, logger="kvfleet.server"), TestClient(app) as c:
         deadline = time.monotonic() + 30
@@ -30,3 +30,4 @@ def test_an_adapter_that_cannot_be_served_is_one_error_line_at_start(caplog):
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and f"LoRALoadError: {REASON}" in errors[0].getMessage()
     assert not errors[0].exc_info  # no traceback: the line is the whole story
+    assert "base-model" not in errors[0].getMessage()  # the adapter is the problem, not the base model
