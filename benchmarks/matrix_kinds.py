@@ -50,7 +50,7 @@ def matrix(lib, fmt: str, N: int, K: int, G: int, gen: torch.Generator):
         w = torch.randint(-127, 127, (N, K), dtype=torch.int8, generator=gen)
         shift = None
         f32 = lambda x, y, M: lib.kv_woq_int8g_linear(x.data_ptr(), M, K, K, w.data_ptr(), N, scale.data_ptr(),
-                                                      None, G, None, y.data_ptr())
+                                                      None, G, None, y.data_ptr(), 0, None)
     elif fmt == "int4":
         w = cpu_woq.pack_int4(torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen))
         shift = -torch.rand(N, K // G, generator=gen)

@@ -95,19 +95,20 @@ class Linear:
     bias: torch.Tensor | None = None
     perm: torch.Tensor | None = None
     matmul: str | None = None   # its kernels in every step (cpu_plan.matrix_matmul): None (the decoder's), float32
+    high: torch.Tensor | None = None   # int8g's 5-bit form: the fifth bits [N, K/8] uint8 (w the nibbles)
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(N, K)``: output and input features."""
         n, k = self.w.shape
-        return n, 2 * k if self.fmt == "int4" else k
+        return n, 2 * k if self.fmt == "int4" or self.high is not None else k
 
     def check(self, name: str, n: int, k: int) -> None:
         """ValueError unless this is a valid ``[n, k]`` layer in its format."""
         if self.fmt not in _FORMATS:
             raise ValueError(f"{name}: unknown format {self.fmt!r}")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
-                 "int8g": torch.int8}[self.fmt]
+                 "int8g": torch.int8 if self.high is None else torch.uint8}[self.fmt]
         if self.w.dtype != dtype or not self.w.is_contiguous() or self.w.device.type != "cpu":
             raise ValueError(f"{name}: weight must be a contiguous CPU {dtype} tensor, got {self.w.dtype}")
         if self.shape != (n, k):
@@ -125,10 +126,16 @@ class Linear:
             wanted = {**wanted, "shift": (n, k // self.group)}
         elif self.fmt not in ("int4",) and self.shift is not None:
             raise ValueError(f"{name}: {self.fmt} takes no shift")
+        if self.high is not None and (self.fmt != "int8g" or self.high.shape != (n, k // 8)
+                                      or self.high.dtype != torch.uint8 or not self.high.is_contiguous()):
+            raise ValueError(f"{name}: high bits must be a contiguous uint8 ({n}, {k // 8}) tensor of an int8g matrix")
+        half = self.fmt in ("int4", "int8g") and self.scale is not None and self.scale.dtype == torch.float16
         for field, shape in {**wanted, **({"bias": (n,)} if self.bias is not None else {})}.items():
             t = getattr(self, field)
-            if t is None or t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
-                raise ValueError(f"{name}: {field} must be a contiguous float32 {shape} tensor")
+            dtype = torch.float16 if half and field in ("scale", "shift") else torch.float32
+            if t is None or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"{name}: {field} must be a contiguous {str(dtype)[6:]} {shape} tensor"
+                                 + (" (scale and shift: both float32 or both float16)" if field == "shift" else ""))
         if self.perm is not None:
             p = self.perm
             if p.shape != (k,) or p.dtype != torch.int32 or not p.is_contiguous() or k > MAX_PERM:
@@ -138,8 +145,10 @@ class Linear:
 
     def struct(self) -> _Matrix:   # (the appended fields by name; kind 0: the decoder's kernels)
         n, k = self.shape
+        half = self.scale is not None and self.scale.dtype == torch.float16
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
-                       self.group, _data(self.bias), perm=_data(self.perm), kind=1 + _MATMUL_CODES.get(self.matmul, -1))
+                       self.group, _data(self.bias), perm=_data(self.perm), kind=1 + _MATMUL_CODES.get(self.matmul, -1),
+                       scale_f16=int(half), hbits=_data(self.high))
 
 
 def _data(t: torch.Tensor | None) -> int | None:

@@ -40,12 +40,15 @@ static inline void kv_bf16_blocks(const kv_matrix *m, int64_t n, int64_t kb0, in
                                   int64_t stride) {
     const int64_t K = m->K, G = m->group ? m->group : 32;
     dst -= kb0 * stride;   /* block kb at dst + kb * stride */
+    /* the groups of blocks kb0 .. kb1 - 1, widened when stored float16 (kv_groups) */
+    const int64_t g0 = gidx(32 * kb0, G), g1 = kb1 > kb0 ? gidx(32 * kb1 - 1, G) + 1 : g0;
+    float sb[g1 - g0 + 1], tb[g1 - g0 + 1];
     if (m->fmt == KV_INT4) {   /* byte j: k = j (low nibble), k = 16 + j (high nibble) */
         /* Per group, the 16 values q * scale + shift (q = 0 .. 15) rounded to bf16 once, then each
          * block's 32 nibbles look theirs up (vpermw): the same FMA and rounding per weight as
          * widening each one, a third of the instructions. */
         const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
-        const float *sc = m->scale + n * (K / G), *sh = m->shift + n * (K / G);
+        const float *sc = kv_groups(m, m->scale, n, g0, g1, sb), *sh = kv_groups(m, m->shift, n, g0, g1, tb);
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         const __m512i low4 = _mm512_set1_epi16(15);
@@ -63,15 +66,20 @@ static inline void kv_bf16_blocks(const kv_matrix *m, int64_t n, int64_t kb0, in
             _mm512_storeu_si512(dst + kb * stride, _mm512_permutexvar_epi16(idx, table));
         }
     } else if (m->fmt == KV_INT8G) {   /* q * scale (+ shift) per 16 weights (G a multiple of 16) */
-        const int8_t *w = (const int8_t *)m->w + n * K;
-        const float *sc = m->scale + n * (K / G), *sh = m->shift ? m->shift + n * (K / G) : NULL;
-        for (int64_t kb = kb0; kb < kb1; kb++) {
-            const __m512 lo = sh ? dq_i8g_16(w + 32 * kb, sc, sh, gidx(32 * kb, G), 1)
-                                 : dq_i8g_16(w + 32 * kb, sc, sh, gidx(32 * kb, G), 0);
-            const __m512 hi = sh ? dq_i8g_16(w + 32 * kb + 16, sc, sh, gidx(32 * kb + 16, G), 1)
-                                 : dq_i8g_16(w + 32 * kb + 16, sc, sh, gidx(32 * kb + 16, G), 0);
-            _mm512_storeu_si512(dst + kb * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        const int8_t *w = kv_i8g_row(m, n);
+        const uint8_t *hb = kv_hb_row(m, n);
+        const float *sc = kv_groups(m, m->scale, n, g0, g1, sb), *sh = kv_groups(m, m->shift, n, g0, g1, tb);
+#define KV_I8G_BLOCKS(SH, Q5)                                                                           \
+        for (int64_t kb = kb0; kb < kb1; kb++) {                                                        \
+            const __m512 lo = dq_i8g_16(w, hb, 32 * kb, sc, sh, gidx(32 * kb, G), SH, Q5);              \
+            const __m512 hi = dq_i8g_16(w, hb, 32 * kb + 16, sc, sh, gidx(32 * kb + 16, G), SH, Q5);    \
+            _mm512_storeu_si512(dst + kb * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));               \
         }
+        if (hb && sh) { KV_I8G_BLOCKS(1, 1) }
+        else if (hb) { KV_I8G_BLOCKS(0, 1) }
+        else if (sh) { KV_I8G_BLOCKS(1, 0) }
+        else { KV_I8G_BLOCKS(0, 0) }
+#undef KV_I8G_BLOCKS
     } else if (m->fmt == KV_INT8) {   /* int8 unscaled (finish_dot scales) */
         const int8_t *w = (const int8_t *)m->w + n * K;
         for (int64_t kb = kb0; kb < kb1; kb++) {

@@ -183,20 +183,21 @@ enum { KV_FEW_I4_CHUNK = 4 };
 /* Grouped int8 (i8g_m1's order): each weight block dequantized once for all R rows. */
 #ifdef __AVX512F__
 #define KV_DEFINE_FEW_I8G(R)                                                                            \
-    KV_ALWAYS_INLINE void i8g_few_body_r##R(const int8_t *w, const float *s, const float *t, int64_t G,  \
-                                            const float *x, int64_t ldx, int64_t K, float *out, int SH) { \
+    KV_ALWAYS_INLINE void i8g_few_body_r##R(const int8_t *w, const uint8_t *hb, const float *s, const float *t, \
+                                            int64_t G, const float *x, int64_t ldx, int64_t K, float *out, \
+                                            int SH, int Q5) {                                           \
         __m512 a[R][4];                                                                                 \
         for (int r = 0; r < R; r++)                                                                     \
             for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();                                  \
         int64_t k = 0;                                                                                  \
         for (; k + 64 <= K; k += 64)                                                                    \
             for (int c = 0; c < 4; c++) {                                                               \
-                const __m512 wc = dq_i8g_16(w + k + 16 * c, s, t, gidx(k + 16 * c, G), SH);             \
+                const __m512 wc = dq_i8g_16(w, hb, k + 16 * c, s, t, gidx(k + 16 * c, G), SH, Q5);      \
                 for (int r = 0; r < R; r++)                                                             \
                     a[r][c] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x + r * ldx + k + 16 * c), a[r][c]);  \
             }                                                                                           \
         for (; k + 16 <= K; k += 16) {                                                                  \
-            const __m512 wc = dq_i8g_16(w + k, s, t, gidx(k, G), SH);                                   \
+            const __m512 wc = dq_i8g_16(w, hb, k, s, t, gidx(k, G), SH, Q5);                            \
             for (int r = 0; r < R; r++) a[r][0] = _mm512_fmadd_ps(wc, _mm512_loadu_ps(x + r * ldx + k), a[r][0]); \
         }                                                                                               \
         for (int r = 0; r < R; r++)                                                                     \
@@ -205,14 +206,15 @@ enum { KV_FEW_I4_CHUNK = 4 };
     }
 #else
 #define KV_DEFINE_FEW_I8G(R)                                                                            \
-    KV_ALWAYS_INLINE void i8g_few_body_r##R(const int8_t *w, const float *s, const float *t, int64_t G,  \
-                                            const float *x, int64_t ldx, int64_t K, float *out, int SH) { \
+    KV_ALWAYS_INLINE void i8g_few_body_r##R(const int8_t *w, const uint8_t *hb, const float *s, const float *t, \
+                                            int64_t G, const float *x, int64_t ldx, int64_t K, float *out, \
+                                            int SH, int Q5) {                                           \
         __m256 a[R][4];                                                                                 \
         for (int r = 0; r < R; r++)                                                                     \
             for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();                                  \
         for (int64_t k = 0; k + 32 <= K; k += 32)                                                       \
             for (int c = 0; c < 4; c++) {                                                               \
-                const __m256 wc = dq_i8g_8(w + k + 8 * c, s, t, gidx(k + 8 * c, G), SH);                \
+                const __m256 wc = dq_i8g_8(w, hb, k + 8 * c, s, t, gidx(k + 8 * c, G), SH, Q5);         \
                 for (int r = 0; r < R; r++)                                                             \
                     a[r][c] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(x + r * ldx + k + 8 * c), a[r][c]);   \
             }                                                                                           \
@@ -222,10 +224,12 @@ enum { KV_FEW_I4_CHUNK = 4 };
 #endif
 #define KV_DEFINE_FEW_I8G_CALL(R)                                                                       \
     KV_DEFINE_FEW_I8G(R)                                                                                \
-    static inline void i8g_few_r##R(const int8_t *w, const float *s, const float *t, int64_t G, const float *x, \
-                                    int64_t ldx, int64_t K, float *out) {                               \
-        if (t) i8g_few_body_r##R(w, s, t, G, x, ldx, K, out, 1);                                        \
-        else i8g_few_body_r##R(w, s, t, G, x, ldx, K, out, 0);                                          \
+    static inline void i8g_few_r##R(const int8_t *w, const uint8_t *hb, const float *s, const float *t, int64_t G, \
+                                    const float *x, int64_t ldx, int64_t K, float *out) {               \
+        if (hb && t) i8g_few_body_r##R(w, hb, s, t, G, x, ldx, K, out, 1, 1);                           \
+        else if (hb) i8g_few_body_r##R(w, hb, s, t, G, x, ldx, K, out, 0, 1);                           \
+        else if (t) i8g_few_body_r##R(w, hb, s, t, G, x, ldx, K, out, 1, 0);                            \
+        else i8g_few_body_r##R(w, hb, s, t, G, x, ldx, K, out, 0, 0);                                   \
     }
 KV_DEFINE_FEW_I8G_CALL(1) KV_DEFINE_FEW_I8G_CALL(2) KV_DEFINE_FEW_I8G_CALL(3) KV_DEFINE_FEW_I8G_CALL(4)
 
@@ -268,22 +272,21 @@ KV_FEW(bf16_few, uint16_t, widen_bf16, widen_bf16)
 
 /* out[r] = x[r, :] . w_n for R <= 4 rows (KV_DEFINE_FEW*), R <= 6 for int4 in the avx512 build. */
 static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64_t ldx, int R, float *out) {
-    const int64_t K = m->K;
+    const int64_t K = m->K, groups = m->group ? K / m->group : 0;
+    float sb[groups + 1], tb[groups + 1];   /* float16 scales and shifts widened (kv_groups) */
+    const float *sc = m->fmt == KV_INT4 || m->fmt == KV_INT8G ? kv_groups(m, m->scale, n, 0, groups, sb) : NULL;
+    const float *sh = m->fmt == KV_INT4 || m->fmt == KV_INT8G ? kv_groups(m, m->shift, n, 0, groups, tb) : NULL;
 #define KV_FEW_CALL(RC)                                                                                   \
     switch (m->fmt) {                                                                                     \
     case KV_FP32: f32_few_r##RC((const float *)m->w + n * K, x, ldx, K, out); break;                      \
     case KV_INT8: i8_few_r##RC((const int8_t *)m->w + n * K, x, ldx, K, out); break;                      \
     case KV_BF16: bf16_few_r##RC((const uint16_t *)m->w + n * K, x, ldx, K, out); break;                  \
-    case KV_INT8G: i8g_few_r##RC((const int8_t *)m->w + n * K, m->scale + n * (K / m->group),              \
-                                 m->shift ? m->shift + n * (K / m->group) : NULL, m->group, x, ldx, K, out); \
-        break;                                                                                            \
-    default: i4_few_r##RC((const uint8_t *)m->w + n * (K / 2), m->scale + n * (K / m->group),             \
-                          m->shift + n * (K / m->group), m->group, x, ldx, K, out);                       \
+    case KV_INT8G: i8g_few_r##RC(kv_i8g_row(m, n), kv_hb_row(m, n), sc, sh, m->group, x, ldx, K, out); break; \
+    default: i4_few_r##RC((const uint8_t *)m->w + n * (K / 2), sc, sh, m->group, x, ldx, K, out);         \
     }
 #ifdef __AVX512F__
     if (R == 6 || R == 5) {   /* int4 only (KV_FEW_I4_CHUNK) */
         const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
-        const float *sc = m->scale + n * (K / m->group), *sh = m->shift + n * (K / m->group);
         if (R == 6) i4_few_r6(w, sc, sh, m->group, x, ldx, K, out);
         else i4_few_r5(w, sc, sh, m->group, x, ldx, K, out);
         return;
@@ -301,12 +304,15 @@ static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64
 static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) {
     const int64_t K = m->K;
     if (m->fmt == KV_FP32) return (const float *)m->w + n * K;
+    const int64_t groups = m->group ? K / m->group : 0;
+    float sb[groups + 1], tb[groups + 1];
     if (m->fmt == KV_INT4) {
         const uint8_t *w = (const uint8_t *)m->w + n * (K / 2);
-        const int64_t G = m->group, groups = K / G;
+        const int64_t G = m->group;
+        const float *s = kv_groups(m, m->scale, n, 0, groups, sb), *t = kv_groups(m, m->shift, n, 0, groups, tb);
         for (int64_t k = 0; k < K; k += 32) {
             __m256 wv[4];
-            widen_i4(w + k / 2, _mm256_set1_ps(m->scale[n * groups + gidx(k, G)]), _mm256_set1_ps(m->shift[n * groups + gidx(k, G)]), wv);
+            widen_i4(w + k / 2, _mm256_set1_ps(s[gidx(k, G)]), _mm256_set1_ps(t[gidx(k, G)]), wv);
             for (int c = 0; c < 4; c++) _mm256_storeu_ps(buf + k + 8 * c, wv[c]);
         }
         return buf;
@@ -316,12 +322,14 @@ static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) 
         const int8_t *w = (const int8_t *)m->w + n * K;
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_i8(w + k));
     } else if (m->fmt == KV_INT8G) {
-        const int8_t *w = (const int8_t *)m->w + n * K;
-        const float *s = m->scale + n * (K / m->group), *t = m->shift ? m->shift + n * (K / m->group) : NULL;
-        if (t)
-            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w + k, s, t, gidx(k, m->group), 1));
-        else
-            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w + k, s, t, gidx(k, m->group), 0));
+        const int8_t *w = kv_i8g_row(m, n);
+        const uint8_t *hb = kv_hb_row(m, n);
+        const float *s = kv_groups(m, m->scale, n, 0, groups, sb), *t = kv_groups(m, m->shift, n, 0, groups, tb);
+        const int64_t G = m->group;
+        if (hb && t) for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w, hb, k, s, t, gidx(k, G), 1, 1));
+        else if (hb) for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w, hb, k, s, t, gidx(k, G), 0, 1));
+        else if (t) for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w, hb, k, s, t, gidx(k, G), 1, 0));
+        else for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, dq_i8g_8(w, hb, k, s, t, gidx(k, G), 0, 0));
     } else {
         const uint16_t *w = (const uint16_t *)m->w + n * K;
         for (; k + 8 <= K; k += 8) _mm256_storeu_ps(buf + k, widen_bf16(w + k));
@@ -361,16 +369,19 @@ static inline void kv_matrix_rows(const kv_matrix *m, const float *x, int64_t ld
             const uint16_t *w = (const uint16_t *)m->w;
             for (; n < n1; n++) y[n - n0] = finish_dot(m, n, bf16_m1(x, K, w + n * K));
         } else if (m->fmt == KV_INT8G) {
-            const int8_t *w = (const int8_t *)m->w;
+            float sb[K / G], tb[K / G];
             for (; n < n1; n++)
-                y[n - n0] = finish_dot(m, n, i8g_m1(x, K, w + n * K, m->scale + n * (K / G),
-                                                    m->shift ? m->shift + n * (K / G) : NULL, G));
+                y[n - n0] = finish_dot(m, n, i8g_m1(x, K, kv_i8g_row(m, n), kv_hb_row(m, n),
+                                                    kv_groups(m, m->scale, n, 0, K / G, sb),
+                                                    kv_groups(m, m->shift, n, 0, K / G, tb), G));
         } else {
             const uint8_t *w = (const uint8_t *)m->w;
             const int64_t half = K / 2, ahead = 4096 / half + 1;
+            float sb[groups], tb[groups];
             for (; n < n1; n++) {
                 prefetch_span(w + (n + ahead) * half, half);
-                y[n - n0] = finish_dot(m, n, i4_m1(x, K, w + n * half, m->scale + n * groups, m->shift + n * groups, G));
+                y[n - n0] = finish_dot(m, n, i4_m1(x, K, w + n * half, kv_groups(m, m->scale, n, 0, groups, sb),
+                                                   kv_groups(m, m->shift, n, 0, groups, tb), G));
             }
         }
         return;

@@ -14,10 +14,17 @@
  *         and then an add, each rounded in float32 before the sum -- the very arithmetic of gguf's
  *         dequantization, so GGUF Q8_0 (G 32), Q6_K (G 16) and Q5_K (G 32 with shift) tensors keep
  *         their weights bit for bit
+ *   int8g5: int8g's 5-bit form (kv_matrix.hbits set; GGUF Q5_0 as stored): per row, w [K/2] uint8 the
+ *         low four bits of q + 16 in int4's nibble layout (below), hbits [K/8] the fifth bits (bit k:
+ *         weight k, LSB first): q = (nibble | bit << 4) - 16, then int8g's arithmetic
  *   int4: w [N, K/2] uint8; per row, block b of 32 weights (k = 32b .. 32b+31) is 16 bytes:
  *         byte j holds k = 32b + j in its low nibble and k = 32b + 16 + j in its high nibble;
  *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
  *         (a multiple of 32); the int4 helpers apply scale and shift themselves.
+ *
+ * int4's and int8g's scales and shifts may be stored as float16 (kv_matrix.scale_f16; GGUF's own
+ * per-block d and m): each row's are widened to float32 (exact) before its sums (kv_groups), so the
+ * arithmetic, and every bit of the result, is the float32 form's.
  *
  * K is a multiple of 32 (int4) or 8 (fp32, bf16, int8). A decode step is bound by reading weights:
  * each weight is loaded once. At one row (the _m1 helpers) each weight row is summed front to back
@@ -171,61 +178,85 @@ static inline float i4_m1(const float *x, int64_t K, const uint8_t *w, const flo
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 
-/* Grouped int8 weights dequantized (the format's arithmetic above): 16 (avx512) or 8 at p, group g.
- * SH (a constant after inlining) says whether there is a shift: two instantiations of every loop. */
+/* Grouped int8 weights dequantized (the format's arithmetic above): 16 (avx512) or 8 from k (a multiple
+ * of 16 / 8) of row w, group g. SH (a constant after inlining) says whether there is a shift, Q5 whether
+ * the row is in the 5-bit form (w the nibbles, hb the high bits; int8g5 above): four instantiations of
+ * every loop. Both forms give the same int32 q, so the same float32 weights and sums. */
 #define KV_ALWAYS_INLINE static inline __attribute__((always_inline))
+static inline unsigned kv_load_u16(const uint8_t *p) { uint16_t v; __builtin_memcpy(&v, p, 2); return v; }
 #ifdef __AVX512F__
-KV_ALWAYS_INLINE __m512 dq_i8g_16(const int8_t *p, const float *s, const float *t, int64_t g, int SH) {
-    const __m512 v = _mm512_mul_ps(widen_i8_16(p), _mm512_set1_ps(s[g]));
+KV_ALWAYS_INLINE __m512i ld_q_16(const int8_t *w, const uint8_t *hb, int64_t k, int Q5) {
+    if (!Q5) return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k)));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + ((k >> 5) << 4))));
+    const __m512i lo = (k & 16) ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(15));
+    /* (nib | bit << 4) - 16: 16 off where the bit is clear */
+    return _mm512_mask_sub_epi32(lo, (__mmask16)~kv_load_u16(hb + (k >> 3)), lo, _mm512_set1_epi32(16));
+}
+KV_ALWAYS_INLINE __m512 dq_i8g_16(const int8_t *w, const uint8_t *hb, int64_t k, const float *s, const float *t,
+                                  int64_t g, int SH, int Q5) {
+    const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(ld_q_16(w, hb, k, Q5)), _mm512_set1_ps(s[g]));
     return SH ? _mm512_add_ps(v, _mm512_set1_ps(t[g])) : v;
 }
 #endif
-KV_ALWAYS_INLINE __m256 dq_i8g_8(const int8_t *p, const float *s, const float *t, int64_t g, int SH) {
-    const __m256 v = _mm256_mul_ps(widen_i8(p), _mm256_set1_ps(s[g]));
+KV_ALWAYS_INLINE __m256i ld_q_8(const int8_t *w, const uint8_t *hb, int64_t k, int Q5) {
+    if (!Q5) return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)w + ((k >> 5) << 4) + (k & 8))));
+    const __m256i lo = (k & 16) ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(15));
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(hb[k >> 3]), sel), sel);
+    return _mm256_sub_epi32(lo, _mm256_andnot_si256(on, _mm256_set1_epi32(16)));
+}
+KV_ALWAYS_INLINE __m256 dq_i8g_8(const int8_t *w, const uint8_t *hb, int64_t k, const float *s, const float *t,
+                                 int64_t g, int SH, int Q5) {
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(ld_q_8(w, hb, k, Q5)), _mm256_set1_ps(s[g]));
     return SH ? _mm256_add_ps(v, _mm256_set1_ps(t[g])) : v;
 }
 
-/* One row of x against grouped int8 row w (scales s[K/G], shifts t[K/G] or NULL): each weight
- * dequantized in float32, then summed in the order of KV_DEFINE_M1 (16 wide in the avx512 build). */
+/* One row of x against grouped int8 row w (scales s[K/G], shifts t[K/G] or NULL; hb: the 5-bit form's
+ * high bits, else NULL): each weight dequantized in float32, then summed in the order of KV_DEFINE_M1
+ * (16 wide in the avx512 build). */
 #ifdef __AVX512F__
-KV_ALWAYS_INLINE float i8g_m1_body(const float *x, int64_t K, const int8_t *w, const float *s, const float *t,
-                                   int64_t G, int SH) {
+KV_ALWAYS_INLINE float i8g_m1_body(const float *x, int64_t K, const int8_t *w, const uint8_t *hb, const float *s,
+                                   const float *t, int64_t G, int SH, int Q5) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
-        _mm_prefetch((const char *)(w + k) + 4096, _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(dq_i8g_16(w + k, s, t, gidx(k, G), SH), _mm512_loadu_ps(x + k), a0);
-        a1 = _mm512_fmadd_ps(dq_i8g_16(w + k + 16, s, t, gidx(k + 16, G), SH), _mm512_loadu_ps(x + k + 16), a1);
-        a2 = _mm512_fmadd_ps(dq_i8g_16(w + k + 32, s, t, gidx(k + 32, G), SH), _mm512_loadu_ps(x + k + 32), a2);
-        a3 = _mm512_fmadd_ps(dq_i8g_16(w + k + 48, s, t, gidx(k + 48, G), SH), _mm512_loadu_ps(x + k + 48), a3);
+        _mm_prefetch((const char *)w + (Q5 ? k / 2 : k) + 4096, _MM_HINT_T0);
+        a0 = _mm512_fmadd_ps(dq_i8g_16(w, hb, k, s, t, gidx(k, G), SH, Q5), _mm512_loadu_ps(x + k), a0);
+        a1 = _mm512_fmadd_ps(dq_i8g_16(w, hb, k + 16, s, t, gidx(k + 16, G), SH, Q5), _mm512_loadu_ps(x + k + 16), a1);
+        a2 = _mm512_fmadd_ps(dq_i8g_16(w, hb, k + 32, s, t, gidx(k + 32, G), SH, Q5), _mm512_loadu_ps(x + k + 32), a2);
+        a3 = _mm512_fmadd_ps(dq_i8g_16(w, hb, k + 48, s, t, gidx(k + 48, G), SH, Q5), _mm512_loadu_ps(x + k + 48), a3);
     }
-    for (; k + 16 <= K; k += 16) a0 = _mm512_fmadd_ps(dq_i8g_16(w + k, s, t, gidx(k, G), SH), _mm512_loadu_ps(x + k), a0);
+    for (; k + 16 <= K; k += 16)
+        a0 = _mm512_fmadd_ps(dq_i8g_16(w, hb, k, s, t, gidx(k, G), SH, Q5), _mm512_loadu_ps(x + k), a0);
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #else
-KV_ALWAYS_INLINE float i8g_m1_body(const float *x, int64_t K, const int8_t *w, const float *s, const float *t,
-                                   int64_t G, int SH) {
+KV_ALWAYS_INLINE float i8g_m1_body(const float *x, int64_t K, const int8_t *w, const uint8_t *hb, const float *s,
+                                   const float *t, int64_t G, int SH, int Q5) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t k = 0; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char *)(w + k) + 4096, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + (Q5 ? k / 2 : k) + 4096, _MM_HINT_T0);
         if (G % 32 == 0) {   /* one group for the block: its scale (and shift) looked up once */
             const int64_t g = gidx(k, G);
-            a0 = _mm256_fmadd_ps(dq_i8g_8(w + k, s, t, g, SH), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(dq_i8g_8(w + k + 8, s, t, g, SH), _mm256_loadu_ps(x + k + 8), a1);
-            a2 = _mm256_fmadd_ps(dq_i8g_8(w + k + 16, s, t, g, SH), _mm256_loadu_ps(x + k + 16), a2);
-            a3 = _mm256_fmadd_ps(dq_i8g_8(w + k + 24, s, t, g, SH), _mm256_loadu_ps(x + k + 24), a3);
+            a0 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k, s, t, g, SH, Q5), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k + 8, s, t, g, SH, Q5), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k + 16, s, t, g, SH, Q5), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k + 24, s, t, g, SH, Q5), _mm256_loadu_ps(x + k + 24), a3);
         } else {
-            a0 = _mm256_fmadd_ps(dq_i8g_8(w + k, s, t, gidx(k, G), SH), _mm256_loadu_ps(x + k), a0);
-            a1 = _mm256_fmadd_ps(dq_i8g_8(w + k + 8, s, t, gidx(k + 8, G), SH), _mm256_loadu_ps(x + k + 8), a1);
-            a2 = _mm256_fmadd_ps(dq_i8g_8(w + k + 16, s, t, gidx(k + 16, G), SH), _mm256_loadu_ps(x + k + 16), a2);
-            a3 = _mm256_fmadd_ps(dq_i8g_8(w + k + 24, s, t, gidx(k + 24, G), SH), _mm256_loadu_ps(x + k + 24), a3);
+            a0 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k, s, t, gidx(k, G), SH, Q5), _mm256_loadu_ps(x + k), a0);
+            a1 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k + 8, s, t, gidx(k + 8, G), SH, Q5), _mm256_loadu_ps(x + k + 8), a1);
+            a2 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k + 16, s, t, gidx(k + 16, G), SH, Q5), _mm256_loadu_ps(x + k + 16), a2);
+            a3 = _mm256_fmadd_ps(dq_i8g_8(w, hb, k + 24, s, t, gidx(k + 24, G), SH, Q5), _mm256_loadu_ps(x + k + 24), a3);
         }
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 }
 #endif
-static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const float *s, const float *t, int64_t G) {
-    return t ? i8g_m1_body(x, K, w, s, t, G, 1) : i8g_m1_body(x, K, w, s, t, G, 0);
+static inline float i8g_m1(const float *x, int64_t K, const int8_t *w, const uint8_t *hb, const float *s, const float *t,
+                           int64_t G) {
+    if (hb) return t ? i8g_m1_body(x, K, w, hb, s, t, G, 1, 1) : i8g_m1_body(x, K, w, hb, s, t, G, 0, 1);
+    return t ? i8g_m1_body(x, K, w, hb, s, t, G, 1, 0) : i8g_m1_body(x, K, w, hb, s, t, G, 0, 0);
 }
 
 /* A linear layer's weights in one of the formats above. */
@@ -242,7 +273,34 @@ typedef struct {
     int64_t kind;           /* the fused decoder's kernels for this matrix: 0 the step's (kv_decoder.matmul),
                              * else 1 + a KV_MATMUL_* code (runtime/worker/cpu_plan.py chooses it once per
                              * matrix, never per row count: batch invariance); other callers ignore it */
+    int64_t scale_f16;      /* int4, int8g: 1 when scale and shift hold float16 (uint16 bits; kv_groups widens
+                             * them, exactly), 0 float32 */
+    const uint8_t *hbits;   /* int8g: NULL, or the 5-bit form (int8g5): w then holds the low nibbles [N, K/2]
+                             * in int4's layout and hbits [N, K/8] the fifth bits (bit k of the row: weight k) */
 } kv_matrix;
+
+/* Groups g0 .. g1 - 1 of row n of p (m's scale or shift, or NULL) as float32, at r[g0 .. g1 - 1] of the
+ * pointer r returned: p's own row when it holds float32, else widened from float16 (exact) into buf
+ * (g1 - g0 floats). NULL for NULL. */
+static inline const float *kv_groups(const kv_matrix *m, const float *p, int64_t n, int64_t g0, int64_t g1,
+                                     float *buf) {
+    if (!p) return NULL;
+    const int64_t groups = m->K / m->group;
+    if (!m->scale_f16) return p + n * groups;
+    const uint16_t *h = (const uint16_t *)(const void *)p + n * groups;
+    int64_t g = g0;
+    for (; g + 8 <= g1; g += 8) _mm256_storeu_ps(buf + g - g0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
+    for (; g < g1; g++) buf[g - g0] = _cvtsh_ss(h[g]);
+    return buf - g0;
+}
+
+/* Row n of an int8g matrix: its int8 weights (or, in the 5-bit form, its nibbles) and its high bits (NULL). */
+static inline const int8_t *kv_i8g_row(const kv_matrix *m, int64_t n) {
+    return (const int8_t *)m->w + n * (m->hbits ? m->K / 2 : m->K);
+}
+static inline const uint8_t *kv_hb_row(const kv_matrix *m, int64_t n) {
+    return m->hbits ? m->hbits + n * (m->K / 8) : NULL;
+}
 
 /* Software prefetch of `bytes` from p, one cache line at a time (addresses past the end of the
  * weights are harmless: a prefetch never faults). */
@@ -250,17 +308,17 @@ static inline void prefetch_span(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
-/* Prefetch rows n .. n + count - 1 of m (weights, and int4 scales and shifts). */
+/* Prefetch rows n .. n + count - 1 of m (weights, high bits, and group scales and shifts). */
 static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
     const int64_t K = m->K;
-    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_BF16 ? 2 * K
-                        : (m->fmt == KV_INT8 || m->fmt == KV_INT8G) ? K : K / 2;
+    const int64_t row = m->fmt == KV_FP32 ? 4 * K : m->fmt == KV_BF16 ? 2 * K : m->fmt == KV_INT8 ? K
+                        : m->fmt == KV_INT8G && !m->hbits ? K : K / 2;
     prefetch_span((const char *)m->w + n * row, count * row);
-    if (m->fmt == KV_INT8G) prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
-    if (m->fmt == KV_INT8G && m->shift) prefetch_span(m->shift + n * (K / m->group), count * (K / m->group) * 4);
-    if (m->fmt == KV_INT4) {
-        prefetch_span(m->scale + n * (K / m->group), count * (K / m->group) * 4);
-        prefetch_span(m->shift + n * (K / m->group), count * (K / m->group) * 4);
+    if (m->fmt == KV_INT8G && m->hbits) prefetch_span(m->hbits + n * (K / 8), count * (K / 8));
+    if (m->fmt == KV_INT8G || m->fmt == KV_INT4) {
+        const int64_t groups = K / m->group, bytes = m->scale_f16 ? 2 : 4;
+        prefetch_span((const char *)m->scale + n * groups * bytes, count * groups * bytes);
+        if (m->shift) prefetch_span((const char *)m->shift + n * groups * bytes, count * groups * bytes);
     }
 }
 

@@ -9,7 +9,8 @@
  *   y:    [M, N] float32, row-major, contiguous
  *   int8: w [N, K] int8, scale [N] float32 (symmetric, per channel)
  *   int8g: w [N, K] int8, scale [N, K / G] float32, shift [N, K / G] float32 or NULL (groups of G, a
- *          multiple of 16, along K; K a multiple of 32): GGUF Q8_0, Q6_K and Q5_K tensors
+ *          multiple of 16, along K; K a multiple of 32): GGUF Q8_0, Q6_K and Q5_K tensors; scale and
+ *          shift may be float16 (scale_f16), w the 5-bit form (hbits: GGUF Q5_0 as stored; cpu_gemv_m1.h)
  *   int4: w [N, K/2] uint8 packed, scale and shift [N, K / G] float32 (shift = -zero_point * scale)
  *   bf16: w [N, K] bfloat16 (as uint16), no scale
  *   (the layouts and dequantization: cpu_gemv.h, whose helpers do the arithmetic)
@@ -52,9 +53,13 @@ void kv_woq_int4_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const
     woq_linear(&m, x, M, ldx, y);
 }
 
+/* scale_f16: scale and shift hold float16; hbits: NULL, or the 5-bit form's high bits (w the nibbles). */
 void kv_woq_int8g_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *w, int64_t N,
-                         const float *scale, const float *shift, int64_t G, const float *bias, float *y) {
+                         const float *scale, const float *shift, int64_t G, const float *bias, float *y,
+                         int64_t scale_f16, const uint8_t *hbits) {
     kv_matrix m = {KV_INT8G, N, K, w, scale, shift, G, bias};
+    m.scale_f16 = scale_f16;
+    m.hbits = hbits;
     woq_linear(&m, x, M, ldx, y);
 }
 
@@ -118,11 +123,15 @@ int64_t kv_amx_available(void) {
 /* 1 when this build has the bf16 dot-product kernels (cpu_dpbf16.h: AVX512-BF16). */
 int64_t kv_dpbf16_available(void) { return KV_HAVE_DPBF16; }
 
-/* y [M, N] = the bf16 kernels' output for x [M, K] (rows ldx apart) and m: `matmul` 1 the AMX
- * tiles' (cpu_amx.h; N a multiple of 16), 2 the dot products' (cpu_dpbf16.h); K a multiple of 32.
- * Returns 0, or -1 without those kernels here, or memory. The tests' entry to both (the fused
- * decoder calls them directly). */
+/* y [M, N] = the kernels' output for x [M, K] (rows ldx apart) and m: `matmul` 0 the float32 ones'
+ * (cpu_gemv.h), 1 the AMX tiles' (cpu_amx.h; N a multiple of 16), 2 the bf16 dot products'
+ * (cpu_dpbf16.h); K a multiple of 32 (1, 2). Returns 0, or -1 without those kernels here, or memory.
+ * The tests' entry to a kv_matrix in any form (the fused decoder calls the kernels directly). */
 int64_t kv_bf16_linear(const kv_matrix *m, const float *x, int64_t M, int64_t ldx, float *y, int64_t matmul) {
+    if (matmul == 0) {
+        woq_linear(m, x, M, ldx, y);
+        return 0;
+    }
     if (m->K % 32 || (matmul == 1 && (!KV_HAVE_AMX || m->N % 16)) || (matmul == 2 && !KV_HAVE_DPBF16)
         || (matmul != 1 && matmul != 2))
         return -1;

@@ -251,35 +251,43 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
 
 
 def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None,
-                           group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+                           group_size: int, bias: torch.Tensor | None, qhigh: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for grouped int8 weights, ``W = qdata * scale (+ shift)`` per group of
-    ``group_size`` along K (``qdata [N, K]`` int8, ``scale`` and ``shift [N, K/G]`` float32, ``shift``
-    None for none; G a multiple of 16, K of 32: GGUF Q8_0, Q6_K and Q5_K tensors' layouts), each
-    weight multiplied (then shifted) in float32 before the sum; unchecked (see
-    :func:`int8_linear_unchecked`; :func:`check_int8g` checks)."""
-    N, K = qdata.shape
+    ``group_size`` along K (``qdata [N, K]`` int8, ``scale`` and ``shift [N, K/G]`` float32 or both
+    float16, ``shift`` None for none; G a multiple of 16, K of 32: GGUF Q8_0, Q6_K and Q5_K tensors'
+    layouts), each weight multiplied (then shifted) in float32 before the sum. With ``qhigh`` the
+    5-bit form (GGUF Q5_0 as stored): ``qdata [N, K/2]`` uint8 the low nibbles (:func:`pack_int4`'s
+    layout) and ``qhigh [N, K/8]`` uint8 the fifth bits, ``q = (nibble | bit << 4) - 16``
+    (:func:`unpack_int8g5`). Unchecked (see :func:`int8_linear_unchecked`; :func:`check_int8g` checks)."""
+    N, K = qdata.shape[0], qdata.shape[1] * (1 if qhigh is None else 2)
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
     _lib_or_raise().kv_woq_int8g_linear(x2.data_ptr(), x2.shape[0], K, K, qdata.data_ptr(), N, scale.data_ptr(),
-                                        _ptr(shift), group_size, _ptr(bias), y.data_ptr())
+                                        _ptr(shift), group_size, _ptr(bias), y.data_ptr(),
+                                        int(scale.dtype == torch.float16), _ptr(qhigh))
     return _as_input(y, x)
 
 
 def check_int8g(qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, group_size: int,
-                bias: torch.Tensor | None) -> None:
-    """ValueError unless ``qdata``, ``scale``, ``shift`` and ``bias`` are a valid grouped int8
-    layer for :func:`int8g_linear_unchecked`."""
-    if qdata.dim() != 2 or qdata.dtype != torch.int8 or not qdata.is_contiguous() or qdata.device.type != "cpu":
-        raise ValueError(f"int8g weight must be a contiguous 2-D CPU int8 tensor, got {qdata.dtype} "
+                bias: torch.Tensor | None, qhigh: torch.Tensor | None = None) -> None:
+    """ValueError unless ``qdata``, ``scale``, ``shift``, ``bias`` and ``qhigh`` are a valid grouped
+    int8 layer for :func:`int8g_linear_unchecked`."""
+    wdtype = torch.int8 if qhigh is None else torch.uint8
+    if qdata.dim() != 2 or qdata.dtype != wdtype or not qdata.is_contiguous() or qdata.device.type != "cpu":
+        raise ValueError(f"int8g weight must be a contiguous 2-D CPU {wdtype} tensor, got {qdata.dtype} "
                          f"{tuple(qdata.shape)}")
-    N, K = qdata.shape
+    N, K = qdata.shape[0], qdata.shape[1] * (1 if qhigh is None else 2)
     if group_size <= 0 or group_size % 16 or K % group_size or K % 32:
         raise ValueError(f"int8g group size {group_size} must be a multiple of 16 dividing K={K} (K a multiple "
                          f"of 32)")
+    if qhigh is not None and (qhigh.shape != (N, K // 8) or qhigh.dtype != torch.uint8 or not qhigh.is_contiguous()):
+        raise ValueError(f"int8g high bits must be contiguous uint8 [{N}, {K // 8}]")
+    dtype = scale.dtype if scale is not None and scale.dtype in (torch.float32, torch.float16) else torch.float32
     for name, t in (("scale", scale), ("shift", shift)):
         if (t is not None or name == "scale") and (t is None or t.shape != (N, K // group_size)
-                                                   or t.dtype != torch.float32 or not t.is_contiguous()):
-            raise ValueError(f"int8g {name} must be contiguous float32 [{N}, {K // group_size}]")
+                                                   or t.dtype != dtype or not t.is_contiguous()):
+            raise ValueError(f"int8g {name} must be contiguous float32 (or, scale and shift both, float16) "
+                             f"[{N}, {K // group_size}]")
     if bias is not None and (bias.shape != (N,) or bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous float32 [{N}]")
 
@@ -336,3 +344,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     N, half = packed.shape
     blocks = packed.reshape(N, half // 16, 16)
     return torch.stack([blocks & 0x0F, blocks >> 4], dim=2).reshape(N, 2 * half)
+
+
+def unpack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """``[N, K/8]`` uint8 -> ``[N, K]`` uint8 0 / 1: bit ``k`` of a row (least significant first)."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((bits[..., None] >> shifts) & 1).reshape(*bits.shape[:-1], bits.shape[-1] * 8)
+
+
+def unpack_int8g5(nibbles: torch.Tensor, qhigh: torch.Tensor) -> torch.Tensor:
+    """int8g's 5-bit form -> its int8 ``q [N, K]``: ``(nibble | bit << 4) - 16`` (:func:`unpack_int4`'s
+    nibbles, :func:`unpack_bits`' bits), -16 .. 15."""
+    q = unpack_int4(nibbles) | (unpack_bits(qhigh) << 4)
+    return (q.to(torch.int16) - 16).to(torch.int8)

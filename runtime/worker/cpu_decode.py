@@ -148,7 +148,8 @@ def _linear(module: torch.nn.Module) -> Linear | None:
     if isinstance(module, Int4Linear):
         return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
     if isinstance(module, Int8GroupLinear):
-        return Linear("int8g", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
+        return Linear("int8g", module.weight, module.qscale, module.qshift, module.group_size, module.bias32,
+                      high=getattr(module, "qhigh", None))
     if type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter:
         w = module.weight.detach()
         bias = module.bias.detach().float().contiguous() if module.bias is not None else None
@@ -186,7 +187,8 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             quantized with different orders: one matrix takes one)."""
     parts = [_linear(m) for m in modules]
     modules = [_inner(m) for m in modules]
-    if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) != 1:
+    if any(p is None for p in parts) or len({(p.fmt, p.group, p.high is not None,
+                                              None if p.scale is None else p.scale.dtype) for p in parts}) != 1:
         return None
     perms = [p.perm for p in parts]
     if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
@@ -198,6 +200,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
     shift = None
     if fmt == "int4" or (fmt == "int8g" and any(p.shift is not None for p in parts)):
         shift = torch.cat([p.shift if p.shift is not None else torch.zeros_like(p.scale) for p in parts])
+    high = torch.cat([p.high for p in parts]) if parts[0].high is not None else None
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.shape[0]) for p in parts])
@@ -212,8 +215,10 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             module.weight, module.qscale = w[start:end], scale[start:end]
             if shift is not None:
                 module.qshift = shift[start:end]
+            if high is not None:
+                module.qhigh = high[start:end]
         start = end
-    return Linear(fmt, w, scale, shift, group, bias, perms[0])
+    return Linear(fmt, w, scale, shift, group, bias, perms[0], high=high)
 
 
 def _stacked(modules: list[torch.nn.Module]) -> Linear | None:

@@ -282,7 +282,7 @@ def stored(reader, t, dims: list[int]) -> Stored:
         part = from_gguf(t.tensor_type, t.data[r0:r1], (r1 - r0, k), t.name)
         if kind is None:
             kind = (part.fmt, part.group, part.source)
-            out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in ("w", "scale", "shift")
+            out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in ("w", "scale", "shift", "high")
                    if (x := getattr(part, f)) is not None}
         for f, x in out.items():
             x[r0:r1] = getattr(part, f)
@@ -290,12 +290,15 @@ def stored(reader, t, dims: list[int]) -> Stored:
         del part
         trim_heap()
     fmt, group, source = kind
-    return Stored(fmt, out["w"], out.get("scale"), out.get("shift"), group, source)
+    return Stored(fmt, out["w"], out.get("scale"), out.get("shift"), group, source, out.get("high"))
 
 
 def stored_experts(reader, t) -> list[Stored]:
     """A MoE layer's GGUF tensor ``[E, N, K]`` (llama.cpp's ``ffn_{gate,up,down}_exps``) as one
-    stored weight ``[N, K]`` per expert, each expert's pages of the map released once repacked."""
+    stored weight ``[N, K]`` per expert, each expert's pages of the map released once repacked. The
+    experts keep the kernels' earlier forms (:meth:`Stored.plain`: int8 weights, float32 scales): the
+    MoE stacking (:mod:`kvfleet.runtime.worker.gguf_experts`) does not take float16 scales or the
+    5-bit form."""
     dims = [int(d) for d in reversed(t.shape)]
     if len(dims) != 3:
         raise ValueError(f"{t.name}: an experts tensor has 3 dimensions, not {len(dims)}")
@@ -304,7 +307,7 @@ def stored_experts(reader, t) -> list[Stored]:
     data = t.data.reshape(e, n, -1)
     out = []
     for i in range(e):
-        out.append(from_gguf(t.tensor_type, data[i], (n, k), f"{t.name}[{i}]"))
+        out.append(from_gguf(t.tensor_type, data[i], (n, k), f"{t.name}[{i}]").plain())
         drop_pages(reader, t.data_offset + i * per, per)
         if per >= 1 << 20:
             trim_heap()

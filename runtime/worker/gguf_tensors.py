@@ -5,7 +5,9 @@ Contract: :func:`from_gguf` takes a tensor's raw data as the ``gguf`` package's 
 :class:`Stored` weight in a format the kernels read (:mod:`kvfleet.kernels.cpu_gemv` layouts,
 INTERFACE §1), whose float32 dequantization (:meth:`Stored.dequantize`: ``q * scale``, then
 ``+ shift``, each rounded in float32) equals ``gguf.quants.dequantize`` of the same bytes bit for
-bit. Every product below is exact in float32 (an fp16 ``d`` has 11 significant bits, a 6-bit
+bit. Where the scale is GGUF's own fp16 ``d`` (and ``m``) it stays float16 (the kernels widen it,
+exactly; K-quants' products ``d * sc`` are not float16 values and stay float32). Every product below
+is exact in float32 (an fp16 ``d`` has 11 significant bits, a 6-bit
 scale or an int8 one adds at most 7, a 4- to 6-bit ``q`` at most 6: under float32's 24), so the
 kernels' own float32 widening (FMA or not) gives the same bits:
 
@@ -14,10 +16,11 @@ Q4_0      int4 G32: ``q`` the block's nibbles as stored, scale ``d``, shift ``-8
 Q4_1      int4 G32: scale ``d``, shift ``m``
 Q4_K      int4 G32: per 32-weight sub-block scale ``d * sc``, shift ``-dmin * m`` (6-bit sc, m)
 Q5_K      int8g G32 with shift: ``q`` in 0..31, scale ``d * sc``, shift ``-dmin * m``
-Q5_0      int8g G32: ``q - 16`` in -16..15, scale ``d``
-Q5_1      int8g G32 with shift: ``q`` in 0..31, scale ``d``, shift ``m``
+Q5_0      int8g G32 in the 5-bit form (the block's high bits and nibbles as stored): ``q - 16`` in
+          -16..15, scale ``d`` (float16)
+Q5_1      int8g G32 with shift: ``q`` in 0..31, scale ``d``, shift ``m`` (float16)
 Q6_K      int8g G16: ``q - 32`` in -32..31, scale ``d * scale`` (int8 scales)
-Q8_0      int8g G32: ``q`` int8, scale ``d``
+Q8_0      int8g G32: ``q`` int8, scale ``d`` (float16)
 F32, F16  fp32 (F16 widened exactly)
 BF16      bf16 as stored
 others    (Q2_K, Q3_K, Q8_1, IQ*, TQ*, MXFP4, ...) dequantized by ``gguf.quants`` to float32, then
@@ -55,8 +58,10 @@ QK_K = 256
 class Stored:
     """A weight ``[N, K]`` in one of the kernels' formats: ``fmt`` ``fp32`` (``w`` float32),
     ``bf16`` (``w`` bfloat16), ``int4`` (``w [N, K/2]`` uint8 packed, ``scale`` and ``shift [N, K/G]``),
-    ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None); ``source`` the GGUF
-    type it came from (for logs)."""
+    ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None), or int8g's 5-bit
+    form (``high [N, K/8]`` uint8 the fifth bits, ``w [N, K/2]`` uint8 the low nibbles in int4's
+    layout: ``q = (nibble | bit << 4) - 16``); int4's and int8g's ``scale`` and ``shift`` float32 or
+    (both) float16; ``source`` the GGUF type it came from (for logs)."""
 
     fmt: str
     w: torch.Tensor
@@ -64,29 +69,51 @@ class Stored:
     shift: torch.Tensor | None = None
     group: int = 0
     source: str = ""
+    high: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         n, k = self.w.shape
-        return n, 2 * k if self.fmt == "int4" else k
+        return n, 2 * k if self.fmt == "int4" or self.high is not None else k
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.shift) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.shift, self.high) if t is not None)
+
+    def q(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8g / int4 ``q`` of rows ``index`` (all when None), one per weight (int8 / uint8)."""
+        from kvfleet.kernels.cpu_woq import unpack_int4, unpack_int8g5
+
+        w = self.w if index is None else self.w[index]
+        w = w.reshape(-1, w.shape[-1])
+        if self.fmt == "int4":
+            return unpack_int4(w)
+        if self.high is None:
+            return w
+        high = self.high if index is None else self.high[index]
+        return unpack_int8g5(w, high.reshape(-1, high.shape[-1]))
+
+    def unpacked(self) -> Stored:
+        """This weight with int8g's 5-bit form as int8 (one byte per weight; scales as they are)."""
+        if self.high is None:
+            return self
+        return Stored(self.fmt, self.q().contiguous(), self.scale, self.shift, self.group, self.source)
+
+    def plain(self) -> Stored:
+        """This weight without the compact forms: int8g's 5-bit form as int8, float16 scales and
+        shifts as float32 (the same float32 weights)."""
+        scale = None if self.scale is None else self.scale.float()
+        shift = None if self.shift is None else self.shift.float()
+        return Stored(self.fmt, self.unpacked().w, scale, shift, self.group, self.source)
 
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``index`` (all when None) dequantized to float32: ``q * scale``, then ``+ shift``."""
         w = self.w if index is None else self.w[index]
         if self.fmt in ("fp32", "bf16"):
             return w.float()
-        scale = self.scale if index is None else self.scale[index]
-        shift = None if self.shift is None else self.shift if index is None else self.shift[index]
-        if self.fmt == "int4":
-            from kvfleet.kernels.cpu_woq import unpack_int4
-
-            q = unpack_int4(w.reshape(-1, w.shape[-1]))
-        else:
-            q = w.reshape(-1, w.shape[-1])
+        scale = (self.scale if index is None else self.scale[index]).float()
+        shift = None if self.shift is None else (self.shift if index is None else self.shift[index]).float()
+        q = self.q(index)
         g = self.group
         out = q.float() * scale.reshape(q.shape[0], -1).repeat_interleave(g, 1)
         if shift is not None:
@@ -100,19 +127,18 @@ class Stored:
     def take(self, order: torch.Tensor) -> Stored:
         """The weight with its rows reordered (``row i`` <- ``row order[i]``)."""
         pick = (lambda t: None if t is None else t[order].contiguous())
-        return Stored(self.fmt, pick(self.w), pick(self.scale), pick(self.shift), self.group, self.source)
+        return Stored(self.fmt, pick(self.w), pick(self.scale), pick(self.shift), self.group, self.source,
+                      pick(self.high))
 
     def as_int8g(self, group: int) -> Stored:
         """This int4 or int8g weight as int8g with groups of ``group`` (dividing its own): the same
-        float32 weights (``q * scale + shift`` per weight), one byte per weight."""
+        float32 weights (``q * scale + shift`` per weight), one byte per weight, float32 scales."""
         if self.fmt not in ("int4", "int8g") or self.group % group:
             raise ValueError(f"{self.fmt} G{self.group} has no int8g G{group} form")
-        from kvfleet.kernels.cpu_woq import unpack_int4
-
-        q = unpack_int4(self.w).to(torch.int8) if self.fmt == "int4" else self.w
+        q = self.q().to(torch.int8)
         r = self.group // group
-        scale = self.scale.repeat_interleave(r, 1).contiguous()
-        shift = None if self.shift is None else self.shift.repeat_interleave(r, 1).contiguous()
+        scale = self.scale.float().repeat_interleave(r, 1).contiguous()
+        shift = None if self.shift is None else self.shift.float().repeat_interleave(r, 1).contiguous()
         return Stored("int8g", q.contiguous(), scale, shift, group, self.source)
 
     def module(self, bias: torch.Tensor | None = None) -> torch.nn.Linear:
@@ -125,7 +151,7 @@ class Stored:
             shell = types.SimpleNamespace(in_features=k, out_features=n, bias=bias)
             return Int4Linear.from_blocks(shell, self.w, self.scale, self.shift, self.group)
         if self.fmt == "int8g":
-            return Int8GroupLinear.from_blocks((k, n), self.w, self.scale, self.shift, self.group, bias)
+            return Int8GroupLinear.from_blocks((k, n), self.w, self.scale, self.shift, self.group, bias, self.high)
         if self.fmt == "bf16":
             shell = torch.nn.Linear(k, n, bias=False, device="meta")
             shell.weight = torch.nn.Parameter(self.w, requires_grad=False)
@@ -141,7 +167,7 @@ class Stored:
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flat tensors for a cache file (``<prefix>.w`` etc.; :meth:`from_tensors` reads them)."""
         out = {f"{prefix}.w": self.w}
-        for name in ("scale", "shift"):
+        for name in ("scale", "shift", "high"):
             if getattr(self, name) is not None:
                 out[f"{prefix}.{name}"] = getattr(self, name)
         return out
@@ -149,7 +175,7 @@ class Stored:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, fmt: str, group: int) -> Stored:
         return cls(fmt, tensors[f"{prefix}.w"], tensors.get(f"{prefix}.scale"), tensors.get(f"{prefix}.shift"),
-                   group)
+                   group, high=tensors.get(f"{prefix}.high"))
 
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -160,17 +186,23 @@ def unify_siblings(linears: dict[str, Stored], log: bool = True) -> dict[str, St
     """``linears`` (module name -> weight) with each set of :data:`FUSED_SIBLINGS` under one parent
     in one format, so the fused decoder can stack them: a Q4_K_M file keeps a layer's q and k in
     Q4_K (int4) and its v in Q6_K (int8g G16); mixed int4 / int8g siblings all become int8g with the
-    smallest group (the same float32 weights; the int4 ones take one byte per weight). ``log``: one
-    info line per unified set (off for a caller that logs once for many, as each expert's gate / up)."""
+    smallest group and float32 scales (the same float32 weights; the int4 ones take one byte per
+    weight); int8g siblings that differ only in the 5-bit form (Gemma 3's q, k in Q5_0, v in Q8_0)
+    keep their scales and take the 5-bit ones as int8. ``log``: one info line per unified set (off
+    for a caller that logs once for many, as each expert's gate / up)."""
     out = dict(linears)
     parents = {name.rpartition(".")[0] for name in linears}
     for parent in parents:
         for names in FUSED_SIBLINGS:
             full = [f"{parent}.{n}" if parent else n for n in names]
             parts = [out.get(n) for n in full]
-            if any(p is None for p in parts) or len({(p.fmt, p.group) for p in parts}) == 1:
+            if any(p is None for p in parts) or len({_kind(p) for p in parts}) == 1:
                 continue
             if not all(p.fmt in ("int4", "int8g") for p in parts):
+                continue
+            if len({_kind(p)[:3] for p in parts}) == 1:   # int8g, one group and scale dtype: 5-bit or not
+                for n, p in zip(full, parts):
+                    out[n] = p.unpacked()
                 continue
             group = min(p.group for p in parts)
             if any(p.group % group for p in parts):
@@ -181,6 +213,17 @@ def unify_siblings(linears: dict[str, Stored], log: bool = True) -> dict[str, St
                 logger.info("%s: %s stored as %s; all as grouped int8 (G%d) for the fused decoder", parent,
                             "/".join(names), "/".join(p.source or p.fmt for p in parts), group)
     return out
+
+
+def _kind(p: Stored) -> tuple:
+    """What siblings stacked into one matrix must share: format, group, scale dtype, the 5-bit form."""
+    return p.fmt, p.group, None if p.scale is None else p.scale.dtype, p.high is not None
+
+
+def _f16h(b: np.ndarray) -> torch.Tensor:
+    """``[..., 2]`` uint8 (little-endian fp16) -> float16 ``[...]`` (GGUF's own d, m: the kernels
+    widen them exactly)."""
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0].copy())
 
 
 def _f16(b: np.ndarray) -> torch.Tensor:
@@ -246,22 +289,22 @@ def from_gguf(qtype: int, data: np.ndarray, shape: tuple[int, int], name: str = 
             shift, qs = _f16(b[..., 2:4]), b[..., 4:]
         packed = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2))
         return Stored("int4", packed, d.contiguous(), shift.contiguous(), 32, qtype.name)
-    if qtype in (T.Q5_0, T.Q5_1):  # d, (m,) 32 high bits (little-endian), 16 bytes of low nibbles
+    if qtype == T.Q5_0:  # d, 32 high bits (little-endian), 16 bytes of low nibbles: the 5-bit form as it is
         b = _blocks(data, n, k, qtype)
-        d = _f16(b[..., 0:2])
-        off = 2 if qtype == T.Q5_0 else 4
-        qh = np.unpackbits(np.ascontiguousarray(b[..., off:off + 4]), axis=-1, bitorder="little")   # [n, nb, 32]
-        qs = b[..., off + 4:].reshape(n, k // 32, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        nib = torch.from_numpy(np.ascontiguousarray(b[..., 6:]).reshape(n, k // 2))
+        high = torch.from_numpy(np.ascontiguousarray(b[..., 2:6]).reshape(n, k // 8))
+        return Stored("int8g", nib, _f16h(b[..., 0:2]), None, 32, "Q5_0", high)
+    if qtype == T.Q5_1:  # d, m, 32 high bits (little-endian), 16 bytes of low nibbles
+        b = _blocks(data, n, k, qtype)
+        qh = np.unpackbits(np.ascontiguousarray(b[..., 4:8]), axis=-1, bitorder="little")   # [n, nb, 32]
+        qs = b[..., 8:].reshape(n, k // 32, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
         q = (qs & np.uint8(0x0F)).reshape(n, k // 32, 32) | (qh << np.uint8(4))
-        if qtype == T.Q5_0:
-            q8 = q.view(np.int8) - np.int8(16)
-            return Stored("int8g", torch.from_numpy(q8.reshape(n, k).copy()), d.contiguous(), None, 32, "Q5_0")
-        return Stored("int8g", torch.from_numpy(q.reshape(n, k).view(np.int8).copy()), d.contiguous(),
-                      _f16(b[..., 2:4]).contiguous(), 32, "Q5_1")
+        return Stored("int8g", torch.from_numpy(q.reshape(n, k).view(np.int8).copy()), _f16h(b[..., 0:2]),
+                      _f16h(b[..., 2:4]), 32, "Q5_1")
     if qtype == T.Q8_0:
         b = _blocks(data, n, k, qtype)
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k))
-        return Stored("int8g", q, _f16(b[..., 0:2]).contiguous(), None, 32, "Q8_0")
+        return Stored("int8g", q, _f16h(b[..., 0:2]), None, 32, "Q8_0")
     if qtype in (T.Q4_K, T.Q5_K):
         b = _blocks(data, n, k, qtype)
         nb = k // QK_K

@@ -171,7 +171,9 @@ class Int4Linear(torch.nn.Linear):
 
 class Int8GroupLinear(torch.nn.Linear):
     """``nn.Linear`` over grouped int8 weights: ``weight [N, K]`` int8, ``qscale [N, K/G]`` float32,
-    ``qshift [N, K/G]`` float32 or None, ``W = weight * qscale (+ qshift)`` per group of
+    ``qshift [N, K/G]`` float32 or None (or both float16: GGUF's own ``d`` and ``m``), ``qhigh`` None
+    or the 5-bit form's high bits (``weight`` then ``[N, K/2]`` uint8 nibbles: GGUF Q5_0 as stored),
+    ``W = weight * qscale (+ qshift)`` per group of
     ``group_size`` (a multiple of 16) along K, multiplied then added in float32 (GGUF Q8_0: G 32;
     Q6_K: G 16; Q5_K: G 32 with a shift -- each bit for bit as ``gguf`` dequantizes it),
     ``bias32 [N]`` or None. :meth:`from_blocks` takes weights already in the layout
@@ -181,8 +183,10 @@ class Int8GroupLinear(torch.nn.Linear):
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear | tuple[int, int], q: torch.Tensor, scale: torch.Tensor,
                     shift: torch.Tensor | None, group_size: int,
-                    bias: torch.Tensor | None = None) -> Int8GroupLinear:
-        """From ``q [N, K]`` int8, ``scale`` / ``shift [N, K/G]`` (``shift`` None: none);
+                    bias: torch.Tensor | None = None, qhigh: torch.Tensor | None = None) -> Int8GroupLinear:
+        """From ``q [N, K]`` int8, ``scale`` / ``shift [N, K/G]`` (``shift`` None: none; float16 kept
+        as it is, both or neither, else float32), or with ``qhigh`` the 5-bit form (``q [N, K/2]``
+        uint8 nibbles, ``qhigh [N, K/8]``: :func:`kvfleet.kernels.cpu_woq.int8g_linear_unchecked`);
         ``linear`` gives the features and bias, or is ``(in_features, out_features)`` with
         ``bias``. Raises ValueError on a bad layout (:func:`kvfleet.kernels.cpu_woq.check_int8g`)."""
         if isinstance(linear, tuple):
@@ -193,14 +197,18 @@ class Int8GroupLinear(torch.nn.Linear):
             new = _shell(cls, linear)
             bias = None if linear.bias is None else linear.bias.detach()
         q = q.contiguous()
-        scale = scale.float().contiguous()
-        shift = None if shift is None else shift.float().contiguous()
+        half = scale.dtype == torch.float16 and (shift is None or shift.dtype == torch.float16)
+        scale = scale.contiguous() if half else scale.float().contiguous()
+        shift = None if shift is None else shift.contiguous() if half else shift.float().contiguous()
+        qhigh = None if qhigh is None else qhigh.contiguous()
         bias32 = None if bias is None else bias.float().contiguous()
-        cpu_woq.check_int8g(q, scale, shift, group_size, bias32)
-        if q.shape != (new.out_features, new.in_features):
-            raise ValueError(f"int8g weight is {tuple(q.shape)}, the layer {(new.out_features, new.in_features)}")
+        cpu_woq.check_int8g(q, scale, shift, group_size, bias32, qhigh)
+        shape = (q.shape[0], q.shape[1] * (1 if qhigh is None else 2))
+        if shape != (new.out_features, new.in_features):
+            raise ValueError(f"int8g weight is {shape}, the layer {(new.out_features, new.in_features)}")
         new.group_size = group_size
         new.register_buffer("weight", q, persistent=False)
+        new.register_buffer("qhigh", qhigh, persistent=False)
         new.register_buffer("qscale", scale, persistent=False)
         new.register_buffer("qshift", shift, persistent=False)
         new.register_buffer("bias32", bias32, persistent=False)
@@ -229,8 +237,9 @@ class Int8GroupLinear(torch.nn.Linear):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight ``[N, K]``: ``q * scale``, then ``+ shift``, each rounded in float32
         (the kernels' arithmetic, and gguf's)."""
-        w = self.weight.float() * self.qscale.repeat_interleave(self.group_size, 1)
-        return w if self.qshift is None else w + self.qshift.repeat_interleave(self.group_size, 1)
+        q = self.weight if self.qhigh is None else cpu_woq.unpack_int8g5(self.weight, self.qhigh)
+        w = q.float() * self.qscale.float().repeat_interleave(self.group_size, 1)
+        return w if self.qshift is None else w + self.qshift.float().repeat_interleave(self.group_size, 1)
 
     KERNEL_ROWS = 256
     """Rows up to which the C kernel runs (an LM head's rows: one per sequence; measured on a Xeon
@@ -240,7 +249,7 @@ class Int8GroupLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.KERNEL_ROWS * self.in_features and cpu_woq.available():
             return cpu_woq.int8g_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
-                                                  self.bias32)
+                                                  self.bias32, self.qhigh)
         # the torch fallback (many rows, or no C kernels here): the same float32 weights
         y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)

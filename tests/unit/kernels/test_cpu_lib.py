@@ -98,7 +98,7 @@ def test_each_variant_matches_float64(variant, rows, cache):
         if K % 32 == 0:  # grouped int8: Q6_K's groups of 16, Q5_K's shift
             s16, t16 = torch.rand(N, K // 16, generator=gen) * 0.02, torch.randn(N, K // 16, generator=gen) * 0.1
             lib.kv_woq_int8g_linear(x.data_ptr(), rows, K, K, q8.data_ptr(), N, s16.data_ptr(), t16.data_ptr(), 16,
-                                    bias.data_ptr(), y.data_ptr())
+                                    bias.data_ptr(), y.data_ptr(), 0, None)
             deq = q8.float() * s16.repeat_interleave(16, 1) + t16.repeat_interleave(16, 1)
             ref = x.double() @ deq.double().T + bias.double()
             assert (y.double() - ref).abs().max() < 1e-6 * K ** 0.5 * ref.abs().max() + 1e-6
