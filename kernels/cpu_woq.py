@@ -355,5 +355,6 @@ def unpack_bits(bits: torch.Tensor) -> torch.Tensor:
 def unpack_int8g5(nibbles: torch.Tensor, qhigh: torch.Tensor) -> torch.Tensor:
     """int8g's 5-bit form -> its int8 ``q [N, K]``: ``(nibble | bit << 4) - 16`` (:func:`unpack_int4`'s
     nibbles, :func:`unpack_bits`' bits), -16 .. 15."""
-    q = unpack_int4(nibbles) | (unpack_bits(qhigh) << 4)
-    return (q.to(torch.int16) - 16).to(torch.int8)
+    q = unpack_int4(nibbles)
+    q |= unpack_bits(qhigh) << 4
+    return q.view(torch.int8).sub_(16)   # 0..31 are the same bytes in int8

@@ -185,7 +185,7 @@ def _check_filled(model, path: Path) -> None:
                         f"{' ...' if len(missing) > 4 else ''}")
 
 
-def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
+def _from_file(path: Path, attn_implementation: str, tok_dir: Path, five_bit: bool = True):
     """(model, tokenizer, config, cache record) from the GGUF file itself; the tokenizer's files are
     written to ``tok_dir``."""
     from transformers import AutoConfig
@@ -241,6 +241,8 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
         try:
             if attr == "weight" and len(dims) == 2 and (isinstance(parent, torch.nn.Linear) or parent is emb_module):
                 stored = stored_tensor(reader, t, dims)
+                if not five_bit:
+                    stored = stored.unpacked()
                 kind = t.name.split(".")[-2] if t.name.count(".") >= 2 else ""
                 if arch in _PERMUTED and kind in heads:
                     stored = stored.take(_unpermute(dims[0], heads[kind]))
@@ -272,6 +274,9 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
         experts = gguf_experts.combine(model, expert_parts)
     except ValueError as exc:
         raise GgufError(f"{path}: {exc}") from None
+    # siblings unified here, not only in _assemble: the record (the cache) then holds the one form the
+    # model runs, and the compact forms of Q5_0 siblings taken as int8 are not kept beside it
+    unify_siblings(linears, in_place=True, after_each=trim_heap)
     _assemble(model, linears, biases, embedding, head_tied, experts)
     _check_filled(model, path)
     record = {"linears": linears, "biases": {k: v for k, v in biases.items() if k in linears}, "floats": floats,
@@ -332,7 +337,7 @@ def _write_cache(folder: Path, config, tok_dir: Path, record: dict) -> None:
         logger.info("GGUF: not cached (%s)", exc)
 
 
-def _from_cache(folder: Path, attn_implementation: str):
+def _from_cache(folder: Path, attn_implementation: str, five_bit: bool = True):
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -348,6 +353,8 @@ def _from_cache(folder: Path, attn_implementation: str):
     biases = {name: tensors[f"bias.{name}"] for name in layout["biases"]}
     linears = {name: Stored.from_tensors(tensors, f"linear.{name}", spec["fmt"], spec["group"])
                for name, spec in layout["linears"].items()}
+    if not five_bit:
+        linears = {name: stored.unpacked() for name, stored in linears.items()}
     embedding = None
     if layout["embedding"] is not None:
         spec = layout["embedding"]
@@ -358,10 +365,15 @@ def _from_cache(folder: Path, attn_implementation: str):
     return model, tokenizer
 
 
-def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa"):
+def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa", five_bit: bool = True):
     """``(model, tokenizer)`` for the GGUF file ``path`` (the module docstring), in eval mode with no
     gradients; from ``cache_folder`` when a previous load wrote it there, else from the file (then
     written there). ``attn_implementation``: a name, or a function of the config giving one.
+    ``five_bit``: Q5_0 tensors in grouped int8's 5-bit form (as stored: 0.69 bytes a weight), else
+    one byte a weight; the loader asks for it where the fused decoder's matmuls run on AMX tiles
+    (their widening reads it as fast as int8; the float32 kernels and the AVX512-BF16 dot products
+    read it 1.3-1.45x slower at one row: docs/performance.md, "GGUF files as stored"). A cache entry
+    holds the form of the start that wrote it; a 5-bit one is taken as int8 where not asked for.
 
     Raises:
         GgufError: the file cannot be loaded (one line: the file and the reason).
@@ -371,7 +383,7 @@ def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa
     loaded = None
     if cache_folder is not None and (cache_folder / LAYOUT).is_file():
         try:
-            loaded = _from_cache(cache_folder, attn_implementation)
+            loaded = _from_cache(cache_folder, attn_implementation, five_bit)
         except Exception as exc:  # a damaged entry costs a parse of the file, never the start
             logger.warning("GGUF %s: the cache %s is unreadable (%s: %s); reading the file", path.name,
                            cache_folder, type(exc).__name__, exc)
@@ -382,7 +394,7 @@ def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa
             shutil.rmtree(cache_folder, ignore_errors=True)
     if loaded is None:
         with tempfile.TemporaryDirectory(prefix="kvfleet-gguf-tokenizer-") as tok_dir:
-            model, tokenizer, config, record = _from_file(path, attn_implementation, Path(tok_dir))
+            model, tokenizer, config, record = _from_file(path, attn_implementation, Path(tok_dir), five_bit)
             if cache_folder is not None:
                 _write_cache(cache_folder, config, tok_dir, record)
         gguf_tokenizer.release_heap()

@@ -182,15 +182,19 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linear layers of one module that the fused CPU decoder stacks into one matrix (one format)."""
 
 
-def unify_siblings(linears: dict[str, Stored], log: bool = True) -> dict[str, Stored]:
+def unify_siblings(linears: dict[str, Stored], log: bool = True, in_place: bool = False,
+                   after_each=None) -> dict[str, Stored]:
     """``linears`` (module name -> weight) with each set of :data:`FUSED_SIBLINGS` under one parent
     in one format, so the fused decoder can stack them: a Q4_K_M file keeps a layer's q and k in
     Q4_K (int4) and its v in Q6_K (int8g G16); mixed int4 / int8g siblings all become int8g with the
     smallest group and float32 scales (the same float32 weights; the int4 ones take one byte per
     weight); int8g siblings that differ only in the 5-bit form (Gemma 3's q, k in Q5_0, v in Q8_0)
     keep their scales and take the 5-bit ones as int8. ``log``: one info line per unified set (off
-    for a caller that logs once for many, as each expert's gate / up)."""
-    out = dict(linears)
+    for a caller that logs once for many, as each expert's gate / up). ``in_place``: ``linears``
+    itself is changed and returned (each replaced weight freed as the next is made), and
+    ``after_each`` (a function, or None) is called after each unified set (the loader hands the
+    heap back)."""
+    out = linears if in_place else dict(linears)
     parents = {name.rpartition(".")[0] for name in linears}
     for parent in parents:
         for names in FUSED_SIBLINGS:
@@ -203,15 +207,25 @@ def unify_siblings(linears: dict[str, Stored], log: bool = True) -> dict[str, St
             if len({_kind(p)[:3] for p in parts}) == 1:   # int8g, one group and scale dtype: 5-bit or not
                 for n, p in zip(full, parts):
                     out[n] = p.unpacked()
+                del parts, p
+                if after_each is not None:
+                    after_each()
+                if log:
+                    logger.info("%s: %s stored as %s; the 5-bit ones as int8 for the fused decoder", parent,
+                                "/".join(names), "/".join(out[n].source for n in full))
                 continue
             group = min(p.group for p in parts)
             if any(p.group % group for p in parts):
                 continue
+            sources = "/".join(p.source or p.fmt for p in parts)
             for n, p in zip(full, parts):
                 out[n] = p.as_int8g(group)
+            del parts, p
+            if after_each is not None:
+                after_each()
             if log:
                 logger.info("%s: %s stored as %s; all as grouped int8 (G%d) for the fused decoder", parent,
-                            "/".join(names), "/".join(p.source or p.fmt for p in parts), group)
+                            "/".join(names), sources, group)
     return out
 
 

@@ -452,7 +452,12 @@ def _load_gguf_stored(gguf: Path, model: str | None, tokenizer: str | None, cach
     from kvfleet.runtime.worker.attention import check_attention_support
     from kvfleet.runtime.worker.woq_linear import set_bf16_prefill
 
-    hf_model, tok = gguf_model.load(gguf, gguf_stored_path(gguf, cache_root), _initial_attn_implementation)
+    from kvfleet.kernels.cpu_decoder import resolve_matmul
+
+    # Q5_0's 5-bit form where the fused decoder's matmuls are AMX tiles (gguf_model.load: the speed)
+    five_bit = plan.bf16_matmuls and resolve_matmul(env.CPU_MATMUL.get() or plan.matmul) == "amx"
+    hf_model, tok = gguf_model.load(gguf, gguf_stored_path(gguf, cache_root), _initial_attn_implementation,
+                                    five_bit=five_bit)
     check_attention_support(hf_model.config)
     set_bf16_prefill(hf_model, plan.native_bf16_prefill)
     if tokenizer:

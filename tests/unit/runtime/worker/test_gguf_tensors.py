@@ -122,3 +122,34 @@ def test_mixed_siblings_become_one_int8g_format_with_the_same_weights():
     ref = x.double() @ stacked.double().T
     got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views
     assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_siblings_that_differ_only_in_the_5_bit_form_keep_their_float16_scales_and_stack():
+    """Gemma 3's Q4_K_M layers: q and k in Q5_0 (the 5-bit form), v in Q8_0 -> q and k as int8 with
+    their float16 scales (in place, the loader's way), so the fused decoder stacks the three into one
+    int8g matrix with float16 scales; all-Q5_0 siblings stack in the 5-bit form."""
+    q5 = {n: gguf_tensors.from_gguf(T.Q5_0, _quantized(T.Q5_0, 8, 256, seed=i), (8, 256))
+          for i, n in enumerate(("l.q_proj", "l.k_proj", "m.q_proj", "m.k_proj", "m.v_proj"))}
+    v8 = gguf_tensors.from_gguf(T.Q8_0, _quantized(T.Q8_0, 8, 256, seed=9), (8, 256))
+    linears = {**q5, "l.v_proj": v8}
+    want = {n: s.dequantize() for n, s in linears.items()}
+    seen = []
+    out = gguf_tensors.unify_siblings(linears, in_place=True, after_each=lambda: seen.append(1))
+    assert out is linears and seen == [1]
+    assert all(out[n].high is None and out[n].scale.dtype == torch.float16 for n in ("l.q_proj", "l.k_proj"))
+    assert all(out[n].high is not None for n in ("m.q_proj", "m.k_proj", "m.v_proj"))
+    for name, w in want.items():
+        assert torch.equal(out[name].dequantize(), w), name
+    from kvfleet.runtime.worker.cpu_decode import _fuse
+
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    for layer, five_bit in (("l", False), ("m", True)):
+        names = [f"{layer}.{p}_proj" for p in "qkv"]
+        modules = [out[n].module() for n in names]
+        fused = _fuse(modules)
+        assert fused is not None and fused.scale.dtype == torch.float16 and (fused.high is not None) == five_bit
+        fused.check("qkv", 24, 256)
+        stacked = torch.cat([want[n] for n in names])
+        ref = x.double() @ stacked.double().T
+        got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views of the stacked matrix
+        assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
