@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = "/work/gemma/gemma-3-270m-q4_k_m.gguf"
@@ -136,7 +137,7 @@ def matrices() -> None:
         y = torch.empty(48, N)
         for kind, code in kinds.items():
             for M in (1, 48):
-                call = [lambda m=m: lib.kv_bf16_linear(ctypes.byref(m), x.data_ptr(), M, K, y.data_ptr(), code)
+                call = [partial(lib.kv_bf16_linear, ctypes.byref(m), x.data_ptr(), M, K, y.data_ptr(), code)
                         for m in mats]
                 best = [float("inf"), float("inf")]
                 for _ in range(int(os.environ.get("ROUNDS", "7"))):

@@ -30,7 +30,8 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   float32 in registers), ``int8`` (``w [N, K]`` int8, ``scale [N]``), ``int4`` (``w [N, K/2]``
   uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``) or
   ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None, G a multiple of 16:
-  grouped int8, ``q * scale (+ shift)``; GGUF Q8_0, Q6_K and Q5_K tensors' layouts);
+  grouped int8, ``q * scale (+ shift)``; GGUF Q8_0, Q6_K and Q5_K; ``high``: the 5-bit form, Q5_0's);
+  int4's and int8g's ``scale`` and ``shift`` float32 or both float16 (cpu_gemv_m1.h's forms);
   ``bias [N]`` float32 or None; ``perm [K]`` int32 or None: an input permutation (act-order GPTQ,
   its int4 weights over the input features sorted by group): the step runs the layer on
   ``x[:, perm]`` (``kernels/cpu_perm.h``), a gather of each row before its matmul with every matmul
@@ -60,6 +61,7 @@ import kvfleet.runtime.env as env  # the settings registry: stdlib only, below e
 from kvfleet.kernels import cpu_lib
 from kvfleet.kernels.cpu_features import MATMUL_KERNELS
 from kvfleet.kernels.cpu_lora import LoRATable, check_lora, lora_struct
+from kvfleet.kernels.cpu_woq import matrix_fields
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
@@ -115,29 +117,13 @@ class Linear:
             raise ValueError(f"{name}: weight is {self.shape}, expected {(n, k)}")
         if k % (32 if self.fmt == "int4" else 8):
             raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
-        wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)}, "int8g": {"scale": (n, k // max(self.group, 1))},
-                  "int4": {"scale": (n, k // max(self.group, 1)), "shift": (n, k // max(self.group, 1))}}[self.fmt]
-        if self.fmt == "int4" and (self.group <= 0 or self.group % 32 or k % self.group):
-            raise ValueError(f"{name}: int4 group size {self.group} must be a multiple of 32 dividing {k}")
-        if self.fmt == "int8g" and (self.group <= 0 or self.group % 16 or k % self.group or k % 32):
-            raise ValueError(f"{name}: int8g group size {self.group} must be a multiple of 16 dividing {k} "
-                             f"({k} a multiple of 32)")
-        if self.fmt == "int8g" and self.shift is not None:
-            wanted = {**wanted, "shift": (n, k // self.group)}
-        elif self.fmt not in ("int4",) and self.shift is not None:
-            raise ValueError(f"{name}: {self.fmt} takes no shift")
-        if self.high is not None and (self.fmt != "int8g" or self.high.shape != (n, k // 8)
-                                      or self.high.dtype != torch.uint8 or not self.high.is_contiguous()):
-            raise ValueError(f"{name}: high bits must be a contiguous uint8 ({n}, {k // 8}) tensor of an int8g matrix")
-        half = self.fmt in ("int4", "int8g") and self.scale is not None and self.scale.dtype == torch.float16
+        wanted, half = matrix_fields(name, self.fmt, self.group, self.scale, self.shift, self.high, n, k)
         for field, shape in {**wanted, **({"bias": (n,)} if self.bias is not None else {})}.items():
             t = getattr(self, field)
             dtype = torch.float16 if half and field in ("scale", "shift") else torch.float32
             if t is None or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"{name}: {field} must be a contiguous {str(dtype)[6:]} {shape} tensor"
-                                 + (" (scale and shift: both float32 or both float16)" if field == "shift" else ""))
-        if self.perm is not None:
-            p = self.perm
+                raise ValueError(f"{name}: {field} must be a contiguous {str(dtype)[6:]} {shape} tensor")
+        if (p := self.perm) is not None:
             if p.shape != (k,) or p.dtype != torch.int32 or not p.is_contiguous() or k > MAX_PERM:
                 raise ValueError(f"{name}: perm must be a contiguous int32 ({k},) tensor (at most {MAX_PERM})")
             if not torch.equal(torch.sort(p).values, torch.arange(k, dtype=torch.int32)):
@@ -145,10 +131,10 @@ class Linear:
 
     def struct(self) -> _Matrix:   # (the appended fields by name; kind 0: the decoder's kernels)
         n, k = self.shape
-        half = self.scale is not None and self.scale.dtype == torch.float16
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
                        self.group, _data(self.bias), perm=_data(self.perm), kind=1 + _MATMUL_CODES.get(self.matmul, -1),
-                       scale_f16=int(half), hbits=_data(self.high))
+                       scale_f16=int(self.scale is not None and self.scale.dtype == torch.float16),
+                       hbits=_data(self.high))
 
 
 def _data(t: torch.Tensor | None) -> int | None:

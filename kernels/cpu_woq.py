@@ -251,7 +251,8 @@ def int8_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Ten
 
 
 def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None,
-                           group_size: int, bias: torch.Tensor | None, qhigh: torch.Tensor | None = None) -> torch.Tensor:
+                           group_size: int, bias: torch.Tensor | None,
+                           qhigh: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for grouped int8 weights, ``W = qdata * scale (+ shift)`` per group of
     ``group_size`` along K (``qdata [N, K]`` int8, ``scale`` and ``shift [N, K/G]`` float32 or both
     float16, ``shift`` None for none; G a multiple of 16, K of 32: GGUF Q8_0, Q6_K and Q5_K tensors'
@@ -266,6 +267,29 @@ def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Te
                                         _ptr(shift), group_size, _ptr(bias), y.data_ptr(),
                                         int(scale.dtype == torch.float16), _ptr(qhigh))
     return _as_input(y, x)
+
+
+def matrix_fields(name: str, fmt: str, group: int, scale: torch.Tensor | None, shift: torch.Tensor | None,
+                  high: torch.Tensor | None, n: int, k: int) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """A fused-decoder matrix's (``kernels.cpu_decoder.Linear``) group size, shift and 5-bit high bits
+    checked for its format ``fmt`` (ValueError), and ``(the shapes its scale and shift must have,
+    whether they are float16)``; the caller checks those tensors against them."""
+    g = k // max(group, 1)
+    wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)}, "int8g": {"scale": (n, g)},
+              "int4": {"scale": (n, g), "shift": (n, g)}}[fmt]
+    if fmt == "int4" and (group <= 0 or group % 32 or k % group):
+        raise ValueError(f"{name}: int4 group size {group} must be a multiple of 32 dividing {k}")
+    if fmt == "int8g" and (group <= 0 or group % 16 or k % group or k % 32):
+        raise ValueError(f"{name}: int8g group size {group} must be a multiple of 16 dividing {k} "
+                         f"({k} a multiple of 32)")
+    if fmt == "int8g" and shift is not None:
+        wanted = {**wanted, "shift": (n, g)}
+    elif fmt != "int4" and shift is not None:
+        raise ValueError(f"{name}: {fmt} takes no shift")
+    if high is not None and (fmt != "int8g" or high.shape != (n, k // 8) or high.dtype != torch.uint8
+                             or not high.is_contiguous()):
+        raise ValueError(f"{name}: high bits must be a contiguous uint8 ({n}, {k // 8}) tensor of an int8g matrix")
+    return wanted, fmt in ("int4", "int8g") and scale is not None and scale.dtype == torch.float16
 
 
 def check_int8g(qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, group_size: int,

@@ -448,11 +448,10 @@ def _load_gguf_stored(gguf: Path, model: str | None, tokenizer: str | None, cach
     stored, the derived files cached under :func:`gguf_stored_path`."""
     from transformers import AutoTokenizer
 
+    from kvfleet.kernels.cpu_decoder import resolve_matmul
     from kvfleet.runtime.worker import gguf_model
     from kvfleet.runtime.worker.attention import check_attention_support
     from kvfleet.runtime.worker.woq_linear import set_bf16_prefill
-
-    from kvfleet.kernels.cpu_decoder import resolve_matmul
 
     # Q5_0's 5-bit form where the fused decoder's matmuls are AMX tiles (gguf_model.load: the speed)
     five_bit = plan.bf16_matmuls and resolve_matmul(env.CPU_MATMUL.get() or plan.matmul) == "amx"
