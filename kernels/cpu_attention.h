@@ -295,17 +295,18 @@ static inline void widen_block(const uint16_t *c, int64_t stride, int64_t bs, in
     }
 }
 
-/* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
+/* Task t = (group lead i, KV head g, split part), from s->tasks[t] = (lead index KVH + g) S + part
+ * (attention() lists only the splits some row of the group has). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
  * value once for all the query heads that share it. Rows of one sequence at consecutive positions
  * (a speculative step's last token and drafts: s->group) are done by their first row's tasks,
  * block by block for all of them, so each block is read from memory once for the group; every
  * row still sums exactly as it would alone (the same blocks in the same order, its own split and
- * length). Tasks of rows led by another and past a row's last split return at once. */
+ * length). */
 static void task_attention(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, bs = s->d->block_size;
-    const int64_t i = s->leads[t / (KVH * S)], g = t / S % KVH, part = t % S;
+    const int64_t i = s->leads[s->tasks[t] / (KVH * S)], g = s->tasks[t] / S % KVH, part = s->tasks[t] % S;
     const int64_t rows = s->group[i];
     int64_t b0 = -1, b1 = 0;
     for (int64_t r = i; r < i + rows; r++) {
@@ -437,18 +438,28 @@ static void merge_attention(const kv_step *s, int64_t rows) {
     kv_parallel(task_merge, &p, (rows + KV_PREP_ROWS - 1) / KV_PREP_ROWS);
 }
 
-/* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the groups
- * led in the pass, then their merge. */
+/* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the tasks of
+ * the groups led in the pass (one per lead, KV head and split that some row of its group has: no
+ * empty tasks to claim, ~60 % of the slots of a 48-row decode step), then their merge. */
 static void attention(kv_step *s, int64_t num_leads) {
-    const int64_t tasks_per_lead = s->d->num_kv_heads * KV_MAX_SPLITS;
-    const int64_t *all = s->leads;
+    const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, *all = s->leads;
     int64_t l0 = 0;
     for (s->a0 = 0; s->a0 < s->M; s->a0 += KV_ATTN_ROWS) {
         const int64_t a1 = min64(s->a0 + KV_ATTN_ROWS, s->M);
-        int64_t l1 = l0;
+        int64_t l1 = l0, n = 0;
         while (l1 < num_leads && all[l1] < a1) l1++;
         s->leads = all + l0;
-        kv_parallel(task_attention, s, (l1 - l0) * tasks_per_lead);
+        for (int64_t l = 0; l < l1 - l0; l++) {
+            int64_t splits = 0;
+            for (int64_t r = s->leads[l]; r < s->leads[l] + s->group[s->leads[l]]; r++) {
+                int64_t first, blocks, per;
+                const int64_t k = row_blocks(s, r, &first, &blocks, &per);
+                splits = k > splits ? k : splits;
+            }
+            for (int64_t g = 0; g < KVH; g++)
+                for (int64_t part = 0; part < splits; part++) s->tasks[n++] = (l * KVH + g) * S + part;
+        }
+        kv_parallel(task_attention, s, n);
         merge_attention(s, a1 - s->a0);
         l0 = l1;
     }

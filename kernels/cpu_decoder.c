@@ -304,7 +304,8 @@ static inline void timed(int which, int64_t *t) {
 #include "cpu_moe.h"   /* a layer's experts (moe_phase), over the helpers above */
 
 /* Scratch for a step of M rows, grown as needed (P.lock held): floats (with bf16 matmuls, the
- * packed input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
+ * packed input after them), and (2 + KVH KV_MAX_SPLITS) M int64: the groups, their leads and
+ * attention's tasks. Returns 0, or -1 when out of memory. */
 static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
     const int64_t QD = d->num_heads * d->head_size, pass = min64(M, KV_ATTN_ROWS), I = d->intermediate;
     const int64_t widest = I > d->hidden ? (I > QD ? I : QD) : (d->hidden > QD ? d->hidden : QD);
@@ -312,10 +313,8 @@ static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
                          + pass * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2)
                          + (bf16 ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0);   /* the packed bf16 input */
     if (kv_grow((void **)&P.scratch, &P.scratch_floats, need, sizeof(float))) return -1;
-    int64_t group_ints = 2 * P.group_rows;
-    const int rc = kv_grow((void **)&P.group, &group_ints, 2 * M, sizeof(int64_t));
-    P.group_rows = group_ints / 2;
-    return rc;
+    const int64_t per_row = 2 + d->num_kv_heads * KV_MAX_SPLITS;   /* group, leads, attention's tasks */
+    return kv_grow((void **)&P.group, &P.group_ints, per_row * M, sizeof(int64_t));
 }
 
 /* The attention sublayer of layer s->L: x += o(attention(rotary(qk_norm(q|k|v(attn_in(x))))))
@@ -404,6 +403,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
                  .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits,
                  .group = P.group, .leads = P.group + M, .splits = KV_MAX_SPLITS, .matmul = matmul};
     const int64_t num_leads = group_rows(&s, P.group, P.group + M);
+    s.tasks = P.group + 2 * M;
     s.qkv = s.h + M * H;
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;
