@@ -284,9 +284,25 @@ static void task_head(const void *ctx, int64_t t) {
 }
 
 /* Nanoseconds spent per phase since the last kv_decode_profile call, and the steps:
- * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, steps]. */
+ * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, steps]. The clock (kv_decode_profile_clock):
+ * wall time, or the calling thread's CPU time -- with no helper threads (a pool of one) that is the
+ * whole step's work, and on a shared machine it leaves out the time other processes took the core. */
 enum { PROF_NORM, PROF_QKV, PROF_ATTN, PROF_O, PROF_MLP, PROF_DOWN, PROF_HEAD, PROF_STEPS, PROF_N };
 static int64_t PROF[PROF_N];
+static clockid_t PROF_CLOCK = CLOCK_MONOTONIC;
+
+/* 1: the phases in the calling thread's CPU time, 0: in wall time (the default). */
+void kv_decode_profile_clock(int64_t thread_cpu) {
+    pthread_mutex_lock(&P.lock);
+    PROF_CLOCK = thread_cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
+    pthread_mutex_unlock(&P.lock);
+}
+
+static inline int64_t prof_ns(void) {
+    struct timespec t;
+    clock_gettime(PROF_CLOCK, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 void kv_decode_profile(int64_t *out) {
     pthread_mutex_lock(&P.lock);
@@ -296,7 +312,7 @@ void kv_decode_profile(int64_t *out) {
 }
 
 static inline void timed(int which, int64_t *t) {
-    int64_t now = now_ns();
+    int64_t now = prof_ns();
     PROF[which] += now - *t;
     *t = now;
 }
@@ -410,7 +426,7 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     s.partial = s.act + M * I;
     s.xb = matmul != KV_MATMUL_F32 ? (uint16_t *)(s.partial + min64(M, KV_ATTN_ROWS) * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2))
                : NULL;
-    int64_t t = now_ns();
+    int64_t t = prof_ns();
     for (int64_t l = 0; l < d->num_layers; l++) {
         s.L = &d->layers[l];
         attention_phase(&s, num_leads, &t);

@@ -270,6 +270,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("kv_pool_start", [i64, i64], i64),
         ("kv_decode_profile", [p], None),
         ("kv_decode", [p, i64, p, p, p, p, p, i64, p, p, p, p, i64], i64),
+        ("kv_decode_profile_clock", [i64], None),   # (last: benchmarks bind older builds without it)
     ):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
@@ -328,6 +329,20 @@ def load(cache_root: Path | None = None) -> ctypes.CDLL | None:
         _lib, _variant = lib, variant
         logger.info("kvfleet CPU kernels: %s variant (%s)", variant, features.summary())
         return lib
+
+
+def set_profile_clock(thread_cpu: bool) -> None:
+    """The clock of the fused decoder's phase timers (``FusedDecoder.profile``): the calling thread's
+    CPU time (``True``: with a pool of one thread, the whole step's work, less the time other
+    processes took the core: the steadier measure on a shared machine) or wall time (``False``, the
+    default). The process's library; it applies from the next step on.
+
+    Raises:
+        RuntimeError: the kernels are unavailable here."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"kvfleet CPU kernels unavailable: {unavailable_reason()}")
+    lib.kv_decode_profile_clock(int(thread_cpu))
 
 
 def available(cache_root: Path | None = None) -> bool:
