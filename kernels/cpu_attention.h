@@ -245,10 +245,48 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
                               _mm512_set1_ps(scale));
 }
 
-/* attend_block with the keys transposed (kT: transpose_keys of the block) and the values at vb +
- * p * stride; w: 16 floats of scratch. The same partials as attend_block's, summed differently. */
+/* add_values for h (<= 4) query heads at once: acc[j][0 .. D) += sum_p w[16 j + p] * v_p[e] over
+ * the n positions, v_p = vals + p * stride, float32 or (`bf16`) widened in registers: each value
+ * is read and widened once for the h heads, and each element is its own chain over p, as in
+ * add_values (the same bits). D a multiple of 16. */
+static inline __attribute__((always_inline)) void add_values_heads(float *const *acc, const float *w,
+                                                                   const void *vals, int bf16, int64_t stride,
+                                                                   int64_t n, int64_t D, int h) {
+    for (int64_t e0 = 0; e0 < D; e0 += 64) {
+        const int width = (int)(D - e0 < 64 ? (D - e0) / 16 : 4);
+        __m512 a[4][4];
+        for (int j = 0; j < h; j++)
+            for (int c = 0; c < width; c++) a[j][c] = _mm512_loadu_ps(acc[j] + e0 + 16 * c);
+        for (int64_t p = 0; p < n; p++) {
+            __m512 v[4];
+            for (int c = 0; c < width; c++)
+                v[c] = bf16 ? widen_bf16_16((const uint16_t *)vals + p * stride + e0 + 16 * c)
+                            : _mm512_loadu_ps((const float *)vals + p * stride + e0 + 16 * c);
+            for (int j = 0; j < h; j++) {
+                const __m512 wp = _mm512_set1_ps(w[16 * j + p]);
+                for (int c = 0; c < width; c++) a[j][c] = _mm512_fmadd_ps(wp, v[c], a[j][c]);
+            }
+        }
+        for (int j = 0; j < h; j++)
+            for (int c = 0; c < width; c++) _mm512_storeu_ps(acc[j] + e0 + 16 * c, a[j][c]);
+    }
+}
+
+/* add_values_heads with D = 64 and h as constants where they are (the accumulators in registers). */
+static inline void add_values_h(float *const *acc, const float *w, const void *vals, int bf16, int64_t stride,
+                                int64_t n, int64_t D, int h) {
+    if (D == 64 && h == 3) add_values_heads(acc, w, vals, bf16, stride, n, 64, 3);
+    else if (D == 64 && h == 4) add_values_heads(acc, w, vals, bf16, stride, n, 64, 4);
+    else if (D == 64 && h == 1) add_values_heads(acc, w, vals, bf16, stride, n, 64, 1);
+    else if (D == 64 && h == 2) add_values_heads(acc, w, vals, bf16, stride, n, 64, 2);
+    else add_values_heads(acc, w, vals, bf16, stride, n, D, h);
+}
+
+/* attend_block with the keys transposed (kT: transpose_keys of the block) and the values at vals +
+ * p * stride (float32, or bf16 as stored with `vbf16`: widened in registers); w: 64 floats of
+ * scratch. The same partials as attend_block's, summed differently. */
 static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
-                           const float *kT, const float *vb, int64_t stride, float *w) {
+                           const float *kT, const void *vals, int vbf16, int64_t stride, float *w) {
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
     const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
@@ -270,14 +308,18 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
             case 2: scores16(q, kc, D, 2, (float)d->scale, sc); break;
             default: scores16(q, kc, D, 1, (float)d->scale, sc); break;
             }
-            for (int j = 0; j < h; j++) {
+            float *acc[4];
+            for (int j = 0; j < h; j++) {   /* each head's weights, its sums rescaled first */
                 float *o = out + (j0 + j) * S * (D + 2);
                 rescale_partial(o, _mm512_mask_reduce_max_ps(valid, sc[j]), D);
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc[j], _mm512_set1_ps(o[0]))));
                 o[1] += _mm512_reduce_add_ps(p);
-                _mm512_storeu_ps(w, p);
-                add_values(o + 2, w, vb + 16 * c * stride, stride, m, D);
+                _mm512_storeu_ps(w + 16 * j, p);
+                acc[j] = o + 2;
             }
+            const int64_t at = 16 * c * stride;   /* then the h heads' values in one pass */
+            add_values_h(acc, w, vbf16 ? (const void *)((const uint16_t *)vals + at) : (const void *)((const float *)vals + at),
+                         vbf16, stride, m, D, h);
         }
     }
 }
@@ -324,7 +366,7 @@ static void task_attention(const void *ctx, int64_t t) {
     const int bf16 = d->cache_dtype == KV_CACHE_BF16;
 #ifdef __AVX512F__
     const int t16 = D % 16 == 0;   /* the transposed-key scores (attend_block16) */
-    float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[16];
+    float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[64];
 #else
     const int t16 = 0;
 #endif
@@ -342,10 +384,14 @@ static void task_attention(const void *ctx, int64_t t) {
         const float *kb = (const float *)kc + base, *vb = (const float *)vc + base;
         const void *keys = kb;   /* what transpose_keys reads: the cache's keys (float32 or bf16) */
         int64_t kstride = stride, vstride = stride;
+        const int direct = t16 && rows == 1;   /* one row (decode): its values read as stored, bf16
+                                                 * widened in registers (attend_block16) */
         if (bf16) {   /* widened once for every row of the group and every query head (exact) */
             const uint16_t *k16 = (const uint16_t *)kc + base, *v16 = (const uint16_t *)vc + base;
-            widen_block(v16, stride, bs, D, vw);
-            vb = vw, vstride = D;
+            if (!direct) {
+                widen_block(v16, stride, bs, D, vw);
+                vb = vw, vstride = D;
+            }
             if (t16) {
                 keys = k16;   /* widened as they are transposed */
             } else {
@@ -365,7 +411,9 @@ static void task_attention(const void *ctx, int64_t t) {
             if (t16) {
                 if (!transposed) transpose_keys(keys, bf16, kstride, bs, D, kT);
                 transposed = 1;
-                attend_block16(s, r, g, part, b, b == lo, kT, vb, vstride, w16);
+                attend_block16(s, r, g, part, b, b == lo, kT,
+                               direct && bf16 ? (const void *)((const uint16_t *)vc + base) : (const void *)vb,
+                               direct && bf16, vstride, w16);
                 continue;
             }
 #endif
