@@ -57,8 +57,8 @@ logger = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.c"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv_m1.h", "cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h",
                                                      "cpu_decoder.h", "cpu_pool.h", "cpu_step.h",
-                                                     "cpu_kv_write.h", "cpu_attention.h", "cpu_moe.h",
-                                                     "cpu_lora.h", "cpu_perm.h"))
+                                                     "cpu_kv_write.h", "cpu_attention.h", "cpu_attention16.h",
+                                                     "cpu_moe.h", "cpu_lora.h", "cpu_perm.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {

@@ -195,9 +195,8 @@ def test_the_profile_clock_counts_the_callers_cpu_time_or_wall_time():
     import sys
     import time
 
-    from unit.kernels.test_cpu_decoder import _inputs, _model
-
     from kvfleet.kernels.cpu_decoder import FusedDecoder
+    from unit.kernels.test_cpu_decoder import _inputs, _model
 
     weights, _, _ = _model("int8", layers=8)
     dec = FusedDecoder(weights, threads=1)
