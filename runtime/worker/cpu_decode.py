@@ -30,11 +30,11 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 - KV caches in float32 or bf16 (``kv_cache_dtype``; the torch path of prefill and mixed steps reads
   and writes the same cache; the runner's ``auto`` asks :func:`unsupported` whether this path will run).
 
-Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
-into one tensor, and the modules' own weights become views of it, so the transformers path that
-runs the steps the fused one does not reads the same memory (a family that stores them fused,
-Phi-3's ``qkv_proj`` and ``gate_up_proj``, is read as stored). Models shared by several engines are
-fused once. Norm weights are float32 copies (Gemma's ``(1 + w)`` folded in).
+Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once into
+one tensor, and the modules' own weights become views of it, so the transformers path that runs the
+steps the fused one does not reads the same memory (a family that stores them fused, Phi-3's
+``qkv_proj`` and ``gate_up_proj``, is read as stored). Models shared by several engines are fused
+once. Norm weights are float32 copies (Gemma's ``(1 + w)`` folded in).
 
 :meth:`CpuDecodePath.applies` says whether a step qualifies. Never with prompt logprobs or
 padding rows. Otherwise:
@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -295,8 +294,8 @@ def unsupported(runner: Runner) -> str | None:
 class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
-    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False,
-                 recipe: Recipe | None = None, lora_modules: frozenset[str] = frozenset()) -> None:
+    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False, recipe: Recipe | None = None,
+                 lora_modules: frozenset[str] = frozenset(), gather: cpu_decode_tp.HeadGather | None = None) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
@@ -305,7 +304,7 @@ class CpuDecodePath:
         self._logit_scale = runner.logit_scale
         self._softcap = self.recipe.logit_softcap
         self._fused = fused
-        self._compute_logits = runner.compute_logits
+        self._compute_logits, self._gather = runner.compute_logits, gather   # (gather: tensor parallelism's vocab)
         self.prefill = prefill
         """Whether prefill chunks and mixed steps run fused too (the module docstring)."""
         self.matmul = fused.matmul
@@ -367,6 +366,7 @@ class CpuDecodePath:
                                           seq_lens.contiguous(), logits_indices.contiguous(), lora_slots)
         if logits is None:
             return self._compute_logits(hidden.index_select(0, logits_indices))
+        logits = self._gather(logits) if self._gather is not None else logits
         if self._logit_scale != 1.0:   # as the engine's compute_logits finishes the torch path's
             logits = logits * self._logit_scale
         if self._softcap:
@@ -432,8 +432,7 @@ def _build(runner: Runner) -> CpuDecodePath | None:
                 break
             o = _linear(getattr(layer.self_attn, fam.o))
             down = None if moe else _linear(getattr(layer.mlp, fam.down, None))
-            if tp and cpu_decode_tp.rank():   # a row-parallel bias is added once, by rank 0
-                o, down = (m and replace(m, bias=None) for m in (o, down))
+            o, down = cpu_decode_tp.bias_once(o, down) if tp else (o, down)
             if fused is None or o is None or (down is None and moe is None):
                 reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4 (act-order int4)"
                 break
@@ -448,7 +447,7 @@ def _build(runner: Runner) -> CpuDecodePath | None:
     if reason is not None:
         logger.info("fused CPU decode: off (%s)", reason)
         return None
-    head = None if tp else _linear(runner.model.get_output_embeddings())   # (tp: the module gathers)
+    head, gather = cpu_decode_tp.head(runner, _linear) if tp else (_linear(runner.model.get_output_embeddings()), None)
     eps = float(getattr(runner.hf_config, "rms_norm_eps", 1e-6))
     weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
                              float(decoder.layers[0].self_attn.scaling), layers, _norm(decoder.norm, offset), head,
@@ -465,7 +464,7 @@ def _build(runner: Runner) -> CpuDecodePath | None:
     tables = {id(t.a) for layer in layers for t in (layer.lora or {}).values()}
     lora_modules = frozenset(name for name, m in (runner.lora.layers.items() if runner.lora is not None else ())
                              if id(m.lora_a) in tables)
-    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe, lora_modules)
+    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe, lora_modules, gather)
     cos, _ = path._rope(torch.zeros(1, fused.hidden), torch.zeros(1, 1, dtype=torch.long))
     if tuple(cos.shape) != (fused.num_ropes, 1, fused.rotary_dim):
         logger.info("fused CPU decode: off (the rotary embedding gives %s tables of width %d, the recipe "

@@ -13,8 +13,10 @@ every layer:
 - o and down are ``rowwise``: the matching input columns, the rank's products partial sums;
 - q/k norms, if planned at all, ``replicated_with_grad_allreduce`` (per-head norms: Qwen3, Gemma 3),
   and no other entry names a layer's module; outside the layers only the embedding and the LM
-  head may be planned: the path calls those modules, so they gather as transformers does (the LM
-  head runs in torch under tensor parallelism, on the rows that sample).
+  head may be planned. The path calls the embedding module (its partial lookups summed as
+  transformers does); the C step runs the LM head on the rank's vocabulary rows
+  (``colwise_gather_output``) and :class:`HeadGather` gathers the logits, so every step stays
+  bitwise batch-invariant (a torch head's GEMM is not: its blocking follows the row count).
 
 Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 and Granite plans qualify; Phi-3
 (``colwise_gather_output`` on a stored qkv / gate_up), GLM and GLM-4 (gate_up gathered), OLMo 2
@@ -34,11 +36,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from kvfleet.kernels.cpu_decoder import Linear
 from kvfleet.kernels.cpu_tp import AllReduce
 from kvfleet.runtime.worker.recipes import Recipe
 
@@ -105,6 +110,56 @@ def unsupported(runner: Any, recipe: Recipe) -> str | None:
     embed = names.get(id(model.get_input_embeddings()), "")
     head = names.get(id(model.get_output_embeddings()), "")
     return plan_unsupported(getattr(model, "tp_plan", None), recipe, embed, head)
+
+
+def bias_once(o: Linear | None, down: Linear | None) -> tuple[Linear | None, Linear | None]:
+    """o and down of this rank: a row-parallel bias is added once, by rank 0's matrices."""
+    return (o, down) if rank() == 0 else tuple(m and replace(m, bias=None) for m in (o, down))
+
+
+class HeadGather:
+    """The LM head's logits of every rank's vocabulary rows, gathered in rank order: rank ``r``
+    holds rows ``torch.chunk(range(vocab), world)[r]`` (transformers' ``colwise_gather_output``,
+    the last rank's slice the shorter when ``world`` does not divide ``vocab``)."""
+
+    def __init__(self, vocab: int, local_rows: int) -> None:
+        world = dist.get_world_size()
+        sizes = [len(c) for c in torch.arange(vocab).chunk(world)]
+        self.sizes = sizes + [0] * (world - len(sizes))
+        if self.sizes[rank()] != local_rows:
+            raise ValueError(f"rank {rank()} holds {local_rows} LM head rows, torch.chunk's split gives "
+                             f"{self.sizes[rank()]} of {vocab}")
+        self.width = max(self.sizes)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[L, local rows]`` -> ``[L, vocab]`` (a collective: every rank calls it with the same L)."""
+        rows = logits.shape[0]
+        if rows == 0:
+            return logits.new_empty((0, sum(self.sizes)))
+        mine = torch.nn.functional.pad(logits, (0, self.width - logits.shape[1])).contiguous()
+        parts = [torch.empty_like(mine) for _ in self.sizes]
+        dist.all_gather(parts, mine)
+        return torch.cat([p[:, :n] for p, n in zip(parts, self.sizes)], 1)
+
+
+def head(runner: Any, linear: Callable[[torch.nn.Module], Linear | None]) -> tuple[Linear | None, HeadGather | None]:
+    """The LM head the C step runs on this rank and the gather of its logits: the rank's vocabulary
+    rows where the plan shards it ``colwise_gather_output`` (or ``colwise_rep``), all of it where the
+    plan leaves it whole (no gather); ``(None, None)`` otherwise (the head then runs in torch)."""
+    model = runner.model
+    module = model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    style = (getattr(model, "tp_plan", None) or {}).get(names.get(id(module), ""))
+    m = linear(module) if module is not None else None
+    if m is None or style is None:
+        return m, None
+    if style not in ("colwise_gather_output", "colwise_rep"):
+        return None, None
+    try:
+        return m, HeadGather(int(module.weight.shape[0]), m.shape[0])
+    except ValueError as exc:
+        logger.info("fused CPU decode: the LM head runs in torch (%s)", exc)
+        return None, None
 
 
 def rank() -> int:
