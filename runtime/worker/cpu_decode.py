@@ -408,8 +408,8 @@ def fused_prefill(matmul: str) -> bool:
 def build(runner: Runner) -> CpuDecodePath | None:
     """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner` whose KV
     caches exist), or None with the reason logged at INFO; under tensor parallelism on at every rank or none."""
-    path = _build(runner)
-    return path if runner.tp_size == 1 or cpu_decode_tp.agree(path is not None) else None
+    path = _build(runner)   # (agree: a gloo collective, CPU ranks only; every rank's device is alike)
+    return path if runner.tp_size == 1 or runner.device.type != "cpu" or cpu_decode_tp.agree(path is not None) else None
 
 
 def _build(runner: Runner) -> CpuDecodePath | None:
