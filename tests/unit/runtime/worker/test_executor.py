@@ -3,7 +3,8 @@ CPU with the real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks spl
 (3 query heads and 1 KV head each) and 2 ranks are refused.
 
 The TP engine runs 3 real processes (this one is rank 0, the driver worker; two workers)
-over gloo, with transformers' own tensor-parallel plan for Llama. Its greedy tokens and
+over gloo, with transformers' own tensor-parallel plan for Llama (decode steps run the fused C
+step on each rank's shard, its all-reduces inside the step: runtime/worker/cpu_decode_tp.py). Its greedy tokens and
 prompt logprobs are compared with the ``tensor_parallel_size=1`` engine's, through
 continuous batching (requests added while others decode). The fault tests kill real
 processes: a dead worker must be an engine error (not a hang). Through ``kvfleet serve``:
@@ -141,6 +142,9 @@ def test_tp3_greedy_tokens_equal_tp1_through_continuous_batching(tp_engine, smol
     assert all(len(t) == MAX_TOKENS for t in tp_tokens.values())
     assert tp_tokens == ref_tokens
     assert "Paris" in ref_final["r0"].outputs[0].text
+    # decode ran the fused C step on each rank's shard, 3 ranks: the partials all-gathered, added in rank order
+    fused = tp_engine.runner.cpu_decode
+    assert fused is not None and fused._fused.all_reduce.world == 3 and fused._fused.all_reduce.calls > 0
 
 
 @pytest.mark.slow
