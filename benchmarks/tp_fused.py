@@ -89,8 +89,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of this process (rank 0; its C pool's too)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or os.path.join(tmp, "model")
         if a.model is None:

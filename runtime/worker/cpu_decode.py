@@ -10,7 +10,7 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
   is not ``0``;
 - the torch attention backend (``$KVFLEET_ATTENTION_BACKEND`` not ``triton``); under tensor parallelism
   each rank its shard, where :mod:`~kvfleet.runtime.worker.cpu_decode_tp` follows the model's plan (the
-  LM head then runs in torch and gathers); with LoRA on (``enable_lora``) the path reads the LoRA
+  LM head on its vocabulary rows, logits gathered); with LoRA on (``enable_lora``) the path reads the LoRA
   layers' base layers, and their slot tensors as the C step's adapter tables (:mod:`kvfleet.kernels.cpu_lora`:
   q, k, v, o, gate, up, down of the dense layers), so a step with adapter tokens runs fused too, each
   row adding its own adapter's deltas (:meth:`CpuDecodePath.lora_slots`); only a step with an adapter
