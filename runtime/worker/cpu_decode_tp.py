@@ -18,7 +18,7 @@ every layer:
   (``colwise_gather_output``) and :class:`HeadGather` gathers the logits, so every step stays
   bitwise batch-invariant (a torch head's GEMM is not: its blocking follows the row count).
 
-Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 and Granite plans qualify; Phi-3
+Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 and Granite plans qualify; Phi-3
 (``colwise_gather_output`` on a stored qkv / gate_up), GLM and GLM-4 (gate_up gathered), OLMo 2
 (q/k/v gathered for its whole-projection q/k norm) and the mixture-of-experts families keep
 transformers' modules with the reason logged. A bias of o or down is added once, on rank 0's

@@ -27,7 +27,7 @@ from kvfleet.runtime.worker.recipes import recipe_for
 
 pytestmark = pytest.mark.skipif(not cpu_woq.available(), reason="AVX2/FMA kernels unavailable here")
 
-FOLLOWED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite"}
+FOLLOWED = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "granite"}
 """Families whose transformers tensor-parallel plan the fused step follows (cpu_decode_tp's docstring)."""
 NOT_FOLLOWED = {"phi3": "one matrix", "glm": "one matrix", "glm4": "one matrix", "olmo2": "colwise_gather_output",
                 "mixtral": "mixture-of-experts", "qwen3_moe": "mixture-of-experts"}
