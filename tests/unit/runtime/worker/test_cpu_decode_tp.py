@@ -8,7 +8,8 @@ norms, a sliding window, two RoPE tables) with prefill in torch and decode fused
 cache. The LM head runs in the C step on each rank's vocabulary rows, its logits gathered. Each gives transformers' greedy tokens
 (float32) and the tensor_parallel_size=1 fused path's; the C step's all-reduce ran (its call count)
 and multi-row steps ran fused. Under tensor parallelism a request's tokens and log-probabilities
-are bitwise the same alone and in a batch. The matmul kind is float32 (tensor parallelism keeps
+are bitwise the same alone and in a batch. A GLM-4 (its plan gathers gate_up) keeps transformers'
+modules on both ranks, the reason logged. The matmul kind is float32 (tensor parallelism keeps
 float32 weights; tests/unit/kernels/test_cpu_tp.py steps shards on every kind this CPU has)."""
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def checkpoints(tmp_path_factory):
     """family -> (checkpoint dir, transformers' greedy tokens of PROMPTS)."""
     out = {}
     for name, family, sizes in (("llama", "llama", {}), ("qwen3", "qwen3", {}), ("gemma3_text", "gemma3_text", {}),
-                                ("llama97", "llama", {"vocab_size": 97})):   # 97: the LM head's shards 49 + 48
+                                ("llama97", "llama", {"vocab_size": 97}), ("glm4", "glm4", {})):   # 97: shards 49 + 48
         path = tmp_path_factory.mktemp(name)
         out[name] = (path, hf_greedy(build(family_config(family, **sizes), path)))
     return out
@@ -130,3 +131,19 @@ def test_llama_every_step_fused_on_two_ranks_and_a_request_has_the_same_bits_alo
     for i, (alone, _, alone_lp) in enumerate(single):
         assert alone[0] == together[i] and alone_lp[0] == together_lp[i], f"request {i} differs in the batch"
     _check_one_rank(path, expected, True, monkeypatch)
+
+
+def test_a_family_whose_plan_it_cannot_follow_keeps_transformers_modules(checkpoints, monkeypatch, caplog):
+    """GLM-4's plan gathers its stored gate_up_proj: both ranks run transformers' modules, the
+    reason in rank 0's log, and the tokens are still transformers'."""
+    import logging
+
+    path, expected = checkpoints["glm4"]
+    with caplog.at_level(logging.INFO, logger=cpu_decode.__name__):
+        eng = _engine(path, monkeypatch, False, 2)
+    try:
+        assert eng.runner.cpu_decode is None
+        assert "fused CPU decode: off (tensor parallelism: glm4 stores q|k|v or gate|up as one matrix" in caplog.text
+        assert run(eng, [list(p) for p in PROMPTS], PARAMS)[0] == expected
+    finally:
+        eng.shutdown()
