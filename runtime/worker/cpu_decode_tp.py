@@ -18,10 +18,10 @@ every layer:
   (``colwise_gather_output``) and :class:`HeadGather` gathers the logits, so every step stays
   bitwise batch-invariant (a torch head's GEMM is not: its blocking follows the row count).
 
-Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 and Granite plans qualify; Phi-3
-(``colwise_gather_output`` on a stored qkv / gate_up), GLM and GLM-4 (gate_up gathered), OLMo 2
-(q/k/v gathered for its whole-projection q/k norm) and the mixture-of-experts families keep
-transformers' modules with the reason logged. A bias of o or down is added once, on rank 0's
+Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 3 and Granite plans qualify; GLM and GLM-4 (gate_up
+gathered) and the mixture-of-experts families keep transformers' modules with the reason logged
+(Phi-3's and OLMo 2's plans, which gather q/k/v, are refused with tensor parallelism at all:
+:func:`~kvfleet.runtime.worker.executor.check_tensor_parallel`). A bias of o or down is added once, on rank 0's
 matrix (transformers adds it after the reduce). LoRA with tensor parallelism is refused by the
 engine's config (``--enable-lora``). Weights stay float32 as loaded (no bf16 storage or bf16
 matmuls under tensor parallelism: :mod:`kvfleet.runtime.worker.cpu_plan`).

@@ -85,6 +85,19 @@ def test_heads_must_divide(smollm2):
         check_tensor_parallel(hf_config, 9, "SmolLM2")
 
 
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_a_plan_that_gathers_the_attention_projections_is_refused(family):
+    """Phi-3's (qkv_proj) and OLMo 2's (q/k/v) plans gather the projections' outputs: every rank
+    would compute all KV heads into a cache sized for its share (it failed at the first step)."""
+    from support.tiny_models import family_config
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\): M's tensor-parallel plan gathers its attention "
+                                         r"projections .*colwise_gather_output.*all 2 KV heads.* holds 1"):
+        check_tensor_parallel(family_config(family), 2, "M")
+    check_tensor_parallel(family_config("llama"), 2, "M")
+    check_tensor_parallel(family_config("glm4"), 2, "M")   # q/k/v colwise (its gate_up gathered: fine)
+
+
 def test_engine_refuses_tp2_before_starting_any_process():
     before = set(children(os.getpid()))
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide .*num_attention_heads \(9\)"):
