@@ -113,10 +113,10 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_description()}; load average {os.getloadavg()[0]:.1f}")
     for c in a.concurrency:
         row = {n: results.get(f"{n} C={c}", {}).get("tok_s") for n in a.configs}
-        ratio = (row.get("tp2 fused") or 0) / (row.get("tp2 torch") or float("inf"))
-        print(f"C={c}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in row.items() if v) + f"; fused/torch at TP=2 "
-              f"{ratio:.2f}x; fused all-reduces {results.get(f'tp2 fused C={c}', {}).get('tp_ms_per_step', 0):.2f} "
-              "ms/step")
+        ratio = f"; fused/torch at TP=2 {row['tp2 fused'] / row['tp2 torch']:.2f}x" \
+            if row.get("tp2 fused") and row.get("tp2 torch") else ""
+        print(f"C={c}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in row.items() if v) + f"{ratio}; fused "
+              f"all-reduces {results.get(f'tp2 fused C={c}', {}).get('tp_ms_per_step', 0):.2f} ms/step")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu_description(), "load": os.getloadavg()[0], "results": results, "args": vars(a)}, f,
