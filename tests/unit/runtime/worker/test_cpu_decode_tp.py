@@ -56,7 +56,7 @@ def test_which_families_plans_the_fused_step_follows(family):
 def test_a_plan_it_cannot_follow_is_refused_with_its_entry():
     recipe = recipe_for(family_config("llama"))
     plan = _model_plan("llama")
-    follow = lambda p: plan_unsupported(p, recipe, "model.embed_tokens", "lm_head")  # noqa: E731
+    follow = lambda p: plan_unsupported(p, recipe, "model.embed_tokens", "lm_head")
     assert follow(plan) is None
     assert "model.norm" in follow(plan | {"model.norm": "sequence_parallel"})
     assert "self_attn.o_proj 'replicated'" in follow({k: v for k, v in plan.items() if "o_proj" not in k})
