@@ -304,12 +304,16 @@ def resolve_model_path(model: str | None, cache_root: Path | None = None) -> tup
     else:
         path = Path(model).expanduser()
         if path.suffix == ".gguf":
+            if path.is_dir():
+                raise FileNotFoundError(f"model: {model!r} is a directory, not a GGUF file")
             if not path.is_file():
                 raise FileNotFoundError(f"model: GGUF file {model!r} does not exist")
             gguf = path.resolve()
             name = path.stem
         elif path.exists():
-            if not path.is_dir() or not (path / "config.json").is_file():
+            if not path.is_dir():
+                raise FileNotFoundError(f"model: {model!r} is a file but not a .gguf one, nor a checkpoint directory")
+            if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model: {model!r} is not a checkpoint directory (no config.json)")
             return str(path.resolve()), path.resolve().name
         elif path.is_absolute() or model.startswith("."):  # a hub id never starts with /, ~ or .
