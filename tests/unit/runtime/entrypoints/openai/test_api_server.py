@@ -420,7 +420,6 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hello " * 100}]}, 400, "messages"),  # > 64 tokens
     ({"messages": HI, "model": "nope"}, 404, "model"),
     ({"messages": HI, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
-    ({"messages": HI, "chat_template_kwargs": {"messages": []}}, 400, "chat_template_kwargs"),
 ]
 
 
@@ -429,12 +428,6 @@ def test_bad_chat_requests(client, reference, body, status, param):
     assert_error(client.post("/v1/chat/completions", json=body), status, param)
     good = client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "temperature": 0})
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == reference.chat_text(HI, 4)
-
-
-def test_an_out_of_range_top_logprobs_is_named_in_the_message(client):
-    r = client.post("/v1/chat/completions", json={"messages": HI, "logprobs": True, "top_logprobs": 30})
-    assert_error(r, 400, "top_logprobs")
-    assert r.json()["error"]["message"].startswith("top_logprobs must be an integer in [0, 20]"), r.text
 
 
 def test_tools_auto_needs_no_flags(client):

@@ -75,3 +75,9 @@ def test_tokenize_renders_a_requests_own_template_as_chat_does(client):
     assert r.json()["count"] != client.post("/tokenize", json={"messages": messages}).json()["count"]
     bad = client.post("/tokenize", json={"messages": messages, "chat_template": "{% if %}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
+
+
+def test_chat_template_kwargs_may_not_replace_the_messages(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
