@@ -256,7 +256,8 @@ def convert_gguf(gguf_file: Path, target: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     except (ValueError, KeyError, NotImplementedError) as exc:  # e.g. an architecture transformers does not map
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GgufError(f"{gguf_file}: architecture {arch!r}: transformers cannot load it ({reason})") from None
+        raise GgufError(f"{gguf_file}: architecture {arch!r}: transformers cannot load it ({reason})",
+                        UNSUPPORTED_ARCHITECTURE) from None
     # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not
     # serializable") until the quantizer and its config entry are gone; the weights are
     # already dequantized to plain fp32 tensors.

@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from kvfleet.runtime.model_errors import INVALID_MODEL_FILE, UNSUPPORTED_QUANTIZATION
+
 logger = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -50,9 +52,15 @@ METHODS = ("awq", "gptq", "compressed-tensors")
 
 
 class PackedError(ValueError):
-    """A quantized checkpoint kvfleet cannot load (one line: the folder and the reason)."""
+    """A quantized checkpoint kvfleet cannot load (one line: the folder and the reason); ``reason``
+    one of :data:`kvfleet.runtime.model_errors.REASONS` (a format kvfleet does not read, by default;
+    a checkpoint whose tensors are not what its config says: ``InvalidModelFile``)."""
 
     bad_input = True
+
+    def __init__(self, message: str, reason: str = UNSUPPORTED_QUANTIZATION) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _cfg(hf_config) -> dict | None:
@@ -154,14 +162,14 @@ def _int4_module(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group
     scale = scale.float()
     if scale.dim() != 2 or scale.shape[0] != n or tuple(zero.shape) != tuple(scale.shape):
         raise PackedError(f"{name}: scales {list(scale.shape)} / zeros {list(zero.shape)} do not fit its "
-                          f"{n} x {k} weight")
+                          f"{n} x {k} weight", INVALID_MODEL_FILE)
     if group > 0 and scale.shape[1] != -(-k // group):
         raise PackedError(f"{name}: quantization_config's group_size {group} does not match the checkpoint: "
-                          f"{scale.shape[1]} groups of scales over {k} input features")
+                          f"{scale.shape[1]} groups of scales over {k} input features", INVALID_MODEL_FILE)
     if group_of is not None and (group_of.shape != (k,) or group_of.dtype.is_floating_point or (k and (
             int(group_of.min()) < 0 or int(group_of.max()) >= scale.shape[1]))):
         raise PackedError(f"{name}: g_idx must hold {k} group indices in 0..{scale.shape[1] - 1} "
-                          f"(got shape {list(group_of.shape)}, {group_of.dtype})")
+                          f"(got shape {list(group_of.shape)}, {group_of.dtype})", INVALID_MODEL_FILE)
     shell = types.SimpleNamespace(in_features=k, out_features=n, bias=bias)
     perm = None
     if group_of is not None and not torch.equal(group_of.long(), torch.arange(k) // group):
@@ -198,7 +206,7 @@ def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, act
     g_idx = t.get(f"{prefix}.g_idx" if method == "gptq" else f"{prefix}.weight_g_idx")
     if act_order and g_idx is None and method != "awq":
         raise PackedError(f"{prefix}: the checkpoint is act-order (quantization_config) but has no g_idx "
-                          "for this layer (its groups cannot be known)")
+                          "for this layer (its groups cannot be known)", INVALID_MODEL_FILE)
     bias = t.get(f"{prefix}.bias")
     bias = None if bias is None else bias.float()
     if method == "awq":
@@ -269,14 +277,15 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
     tensors: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise PackedError(f"{path}: no *.safetensors files")
+        raise PackedError(f"{path}: no *.safetensors files", INVALID_MODEL_FILE)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
                     tensors[key] = st.get_tensor(key)
         except Exception as exc:  # safetensors' own error type (a truncated or corrupt file)
-            raise PackedError(f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+            raise PackedError(f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc})",
+                              INVALID_MODEL_FILE) from None
     key = _KEYS[method]
     if method == "compressed-tensors" and q.get("format") != "pack-quantized":
         key = "weight_scale"  # int-quantized: every quantized layer has one; its weight is int8
@@ -287,9 +296,10 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
         for prefix in prefixes:
             _replace(model, prefix, _layer(method, tensors, prefix, group, act_order))
     except PackedError as exc:
-        raise PackedError(f"{path}: {exc}") from None
+        raise PackedError(f"{path}: {exc}", exc.reason) from None
     except (KeyError, RuntimeError) as exc:
-        raise PackedError(f"{path}: {method} layout not as expected ({type(exc).__name__}: {exc})") from None
+        raise PackedError(f"{path}: {method} layout not as expected ({type(exc).__name__}: {exc})",
+                          INVALID_MODEL_FILE) from None
     done = set(prefixes)
     names = dict(model.named_parameters())
     for key, value in tensors.items():
