@@ -101,6 +101,11 @@ class Linear:
         n, k = self.w.shape
         return n, 2 * k if self.fmt == "int4" or self.high is not None else k
 
+    @property
+    def form(self) -> tuple:
+        """What matrices stacked into one must share: format, group, scale dtype, the 5-bit form."""
+        return self.fmt, self.group, None if self.scale is None else self.scale.dtype, self.high is not None
+
     def check(self, name: str, n: int, k: int) -> None:
         """ValueError unless this is a valid ``[n, k]`` layer in its format."""
         if self.fmt not in _FORMATS:

@@ -132,8 +132,7 @@ def _inner(module: torch.nn.Module | None) -> torch.nn.Module | None:
 
 
 def _linear(module: torch.nn.Module) -> Linear | None:
-    """The layer's weights in a format the C step reads (an act-order layer's with its input
-    permutation), or None."""
+    """The layer's weights in a format the C step reads (an act-order layer's with its input permutation), or None."""
     base = _base(module)
     if isinstance(base, PermutedInt4Linear):
         inner = _linear(base.inner)
@@ -178,17 +177,15 @@ def _lora_tables(layer: torch.nn.Module, recipe: Recipe, moe: bool) -> dict[str,
 
 
 def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
-    """One :class:`Linear` over ``modules`` stacked along the output features; the modules'
-    weights (and int8/int4 scales) become views of it. None when a module's format is not one
-    the C step reads or the formats differ.
+    """One :class:`Linear` over ``modules`` stacked along the output features; the modules' weights (and scales)
+    become views of it. None when a module's format is not one the C step reads or the formats differ.
 
     Raises:
         ValueError: the modules have different input permutations (act-order GPTQ layers
             quantized with different orders: one matrix takes one)."""
     parts = [_linear(m) for m in modules]
     modules = [_inner(m) for m in modules]
-    if any(p is None for p in parts) or len({(p.fmt, p.group, p.high is not None,
-                                              None if p.scale is None else p.scale.dtype) for p in parts}) != 1:
+    if any(p is None for p in parts) or len({p.form for p in parts}) != 1:
         return None
     perms = [p.perm for p in parts]
     if any(p is not None for p in perms) and not all(p is not None and torch.equal(p, perms[0]) for p in perms):
@@ -213,10 +210,9 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             module.weight = w[start:end]
         else:
             module.weight, module.qscale = w[start:end], scale[start:end]
-            if shift is not None:
-                module.qshift = shift[start:end]
-            if high is not None:
-                module.qhigh = high[start:end]
+            for attr, t in (("qshift", shift), ("qhigh", high)):
+                if t is not None:
+                    setattr(module, attr, t[start:end])
         start = end
     return Linear(fmt, w, scale, shift, group, bias, perms[0], high=high)
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvfleet.runtime import env
 from kvfleet.runtime.model_errors import INVALID_MODEL_FILE, UNSUPPORTED_ARCHITECTURE, UNSUPPORTED_QUANTIZATION
 from kvfleet.runtime.worker import gguf_experts, gguf_tokenizer
 from kvfleet.runtime.worker.gguf_header import (
@@ -372,20 +373,30 @@ def _from_cache(folder: Path, attn_implementation: str, five_bit: bool = True):
     return model, tokenizer
 
 
-def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa", five_bit: bool = True):
+def five_bit_for(plan) -> bool:
+    """Whether :func:`load` should keep Q5_0 in the 5-bit form for a CPU plan
+    (:class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan`): where the fused decoder's matmuls are AMX tiles."""
+    from kvfleet.kernels.cpu_decoder import resolve_matmul
+
+    return plan.bf16_matmuls and resolve_matmul(env.CPU_MATMUL.get() or plan.matmul) == "amx"
+
+
+def load(path: Path, cache_folder: Path | None = None, attn_implementation="sdpa", plan=None):
     """``(model, tokenizer)`` for the GGUF file ``path`` (the module docstring), in eval mode with no
     gradients; from ``cache_folder`` when a previous load wrote it there, else from the file (then
     written there). ``attn_implementation``: a name, or a function of the config giving one.
-    ``five_bit``: Q5_0 tensors in grouped int8's 5-bit form (as stored: 0.69 bytes a weight), else
-    one byte a weight; the loader asks for it where the fused decoder's matmuls run on AMX tiles
-    (their widening reads it as fast as int8; the float32 kernels and the AVX512-BF16 dot products
-    read it 1.3-1.45x slower at one row: docs/performance.md, "GGUF files as stored"). A cache entry
-    holds the form of the start that wrote it; a 5-bit one is taken as int8 where not asked for.
+    ``plan``: the CPU plan the model will run under (None: as on AMX tiles): Q5_0 tensors are kept in
+    grouped int8's 5-bit form (as stored: 0.69 bytes a weight) where its fused decoder's matmuls are
+    AMX tiles (:func:`five_bit_for`: their widening reads it as fast as int8; the float32 kernels
+    and the AVX512-BF16 dot products 1.3-1.45x slower at one row: docs/performance.md, "GGUF files
+    as stored"), else one byte a weight. A cache entry holds the form of the start that wrote it;
+    a 5-bit one is taken as int8 where not asked for.
 
     Raises:
         GgufError: the file cannot be loaded (one line: the file and the reason).
     """
     path = Path(path)
+    five_bit = plan is None or five_bit_for(plan)
     t0 = time.monotonic()
     loaded = None
     if cache_folder is not None and (cache_folder / LAYOUT).is_file():

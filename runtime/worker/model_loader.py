@@ -453,15 +453,11 @@ def _load_gguf_stored(gguf: Path, model: str | None, tokenizer: str | None, cach
     stored, the derived files cached under :func:`gguf_stored_path`."""
     from transformers import AutoTokenizer
 
-    from kvfleet.kernels.cpu_decoder import resolve_matmul
     from kvfleet.runtime.worker import gguf_model
     from kvfleet.runtime.worker.attention import check_attention_support
     from kvfleet.runtime.worker.woq_linear import set_bf16_prefill
 
-    # Q5_0's 5-bit form where the fused decoder's matmuls are AMX tiles (gguf_model.load: the speed)
-    five_bit = plan.bf16_matmuls and resolve_matmul(env.CPU_MATMUL.get() or plan.matmul) == "amx"
-    hf_model, tok = gguf_model.load(gguf, gguf_stored_path(gguf, cache_root), _initial_attn_implementation,
-                                    five_bit=five_bit)
+    hf_model, tok = gguf_model.load(gguf, gguf_stored_path(gguf, cache_root), _initial_attn_implementation, plan)
     check_attention_support(hf_model.config)
     set_bf16_prefill(hf_model, plan.native_bf16_prefill)
     if tokenizer:
