@@ -178,3 +178,20 @@ def test_an_unknown_tensor_type_is_a_one_line_error(tmp_path):
         gguf_model.load(path, None)
     assert "\n" not in str(err.value)
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_q5_0_keeps_its_5_bit_form_only_where_the_fused_matmuls_are_amx_tiles(monkeypatch):
+    """The 5-bit form is read as fast as int8 by the AMX tiles' widening only (docs/performance.md,
+    "GGUF files as stored"): the float32 kernels and the AVX512-BF16 dot products get Q5_0 as int8."""
+    from kvfleet.kernels.cpu_decoder import matmul_available
+    from kvfleet.runtime.worker.cpu_plan import CpuPlan
+
+    def plan(matmul: str) -> CpuPlan:
+        return CpuPlan("float32", "gguf", False, True, False, "test", gguf_stored=True, matmul=matmul)
+
+    monkeypatch.delenv("KVFLEET_CPU_MATMUL", raising=False)
+    assert gguf_model.five_bit_for(plan("float32")) is False
+    assert gguf_model.five_bit_for(plan("avx512_bf16")) is False
+    assert gguf_model.five_bit_for(plan("amx")) is matmul_available("amx")
+    monkeypatch.setenv("KVFLEET_CPU_MATMUL", "avx512_bf16")   # the plan's bf16 kernels overridden
+    assert gguf_model.five_bit_for(plan("amx")) is False
