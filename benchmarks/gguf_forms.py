@@ -4,11 +4,15 @@ form, alternated in one run so a shared machine's load hits both alike. Not a te
 
     python benchmarks/gguf_forms.py [--rounds 2] [FILE.gguf]   (default: /work/gemma/gemma-3-270m-q4_k_m.gguf)
     python benchmarks/gguf_forms.py --matrices
+    python benchmarks/gguf_forms.py --sweep [L]
 
 ``--matrices``: the kernels alone, per matrix (Gemma 3 270M's q|k|v and gate|up in Q5_0, its
 262144 x 640 Q8_0 head; random blocks), compact against plain form on each matmul kind the loaded
 library and the CPU have (float32, AMX tiles, AVX512-BF16 dot products), at 1 and 48 rows: the
-best ms of 7 rounds (`$ROUNDS`) of 3 calls, the two forms alternated round by round.
+best ms of 7 rounds (`$ROUNDS`) of 3 calls, the two forms alternated round by round. ``--sweep``:
+``L`` (24) Gemma gate|up matrices [4096, 640] in Q5_0 (63 M weights: out of cache, as a decode
+step reads them) run one after the other, compact against plain, on each kind at 1 and 48 rows:
+the best of 9 sweeps.
 
 Each measurement is a fresh process (``--dtype auto``: the GGUF reader; an empty
 ``$KVFLEET_CACHE_DIR``), the "plain" one with the loader's ``from_gguf`` results taken through
@@ -148,8 +152,55 @@ def matrices() -> None:
         del compact, plain, mats
 
 
+def sweep(count: int) -> None:
+    import ctypes
+
+    import gguf
+    import numpy as np
+    import torch
+
+    from kvfleet.kernels import cpu_features, cpu_lib
+    from kvfleet.runtime.worker.gguf_tensors import from_gguf
+
+    lib = cpu_lib.load()
+    kinds = {"float32": 0, **({"amx": 1} if lib.kv_amx_available() == 1 else {}),
+             **({"avx512_bf16": 2} if lib.kv_dpbf16_available() == 1 else {})}
+    rng = np.random.default_rng(0)
+    N, K = 4096, 640
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q5_0]
+    forms: dict[str, list] = {"compact": [], "plain": []}
+    for _ in range(count):
+        raw = rng.integers(0, 256, (N, K // 32, size), dtype=np.uint8)
+        raw[..., :2] = (rng.random((N, K // 32, 1)) * 1e-2 + 1e-4).astype(np.float16).view(np.uint8)
+        c = from_gguf(gguf.GGMLQuantizationType.Q5_0, raw.reshape(N, -1), (N, K))
+        for name, s in (("compact", c), ("plain", c.plain())):
+            ptr = (lambda t: None if t is None else t.data_ptr())
+            forms[name].append((s, cpu_lib.Matrix(4, N, K, s.w.data_ptr(), ptr(s.scale), None, 32, None,
+                                                  scale_f16=int(s.scale.dtype == torch.float16),
+                                                  hbits=ptr(s.high))))
+    x, y = torch.randn(48, K), torch.empty(48, N)
+    print(f"CPU: {cpu_features.detect().summary()}; variant {cpu_lib.loaded_variant()}; "
+          f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.1f}; {count} x Q5_0 [{N}, {K}]")
+    print("| kind | rows | compact ms | plain ms | compact / plain |")
+    print("|---|---:|---:|---:|---:|")
+    for kind, code in kinds.items():
+        for M in (1, 48):
+            best = {"compact": float("inf"), "plain": float("inf")}
+            for _ in range(9):
+                for name, mats in forms.items():
+                    t0 = time.perf_counter()
+                    for _, m in mats:
+                        lib.kv_bf16_linear(ctypes.byref(m), x.data_ptr(), M, K, y.data_ptr(), code)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            print(f"| {kind} | {M} | {best['compact'] * 1e3:.2f} | {best['plain'] * 1e3:.2f} | "
+                  f"{best['compact'] / best['plain']:.2f} |", flush=True)
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if args and args[0] == "--sweep":
+        sweep(int(args[1]) if len(args) > 1 else 24)
+        return
     if args and args[0] == "--matrices":
         matrices()
         return
