@@ -20,6 +20,7 @@ from support import packed_writer
 
 from kvfleet.kernels.cpu_decoder import FusedDecoder, matmul_available
 from kvfleet.runtime.worker import model_loader, packed_checkpoints
+from kvfleet.runtime.worker.cpu_decode import matmul_asked
 from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(
@@ -205,6 +206,9 @@ def test_an_act_order_checkpoint_runs_fused_with_the_dequantized_models_logits(a
     path = eng.runner.cpu_decode
     assert path is not None, "the fused decoder is off for the act-order checkpoint"
     weights = path._fused.weights
+    plan = eng.loaded.cpu_plan   # as served: the plan's matmul kind ($KVFLEET_CPU_MATMUL's), its head bf16 where
+    assert path.matmul == matmul_asked(eng.runner)
+    assert weights.head.fmt == ("bf16" if plan.bf16_weights else "fp32")
     assert all(m.perm is not None for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     fused = FusedDecoder(weights, threads=2, matmul=kind)
     assert fused.matmul == kind
