@@ -25,6 +25,9 @@ NFC_MAX_COMPOSITION = 4
 """Most code points canonical composition merges into one (the longest canonical
 decomposition in Unicode: U+1F82 -> 4 code points)."""
 
+DECODE_CHUNK = 4096
+"""Vocabulary entries decoded at a time when measuring the longest token's text."""
+
 _KEEP_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
 _KEEP_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"}
 
@@ -145,7 +148,7 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
     if backend is None:
         logger.info("prompt length pre-check off: %s has no tokenizers backend", type(tokenizer).__name__)
         return None
-    spec = json.loads(backend.to_str())
+    spec = _pipeline_spec(backend)
     vocab = backend.get_vocab(with_added_tokens=True)
     shrink = _normalizer_shrink(spec.get("normalizer"))
     bounded = _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")) and _model_is_bounded(spec)
@@ -162,6 +165,26 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
         )
         return None
     ids = sorted(set(vocab.values()))
-    decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    longest = max(max(len(s) for s in vocab), max(len(s) for s in decoded), 1)
+    longest = max(max(len(s) for s in vocab), 1)
+    for start in range(0, len(ids), DECODE_CHUNK):  # chunks: a 262k vocabulary's strings are never all alive
+        decoded = backend.decode_batch([[i] for i in ids[start:start + DECODE_CHUNK]], skip_special_tokens=False)
+        longest = max(longest, max(len(s) for s in decoded))
     return PromptLengthBound(math.ceil(longest * shrink), dropped)
+
+
+def _pipeline_spec(backend: Any) -> dict[str, Any]:
+    """The serialized normalizer, pre-tokenizer and model options :func:`prompt_length_bound`
+    reads, without the vocabulary and merges: each component serialized alone (a BPE model's
+    options from its attributes), not ``backend.to_str()`` of the whole tokenizer, whose JSON
+    parsed into Python objects held ~100 MB more at the server's start for Gemma 3's 262k-entry
+    vocabulary and merges (docs/performance.md, "Start-up to ready")."""
+    def part(component: Any) -> dict[str, Any] | None:
+        return None if component is None else json.loads(component.__getstate__())
+
+    model = backend.model
+    if type(model).__name__ == "BPE":
+        options = {k: getattr(model, k) for k in ("unk_token", "fuse_unk", "byte_fallback")}
+        model_spec = {"type": "BPE", **options}
+    else:  # Unigram, WordPiece, WordLevel: their options are not attributes; the vocabulary goes at once
+        model_spec = {k: v for k, v in part(model).items() if k not in ("vocab", "merges")}
+    return {"normalizer": part(backend.normalizer), "pre_tokenizer": part(backend.pre_tokenizer), "model": model_spec}
