@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +96,7 @@ def _model_is_bounded(spec: dict[str, Any]) -> bool:
     return False  # WordPiece: one [UNK] for a whole over-long word; WordLevel: one per word
 
 
-def _dropped_ascii(spec: dict[str, Any], vocab: dict[str, int]) -> str | None:
+def _dropped_ascii(spec: dict[str, Any], vocab: Container[str]) -> str | None:
     """The ASCII characters a byte-level BPE drops (their byte-level character is not in the
     vocabulary and there is no byte fallback); None when a UTF-8 continuation byte (0x80-0xBF)
     is missing too, so that whole multi-byte characters could vanish."""
@@ -149,7 +150,7 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
         logger.info("prompt length pre-check off: %s has no tokenizers backend", type(tokenizer).__name__)
         return None
     spec = _pipeline_spec(backend)
-    vocab = backend.get_vocab(with_added_tokens=True)
+    vocab = _Membership(backend)
     shrink = _normalizer_shrink(spec.get("normalizer"))
     bounded = _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")) and _model_is_bounded(spec)
     dropped = _dropped_ascii(spec, vocab) if bounded else None
@@ -164,12 +165,42 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
             spec["model"].get("type"),
         )
         return None
-    ids = sorted(set(vocab.values()))
-    longest = max(max(len(s) for s in vocab), 1)
-    for start in range(0, len(ids), DECODE_CHUNK):  # chunks: a 262k vocabulary's strings are never all alive
-        decoded = backend.decode_batch([[i] for i in ids[start:start + DECODE_CHUNK]], skip_special_tokens=False)
-        longest = max(longest, max(len(s) for s in decoded))
-    return PromptLengthBound(math.ceil(longest * shrink), dropped)
+    return PromptLengthBound(math.ceil(_longest_token(backend) * shrink), dropped)
+
+
+class _Membership:
+    """``string in vocabulary`` through the tokenizer (added tokens included), without its vocabulary dict."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def __contains__(self, token: str) -> bool:
+        return self.backend.token_to_id(token) is not None
+
+
+def _longest_chunk(backend: Any, entries: list[tuple[int, str]]) -> int:
+    decoded = backend.decode_batch([[i] for i, _ in entries], skip_special_tokens=False)
+    return max([1, *(len(t) for _, t in entries), *(len(d) for d in decoded)])
+
+
+def _longest_token(backend: Any) -> int:
+    """The most characters of any token: its vocabulary string or its text decoded alone, over every
+    id, :data:`DECODE_CHUNK` ids at a time (a 262k vocabulary's strings are never all alive: no
+    ``get_vocab()`` dict). Ids run from 0 past the largest added token's; where the ids found there
+    are fewer than the vocabulary's size (ids with holes beyond it), every entry of ``get_vocab()``."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    upper = max([size, *(i + 1 for i in backend.get_added_tokens_decoder())])
+    longest, found = 1, 0
+    for start in range(0, upper, DECODE_CHUNK):
+        entries = [(i, t) for i in range(start, min(upper, start + DECODE_CHUNK))
+                   if (t := backend.id_to_token(i)) is not None]
+        found += len(entries)
+        longest = max(longest, _longest_chunk(backend, entries))
+    if found < size:
+        entries = sorted((i, t) for t, i in backend.get_vocab(with_added_tokens=True).items())
+        for start in range(0, len(entries), DECODE_CHUNK):
+            longest = max(longest, _longest_chunk(backend, entries[start:start + DECODE_CHUNK]))
+    return longest
 
 
 def _pipeline_spec(backend: Any) -> dict[str, Any]:

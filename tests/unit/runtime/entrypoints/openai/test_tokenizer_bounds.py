@@ -152,3 +152,19 @@ def test_the_bound_never_parses_the_whole_tokenizer():
     # parsing the whole JSON alone (its string and objects) peaked at `whole`: the bound stays well
     # under it (its vocabulary dict, ids and a chunk of decoded strings)
     assert mine < 0.8 * whole, (mine, whole)
+
+
+def test_longest_token_by_ids_is_the_vocabularys():
+    from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import _longest_token
+
+    def by_dict(tk: Tokenizer) -> int:  # every entry of get_vocab(), as the bound read it before
+        vocab = tk.get_vocab(with_added_tokens=True)
+        decoded = tk.decode_batch([[i] for i in sorted(vocab.values())], skip_special_tokens=False)
+        return max([1, *map(len, vocab), *map(len, decoded)])
+
+    holes = Tokenizer(models.BPE({"a": 0, "b": 1, "bbbbbbbbbb": 9, "bb": 3}, [("b", "b")]))  # id 9 > the size
+    added = _byte_level_bpe()
+    added.add_special_tokens(["<|a very long special token|>"])
+    for tk in (_byte_level_bpe(normalizers.NFC()), added, _large_bpe(), holes):
+        assert _longest_token(tk) == by_dict(tk)
+    assert _longest_token(holes) == 10
