@@ -140,7 +140,6 @@ def create_app(
 
 async def _load(state: ServerState, factory: EngineFactory) -> None:
     """Create and start the engine (``state.engine``), or record why it failed (``state.load_error``)."""
-    from kvfleet.runtime.worker.gguf_tokenizer import release_heap  # stdlib only
     try:
         t0 = time.monotonic()
         engine = await asyncio.to_thread(factory, state.config, [state.stat_logger])
@@ -151,8 +150,6 @@ async def _load(state: ServerState, factory: EngineFactory) -> None:
             state.prompt_bound = await asyncio.to_thread(prompt_length_bound, engine.tokenizer)
         except Exception:  # only a shortcut: without it prompts are just tokenized
             logger.warning("no prompt length bound for this tokenizer", exc_info=True)
-        # the bound's vocabulary strings are freed but stay in the C heap (~55 MB for a 262k vocabulary)
-        await asyncio.to_thread(release_heap)
         if state.prompt_bound is not None:
             logger.info(
                 "prompts longer than %d characters per token of max_model_len are rejected untokenized",
