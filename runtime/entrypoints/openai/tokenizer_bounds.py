@@ -206,9 +206,9 @@ def _longest_token(backend: Any) -> int:
 def _pipeline_spec(backend: Any) -> dict[str, Any]:
     """The serialized normalizer, pre-tokenizer and model options :func:`prompt_length_bound`
     reads, without the vocabulary and merges: each component serialized alone (a BPE model's
-    options from its attributes), not ``backend.to_str()`` of the whole tokenizer, whose JSON
-    parsed into Python objects held ~100 MB more at the server's start for Gemma 3's 262k-entry
-    vocabulary and merges (docs/performance.md, "Start-up to ready")."""
+    options from its attributes), not ``backend.to_str()`` of the whole tokenizer: for Gemma 3's
+    262k-entry vocabulary and merges that JSON parsed, the ``get_vocab()`` dict and every entry
+    decoded at once peaked 292 MB at the server's start (docs/performance.md, "Start-up to ready")."""
     def part(component: Any) -> dict[str, Any] | None:
         return None if component is None else json.loads(component.__getstate__())
 
