@@ -42,6 +42,8 @@
  * LoRA (cpu_lora.h): a row whose adapter slot (d->lora_slots) is >= 0 gets each adapted
  * projection's delta (q, k, v, o, gate, up, down; the layer's kv_lora) added to that projection's
  * output before anything reads it; float32, the row's own arithmetic (batch-invariant).
+ * Tensor parallelism (cpu_tp.h): with d->all_reduce the description is one rank's shard, and o's
+ * and down's outputs, partial sums, are summed over the ranks (tp_sum) before the residual add.
  *
  * Threads: cpu_pool.h (the pool, its phases and the step's scratch). Sizes and the step's state:
  * cpu_step.h. Attention, rotary and the cache writes: cpu_attention.h.
@@ -197,12 +199,12 @@ static void add_rows(const kv_step *s, const kv_matrix *w, const float *a, int64
 
 static void task_o(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
-    add_rows(s, &s->L->o, s->attn, t, s->L->attn_out_norm != NULL, KV_LORA_O);
+    add_rows(s, &s->L->o, s->attn, t, s->L->attn_out_norm || s->d->all_reduce, KV_LORA_O);   /* (tp: into h, cpu_tp.h) */
 }
 
 static void task_down(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
-    add_rows(s, &s->L->down, s->act, t, s->L->mlp_out_norm != NULL, KV_LORA_DOWN);
+    add_rows(s, &s->L->down, s->act, t, s->L->mlp_out_norm || s->d->all_reduce, KV_LORA_DOWN);
 }
 
 static void task_add_normed(const void *ctx, int64_t t) {
@@ -284,8 +286,8 @@ static void task_head(const void *ctx, int64_t t) {
 }
 
 /* Nanoseconds spent per phase since the last kv_decode_profile call, and the steps:
- * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, steps]. */
-enum { PROF_NORM, PROF_QKV, PROF_ATTN, PROF_O, PROF_MLP, PROF_DOWN, PROF_HEAD, PROF_STEPS, PROF_N };
+ * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, tp (the all-reduces, cpu_tp.h), steps]. */
+enum { PROF_NORM, PROF_QKV, PROF_ATTN, PROF_O, PROF_MLP, PROF_DOWN, PROF_HEAD, PROF_TP, PROF_STEPS, PROF_N };
 static int64_t PROF[PROF_N];
 
 void kv_decode_profile(int64_t *out) {
@@ -302,6 +304,7 @@ static inline void timed(int which, int64_t *t) {
 }
 
 #include "cpu_moe.h"   /* a layer's experts (moe_phase), over the helpers above */
+#include "cpu_tp.h"    /* tensor parallelism: the ranks' partial o and down outputs summed (tp_sum) */
 
 /* Scratch for a step of M rows, grown as needed (P.lock held): floats (with bf16 matmuls, the
  * packed input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
@@ -334,6 +337,7 @@ static void attention_phase(kv_step *s, int64_t num_leads, int64_t *t) {
     lora_shrink(s, s->attn, d->num_heads * d->head_size, KV_LORA_O, KV_LORA_GATE_UP);
     input_rows(s, s->attn, d->num_heads * d->head_size, s->L->o.perm);
     kv_parallel(task_o, s, spans(s, d->hidden));
+    tp_sum(s, s->L->attn_out_norm != NULL, PROF_O, t);
     if (s->L->attn_out_norm) add_normed(s, s->L->attn_out_norm);
     timed(PROF_O, t);
 }
@@ -355,6 +359,7 @@ static void mlp_phase(kv_step *s, int64_t *t) {
         lora_shrink(s, s->act, d->intermediate, KV_LORA_DOWN, KV_LORA_PARTS);
         input_rows(s, s->act, d->intermediate, s->L->down.perm);
         kv_parallel(task_down, s, spans(s, d->hidden));
+        tp_sum(s, s->L->mlp_out_norm != NULL, PROF_DOWN, t);
     }
     if (s->L->mlp_out_norm) add_normed(s, s->L->mlp_out_norm);
     timed(PROF_DOWN, t);
@@ -386,8 +391,9 @@ static int64_t step_matmul(const kv_decoder *d) {
 }
 
 /* One step over 1 <= M <= KV_MAX_ROWS rows (see the contract at the top). logits_indices [L]:
- * the rows whose logits are computed, in order (NULL: all M; L is then ignored). Returns 0, or -1
- * when M or L is out of range or scratch memory could not be allocated. */
+ * the rows whose logits are computed, in order (NULL: all M; L is then ignored). Returns 0, -1
+ * when M or L is out of range or scratch memory could not be allocated, -2 when a tensor-parallel
+ * all-reduce failed (cpu_tp.h). */
 int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, const float *sin,
                   const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                   float *out, float *logits, const int64_t *logits_indices, int64_t L) {
@@ -411,10 +417,15 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
     s.xb = matmul != KV_MATMUL_F32 ? (uint16_t *)(s.partial + min64(M, KV_ATTN_ROWS) * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2))
                : NULL;
     int64_t t = now_ns();
-    for (int64_t l = 0; l < d->num_layers; l++) {
+    TP_FAILED = 0;
+    for (int64_t l = 0; l < d->num_layers && !TP_FAILED; l++) {
         s.L = &d->layers[l];
         attention_phase(&s, num_leads, &t);
         mlp_phase(&s, &t);
+    }
+    if (TP_FAILED) {   /* an all-reduce failed: the ranks are out of step (cpu_tp.h) */
+        pthread_mutex_unlock(&P.lock);
+        return -2;
     }
     norm_rows(&s, d->final_norm, out, 0);   /* the LM head packs the rows it takes (lm_head) */
     timed(PROF_NORM, &t);

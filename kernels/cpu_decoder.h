@@ -84,6 +84,7 @@ typedef struct {
     double residual_scale;                 /* each sublayer's output times this before the residual add (Granite) */
     int64_t lora_rank;                     /* R, the width of the layers' LoRA slots (kv_lora_part) */
     const int64_t *lora_slots;             /* set per step: [M] each row's adapter slot (-1: none); NULL: no row has one */
+    int64_t (*all_reduce)(float *buf, int64_t n);   /* tensor parallelism (cpu_tp.h): sums buf over the ranks; NULL: one rank */
 } kv_decoder;
 
 

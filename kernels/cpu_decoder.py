@@ -6,20 +6,17 @@ A step is up to :data:`MAX_ROWS` rows, each one token run as a one-token decode 
 a decode step's sequences, a speculative step's last token and drafts, a prefill chunk's prompt
 tokens (row ``j`` of a sequence attends up to its own position; every row's key and value is
 written before any row's attention). Every row is summed in the one-row order whatever the other
-rows (``cpu_gemv.h``; with ``matmul="amx"`` the matmuls run in bf16 on AMX tiles, ``cpu_amx.h``,
-with ``"avx512_bf16"`` as AVX512-BF16 dot products, ``cpu_dpbf16.h``, each row again independent of
-the others), so a row's result is bitwise the same in any step
-(batch-invariant), and the LM head runs only on the rows whose logits are asked for
-(``logits_indices``).
+rows (``cpu_gemv.h``; ``matmul="amx"``: bf16 on AMX tiles, ``cpu_amx.h``; ``"avx512_bf16"``: AVX512-BF16
+dot products, ``cpu_dpbf16.h``; each row again independent of the others), so a row's result is
+bitwise the same in any step (batch-invariant); the LM head runs on the rows asked for (``logits_indices``).
 
-Why: at one stream, running transformers' modules eagerly spent ~20 ms a step in per-op Python
-and ~10 ms waking OpenMP threads for each of ~210 small matmuls, against a few milliseconds of
-weight reading (docs/performance.md, "Fused CPU decoder"). The C step runs every layer (RMSNorms
-where the layer has them, fused q|k|v, q/k norms, rotary, KV-cache write, grouped-query paged
-attention in the layer's window, o, fused gate|up with SiLU or GELU-tanh, down), the final norm and
-the LM head, with its own thread pool whose helpers spin briefly between phases and sleep between
-steps. The layer variants (:class:`Layer`, :class:`DecoderWeights`) are what the families of
-:mod:`kvfleet.runtime.worker.recipes` need.
+Why: at one stream, transformers' modules spent ~20 ms a step in per-op Python and ~10 ms waking
+OpenMP threads for ~210 small matmuls, against a few ms of weight reading (docs/performance.md,
+"Fused CPU decoder"). The C step runs every layer, the final norm and the LM head with its own
+thread pool (helpers spin briefly between phases, sleep between steps); the layer variants
+(:class:`Layer`, :class:`DecoderWeights`) are what the families of
+:mod:`kvfleet.runtime.worker.recipes` need. Under tensor parallelism each rank runs its shard and
+the step sums o's and down's partial outputs over the ranks (:mod:`kvfleet.kernels.cpu_tp`).
 
 :class:`DecoderWeights` describes the model (built once; it keeps every tensor it points to
 alive, and the tensors must not move or be resized while it is used); :meth:`FusedDecoder.step`
@@ -60,19 +57,18 @@ import kvfleet.runtime.env as env  # the settings registry: stdlib only, below e
 from kvfleet.kernels import cpu_lib
 from kvfleet.kernels.cpu_features import MATMUL_KERNELS
 from kvfleet.kernels.cpu_lora import LoRATable, check_lora, lora_struct
+from kvfleet.kernels.cpu_tp import AllReduce, TensorParallelStepError
 
 MAX_ROWS = 8192
-"""Most rows (tokens) one step takes (``KV_MAX_ROWS`` in the C file; the engine's default
-``max_num_batched_tokens`` is 2048)."""
+"""Most rows (tokens) one step takes (``KV_MAX_ROWS``; the engine's default ``max_num_batched_tokens`` is 2048)."""
 SPIN_ENV = env.CPU_SPIN_US.name
 SPIN_US = env.CPU_SPIN_US.default
-"""Microseconds a helper thread spins after its last task before it sleeps
-(``$KVFLEET_CPU_SPIN_US`` overrides). The phases of a step come microseconds apart; between
-steps (scheduler, sampler: milliseconds) the helpers sleep, so a CPU shared with other
-processes loses at most this much per step."""
+"""Microseconds a helper thread spins after its last task before it sleeps (``$KVFLEET_CPU_SPIN_US``
+overrides). A step's phases come microseconds apart; between steps (scheduler, sampler: milliseconds)
+the helpers sleep, so a CPU shared with other processes loses at most this much per step."""
 
-PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "steps")
-"""The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile`` in the C file)."""
+PROFILE_PHASES = ("norm", "qkv", "attention", "o", "mlp", "down", "head", "tp", "steps")
+"""The phases :meth:`FusedDecoder.profile` reports (``kv_decode_profile``; ``tp``: the all-reduces)."""
 MAX_PERM = 1 << 18
 """Longest input permutation (the C gather copies a row of that many floats on its thread's stack)."""
 _FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3, "int8g": 4}
@@ -325,9 +321,11 @@ class FusedDecoder:
     weights rounded to bf16, float32 sums; every row's bits independent of the step's other rows as
     on the float32 kernels. It takes effect only where :func:`matmul_available` and every matrix has
     a multiple of 32 columns (and for ``amx`` of 16 rows); :attr:`matmul` says what runs.
+    ``all_reduce``: tensor parallelism, ``weights`` being this rank's shard (:mod:`~kvfleet.kernels.cpu_tp`).
     """
 
-    def __init__(self, weights: DecoderWeights, threads: int | None = None, matmul: str = "float32") -> None:
+    def __init__(self, weights: DecoderWeights, threads: int | None = None, matmul: str = "float32",
+                 all_reduce: AllReduce | None = None) -> None:
         if matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {', '.join(MATMULS)}; got {matmul!r}")
         lib = cpu_lib.load()
@@ -418,19 +416,20 @@ class FusedDecoder:
                                 w.final_norm.data_ptr(),
                                 ctypes.pointer(self._head) if self._head is not None else None,
                                 CACHE_DTYPES[cache_dtype], _MATMUL_CODES[self.matmul], QK_NORMS[w.qk_norm],
-                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale, self.lora_rank, None)
+                                ACTS[w.act], R, int(w.rotary_interleaved), w.residual_scale, self.lora_rank, None,
+                                all_reduce.address if all_reduce is not None else None)
+        self.all_reduce = all_reduce   # (tensor parallelism: see the class docstring)
         self._lib = lib
         spin = env.CPU_SPIN_US.get()
         lib.kv_pool_start(threads or torch.get_num_threads(), spin)
 
     def profile(self) -> dict[str, float]:
-        """Milliseconds per step spent in each phase of the C step since the last call (the
-        process's fused decoders together), and ``steps``; resets the counters."""
+        """Milliseconds per step in each phase of the C step since the last call (the process's
+        fused decoders together), and ``steps``; resets the counters."""
         raw = (ctypes.c_int64 * len(PROFILE_PHASES))()
         self._lib.kv_decode_profile(ctypes.addressof(raw))
         steps = raw[-1]
-        return {name: (raw[i] / 1e6 / steps if steps else 0.0) for i, name in enumerate(PROFILE_PHASES[:-1])} | {
-            "steps": steps}
+        return {name: raw[i] / 1e6 / max(steps, 1) for i, name in enumerate(PROFILE_PHASES[:-1])} | {"steps": steps}
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
              block_tables: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor | None = None,
@@ -458,14 +457,14 @@ class FusedDecoder:
         Raises:
             ValueError: ``M`` outside 1..:data:`MAX_ROWS`, a row index outside ``0..M - 1``, or an
                 argument of the wrong shape or dtype.
+            TensorParallelStepError: an all-reduce failed (the ranks are out of step).
         """
         M = x.shape[0]
         R, T = self.rotary_dim, self.num_ropes
         if not 1 <= M <= MAX_ROWS:
             raise ValueError(f"a fused step takes 1..{MAX_ROWS} rows, got {M}")
         if logits_indices is not None:
-            if logits_indices.dim() != 1 or logits_indices.dtype != torch.int64 \
-                    or not logits_indices.is_contiguous():
+            if logits_indices.dim() != 1 or logits_indices.dtype != torch.int64 or not logits_indices.is_contiguous():
                 raise ValueError("logits_indices must be a contiguous int64 [L] tensor")
             if logits_indices.numel() and not (0 <= int(logits_indices.min()) and int(logits_indices.max()) < M):
                 raise ValueError(f"logits_indices must be rows 0..{M - 1}")
@@ -475,13 +474,12 @@ class FusedDecoder:
                                       ("seq_lens", seq_lens, (M,), torch.int32)):
             if t.shape != shape or t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous {dtype} {shape} tensor, got {t.dtype} {tuple(t.shape)}")
-        if block_tables.dim() != 2 or block_tables.shape[0] != M or block_tables.dtype != torch.int32 \
-                or block_tables.stride(1) != 1:
+        if block_tables.dim() != 2 or block_tables.shape[0] != M or block_tables.dtype != torch.int32 or \
+                block_tables.stride(1) != 1:
             raise ValueError(f"block_tables must be int32 [{M}, W] with contiguous rows")
         if lora_slots is not None:
             if lora_slots.shape != (M,) or lora_slots.dtype != torch.int64 or not lora_slots.is_contiguous():
-                raise ValueError(f"lora_slots must be a contiguous int64 ({M},) tensor, got {lora_slots.dtype} "
-                                 f"{tuple(lora_slots.shape)}")
+                raise ValueError(f"lora_slots must be a contiguous int64 ({M},) tensor, got {tuple(lora_slots.shape)}")
             if not self.lora_slots:
                 raise ValueError("lora_slots given, but this decoder has no LoRA tables")
             if M and not (-1 <= int(lora_slots.min()) and int(lora_slots.max()) < self.lora_slots):
@@ -495,6 +493,8 @@ class FusedDecoder:
                                  seq_lens.data_ptr(), out.data_ptr(), _data(logits) if L else None,
                                  _data(logits_indices), L)
         self._struct.lora_slots = None
+        if rc == -2:
+            raise TensorParallelStepError("the fused step's all-reduce failed") from self.all_reduce.error
         if rc != 0:
             raise MemoryError("kv_decode could not allocate its scratch memory")
         return out, logits

@@ -8,7 +8,7 @@ Sources: ``cpu_woq.c`` and ``cpu_decoder.c`` (both include ``cpu_gemv.h`` (sever
 ``cpu_decoder.h`` holds the decoder's structs and their sizes for the ABI check; the decoder's
 pool, step state, cache writes and attention are ``cpu_pool.h``, ``cpu_step.h``, ``cpu_kv_write.h``
 and ``cpu_attention.h``, a layer's mixture of experts ``cpu_moe.h``, LoRA adapters' deltas
-``cpu_lora.h``), one ``.so``.
+``cpu_lora.h``, tensor parallelism's sums of the ranks' partial outputs ``cpu_tp.h``), one ``.so``.
 
 Variants (:data:`VARIANT_FLAGS`), chosen at run time by :func:`variant_for` from
 :func:`kvfleet.kernels.cpu_features.detect` (``$KVFLEET_CPU_ISA`` caps it):
@@ -58,7 +58,7 @@ SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_woq.c", "cpu_decoder.
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_gemv_m1.h", "cpu_gemv.h", "cpu_dpbf16.h", "cpu_amx.h",
                                                      "cpu_decoder.h", "cpu_pool.h", "cpu_step.h",
                                                      "cpu_kv_write.h", "cpu_attention.h", "cpu_moe.h",
-                                                     "cpu_lora.h", "cpu_perm.h"))
+                                                     "cpu_lora.h", "cpu_perm.h", "cpu_tp.h"))
 COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-pthread", "-shared", "-fPIC")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 VARIANT_FLAGS = {
@@ -131,7 +131,8 @@ class Decoder(ctypes.Structure):
                 ("scale", ctypes.c_double), ("layers", ctypes.POINTER(Layer)), ("final_norm", _ptr),
                 ("head", ctypes.POINTER(Matrix)), ("cache_dtype", _i64), ("matmul", _i64),
                 ("qk_norm", _i64), ("act", _i64), ("rotary_dim", _i64), ("rotary_interleaved", _i64),
-                ("residual_scale", ctypes.c_double), ("lora_rank", _i64), ("lora_slots", _ptr)]
+                ("residual_scale", ctypes.c_double), ("lora_rank", _i64), ("lora_slots", _ptr),
+                ("all_reduce", _ptr)]   # a CFUNCTYPE(int64, float *, int64) (kernels/cpu_tp.py), or None
 
 
 STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (("kv_matrix", Matrix), ("kv_layer", Layer),

@@ -2,11 +2,12 @@
 
 A load that fails because of the model itself (a file that is not what its name says, a
 truncated file, a tensor type or an architecture kvfleet cannot run) raises :class:`ModelLoadError`
-with one of :data:`REASONS`. ``kvfleet serve`` then logs one ERROR line (the reason, the file and
-what is wrong; no traceback), writes ``REASON: message`` as its termination log and exits 1; the
-operator turns a crash-looping runtime pod whose last termination message starts with a reason
-into a status condition with that reason (``kvfleet.operator.status``). Torch-free: the operator
-imports it.
+with one of :data:`REASONS`, or an error of the file's reader that carries a ``reason`` attribute
+(:func:`reason_for`: the GGUF reader's ``GgufError``, the packed checkpoints' ``PackedError``).
+``kvfleet serve`` then logs one ERROR line (the file and what is wrong; no traceback), writes
+``REASON: message`` as its termination log and exits 1; the operator turns a crash-looping runtime
+pod whose last termination message starts with a reason into a status condition with that reason
+(``kvfleet.operator.status``). Torch-free: the operator imports it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class ModelLoadError(Exception):
     def line(self) -> str:
         """``REASON: source: detail`` on one line (the termination log, the ERROR line)."""
         return f"{self.reason}: {self}".replace("\n", " ")
+
+
+def reason_for(exc: BaseException) -> str | None:
+    """The reason of a load error: a :class:`ModelLoadError`'s, or the ``reason`` attribute of an
+    error about the model file (the GGUF reader's ``GgufError``, the packed checkpoints'
+    ``PackedError``), or None."""
+    reason = getattr(exc, "reason", None)
+    return reason if reason in REASONS else None
 
 
 def reason_of(message: str) -> str | None:

@@ -8,13 +8,13 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 
 - the model runs on the CPU in float32, the AVX2 kernels are available, ``$KVFLEET_CPU_DECODER``
   is not ``0``;
-- no tensor parallelism, and the torch attention backend (``$KVFLEET_ATTENTION_BACKEND``
-  not ``triton``); with LoRA on (``enable_lora``) the path reads the LoRA layers' base layers,
-  and their slot tensors as the C step's adapter tables (:mod:`kvfleet.kernels.cpu_lora`: q, k, v,
-  o, gate, up, down of the dense layers), so a step with adapter tokens runs fused too, each row
-  adding its own adapter's deltas (:meth:`CpuDecodePath.lora_slots`); only a step with an adapter
-  of a layer the C step has no table for (a mixture of experts' experts or router) runs
-  transformers' modules;
+- the torch attention backend (``$KVFLEET_ATTENTION_BACKEND`` not ``triton``); under tensor parallelism
+  each rank its shard, where :mod:`~kvfleet.runtime.worker.cpu_decode_tp` follows the model's plan (the
+  LM head on its vocabulary rows, logits gathered); with LoRA on (``enable_lora``) the path reads the LoRA
+  layers' base layers, and their slot tensors as the C step's adapter tables (:mod:`kvfleet.kernels.cpu_lora`:
+  q, k, v, o, gate, up, down of the dense layers), so a step with adapter tokens runs fused too, each
+  row adding its own adapter's deltas (:meth:`CpuDecodePath.lora_slots`); only a step with an adapter
+  of a layer the C step has no table for (a MoE's experts or router) runs transformers' modules;
 - :func:`~kvfleet.runtime.worker.recipes.recipe_for` has a recipe for the model (its reason is
   logged otherwise), the engine's per-layer sliding windows, attention scale and logit scale agree
   with the recipe's, a mixture-of-experts layer's router and experts are ones
@@ -30,11 +30,11 @@ a :class:`CpuDecodePath` or None (the reason is logged). It can when all of thes
 - KV caches in float32 or bf16 (``kv_cache_dtype``; the torch path of prefill and mixed steps reads
   and writes the same cache; the runner's ``auto`` asks :func:`unsupported` whether this path will run).
 
-Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once
-into one tensor, and the modules' own weights become views of it, so the transformers path that
-runs the steps the fused one does not reads the same memory (a family that stores them fused,
-Phi-3's ``qkv_proj`` and ``gate_up_proj``, is read as stored). Models shared by several engines are
-fused once. Norm weights are float32 copies (Gemma's ``(1 + w)`` folded in).
+Weights are not copied: each layer's q, k and v weights (and gate and up) are concatenated once into
+one tensor, and the modules' own weights become views of it, so the transformers path that runs the
+steps the fused one does not reads the same memory (a family that stores them fused, Phi-3's
+``qkv_proj`` and ``gate_up_proj``, is read as stored). Models shared by several engines are fused
+once. Norm weights are float32 copies (Gemma's ``(1 + w)`` folded in).
 
 :meth:`CpuDecodePath.applies` says whether a step qualifies. Never with prompt logprobs or
 padding rows. Otherwise:
@@ -43,9 +43,8 @@ padding rows. Otherwise:
   sequence has exactly one new token (decode, or a one-token prompt chunk) or, with speculative
   decoding, at most ``1 + k`` (its last token and its drafts: one row each), at most
   :data:`DECODE_ROWS` rows; prefill chunks and mixed steps run transformers' modules;
-- fused prefill on (the default where the matmuls run in bf16, on AMX tiles or AVX512-BF16 dot
-  products, :func:`matmul_asked`;
-  ``$KVFLEET_CPU_FUSED_PREFILL=1``, or ``CpuDecodePath(..., prefill=True)``): every step of up to
+- fused prefill on (the default where the matmuls run in bf16, on AMX tiles or AVX512-BF16 dot products,
+  :func:`matmul_asked`; ``$KVFLEET_CPU_FUSED_PREFILL=1``, or ``CpuDecodePath(..., prefill=True)``): every step of up to
   :data:`~kvfleet.kernels.cpu_decoder.MAX_ROWS` tokens, a prompt chunk's tokens one row each like
   speculative drafts. Then every token of the engine goes through one code path whose rows are
   bitwise independent of each other (batch-invariant), prefill included, and prefill skips
@@ -75,6 +74,7 @@ from kvfleet.kernels.cpu_decoder import (
 )
 from kvfleet.kernels.cpu_lora import LoRATable
 from kvfleet.runtime import env
+from kvfleet.runtime.worker import cpu_decode_tp
 from kvfleet.runtime.worker.cpu_plan import MATMUL_NAMES, CpuPlan, matrix_matmul
 from kvfleet.runtime.worker.lora_layers import LoRALinear
 from kvfleet.runtime.worker.moe_experts import is_moe_block, moe_layer
@@ -149,10 +149,10 @@ def _linear(module: torch.nn.Module) -> Linear | None:
         return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
     if isinstance(module, Int8GroupLinear):
         return Linear("int8g", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
-    if type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter:
-        w = module.weight.detach()
-        bias = module.bias.detach().float().contiguous() if module.bias is not None else None
-        if w.dtype == torch.float32 and w.is_contiguous():
+    if type(module) is torch.nn.Linear:   # (tensor parallelism: a DTensor parameter's local shard)
+        w = cpu_decode_tp.local(module.weight.detach())
+        bias = cpu_decode_tp.local(module.bias.detach()).float().contiguous() if module.bias is not None else None
+        if type(w) is torch.Tensor and w.dtype == torch.float32 and w.is_contiguous():
             return Linear("fp32", w, bias=bias)
     return None
 
@@ -248,7 +248,7 @@ def _norm(module: torch.nn.Module | None, offset: float) -> torch.Tensor | None:
     """An RMSNorm's weight as the C step takes it: float32, ``offset`` added (Gemma's ``1 + w``)."""
     if module is None:
         return None
-    w = module.weight.detach().float()
+    w = cpu_decode_tp.local(module.weight.detach()).float()
     return (w + offset).contiguous() if offset else w.contiguous()
 
 
@@ -259,13 +259,13 @@ def unsupported(runner: Runner) -> str | None:
         return f"${ENV}=0"
     if runner.device.type != "cpu" or runner.dtype != torch.float32:
         return f"it runs {runner.dtype} on {runner.device.type}, not float32 on the CPU"
-    if runner.tp_size > 1:
-        return "tensor parallelism is on"
     if select_backend(runner.device) != "torch":
         return f"${BACKEND_ENV} selects the {select_backend(runner.device)} attention kernels"
     recipe = recipe_for(cfg)
     if isinstance(recipe, str):
         return recipe
+    if runner.tp_size > 1 and (tp_why := cpu_decode_tp.unsupported(runner, recipe)):
+        return f"tensor parallelism: {tp_why}"
     windows = tuple(w or 0 for w in runner.sliding_windows or ()) or (0,) * len(recipe.windows)
     if windows != recipe.windows:
         return f"the engine's sliding windows {windows} are not the recipe's {recipe.windows}"
@@ -294,8 +294,8 @@ def unsupported(runner: Runner) -> str | None:
 class CpuDecodePath:
     """The fused decoder of one engine (its KV caches) and the model modules it runs beside."""
 
-    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False,
-                 recipe: Recipe | None = None, lora_modules: frozenset[str] = frozenset()) -> None:
+    def __init__(self, runner: Runner, fused: FusedDecoder, prefill: bool = False, recipe: Recipe | None = None,
+                 lora_modules: frozenset[str] = frozenset(), gather: cpu_decode_tp.HeadGather | None = None) -> None:
         decoder = runner.model.get_decoder()
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
@@ -304,7 +304,7 @@ class CpuDecodePath:
         self._logit_scale = runner.logit_scale
         self._softcap = self.recipe.logit_softcap
         self._fused = fused
-        self._compute_logits = runner.compute_logits
+        self._compute_logits, self._gather = runner.compute_logits, gather   # (gather: tensor parallelism's vocab)
         self.prefill = prefill
         """Whether prefill chunks and mixed steps run fused too (the module docstring)."""
         self.matmul = fused.matmul
@@ -366,6 +366,7 @@ class CpuDecodePath:
                                           seq_lens.contiguous(), logits_indices.contiguous(), lora_slots)
         if logits is None:
             return self._compute_logits(hidden.index_select(0, logits_indices))
+        logits = self._gather(logits) if self._gather is not None else logits
         if self._logit_scale != 1.0:   # as the engine's compute_logits finishes the torch path's
             logits = logits * self._logit_scale
         if self._softcap:
@@ -405,8 +406,14 @@ def fused_prefill(matmul: str) -> bool:
 
 
 def build(runner: Runner) -> CpuDecodePath | None:
-    """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner`
-    whose KV caches exist), or None with the reason logged at INFO."""
+    """The fused decode path for ``runner`` (a :class:`~kvfleet.runtime.worker.model_runner.ModelRunner` whose KV
+    caches exist), or None with the reason logged at INFO; under tensor parallelism on at every rank or none."""
+    path = _build(runner)   # (agree: a gloo collective, CPU ranks only; every rank's device is alike)
+    return path if runner.tp_size == 1 or runner.device.type != "cpu" or cpu_decode_tp.agree(path is not None) else None
+
+
+def _build(runner: Runner) -> CpuDecodePath | None:
+    tp = runner.tp_size > 1
     reason = unsupported(runner)
     decoder = runner.model.get_decoder() if reason is None else None
     recipe = recipe_for(runner.hf_config) if reason is None else None
@@ -425,6 +432,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
                 break
             o = _linear(getattr(layer.self_attn, fam.o))
             down = None if moe else _linear(getattr(layer.mlp, fam.down, None))
+            o, down = cpu_decode_tp.bias_once(o, down) if tp else (o, down)
             if fused is None or o is None or (down is None and moe is None):
                 reason = f"layer {i}'s linear layers are not float32, kvfleet bf16, int8 or int4 (act-order int4)"
                 break
@@ -439,7 +447,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
     if reason is not None:
         logger.info("fused CPU decode: off (%s)", reason)
         return None
-    head = _linear(runner.model.get_output_embeddings())
+    head, gather = cpu_decode_tp.head(runner, _linear) if tp else (_linear(runner.model.get_output_embeddings()), None)
     eps = float(getattr(runner.hf_config, "rms_norm_eps", 1e-6))
     weights = DecoderWeights(runner.num_heads, runner.num_kv_heads, runner.head_size, eps,
                              float(decoder.layers[0].self_attn.scaling), layers, _norm(decoder.norm, offset), head,
@@ -449,14 +457,14 @@ def build(runner: Runner) -> CpuDecodePath | None:
     if head is not None:   # the plan's per-matrix choice (the layers keep the decoder's kernels)
         head.matmul = matrix_matmul(asked, "head", head.fmt, _weights(head), _step_weights(layers, head))
     try:
-        fused = FusedDecoder(weights, matmul=asked)
+        fused = FusedDecoder(weights, matmul=asked, all_reduce=cpu_decode_tp.all_reduce() if tp else None)
     except (ValueError, RuntimeError) as exc:
         logger.info("fused CPU decode: off (%s)", exc)
         return None
     tables = {id(t.a) for layer in layers for t in (layer.lora or {}).values()}
     lora_modules = frozenset(name for name, m in (runner.lora.layers.items() if runner.lora is not None else ())
                              if id(m.lora_a) in tables)
-    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe, lora_modules)
+    path = CpuDecodePath(runner, fused, fused_prefill(fused.matmul), recipe, lora_modules, gather)
     cos, _ = path._rope(torch.zeros(1, fused.hidden), torch.zeros(1, 1, dtype=torch.long))
     if tuple(cos.shape) != (fused.num_ropes, 1, fused.rotary_dim):
         logger.info("fused CPU decode: off (the rotary embedding gives %s tables of width %d, the recipe "
@@ -466,6 +474,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
     experts = [layer.moe for layer in layers if layer.moe is not None]
     moe = f" ({len(experts)} with {len(experts[0].gate_up)} experts, top {experts[0].top_k})" if experts else ""
     on = f" on {MATMUL_NAMES[fused.head_matmul]}" if head is not None and fused.head_matmul != fused.matmul else ""
+    on += f"; tensor-parallel rank {cpu_decode_tp.rank()} of {runner.tp_size}" if tp else ""
     logger.info("fused CPU decode: on (%s, %d layers%s, weights %s, LM head %s%s, KV cache %s, matmuls %s, prefill %s)",
                 recipe.family, len(layers), moe, layers[0].qkv.fmt, head.fmt if head is not None else "in torch", on,
                 str(fused.cache_dtype).removeprefix("torch."), MATMUL_NAMES[fused.matmul],
@@ -474,8 +483,7 @@ def build(runner: Runner) -> CpuDecodePath | None:
 
 
 def _weights(m: Linear) -> int:
-    n, k = m.shape
-    return n * k
+    return m.shape[0] * m.shape[1]
 
 
 def _step_weights(layers: list[Layer], head: Linear | None) -> int:
@@ -485,8 +493,7 @@ def _step_weights(layers: list[Layer], head: Linear | None) -> int:
     for layer in layers:
         total += _weights(layer.qkv) + _weights(layer.o)
         if layer.moe is not None:
-            experts = layer.moe.gate_up + layer.moe.down
-            total += sum(map(_weights, experts)) * layer.moe.top_k // len(layer.moe.gate_up)
+            total += sum(map(_weights, layer.moe.gate_up + layer.moe.down)) * layer.moe.top_k // len(layer.moe.gate_up)
         else:
             total += _weights(layer.gate_up) + _weights(layer.down)
     return total

@@ -94,7 +94,8 @@ class CpuFacts:
         woq_kernels: ``$KVFLEET_CPU_WOQ`` is not ``0`` (int8/int4 layers run kvfleet's kernels,
             which the fused decoder reads; torchao's it does not).
         fused_decoder: ``$KVFLEET_CPU_DECODER`` is not ``0``.
-        tensor_parallel_size: ranks the model is split over (the fused path runs one).
+        tensor_parallel_size: ranks the model is split over (each runs the fused path on its
+            shard, float32 weights as transformers' plan loads them: no bf16 storage, no bf16 matmuls).
     """
 
     kernels: bool
@@ -211,13 +212,14 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     bf16_storage = BF16_WEIGHT_STORAGE if bf16_weight_storage is None else bf16_weight_storage
     kernels = facts.kernels and features.isa_level is not None
     single = facts.tensor_parallel_size == 1
-    # The fused decoder reads float32 activations and fp32 / kvfleet int8 / int4 (/ bf16) weights.
-    fused_possible = kernels and facts.fused_decoder and single and (quantization is None or facts.woq_kernels)
-    why_not_fused = _why_not_fused(features, facts, kernels, single, quantization)
-    native_gguf = checkpoint_weights == "gguf" and facts.woq_kernels
-    # bf16 matmuls where the CPU has them natively (the best kernel of its ISA level)
-    bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and dtype != "float32" \
-        else "float32"
+    # The fused decoder reads float32 activations and fp32 / kvfleet int8 / int4 (/ bf16) weights; under
+    # tensor parallelism each rank's float32 shard (runtime/worker/cpu_decode_tp.py), stored as loaded.
+    fused_possible = kernels and facts.fused_decoder and (quantization is None or facts.woq_kernels)
+    why_not_fused = _why_not_fused(features, facts, kernels, quantization)
+    native_gguf = checkpoint_weights == "gguf" and facts.woq_kernels and single
+    # bf16 matmuls where the CPU has them natively (the best kernel of its ISA level); one rank only
+    bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and single \
+        and dtype != "float32" else "float32"
     if dtype in ("auto", "float32") and quantization is None and checkpoint_weights == "packed":
         return CpuPlan("float32", "packed", False, fused_possible, False,
                        f"dtype {dtype}: the checkpoint's quantized weights (AWQ / GPTQ / compressed-tensors) "
@@ -234,9 +236,9 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
                        gguf_stored=True, matmul=bf16_kernel)
 
     if dtype in ("auto", "float32") or (dtype == "bfloat16" and quantization is None and bf16_storage
-                                         and fused_possible):
+                                         and fused_possible and single):
         lossless = checkpoint_weights == "bf16"
-        store_bf16 = (quantization is None and bf16_storage and fused_possible
+        store_bf16 = (quantization is None and bf16_storage and fused_possible and single
                       and (dtype == "bfloat16" or (dtype == "auto" and (features.native_bf16 or lossless))))
         weights = quantization or ("bf16" if store_bf16 else "fp32")
         if dtype == "float32":
@@ -247,7 +249,7 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
             reason = f"dtype auto: float32 (the fused decoder is off: {why_not_fused})"
         else:
             reason = ("dtype auto: float32 activations, the fused C decoder's (kvfleet's fastest decode on "
-                      "every CPU measured)")
+                      "every CPU measured)") + ("" if single else "; tensor parallelism: each rank's float32 shard")
             if store_bf16:
                 reason += ("; bf16 weight storage (the checkpoint's own bf16 weights, lossless)" if lossless
                            else "; bf16 weight storage") + ": half the bytes per decode token"
@@ -279,16 +281,13 @@ def _bf16_matmuls(matmul: str) -> str:
     return _BF16_MATMULS.format(MATMUL_NAMES[matmul]) if matmul in BF16_LEVELS else ""
 
 
-def _why_not_fused(features: CpuFeatures, facts: CpuFacts, kernels: bool, single: bool,
-                   quantization: str | None) -> str:
+def _why_not_fused(features: CpuFeatures, facts: CpuFacts, kernels: bool, quantization: str | None) -> str:
     if features.isa_level is None:
         return "the CPU lacks AVX2/FMA/F16C or is not x86-64"
     if not kernels:
         return "kvfleet's C kernels are unavailable"
     if not facts.fused_decoder:
         return "$KVFLEET_CPU_DECODER=0"
-    if not single:
-        return "tensor parallelism"
     if quantization is not None and not facts.woq_kernels:
         return "$KVFLEET_CPU_WOQ=0 (torchao's kernels)"
     return ""

@@ -11,9 +11,8 @@ plain data (``RunnerInput``) and every rank's runner runs it (nano-vllm's ``call
 :meth:`MultiprocExecutor.shutdown` stops them; a dead worker or a failed collective is raised as
 :class:`TensorParallelError` (naming the rank), never a hang. With ``nnodes > 1`` this process
 spawns only node 0's ranks; the other nodes run ``kvfleet serve --headless`` and join through
-``master_addr:master_port`` (:mod:`kvfleet.runtime.worker.multinode`). Limits: one parallel engine
-per process, ``device`` ``auto``/``cpu``/``cuda``. Docs: docs/engine.md, "Tensor parallelism" and
-"Pipeline parallelism".
+``master_addr:master_port`` (:mod:`kvfleet.runtime.worker.multinode`). Limits: one parallel engine per
+process, ``device`` ``auto``/``cpu``/``cuda``. Docs: docs/engine.md, "Tensor/Pipeline parallelism".
 """
 
 from __future__ import annotations
@@ -51,6 +50,9 @@ _ERROR_KEY = "kvfleet/error/{rank}"
 _READY_KEY = "kvfleet/ready"
 
 
+_GATHERED = ("colwise_gather_output", "colwise_rep")   # plan styles whose output every rank holds whole
+
+
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker failed or died (the message names its rank and error)."""
 
@@ -66,8 +68,9 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int, model_name:
 
     Raises:
         ValueError: naming ``tensor_parallel_size``: below 1, it does not divide
-            ``num_attention_heads`` or ``num_key_value_heads``, or the model type has no
-            tensor-parallel plan in transformers (``base_model_tp_plan``).
+            ``num_attention_heads`` or ``num_key_value_heads``, the model type has no
+            tensor-parallel plan in transformers (``base_model_tp_plan``), or its plan gathers
+            the attention projections' outputs (every rank would hold all KV heads; Phi-3, OLMo 2).
     """
     tp = tensor_parallel_size
     if tp < 1:
@@ -79,16 +82,17 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel_size: int, model_name:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     for field_name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if value % tp:
-            raise ValueError(
-                f"tensor_parallel_size ({tp}) must divide the model's {field_name} ({value}) "
-                f"({model_name}: {heads} attention heads, {kv_heads} KV heads)"
-            )
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {field_name} ({value}) "
+                             f"({model_name}: {heads} attention heads, {kv_heads} KV heads)")
     if not getattr(text, "base_model_tp_plan", None):
-        raise ValueError(
-            f"tensor_parallel_size ({tp}): {model_name} ({getattr(text, 'model_type', '?')}) has no "
-            "tensor-parallel plan in transformers (config.base_model_tp_plan); run it with "
-            "tensor_parallel_size=1"
-        )
+        raise ValueError(f"tensor_parallel_size ({tp}): {model_name} ({getattr(text, 'model_type', '?')}) has no "
+                         "tensor-parallel plan in transformers (config.base_model_tp_plan); run it with "
+                         "tensor_parallel_size=1")
+    for key, style in text.base_model_tp_plan.items():   # (Phi-3's qkv_proj, OLMo 2's k_proj)
+        if ".self_attn." in key and key.endswith(("k_proj", "qkv_proj")) and style in _GATHERED:
+            raise ValueError(f"tensor_parallel_size ({tp}): {model_name}'s tensor-parallel plan gathers its attention "
+                             f"projections ({key}: {style!r}), so every rank computes all {kv_heads} KV heads, while "
+                             f"each rank's KV cache holds {kv_heads // tp}; run it with tensor_parallel_size=1")
 
 
 def _device_for_rank(device: str, rank: int, tp: int) -> str:
@@ -111,13 +115,11 @@ def _device_for_rank(device: str, rank: int, tp: int) -> str:
             )
         return "cpu"
     if device != "cuda":
-        raise ValueError(
-            f"tensor_parallel_size ({tp}) needs device auto, cpu or cuda (rank r uses cuda:r), got {device!r}"
-        )
+        raise ValueError(f"tensor_parallel_size ({tp}) needs device auto, cpu or cuda (rank r uses cuda:r), "
+                         f"got {device!r}")
     if torch.cuda.device_count() < tp:
-        raise ValueError(
-            f"tensor_parallel_size ({tp}) is more than the {torch.cuda.device_count()} visible CUDA devices"
-        )
+        raise ValueError(f"tensor_parallel_size ({tp}) is more than the {torch.cuda.device_count()} visible "
+                         "CUDA devices")
     return f"cuda:{rank}"
 
 
@@ -371,9 +373,8 @@ class MultiprocExecutor:
         if self._closed:
             raise TensorParallelError("the tensor-parallel workers were shut down")
         if self.broken:
-            raise TensorParallelError(
-                "an earlier step failed on the tensor-parallel ranks; they may be out of step: restart the engine"
-            )
+            raise TensorParallelError("an earlier step failed on the tensor-parallel ranks; they may be out of step: "
+                                      "restart the engine")
         dead = [p for p in self.procs if p.poll() is not None]
         if dead or (self.monitor is not None and self.monitor.lost is not None):
             self.broken = True  # the peers may wait in a collective: shutdown() terminates, no stop message

@@ -24,14 +24,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvfleet.runtime.model_errors import INVALID_MODEL_FILE
 from kvfleet.runtime.worker.gguf_tensors import Stored, from_gguf
 
 
 class GgufError(ValueError):
     """A GGUF file kvfleet cannot load; ``str()`` is one line naming the file and the reason
-    (``bad_input``: the server logs that line alone, no traceback)."""
+    (``bad_input``: the server logs that line alone, no traceback); ``reason`` is one of
+    :data:`kvfleet.runtime.model_errors.REASONS` (the termination log's, which the operator shows)."""
 
     bad_input = True
+
+    def __init__(self, message: str, reason: str = INVALID_MODEL_FILE) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 BIG_ARRAY = 4096

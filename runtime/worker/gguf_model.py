@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvfleet.runtime.model_errors import INVALID_MODEL_FILE, UNSUPPORTED_ARCHITECTURE, UNSUPPORTED_QUANTIZATION
 from kvfleet.runtime.worker import gguf_experts, gguf_tokenizer
 from kvfleet.runtime.worker.gguf_header import (
     GgufError,
@@ -91,6 +92,12 @@ class StoredEmbedding(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self.stored.rows(input_ids)
         return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
+
+
+def _tensor_reason(exc: ValueError) -> str:
+    """A tensor's load error's reason: a ggml type kvfleet does not read (gguf_tensors' messages name
+    the "tensor type"), else a file that is not what it says."""
+    return UNSUPPORTED_QUANTIZATION if "tensor type" in str(exc) else INVALID_MODEL_FILE
 
 
 def _empty_model(config, attn_implementation: str):
@@ -196,7 +203,7 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
                 arch or "?", len(reader.tensors))
     if arch not in LINEAR_SAFE:
         raise GgufError(f"{path}: GGUF architecture {arch!r} is not one kvfleet's GGUF reader takes "
-                        f"({', '.join(sorted(LINEAR_SAFE))})")
+                        f"({', '.join(sorted(LINEAR_SAFE))})", UNSUPPORTED_ARCHITECTURE)
     try:
         with shared_reader(path.resolve(), reader):
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -227,7 +234,7 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
             try:
                 expert_parts.setdefault(which[0], {})[which[1]] = stored_experts(reader, t)
             except ValueError as exc:
-                raise GgufError(f"{path}: {exc}") from None
+                raise GgufError(f"{path}: {exc}", _tensor_reason(exc)) from None
             continue
         hf = name_map.get(t.name)
         if hf is None:
@@ -256,7 +263,7 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path):
                 else:
                     floats[hf] = value
         except ValueError as exc:
-            raise GgufError(f"{path}: {exc}") from None
+            raise GgufError(f"{path}: {exc}", _tensor_reason(exc)) from None
         drop_pages(reader, t.data_offset, t.n_bytes)
         if t.n_bytes >= TRIM_BYTES:
             trim_heap()

@@ -256,7 +256,8 @@ def convert_gguf(gguf_file: Path, target: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     except (ValueError, KeyError, NotImplementedError) as exc:  # e.g. an architecture transformers does not map
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise GgufError(f"{gguf_file}: architecture {arch!r}: transformers cannot load it ({reason})") from None
+        raise GgufError(f"{gguf_file}: architecture {arch!r}: transformers cannot load it ({reason})",
+                        UNSUPPORTED_ARCHITECTURE) from None
     # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not
     # serializable") until the quantizer and its config entry are gone; the weights are
     # already dequantized to plain fp32 tensors.
@@ -304,12 +305,16 @@ def resolve_model_path(model: str | None, cache_root: Path | None = None) -> tup
     else:
         path = Path(model).expanduser()
         if path.suffix == ".gguf":
+            if path.is_dir():
+                raise FileNotFoundError(f"model: {model!r} is a directory, not a GGUF file")
             if not path.is_file():
                 raise FileNotFoundError(f"model: GGUF file {model!r} does not exist")
             gguf = path.resolve()
             name = path.stem
         elif path.exists():
-            if not path.is_dir() or not (path / "config.json").is_file():
+            if not path.is_dir():
+                raise FileNotFoundError(f"model: {model!r} is a file but not a .gguf one, nor a checkpoint directory")
+            if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model: {model!r} is not a checkpoint directory (no config.json)")
             return str(path.resolve()), path.resolve().name
         elif path.is_absolute() or model.startswith("."):  # a hub id never starts with /, ~ or .

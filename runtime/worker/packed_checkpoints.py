@@ -5,7 +5,8 @@ load into kvfleet's int4 layers -- no gptqmodel / AutoAWQ dependency.
 Contract: :func:`method_of` names the format of a config's ``quantization_config`` (None for a
 plain checkpoint; :class:`PackedError` for a quantized one kvfleet cannot take, one line);
 :func:`load` builds the model on the ``meta`` device (the quantization config dropped) and fills it
-from the folder's safetensors: each quantized linear layer becomes an
+from the folder's safetensors (a ``group_size`` the scales do not match, an act-order checkpoint
+without ``g_idx``: :class:`PackedError` naming the layer): each quantized linear layer becomes an
 :class:`~kvfleet.runtime.worker.woq_linear.Int4Linear` whose float32 dequantization equals the
 format's ``(q - z) * s`` exactly (``q * s + shift`` with ``shift = -z * s``: both products and the
 sum are exact in float32 for fp16 scales and 4-bit integers), every other tensor float32.
@@ -25,7 +26,8 @@ Layouts (DESIGN.md, "Quantized formats, facts"; the formats' own loaders):
   sizes: the layer is dequantized to bf16, logged.
 - compressed-tensors pack-quantized: ``weight_packed`` int32 ``[N, K/8]`` along the input dim,
   values stored plus 8 (``q + 8`` for ``q`` in -8..7), ``weight_scale`` ``[N, K/G]``, optional
-  ``weight_zero_point`` ``[N, K/G]`` (or packed ``[N/8, K/G]``); ``weight_g_idx`` as GPTQ's.
+  ``weight_zero_point`` ``[N, K/G]`` (or packed ``[N/8, K/G]``; used wherever stored, even under
+  ``symmetric``); ``weight_g_idx`` as GPTQ's.
 - compressed-tensors int-quantized (W8A8 int8): ``weight`` int8 ``[N, K]``, ``weight_scale``
   ``[N, 1]`` (symmetric, per channel) -> ``Int8Linear`` with those very weights; the activations stay
   float32 (kvfleet's int8 kernels are weight-only: no int8 rounding of activations, logged).
@@ -40,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from kvfleet.runtime.model_errors import INVALID_MODEL_FILE, UNSUPPORTED_QUANTIZATION
+
 logger = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -48,9 +52,15 @@ METHODS = ("awq", "gptq", "compressed-tensors")
 
 
 class PackedError(ValueError):
-    """A quantized checkpoint kvfleet cannot load (one line: the folder and the reason)."""
+    """A quantized checkpoint kvfleet cannot load (one line: the folder and the reason); ``reason``
+    one of :data:`kvfleet.runtime.model_errors.REASONS` (a format kvfleet does not read, by default;
+    a checkpoint whose tensors are not what its config says: ``InvalidModelFile``)."""
 
     bad_input = True
+
+    def __init__(self, message: str, reason: str = UNSUPPORTED_QUANTIZATION) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def _cfg(hf_config) -> dict | None:
@@ -150,10 +160,16 @@ def _int4_module(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group
 
     n, k = q.shape
     scale = scale.float()
+    if scale.dim() != 2 or scale.shape[0] != n or tuple(zero.shape) != tuple(scale.shape):
+        raise PackedError(f"{name}: scales {list(scale.shape)} / zeros {list(zero.shape)} do not fit its "
+                          f"{n} x {k} weight", INVALID_MODEL_FILE)
+    if group > 0 and scale.shape[1] != -(-k // group):
+        raise PackedError(f"{name}: quantization_config's group_size {group} does not match the checkpoint: "
+                          f"{scale.shape[1]} groups of scales over {k} input features", INVALID_MODEL_FILE)
     if group_of is not None and (group_of.shape != (k,) or group_of.dtype.is_floating_point or (k and (
             int(group_of.min()) < 0 or int(group_of.max()) >= scale.shape[1]))):
         raise PackedError(f"{name}: g_idx must hold {k} group indices in 0..{scale.shape[1] - 1} "
-                          f"(got shape {list(group_of.shape)}, {group_of.dtype})")
+                          f"(got shape {list(group_of.shape)}, {group_of.dtype})", INVALID_MODEL_FILE)
     shell = types.SimpleNamespace(in_features=k, out_features=n, bias=bias)
     perm = None
     if group_of is not None and not torch.equal(group_of.long(), torch.arange(k) // group):
@@ -186,7 +202,11 @@ def _group(q: dict) -> int:
     return -1
 
 
-def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, sym: bool) -> torch.nn.Module:
+def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, act_order: bool) -> torch.nn.Module:
+    g_idx = t.get(f"{prefix}.g_idx" if method == "gptq" else f"{prefix}.weight_g_idx")
+    if act_order and g_idx is None and method != "awq":
+        raise PackedError(f"{prefix}: the checkpoint is act-order (quantization_config) but has no g_idx "
+                          "for this layer (its groups cannot be known)", INVALID_MODEL_FILE)
     bias = t.get(f"{prefix}.bias")
     bias = None if bias is None else bias.float()
     if method == "awq":
@@ -201,7 +221,7 @@ def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, sym
         z = (_along_cols(t[f"{prefix}.qzeros"])[:, :n].to(torch.int16) + 1).T  # v1: stored z - 1
         s = t[f"{prefix}.scales"].T
         g = q.shape[1] // s.shape[1] if group <= 0 else group
-        return _int4_module(q, z, s, t.get(f"{prefix}.g_idx"), g, bias, prefix)
+        return _int4_module(q, z, s, g_idx, g, bias, prefix)
     if f"{prefix}.weight_packed" not in t:  # int-quantized (W8A8): int8 weights, a scale per output channel
         from kvfleet.runtime.worker.woq_linear import Int8Linear
 
@@ -219,15 +239,15 @@ def _layer(method: str, t: dict[str, torch.Tensor], prefix: str, group: int, sym
     q = _along_cols(packed)  # [N, K]: stored q + 8
     s = t[f"{prefix}.weight_scale"]
     n = q.shape[0]
-    zp = t.get(f"{prefix}.weight_zero_point")
-    if zp is None or sym:
+    zp = t.get(f"{prefix}.weight_zero_point")  # used where stored, as compressed-tensors' own decompressor does
+    if zp is None:
         z = torch.full(s.shape, 8, dtype=torch.int16)
     else:
         if zp.dtype == torch.int32 and zp.shape[0] * 8 == n:  # packed along the output dim
             zp = _along_cols(zp.T.contiguous()).T.to(torch.int16) - 8
         z = zp.to(torch.int16) + 8
     g = q.shape[1] // s.shape[1] if group <= 0 else group
-    return _int4_module(q, z, s, t.get(f"{prefix}.weight_g_idx"), g, bias, prefix)
+    return _int4_module(q, z, s, g_idx, g, bias, prefix)
 
 
 _KEYS = {"awq": "qweight", "gptq": "qweight", "compressed-tensors": "weight_packed"}
@@ -250,22 +270,22 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
     method = method_of(hf_config, str(path))
     q = _cfg(hf_config)
     group = _group(q)
-    sym = bool(q.get("sym", q.get("zero_point") is False))
-    if method == "compressed-tensors":
-        sym = all((g.get("weights") or {}).get("symmetric", True) for g in (q.get("config_groups") or {}).values())
+    act_order = bool(q.get("desc_act")) or any(
+        (g.get("weights") or {}).get("actorder") in (True, "group") for g in (q.get("config_groups") or {}).values())
     config = type(hf_config).from_dict({k: v for k, v in hf_config.to_dict().items() if k != "quantization_config"})
     model = _empty_model(config, attn_implementation)
     tensors: dict[str, torch.Tensor] = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise PackedError(f"{path}: no *.safetensors files")
+        raise PackedError(f"{path}: no *.safetensors files", INVALID_MODEL_FILE)
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
                     tensors[key] = st.get_tensor(key)
         except Exception as exc:  # safetensors' own error type (a truncated or corrupt file)
-            raise PackedError(f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
+            raise PackedError(f"{f}: not a readable safetensors file ({type(exc).__name__}: {exc})",
+                              INVALID_MODEL_FILE) from None
     key = _KEYS[method]
     if method == "compressed-tensors" and q.get("format") != "pack-quantized":
         key = "weight_scale"  # int-quantized: every quantized layer has one; its weight is int8
@@ -274,9 +294,12 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
     prefixes = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith("." + key)})
     try:
         for prefix in prefixes:
-            _replace(model, prefix, _layer(method, tensors, prefix, group, sym))
+            _replace(model, prefix, _layer(method, tensors, prefix, group, act_order))
+    except PackedError as exc:
+        raise PackedError(f"{path}: {exc}", exc.reason) from None
     except (KeyError, RuntimeError) as exc:
-        raise PackedError(f"{path}: {method} layout not as expected ({type(exc).__name__}: {exc})") from None
+        raise PackedError(f"{path}: {method} layout not as expected ({type(exc).__name__}: {exc})",
+                          INVALID_MODEL_FILE) from None
     done = set(prefixes)
     names = dict(model.named_parameters())
     for key, value in tensors.items():

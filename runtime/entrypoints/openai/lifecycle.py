@@ -34,7 +34,7 @@ from starlette.types import ASGIApp
 
 from kvfleet.runtime.entrypoints.openai.errors import APIError
 from kvfleet.runtime.http import draining
-from kvfleet.runtime.model_errors import ModelLoadError
+from kvfleet.runtime.model_errors import ModelLoadError, reason_for
 
 if TYPE_CHECKING:
     from kvfleet.runtime.entrypoints.openai.serving_engine import ServerState
@@ -102,6 +102,10 @@ def termination_message(exc: BaseException) -> str:
     looks for it), at most :data:`TERMINATION_LOG_LIMIT` bytes."""
     if isinstance(exc, ModelLoadError):  # the operator shows its reason as a condition
         return exc.line().encode("utf-8")[:TERMINATION_LOG_LIMIT].decode("utf-8", "ignore")
+    reason = reason_for(exc)  # a bad GGUF file, a packed checkpoint kvfleet cannot read: the same
+    if reason is not None:
+        text = f"{reason}: {exc}".replace("\n", " ")
+        return text.encode("utf-8")[:TERMINATION_LOG_LIMIT].decode("utf-8", "ignore")
     head = "out of memory" if is_out_of_memory(exc) else "the engine died"
     cls = type(exc)
     text = f"{head}: {cls.__module__}.{cls.__qualname__}: {exc}".replace("\n", " ")

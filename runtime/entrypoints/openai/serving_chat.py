@@ -57,6 +57,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "add_generation_prompt",
         "continue_final_message",
         "conversation",
+        "messages",
         "tools",
     }
 )

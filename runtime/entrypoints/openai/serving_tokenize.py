@@ -1,8 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes): :class:`OpenAIServingTokenization`.
 
 ``/tokenize`` takes a ``prompt`` (encoded as ``/v1/completions`` encodes it: special tokens added
-by default) or chat ``messages`` (rendered by :meth:`OpenAIServingChat.prompt_ids`, ``tools``
-included, so ``count`` equals the chat completion's ``usage.prompt_tokens``) and answers
+by default) or chat ``messages`` (rendered by :meth:`OpenAIServingChat.prompt_ids`, ``tools`` and a
+request's own ``chat_template`` included, so ``count`` equals the chat completion's ``usage.prompt_tokens``) and answers
 ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with
 ``return_token_strs``). ``/detokenize`` takes ``tokens`` (each in ``[0, vocab_size)``) and
 answers ``{"prompt"}``. Both on the tokenizer thread.
@@ -37,6 +37,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 chat_template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
             )
             ids = await self.chat.prompt_ids(engine, chat, body.tools, add_special_tokens=bool(body.add_special_tokens))
         else:

@@ -113,8 +113,9 @@ class ChatCompletionRequest(SamplingFields):
         try:
             return build_sampling_params(kw)
         except ProtocolError as exc:
-            if exc.param == "logprobs":
+            if exc.param == "logprobs":  # the chat request's field is top_logprobs: name it in the message too
                 exc.param = "top_logprobs"
+                exc.args = (f"top_{exc.args[0]}" if str(exc.args[0]).startswith("logprobs ") else exc.args[0],)
             raise
 
 

@@ -12,9 +12,9 @@ from kvfleet.runtime.entrypoints.openai.protocol.common import StrictRequest
 
 class TokenizeRequest(StrictRequest):
     """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered as
-    ``/v1/chat/completions`` renders them (``tools`` included), so that ``count`` equals that
-    request's ``usage.prompt_tokens``. ``add_special_tokens`` defaults to True for a prompt and
-    False for messages (the chat template adds them)."""
+    ``/v1/chat/completions`` renders them (``tools`` and a request's own ``chat_template``
+    included), so that ``count`` equals that request's ``usage.prompt_tokens``.
+    ``add_special_tokens`` defaults to True for a prompt and False for messages (the chat template adds them)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -23,6 +23,7 @@ class TokenizeRequest(StrictRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 

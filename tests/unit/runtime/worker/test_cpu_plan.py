@@ -140,7 +140,6 @@ def test_without_the_fused_decoder_auto_stays_float32_and_says_why(machine):
     cases = {
         cp.CpuFacts(kernels=False): "C kernels are unavailable",
         cp.CpuFacts(kernels=True, fused_decoder=False): "$KVFLEET_CPU_DECODER=0",
-        cp.CpuFacts(kernels=True, tensor_parallel_size=2): "tensor parallelism",
     }
     for facts, why in cases.items():
         for storage in (False, True):
@@ -153,6 +152,20 @@ def test_without_the_fused_decoder_auto_stays_float32_and_says_why(machine):
     woq_off = cp.plan(cpu(machine), "auto", "int8", facts=cp.CpuFacts(kernels=True, woq_kernels=False))
     assert (woq_off.dtype, woq_off.fused_decoder) == ("float32", False) and "KVFLEET_CPU_WOQ" in woq_off.reason
     assert cp.plan(cpu(machine), "auto", None, facts=cp.CpuFacts(kernels=True, woq_kernels=False)).fused_decoder
+
+
+@pytest.mark.parametrize("machine", list(MACHINES))
+def test_tensor_parallelism_keeps_the_fused_decoder_on_float32_shards(machine):
+    """Each rank runs the fused step on its shard (runtime/worker/cpu_decode_tp.py) as transformers'
+    plan loads it: float32 weights and matmuls, no bf16 storage; an explicit bfloat16 runs torch."""
+    facts = cp.CpuFacts(kernels=True, tensor_parallel_size=2)
+    for storage in (False, True):
+        p = cp.plan(cpu(machine), "auto", None, facts=facts, bf16_weight_storage=storage)
+        assert (p.dtype, p.weights, p.bf16_weights, p.matmul) == ("float32", "fp32", False, "float32")
+        assert p.fused_decoder == (cpu(machine).isa_level is not None)
+        assert not p.fused_decoder or "tensor parallelism: each rank's float32 shard" in p.reason
+        b = cp.plan(cpu(machine), "bfloat16", None, facts=facts, bf16_weight_storage=storage)
+        assert (b.dtype, b.bf16_weights, b.fused_decoder) == ("bfloat16", False, False)
 
 
 def test_below_avx2_or_off_x86_the_kernels_do_not_count():

@@ -3,7 +3,8 @@ CPU with the real SmolLM2-135M: 9 attention heads and 3 KV heads, so 3 ranks spl
 (3 query heads and 1 KV head each) and 2 ranks are refused.
 
 The TP engine runs 3 real processes (this one is rank 0, the driver worker; two workers)
-over gloo, with transformers' own tensor-parallel plan for Llama. Its greedy tokens and
+over gloo, with transformers' own tensor-parallel plan for Llama (decode steps run the fused C
+step on each rank's shard, its all-reduces inside the step: runtime/worker/cpu_decode_tp.py). Its greedy tokens and
 prompt logprobs are compared with the ``tensor_parallel_size=1`` engine's, through
 continuous batching (requests added while others decode). The fault tests kill real
 processes: a dead worker must be an engine error (not a hang). Through ``kvfleet serve``:
@@ -84,6 +85,19 @@ def test_heads_must_divide(smollm2):
         check_tensor_parallel(hf_config, 9, "SmolLM2")
 
 
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_a_plan_that_gathers_the_attention_projections_is_refused(family):
+    """Phi-3's (qkv_proj) and OLMo 2's (q/k/v) plans gather the projections' outputs: every rank
+    would compute all KV heads into a cache sized for its share (it failed at the first step)."""
+    from support.tiny_models import family_config
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\): M's tensor-parallel plan gathers its attention "
+                                         r"projections .*colwise_gather_output.*all 2 KV heads.* holds 1"):
+        check_tensor_parallel(family_config(family), 2, "M")
+    check_tensor_parallel(family_config("llama"), 2, "M")
+    check_tensor_parallel(family_config("glm4"), 2, "M")   # q/k/v colwise (its gate_up gathered: fine)
+
+
 def test_engine_refuses_tp2_before_starting_any_process():
     before = set(children(os.getpid()))
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide .*num_attention_heads \(9\)"):
@@ -141,6 +155,9 @@ def test_tp3_greedy_tokens_equal_tp1_through_continuous_batching(tp_engine, smol
     assert all(len(t) == MAX_TOKENS for t in tp_tokens.values())
     assert tp_tokens == ref_tokens
     assert "Paris" in ref_final["r0"].outputs[0].text
+    # decode ran the fused C step on each rank's shard, 3 ranks: the partials all-gathered, added in rank order
+    fused = tp_engine.runner.cpu_decode
+    assert fused is not None and fused._fused.all_reduce.world == 3 and fused._fused.all_reduce.calls > 0
 
 
 @pytest.mark.slow

@@ -63,6 +63,12 @@ def test_dtype_device_and_missing_paths(tmp_path):
         ml.resolve_model_path(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="config.json"):
         ml.resolve_model_path(str(tmp_path))
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(FileNotFoundError, match="is a directory, not a GGUF file"):
+        ml.resolve_model_path(str(tmp_path / "folder.gguf"))
+    (tmp_path / "model.bin").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match="is a file but not a .gguf one"):
+        ml.resolve_model_path(str(tmp_path / "model.bin"))
     for missing in (str(tmp_path / "no-such-dir"), "./no-such-dir", "~/no-such-dir-kvfleet"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
             ml.resolve_model_path(missing)

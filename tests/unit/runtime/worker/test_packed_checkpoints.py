@@ -121,6 +121,41 @@ def test_a_g_idx_out_of_range_or_a_truncated_file_is_a_one_line_error(tmp_path):
         packed_checkpoints.load(tmp_path, cfg)
 
 
+def test_a_config_the_tensors_contradict_is_refused_or_read_as_stored(tmp_path):
+    """A group_size the scales do not match (was read silently, the kernels indexing past the
+    scales), an act-order checkpoint missing a layer's g_idx (was taken for groups in order: wrong
+    weights) are PackedErrors naming the folder and layer; compressed-tensors zero points stored
+    under ``symmetric: true`` are used, as its own decompressor does (were ignored: wrong weights)."""
+    from safetensors.torch import load_file, save_file
+
+    _write(tmp_path, "gptq", 32, False, True)
+    cfg = _config()
+    cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True}
+    with pytest.raises(packed_checkpoints.PackedError, match=rf"^{tmp_path}: model\.layers\.\d\.\S+: "
+                                                             "quantization_config's group_size 64 does not match"):
+        packed_checkpoints.load(tmp_path, cfg)
+    cfg.quantization_config["group_size"] = 32
+    st = tmp_path / "model.safetensors"
+    tensors = load_file(str(st))
+    del tensors["model.layers.1.mlp.down_proj.g_idx"]
+    save_file(tensors, str(st))
+    with pytest.raises(packed_checkpoints.PackedError, match=r"layers\.1\.mlp\.down_proj: the checkpoint is "
+                                                             "act-order .* no g_idx"):
+        packed_checkpoints.load(tmp_path, cfg)
+    cfg.quantization_config["desc_act"] = False  # without act-order a missing g_idx means groups in order
+    packed_checkpoints.load(tmp_path, cfg)
+
+    ct = tmp_path / "ct"
+    ct.mkdir()
+    ref = _write(ct, "ct", 32, False, False)
+    cfg.quantization_config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 32}}}}
+    model = packed_checkpoints.load(ct, cfg)
+    layer = model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert torch.equal(layer.dequantized(), ref.get_submodule("model.layers.0.self_attn.q_proj").weight)
+
+
 def _engine(path, monkeypatch):
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine

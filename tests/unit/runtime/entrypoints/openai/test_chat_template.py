@@ -64,3 +64,20 @@ def test_the_servers_template_replaces_the_tokenizers_and_a_request_may_bring_it
                                                    "chat_template": "{% if %}"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
     assert _prompt_tokens(client) == len(tok.encode("hello there|"))  # the server keeps its template
+
+
+def test_tokenize_renders_a_requests_own_template_as_chat_does(client):
+    own = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    messages = [{"role": "user", "content": "hello there"}]
+    r = client.post("/tokenize", json={"messages": messages, "chat_template": own})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == _prompt_tokens(client, chat_template=own)
+    assert r.json()["count"] != client.post("/tokenize", json={"messages": messages}).json()["count"]
+    bad = client.post("/tokenize", json={"messages": messages, "chat_template": "{% if %}"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages", bad.text
+
+
+def test_chat_template_kwargs_may_not_replace_the_messages(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template_kwargs": {"messages": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
