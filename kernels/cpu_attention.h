@@ -199,89 +199,7 @@ static void attend_block(const kv_step *s, int64_t i, int64_t g, int64_t part, i
     }
 }
 
-#ifdef __AVX512F__
-/* ---- AVX-512, head size a multiple of 16: scores 16 positions at a time ----
- * The keys of a block are transposed once per task (transpose_keys), so one vector holds an
- * element of 16 positions' keys: a query head's 16 scores are 64 FMAs (D = 64) with no horizontal
- * sums, and the heads that share a KV head read each key vector once. Each score is its own dot
- * (four chains over the elements e mod 4, then (c0 + c1) + (c2 + c3)), so a row's scores do not
- * depend on the step's other rows; the bits differ from the avx2 build's (dot4), as its kernels do. */
-
-/* exp8's arithmetic, 16 lanes (cpu_step.h's KV_DEFINE_EXP). */
-KV_DEFINE_EXP(exp16, __m512, _mm512, _mm512_roundscale_ps, _mm512_castsi512_ps)
-
-/* kT[(c D + e) 16 + l] = element e of the key at position 16 c + l (keys + p * stride: float32,
- * or bf16 widened here when `bf16`), for the block's bs positions; positions past bs in the last
- * group of 16 are zero. */
-static void transpose_keys(const void *keys, int bf16, int64_t stride, int64_t bs, int64_t D, float *kT) {
-    for (int64_t c = 0; 16 * c < bs; c++)
-        for (int64_t e0 = 0; e0 < D; e0 += 16) {
-            __m512i r[16];
-            for (int64_t l = 0; l < 16; l++) {
-                const int64_t at = (16 * c + l) * stride + e0;
-                r[l] = 16 * c + l >= bs ? _mm512_setzero_si512()
-                       : bf16 ? _mm512_castps_si512(widen_bf16_16((const uint16_t *)keys + at))
-                              : _mm512_castps_si512(_mm512_loadu_ps((const float *)keys + at));
-            }
-            kv_transpose16(r);
-            for (int64_t l = 0; l < 16; l++) _mm512_storeu_si512(kT + ((c * D + e0 + l) * 16), r[l]);
-        }
-}
-
-/* sc[j] lane l = (q_j . key l) * scale for H (<= 4) query heads q_j = q + j D and the 16 keys of
- * kT (one group of transpose_keys). */
-static inline __attribute__((always_inline)) void scores16(const float *q, const float *kT, int64_t D, int H,
-                                                           float scale, __m512 *sc) {
-    __m512 a[4][4];
-    for (int j = 0; j < H; j++)
-        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < D; e += 4)
-        for (int c = 0; c < 4; c++) {
-            const __m512 kv = _mm512_loadu_ps(kT + (e + c) * 16);
-            for (int j = 0; j < H; j++) a[j][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[j * D + e + c]), kv, a[j][c]);
-        }
-    for (int j = 0; j < H; j++)
-        sc[j] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[j][0], a[j][1]), _mm512_add_ps(a[j][2], a[j][3])),
-                              _mm512_set1_ps(scale));
-}
-
-/* attend_block with the keys transposed (kT: transpose_keys of the block) and the values at vb +
- * p * stride; w: 16 floats of scratch. The same partials as attend_block's, summed differently. */
-static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
-                           const float *kT, const float *vb, int64_t stride, float *w) {
-    const kv_decoder *d = s->d;
-    const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
-    const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
-    const int64_t len = s->seq_lens[i];
-    const float *q0 = s->qkv + i * qkv_width(d) + g * G * D;
-    float *out = start_partials(s, i, g, part, first);
-    const int64_t n = len - b * bs < bs ? len - b * bs : bs;
-    const int64_t from = row_from(s, i) - b * bs;   /* positions before it: outside the window */
-    for (int64_t c = (from > 0 ? from : 0) / 16; 16 * c < n; c++) {
-        const int64_t m = n - 16 * c < 16 ? n - 16 * c : 16, skip = from - 16 * c > 0 ? from - 16 * c : 0;
-        const __mmask16 valid = (__mmask16)(((1u << m) - 1u) & ~((1u << skip) - 1u));
-        for (int64_t j0 = 0; j0 < G; j0 += 4) {
-            __m512 sc[4];
-            const int h = (int)(G - j0 < 4 ? G - j0 : 4);
-            const float *q = q0 + j0 * D, *kc = kT + c * D * 16;
-            switch (h) {   /* a constant H: the accumulators stay in registers */
-            case 4: scores16(q, kc, D, 4, (float)d->scale, sc); break;
-            case 3: scores16(q, kc, D, 3, (float)d->scale, sc); break;
-            case 2: scores16(q, kc, D, 2, (float)d->scale, sc); break;
-            default: scores16(q, kc, D, 1, (float)d->scale, sc); break;
-            }
-            for (int j = 0; j < h; j++) {
-                float *o = out + (j0 + j) * S * (D + 2);
-                rescale_partial(o, _mm512_mask_reduce_max_ps(valid, sc[j]), D);
-                const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc[j], _mm512_set1_ps(o[0]))));
-                o[1] += _mm512_reduce_add_ps(p);
-                _mm512_storeu_ps(w, p);
-                add_values(o + 2, w, vb + 16 * c * stride, stride, m, D);
-            }
-        }
-    }
-}
-#endif
+#include "cpu_attention16.h"   /* the AVX-512 scores (attend_block16), over the helpers above */
 
 /* A cache block's bf16 keys or values (position p at c + p * stride) widened to float32 into
  * out [bs, D] (exact: a bf16 is the high half of a float32). */
@@ -295,17 +213,18 @@ static inline void widen_block(const uint16_t *c, int64_t stride, int64_t bs, in
     }
 }
 
-/* Task t = (group lead i = s->leads[t / (KVH S)], KV head g, split part). Splitting a sequence's positions (Flash-Decoding's
+/* Task t = (group lead i, KV head g, split part), from s->tasks[t] = (lead index KVH + g) S + part
+ * (attention() lists only the splits some row of the group has). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
  * value once for all the query heads that share it. Rows of one sequence at consecutive positions
  * (a speculative step's last token and drafts: s->group) are done by their first row's tasks,
  * block by block for all of them, so each block is read from memory once for the group; every
  * row still sums exactly as it would alone (the same blocks in the same order, its own split and
- * length). Tasks of rows led by another and past a row's last split return at once. */
+ * length). */
 static void task_attention(const void *ctx, int64_t t) {
     const kv_step *s = ctx;
     const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, bs = s->d->block_size;
-    const int64_t i = s->leads[t / (KVH * S)], g = t / S % KVH, part = t % S;
+    const int64_t i = s->leads[s->tasks[t] / (KVH * S)], g = s->tasks[t] / S % KVH, part = s->tasks[t] % S;
     const int64_t rows = s->group[i];
     int64_t b0 = -1, b1 = 0;
     for (int64_t r = i; r < i + rows; r++) {
@@ -323,7 +242,7 @@ static void task_attention(const void *ctx, int64_t t) {
     const int bf16 = d->cache_dtype == KV_CACHE_BF16;
 #ifdef __AVX512F__
     const int t16 = D % 16 == 0;   /* the transposed-key scores (attend_block16) */
-    float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[16];
+    float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[64];
 #else
     const int t16 = 0;
 #endif
@@ -341,10 +260,14 @@ static void task_attention(const void *ctx, int64_t t) {
         const float *kb = (const float *)kc + base, *vb = (const float *)vc + base;
         const void *keys = kb;   /* what transpose_keys reads: the cache's keys (float32 or bf16) */
         int64_t kstride = stride, vstride = stride;
+        const int direct = t16 && rows == 1;   /* one row (decode): its values read as stored, bf16
+                                                 * widened in registers (attend_block16) */
         if (bf16) {   /* widened once for every row of the group and every query head (exact) */
             const uint16_t *k16 = (const uint16_t *)kc + base, *v16 = (const uint16_t *)vc + base;
-            widen_block(v16, stride, bs, D, vw);
-            vb = vw, vstride = D;
+            if (!direct) {
+                widen_block(v16, stride, bs, D, vw);
+                vb = vw, vstride = D;
+            }
             if (t16) {
                 keys = k16;   /* widened as they are transposed */
             } else {
@@ -364,7 +287,9 @@ static void task_attention(const void *ctx, int64_t t) {
             if (t16) {
                 if (!transposed) transpose_keys(keys, bf16, kstride, bs, D, kT);
                 transposed = 1;
-                attend_block16(s, r, g, part, b, b == lo, kT, vb, vstride, w16);
+                attend_block16(s, r, g, part, b, b == lo, kT,
+                               direct && bf16 ? (const void *)((const uint16_t *)vc + base) : (const void *)vb,
+                               direct && bf16, vstride, w16);
                 continue;
             }
 #endif
@@ -437,18 +362,28 @@ static void merge_attention(const kv_step *s, int64_t rows) {
     kv_parallel(task_merge, &p, (rows + KV_PREP_ROWS - 1) / KV_PREP_ROWS);
 }
 
-/* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the groups
- * led in the pass, then their merge. */
+/* Attention of every row, KV_ATTN_ROWS rows at a time (s->partial holds one pass): the tasks of
+ * the groups led in the pass (one per lead, KV head and split that some row of its group has: no
+ * empty tasks to claim, ~60 % of the slots of a 48-row decode step), then their merge. */
 static void attention(kv_step *s, int64_t num_leads) {
-    const int64_t tasks_per_lead = s->d->num_kv_heads * KV_MAX_SPLITS;
-    const int64_t *all = s->leads;
+    const int64_t KVH = s->d->num_kv_heads, S = KV_MAX_SPLITS, *all = s->leads;
     int64_t l0 = 0;
     for (s->a0 = 0; s->a0 < s->M; s->a0 += KV_ATTN_ROWS) {
         const int64_t a1 = min64(s->a0 + KV_ATTN_ROWS, s->M);
-        int64_t l1 = l0;
+        int64_t l1 = l0, n = 0;
         while (l1 < num_leads && all[l1] < a1) l1++;
         s->leads = all + l0;
-        kv_parallel(task_attention, s, (l1 - l0) * tasks_per_lead);
+        for (int64_t l = 0; l < l1 - l0; l++) {
+            int64_t splits = 0;
+            for (int64_t r = s->leads[l]; r < s->leads[l] + s->group[s->leads[l]]; r++) {
+                int64_t first, blocks, per;
+                const int64_t k = row_blocks(s, r, &first, &blocks, &per);
+                splits = k > splits ? k : splits;
+            }
+            for (int64_t g = 0; g < KVH; g++)
+                for (int64_t part = 0; part < splits; part++) s->tasks[n++] = (l * KVH + g) * S + part;
+        }
+        kv_parallel(task_attention, s, n);
         merge_attention(s, a1 - s->a0);
         l0 = l1;
     }

@@ -286,9 +286,26 @@ static void task_head(const void *ctx, int64_t t) {
 }
 
 /* Nanoseconds spent per phase since the last kv_decode_profile call, and the steps:
- * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, tp (the all-reduces, cpu_tp.h), steps]. */
+ * [norms, qkv, attention, o, mlp (gate_up + SiLU), down, head, tp (the all-reduces, cpu_tp.h), steps].
+ * The clock (kv_decode_profile_clock): wall time, or the calling thread's CPU time -- with no helper
+ * threads (a pool of one) that is the whole step's work, and on a shared machine it leaves out the
+ * time other processes took the core. */
 enum { PROF_NORM, PROF_QKV, PROF_ATTN, PROF_O, PROF_MLP, PROF_DOWN, PROF_HEAD, PROF_TP, PROF_STEPS, PROF_N };
 static int64_t PROF[PROF_N];
+static clockid_t PROF_CLOCK = CLOCK_MONOTONIC;
+
+/* 1: the phases in the calling thread's CPU time, 0: in wall time (the default). */
+void kv_decode_profile_clock(int64_t thread_cpu) {
+    pthread_mutex_lock(&P.lock);
+    PROF_CLOCK = thread_cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC;
+    pthread_mutex_unlock(&P.lock);
+}
+
+static inline int64_t prof_ns(void) {
+    struct timespec t;
+    clock_gettime(PROF_CLOCK, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 void kv_decode_profile(int64_t *out) {
     pthread_mutex_lock(&P.lock);
@@ -298,7 +315,7 @@ void kv_decode_profile(int64_t *out) {
 }
 
 static inline void timed(int which, int64_t *t) {
-    int64_t now = now_ns();
+    int64_t now = prof_ns();
     PROF[which] += now - *t;
     *t = now;
 }
@@ -307,7 +324,8 @@ static inline void timed(int which, int64_t *t) {
 #include "cpu_tp.h"    /* tensor parallelism: the ranks' partial o and down outputs summed (tp_sum) */
 
 /* Scratch for a step of M rows, grown as needed (P.lock held): floats (with bf16 matmuls, the
- * packed input after them), and 2 M int64 for the groups. Returns 0, or -1 when out of memory. */
+ * packed input after them), and (2 + KVH KV_MAX_SPLITS) M int64: the groups, their leads and
+ * attention's tasks. Returns 0, or -1 when out of memory. */
 static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
     const int64_t QD = d->num_heads * d->head_size, pass = min64(M, KV_ATTN_ROWS), I = d->intermediate;
     const int64_t widest = I > d->hidden ? (I > QD ? I : QD) : (d->hidden > QD ? d->hidden : QD);
@@ -315,10 +333,8 @@ static int grow_scratch(const kv_decoder *d, int64_t M, int bf16) {
                          + pass * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2)
                          + (bf16 ? ((M + 15) / 16 * 16 * widest + 1) / 2 : 0);   /* the packed bf16 input */
     if (kv_grow((void **)&P.scratch, &P.scratch_floats, need, sizeof(float))) return -1;
-    int64_t group_ints = 2 * P.group_rows;
-    const int rc = kv_grow((void **)&P.group, &group_ints, 2 * M, sizeof(int64_t));
-    P.group_rows = group_ints / 2;
-    return rc;
+    const int64_t per_row = 2 + d->num_kv_heads * KV_MAX_SPLITS;   /* group, leads, attention's tasks */
+    return kv_grow((void **)&P.group, &P.group_ints, per_row * M, sizeof(int64_t));
 }
 
 /* The attention sublayer of layer s->L: x += o(attention(rotary(qk_norm(q|k|v(attn_in(x))))))
@@ -410,13 +426,14 @@ int64_t kv_decode(const kv_decoder *d, int64_t M, float *x, const float *cos, co
                  .block_tables = block_tables, .seq_lens = seq_lens, .bt_stride = bt_stride, .logits = logits,
                  .group = P.group, .leads = P.group + M, .splits = KV_MAX_SPLITS, .matmul = matmul};
     const int64_t num_leads = group_rows(&s, P.group, P.group + M);
+    s.tasks = P.group + 2 * M;
     s.qkv = s.h + M * H;
     s.attn = s.qkv + M * qkv_width(d);
     s.act = s.attn + M * QD;
     s.partial = s.act + M * I;
     s.xb = matmul != KV_MATMUL_F32 ? (uint16_t *)(s.partial + min64(M, KV_ATTN_ROWS) * d->num_heads * KV_MAX_SPLITS * (d->head_size + 2))
                : NULL;
-    int64_t t = now_ns();
+    int64_t t = prof_ns();
     TP_FAILED = 0;
     for (int64_t l = 0; l < d->num_layers && !TP_FAILED; l++) {
         s.L = &d->layers[l];

@@ -41,8 +41,8 @@ static struct {
     pthread_mutex_t lock;       /* one kv_decode at a time (the pool and scratch are global) */
     float *scratch;
     int64_t scratch_floats;
-    int64_t *group;             /* [2 M]: kv_step's group and leads */
-    int64_t group_rows;
+    int64_t *group;             /* kv_step's group [M], leads [M] and attention's tasks */
+    int64_t group_ints;         /* int64s allocated at group */
 } P = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 200000};
 
 /* *buf holds at least `need` elements of `size` bytes (grown, never shrunk; *have counts them).

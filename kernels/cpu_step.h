@@ -57,6 +57,7 @@ typedef struct {
     int64_t a0;             /* the attention pass's first row */
     uint16_t *xb;           /* bf16 matmuls: the current phase's input rows in bf16 (pack_input), else NULL */
     int64_t matmul;         /* the kernels this step runs (KV_MATMUL_*; what the build and the CPU allow) */
+    int64_t *tasks;         /* the attention pass's tasks: (lead index * KVH + KV head) * KV_MAX_SPLITS + split */
 } kv_step;
 
 static inline int64_t qkv_width(const kv_decoder *d) { return (d->num_heads + 2 * d->num_kv_heads) * d->head_size; }

@@ -173,11 +173,15 @@ def test_step_matches_the_float64_reference(fmt, M):
     torch.testing.assert_close(logits.double(), expect_logits, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize(("fmt", "head_size"), [("fp32", 64), ("int8", 64), ("fp32", 32), ("fp32", 80), ("fp32", 128)])
 @pytest.mark.parametrize("M", [1, 9])
-def test_a_bf16_cache_matches_the_float64_reference(fmt, M):
+def test_a_bf16_cache_matches_the_float64_reference(fmt, head_size, M, monkeypatch):
     """A bf16 KV cache: the reference attends in float64 over the same bf16 keys and values (the
-    new ones rounded by torch), so only the kernel's float32 arithmetic differs."""
+    new ones rounded by torch), so only the kernel's float32 arithmetic differs. Head sizes: the
+    AVX-512 values-as-stored accumulation's widths (64 and 128 whole, 32 and 80 partly)."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "D", head_size)
     weights, ref, head_ref = _model(fmt, cache=torch.bfloat16)
     x, cos, sin, slots, tables, lens = _inputs(M)
     caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in weights.layers]

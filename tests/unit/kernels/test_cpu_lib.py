@@ -184,3 +184,46 @@ def test_bf16_kernel_matches_float64_and_each_row_is_alone(variant, matmul, fmt,
     for i in (0, 17, 39):
         assert torch.equal(run(x[i:i + 1].clone())[0], y[i])
     assert torch.equal(run(x[3:24].clone()), y[3:24])
+
+
+@pytest.mark.skipif(not (X86 and HAS_CC and LEVEL), reason="the kernels do not run here")
+def test_the_profile_clock_counts_the_callers_cpu_time_or_wall_time():
+    """kv_decode_profile_clock: with the thread's CPU clock the phases never exceed the caller's CPU
+    time, even while a busy process shares its core; the wall clock counts that wait too."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kvfleet.kernels.cpu_decoder import FusedDecoder
+    from unit.kernels.test_cpu_decoder import _inputs, _model
+
+    weights, _, _ = _model("int8", layers=8)
+    dec = FusedDecoder(weights, threads=1)
+    x, cos, sin, slots, tables, lens = _inputs(8)
+    before = os.sched_getaffinity(0)
+    core = min(before)
+
+    def measure(thread_cpu: bool) -> tuple[float, float]:
+        cpu_lib.set_profile_clock(thread_cpu)
+        dec.profile()
+        c = time.thread_time()
+        for _ in range(10):
+            dec.step(x.clone(), cos, sin, slots, tables, lens)
+        spent = (time.thread_time() - c) * 1e3 / 10
+        return sum(v for k, v in dec.profile().items() if k != "steps"), spent
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, {core})
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.05)
+        cpu_phases, cpu_spent = measure(True)
+        wall_phases, wall_spent = measure(False)
+    finally:
+        busy.kill()
+        busy.wait()
+        cpu_lib.set_profile_clock(False)
+        os.sched_setaffinity(0, before)
+    assert 0 < cpu_phases <= cpu_spent * 1.02 + 0.05
+    assert wall_phases > 1.3 * wall_spent   # the busy process held the core about half of the time
