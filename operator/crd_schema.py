@@ -111,11 +111,12 @@ MODEL = _obj(
     {
         "uri": _str(
             "Where the weights come from: hf://ORG/NAME[@REVISION] (fetched by an init "
-            "container), hf://ORG/NAME/FILE.gguf[@REVISION] (one GGUF file of a repository), "
+            "container), hf://ORG/NAME/[FOLDER/]FILE.gguf[@REVISION] (one GGUF file of a repository, in its "
+            "top folder or a subfolder), "
             "pvc://CLAIM/PATH (mounted read-only; a directory or a .gguf file), file:///PATH (a directory "
             "or a .gguf file already in the image).",
             max_length=1024,
-            pattern=r"^(hf://[^/@\s]+/[^/@\s]+(/[^/@\s]+\.gguf)?(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$",
+            pattern=r"^(hf://[^/@\s]+/[^/@\s]+(/([^/@\s]+/)*[^/@\s]+\.gguf)?(@[^@\s]+)?|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$",
             **{"x-kubernetes-validations": [{
                 "rule": "self.startsWith('hf://') || self.startsWith('pvc://') || self.startsWith('file:///')",
                 "message": "model.uri must use one of the schemes hf://, pvc://, file:///",

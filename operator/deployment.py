@@ -54,6 +54,12 @@ def _container_security() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]}}
 
 
+def _literal_pattern(path: str) -> str:
+    """``path`` (a file's path in the repository, maybe in a subfolder) as an fnmatch pattern that
+    matches it alone (``snapshot_download``'s allow patterns are fnmatch: ``*``, ``?``, ``[`` bracketed)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
+
+
 def _download_container(spec: spec_view.Spec, model: Mapping[str, Any]) -> dict[str, Any]:
     dl = spec.model.download
     env = [{"name": "HF_HOME", "value": f"{CACHE_DIR}/huggingface"}, {"name": "HOME", "value": "/tmp"}]
@@ -65,7 +71,7 @@ def _download_container(spec: spec_view.Spec, model: Mapping[str, Any]) -> dict[
             "--timeout", str(dl.timeout_seconds), "--retries", str(dl.retries)]
     if model["revision"]:
         args += ["--revision", str(model["revision"])]
-    for pattern in [model["file"]] if model.get("file") else dl.allow_patterns or []:
+    for pattern in [_literal_pattern(str(model["file"]))] if model.get("file") else dl.allow_patterns or []:
         args += ["--allow-pattern", str(pattern)]   # a GGUF file: that file alone (config and tokenizer are in it)
     return {
         "name": "fetch-model",

@@ -1,6 +1,6 @@
 """Where the runtime's weights come from, and how long getting them may take (pure).
 
-- :func:`parse_model_uri`: ``hf://ORG/NAME[@REV]``, ``hf://ORG/NAME/FILE.gguf[@REV]``,
+- :func:`parse_model_uri`: ``hf://ORG/NAME[@REV]``, ``hf://ORG/NAME/[FOLDER/]FILE.gguf[@REV]``,
   ``pvc://CLAIM/PATH``, ``file:///PATH``;
 - :func:`model_cache_dir` / :func:`model_path_in_pod`: one cache directory per ``repo@revision``
   under :data:`MODELS_DIR`, so a new revision never rewrites files under running pods;
@@ -32,8 +32,9 @@ def parse_model_uri(uri: str) -> dict[str, str | None]:
     """Split a model URI.
 
     Returns ``{"scheme": "hf"|"pvc"|"file", "repo", "revision", "claim", "path", "file"}`` (unused keys
-    None); ``file``: the one GGUF file of an ``hf://ORG/NAME/FILE.gguf`` URI (a GGUF repository holds
-    one file per quantization: only that one is fetched and served).
+    None); ``file``: the one GGUF file of an ``hf://ORG/NAME/[FOLDER/]FILE.gguf`` URI, its path in the
+    repository (a GGUF repository holds one file per quantization, llama.cpp publishers' often in
+    subfolders: only that one is fetched and served).
 
     Raises:
         InvalidSpec: unknown scheme or malformed URI (reason ``InvalidModelURI``).
@@ -44,11 +45,13 @@ def parse_model_uri(uri: str) -> dict[str, str | None]:
         rest = uri[len("hf://"):]
         repo, _, revision = rest.partition("@")
         parts = repo.split("/")
-        file = parts.pop() if len(parts) == 3 and parts[2].endswith(".gguf") else None
-        if len(parts) != 2 or not all(parts):
+        file_parts = parts[2:] if len(parts) > 2 and parts[-1].endswith(".gguf") else []
+        if file_parts:
+            parts = parts[:2]
+        if len(parts) != 2 or not all(parts) or any(p in ("", ".", "..") for p in file_parts):
             raise InvalidSpec("InvalidModelURI", "hf:// URI must be hf://ORG/NAME[@REVISION] or "
-                                                 f"hf://ORG/NAME/FILE.gguf[@REVISION], got {uri!r}")
-        out.update(scheme="hf", repo="/".join(parts), revision=revision or None, file=file)
+                                                 f"hf://ORG/NAME/[FOLDER/]FILE.gguf[@REVISION], got {uri!r}")
+        out.update(scheme="hf", repo="/".join(parts), revision=revision or None, file="/".join(file_parts) or None)
     elif uri.startswith("pvc://"):
         claim, _, path = uri[len("pvc://"):].partition("/")
         if not claim:

@@ -35,6 +35,13 @@ The rules (docs/performance.md, "Which path runs on which CPU"):
   there (widening the weights to bf16 costs more than reading them), and ``--dtype float32`` (or
   ``$KVFLEET_CPU_MATMUL=float32``) keeps the float32 kernels (docs/performance.md, "AMX tiles" and
   "AVX512-BF16 dot products").
+- A **packed 4-bit checkpoint** (AWQ / GPTQ / compressed-tensors, ``--dtype auto``): its weights
+  repacked onto the int4 kernels (int8 for W8A8), float32 activations, the matmul kind those kernels
+  run for ``--quantization int4`` and GGUF files (AMX tiles / AVX512-BF16 dot products where the CPU
+  has them), and its unquantized LM head stored in bf16 on CPUs with native bf16 where
+  :data:`BF16_WEIGHT_STORAGE` is on and the fused decoder is expected (half the head's bytes; bf16
+  weights are tile-loaded as stored). Measured at 1 and 48 rows (docs/performance.md, "Packed 4-bit
+  checkpoints"). ``--dtype float32``: the float32 kernels and a float32 head.
 - ``--dtype float32``: float32 everything; weights the quantization if given.
 - ``--dtype bfloat16`` without ``--quantization``: with :data:`BF16_WEIGHT_STORAGE` on and the
   kernels here, bf16 weight storage with float32 compute (the fused decoder keeps running);
@@ -115,7 +122,8 @@ class CpuPlan:
         weights: how the decoder's linear layers store their weights: ``fp32``, ``bf16``,
             ``fp16``, ``int8`` or ``int4``.
         bf16_weights: the loader converts the float32 weights to bf16 storage after loading
-            (``woq_linear.to_bf16_weights``); only with :data:`BF16_WEIGHT_STORAGE`.
+            (``woq_linear.to_bf16_weights``; a packed checkpoint's only float32 linear, its LM head:
+            ``packed_checkpoints.bf16_head``); only with :data:`BF16_WEIGHT_STORAGE`.
         fused_decoder: decode steps are expected to run the fused C decoder (the model's
             architecture still decides, :func:`kvfleet.runtime.worker.cpu_decode.build`).
         native_bf16_prefill: prefill matmuls run in bf16 on native bf16 hardware (AVX512-BF16 or
@@ -221,11 +229,15 @@ def plan(features: CpuFeatures, dtype: str = "auto", quantization: str | None = 
     bf16_kernel = features.isa_level if features.isa_level in BF16_LEVELS and fused_possible and single \
         and dtype != "float32" else "float32"
     if dtype in ("auto", "float32") and quantization is None and checkpoint_weights == "packed":
-        return CpuPlan("float32", "packed", False, fused_possible, False,
+        # the int4 kernels --quantization int4 and GGUF files run, with their matmul kind; the checkpoint's
+        # unquantized LM head in bf16 where the CPU has native bf16 (half its bytes; docs/performance.md)
+        bf16_head = dtype == "auto" and bf16_storage and features.native_bf16 and fused_possible
+        return CpuPlan("float32", "packed", bf16_head, fused_possible, False,
                        f"dtype {dtype}: the checkpoint's quantized weights (AWQ / GPTQ / compressed-tensors) "
                        "repacked at load onto kvfleet's int4 / int8 kernels, float32 activations"
-                       + ("" if fused_possible else f" (the fused decoder is off: {why_not_fused})"),
-                       packed_int4=True)
+                       + ("; its unquantized LM head stored in bf16 (half the bytes)" if bf16_head else "")
+                       + ("" if fused_possible else f" (the fused decoder is off: {why_not_fused})")
+                       + _bf16_matmuls(bf16_kernel), packed_int4=True, matmul=bf16_kernel)
     if dtype == "auto" and quantization is None and fused_possible and native_gguf:
         bf16_prefill = features.native_bf16 and not batch_invariant
         return CpuPlan("float32", "gguf", False, True, bf16_prefill,

@@ -483,6 +483,8 @@ def _load_packed(path: str, name: str, hf_config, tokenizer: str | None, dev: to
     plan = resolve_cpu_plan(asked, None, 1, "packed", batch_invariant)
     logger.info("CPU plan: %s. CPU: %s", plan.describe(), cpu_features.detect().summary())
     hf_model = packed_checkpoints.load(Path(path), hf_config, _initial_attn_implementation)
+    if plan.bf16_weights:  # the unquantized LM head in bf16 (CPUs with native bf16), prefill as the plan says
+        packed_checkpoints.bf16_head(hf_model, plan.native_bf16_prefill)
     tok = AutoTokenizer.from_pretrained(tokenizer or path)
     return _finish(hf_model, tok, name, path, dev, torch.float32, t0, None, plan)
 

@@ -323,6 +323,28 @@ def load(path: Path, hf_config, attn_implementation="sdpa") -> torch.nn.Module:
     return model
 
 
+def bf16_head(model: torch.nn.Module, native_bf16_prefill: bool = False) -> bool:
+    """Store the LM head, the checkpoint's unquantized float32 output layer, in bf16 (a
+    :class:`~kvfleet.runtime.worker.woq_linear.Bf16Linear`, weights rounded to nearest even: half
+    the bytes each decode token reads; a tied head becomes its own copy, the input embedding stays
+    float32 for the lookups). The plan asks for it (``CpuPlan.bf16_weights`` of a packed checkpoint:
+    CPUs with native bf16, docs/performance.md "Packed 4-bit checkpoints"); steps of more than 32
+    rows through torch run oneDNN's native bf16 matmul only with ``native_bf16_prefill`` (the plan's:
+    off under ``--batch-invariant``). Returns whether a head was converted (False: no float32
+    ``nn.Linear`` head)."""
+    from kvfleet.runtime.worker.woq_linear import Bf16Linear
+
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.weight.dtype != torch.float32:
+        return False
+    new = Bf16Linear.from_linear(head)
+    new.prefill_bf16 = native_bf16_prefill
+    model.set_output_embeddings(new)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False  # the head is its own (bf16) copy now
+    return True
+
+
 def config_json_method(path: Path) -> str | None:
     """:func:`method_of` from a folder's ``config.json`` alone (no transformers config class)."""
     cfg = json.loads((Path(path) / "config.json").read_text())

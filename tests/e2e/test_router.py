@@ -264,14 +264,24 @@ def test_hold_bound_429_and_pending_timeout_503(tmp_path):
         m = scrape(base)
         assert value(m, "kvfleet:router_requests_total", outcome="rejected") == 1
         assert value(m, "kvfleet:router_requests_total", outcome="timeout") == 1
-        # a held client that goes away gives its place back at once (it would wake a service for nobody)
+    finally:
+        proc.kill()
+        proc.wait()
+    # a held client that goes away gives its place back at once (it would wake a service for nobody):
+    # long before a pending timeout that it must not wait for. Its own router with a 120 s one, so
+    # that a router slowed by a loaded machine cannot see the pending timeout first (with 1.5 s, a
+    # disconnect noticed a second late counted as a timeout).
+    proc, base = start_router(["--endpoints", dead, "--pending-timeout", "120"], tmp_path / "router-gone.log")
+    try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json={"prompt": "z"}, timeout=httpx.Timeout(5, read=0.5))
-        deadline = time.monotonic() + 1.0  # well within the 1.5 s pending timeout
-        while value(scrape(base), "kvfleet:router_pending_requests") != 0:
+        deadline = time.monotonic() + 60
+        while value(m := scrape(base), "kvfleet:router_requests_total", outcome="client_disconnect") == 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert value(scrape(base), "kvfleet:router_requests_total", outcome="client_disconnect") == 1
+        assert value(m, "kvfleet:router_pending_requests") == 0
+        assert value(m, "kvfleet:router_requests_total", outcome="client_disconnect") == 1
+        assert value(m, "kvfleet:router_requests_total", outcome="timeout") == 0
     finally:
         proc.kill()
         proc.wait()

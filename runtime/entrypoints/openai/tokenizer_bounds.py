@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ logger = logging.getLogger("kvfleet.server")
 NFC_MAX_COMPOSITION = 4
 """Most code points canonical composition merges into one (the longest canonical
 decomposition in Unicode: U+1F82 -> 4 code points)."""
+
+DECODE_CHUNK = 4096
+"""Vocabulary entries decoded at a time when measuring the longest token's text."""
 
 _KEEP_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"}
 _KEEP_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "FixedLength"}
@@ -92,7 +96,7 @@ def _model_is_bounded(spec: dict[str, Any]) -> bool:
     return False  # WordPiece: one [UNK] for a whole over-long word; WordLevel: one per word
 
 
-def _dropped_ascii(spec: dict[str, Any], vocab: dict[str, int]) -> str | None:
+def _dropped_ascii(spec: dict[str, Any], vocab: Container[str]) -> str | None:
     """The ASCII characters a byte-level BPE drops (their byte-level character is not in the
     vocabulary and there is no byte fallback); None when a UTF-8 continuation byte (0x80-0xBF)
     is missing too, so that whole multi-byte characters could vanish."""
@@ -145,8 +149,8 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
     if backend is None:
         logger.info("prompt length pre-check off: %s has no tokenizers backend", type(tokenizer).__name__)
         return None
-    spec = json.loads(backend.to_str())
-    vocab = backend.get_vocab(with_added_tokens=True)
+    spec = _pipeline_spec(backend)
+    vocab = _Membership(backend)
     shrink = _normalizer_shrink(spec.get("normalizer"))
     bounded = _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")) and _model_is_bounded(spec)
     dropped = _dropped_ascii(spec, vocab) if bounded else None
@@ -161,7 +165,57 @@ def prompt_length_bound(tokenizer: Any) -> PromptLengthBound | None:
             spec["model"].get("type"),
         )
         return None
-    ids = sorted(set(vocab.values()))
-    decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    longest = max(max(len(s) for s in vocab), max(len(s) for s in decoded), 1)
-    return PromptLengthBound(math.ceil(longest * shrink), dropped)
+    return PromptLengthBound(math.ceil(_longest_token(backend) * shrink), dropped)
+
+
+class _Membership:
+    """``string in vocabulary`` through the tokenizer (added tokens included), without its vocabulary dict."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def __contains__(self, token: str) -> bool:
+        return self.backend.token_to_id(token) is not None
+
+
+def _longest_chunk(backend: Any, entries: list[tuple[int, str]]) -> int:
+    decoded = backend.decode_batch([[i] for i, _ in entries], skip_special_tokens=False)
+    return max([1, *(len(t) for _, t in entries), *(len(d) for d in decoded)])
+
+
+def _longest_token(backend: Any) -> int:
+    """The most characters of any token: its vocabulary string or its text decoded alone, over every
+    id, :data:`DECODE_CHUNK` ids at a time (a 262k vocabulary's strings are never all alive: no
+    ``get_vocab()`` dict). Ids run from 0 past the largest added token's; where the ids found there
+    are fewer than the vocabulary's size (ids with holes beyond it), every entry of ``get_vocab()``."""
+    size = backend.get_vocab_size(with_added_tokens=True)
+    upper = max([size, *(i + 1 for i in backend.get_added_tokens_decoder())])
+    longest, found = 1, 0
+    for start in range(0, upper, DECODE_CHUNK):
+        entries = [(i, t) for i in range(start, min(upper, start + DECODE_CHUNK))
+                   if (t := backend.id_to_token(i)) is not None]
+        found += len(entries)
+        longest = max(longest, _longest_chunk(backend, entries))
+    if found < size:
+        entries = sorted((i, t) for t, i in backend.get_vocab(with_added_tokens=True).items())
+        for start in range(0, len(entries), DECODE_CHUNK):
+            longest = max(longest, _longest_chunk(backend, entries[start:start + DECODE_CHUNK]))
+    return longest
+
+
+def _pipeline_spec(backend: Any) -> dict[str, Any]:
+    """The serialized normalizer, pre-tokenizer and model options :func:`prompt_length_bound`
+    reads, without the vocabulary and merges: each component serialized alone (a BPE model's
+    options from its attributes), not ``backend.to_str()`` of the whole tokenizer: for Gemma 3's
+    262k-entry vocabulary and merges that JSON parsed, the ``get_vocab()`` dict and every entry
+    decoded at once peaked 292 MB at the server's start (docs/performance.md, "Start-up to ready")."""
+    def part(component: Any) -> dict[str, Any] | None:
+        return None if component is None else json.loads(component.__getstate__())
+
+    model = backend.model
+    if type(model).__name__ == "BPE":
+        options = {k: getattr(model, k) for k in ("unk_token", "fuse_unk", "byte_fallback")}
+        model_spec = {"type": "BPE", **options}
+    else:  # Unigram, WordPiece, WordLevel: their options are not attributes; the vocabulary goes at once
+        model_spec = {k: v for k, v in part(model).items() if k not in ("vocab", "merges")}
+    return {"normalizer": part(backend.normalizer), "pre_tokenizer": part(backend.pre_tokenizer), "model": model_spec}

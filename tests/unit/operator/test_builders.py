@@ -7,6 +7,7 @@ Golden files under tests/data/golden/ show the children of every example; regene
 from __future__ import annotations
 
 import copy
+import fnmatch
 import os
 import time
 from pathlib import Path
@@ -350,9 +351,30 @@ def test_one_gguf_file_of_a_repository_is_fetched_alone_and_served():
     assert [b for a, b in pairs if a == "--allow-pattern"] == ["gemma-3-270m-it-Q4_K_M.gguf"]
     config = yaml.safe_load(by_kind(builders.desired_children(isvc))["ConfigMap"]["data"]["config.yaml"])
     assert config["model"] == "/models/unsloth--gemma-3-270m-it-GGUF@abc/gemma-3-270m-it-Q4_K_M.gguf"
-    for bad in ("hf://org/name/sub", "hf://org/name/a/b.gguf", "hf://org//x.gguf"):
-        with pytest.raises(InvalidSpec, match="hf://ORG/NAME/FILE.gguf"):
+    for bad in ("hf://org/name/sub", "hf://org//x.gguf", "hf://org/name/a//b.gguf", "hf://org/name/../b.gguf",
+                "hf://org/name/./b.gguf"):
+        with pytest.raises(InvalidSpec, match=r"hf://ORG/NAME/\[FOLDER/\]FILE.gguf"):
             weights.parse_model_uri(bad)
+
+
+def test_a_gguf_file_in_a_repository_subfolder_is_fetched_alone_and_served():
+    """``hf://ORG/NAME/FOLDER/FILE.gguf`` (llama.cpp publishers put quantizations in subfolders):
+    the init container fetches that path alone (an fnmatch pattern that matches it and nothing
+    else), which the hub writes under the same subfolder of the revision's folder: --model."""
+    isvc = minimal(model={"uri": "hf://org/big-GGUF/Q4_K_M/big-Q4_K_M-00001-of-00002.gguf@v1"})
+    assert weights.parse_model_uri(isvc["spec"]["model"]["uri"])["file"] == "Q4_K_M/big-Q4_K_M-00001-of-00002.gguf"
+    args = pod_spec(isvc)["initContainers"][0]["args"]
+    pairs = list(zip(args, args[1:]))
+    assert ("--dest", "/models/org--big-GGUF@v1") in pairs and ("--repo", "org/big-GGUF") in pairs
+    assert [b for a, b in pairs if a == "--allow-pattern"] == ["Q4_K_M/big-Q4_K_M-00001-of-00002.gguf"]
+    config = yaml.safe_load(by_kind(builders.desired_children(isvc))["ConfigMap"]["data"]["config.yaml"])
+    assert config["model"] == "/models/org--big-GGUF@v1/Q4_K_M/big-Q4_K_M-00001-of-00002.gguf"
+    # a name with fnmatch's special characters is matched literally (the pattern fetches that file alone)
+    odd = minimal(model={"uri": "hf://org/repo/a[1]/m?*.gguf"})
+    args = pod_spec(odd)["initContainers"][0]["args"]
+    (pattern,) = [b for a, b in zip(args, args[1:]) if a == "--allow-pattern"]
+    assert fnmatch.fnmatchcase("a[1]/m?*.gguf", pattern)
+    assert not any(fnmatch.fnmatchcase(other, pattern) for other in ("a1/m?*.gguf", "a[1]/mx*.gguf", "a[1]/m?x.gguf"))
 
 
 def _check_deadline(isvc):

@@ -163,7 +163,17 @@ def test_other_cel_rules(obj, message):
     assert any(message in e for e in admit(obj)), admit(obj)
 
 
+@pytest.mark.parametrize("uri", [
+    "hf://org/name/file.gguf", "hf://org/name/Q4_K_M/file.gguf@main", "hf://org/name/a/b/file-00001-of-00002.gguf",
+])
+def test_a_gguf_file_of_a_repository_is_admitted_in_any_folder(uri):
+    """llama.cpp publishers put quantizations in subfolders: hf://ORG/NAME/FOLDER/FILE.gguf is admitted."""
+    assert admit(_with("spec.model.uri", uri)) == []
+
+
 @pytest.mark.parametrize("obj", [
+    _with("spec.model.uri", "hf://org/name/sub/not-gguf.bin"),
+    _with("spec.model.uri", "hf://org/name/sub//file.gguf"),
     _with("spec.autoscaling", {"mode": "sometimes", "maxReplicas": 2}),
     _with("spec.rollout", {"strategy": "Yolo"}),
     _with("spec.engine.tensorParallelSize", 0),

@@ -217,8 +217,9 @@ def test_a_bf16_kv_cache_is_shared_by_the_fused_and_torch_paths(plain_two_layers
     not float32's 1e-4, because the two paths' float32 keys differ by ~1e-7 and one that falls on the
     other side of a bf16 rounding step moves by 2^-8 of itself. How many keys fall so depends on
     torch's float32 matmuls, which are the CPU vendor's BLAS code (measured 2.1e-4 on a Xeon with
-    MKL's AVX-512 kernels, 3.6e-3 on a Zen 4); bf16 against a float32 cache moves them ~1e-2, and a
-    cache misread far more (the greedy tokens then differ)."""
+    MKL's AVX-512 kernels, 3.6e-3 on a Zen 4, where MKL runs its AVX2 ones: 3.58e-3 on the Xeon
+    with them, as tests/e2e/test_cpu_kinds.py runs this module); bf16 against a float32 cache moves
+    them ~1e-2, and a cache misread far more (the greedy tokens then differ)."""
     import torch
 
     batch = prompts(plain_two_layers.tokenizer)

@@ -95,6 +95,36 @@ def test_the_gguf_default_runs_bf16_matmuls_where_the_cpu_has_them():
     assert cp.plan(cpu("spr").capped("avx512"), "auto", facts=KERNELS, checkpoint_weights="gguf").matmul == "float32"
 
 
+def test_a_packed_checkpoint_runs_the_int4_kernels_matmul_kind_and_a_bf16_head_where_the_cpu_has_them():
+    """A packed 4-bit checkpoint runs the matmul kind --quantization int4 and a GGUF file's int4
+    weights run (the same int4 kernels), and stores its unquantized LM head in bf16 on CPUs with
+    native bf16 (docs/performance.md, "Packed 4-bit checkpoints": measured at 1 and 48 rows)."""
+    for machine, matmul in (("zen3", "float32"), ("zen4", "avx512_bf16"), ("spr", "amx")):
+        p = cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="packed")
+        assert (p.dtype, p.weights, p.packed_int4, p.fused_decoder, p.matmul) == ("float32", "packed", True, True,
+                                                                                   matmul), machine
+        assert p.matmul == cp.plan(cpu(machine), "auto", "int4", facts=KERNELS).matmul
+        assert p.matmul == cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="gguf").matmul
+        assert p.bf16_weights == (machine != "zen3") == ("LM head stored in bf16" in p.reason), machine
+        assert ("prefill fused in them" in p.reason) == p.bf16_matmuls and not p.native_bf16_prefill
+        # --dtype float32: float32 everything (the int4 layers on the float32 kernels, a float32 head)
+        f32 = cp.plan(cpu(machine), "float32", facts=KERNELS, checkpoint_weights="packed")
+        assert (f32.packed_int4, f32.matmul, f32.bf16_weights) == (True, "float32", False)
+        # bf16 weight storage switched off: the head stays float32
+        assert not cp.plan(cpu(machine), "auto", facts=KERNELS, checkpoint_weights="packed",
+                           bf16_weight_storage=False).bf16_weights
+        # without the fused decoder: float32, no bf16 head (the torch path), the reason says why
+        off = cp.plan(cpu(machine), "auto", facts=cp.CpuFacts(kernels=True, fused_decoder=False),
+                      checkpoint_weights="packed")
+        assert (off.fused_decoder, off.matmul, off.bf16_weights) == (False, "float32", False)
+        assert "KVFLEET_CPU_DECODER=0" in off.reason
+    # the ISA level capped ($KVFLEET_CPU_ISA): the capped level's kernels
+    assert cp.plan(cpu("spr").capped("avx512_bf16"), "auto", facts=KERNELS,
+                   checkpoint_weights="packed").matmul == "avx512_bf16"
+    capped = cp.plan(cpu("spr").capped("avx512"), "auto", facts=KERNELS, checkpoint_weights="packed")
+    assert capped.matmul == "float32"
+
+
 # One-row step weights (N K of every matrix) of two real models: Gemma 3 270M (18 layers, hidden
 # 640, q|k|v 1536, o from 1024, MLP 2048; head 262,144 x 640) and SmolLM2-135M (30 layers, hidden
 # 576, q|k|v 960, o 576, MLP 1536; head 49,152 x 576).

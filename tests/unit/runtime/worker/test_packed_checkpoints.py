@@ -1,8 +1,9 @@
 """AWQ (GEMM), GPTQ v1 (with and without act-order, symmetric and asymmetric) and compressed-tensors
 pack-quantized (W4A16) and int-quantized (W8A8's int8 weights) checkpoints, written here from a reference quantizer in each format's own layout,
 loaded by kvfleet (runtime/worker/packed_checkpoints.py through model_loader): every layer's weights
-equal the reference's dequantization, the logits equal the dequantized float32 model's, and the
-engine's greedy tokens (on the fused decoder) equal that model's. An act-order GPTQ checkpoint runs
+equal the reference's dequantization, the logits equal the dequantized float32 model's (its LM head
+rounded to bf16 where the CPU plan stores the checkpoint's unquantized head so: CPUs with native
+bf16), and the engine's greedy tokens (on the fused decoder's float32 kernels) equal that model's. An act-order GPTQ checkpoint runs
 on the fused decoder with its input permutations (kernels/cpu_perm.h): its logits, with every
 matmul kind, equal the dequantized model's (float32 kernels: to rounding; bf16 matmuls: within a
 tenth of the quantization's own error) and the torch PermutedInt4Linear path's; layers of one
@@ -19,7 +20,8 @@ from support import packed_writer
 
 from kvfleet.kernels.cpu_decoder import FusedDecoder, matmul_available
 from kvfleet.runtime.worker import model_loader, packed_checkpoints
-from kvfleet.runtime.worker.woq_linear import Int4Linear, Int8Linear
+from kvfleet.runtime.worker.cpu_decode import matmul_asked
+from kvfleet.runtime.worker.woq_linear import Bf16Linear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(
     not model_loader.cpu_facts().kernels, reason="kvfleet's C kernels do not build on this machine"
@@ -77,6 +79,10 @@ def test_a_packed_checkpoint_loads_with_the_reference_weights_and_logits(fmt, gr
             layers += 1
     assert layers == 2 * len(LINEARS)
     assert any(isinstance(m, packed_checkpoints.PermutedInt4Linear) for m in model.modules()) == act_order
+    # the unquantized LM head: bf16 where the plan stores it so (CPUs with native bf16), else float32 as stored
+    head = model.get_output_embeddings()
+    assert type(head) is (Bf16Linear if loaded.cpu_plan.bf16_weights else torch.nn.Linear)
+    ref = _plan_head(ref, loaded.cpu_plan)
     ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got, expect = model(ids).logits, ref(ids).logits
@@ -156,6 +162,17 @@ def test_a_config_the_tensors_contradict_is_refused_or_read_as_stored(tmp_path):
     assert torch.equal(layer.dequantized(), ref.get_submodule("model.layers.0.self_attn.q_proj").weight)
 
 
+def _plan_head(ref, plan):
+    """``ref`` (the dequantized float32 model) with its LM head as the plan stores a packed
+    checkpoint's: rounded to bf16 (nearest even) where ``plan.bf16_weights``, else itself."""
+    if not plan.bf16_weights:
+        return ref
+    ref = copy.deepcopy(ref)
+    head = ref.get_output_embeddings()
+    head.weight = torch.nn.Parameter(head.weight.detach().to(torch.bfloat16).float(), requires_grad=False)
+    return ref
+
+
 def _engine(path, monkeypatch):
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
@@ -175,7 +192,8 @@ def act_order(tmp_path_factory, smollm2):
     smollm2.tokenizer.save_pretrained(path)
     with pytest.MonkeyPatch.context() as mp:
         eng = _engine(path, mp)
-    return path, original, ref, eng, model_loader.load_model(str(path), device="cpu").model
+    return path, original, _plan_head(ref, eng.loaded.cpu_plan), eng, model_loader.load_model(str(path),
+                                                                                             device="cpu").model
 
 
 BF16 = [pytest.param(k, marks=pytest.mark.skipif(not matmul_available(k), reason=f"no {k} kernels here"))
@@ -188,6 +206,9 @@ def test_an_act_order_checkpoint_runs_fused_with_the_dequantized_models_logits(a
     path = eng.runner.cpu_decode
     assert path is not None, "the fused decoder is off for the act-order checkpoint"
     weights = path._fused.weights
+    plan = eng.loaded.cpu_plan   # as served: the plan's matmul kind ($KVFLEET_CPU_MATMUL's), its head bf16 where
+    assert path.matmul == matmul_asked(eng.runner)
+    assert weights.head.fmt == ("bf16" if plan.bf16_weights else "fp32")
     assert all(m.perm is not None for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
     fused = FusedDecoder(weights, threads=2, matmul=kind)
     assert fused.matmul == kind
@@ -204,9 +225,9 @@ def test_an_act_order_checkpoint_runs_fused_with_the_dequantized_models_logits(a
     assert (torch_path - deq).abs().max() <= 1e-4 * scale   # PermutedInt4Linear through torch
     quant_error = (full - deq).abs().max()
     err = (got - deq).abs().max()
-    if kind == "float32":   # the same sums in another order
+    if kind == "float32" and weights.layers[0].k_cache.dtype == torch.float32:   # the same sums in another order
         assert err <= 1e-4 * scale and (got - torch_path).abs().max() <= 1e-4 * scale
-    else:   # activations and weights rounded to bf16
+    else:   # activations and weights rounded to bf16, or keys and values (the bf16 cache of the plan's bf16 kinds)
         assert err <= 0.1 * quant_error, (float(err), float(quant_error))
 
 
@@ -222,13 +243,17 @@ def test_layers_of_one_input_in_different_orders_keep_the_fused_path_off(tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,act_order", [("awq", False), ("gptq", True)])
 def test_the_engine_serves_a_packed_checkpoint_with_the_dequantized_models_greedy_tokens(fmt, act_order, tmp_path,
-                                                                                         smollm2):
+                                                                                         smollm2, monkeypatch):
+    """Exact tokens on the float32 kernels (``$KVFLEET_CPU_MATMUL=float32``; the bf16 kinds' logits are
+    checked within the quantization's error above), the reference's head as the plan stores it."""
     from kvfleet.runtime.llm import LLM
     from kvfleet.runtime.sampling_params import SamplingParams
 
     ref = _write(tmp_path, fmt, 32, False, act_order)
     smollm2.tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv("KVFLEET_CPU_MATMUL", "float32")
     llm = LLM(model=str(tmp_path), max_model_len=256)
+    ref = _plan_head(ref, llm.llm_engine.loaded.cpu_plan)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     fused = llm.llm_engine.runner.cpu_decode is not None

@@ -99,3 +99,72 @@ def test_pipelines_that_drop_or_fuse_characters_give_no_bound():
 def test_bound_type_is_plain_data():
     b = PromptLengthBound(chars_per_token=4, ignored_chars="\x00")
     assert b.min_tokens("abcd" * 3 + "\x00" * 100) == 3 and b.min_tokens("abcde") == 2 and b.min_tokens("") == 0
+
+
+def _large_bpe() -> Tokenizer:
+    """A BPE of ~30k tokens (every 2- and 3-letter string, 4-letter ones after) and their merges."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {c: i for i, c in enumerate(letters)}
+    merges = []
+    for length in (2, 3, 4):
+        for tail in [s for s in vocab if len(s) == length - 1]:
+            for c in letters:
+                if len(vocab) < 30_000:
+                    vocab[tail + c] = len(vocab)
+                    merges.append((tail, c))
+    return Tokenizer(models.BPE(vocab, merges, unk_token="a"))
+
+
+def test_pipeline_spec_is_the_tokenizers_own_without_the_vocabulary():
+    import json
+
+    from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import _pipeline_spec
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer()
+    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0)], 0, True))
+    for tk in (_byte_level_bpe(normalizers.NFC()), _large_bpe(), wordpiece, unigram):
+        full = json.loads(tk.to_str())
+        spec = _pipeline_spec(tk)
+        assert spec["normalizer"] == full["normalizer"] and spec["pre_tokenizer"] == full["pre_tokenizer"]
+        assert "vocab" not in spec["model"] and "merges" not in spec["model"]
+        assert spec["model"] == {k: v for k, v in full["model"].items() if k in spec["model"]}
+        assert {"type", "byte_fallback"} <= spec["model"].keys() or spec["model"]["type"] == "WordPiece"
+
+
+def test_the_bound_never_parses_the_whole_tokenizer():
+    # The server computes the bound at start; Gemma 3's 262k-entry vocabulary's JSON parsed whole and
+    # decoded at once peaked 292 MB over the server's memory (docs/performance.md, "Start-up to ready").
+    import json
+    import tracemalloc
+
+    fast = _fast(_large_bpe())
+    tracemalloc.start()
+    try:
+        json.loads(fast.backend_tokenizer.to_str())
+        whole = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        assert prompt_length_bound(fast) is not None
+        mine = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    # parsing the whole JSON alone (its string and objects) peaked at `whole`; the bound holds one
+    # chunk of ids and strings at a time (no vocabulary dict either)
+    assert mine < whole / 4, (mine, whole)
+
+
+def test_longest_token_by_ids_is_the_vocabularys():
+    from kvfleet.runtime.entrypoints.openai.tokenizer_bounds import _longest_token
+
+    def by_dict(tk: Tokenizer) -> int:  # every entry of get_vocab(), as the bound read it before
+        vocab = tk.get_vocab(with_added_tokens=True)
+        decoded = tk.decode_batch([[i] for i in sorted(vocab.values())], skip_special_tokens=False)
+        return max([1, *map(len, vocab), *map(len, decoded)])
+
+    holes = Tokenizer(models.BPE({"a": 0, "b": 1, "bbbbbbbbbb": 9, "bb": 3}, [("b", "b")]))  # id 9 > the size
+    added = _byte_level_bpe()
+    added.add_special_tokens(["<|a very long special token|>"])
+    for tk in (_byte_level_bpe(normalizers.NFC()), added, _large_bpe(), holes):
+        assert _longest_token(tk) == by_dict(tk)
+    assert _longest_token(holes) == 10
