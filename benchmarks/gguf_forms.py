@@ -55,7 +55,7 @@ def _plain_loader() -> None:
 
 def child(path: str, form: str) -> dict:
     import torch
-    from step_profile import make_engine, prompt, workload_48
+    from step_profile import make_engine, one_stream, prompt, workload_48
 
     from kvfleet.runtime.sampling_params import SamplingParams
 
@@ -64,22 +64,7 @@ def child(path: str, form: str) -> dict:
     eng = make_engine("auto", model=path)
     eng.add_request("warm", prompt(999, 128), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     eng.run_until_done()
-    eng.add_request("one", prompt(1, 128), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
-    steps, first, final = [], None, None
-    t0 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        s0 = time.perf_counter()
-        outs = eng.step()
-        steps.append(time.perf_counter() - s0)
-        for out in outs:
-            if first is None and out.outputs[0].token_ids:
-                first = time.perf_counter()
-            if out.finished:
-                final = out
-    t1 = time.perf_counter()
-    n_out = len(final.outputs[0].token_ids)
-    one = {"decode_tok_s": (n_out - 1) / (t1 - first), "step_ms": 1e3 * statistics.median(steps[1:]),
-           "token_ids": final.outputs[0].token_ids}
+    one = one_stream(eng)
     work = workload_48()
     for i, (p, m) in enumerate(work):
         eng.add_request(f"b{i}", p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))

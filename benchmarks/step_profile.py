@@ -206,6 +206,29 @@ def workload_48() -> list[tuple[list[int], int]]:
     return out
 
 
+def one_stream(eng) -> dict:
+    """One stream on ``eng``: a 128-token prompt, 256 new tokens; decode and end-to-end tok/s, the median
+    step after the first (ms) and the tokens."""
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    eng.add_request("one", prompt(1, 128), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
+    steps, first, final = [], None, None
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        s0 = time.perf_counter()
+        outs = eng.step()
+        steps.append(time.perf_counter() - s0)
+        for out in outs:
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+            if out.finished:
+                final = out
+    t1 = time.perf_counter()
+    n_out = len(final.outputs[0].token_ids)
+    return {"tokens": n_out, "decode_tok_s": (n_out - 1) / (t1 - first), "e2e_tok_s": n_out / (t1 - t0),
+            "step_ms": 1e3 * statistics.median(steps[1:]), "token_ids": final.outputs[0].token_ids}
+
+
 def run_bench(dtype: str) -> dict:
     """One measurement in this process (the code on ``sys.path``): one stream, then 48 at once."""
     import torch
@@ -216,21 +239,7 @@ def run_bench(dtype: str) -> dict:
     # Warm-up: one short request (first-call costs: allocator, oneDNN primitives).
     eng.add_request("warm", prompt(999, 128), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     eng.run_until_done()
-    # One stream: 128-token prompt, 256 new tokens.
-    eng.add_request("one", prompt(1, 128), SamplingParams(temperature=0, max_tokens=256, ignore_eos=True))
-    t0 = time.perf_counter()
-    first = None
-    final = None
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if first is None and out.outputs[0].token_ids:
-                first = time.perf_counter()
-            if out.finished:
-                final = out
-    t1 = time.perf_counter()
-    n_out = len(final.outputs[0].token_ids)
-    one = {"tokens": n_out, "decode_tok_s": (n_out - 1) / (t1 - first), "e2e_tok_s": n_out / (t1 - t0),
-           "token_ids": final.outputs[0].token_ids}
+    one = one_stream(eng)
     # 48 requests at once.
     work = workload_48()
     for i, (p, m) in enumerate(work):
