@@ -55,15 +55,13 @@ def _plain_loader() -> None:
 
 def child(path: str, form: str) -> dict:
     import torch
-    from step_profile import make_engine, one_stream, prompt, workload_48
+    from step_profile import one_stream, warmed_engine, workload_48
 
     from kvfleet.runtime.sampling_params import SamplingParams
 
     if form == "plain":
         _plain_loader()
-    eng = make_engine("auto", model=path)
-    eng.add_request("warm", prompt(999, 128), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    eng.run_until_done()
+    eng = warmed_engine("auto", model=path)
     one = one_stream(eng)
     work = workload_48()
     for i, (p, m) in enumerate(work):

@@ -206,6 +206,16 @@ def workload_48() -> list[tuple[list[int], int]]:
     return out
 
 
+def warmed_engine(dtype: str, model: str | None = None):
+    """:func:`make_engine` after one short request (first-call costs: allocator, oneDNN primitives)."""
+    from kvfleet.runtime.sampling_params import SamplingParams
+
+    eng = make_engine(dtype, model=model)
+    eng.add_request("warm", prompt(999, 128), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    eng.run_until_done()
+    return eng
+
+
 def one_stream(eng) -> dict:
     """One stream on ``eng``: a 128-token prompt, 256 new tokens; decode and end-to-end tok/s, the median
     step after the first (ms) and the tokens."""
@@ -235,10 +245,7 @@ def run_bench(dtype: str) -> dict:
 
     from kvfleet.runtime.sampling_params import SamplingParams
 
-    eng = make_engine(dtype)
-    # Warm-up: one short request (first-call costs: allocator, oneDNN primitives).
-    eng.add_request("warm", prompt(999, 128), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    eng.run_until_done()
+    eng = warmed_engine(dtype)
     one = one_stream(eng)
     # 48 requests at once.
     work = workload_48()
