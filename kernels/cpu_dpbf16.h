@@ -36,8 +36,8 @@ enum { KV_DP_W = 4, KV_DP_R = 4 };   /* 16 accumulators, reduced together (dp_re
 /* Blocks kb0 .. kb1 - 1 (32 weights each) of weight row n of m, dequantized and rounded to bf16;
  * block kb at dst + (kb - kb0) * stride. The row's pointers and group index are worked out once
  * (a division per 32 weights cost more than the widening itself). */
-static inline void kv_bf16_blocks(const kv_matrix *m, int64_t n, int64_t kb0, int64_t kb1, uint16_t *dst,
-                                  int64_t stride) {
+KV_ALWAYS_INLINE void kv_bf16_blocks(const kv_matrix *m, int64_t n, int64_t kb0, int64_t kb1, uint16_t *dst,
+                                     int64_t stride) {
     const int64_t K = m->K, G = m->group ? m->group : 32;
     dst -= kb0 * stride;   /* block kb at dst + kb * stride */
     /* the groups of blocks kb0 .. kb1 - 1, widened when stored float16 (kv_groups) */

@@ -271,7 +271,7 @@ KV_FEW(bf16_few, uint16_t, widen_bf16, widen_bf16)
 #endif
 
 /* out[r] = x[r, :] . w_n for R <= 4 rows (KV_DEFINE_FEW*), R <= 6 for int4 in the avx512 build. */
-static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64_t ldx, int R, float *out) {
+KV_ALWAYS_INLINE void few_rows(const kv_matrix *m, int64_t n, const float *x, int64_t ldx, int R, float *out) {
     const int64_t K = m->K, groups = m->group ? K / m->group : 0;
     float sb[groups + 1], tb[groups + 1];   /* float16 scales and shifts widened (kv_groups) */
     const float *sc = m->fmt == KV_INT4 || m->fmt == KV_INT8G ? kv_groups(m, m->scale, n, 0, groups, sb) : NULL;
@@ -301,7 +301,7 @@ static inline void few_rows(const kv_matrix *m, int64_t n, const float *x, int64
 
 /* Weight row n of m widened to float32 into buf (K floats); fp32 rows are returned in place. The
  * values are the one-row helpers' (int8 unscaled, int4 dequantized with the same FMA). */
-static inline const float *widen_row(const kv_matrix *m, int64_t n, float *buf) {
+KV_ALWAYS_INLINE const float *widen_row(const kv_matrix *m, int64_t n, float *buf) {
     const int64_t K = m->K;
     if (m->fmt == KV_FP32) return (const float *)m->w + n * K;
     const int64_t groups = m->group ? K / m->group : 0;
