@@ -28,7 +28,7 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   uint8 packed as :func:`kvfleet.kernels.cpu_woq.pack_int4`, ``scale``/``shift [N, K/G]``) or
   ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None, G a multiple of 16:
   grouped int8, ``q * scale (+ shift)``; GGUF Q8_0, Q6_K and Q5_K; ``high``: the 5-bit form, Q5_0's);
-  int4's and int8g's ``scale`` and ``shift`` float32 or both float16 (cpu_gemv_m1.h's forms);
+  int4's and int8g's ``scale`` / ``shift`` float32, float16 or factored (cpu_woq's forms; ``scale_d``, ``shift_d``);
   ``bias [N]`` float32 or None; ``perm [K]`` int32 or None: an input permutation (act-order GPTQ,
   its int4 weights over the input features sorted by group): the step runs the layer on
   ``x[:, perm]`` (``kernels/cpu_perm.h``), a gather of each row before its matmul with every matmul
@@ -59,7 +59,7 @@ from kvfleet.kernels import cpu_lib
 from kvfleet.kernels.cpu_features import MATMUL_KERNELS
 from kvfleet.kernels.cpu_lora import LoRATable, check_lora, lora_struct
 from kvfleet.kernels.cpu_tp import AllReduce, TensorParallelStepError
-from kvfleet.kernels.cpu_woq import matrix_fields
+from kvfleet.kernels.cpu_woq import matrix_fields, scale_fields, super_group
 
 MAX_ROWS = 8192
 """Most rows (tokens) one step takes (``KV_MAX_ROWS``; the engine's default ``max_num_batched_tokens`` is 2048)."""
@@ -77,7 +77,6 @@ _FORMATS = {"fp32": 0, "int8": 1, "int4": 2, "bf16": 3, "int8g": 4}
 CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """KV cache dtypes the C step reads (``KV_CACHE_F32`` / ``KV_CACHE_BF16`` in cpu_decoder.h)."""
 
-
 _Matrix, _Layer, _Decoder, _Moe = cpu_lib.Matrix, cpu_lib.Layer, cpu_lib.Decoder, cpu_lib.Moe
 
 
@@ -94,6 +93,8 @@ class Linear:
     perm: torch.Tensor | None = None
     matmul: str | None = None   # its kernels in every step (cpu_plan.matrix_matmul): None (the decoder's), float32
     high: torch.Tensor | None = None   # int8g's 5-bit form: the fifth bits [N, K/8] uint8 (w the nibbles)
+    scale_d: torch.Tensor | None = None   # factored (int8) scale and shift: their float16 d [N, K/S]
+    shift_d: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -103,8 +104,9 @@ class Linear:
 
     @property
     def form(self) -> tuple:
-        """What matrices stacked into one must share: format, group, scale dtype, the 5-bit form."""
-        return self.fmt, self.group, None if self.scale is None else self.scale.dtype, self.high is not None
+        """What matrices stacked into one must share: format, group, scale dtype and super-block, 5-bit form."""
+        return self.fmt, self.group, None if self.scale is None else self.scale.dtype, self.high is not None, \
+            super_group(self.shape[1], self.scale_d)
 
     def check(self, name: str, n: int, k: int) -> None:
         """ValueError unless this is a valid ``[n, k]`` layer in its format."""
@@ -118,10 +120,9 @@ class Linear:
             raise ValueError(f"{name}: weight is {self.shape}, expected {(n, k)}")
         if k % (32 if self.fmt == "int4" else 8):
             raise ValueError(f"{name}: {k} input features is not a multiple of {32 if self.fmt == 'int4' else 8}")
-        wanted, half = matrix_fields(name, self.fmt, self.group, self.scale, self.shift, self.high, n, k)
-        for field, shape in {**wanted, **({"bias": (n,)} if self.bias is not None else {})}.items():
+        for field, (shape, dtype) in matrix_fields(name, self.fmt, self.group, self.scale, self.shift, self.high, n, k,
+                                                   self.scale_d, self.bias).items():
             t = getattr(self, field)
-            dtype = torch.float16 if half and field in ("scale", "shift") else torch.float32
             if t is None or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
                 raise ValueError(f"{name}: {field} must be a contiguous {str(dtype)[6:]} {shape} tensor")
         if (p := self.perm) is not None:
@@ -134,8 +135,7 @@ class Linear:
         n, k = self.shape
         return _Matrix(_FORMATS[self.fmt], n, k, self.w.data_ptr(), _data(self.scale), _data(self.shift),
                        self.group, _data(self.bias), perm=_data(self.perm), kind=1 + _MATMUL_CODES.get(self.matmul, -1),
-                       scale_f16=int(self.scale is not None and self.scale.dtype == torch.float16),
-                       hbits=_data(self.high))
+                       hbits=_data(self.high), **scale_fields(self.fmt, self.scale, self.scale_d, self.shift_d, k))
 
 
 def _data(t: torch.Tensor | None) -> int | None:

@@ -22,9 +22,11 @@
  *         dequant(w)[n, k] = q * scale[n, k / G] + shift[n, k / G], q in 0..15, G the group size
  *         (a multiple of 32); the int4 helpers apply scale and shift themselves.
  *
- * int4's and int8g's scales and shifts may be stored as float16 (kv_matrix.scale_f16; GGUF's own
- * per-block d and m): each row's are widened to float32 (exact) before its sums (kv_groups), so the
- * arithmetic, and every bit of the result, is the float32 form's.
+ * int4's and int8g's scales and shifts may be stored as float16 (kv_matrix.scale_f16 1; GGUF's own
+ * per-block d and m) or factored (scale_f16 2; GGUF K-quants' d * sc and -dmin * m as stored: scale and
+ * shift hold int8 factors [N, K/G], scale_d and shift_d float16 [N, K/super_group]): each row's are
+ * made float32 (exactly) before its sums (kv_groups), so the arithmetic, and every bit of the result,
+ * is the float32 form's.
  *
  * K is a multiple of 32 (int4) or 8 (fp32, bf16, int8). A decode step is bound by reading weights:
  * each weight is loaded once. At one row (the _m1 helpers) each weight row is summed front to back
@@ -274,19 +276,39 @@ typedef struct {
                              * else 1 + a KV_MATMUL_* code (runtime/worker/cpu_plan.py chooses it once per
                              * matrix, never per row count: batch invariance); other callers ignore it */
     int64_t scale_f16;      /* int4, int8g: 1 when scale and shift hold float16 (uint16 bits; kv_groups widens
-                             * them, exactly), 0 float32 */
+                             * them, exactly), 2 int8 factors of scale_d / shift_d (below), 0 float32 */
     const uint8_t *hbits;   /* int8g: NULL, or the 5-bit form (int8g5): w then holds the low nibbles [N, K/2]
                              * in int4's layout and hbits [N, K/8] the fifth bits (bit k of the row: weight k) */
+    const uint16_t *scale_d;   /* scale_f16 == 2 (factored): float16 [N, K/super_group], the multipliers of
+                                * scale's int8 factors (GGUF K-quants' d per 256 weights) */
+    const uint16_t *shift_d;   /* scale_f16 == 2: float16 [N, K/super_group] of shift's factors (dmin negated),
+                                * NULL when shift is */
+    int64_t super_group;       /* scale_f16 == 2: weights per scale_d / shift_d entry (a multiple of group) */
 } kv_matrix;
 
 /* Groups g0 .. g1 - 1 of row n of p (m's scale or shift, or NULL) as float32, at r[g0 .. g1 - 1] of the
- * pointer r returned: p's own row when it holds float32, else widened from float16 (exact) into buf
- * (g1 - g0 floats). NULL for NULL. */
+ * pointer r returned: p's own row when it holds float32, else into buf (g1 - g0 floats): widened from
+ * float16 (exact), or, factored (scale_f16 2), float32(d) * float32(factor) with d the float16 of the
+ * group's super-block (scale_d for p == m->scale, else shift_d) -- one float32 product of an 11-bit
+ * and an 8-bit integer significand, exact, so the very value the float32 form stores. NULL for NULL. */
 static inline const float *kv_groups(const kv_matrix *m, const float *p, int64_t n, int64_t g0, int64_t g1,
                                      float *buf) {
     if (!p) return NULL;
     const int64_t groups = m->K / m->group;
     if (!m->scale_f16) return p + n * groups;
+    if (m->scale_f16 == 2) {
+        const int64_t per = m->super_group / m->group;
+        const int8_t *f = (const int8_t *)(const void *)p + n * groups;
+        const uint16_t *d = (p == m->scale ? m->scale_d : m->shift_d) + n * (m->K / m->super_group);
+        int64_t g = g0;
+        for (; g < g1 && (g & 7); g++) buf[g - g0] = _cvtsh_ss(d[gidx(g, per)]) * (float)f[g];
+        if ((per & 7) == 0)   /* 8 groups at a time within one super-block */
+            for (; g + 8 <= g1; g += 8)
+                _mm256_storeu_ps(buf + g - g0, _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(d[gidx(g, per)])),
+                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(f + g))))));
+        for (; g < g1; g++) buf[g - g0] = _cvtsh_ss(d[gidx(g, per)]) * (float)f[g];
+        return buf - g0;
+    }
     const uint16_t *h = (const uint16_t *)(const void *)p + n * groups;
     int64_t g = g0;
     for (; g + 8 <= g1; g += 8) _mm256_storeu_ps(buf + g - g0, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g))));
@@ -316,9 +338,14 @@ static inline void prefetch_rows(const kv_matrix *m, int64_t n, int64_t count) {
     prefetch_span((const char *)m->w + n * row, count * row);
     if (m->fmt == KV_INT8G && m->hbits) prefetch_span(m->hbits + n * (K / 8), count * (K / 8));
     if (m->fmt == KV_INT8G || m->fmt == KV_INT4) {
-        const int64_t groups = K / m->group, bytes = m->scale_f16 ? 2 : 4;
+        const int64_t groups = K / m->group, bytes = m->scale_f16 == 2 ? 1 : m->scale_f16 ? 2 : 4;
         prefetch_span((const char *)m->scale + n * groups * bytes, count * groups * bytes);
         if (m->shift) prefetch_span((const char *)m->shift + n * groups * bytes, count * groups * bytes);
+        if (m->scale_f16 == 2) {
+            const int64_t supers = K / m->super_group;
+            prefetch_span(m->scale_d + n * supers, count * supers * 2);
+            if (m->shift_d) prefetch_span(m->shift_d + n * supers, count * supers * 2);
+        }
     }
 }
 

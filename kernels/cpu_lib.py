@@ -88,7 +88,7 @@ class Matrix(ctypes.Structure):
 
     _fields_ = [("fmt", _i64), ("N", _i64), ("K", _i64), ("w", _ptr), ("scale", _ptr), ("shift", _ptr),
                 ("group", _i64), ("bias", _ptr), ("perm", _ptr), ("kind", _i64), ("scale_f16", _i64),
-                ("hbits", _ptr)]
+                ("hbits", _ptr), ("scale_d", _ptr), ("shift_d", _ptr), ("super_group", _i64)]
 
 
 class Moe(ctypes.Structure):
@@ -263,6 +263,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("kv_woq_int4_linear", [p, i64, i64, i64, p, i64, p, p, i64, p, p], None),
         ("kv_woq_bf16_linear", [p, i64, i64, i64, p, i64, p, p], None),
         ("kv_woq_int8g_linear", [p, i64, i64, i64, p, i64, p, p, i64, p, p, i64, p], None),
+        ("kv_woq_factored_linear", [p, i64, i64, i64, i64, p, i64, p, p, i64, p, p, p, p, i64, p], None),
         ("kv_woq_int4_dequant", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_int4_dequant_bf16", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_set_parallel_min", [i64], None),

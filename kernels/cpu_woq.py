@@ -32,6 +32,12 @@ Shapes and dtypes (the ops check them and raise ``ValueError``):
   ``q = unpack_int4(packed)`` in 0..15, ``G`` a multiple of 32 dividing ``K``.
   :func:`pack_int4` makes ``packed`` from ``q [N, K]`` (uint8 0..15).
 
+Scales and shifts (int4's, and grouped int8's: :func:`int8g_linear_unchecked`) in one of three forms
+(:func:`scale_form`): float32, float16 (GGUF's own ``d`` / ``m``), or factored (GGUF K-quants as
+stored: ``scale`` / ``shift [N, K/G]`` int8 factors and ``scale_d`` / ``shift_d [N, K/S]`` float16,
+one per super-block of ``S`` weights; the scale is ``float32(d) * factor``, an exact product:
+:func:`group_scales`, and :func:`factored_linear_unchecked` runs them).
+
 Computed in float32 (``x`` is converted when it is bf16/fp16); the sums run in a different
 order than a BLAS matmul, so results match ``x @ W.T`` to float32 rounding, not bit for bit.
 """
@@ -269,11 +275,84 @@ def int8g_linear_unchecked(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Te
     return _as_input(y, x)
 
 
+SCALE_FORMS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+"""A scale tensor's dtype -> its form (``kv_matrix.scale_f16``): float32, float16, factored."""
+
+
+def scale_form(scale: torch.Tensor | None) -> int:
+    """0 float32 (or no scale), 1 float16, 2 factored (int8 factors of a float16 ``d``)."""
+    return 0 if scale is None else SCALE_FORMS.get(scale.dtype, 0)
+
+
+def super_group(k: int, scale_d: torch.Tensor | None) -> int:
+    """Weights per factored super-block (``scale_d [N, K/S]``: ``S``), 0 when not factored."""
+    return 0 if scale_d is None else k // max(scale_d.shape[-1], 1)
+
+
+def group_scales(scale: torch.Tensor | None, d: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A scale (or shift) ``[N, K/G]`` in any form as float32: float32 as it is, float16 widened,
+    int8 factors times their super-block's float16 ``d [N, K/S]`` (``float32(d) * factor``: exact,
+    the kernels' ``kv_groups``)."""
+    if scale is None or d is None:
+        return None if scale is None else scale.float()
+    return d.float().repeat_interleave(scale.shape[-1] // d.shape[-1], -1) * scale.float()
+
+
+def factored_linear_unchecked(x: torch.Tensor, fmt: str, w: torch.Tensor, scale: torch.Tensor,
+                              shift: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                              scale_d: torch.Tensor, shift_d: torch.Tensor | None,
+                              qhigh: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for an ``int4`` (:func:`int4_linear`'s layout) or ``int8g``
+    (:func:`int8g_linear_unchecked`'s) weight with factored scales (the module docstring); unchecked
+    (:func:`matrix_fields` checks)."""
+    N, K = w.shape[0], w.shape[1] * (2 if fmt == "int4" or qhigh is not None else 1)
+    x2 = _rows(x)
+    y = torch.empty((x2.shape[0], N), dtype=torch.float32)
+    _lib_or_raise().kv_woq_factored_linear(x2.data_ptr(), x2.shape[0], K, K, 2 if fmt == "int4" else 4, w.data_ptr(),
+                                           N, scale.data_ptr(), _ptr(shift), group_size, _ptr(bias), y.data_ptr(),
+                                           scale_d.data_ptr(), _ptr(shift_d), super_group(K, scale_d), _ptr(qhigh))
+    return _as_input(y, x)
+
+
+def scale_fields(fmt: str, scale: torch.Tensor | None, scale_d: torch.Tensor | None, shift_d: torch.Tensor | None,
+                 k: int) -> dict[str, int | None]:
+    """``kv_matrix``'s scale-form fields (``scale_f16``, ``scale_d``, ``shift_d``, ``super_group``)."""
+    return {"scale_f16": scale_form(scale) if fmt in ("int4", "int8g") else 0, "super_group": super_group(k, scale_d),
+            "scale_d": _ptr(scale_d), "shift_d": _ptr(shift_d)}
+
+
+def without_five_bit(m):
+    """A matrix (``kernels.cpu_decoder.Linear``) with int8g's 5-bit form as int8 (:func:`unpack_int8g5`;
+    the same weights, one byte each); others as they are."""
+    import dataclasses
+
+    return m if m.high is None else dataclasses.replace(m, w=unpack_int8g5(m.w, m.high), high=None)
+
+
+def stack_scales(fmt: str, parts: list) -> dict[str, torch.Tensor | None]:
+    """The scale tensors of matrices of one form (``kernels.cpu_decoder.Linear``) stacked along the
+    output features: ``scale``, ``shift`` (a part without one: zeros; factored: zero factors of a
+    zero ``d``), ``high``, ``scale_d``, ``shift_d`` (None where the form has none)."""
+    def cat(ts: list) -> torch.Tensor | None:
+        return None if ts[0] is None else torch.cat(ts)
+
+    out = {"scale": cat([p.scale for p in parts]) if fmt in ("int8", "int4", "int8g") else None, "shift": None,
+           "high": cat([p.high for p in parts]), "scale_d": cat([p.scale_d for p in parts]), "shift_d": None}
+    if fmt == "int4" or (fmt == "int8g" and any(p.shift is not None for p in parts)):
+        out["shift"] = torch.cat([p.shift if p.shift is not None else torch.zeros_like(p.scale) for p in parts])
+        if out["scale_d"] is not None:
+            out["shift_d"] = torch.cat([p.shift_d if p.shift_d is not None else torch.zeros_like(p.scale_d)
+                                        for p in parts])
+    return out
+
+
 def matrix_fields(name: str, fmt: str, group: int, scale: torch.Tensor | None, shift: torch.Tensor | None,
-                  high: torch.Tensor | None, n: int, k: int) -> tuple[dict[str, tuple[int, ...]], bool]:
-    """A fused-decoder matrix's (``kernels.cpu_decoder.Linear``) group size, shift and 5-bit high bits
-    checked for its format ``fmt`` (ValueError), and ``(the shapes its scale and shift must have,
-    whether they are float16)``; the caller checks those tensors against them."""
+                  high: torch.Tensor | None, n: int, k: int, scale_d: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """A matrix's (``kernels.cpu_decoder.Linear``, the GGUF layers) group size, shift, 5-bit high
+    bits and factored super-block checked for its format ``fmt`` (ValueError), and ``{field: (shape,
+    dtype)}`` its ``scale``, ``shift``, ``scale_d`` and ``shift_d`` must have (float32, both float16,
+    or factored: int8 with float16 ``*_d``), and ``bias`` when given; the caller checks those tensors."""
     g = k // max(group, 1)
     wanted = {"fp32": {}, "bf16": {}, "int8": {"scale": (n,)}, "int8g": {"scale": (n, g)},
               "int4": {"scale": (n, g), "shift": (n, g)}}[fmt]
@@ -289,13 +368,26 @@ def matrix_fields(name: str, fmt: str, group: int, scale: torch.Tensor | None, s
     if high is not None and (fmt != "int8g" or high.shape != (n, k // 8) or high.dtype != torch.uint8
                              or not high.is_contiguous()):
         raise ValueError(f"{name}: high bits must be a contiguous uint8 ({n}, {k // 8}) tensor of an int8g matrix")
-    return wanted, fmt in ("int4", "int8g") and scale is not None and scale.dtype == torch.float16
+    form = scale_form(scale) if fmt in ("int4", "int8g") else 0
+    out = {f: (shape, (torch.float32, torch.float16, torch.int8)[form]) for f, shape in wanted.items()}
+    if form == 2:
+        s = super_group(k, scale_d)
+        if s <= 0 or s % group or k % s:
+            raise ValueError(f"{name}: factored scales need scale_d [{n}, K/S], S a multiple of {group} dividing {k}")
+        out.update({f"{f}_d": ((n, k // s), torch.float16) for f in wanted if f in ("scale", "shift")})
+    elif scale_d is not None:
+        raise ValueError(f"{name}: scale_d is only for factored (int8) scales")
+    if bias is not None:
+        out["bias"] = ((n,), torch.float32)
+    return out
 
 
 def check_int8g(qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, group_size: int,
-                bias: torch.Tensor | None, qhigh: torch.Tensor | None = None) -> None:
+                bias: torch.Tensor | None, qhigh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                shift_d: torch.Tensor | None = None) -> None:
     """ValueError unless ``qdata``, ``scale``, ``shift``, ``bias`` and ``qhigh`` are a valid grouped
-    int8 layer for :func:`int8g_linear_unchecked`."""
+    int8 layer for :func:`int8g_linear_unchecked` (with ``scale_d`` / ``shift_d``: factored, for
+    :func:`factored_linear_unchecked`)."""
     wdtype = torch.int8 if qhigh is None else torch.uint8
     if qdata.dim() != 2 or qdata.dtype != wdtype or not qdata.is_contiguous() or qdata.device.type != "cpu":
         raise ValueError(f"int8g weight must be a contiguous 2-D CPU {wdtype} tensor, got {qdata.dtype} "
@@ -306,8 +398,19 @@ def check_int8g(qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | 
                          f"of 32)")
     if qhigh is not None and (qhigh.shape != (N, K // 8) or qhigh.dtype != torch.uint8 or not qhigh.is_contiguous()):
         raise ValueError(f"int8g high bits must be contiguous uint8 [{N}, {K // 8}]")
+    factored = scale is not None and scale.dtype == torch.int8
+    if factored:
+        fields = matrix_fields("int8g", "int8g", group_size, scale, shift, qhigh, N, K, scale_d)
+        for name, (shape, dtype) in fields.items():
+            t = {"scale": scale, "shift": shift, "scale_d": scale_d, "shift_d": shift_d}[name]
+            if t is None or t.shape != shape or t.dtype != dtype or not t.is_contiguous():
+                raise ValueError(f"int8g {name} must be contiguous {str(dtype)[6:]} {list(shape)}")
+        if shift_d is not None and shift is None:
+            raise ValueError("int8g shift_d without a shift")
+    elif scale_d is not None or shift_d is not None:
+        raise ValueError("int8g scale_d / shift_d are only for factored (int8) scales")
     dtype = scale.dtype if scale is not None and scale.dtype in (torch.float32, torch.float16) else torch.float32
-    for name, t in (("scale", scale), ("shift", shift)):
+    for name, t in (("scale", scale), ("shift", shift)) if not factored else ():
         if (t is not None or name == "scale") and (t is None or t.shape != (N, K // group_size)
                                                    or t.dtype != dtype or not t.is_contiguous()):
             raise ValueError(f"int8g {name} must be contiguous float32 (or, scale and shift both, float16) "

@@ -145,10 +145,12 @@ def _linear(module: torch.nn.Module) -> Linear | None:
     if isinstance(module, Bf16Linear):
         return Linear("bf16", module.weight, bias=module.bias32)
     if isinstance(module, Int4Linear):
-        return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32)
+        return Linear("int4", module.weight, module.qscale, module.qshift, module.group_size, module.bias32,
+                      scale_d=getattr(module, "qscale_d", None), shift_d=getattr(module, "qshift_d", None))
     if isinstance(module, Int8GroupLinear):
         return Linear("int8g", module.weight, module.qscale, module.qshift, module.group_size, module.bias32,
-                      high=getattr(module, "qhigh", None))
+                      high=getattr(module, "qhigh", None), scale_d=getattr(module, "qscale_d", None),
+                      shift_d=getattr(module, "qshift_d", None))
     if type(module) is torch.nn.Linear:   # (tensor parallelism: a DTensor parameter's local shard)
         w = cpu_decode_tp.local(module.weight.detach())
         bias = cpu_decode_tp.local(module.bias.detach()).float().contiguous() if module.bias is not None else None
@@ -185,6 +187,8 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
             quantized with different orders: one matrix takes one)."""
     parts = [_linear(m) for m in modules]
     modules = [_inner(m) for m in modules]
+    if all(p is not None and p.fmt == "int8g" for p in parts) and len({p.form[3] for p in parts}) > 1:
+        parts = [cpu_woq.without_five_bit(p) for p in parts]   # int8g, 5-bit and not: all as int8 (same weights)
     if any(p is None for p in parts) or len({p.form for p in parts}) != 1:
         return None
     perms = [p.perm for p in parts]
@@ -193,11 +197,7 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
                          + ", ".join("none" if p is None else "own" for p in perms) + ")")
     fmt, group = parts[0].fmt, parts[0].group
     w = torch.cat([p.w for p in parts])
-    scale = torch.cat([p.scale for p in parts]) if fmt in ("int8", "int4", "int8g") else None
-    shift = None
-    if fmt == "int4" or (fmt == "int8g" and any(p.shift is not None for p in parts)):
-        shift = torch.cat([p.shift if p.shift is not None else torch.zeros_like(p.scale) for p in parts])
-    high = torch.cat([p.high for p in parts]) if parts[0].high is not None else None
+    scales = cpu_woq.stack_scales(fmt, parts)   # scale, shift, high, scale_d, shift_d
     bias = None
     if any(p.bias is not None for p in parts):
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.shape[0]) for p in parts])
@@ -209,12 +209,12 @@ def _fuse(modules: list[torch.nn.Module]) -> Linear | None:
         elif fmt == "bf16":
             module.weight = w[start:end]
         else:
-            module.weight, module.qscale = w[start:end], scale[start:end]
-            for attr, t in (("qshift", shift), ("qhigh", high)):
-                if t is not None:
-                    setattr(module, attr, t[start:end])
+            module.weight = w[start:end]
+            for key, t in scales.items():
+                if t is not None or getattr(module, f"q{key}", None) is not None:
+                    setattr(module, f"q{key}", None if t is None else t[start:end])
         start = end
-    return Linear(fmt, w, scale, shift, group, bias, perms[0], high=high)
+    return Linear(fmt, w, group=group, bias=bias, perm=perms[0], **scales)
 
 
 def _stacked(modules: list[torch.nn.Module]) -> Linear | None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvfleet.runtime.model_errors import INVALID_MODEL_FILE
-from kvfleet.runtime.worker.gguf_tensors import Stored, from_gguf
+from kvfleet.runtime.worker.gguf_tensors import FIELDS, Stored, from_gguf
 
 
 class GgufError(ValueError):
@@ -288,7 +288,7 @@ def stored(reader, t, dims: list[int]) -> Stored:
         part = from_gguf(t.tensor_type, t.data[r0:r1], (r1 - r0, k), t.name)
         if kind is None:
             kind = (part.fmt, part.group, part.source)
-            out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in ("w", "scale", "shift", "high")
+            out = {f: torch.empty((n, *x.shape[1:]), dtype=x.dtype) for f in FIELDS
                    if (x := getattr(part, f)) is not None}
         for f, x in out.items():
             x[r0:r1] = getattr(part, f)
@@ -296,7 +296,7 @@ def stored(reader, t, dims: list[int]) -> Stored:
         del part
         trim_heap()
     fmt, group, source = kind
-    return Stored(fmt, out["w"], out.get("scale"), out.get("shift"), group, source, out.get("high"))
+    return Stored(fmt, group=group, source=source, **{f: out.get(f) for f in FIELDS})
 
 
 def stored_experts(reader, t) -> list[Stored]:

@@ -65,8 +65,9 @@ logger = logging.getLogger(__name__)
 
 LAYOUT = "layout.json"
 TENSORS = "tensors.safetensors"
-LAYOUT_VERSION = 4  # 2: compact merges; 3: added_tokens_decoder in tokenizer_config.json; "experts" optional;
-# 4: float16 scales (Q8_0, Q5_0, Q5_1) and Q5_0's 5-bit form ("<prefix>.high")
+LAYOUT_VERSION = 5  # 2: compact merges; 3: added_tokens_decoder in tokenizer_config.json; "experts" optional;
+# 4: float16 scales (Q8_0, Q5_0, Q5_1) and Q5_0's 5-bit form ("<prefix>.high"); 5: K-quants' scales factored
+# ("<prefix>.scale_d" / ".shift_d"), Q5_0 siblings of a Q8_0 v kept 5-bit
 TRIM_BYTES = 1 << 20
 """After each tensor of this many bytes in the file, the heap's free pages go back (:func:`trim_heap`)."""
 LINEAR_SAFE = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite", "glm4",
@@ -90,6 +91,8 @@ class StoredEmbedding(torch.nn.Module):
         self.register_buffer("qscale", stored.scale, persistent=False)
         self.register_buffer("qshift", stored.shift, persistent=False)
         self.register_buffer("qhigh", stored.high, persistent=False)
+        self.register_buffer("qscale_d", stored.scale_d, persistent=False)
+        self.register_buffer("qshift_d", stored.shift_d, persistent=False)
         self.register_buffer("embed_scale", embed_scale, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

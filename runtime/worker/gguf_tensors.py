@@ -6,7 +6,9 @@ Contract: :func:`from_gguf` takes a tensor's raw data as the ``gguf`` package's 
 INTERFACE §1), whose float32 dequantization (:meth:`Stored.dequantize`: ``q * scale``, then
 ``+ shift``, each rounded in float32) equals ``gguf.quants.dequantize`` of the same bytes bit for
 bit. Where the scale is GGUF's own fp16 ``d`` (and ``m``) it stays float16 (the kernels widen it,
-exactly; K-quants' products ``d * sc`` are not float16 values and stay float32). Every product below
+exactly); K-quants' ``d * sc`` (and ``-dmin * m``) stay factored as stored (``d`` float16 per 256
+weights in ``scale_d`` / ``shift_d``, ``-dmin`` negated exactly; the 6-bit / int8 factors per group
+in ``scale`` / ``shift`` as int8), the product formed in float32 by the kernels. Every product below
 is exact in float32 (an fp16 ``d`` has 11 significant bits, a 6-bit
 scale or an int8 one adds at most 7, a 4- to 6-bit ``q`` at most 6: under float32's 24), so the
 kernels' own float32 widening (FMA or not) gives the same bits:
@@ -14,12 +16,12 @@ kernels' own float32 widening (FMA or not) gives the same bits:
 ========  ==============================================================================
 Q4_0      int4 G32: ``q`` the block's nibbles as stored, scale ``d``, shift ``-8 d``
 Q4_1      int4 G32: scale ``d``, shift ``m``
-Q4_K      int4 G32: per 32-weight sub-block scale ``d * sc``, shift ``-dmin * m`` (6-bit sc, m)
-Q5_K      int8g G32 with shift: ``q`` in 0..31, scale ``d * sc``, shift ``-dmin * m``
+Q4_K      int4 G32: per 32-weight sub-block scale ``d * sc``, shift ``-dmin * m`` (6-bit sc, m), factored
+Q5_K      int8g G32 with shift: ``q`` in 0..31, scale ``d * sc``, shift ``-dmin * m``, factored
 Q5_0      int8g G32 in the 5-bit form (the block's high bits and nibbles as stored): ``q - 16`` in
           -16..15, scale ``d`` (float16)
 Q5_1      int8g G32 with shift: ``q`` in 0..31, scale ``d``, shift ``m`` (float16)
-Q6_K      int8g G16: ``q - 32`` in -32..31, scale ``d * scale`` (int8 scales)
+Q6_K      int8g G16: ``q - 32`` in -32..31, scale ``d * scale`` (int8 scales), factored
 Q8_0      int8g G32: ``q`` int8, scale ``d`` (float16)
 F32, F16  fp32 (F16 widened exactly)
 BF16      bf16 as stored
@@ -48,6 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvfleet.kernels.cpu_woq import group_scales
+
 logger = logging.getLogger(__name__)
 
 QK_K = 256
@@ -60,8 +64,9 @@ class Stored:
     ``bf16`` (``w`` bfloat16), ``int4`` (``w [N, K/2]`` uint8 packed, ``scale`` and ``shift [N, K/G]``),
     ``int8g`` (``w [N, K]`` int8, ``scale [N, K/G]``, ``shift [N, K/G]`` or None), or int8g's 5-bit
     form (``high [N, K/8]`` uint8 the fifth bits, ``w [N, K/2]`` uint8 the low nibbles in int4's
-    layout: ``q = (nibble | bit << 4) - 16``); int4's and int8g's ``scale`` and ``shift`` float32 or
-    (both) float16; ``source`` the GGUF type it came from (for logs)."""
+    layout: ``q = (nibble | bit << 4) - 16``); int4's and int8g's ``scale`` and ``shift`` float32,
+    (both) float16, or factored: int8 factors with ``scale_d`` / ``shift_d [N, K/S]`` float16
+    (:func:`kvfleet.kernels.cpu_woq.group_scales`); ``source`` the GGUF type it came from (for logs)."""
 
     fmt: str
     w: torch.Tensor
@@ -70,6 +75,8 @@ class Stored:
     group: int = 0
     source: str = ""
     high: torch.Tensor | None = None
+    scale_d: torch.Tensor | None = None
+    shift_d: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,7 +85,8 @@ class Stored:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.shift, self.high) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.w, self.scale, self.shift, self.high, self.scale_d,
+                                                          self.shift_d) if t is not None)
 
     def q(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """The int8g / int4 ``q`` of rows ``index`` (all when None), one per weight (int8 / uint8)."""
@@ -97,22 +105,25 @@ class Stored:
         """This weight with int8g's 5-bit form as int8 (one byte per weight; scales as they are)."""
         if self.high is None:
             return self
-        return Stored(self.fmt, self.q().contiguous(), self.scale, self.shift, self.group, self.source)
+        return Stored(self.fmt, self.q().contiguous(), self.scale, self.shift, self.group, self.source,
+                      scale_d=self.scale_d, shift_d=self.shift_d)
+
+    def scales(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The float32 ``(scale, shift)`` of rows ``index`` (all when None), whatever their form."""
+        pick = (lambda t: t if t is None or index is None else t[index])
+        return (group_scales(pick(self.scale), pick(self.scale_d)), group_scales(pick(self.shift), pick(self.shift_d)))
 
     def plain(self) -> Stored:
-        """This weight without the compact forms: int8g's 5-bit form as int8, float16 scales and
-        shifts as float32 (the same float32 weights)."""
-        scale = None if self.scale is None else self.scale.float()
-        shift = None if self.shift is None else self.shift.float()
-        return Stored(self.fmt, self.unpacked().w, scale, shift, self.group, self.source)
+        """This weight without the compact forms: int8g's 5-bit form as int8, float16 and factored
+        scales and shifts as float32 (the same float32 weights)."""
+        return Stored(self.fmt, self.unpacked().w, *self.scales(), self.group, self.source)
 
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``index`` (all when None) dequantized to float32: ``q * scale``, then ``+ shift``."""
         w = self.w if index is None else self.w[index]
         if self.fmt in ("fp32", "bf16"):
             return w.float()
-        scale = (self.scale if index is None else self.scale[index]).float()
-        shift = None if self.shift is None else (self.shift if index is None else self.shift[index]).float()
+        scale, shift = self.scales(index)
         q = self.q(index)
         g = self.group
         out = q.float() * scale.reshape(q.shape[0], -1).repeat_interleave(g, 1)
@@ -128,7 +139,7 @@ class Stored:
         """The weight with its rows reordered (``row i`` <- ``row order[i]``)."""
         pick = (lambda t: None if t is None else t[order].contiguous())
         return Stored(self.fmt, pick(self.w), pick(self.scale), pick(self.shift), self.group, self.source,
-                      pick(self.high))
+                      pick(self.high), pick(self.scale_d), pick(self.shift_d))
 
     def as_int8g(self, group: int) -> Stored:
         """This int4 or int8g weight as int8g with groups of ``group`` (dividing its own): the same
@@ -137,8 +148,9 @@ class Stored:
             raise ValueError(f"{self.fmt} G{self.group} has no int8g G{group} form")
         q = self.q().to(torch.int8)
         r = self.group // group
-        scale = self.scale.float().repeat_interleave(r, 1).contiguous()
-        shift = None if self.shift is None else self.shift.float().repeat_interleave(r, 1).contiguous()
+        scale, shift = self.scales()
+        scale = scale.repeat_interleave(r, 1).contiguous()
+        shift = None if shift is None else shift.repeat_interleave(r, 1).contiguous()
         return Stored("int8g", q.contiguous(), scale, shift, group, self.source)
 
     def module(self, bias: torch.Tensor | None = None) -> torch.nn.Linear:
@@ -149,9 +161,10 @@ class Stored:
         n, k = self.shape
         if self.fmt == "int4":
             shell = types.SimpleNamespace(in_features=k, out_features=n, bias=bias)
-            return Int4Linear.from_blocks(shell, self.w, self.scale, self.shift, self.group)
+            return Int4Linear.from_blocks(shell, self.w, self.scale, self.shift, self.group, self.scale_d, self.shift_d)
         if self.fmt == "int8g":
-            return Int8GroupLinear.from_blocks((k, n), self.w, self.scale, self.shift, self.group, bias, self.high)
+            return Int8GroupLinear.from_blocks((k, n), self.w, self.scale, self.shift, self.group, bias, self.high,
+                                               self.scale_d, self.shift_d)
         if self.fmt == "bf16":
             shell = torch.nn.Linear(k, n, bias=False, device="meta")
             shell.weight = torch.nn.Parameter(self.w, requires_grad=False)
@@ -167,7 +180,7 @@ class Stored:
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Flat tensors for a cache file (``<prefix>.w`` etc.; :meth:`from_tensors` reads them)."""
         out = {f"{prefix}.w": self.w}
-        for name in ("scale", "shift", "high"):
+        for name in ("scale", "shift", "high", "scale_d", "shift_d"):
             if getattr(self, name) is not None:
                 out[f"{prefix}.{name}"] = getattr(self, name)
         return out
@@ -175,8 +188,12 @@ class Stored:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str, fmt: str, group: int) -> Stored:
         return cls(fmt, tensors[f"{prefix}.w"], tensors.get(f"{prefix}.scale"), tensors.get(f"{prefix}.shift"),
-                   group, high=tensors.get(f"{prefix}.high"))
+                   group, high=tensors.get(f"{prefix}.high"), scale_d=tensors.get(f"{prefix}.scale_d"),
+                   shift_d=tensors.get(f"{prefix}.shift_d"))
 
+
+FIELDS = ("w", "scale", "shift", "high", "scale_d", "shift_d")
+"""A :class:`Stored` weight's tensors (those not None are its data)."""
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linear layers of one module that the fused CPU decoder stacks into one matrix (one format)."""
@@ -189,7 +206,9 @@ def unify_siblings(linears: dict[str, Stored], log: bool = True, in_place: bool 
     Q4_K (int4) and its v in Q6_K (int8g G16); mixed int4 / int8g siblings all become int8g with the
     smallest group and float32 scales (the same float32 weights; the int4 ones take one byte per
     weight); int8g siblings that differ only in the 5-bit form (Gemma 3's q, k in Q5_0, v in Q8_0)
-    keep their scales and take the 5-bit ones as int8. ``log``: one info line per unified set (off
+    stay as stored (the fused decoder's stacking, ``cpu_decode._fuse``, takes the 5-bit ones as int8
+    into its stacked matrix, whose views the modules become: the load holds the file's 0.69 bytes a
+    weight, not one). ``log``: one info line per unified set (off
     for a caller that logs once for many, as each expert's gate / up). ``in_place``: ``linears``
     itself is changed and returned (each replaced weight freed as the next is made), and
     ``after_each`` (a function, or None) is called after each unified set (the loader hands the
@@ -204,16 +223,8 @@ def unify_siblings(linears: dict[str, Stored], log: bool = True, in_place: bool 
                 continue
             if not all(p.fmt in ("int4", "int8g") for p in parts):
                 continue
-            if len({_kind(p)[:3] for p in parts}) == 1:   # int8g, one group and scale dtype: 5-bit or not
-                for n, p in zip(full, parts):
-                    out[n] = p.unpacked()
-                del parts, p
-                if after_each is not None:
-                    after_each()
-                if log:
-                    logger.info("%s: %s stored as %s; the 5-bit ones as int8 for the fused decoder", parent,
-                                "/".join(names), "/".join(out[n].source for n in full))
-                continue
+            if len({_kind(p)[:3] + _kind(p)[4:] for p in parts}) == 1:   # int8g, all alike but the 5-bit form:
+                continue   # kept as stored; the fused decoder's stacking takes the 5-bit ones as int8
             group = min(p.group for p in parts)
             if any(p.group % group for p in parts):
                 continue
@@ -230,8 +241,10 @@ def unify_siblings(linears: dict[str, Stored], log: bool = True, in_place: bool 
 
 
 def _kind(p: Stored) -> tuple:
-    """What siblings stacked into one matrix must share: format, group, scale dtype, the 5-bit form."""
-    return p.fmt, p.group, None if p.scale is None else p.scale.dtype, p.high is not None
+    """What siblings stacked into one matrix must share: format, group, scale dtype, the 5-bit form,
+    the factored scales' super-block (and whether a shift, which a factored form cannot zero-fill)."""
+    return (p.fmt, p.group, None if p.scale is None else p.scale.dtype, p.high is not None,
+            0 if p.scale_d is None else (p.shape[1] // p.scale_d.shape[1], p.shift is not None))
 
 
 def _f16h(b: np.ndarray) -> torch.Tensor:
@@ -265,12 +278,12 @@ def _blocks(data: np.ndarray, n: int, k: int, qtype) -> np.ndarray:
     return raw.reshape(n, k // block, size)
 
 
-def _k_scales(scales: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> ``[n, nb * 8]`` each (float32)."""
+def _k_scales(scales: np.ndarray, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> ``[n, nb * 8]`` each (int8, 0..63)."""
     import gguf
 
     sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(scales).reshape(-1, 12))
-    return sc.reshape(n, -1).astype(np.float32), m.reshape(n, -1).astype(np.float32)
+    return (torch.from_numpy(sc.reshape(n, -1).astype(np.int8)), torch.from_numpy(m.reshape(n, -1).astype(np.int8)))
 
 
 def from_gguf(qtype: int, data: np.ndarray, shape: tuple[int, int], name: str = "") -> Stored:
@@ -322,19 +335,16 @@ def from_gguf(qtype: int, data: np.ndarray, shape: tuple[int, int], name: str = 
     if qtype in (T.Q4_K, T.Q5_K):
         b = _blocks(data, n, k, qtype)
         nb = k // QK_K
-        d, dmin = _f16(b[..., 0:2]).numpy(), _f16(b[..., 2:4]).numpy()
+        d, neg_dmin = _f16h(b[..., 0:2]), -_f16h(b[..., 2:4])   # shift -(dmin * m) = (-dmin) * m, exactly
         sc, m = _k_scales(b[..., 4:16], n)
-        scale = (np.repeat(d, 8, axis=1) * sc).astype(np.float32)
-        shift = -(np.repeat(dmin, 8, axis=1) * m).astype(np.float32)
         qs = b[..., -128:].reshape(n, nb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
         ql = (qs & np.uint8(0x0F)).reshape(n, nb, 8, 32)
         if qtype == T.Q4_K:
-            return Stored("int4", _pack_nibbles(ql.reshape(n, k)), torch.from_numpy(scale),
-                          torch.from_numpy(np.ascontiguousarray(shift)), 32, "Q4_K")
+            return Stored("int4", _pack_nibbles(ql.reshape(n, k)), sc, m, 32, "Q4_K", scale_d=d, shift_d=neg_dmin)
         qh = b[..., 16:48].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
         q = ql | ((qh & np.uint8(1)) << np.uint8(4))
-        return Stored("int8g", torch.from_numpy(q.reshape(n, k).view(np.int8).copy()), torch.from_numpy(scale),
-                      torch.from_numpy(np.ascontiguousarray(shift)), 32, "Q5_K")
+        return Stored("int8g", torch.from_numpy(q.reshape(n, k).view(np.int8).copy()), sc, m, 32, "Q5_K",
+                      scale_d=d, shift_d=neg_dmin)
     if qtype == T.Q6_K:
         b = _blocks(data, n, k, qtype)
         nb = k // QK_K
@@ -343,10 +353,9 @@ def from_gguf(qtype: int, data: np.ndarray, shape: tuple[int, int], name: str = 
         qh = b[..., 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
         qh = (qh & np.uint8(0x03)).reshape(n, nb, 8, 32)
         q = (ql | (qh << np.uint8(4))).view(np.int8) - np.int8(32)
-        scales = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)   # [n, nb, 16]
-        d = _f16(b[..., 208:210]).numpy()
-        scale = (d[..., None] * scales).reshape(n, nb * 16).astype(np.float32)
-        return Stored("int8g", torch.from_numpy(q.reshape(n, k).copy()), torch.from_numpy(scale), None, 16, "Q6_K")
+        scales = torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, nb * 16))
+        return Stored("int8g", torch.from_numpy(q.reshape(n, k).copy()), scales, None, 16, "Q6_K",
+                      scale_d=_f16h(b[..., 208:210]))
     if qtype in gguf.GGML_QUANT_SIZES and qtype not in (T.I8, T.I16, T.I32, T.I64, T.F64):
         w = gguf.quants.dequantize(np.asarray(data), qtype).reshape(n, k)
         logger.info("GGUF %s: %s has no exact kvfleet format; dequantized to bf16", name or "tensor", qtype.name)

@@ -102,7 +102,9 @@ class Int4Linear(torch.nn.Linear):
     matmul (set by :func:`set_bf16_prefill`).
 
     Buffers: ``weight [N, K/2]`` uint8 (packed, :func:`kvfleet.kernels.cpu_woq.pack_int4`),
-    ``qscale`` and ``qshift [N, K/G]`` float32, ``bias32 [N]`` float32 or None; ``group_size``."""
+    ``qscale`` and ``qshift [N, K/G]`` float32 (or factored: int8 factors of ``qscale_d`` /
+    ``qshift_d [N, K/S]`` float16, GGUF Q4_K as stored; else those are None), ``bias32 [N]`` float32
+    or None; ``group_size``."""
 
     prefill_bf16 = False
 
@@ -127,15 +129,27 @@ class Int4Linear(torch.nn.Linear):
 
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear, packed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-                    group_size: int) -> Int4Linear:
+                    group_size: int, scale_d: torch.Tensor | None = None,
+                    shift_d: torch.Tensor | None = None) -> Int4Linear:
         """From weights already in the kernel's layout: ``packed [N, K/2]`` uint8 (byte ``j`` of each
         32-weight run holds weight ``j`` low, ``16 + j`` high), ``scale`` and ``shift [N, K/G]``
-        (``w = q * scale + shift``; a GGUF Q4_1 block's ``d`` and ``m``); ``linear`` gives the bias."""
+        (``w = q * scale + shift``; a GGUF Q4_1 block's ``d`` and ``m``), or with ``scale_d`` and
+        ``shift_d`` their factored form (int8 ``scale`` / ``shift``: ValueError on a bad layout,
+        :func:`kvfleet.kernels.cpu_woq.matrix_fields`); ``linear`` gives the bias."""
         new = _shell(cls, linear)
         new.group_size = group_size
         new.register_buffer("weight", packed.contiguous(), persistent=False)
-        new.register_buffer("qscale", scale.float().contiguous(), persistent=False)
-        new.register_buffer("qshift", shift.float().contiguous(), persistent=False)
+        factored = scale_d is not None
+        if factored:
+            n, k = packed.shape[0], 2 * packed.shape[1]
+            want = cpu_woq.matrix_fields("int4", "int4", group_size, scale, shift, None, n, k, scale_d)
+            for name, t in (("scale", scale), ("shift", shift), ("scale_d", scale_d), ("shift_d", shift_d)):
+                if t is None or tuple(t.shape) != want[name][0] or t.dtype != want[name][1]:
+                    raise ValueError(f"int4 {name} must be {str(want[name][1])[6:]} {list(want[name][0])}")
+        new.register_buffer("qscale", scale.contiguous() if factored else scale.float().contiguous(), persistent=False)
+        new.register_buffer("qshift", shift.contiguous() if factored else shift.float().contiguous(), persistent=False)
+        new.register_buffer("qscale_d", None if scale_d is None else scale_d.contiguous(), persistent=False)
+        new.register_buffer("qshift_d", None if shift_d is None else shift_d.contiguous(), persistent=False)
         bias = linear.bias
         new.register_buffer("bias32", None if bias is None else bias.detach().float().contiguous(), persistent=False)
         new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
@@ -145,33 +159,42 @@ class Int4Linear(torch.nn.Linear):
         """The float32 weight ``[N, K]`` the kernel computes with (torch ops: the reference)."""
         q = cpu_woq.unpack_int4(self.weight).float()
         g = self.group_size
-        return q * self.qscale.repeat_interleave(g, 1) + self.qshift.repeat_interleave(g, 1)
+        scale, shift = self.scales()
+        return q * scale.repeat_interleave(g, 1) + shift.repeat_interleave(g, 1)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(qscale, qshift)`` as float32 (the factored form's exact products; else the buffers)."""
+        if getattr(self, "qscale_d", None) is None:
+            return self.qscale, self.qshift
+        return cpu_woq.group_scales(self.qscale, self.qscale_d), cpu_woq.group_scales(self.qshift, self.qshift_d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.kvfleet.woq_int4_linear(x, self.weight, self.qscale, self.qshift, self.group_size,
-                                                     self.bias32)
+            return torch.ops.kvfleet.woq_int4_linear(x, self.weight, *self.scales(), self.group_size, self.bias32)
         if not cpu_woq.available():  # the torch fallback: the same float32 weights
             y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
             return y if self.bias32 is None else y + self.bias32.to(x.dtype)
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
+            if getattr(self, "qscale_d", None) is not None:
+                return cpu_woq.factored_linear_unchecked(x, "int4", self.weight, self.qscale, self.qshift,
+                                                         self.group_size, self.bias32, self.qscale_d, self.qshift_d)
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
         N, K = self.weight.shape[0], 2 * self.weight.shape[1]
         if self.prefill_bf16:  # the dequantized weight rounded to bf16; oneDNN's native bf16 matmul
-            w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,
+            w = cpu_woq.int4_dequantize(self.weight, *self.scales(), self.group_size,
                                         out=cpu_woq.bf16_scratch(N, K), dtype=torch.bfloat16)
             y = torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
         else:
-            w = cpu_woq.int4_dequantize(self.weight, self.qscale, self.qshift, self.group_size,
-                                        out=dequant_scratch(N, K))
+            w = cpu_woq.int4_dequantize(self.weight, *self.scales(), self.group_size, out=dequant_scratch(N, K))
             y = torch.nn.functional.linear(x, w.to(x.dtype))
         return y if self.bias32 is None else y + self.bias32.to(x.dtype)
 
 
 class Int8GroupLinear(torch.nn.Linear):
     """``nn.Linear`` over grouped int8 weights: ``weight [N, K]`` int8, ``qscale [N, K/G]`` float32,
-    ``qshift [N, K/G]`` float32 or None (or both float16: GGUF's own ``d`` and ``m``), ``qhigh`` None
+    ``qshift [N, K/G]`` float32 or None (or both float16: GGUF's own ``d`` and ``m``; or factored:
+    int8 factors of ``qscale_d`` / ``qshift_d [N, K/S]`` float16, GGUF K-quants), ``qhigh`` None
     or the 5-bit form's high bits (``weight`` then ``[N, K/2]`` uint8 nibbles: GGUF Q5_0 as stored),
     ``W = weight * qscale (+ qshift)`` per group of
     ``group_size`` (a multiple of 16) along K, multiplied then added in float32 (GGUF Q8_0: G 32;
@@ -183,7 +206,8 @@ class Int8GroupLinear(torch.nn.Linear):
     @classmethod
     def from_blocks(cls, linear: torch.nn.Linear | tuple[int, int], q: torch.Tensor, scale: torch.Tensor,
                     shift: torch.Tensor | None, group_size: int,
-                    bias: torch.Tensor | None = None, qhigh: torch.Tensor | None = None) -> Int8GroupLinear:
+                    bias: torch.Tensor | None = None, qhigh: torch.Tensor | None = None,
+                    scale_d: torch.Tensor | None = None, shift_d: torch.Tensor | None = None) -> Int8GroupLinear:
         """From ``q [N, K]`` int8, ``scale`` / ``shift [N, K/G]`` (``shift`` None: none; float16 kept
         as it is, both or neither, else float32), or with ``qhigh`` the 5-bit form (``q [N, K/2]``
         uint8 nibbles, ``qhigh [N, K/8]``: :func:`kvfleet.kernels.cpu_woq.int8g_linear_unchecked`);
@@ -197,12 +221,14 @@ class Int8GroupLinear(torch.nn.Linear):
             new = _shell(cls, linear)
             bias = None if linear.bias is None else linear.bias.detach()
         q = q.contiguous()
-        half = scale.dtype == torch.float16 and (shift is None or shift.dtype == torch.float16)
+        half = scale.dtype in (torch.float16, torch.int8) and (shift is None or shift.dtype == scale.dtype)
         scale = scale.contiguous() if half else scale.float().contiguous()
         shift = None if shift is None else shift.contiguous() if half else shift.float().contiguous()
         qhigh = None if qhigh is None else qhigh.contiguous()
         bias32 = None if bias is None else bias.float().contiguous()
-        cpu_woq.check_int8g(q, scale, shift, group_size, bias32, qhigh)
+        scale_d = None if scale_d is None else scale_d.contiguous()
+        shift_d = None if shift_d is None else shift_d.contiguous()
+        cpu_woq.check_int8g(q, scale, shift, group_size, bias32, qhigh, scale_d, shift_d)
         shape = (q.shape[0], q.shape[1] * (1 if qhigh is None else 2))
         if shape != (new.out_features, new.in_features):
             raise ValueError(f"int8g weight is {shape}, the layer {(new.out_features, new.in_features)}")
@@ -211,6 +237,8 @@ class Int8GroupLinear(torch.nn.Linear):
         new.register_buffer("qhigh", qhigh, persistent=False)
         new.register_buffer("qscale", scale, persistent=False)
         new.register_buffer("qshift", shift, persistent=False)
+        new.register_buffer("qscale_d", scale_d, persistent=False)
+        new.register_buffer("qshift_d", shift_d, persistent=False)
         new.register_buffer("bias32", bias32, persistent=False)
         new.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         return new
@@ -238,8 +266,10 @@ class Int8GroupLinear(torch.nn.Linear):
         """The float32 weight ``[N, K]``: ``q * scale``, then ``+ shift``, each rounded in float32
         (the kernels' arithmetic, and gguf's)."""
         q = self.weight if self.qhigh is None else cpu_woq.unpack_int8g5(self.weight, self.qhigh)
-        w = q.float() * self.qscale.float().repeat_interleave(self.group_size, 1)
-        return w if self.qshift is None else w + self.qshift.float().repeat_interleave(self.group_size, 1)
+        scale_d, shift_d = getattr(self, "qscale_d", None), getattr(self, "qshift_d", None)
+        w = q.float() * cpu_woq.group_scales(self.qscale, scale_d).repeat_interleave(self.group_size, 1)
+        return w if self.qshift is None else w + cpu_woq.group_scales(self.qshift, shift_d).repeat_interleave(
+            self.group_size, 1)
 
     KERNEL_ROWS = 256
     """Rows up to which the C kernel runs (an LM head's rows: one per sequence; measured on a Xeon
@@ -248,6 +278,10 @@ class Int8GroupLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.KERNEL_ROWS * self.in_features and cpu_woq.available():
+            if getattr(self, "qscale_d", None) is not None:
+                return cpu_woq.factored_linear_unchecked(x, "int8g", self.weight, self.qscale, self.qshift,
+                                                         self.group_size, self.bias32, self.qscale_d, self.qshift_d,
+                                                         self.qhigh)
             return cpu_woq.int8g_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                   self.bias32, self.qhigh)
         # the torch fallback (many rows, or no C kernels here): the same float32 weights

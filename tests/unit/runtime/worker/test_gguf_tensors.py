@@ -56,8 +56,9 @@ def test_each_type_dequantizes_bit_equal_to_gguf_and_the_kernels_use_those_weigh
     x[torch.arange(32), cols] = 1.0
     assert torch.equal(layer(x), want[:, cols].T)
     assert torch.equal(layer(x[3:4]), want[:, cols[3:4]].T)  # one row: the one-row kernels
+    assert torch.equal(layer.dequantized(), want)   # the torch fallback's weights (factored scales: products)
     if stored.fmt == "int4":  # the int4 dequantization for prefill
-        assert torch.equal(cpu_woq.int4_dequantize(stored.w, stored.scale, stored.shift, 32), want)
+        assert torch.equal(cpu_woq.int4_dequantize(stored.w, *stored.scales(), 32), want)
     # against float64 on random activations
     xr = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
     ref = xr.double() @ want.double().T
@@ -118,6 +119,18 @@ def test_mixed_siblings_become_one_int8g_format_with_the_same_weights():
     deq = fused.w.float() * fused.scale.repeat_interleave(16, 1) + fused.shift.repeat_interleave(16, 1)
     assert torch.equal(deq, stacked)
     assert modules[2].weight.data_ptr() == fused.w[16:].data_ptr()
+    # gate and up, both Q4_K: one int4 matrix with the factored scales as stored (int8 factors, float16 d)
+    mlp = [out[n].module() for n in ("l.gate_proj", "l.up_proj")]
+    both = _fuse(mlp)
+    assert both is not None and both.fmt == "int4" and both.scale.dtype == both.shift.dtype == torch.int8
+    assert both.scale_d.shape == both.shift_d.shape == (16, 1) and both.scale_d.dtype == torch.float16
+    both.check("gate_up", 16, 256)
+    assert mlp[1].qscale_d.data_ptr() == both.scale_d[8:].data_ptr()
+    gu = torch.cat([gate.dequantize(), up.dequantize()])
+    xg = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(torch.cat([m.dequantized() for m in mlp]), gu)
+    ref = xg.double() @ gu.double().T
+    assert (torch.cat([m(xg) for m in mlp], dim=1).double() - ref).abs().max() < 1e-5 * ref.abs().max()
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
     ref = x.double() @ stacked.double().T
     got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views
@@ -125,9 +138,10 @@ def test_mixed_siblings_become_one_int8g_format_with_the_same_weights():
 
 
 def test_siblings_that_differ_only_in_the_5_bit_form_keep_their_float16_scales_and_stack():
-    """Gemma 3's Q4_K_M layers: q and k in Q5_0 (the 5-bit form), v in Q8_0 -> q and k as int8 with
-    their float16 scales (in place, the loader's way), so the fused decoder stacks the three into one
-    int8g matrix with float16 scales; all-Q5_0 siblings stack in the 5-bit form."""
+    """Gemma 3's Q4_K_M layers: q and k in Q5_0 (the 5-bit form), v in Q8_0 -> kept as stored by the
+    loader's unification; the fused decoder's stacking takes q and k as int8 with their float16 scales
+    into one int8g matrix (the modules becoming its views, 5-bit no more); all-Q5_0 siblings stack in
+    the 5-bit form."""
     q5 = {n: gguf_tensors.from_gguf(T.Q5_0, _quantized(T.Q5_0, 8, 256, seed=i), (8, 256))
           for i, n in enumerate(("l.q_proj", "l.k_proj", "m.q_proj", "m.k_proj", "m.v_proj"))}
     v8 = gguf_tensors.from_gguf(T.Q8_0, _quantized(T.Q8_0, 8, 256, seed=9), (8, 256))
@@ -135,9 +149,8 @@ def test_siblings_that_differ_only_in_the_5_bit_form_keep_their_float16_scales_a
     want = {n: s.dequantize() for n, s in linears.items()}
     seen = []
     out = gguf_tensors.unify_siblings(linears, in_place=True, after_each=lambda: seen.append(1))
-    assert out is linears and seen == [1]
-    assert all(out[n].high is None and out[n].scale.dtype == torch.float16 for n in ("l.q_proj", "l.k_proj"))
-    assert all(out[n].high is not None for n in ("m.q_proj", "m.k_proj", "m.v_proj"))
+    assert out is linears and seen == []
+    assert all(out[n].high is not None for n in ("l.q_proj", "l.k_proj", "m.q_proj", "m.k_proj", "m.v_proj"))
     for name, w in want.items():
         assert torch.equal(out[name].dequantize(), w), name
     from kvfleet.runtime.worker.cpu_decode import _fuse
@@ -149,6 +162,8 @@ def test_siblings_that_differ_only_in_the_5_bit_form_keep_their_float16_scales_a
         fused = _fuse(modules)
         assert fused is not None and fused.scale.dtype == torch.float16 and (fused.high is not None) == five_bit
         fused.check("qkv", 24, 256)
+        assert all((m.qhigh is not None) == five_bit and m.weight.data_ptr() == fused.w[8 * i:].data_ptr()
+                   for i, m in enumerate(modules))
         stacked = torch.cat([want[n] for n in names])
         ref = x.double() @ stacked.double().T
         got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views of the stacked matrix
