@@ -266,10 +266,12 @@ def trim_heap() -> None:
         _LIBC(0)
 
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 256 << 10
 """A weight larger than this in the file is repacked this many bytes of rows at a time, each chunk's
 pages of the map released before the next: the file's copy of it is never resident whole next to
-the repacked one (the Gemma 3 embedding: 178 MB)."""
+the repacked one (the Gemma 3 embedding: 178 MB), and the repack's temporaries (a few times the
+chunk) stay small beside the weights already read (16 MB chunks: Gemma 3's last tensor, 1 MB, had
+its whole repack's ~3.5 MB of temporaries at the load's peak; the same CPU seconds)."""
 
 
 def stored(reader, t, dims: list[int]) -> Stored:
