@@ -5,6 +5,7 @@ form, alternated in one run so a shared machine's load hits both alike. Not a te
     python benchmarks/gguf_forms.py [--rounds 2] [FILE.gguf]   (default: /work/gemma/gemma-3-270m-q4_k_m.gguf)
     python benchmarks/gguf_forms.py --matrices
     python benchmarks/gguf_forms.py --sweep [L]
+    OMP_NUM_THREADS=1 python benchmarks/gguf_forms.py --cstep [FILE.gguf]
 
 ``--matrices``: the kernels alone, per matrix (Gemma 3 270M's q|k|v and gate|up in Q5_0, its
 262144 x 640 Q8_0 head; random blocks), compact against plain form on each matmul kind the loaded
@@ -12,7 +13,10 @@ library and the CPU have (float32, AMX tiles, AVX512-BF16 dot products), at 1 an
 best ms of 7 rounds (`$ROUNDS`) of 3 calls, the two forms alternated round by round. ``--sweep``:
 ``L`` (24) Gemma gate|up matrices [4096, 640] in Q5_0 (63 M weights: out of cache, as a decode
 step reads them) run one after the other, compact against plain, on each kind at 1 and 48 rows:
-the best of 9 sweeps.
+the best of 9 sweeps. ``--cstep``: the model's fused C step (one thread, its CPU time), the
+K-quants' factored scales against the same matrices with float32 scales, alternated round by round
+(``$ROUNDS``, 10, of 4 steps) at 1 and 48 rows, on the matmul kinds the plan picks
+(``$KVFLEET_CPU_MATMUL`` to choose); the logits of both compared bit for bit.
 
 Each measurement is a fresh process (``--dtype auto``: the GGUF reader; an empty
 ``$KVFLEET_CACHE_DIR``), the "plain" one with the loader's ``from_gguf`` results taken through
@@ -179,8 +183,86 @@ def sweep(count: int) -> None:
                   f"{best['compact'] / best['plain']:.2f} |", flush=True)
 
 
+def _float32_scales(m):
+    """A fused-decoder matrix with factored scales (GGUF K-quants) as float32 products (the form before
+    them: the same float32 scales, 4 bytes a group); others as they are."""
+    import dataclasses
+
+    from kvfleet.kernels.cpu_woq import group_scales
+
+    if m is None or m.scale_d is None:
+        return m
+    return dataclasses.replace(m, scale=group_scales(m.scale, m.scale_d).contiguous(), scale_d=None,
+                               shift=None if m.shift is None else group_scales(m.shift, m.shift_d).contiguous(),
+                               shift_d=None)
+
+
+def cstep(path: str, rounds: int, steps: int) -> None:
+    """The fused C step of ``path``'s model (one thread: the phases in its CPU time), its factored K-quant
+    scales against the same matrices with float32 scales, alternated round by round, at 1 and 48 rows
+    (context 140, a bf16 cache of random keys and values); logits compared bit for bit."""
+    import dataclasses
+
+    import torch
+
+    torch.set_num_threads(1)
+    from step_profile import make_engine
+
+    from kvfleet.kernels.cpu_decoder import FusedDecoder
+
+    eng = make_engine("auto", model=path)
+    base = eng.runner.cpu_decode._fused
+    w, bs, ctx = base.weights, 16, 140
+    gen = torch.Generator().manual_seed(0)
+    width = (ctx + bs - 1) // bs
+    blocks = 48 * width + 1
+    layers = {"factored": [], "float32": []}
+    for layer in w.layers:
+        shape = (blocks, bs, *layer.k_cache.shape[2:])
+        kv = dict(k_cache=torch.randn(shape, generator=gen).to(torch.bfloat16),
+                  v_cache=torch.randn(shape, generator=gen).to(torch.bfloat16))
+        layers["factored"].append(dataclasses.replace(layer, **kv))
+        layers["float32"].append(dataclasses.replace(layer, **kv, **{f: _float32_scales(getattr(layer, f))
+                                                                    for f in ("qkv", "o", "gate_up", "down")}))
+    head = {"factored": w.head, "float32": _float32_scales(w.head)}
+    decs = {k: FusedDecoder(dataclasses.replace(w, layers=v, head=head[k]), matmul=base.matmul)
+            for k, v in layers.items()}
+    for d in decs.values():
+        d._lib.kv_decode_profile_clock(1)
+    factored = sum(m is not None and m.scale_d is not None for lay in w.layers for m in (lay.qkv, lay.o, lay.gate_up,
+                                                                                          lay.down))
+    print(f"CPU load average {os.getloadavg()[0]:.1f}; matmul {base.matmul}; {factored} factored matrices; "
+          f"{rounds} rounds x {steps} steps; thread CPU ms per step (the C phases' sum)")
+    for rows in (1, 48):
+        tables = torch.randperm(blocks - 1, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
+        lens = torch.full((rows,), ctx, dtype=torch.int32)
+        slots = torch.full((rows,), -1, dtype=torch.int64)
+        d0 = decs["factored"]
+        table = (d0.num_ropes, rows, d0.rotary_dim) if d0.num_ropes > 1 else (rows, d0.rotary_dim)
+        cos, sin = torch.ones(table), torch.zeros(table)
+        x = torch.randn(rows, decs["factored"].hidden, generator=gen)
+        per, logits = {k: [] for k in decs}, {}
+        for r in range(rounds):
+            for k in (list(decs) if r % 2 == 0 else list(decs)[::-1]):
+                decs[k].profile()
+                for _ in range(steps):
+                    _, logits[k] = decs[k].step(x.clone(), cos, sin, slots, tables, lens)
+                prof = decs[k].profile()
+                per[k].append({p: v for p, v in prof.items() if p != "steps"})
+        for k, ps in per.items():
+            med = {p: statistics.median(q[p] for q in ps) for p in ps[0]}
+            print(f"{rows:2d} rows {k:8}: C step {statistics.median(sum(q.values()) for q in ps):7.2f} ms (best "
+                  f"{min(sum(q.values()) for q in ps):.2f}); " + ", ".join(f"{p} {v:.2f}" for p, v in med.items()))
+        print(f"{rows:2d} rows: logits bit-equal: {torch.equal(logits['factored'], logits['float32'])}")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    eng.shutdown()
+
+
 def main() -> None:
     args = sys.argv[1:]
+    if args and args[0] == "--cstep":
+        cstep(args[1] if len(args) > 1 else DEFAULT, int(os.environ.get("ROUNDS", 10)), 4)
+        return
     if args and args[0] == "--sweep":
         sweep(int(args[1]) if len(args) > 1 else 24)
         return

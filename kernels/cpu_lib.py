@@ -263,7 +263,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("kv_woq_int4_linear", [p, i64, i64, i64, p, i64, p, p, i64, p, p], None),
         ("kv_woq_bf16_linear", [p, i64, i64, i64, p, i64, p, p], None),
         ("kv_woq_int8g_linear", [p, i64, i64, i64, p, i64, p, p, i64, p, p, i64, p], None),
-        ("kv_woq_factored_linear", [p, i64, i64, i64, i64, p, i64, p, p, i64, p, p, p, p, i64, p], None),
+        ("kv_woq_scaled_linear", [p, i64, i64, i64, i64, p, i64, p, p, i64, p, p, i64, p, p, i64, p], None),
         ("kv_woq_int4_dequant", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_int4_dequant_bf16", [p, i64, i64, p, p, i64, p], None),
         ("kv_woq_set_parallel_min", [i64], None),

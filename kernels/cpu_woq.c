@@ -11,7 +11,8 @@
  *   int8g: w [N, K] int8, scale [N, K / G] float32, shift [N, K / G] float32 or NULL (groups of G, a
  *          multiple of 16, along K; K a multiple of 32): GGUF Q8_0, Q6_K and Q5_K tensors; scale and
  *          shift may be float16 (scale_f16), w the 5-bit form (hbits: GGUF Q5_0 as stored; cpu_gemv_m1.h)
- *   int4 and int8g with factored scales (kv_woq_factored_linear; kv_matrix.scale_f16 2: GGUF K-quants)
+ *   int4 and int8g with their scales in any form (kv_woq_scaled_linear; kv_matrix.scale_f16: float16 and GGUF
+ *          K-quants' factored ones)
  *   int4: w [N, K/2] uint8 packed, scale and shift [N, K / G] float32 (shift = -zero_point * scale)
  *   bf16: w [N, K] bfloat16 (as uint16), no scale
  *   (the layouts and dequantization: cpu_gemv.h, whose helpers do the arithmetic)
@@ -64,14 +65,15 @@ void kv_woq_int8g_linear(const float *x, int64_t M, int64_t K, int64_t ldx, cons
     woq_linear(&m, x, M, ldx, y);
 }
 
-/* Either quantized format with its scales factored (kv_matrix.scale_f16 2: scale / shift int8 factors,
- * scale_d / shift_d float16 per super_group weights; GGUF K-quants as stored): fmt KV_INT4 or KV_INT8G. */
-void kv_woq_factored_linear(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t fmt, const void *w, int64_t N,
-                            const int8_t *scale, const int8_t *shift, int64_t G, const float *bias, float *y,
-                            const uint16_t *scale_d, const uint16_t *shift_d, int64_t super_group,
-                            const uint8_t *hbits) {
-    kv_matrix m = {fmt, N, K, w, (const float *)(const void *)scale, (const float *)(const void *)shift, G, bias};
-    m.scale_f16 = 2;
+/* Either quantized format (fmt KV_INT4 or KV_INT8G) with its scales in any form (kv_matrix.scale_f16: 0
+ * float32, 1 float16, 2 factored: scale / shift int8 factors of scale_d / shift_d, float16 per super_group
+ * weights; GGUF K-quants as stored). */
+void kv_woq_scaled_linear(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t fmt, const void *w, int64_t N,
+                          const void *scale, const void *shift, int64_t G, const float *bias, float *y,
+                          int64_t scale_f16, const uint16_t *scale_d, const uint16_t *shift_d, int64_t super_group,
+                          const uint8_t *hbits) {
+    kv_matrix m = {fmt, N, K, w, (const float *)scale, (const float *)shift, G, bias};
+    m.scale_f16 = scale_f16;
     m.scale_d = scale_d;
     m.shift_d = shift_d;
     m.super_group = super_group;

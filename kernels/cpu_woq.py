@@ -36,7 +36,7 @@ Scales and shifts (int4's, and grouped int8's: :func:`int8g_linear_unchecked`) i
 (:func:`scale_form`): float32, float16 (GGUF's own ``d`` / ``m``), or factored (GGUF K-quants as
 stored: ``scale`` / ``shift [N, K/G]`` int8 factors and ``scale_d`` / ``shift_d [N, K/S]`` float16,
 one per super-block of ``S`` weights; the scale is ``float32(d) * factor``, an exact product:
-:func:`group_scales`, and :func:`factored_linear_unchecked` runs them).
+:func:`group_scales`; :func:`scaled_linear_unchecked` runs every form).
 
 Computed in float32 (``x`` is converted when it is bf16/fp16); the sums run in a different
 order than a BLAS matmul, so results match ``x @ W.T`` to float32 rounding, not bit for bit.
@@ -298,19 +298,20 @@ def group_scales(scale: torch.Tensor | None, d: torch.Tensor | None = None) -> t
     return d.float().repeat_interleave(scale.shape[-1] // d.shape[-1], -1) * scale.float()
 
 
-def factored_linear_unchecked(x: torch.Tensor, fmt: str, w: torch.Tensor, scale: torch.Tensor,
-                              shift: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
-                              scale_d: torch.Tensor, shift_d: torch.Tensor | None,
-                              qhigh: torch.Tensor | None = None) -> torch.Tensor:
+def scaled_linear_unchecked(x: torch.Tensor, fmt: str, w: torch.Tensor, scale: torch.Tensor,
+                            shift: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                            scale_d: torch.Tensor | None = None, shift_d: torch.Tensor | None = None,
+                            qhigh: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for an ``int4`` (:func:`int4_linear`'s layout) or ``int8g``
-    (:func:`int8g_linear_unchecked`'s) weight with factored scales (the module docstring); unchecked
-    (:func:`matrix_fields` checks)."""
+    (:func:`int8g_linear_unchecked`'s) weight with its scales in any form (the module docstring;
+    factored: with ``scale_d`` / ``shift_d``); unchecked (:func:`matrix_fields` checks)."""
     N, K = w.shape[0], w.shape[1] * (2 if fmt == "int4" or qhigh is not None else 1)
     x2 = _rows(x)
     y = torch.empty((x2.shape[0], N), dtype=torch.float32)
-    _lib_or_raise().kv_woq_factored_linear(x2.data_ptr(), x2.shape[0], K, K, 2 if fmt == "int4" else 4, w.data_ptr(),
-                                           N, scale.data_ptr(), _ptr(shift), group_size, _ptr(bias), y.data_ptr(),
-                                           scale_d.data_ptr(), _ptr(shift_d), super_group(K, scale_d), _ptr(qhigh))
+    _lib_or_raise().kv_woq_scaled_linear(x2.data_ptr(), x2.shape[0], K, K, 2 if fmt == "int4" else 4, w.data_ptr(),
+                                         N, scale.data_ptr(), _ptr(shift), group_size, _ptr(bias), y.data_ptr(),
+                                         scale_form(scale), _ptr(scale_d), _ptr(shift_d), super_group(K, scale_d),
+                                         _ptr(qhigh))
     return _as_input(y, x)
 
 
@@ -387,7 +388,7 @@ def check_int8g(qdata: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | 
                 shift_d: torch.Tensor | None = None) -> None:
     """ValueError unless ``qdata``, ``scale``, ``shift``, ``bias`` and ``qhigh`` are a valid grouped
     int8 layer for :func:`int8g_linear_unchecked` (with ``scale_d`` / ``shift_d``: factored, for
-    :func:`factored_linear_unchecked`)."""
+    :func:`scaled_linear_unchecked`)."""
     wdtype = torch.int8 if qhigh is None else torch.uint8
     if qdata.dim() != 2 or qdata.dtype != wdtype or not qdata.is_contiguous() or qdata.device.type != "cpu":
         raise ValueError(f"int8g weight must be a contiguous 2-D CPU {wdtype} tensor, got {qdata.dtype} "

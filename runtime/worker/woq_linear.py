@@ -102,9 +102,9 @@ class Int4Linear(torch.nn.Linear):
     matmul (set by :func:`set_bf16_prefill`).
 
     Buffers: ``weight [N, K/2]`` uint8 (packed, :func:`kvfleet.kernels.cpu_woq.pack_int4`),
-    ``qscale`` and ``qshift [N, K/G]`` float32 (or factored: int8 factors of ``qscale_d`` /
-    ``qshift_d [N, K/S]`` float16, GGUF Q4_K as stored; else those are None), ``bias32 [N]`` float32
-    or None; ``group_size``."""
+    ``qscale`` and ``qshift [N, K/G]`` float32 (or both float16: GGUF Q4_0 / Q4_1's own ``d``, ``m``; or
+    factored: int8 factors of ``qscale_d`` / ``qshift_d [N, K/S]`` float16, GGUF Q4_K as stored; else
+    those are None), ``bias32 [N]`` float32 or None; ``group_size``."""
 
     prefill_bf16 = False
 
@@ -133,14 +133,15 @@ class Int4Linear(torch.nn.Linear):
                     shift_d: torch.Tensor | None = None) -> Int4Linear:
         """From weights already in the kernel's layout: ``packed [N, K/2]`` uint8 (byte ``j`` of each
         32-weight run holds weight ``j`` low, ``16 + j`` high), ``scale`` and ``shift [N, K/G]``
-        (``w = q * scale + shift``; a GGUF Q4_1 block's ``d`` and ``m``), or with ``scale_d`` and
-        ``shift_d`` their factored form (int8 ``scale`` / ``shift``: ValueError on a bad layout,
-        :func:`kvfleet.kernels.cpu_woq.matrix_fields`); ``linear`` gives the bias."""
+        (``w = q * scale + shift``; a GGUF Q4_1 block's ``d`` and ``m``: float16 kept as it is, both or
+        neither, else float32), or with ``scale_d`` and ``shift_d`` their factored form (int8 ``scale``
+        / ``shift``: ValueError on a bad layout, :func:`kvfleet.kernels.cpu_woq.matrix_fields`);
+        ``linear`` gives the bias."""
         new = _shell(cls, linear)
         new.group_size = group_size
         new.register_buffer("weight", packed.contiguous(), persistent=False)
-        factored = scale_d is not None
-        if factored:
+        factored = scale_d is not None or scale.dtype == shift.dtype == torch.float16   # (kept as they are)
+        if scale_d is not None:
             n, k = packed.shape[0], 2 * packed.shape[1]
             want = cpu_woq.matrix_fields("int4", "int4", group_size, scale, shift, None, n, k, scale_d)
             for name, t in (("scale", scale), ("shift", shift), ("scale_d", scale_d), ("shift_d", shift_d)):
@@ -163,9 +164,9 @@ class Int4Linear(torch.nn.Linear):
         return q * scale.repeat_interleave(g, 1) + shift.repeat_interleave(g, 1)
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(qscale, qshift)`` as float32 (the factored form's exact products; else the buffers)."""
+        """``(qscale, qshift)`` as float32 (float16 widened, the factored form's exact products)."""
         if getattr(self, "qscale_d", None) is None:
-            return self.qscale, self.qshift
+            return self.qscale.float(), self.qshift.float()
         return cpu_woq.group_scales(self.qscale, self.qscale_d), cpu_woq.group_scales(self.qshift, self.qshift_d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,9 +176,9 @@ class Int4Linear(torch.nn.Linear):
             y = torch.nn.functional.linear(x, self.dequantized().to(x.dtype))
             return y if self.bias32 is None else y + self.bias32.to(x.dtype)
         if x.numel() <= MAX_KERNEL_ROWS * self.in_features:
-            if getattr(self, "qscale_d", None) is not None:
-                return cpu_woq.factored_linear_unchecked(x, "int4", self.weight, self.qscale, self.qshift,
-                                                         self.group_size, self.bias32, self.qscale_d, self.qshift_d)
+            if self.qscale.dtype != torch.float32:   # float16 or factored
+                return cpu_woq.scaled_linear_unchecked(x, "int4", self.weight, self.qscale, self.qshift,
+                                                       self.group_size, self.bias32, self.qscale_d, self.qshift_d)
             return cpu_woq.int4_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                  self.bias32)
         N, K = self.weight.shape[0], 2 * self.weight.shape[1]
@@ -279,9 +280,9 @@ class Int8GroupLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= self.KERNEL_ROWS * self.in_features and cpu_woq.available():
             if getattr(self, "qscale_d", None) is not None:
-                return cpu_woq.factored_linear_unchecked(x, "int8g", self.weight, self.qscale, self.qshift,
-                                                         self.group_size, self.bias32, self.qscale_d, self.qshift_d,
-                                                         self.qhigh)
+                return cpu_woq.scaled_linear_unchecked(x, "int8g", self.weight, self.qscale, self.qshift,
+                                                       self.group_size, self.bias32, self.qscale_d, self.qshift_d,
+                                                       self.qhigh)
             return cpu_woq.int8g_linear_unchecked(x, self.weight, self.qscale, self.qshift, self.group_size,
                                                   self.bias32, self.qhigh)
         # the torch fallback (many rows, or no C kernels here): the same float32 weights
