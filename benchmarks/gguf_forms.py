@@ -184,13 +184,16 @@ def sweep(count: int) -> None:
 
 
 def _float32_scales(m):
-    """A fused-decoder matrix with factored scales (GGUF K-quants) as float32 products (the form before
-    them: the same float32 scales, 4 bytes a group); others as they are."""
+    """A fused-decoder matrix with factored scales (GGUF K-quants) as float32 products, and int4's float16
+    ones (Q4_0 / Q4_1) as float32 (the forms before them: the same float32 scales, 4 bytes a group);
+    others as they are."""
     import dataclasses
+
+    import torch
 
     from kvfleet.kernels.cpu_woq import group_scales
 
-    if m is None or m.scale_d is None:
+    if m is None or (m.scale_d is None and not (m.fmt == "int4" and m.scale.dtype == torch.float16)):
         return m
     return dataclasses.replace(m, scale=group_scales(m.scale, m.scale_d).contiguous(), scale_d=None,
                                shift=None if m.shift is None else group_scales(m.shift, m.shift_d).contiguous(),
@@ -199,8 +202,9 @@ def _float32_scales(m):
 
 def cstep(path: str, rounds: int, steps: int) -> None:
     """The fused C step of ``path``'s model (one thread: the phases in its CPU time), its factored K-quant
-    scales against the same matrices with float32 scales, alternated round by round, at 1 and 48 rows
-    (context 140, a bf16 cache of random keys and values); logits compared bit for bit."""
+    scales and int4 float16 ones against the same matrices with float32 scales, alternated round by
+    round, at 1 and 48 rows (context 140, a bf16 cache of random keys and values); logits compared bit
+    for bit."""
     import dataclasses
 
     import torch
@@ -229,9 +233,9 @@ def cstep(path: str, rounds: int, steps: int) -> None:
             for k, v in layers.items()}
     for d in decs.values():
         d._lib.kv_decode_profile_clock(1)
-    factored = sum(m is not None and m.scale_d is not None for lay in w.layers for m in (lay.qkv, lay.o, lay.gate_up,
-                                                                                          lay.down))
-    print(f"CPU load average {os.getloadavg()[0]:.1f}; matmul {base.matmul}; {factored} factored matrices; "
+    factored = sum(_float32_scales(m) is not m for lay in w.layers for m in (lay.qkv, lay.o, lay.gate_up, lay.down))
+    print(f"CPU load average {os.getloadavg()[0]:.1f}; matmul {base.matmul}; {factored} matrices factored or int4 "
+          "float16; "
           f"{rounds} rounds x {steps} steps; thread CPU ms per step (the C phases' sum)")
     for rows in (1, 48):
         tables = torch.randperm(blocks - 1, generator=gen)[: rows * width].view(rows, width).to(torch.int32)
@@ -261,7 +265,7 @@ def cstep(path: str, rounds: int, steps: int) -> None:
 def main() -> None:
     args = sys.argv[1:]
     if args and args[0] == "--cstep":
-        cstep(args[1] if len(args) > 1 else DEFAULT, int(os.environ.get("ROUNDS", 10)), 4)
+        cstep(args[1] if len(args) > 1 else DEFAULT, int(os.environ.get("ROUNDS", 10)), 4)   # DEFAULT: Gemma
         return
     if args and args[0] == "--sweep":
         sweep(int(args[1]) if len(args) > 1 else 24)

@@ -5,8 +5,9 @@ Contract: :func:`from_gguf` takes a tensor's raw data as the ``gguf`` package's 
 :class:`Stored` weight in a format the kernels read (:mod:`kvfleet.kernels.cpu_gemv` layouts,
 INTERFACE §1), whose float32 dequantization (:meth:`Stored.dequantize`: ``q * scale``, then
 ``+ shift``, each rounded in float32) equals ``gguf.quants.dequantize`` of the same bytes bit for
-bit. Where the scale is GGUF's own fp16 ``d`` (and ``m``, or Q4_0's ``-8 d``) it stays float16 (the
-kernels widen it, exactly); K-quants' ``d * sc`` (and ``-dmin * m``) stay factored as stored (``d`` float16 per 256
+bit. Where the scale is GGUF's own fp16 ``d`` (and ``m``) of a grouped int8 weight it stays float16
+(the kernels widen it, exactly; int4's stay float32: widening them per row cost the default model's
+one-row step 9 %, docs/performance.md); K-quants' ``d * sc`` (and ``-dmin * m``) stay factored as stored (``d`` float16 per 256
 weights in ``scale_d`` / ``shift_d``, ``-dmin`` negated exactly; the 6-bit / int8 factors per group
 in ``scale`` / ``shift`` as int8), the product formed in float32 by the kernels. Every product below
 is exact in float32 (an fp16 ``d`` has 11 significant bits, a 6-bit
@@ -14,8 +15,8 @@ scale or an int8 one adds at most 7, a 4- to 6-bit ``q`` at most 6: under float3
 kernels' own float32 widening (FMA or not) gives the same bits:
 
 ========  ==============================================================================
-Q4_0      int4 G32: ``q`` the block's nibbles as stored, scale ``d``, shift ``-8 d`` (float16)
-Q4_1      int4 G32: scale ``d``, shift ``m`` (float16)
+Q4_0      int4 G32: ``q`` the block's nibbles as stored, scale ``d``, shift ``-8 d`` (float32)
+Q4_1      int4 G32: scale ``d``, shift ``m`` (float32)
 Q4_K      int4 G32: per 32-weight sub-block scale ``d * sc``, shift ``-dmin * m`` (6-bit sc, m), factored
 Q5_K      int8g G32 with shift: ``q`` in 0..31, scale ``d * sc``, shift ``-dmin * m``, factored
 Q5_0      int8g G32 in the 5-bit form (the block's high bits and nibbles as stored): ``q - 16`` in
@@ -304,14 +305,11 @@ def from_gguf(qtype: int, data: np.ndarray, shape: tuple[int, int], name: str = 
         return Stored("bf16", torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16), source="BF16")
     if qtype in (T.Q4_0, T.Q4_1):
         b = _blocks(data, n, k, qtype)
-        d = _f16h(b[..., 0:2])
+        d = _f16h(b[..., 0:2]).float()   # float32: Int4Linear's float16 scales cost its small rows 9 % at one row
         if qtype == T.Q4_0:
-            shift, qs = -8 * d, b[..., 2:]   # float16 unless -8 d leaves its range (then both float32)
-            if not torch.equal(shift.float(), -8 * d.float()):
-                d = d.float()
-                shift = -8 * d
+            shift, qs = -8 * d, b[..., 2:]
         else:
-            shift, qs = _f16h(b[..., 2:4]), b[..., 4:]
+            shift, qs = _f16h(b[..., 2:4]).float(), b[..., 4:]
         packed = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, k // 2))
         return Stored("int4", packed, d.contiguous(), shift.contiguous(), 32, qtype.name)
     if qtype == T.Q5_0:  # d, 32 high bits (little-endian), 16 bytes of low nibbles: the 5-bit form as it is

@@ -68,6 +68,8 @@ def _forms() -> dict[str, tuple[gguf_tensors.Stored, torch.Tensor]]:
         k = KK if qtype in (T.Q4_K, T.Q5_K, T.Q6_K) else K
         data = _blocks(qtype, int(qtype), k)
         s = gguf_tensors.from_gguf(qtype, data, (N, k))
+        if qtype in (T.Q4_0, T.Q4_1):   # the loader keeps int4's fp16 d, m as float32 (speed); the kernels take both
+            s = gguf_tensors.Stored("int4", s.w, s.scale.half(), s.shift.half(), 32, qtype.name)
         out[qtype.name] = (s, torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(N, k)))
     return out
 
@@ -81,7 +83,8 @@ def test_the_loader_keeps_gguf_s_own_forms():
     assert q5.scale.dtype == q8.scale.dtype == q51.scale.dtype == q51.shift.dtype == torch.float16
     assert q5.nbytes == N * K // 32 * 22   # Q5_0's own 22 bytes per 32 weights
     assert q8.nbytes == N * K // 32 * 34
-    assert all(FORMS[n][0].scale.dtype == FORMS[n][0].shift.dtype == torch.float16 for n in ("Q4_0", "Q4_1"))
+    q41 = gguf_tensors.from_gguf(T.Q4_1, _blocks(T.Q4_1, 1), (N, K))   # int4: float32 scales (Int4Linear's speed)
+    assert q41.scale.dtype == q41.shift.dtype == torch.float32
     q4k, q5k, q6k = FORMS["Q4_K"][0], FORMS["Q5_K"][0], FORMS["Q6_K"][0]
     assert q4k.scale.dtype == q4k.shift.dtype == q5k.scale.dtype == q6k.scale.dtype == torch.int8
     assert q4k.nbytes == N * KK // 256 * 148   # Q4_K: 144 bytes per 256 weights in the file, its 6-bit factors bytes

@@ -168,3 +168,16 @@ def test_siblings_that_differ_only_in_the_5_bit_form_keep_their_float16_scales_a
         ref = x.double() @ stacked.double().T
         got = torch.cat([m(x) for m in modules], dim=1)  # the modules on their views of the stacked matrix
         assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_int4_layers_take_float16_scales_as_stored():
+    """``Int4Linear`` keeps float16 scales and shifts as they are (GGUF Q4_1's own ``d``, ``m``; the
+    loader hands it float32 ones, for speed) and runs them on every path to the same weights."""
+    n, k = 8, 256
+    s = gguf_tensors.from_gguf(T.Q4_1, _quantized(T.Q4_1, n, k, seed=3), (n, k))
+    half = gguf_tensors.Stored("int4", s.w, s.scale.half(), s.shift.half(), 32, "Q4_1")
+    layer, want = half.module(), s.dequantize()
+    assert layer.qscale.dtype == layer.qshift.dtype == torch.float16 and half.nbytes < s.nbytes
+    assert torch.equal(layer.dequantized(), want)
+    x = torch.eye(k)[:40]
+    assert torch.equal(layer(x), want[:, :40].T) and torch.equal(layer(x[5:6]), want[:, 5:6].T)
