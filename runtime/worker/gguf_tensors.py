@@ -7,10 +7,10 @@ INTERFACE §1), whose float32 dequantization (:meth:`Stored.dequantize`: ``q * s
 ``+ shift``, each rounded in float32) equals ``gguf.quants.dequantize`` of the same bytes bit for
 bit. Where the scale is GGUF's own fp16 ``d`` (and ``m``) of a grouped int8 weight it stays float16
 (the kernels widen it, exactly; int4's stay float32: widening them per row cost the default model's
-one-row step 9 %, docs/performance.md); K-quants' ``d * sc`` (and ``-dmin * m``) stay factored as stored (``d`` float16 per 256
-weights in ``scale_d`` / ``shift_d``, ``-dmin`` negated exactly; the 6-bit / int8 factors per group
-in ``scale`` / ``shift`` as int8), the product formed in float32 by the kernels. Every product below
-is exact in float32 (an fp16 ``d`` has 11 significant bits, a 6-bit
+one-row step 9 %, docs/performance.md); K-quants' ``d * sc`` (and ``-dmin * m``) stay factored as
+stored (``d`` float16 per 256 weights in ``scale_d`` / ``shift_d``, ``-dmin`` negated exactly; the
+6-bit / int8 factors per group in ``scale`` / ``shift`` as int8), the product formed in float32 by
+the kernels. Every product below is exact in float32 (an fp16 ``d`` has 11 significant bits, a 6-bit
 scale or an int8 one adds at most 7, a 4- to 6-bit ``q`` at most 6: under float32's 24), so the
 kernels' own float32 widening (FMA or not) gives the same bits:
 
