@@ -13,12 +13,13 @@ multipliers, ...) is saved as a float32 checkpoint and served in this process as
 would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls;
 ``--quantization int8`` or ``int4`` adds that option on every side).
 Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
-``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
-warm-up request; each family's ratio to Llama's. First, and steadier on a shared machine, the
-fused C step alone, A/B across the families (:func:`step_ms`): its milliseconds for 1 and 48 rows,
-each step on new rows (a mixture of experts then routes each step to other experts, as an engine's
-tokens do; ``--same-inputs`` repeats one input, the A/B before 2026-12-06 15:00, whose one-row MoE
-step re-read the two experts the previous step had left in the last-level cache).
+``--requests`` requests at once (the same lengths), output tokens per second of wall time (with
+``--threads 1``: of the one thread's CPU time) after a warm-up request; each family's ratio to
+Llama's. First, and steadier on a shared machine, the fused C step alone, A/B across the
+families (:func:`step_ms`): its milliseconds for 1 and 48 rows, each step on new rows (a mixture of
+experts then routes each step to other experts, as an engine's tokens do; ``--same-inputs`` repeats
+one input, the A/B before 2026-12-06 15:00, whose one-row MoE step re-read the two experts the
+previous step had left in the last-level cache).
 ``--rounds`` rounds go over every family in turn
 (a fresh engine each time) and each family keeps its best round, so that a machine whose load
 drifts (or the first engine's one-time costs) does not favour the families measured later. Prints
@@ -69,7 +70,9 @@ def build(family: str, layers: int, folder: str, tokenizer) -> str:
 
 
 def measure(path: str, args) -> dict:
-    """tok/s of one stream and of ``args.requests`` at once, and what ran (the fused path's line)."""
+    """tok/s of one stream and of ``args.requests`` at once, and what ran (the fused path's line).
+    ``--threads 1``: per second of this thread's CPU time (``LLM.generate`` runs the engine's steps in
+    it, the C pool and torch on one thread), which a shared machine's load moves least."""
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.llm import LLM
@@ -82,10 +85,11 @@ def measure(path: str, args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     out = {}
+    clock = time.thread_time if args.threads == 1 else time.perf_counter   # (generate steps in this thread)
     for name, batch in (("one stream", prompts[:1]), (f"{args.requests} requests", prompts)):
-        start = time.perf_counter()
+        start = clock()
         results = llm.generate(batch, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         out[name] = sum(len(r.outputs[0].token_ids) for r in results) / seconds
     path_ = engine.runner.cpu_decode
     out["path"] = f"fused ({path_.matmul})" if path_ is not None else "transformers"
@@ -97,7 +101,9 @@ def step_ms(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
     the rows need), then ``--step-rounds`` rounds that each run ``--steps`` decode steps of every
     ``--step-rows`` count for every family in turn (rows at ``--context`` positions, each its own
     blocks; nothing written; each step new random rows unless ``--same-inputs``), so that the
-    machine's drifting load falls on all families alike.
+    machine's drifting load falls on all families alike. Each case's timed steps follow one untimed
+    step of it, so that they start where an engine's steps run: the last-level cache holding what
+    the model's previous step left (the family before it evicted it), not another family's weights.
     Returns family -> rows -> the median over rounds of the mean step, milliseconds (``--threads 1``:
     of the thread's CPU time, which other processes' load moves least)."""
     import statistics
@@ -124,6 +130,7 @@ def step_ms(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
     times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
     for _ in range(args.step_rounds):
         for key, (fused, xs, cos, sin, slots, tables, lens) in cases.items():
+            fused.step(xs[-1].clone(), cos, sin, slots, tables, lens)   # untimed: the caches hold this model's weights
             start = clock()
             for i in range(args.steps):
                 fused.step(xs[i % len(xs)].clone(), cos, sin, slots, tables, lens)

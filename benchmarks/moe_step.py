@@ -4,7 +4,8 @@ size, in this process, with each step's bandwidth bound. Not a test::
     python benchmarks/moe_step.py [--matmul amx|avx512_bf16|float32] [--weights bf16|int8] [--rounds 5]
         [--threads 1] [--inputs vary|same] [--bandwidth 22]
 
-Both: SmolLM2-135M's shape (hidden 576, 9 query / 3 KV heads of 64, vocabulary 49152), 12 layers, a
+Both: SmolLM2-135M's shape (hidden 576, 9 query / 3 KV heads of 64, vocabulary 49152), 12 layers
+(``--layers``, ``--vocab``: a smaller model, whose one-row step the last-level cache can keep), a
 bf16 KV cache; dense MLP 1536 wide against 8 experts of 768, top-2 (the same active weights); every
 matrix in ``--weights`` (bf16, or int8 per output channel as ``--quantization int8`` stores them).
 Steps of 1 and 48 rows, each row a sequence at position 200. ``--inputs vary`` (the default) gives
@@ -49,23 +50,23 @@ def _linear(n: int, k: int, weights: str, gen: torch.Generator) -> Linear:
     return Linear("int8", torch.round(w.float() / scale[:, None]).to(torch.int8).contiguous(), scale)
 
 
-def _model(moe: bool, gen: torch.Generator, weights: str = "bf16") -> DecoderWeights:
+def _model(moe: bool, gen: torch.Generator, weights: str = "bf16", layers: int = LAYERS, vocab: int = V
+           ) -> DecoderWeights:
     def lin(n, k):
         return _linear(n, k, weights, gen)
 
     blocks = 48 * (POSITION // BS + 1)
-    layers = []
-    for _ in range(LAYERS):
+    decoder_layers = []
+    for _ in range(layers):
         kc = torch.randn(blocks, BS, KVH, D, generator=gen).to(torch.bfloat16)
+        norm, qkv, o = torch.ones(H), lin((QH + 2 * KVH) * D, H), lin(H, QH * D)
         if moe:
             experts = MoeLayer(Linear("fp32", torch.randn(E, H, generator=gen) * 0.05),
                                [lin(2 * IE, H) for _ in range(E)], [lin(H, IE) for _ in range(E)], TOP_K)
-            layers.append(Layer(torch.ones(H), torch.ones(H), lin((QH + 2 * KVH) * D, H), lin(H, QH * D), None, None,
-                                kc, kc.clone(), moe=experts))
+            decoder_layers.append(Layer(norm, norm.clone(), qkv, o, None, None, kc, kc.clone(), moe=experts))
         else:
-            layers.append(Layer(torch.ones(H), torch.ones(H), lin((QH + 2 * KVH) * D, H), lin(H, QH * D),
-                                lin(2 * FF, H), lin(H, FF), kc, kc.clone()))
-    return DecoderWeights(QH, KVH, D, 1e-5, D ** -0.5, layers, torch.ones(H), lin(V, H))
+            decoder_layers.append(Layer(norm, norm.clone(), qkv, o, lin(2 * FF, H), lin(H, FF), kc, kc.clone()))
+    return DecoderWeights(QH, KVH, D, 1e-5, D ** -0.5, decoder_layers, torch.ones(H), lin(vocab, H))
 
 
 def _rows(M: int, gen: torch.Generator):
@@ -103,6 +104,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="the C pool's and torch's (default: torch's); "
                         "1: one thread's CPU time")
     parser.add_argument("--inputs", choices=("vary", "same"), default="vary")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--vocab", type=int, default=V, help="the LM head's rows (a smaller model: what the "
+                        "last-level cache keeps from one step to the next)")
     parser.add_argument("--bandwidth", type=float, default=22.0, help="GB/s for the bound (both cores' reads)")
     args = parser.parse_args()
     if args.threads:
@@ -112,8 +116,8 @@ def main() -> None:
         cpu_lib.set_profile_clock(True)
     clock = time.thread_time if cpu_clock else time.perf_counter
     gen = torch.Generator().manual_seed(0)
-    decoders = {name: FusedDecoder(_model(name == "moe", gen, args.weights), threads=args.threads,
-                                   matmul=args.matmul) for name in ("dense", "moe")}
+    decoders = {name: FusedDecoder(_model(name == "moe", gen, args.weights, args.layers, args.vocab),
+                                   threads=args.threads, matmul=args.matmul) for name in ("dense", "moe")}
     cases = {M: (_rows(M, gen), [torch.randn(M, H, generator=gen) for _ in range(steps)])
              for M, steps in ((1, 30), (48, 8))}
     best: dict = {}
@@ -145,8 +149,8 @@ def main() -> None:
         weights, kv = step_bytes(decoders[name].weights, M)
         bounds[name, M] = (weights + kv) / args.bandwidth / 1e6
         print(f"{name:5s} {M:2d} rows reads {weights / 1e6:.0f} MB of weights + {kv / 1e6:.0f} MB of KV: "
-              f"{bounds[name, M]:.2f} ms at {args.bandwidth:g} GB/s, the step at {bounds[name, M] / best[name, M][0]:.0%}"
-              " of that bound")
+              f"{bounds[name, M]:.2f} ms at {args.bandwidth:g} GB/s, the step at "
+              f"{bounds[name, M] / best[name, M][0]:.0%} of that bound")
     for M in (1, 48):
         print(f"{M:2d} rows: dense / MoE {best['dense', M][0] / best['moe', M][0]:.2f}x (best steps); "
               f"the dense step + the MoE's extra bytes at {args.bandwidth:g} GB/s would be "
