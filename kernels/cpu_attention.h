@@ -213,6 +213,24 @@ static inline void widen_block(const uint16_t *c, int64_t stride, int64_t bs, in
     }
 }
 
+/* Cache block `block`'s keys and values of KV head g prefetched into L2 (task_attention: the
+ * split's first KV_AHEAD blocks when the task starts, then KV_AHEAD blocks ahead of the one
+ * attended; the next block then into L1). The prefetches to L1 alone, one block ahead, left the
+ * first block of every task and the stream's latency uncovered: from memory, one thread, the
+ * 48-row step's attention 65 -> 55 ms (docs/performance.md, issue 40). Always inlined: as a call
+ * it gained nothing (a call clobbers every vector register of task_attention's loop). */
+enum { KV_AHEAD = 8 };
+static inline __attribute__((always_inline)) void prefetch_block_l2(const char *kc, const char *vc, int64_t block,
+                                                                    const kv_decoder *d, int64_t g) {
+    const int64_t KVH = d->num_kv_heads, D = d->head_size, es = kv_elem(d), stride = KVH * D;
+    const int64_t at = (block * d->block_size * KVH + g) * D;
+    for (int64_t p = 0; p < d->block_size; p++)
+        for (int64_t o = 0; o < D * es; o += 64) {
+            _mm_prefetch(kc + (at + p * stride) * es + o, _MM_HINT_T1);
+            _mm_prefetch(vc + (at + p * stride) * es + o, _MM_HINT_T1);
+        }
+}
+
 /* Task t = (group lead i, KV head g, split part), from s->tasks[t] = (lead index KVH + g) S + part
  * (attention() lists only the splits some row of the group has). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
@@ -240,6 +258,11 @@ static void task_attention(const void *ctx, int64_t t) {
     const char *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const int bf16 = d->cache_dtype == KV_CACHE_BF16;
+#ifdef __AVX512BF16__   /* the bf16 scores (transpose_key_pairs) with a bf16 cache and matmul kind */
+    const int pairs = bf16 && D % 32 == 0 && s->matmul != KV_MATMUL_F32;
+#else
+    const int pairs = 0;
+#endif
 #ifdef __AVX512F__
     const int t16 = D % 16 == 0;   /* the transposed-key scores (attend_block16) */
     float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[64];
@@ -247,7 +270,9 @@ static void task_attention(const void *ctx, int64_t t) {
     const int t16 = 0;
 #endif
     float sc[bs + 8], kw[bf16 && !t16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
+    for (int64_t b = b0; b < b0 + KV_AHEAD && b < b1; b++) prefetch_block_l2(kc, vc, bt[b], d, g);
     for (int64_t b = b0; b < b1; b++) {
+        if (b + KV_AHEAD < b1) prefetch_block_l2(kc, vc, bt[b + KV_AHEAD], d, g);
         if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
                              * and waiting on each line's miss made attention latency-bound */
             const int64_t next = ((int64_t)bt[b + 1] * bs * KVH + g) * D;
@@ -285,15 +310,21 @@ static void task_attention(const void *ctx, int64_t t) {
             if (b < lo || b >= hi) continue;
 #ifdef __AVX512F__
             if (t16) {
-                if (!transposed) transpose_keys(keys, bf16, kstride, bs, D, kT);
+                if (!transposed) {
+#ifdef __AVX512BF16__
+                    if (pairs) transpose_key_pairs(keys, kstride, bs, D, (uint32_t *)kT);
+                    else
+#endif
+                    transpose_keys(keys, bf16, kstride, bs, D, kT);
+                }
                 transposed = 1;
-                attend_block16(s, r, g, part, b, b == lo, kT,
+                attend_block16(s, r, g, part, b, b == lo, kT, pairs,
                                direct && bf16 ? (const void *)((const uint16_t *)vc + base) : (const void *)vb,
                                direct && bf16, vstride, w16);
                 continue;
             }
 #endif
-            (void)keys, (void)vstride;   /* (the AVX-512 scores' only: here kstride == vstride) */
+            (void)keys, (void)vstride, (void)pairs;   /* (the AVX-512 scores' only: here kstride == vstride) */
             attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
         }
     }
