@@ -258,11 +258,6 @@ static void task_attention(const void *ctx, int64_t t) {
     const char *kc = s->L->k_cache, *vc = s->L->v_cache;
     const int32_t *bt = s->block_tables + i * s->bt_stride;
     const int bf16 = d->cache_dtype == KV_CACHE_BF16;
-#ifdef __AVX512BF16__   /* the bf16 scores (transpose_key_pairs) with a bf16 cache and matmul kind */
-    const int pairs = bf16 && D % 32 == 0 && s->matmul != KV_MATMUL_F32;
-#else
-    const int pairs = 0;
-#endif
 #ifdef __AVX512F__
     const int t16 = D % 16 == 0;   /* the transposed-key scores (attend_block16) */
     float kT[t16 ? (bs + 15) / 16 * 16 * D : 1], w16[64];
@@ -310,21 +305,15 @@ static void task_attention(const void *ctx, int64_t t) {
             if (b < lo || b >= hi) continue;
 #ifdef __AVX512F__
             if (t16) {
-                if (!transposed) {
-#ifdef __AVX512BF16__
-                    if (pairs) transpose_key_pairs(keys, kstride, bs, D, (uint32_t *)kT);
-                    else
-#endif
-                    transpose_keys(keys, bf16, kstride, bs, D, kT);
-                }
+                if (!transposed) transpose_keys(keys, bf16, kstride, bs, D, kT);
                 transposed = 1;
-                attend_block16(s, r, g, part, b, b == lo, kT, pairs,
+                attend_block16(s, r, g, part, b, b == lo, kT,
                                direct && bf16 ? (const void *)((const uint16_t *)vc + base) : (const void *)vb,
                                direct && bf16, vstride, w16);
                 continue;
             }
 #endif
-            (void)keys, (void)vstride, (void)pairs;   /* (the AVX-512 scores' only: here kstride == vstride) */
+            (void)keys, (void)vstride;   /* (the AVX-512 scores' only: here kstride == vstride) */
             attend_block(s, r, g, part, b, b == lo, kb, vb, kstride, sc);
         }
     }

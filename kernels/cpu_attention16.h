@@ -54,56 +54,6 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
                               _mm512_set1_ps(scale));
 }
 
-#ifdef __AVX512BF16__
-/* ---- avx512_bf16 / amx builds, a bf16 cache, a bf16 matmul kind (s->matmul != KV_MATMUL_F32) ----
- * The scores in bf16 dot products (vdpbf16ps), as the step's matmuls: the keys as stored, q
- * rounded to bf16 (round to nearest even), float32 sums. A key's elements e, e + 1 are one dword,
- * so the block is transposed in dwords (element pairs): half the shuffles of transpose_keys and no
- * widening, and half the dot-product instructions. Each score is its own sum (the pairs e2 mod 4
- * in four chains, then (c0 + c1) + (c2 + c3)): batch-invariant, other bits than the float32
- * scores'. D a multiple of 32. */
-
-/* kP[(c D / 2 + e2) 16 + l] = key elements 2 e2, 2 e2 + 1 of position 16 c + l (bf16 keys + p *
- * stride), for the block's bs positions; positions past bs in the last group of 16 are zero. */
-static void transpose_key_pairs(const uint16_t *keys, int64_t stride, int64_t bs, int64_t D, uint32_t *kP) {
-    for (int64_t c = 0; 16 * c < bs; c++)
-        for (int64_t e0 = 0; e0 < D; e0 += 32) {
-            __m512i r[16];
-            for (int64_t l = 0; l < 16; l++)
-                r[l] = 16 * c + l >= bs ? _mm512_setzero_si512()
-                                        : _mm512_loadu_si512(keys + (16 * c + l) * stride + e0);
-            kv_transpose16(r);
-            for (int64_t l = 0; l < 16; l++) _mm512_storeu_si512(kP + (c * D / 2 + e0 / 2 + l) * 16, r[l]);
-        }
-}
-
-/* q [H, D] float32 rounded to bf16 pairs: qp[j D / 2 + e2] = (q_j[2 e2], q_j[2 e2 + 1]). */
-static inline void round_query_pairs(const float *q, int64_t D, int H, uint32_t *qp) {
-    for (int64_t e = 0; e < H * D; e += 32) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + e + 16), _mm512_loadu_ps(q + e));
-        _mm512_storeu_si512(qp + e / 2, (__m512i)v);
-    }
-}
-
-/* scores16 over kP (one group of transpose_key_pairs) and qp (round_query_pairs). */
-static inline __attribute__((always_inline)) void scores16_bf16(const uint32_t *qp, const uint32_t *kP, int64_t D,
-                                                                int H, float scale, __m512 *sc) {
-    __m512 a[4][4];
-    for (int j = 0; j < H; j++)
-        for (int c = 0; c < 4; c++) a[j][c] = _mm512_setzero_ps();
-    for (int64_t e2 = 0; e2 < D / 2; e2 += 4)
-        for (int c = 0; c < 4; c++) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kP + (e2 + c) * 16);
-            for (int j = 0; j < H; j++)
-                a[j][c] = _mm512_dpbf16_ps(a[j][c], (__m512bh)_mm512_set1_epi32((int)qp[j * D / 2 + e2 + c]), kv);
-        }
-    for (int j = 0; j < H; j++)
-        sc[j] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[j][0], a[j][1]), _mm512_add_ps(a[j][2], a[j][3])),
-                              _mm512_set1_ps(scale));
-}
-
-#endif
-
 /* add_values for h (<= 4) query heads at once: acc[j][0 .. D) += sum_p w[16 j + p] * v_p[e] over
  * the n positions, v_p = vals + p * stride, float32 or (`bf16`) widened in registers: each value
  * is read and widened once for the h heads, and each element is its own chain over p, as in
@@ -141,12 +91,11 @@ static inline void add_values_h(float *const *acc, const float *w, const void *v
     else add_values_heads(acc, w, vals, bf16, stride, n, D, h);
 }
 
-/* attend_block with the keys transposed (kT: transpose_keys of the block, or with `pairs`
- * transpose_key_pairs' dwords: the bf16 scores) and the values at vals + p * stride (float32, or
- * bf16 as stored with `vbf16`: widened in registers); w: 64 floats of scratch. The same partials
- * as attend_block's, summed differently. */
+/* attend_block with the keys transposed (kT: transpose_keys of the block) and the values at vals +
+ * p * stride (float32, or bf16 as stored with `vbf16`: widened in registers); w: 64 floats of
+ * scratch. The same partials as attend_block's, summed differently. */
 static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part, int64_t b, int first,
-                           const float *kT, int pairs, const void *vals, int vbf16, int64_t stride, float *w) {
+                           const float *kT, const void *vals, int vbf16, int64_t stride, float *w) {
     const kv_decoder *d = s->d;
     const int64_t QH = d->num_heads, KVH = d->num_kv_heads, D = d->head_size, bs = d->block_size;
     const int64_t G = QH / KVH, S = KV_MAX_SPLITS;
@@ -155,12 +104,6 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
     float *out = start_partials(s, i, g, part, first);
     const int64_t n = len - b * bs < bs ? len - b * bs : bs;
     const int64_t from = row_from(s, i) - b * bs;   /* positions before it: outside the window */
-#ifdef __AVX512BF16__
-    uint32_t qp[pairs ? G * D / 2 : 1];
-    if (pairs) round_query_pairs(q0, D, (int)G, qp);
-#else
-    (void)pairs;
-#endif
     for (int64_t c = (from > 0 ? from : 0) / 16; 16 * c < n; c++) {
         const int64_t m = n - 16 * c < 16 ? n - 16 * c : 16, skip = from - 16 * c > 0 ? from - 16 * c : 0;
         const __mmask16 valid = (__mmask16)(((1u << m) - 1u) & ~((1u << skip) - 1u));
@@ -168,17 +111,6 @@ static void attend_block16(const kv_step *s, int64_t i, int64_t g, int64_t part,
             __m512 sc[4];
             const int h = (int)(G - j0 < 4 ? G - j0 : 4);
             const float *q = q0 + j0 * D, *kc = kT + c * D * 16;
-#ifdef __AVX512BF16__
-            if (pairs) {
-                const uint32_t *qj = qp + j0 * D / 2, *kj = (const uint32_t *)kT + c * D * 8;
-                switch (h) {
-                case 4: scores16_bf16(qj, kj, D, 4, (float)d->scale, sc); break;
-                case 3: scores16_bf16(qj, kj, D, 3, (float)d->scale, sc); break;
-                case 2: scores16_bf16(qj, kj, D, 2, (float)d->scale, sc); break;
-                default: scores16_bf16(qj, kj, D, 1, (float)d->scale, sc); break;
-                }
-            } else
-#endif
             switch (h) {   /* a constant H: the accumulators stay in registers */
             case 4: scores16(q, kc, D, 4, (float)d->scale, sc); break;
             case 3: scores16(q, kc, D, 3, (float)d->scale, sc); break;
