@@ -1,8 +1,6 @@
 /* kvfleet CPU kernels: the fused decoder's attention scores 16 positions at a time (AVX-512 builds,
  * head size a multiple of 16): transpose_keys, scores16, add_values_heads and attend_block16, which
- * task_attention runs; on AVX512-BF16 builds with a bf16 cache and a bf16 matmul kind the scores in
- * bf16 dot products (transpose_key_pairs, scores16_bf16: q rounded to bf16, another numerics per
- * kind, batch-invariant as the float32 ones). Included by cpu_attention.h where its helpers (start_partials,
+ * task_attention runs. Included by cpu_attention.h where its helpers (start_partials,
  * rescale_partial, row_from, add_values' arithmetic) are defined; nothing else includes it.
  */
 #ifndef KVFLEET_CPU_ATTENTION16_H

@@ -34,12 +34,12 @@ runs one step. Layouts (``H`` hidden size, ``QH`` / ``KVH`` query / KV heads, ``
   ``x[:, perm]`` (``kernels/cpu_perm.h``), a gather of each row before its matmul with every matmul
   kind; a permutation of ``0 .. K-1``, at most :data:`MAX_PERM` long, not on the LM head nor the
   experts, and q/k/v (gate/up) stacked into one matrix share one.
-- per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``, ``gate_up [2 I, H]``
-  (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32; caches ``[num_blocks, block_size, KVH, D]``
-  float32 or bfloat16 (every layer's alike: the decoder's :attr:`FusedDecoder.cache_dtype`). A bf16 cache
-  holds each new key and value rounded to nearest even (bitwise what ``.to(torch.bfloat16)`` gives, so the
-  torch attention path can share the cache); attention widens them to float32 in registers (a bf16 matmul
-  kind on AVX512-BF16 builds: q rounded to bf16 scored against the keys as stored); sums stay float32.
+- per layer: ``qkv [(QH + 2 KVH) D, H]`` (q rows, then k, then v), ``o [H, QH D]``,
+  ``gate_up [2 I, H]`` (gate rows, then up rows), ``down [H, I]``; norms ``[H]`` float32;
+  caches ``[num_blocks, block_size, KVH, D]`` float32 or bfloat16 (every layer's alike: the
+  decoder's :attr:`FusedDecoder.cache_dtype`). A bf16 cache holds each new key and value rounded to
+  nearest even (bitwise what ``.to(torch.bfloat16)`` gives, so the torch attention path can share the
+  cache), and attention widens them to float32 in registers; activations and sums stay float32.
 - LoRA (:mod:`kvfleet.kernels.cpu_lora`, ``Layer.lora``): per adapted projection the adapters' slots ``a [S, R, K]``
   and ``b [S, R, n]`` float32 (``lora_layers.LoRALinear``'s ``lora_a`` / ``lora_b``: B transposed,
   scaling folded in); a step's ``lora_slots [M]`` picks each row's slot (-1: none), and the C step

@@ -1,14 +1,14 @@
 """kernels/cpu_attention*.h (the fused decoder's attention) per matmul kind, with a bf16 KV cache:
-the float32 kind attends in float32 (the float64 reference's scores within float32 rounding); the
-bf16 kinds (``avx512_bf16``, ``amx``, on builds with AVX512-BF16) score in bf16 dot products with q
-rounded to bf16 (round to nearest even) and everything else float32. Their attention is isolated
-here by running every matrix on the float32 kernels (``Linear.matmul``) under a bf16 decoder: the
-step then differs from the float64 reference only by q's rounding. Batch invariance of the bf16
-scores: a row alone, in a batch, and one sequence's consecutive rows (a group: the block's keys
-transposed once for all of them) give the same bits; positions past a row's length never reach its
-sums (NaN there changes nothing). The AVX2 floor and the ``avx512`` build keep the float32
-scores: run with ``KVFLEET_CPU_ISA=avx2`` / ``avx512`` (the bf16 kinds are then unavailable and
-skipped)."""
+every kind (``float32``, and ``avx512_bf16`` / ``amx`` on builds with AVX512-BF16) attends in
+float32: keys and values widened from the bf16 cache, q, scores, softmax and sums float32 -- the
+float64 reference's result within float32 rounding. Attention is isolated here by running every
+matrix on the float32 kernels (``Linear.matmul``) under each kind's decoder. (Scores as bf16 dot
+products with q rounded to bf16 were tried in the fifth round and not kept: docs/performance.md.)
+Batch invariance with the bf16 kinds' matmuls: a row alone, in a batch, and one sequence's
+consecutive rows (a group: the block's keys transposed once for all of them) give the same bits;
+positions past a row's length never reach its sums (NaN there changes nothing). Run with
+``KVFLEET_CPU_ISA=avx2`` / ``avx512`` for the builds without AVX512-BF16 (the bf16 kinds are then
+unavailable and skipped)."""
 
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def _against_reference(weights, ref, head_ref, args, fused, round_q: bool) -> fl
 
 
 @pytest.mark.parametrize("kind", ["float32", *BF16_KINDS])
-def test_attention_numerics_per_matmul_kind(kind):
-    """Every layer's matrices on the float32 kernels, the decoder's kind chooses attention's arithmetic: the
-    float32 kind matches the float64 reference, the bf16 kinds match it with q rounded to bf16
-    (and not without: the rounding is real and the reference sees it)."""
+def test_attention_is_float32_with_every_matmul_kind(kind):
+    """Every layer's matrices on the float32 kernels: whatever the decoder's kind, the step matches
+    the float64 reference within float32 rounding, and a reference with q rounded to bf16 (what a
+    bf16 scoring would do) is measurably further away."""
     weights, ref, head_ref = dec._model("fp32", layers=1, cache=torch.bfloat16, vocab=304)
     _float32_matrices(weights)
     args = _rows(4, seed=2)
@@ -83,15 +83,12 @@ def test_attention_numerics_per_matmul_kind(kind):
     assert fused.matmul == kind
     exact = _against_reference(weights, ref, head_ref, args, fused, round_q=False)
     rounded = _against_reference(weights, ref, head_ref, args, fused, round_q=True)
-    if kind == "float32":
-        assert exact <= 1e-4 and rounded > 10 * exact, (exact, rounded)
-    else:
-        assert rounded <= 1e-4 and exact > 10 * rounded, (rounded, exact)
+    assert exact <= 1e-4 and rounded > 10 * exact, (exact, rounded)
 
 
 @pytest.mark.parametrize("kind", BF16_KINDS)
 def test_bf16_attention_rows_give_the_same_bits_in_any_batch(kind):
-    """bf16 scores (bf16 matmuls too): each row of a 4-row step (two splits in the longest) equals
+    """bf16 matmuls with a bf16 cache: each row of a 4-row step (two splits in the longest) equals
     the row stepped alone; one sequence's 5 consecutive rows across a block boundary (a group)
     equal one-row steps."""
     weights, _, _ = dec._model("int8", layers=2, cache=torch.bfloat16, vocab=304)
