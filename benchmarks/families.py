@@ -4,16 +4,22 @@
 
     python benchmarks/families.py                       # every dense family, SmolLM2's shape, 12 layers
     python benchmarks/families.py --families llama qwen3 --requests 16 --tokens 32   # a quick look
+    python benchmarks/families.py --families llama mixtral qwen3_moe --quantization int8   # int8 weights
 
 For each family a random-initialised model of one shape (SmolLM2-135M's: hidden 576, 9 query and 3
 KV heads of 64, MLP 1536, its 49152-token tokenizer; ``--layers`` layers, default 12; the family's
 own features on: Gemma 3's 5 local (window 512) : 1 global layers, GLM-4's half rotary, Granite's
 multipliers, ...) is saved as a float32 checkpoint and served in this process as ``kvfleet serve``
-would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls).
+would with no flags (``EngineConfig(model=dir)``: dtype auto, the CPU plan's weights and matmuls;
+``--quantization int8`` or ``int4`` adds that option on every side).
 Measured: one stream (one request, ``--prompt`` tokens, ``--tokens`` greedy outputs) and
-``--requests`` requests at once (the same lengths), output tokens per second of wall time after a
-warm-up request; each family's ratio to Llama's. First, and steadier on a shared machine, the
-fused C step alone, A/B across the families (:func:`step_ms`): its milliseconds for 1 and 48 rows.
+``--requests`` requests at once (the same lengths), output tokens per second of wall time (with
+``--threads 1``: of the one thread's CPU time) after a warm-up request; each family's ratio to
+Llama's. First, and steadier on a shared machine, the fused C step alone, A/B across the
+families (:func:`step_ms`): its milliseconds for 1 and 48 rows, each step on new rows (a mixture of
+experts then routes each step to other experts, as an engine's tokens do; ``--same-inputs`` repeats
+one input, the A/B before 2026-12-06 15:00, whose one-row MoE step re-read the two experts the
+previous step had left in the last-level cache).
 ``--rounds`` rounds go over every family in turn
 (a fresh engine each time) and each family keeps its best round, so that a machine whose load
 drifts (or the first engine's one-time costs) does not favour the families measured later. Prints
@@ -64,23 +70,26 @@ def build(family: str, layers: int, folder: str, tokenizer) -> str:
 
 
 def measure(path: str, args) -> dict:
-    """tok/s of one stream and of ``args.requests`` at once, and what ran (the fused path's line)."""
+    """tok/s of one stream and of ``args.requests`` at once, and what ran (the fused path's line).
+    ``--threads 1``: per second of this thread's CPU time (``LLM.generate`` runs the engine's steps in
+    it, the C pool and torch on one thread), which a shared machine's load moves least."""
     from kvfleet.runtime.config import EngineConfig
     from kvfleet.runtime.engine.llm_engine import LLMEngine
     from kvfleet.runtime.llm import LLM
     from kvfleet.runtime.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=path))
+    engine = LLMEngine(EngineConfig(model=path, quantization=args.quantization))
     llm = LLM.from_engine(engine)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, SHAPE["vocab_size"]) for _ in range(args.prompt)] for _ in range(args.requests)]
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     out = {}
+    clock = time.thread_time if args.threads == 1 else time.perf_counter   # (generate steps in this thread)
     for name, batch in (("one stream", prompts[:1]), (f"{args.requests} requests", prompts)):
-        start = time.perf_counter()
+        start = clock()
         results = llm.generate(batch, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds = clock() - start
         out[name] = sum(len(r.outputs[0].token_ids) for r in results) / seconds
     path_ = engine.runner.cpu_decode
     out["path"] = f"fused ({path_.matmul})" if path_ is not None else "transformers"
@@ -91,8 +100,12 @@ def step_ms(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
     """The fused C step alone, A/B: per family an engine as with no flags (its KV cache cut to what
     the rows need), then ``--step-rounds`` rounds that each run ``--steps`` decode steps of every
     ``--step-rows`` count for every family in turn (rows at ``--context`` positions, each its own
-    blocks; nothing written), so that the machine's drifting load falls on all families alike.
-    Returns family -> rows -> the median over rounds of the mean step, milliseconds."""
+    blocks; nothing written; each step new random rows unless ``--same-inputs``), so that the
+    machine's drifting load falls on all families alike. Each case's timed steps follow one untimed
+    step of it, so that they start where an engine's steps run: the last-level cache holding what
+    the model's previous step left (the family before it evicted it), not another family's weights.
+    Returns family -> rows -> the median over rounds of the mean step, milliseconds (``--threads 1``:
+    of the thread's CPU time, which other processes' load moves least)."""
     import statistics
 
     import torch
@@ -104,22 +117,24 @@ def step_ms(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
     blocks = max(args.step_rows) * per_row + 1
     cases = {}
     for family, path in paths.items():
-        runner = LLMEngine(EngineConfig(model=path, num_blocks=blocks)).runner
+        runner = LLMEngine(EngineConfig(model=path, num_blocks=blocks, quantization=args.quantization)).runner
         fused, cpu_path = runner.cpu_decode._fused, runner.cpu_decode
         for rows in args.step_rows:
-            x = torch.randn(rows, fused.hidden)
+            xs = [torch.randn(rows, fused.hidden) for _ in range(1 if args.same_inputs else args.steps)]
             positions = torch.full((1, rows), args.context - 1, dtype=torch.long)
-            cos, sin = cpu_path._rope(x, positions)
+            cos, sin = cpu_path._rope(xs[0], positions)
             tables = torch.arange(rows * per_row, dtype=torch.int32).view(rows, per_row)
             lens = torch.full((rows,), args.context, dtype=torch.int32)
-            cases[family, rows] = (fused, x, cos, sin, torch.full((rows,), -1, dtype=torch.int64), tables, lens)
+            cases[family, rows] = (fused, xs, cos, sin, torch.full((rows,), -1, dtype=torch.int64), tables, lens)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter   # one thread: its CPU time
     times: dict[tuple[str, int], list[float]] = {key: [] for key in cases}
     for _ in range(args.step_rounds):
-        for key, (fused, x, cos, sin, slots, tables, lens) in cases.items():
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                fused.step(x.clone(), cos, sin, slots, tables, lens)
-            times[key].append((time.perf_counter() - start) / args.steps * 1e3)
+        for key, (fused, xs, cos, sin, slots, tables, lens) in cases.items():
+            fused.step(xs[-1].clone(), cos, sin, slots, tables, lens)   # untimed: the caches hold this model's weights
+            start = clock()
+            for i in range(args.steps):
+                fused.step(xs[i % len(xs)].clone(), cos, sin, slots, tables, lens)
+            times[key].append((clock() - start) / args.steps * 1e3)
     out: dict[str, dict[int, float]] = {}
     for (family, rows), values in times.items():
         out.setdefault(family, {})[rows] = statistics.median(values)
@@ -138,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=128, help="positions each row of the step A/B attends")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--step-rounds", type=int, default=7)
+    parser.add_argument("--same-inputs", action="store_true", help="the step A/B repeats one input (see step_ms)")
+    parser.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                        help="every family's engine with this --quantization (default: none, no flags)")
     parser.add_argument("--skip-engine", action="store_true", help="only the C step A/B")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's and the C pool's threads (default: torch's); 1 on a loaded machine, where a "
@@ -168,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     features = detect()
     print(f"\nCPU: {features.summary()}; threads {args.threads or 'torch default'}")
     print(f"shape: SmolLM2-135M's (576 hidden, 9/3 heads of 64, MLP 1536, 49152 vocab), {args.layers} layers; "
-          f"prompt {args.prompt}, {args.tokens} outputs; no flags; the best of {args.rounds} rounds\n")
+          f"prompt {args.prompt}, {args.tokens} outputs; "
+          f"{'--quantization ' + args.quantization if args.quantization else 'no flags'}; step inputs "
+          f"{'the same' if args.same_inputs else 'new each step'}; the best of {args.rounds} rounds; load average "
+          f"{os.getloadavg()[0]:.1f}\n")
     print("| | " + " | ".join(families) + " |")
     print("|---|" + "---:|" * len(families))
     for rows in args.step_rows:

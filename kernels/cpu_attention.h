@@ -213,6 +213,24 @@ static inline void widen_block(const uint16_t *c, int64_t stride, int64_t bs, in
     }
 }
 
+/* Cache block `block`'s keys and values of KV head g prefetched into L2 (task_attention: the
+ * split's first KV_AHEAD blocks when the task starts, then KV_AHEAD blocks ahead of the one
+ * attended; the next block then into L1). The prefetches to L1 alone, one block ahead, left the
+ * first block of every task and the stream's latency uncovered: from memory, one thread, the
+ * 48-row step's attention 65 -> 55 ms (docs/performance.md, issue 40). Always inlined: as a call
+ * it gained nothing (a call clobbers every vector register of task_attention's loop). */
+enum { KV_AHEAD = 8 };
+static inline __attribute__((always_inline)) void prefetch_block_l2(const char *kc, const char *vc, int64_t block,
+                                                                    const kv_decoder *d, int64_t g) {
+    const int64_t KVH = d->num_kv_heads, D = d->head_size, es = kv_elem(d), stride = KVH * D;
+    const int64_t at = (block * d->block_size * KVH + g) * D;
+    for (int64_t p = 0; p < d->block_size; p++)
+        for (int64_t o = 0; o < D * es; o += 64) {
+            _mm_prefetch(kc + (at + p * stride) * es + o, _MM_HINT_T1);
+            _mm_prefetch(vc + (at + p * stride) * es + o, _MM_HINT_T1);
+        }
+}
+
 /* Task t = (group lead i, KV head g, split part), from s->tasks[t] = (lead index KVH + g) S + part
  * (attention() lists only the splits some row of the group has). Splitting a sequence's positions (Flash-Decoding's
  * split-K) gives the threads work when one sequence has few KV heads; a task reads each key and
@@ -247,7 +265,9 @@ static void task_attention(const void *ctx, int64_t t) {
     const int t16 = 0;
 #endif
     float sc[bs + 8], kw[bf16 && !t16 ? bs * D : 1], vw[bf16 ? bs * D : 1];
+    for (int64_t b = b0; b < b0 + KV_AHEAD && b < b1; b++) prefetch_block_l2(kc, vc, bt[b], d, g);
     for (int64_t b = b0; b < b1; b++) {
+        if (b + KV_AHEAD < b1) prefetch_block_l2(kc, vc, bt[b + KV_AHEAD], d, g);
         if (b + 1 < b1) {   /* the next block's keys and values: cache blocks sit anywhere in memory,
                              * and waiting on each line's miss made attention latency-bound */
             const int64_t next = ((int64_t)bt[b + 1] * bs * KVH + g) * D;

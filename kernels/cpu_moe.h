@@ -139,7 +139,7 @@ typedef struct {
     float *xg, *act, *y;    /* gathered [G, H] inputs, [G, I] activations, [G, H] expert outputs */
     int64_t *ids;           /* [rows, k] each row's experts, ascending */
     int64_t *at;            /* [rows, k] the gathered row of each (row, expert) */
-    int64_t *src;           /* [G] the pass row a gathered row holds (-1: padding) */
+    int64_t *src;           /* [G] the pass row a gathered row holds (padding rows: unset, never read) */
     int64_t *off;           /* [E + 1] expert e's group: gathered rows off[e] .. off[e + 1] - 1 (multiples of 16) */
     int64_t *end;           /* [E] the end of its routed rows (off[e] .. end[e] - 1; the rest is padding) */
     int64_t *task;          /* [tasks, 2]: (expert, first channel) */
@@ -153,23 +153,40 @@ static void task_route(const void *ctx, int64_t t) {
     for (int64_t m = m0; m < m1; m++) moe_route(p->moe, p->logits + m * E, p->ids + m * k, p->wts + m * k);
 }
 
-/* Gathered rows [16 t, 16 t + 16): their inputs copied (padding zeroed) and, for bf16 matmuls, packed. */
+/* Rows [m0, m0 + 16) of x [G, K] (a 16-row block of one expert's group, whose routed rows end at
+ * `end`), packed for bf16 matmuls. Padding rows are never read by any kernel (every call takes only
+ * the routed rows: rows_of's `rows`, the tiles' token count), so they are neither copied nor
+ * zeroed: the AMX tile of a block with padding takes zeros there, the dot-product layout nothing. */
+static inline void moe_pack_block(const kv_moe_pass *p, const float *x, int64_t K, int64_t m0, int64_t end) {
+    const int64_t m1 = min64(m0 + 16, end);
+#if KV_HAVE_AMX
+    if (p->g.matmul == KV_MATMUL_AMX) {
+        kv_amx_pack_tile(x, K, m1, K, p->g.xb, m0);   /* rows m1 .. m0 + 15 as zeros */
+        return;
+    }
+#endif
+    pack_rows(&p->g, x, K, m0, m1);
+}
+
+/* The expert whose group holds gathered row m (groups are in expert order; off[E] = G). */
+static inline int64_t moe_expert_of(const kv_moe_pass *p, int64_t m) {
+    int64_t e = 0;
+    while (p->off[e + 1] <= m) e++;
+    return e;
+}
+
+/* Gathered rows [16 t, 16 t + 16): the routed rows' inputs copied and, for bf16 matmuls, packed. */
 static void task_gather(const void *ctx, int64_t t) {
     const kv_moe_pass *p = ctx;
-    const int64_t H = p->s->d->hidden, m0 = 16 * t, m1 = m0 + 16;
-    for (int64_t m = m0; m < m1; m++) {
-        if (p->src[m] < 0) memset(p->xg + m * H, 0, H * sizeof(float));
-        else memcpy(p->xg + m * H, p->s->h + (p->r0 + p->src[m]) * H, H * sizeof(float));
-    }
-    pack_rows(&p->g, p->xg, H, m0, m1);
+    const int64_t H = p->s->d->hidden, m0 = 16 * t, end = p->end[moe_expert_of(p, m0)];
+    for (int64_t m = m0; m < min64(m0 + 16, end); m++)
+        memcpy(p->xg + m * H, p->s->h + (p->r0 + p->src[m]) * H, H * sizeof(float));
+    if (p->g.xb) moe_pack_block(p, p->xg, H, m0, end);
 }
 
 static void task_pack_act(const void *ctx, int64_t t) {
     const kv_moe_pass *p = ctx;
-    const int64_t I = p->moe->intermediate;
-    for (int64_t m = 16 * t; m < 16 * t + 16; m++)   /* padding rows (never computed) packed as zeros */
-        if (p->src[m] < 0) memset(p->act + m * I, 0, I * sizeof(float));
-    pack_rows(&p->g, p->act, I, 16 * t, 16 * t + 16);
+    moe_pack_block(p, p->act, p->moe->intermediate, 16 * t, p->end[moe_expert_of(p, 16 * t)]);
 }
 
 /* act[m, j] = silu(g . W_gu[j]) * (g . W_gu[I + j]) for gathered rows m0 .. m0 + rows - 1 (at
@@ -287,7 +304,6 @@ static void moe_phase(kv_step *s, int64_t *t) {
         for (int64_t i = 0; i < p.rows * k; i++) p.off[p.ids[i] + 1]++;
         for (int64_t e = 0; e < E; e++) p.off[e + 1] = p.off[e] + (p.off[e + 1] + 15) / 16 * 16;
         p.G = p.off[E];
-        for (int64_t g = 0; g < p.G; g++) p.src[g] = -1;
         for (int64_t e = 0; e < E; e++) p.end[e] = p.off[e];
         for (int64_t m = 0; m < p.rows; m++)
             for (int64_t j = 0; j < k; j++) {

@@ -55,7 +55,8 @@ line here (tests/unit/operator/test_engine_config.py checks that the runtime kno
 SERVER_CONFIG_KEYS = ("engine_iteration_timeout", "log_level", "max_queue_len", "max_request_body_size",
                       "metrics_compat", "shutdown_timeout", "termination_log", "tool_call_parser",
                       "enable_auto_tool_choice", "allow_runtime_lora_updating", "pooler_config",
-                      "max_stored_responses", "drain_handoff_grace", "chat_template")
+                      "max_stored_responses", "drain_handoff_grace", "chat_template",
+                      "return_tokens_as_token_ids")
 """``kvfleet serve`` server options (``ServerSettings``) that ``engine.extraArgs`` may set in the
 config file: all but ``host``, ``port`` (the pod's) and ``api_key`` (``apiKeySecretRef``)."""
 

@@ -139,6 +139,7 @@ def kernels_build_root(tmp_path_factory):
 # both caps: the engine's and worker's other modules (their per-kind expectations are parametrized
 # over the kinds this CPU has, or pinned to one: ~30 min a kind) and the serve e2e.
 CPU_KIND_MODULES = (
+    "tests/unit/kernels/test_cpu_attention.py",
     "tests/unit/kernels/test_cpu_decoder.py",
     "tests/unit/kernels/test_cpu_decoder_layers.py",
     "tests/unit/kernels/test_cpu_moe.py",

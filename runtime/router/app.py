@@ -196,7 +196,8 @@ def create_app(settings: RouterSettings) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         in_flight = state.forwarder.in_flight if state.forwarder else 0
-        return Response(state.metrics.exposition(state.pool, len(state.pending), in_flight),
+        blocks = state.kv_index.block_counts() if state.kv_index is not None else None
+        return Response(state.metrics.exposition(state.pool, len(state.pending), in_flight, blocks),
                         media_type=CONTENT_TYPE)
 
     routes = [

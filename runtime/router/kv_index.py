@@ -36,6 +36,10 @@ class KVIndex:
     def _get(self, url: str) -> ReplicaBlocks:
         return self.replicas.setdefault(url, ReplicaBlocks())
 
+    def block_counts(self) -> dict[str, int]:
+        """Per endpoint, the blocks held (-1 while stale): the router's ``kv_index_blocks`` gauge."""
+        return {url: -1 if rb.stale else len(rb.hashes) for url, rb in self.replicas.items()}
+
     def forget(self, url: str) -> None:
         self.replicas.pop(url, None)
 

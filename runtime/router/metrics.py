@@ -27,6 +27,10 @@ Names use the runtime's ``kvfleet:`` prefix and prometheus-client's suffixes:
 - ``kvfleet:router_kv_events_refused_total{reason}``: KV event publishers refused
   (:mod:`kvfleet.runtime.kv_events.auth`): ``not_fleet`` (the fleet's CURVE handshake failed: a
   plaintext publisher or another key; one per attempt), ``malformed`` (a message that is no batch).
+- ``kvfleet:router_kv_index_blocks{endpoint}``: with precise prefix routing, the KV blocks the
+  router's index holds for each replica (from its KV events); ``-1`` while the replica's state is
+  stale (no snapshot yet, or a ``seq`` gap). What the index knows, so a test or an operator can
+  wait for a replica's events to arrive instead of sleeping.
 """
 
 from __future__ import annotations
@@ -69,11 +73,16 @@ class RouterMetrics:
         self.kv_events_refused = Counter(PREFIX + "router_kv_events_refused", "KV event publishers refused: "
                                          "not_fleet (per handshake), malformed (per message).",
                                          ["reason"], registry=r)
+        self.kv_index_blocks = Gauge(PREFIX + "router_kv_index_blocks", "KV blocks the router's index holds per "
+                                     "replica (precise routing); -1 while the replica's state is stale.",
+                                     ["endpoint"], registry=r)
         for decision in ("hit", "spill", "fallback"):
             self.decisions.labels(decision)
 
-    def exposition(self, pool: EndpointPool, pending: int, in_flight: int) -> bytes:
-        """Text format 0.0.4 after refreshing the gauges from ``pool``."""
+    def exposition(self, pool: EndpointPool, pending: int, in_flight: int,
+                   kv_index_blocks: dict[str, int] | None = None) -> bytes:
+        """Text format 0.0.4 after refreshing the gauges from ``pool`` (and, with precise routing,
+        ``kv_index_blocks``: endpoint -> blocks held, -1 if stale)."""
         counts = {"available": 0, "ejected": 0, "not_ready": 0}
         for ep in pool:
             state = "not_ready" if not ep.ready else "ejected" if pool.is_ejected(ep) else "available"
@@ -82,4 +91,7 @@ class RouterMetrics:
             self.endpoints.labels(state).set(n)
         self.pending.set(pending)
         self.in_flight.set(in_flight)
+        self.kv_index_blocks.clear()
+        for endpoint, blocks in (kv_index_blocks or {}).items():
+            self.kv_index_blocks.labels(endpoint).set(blocks)
         return generate_latest(self.registry)

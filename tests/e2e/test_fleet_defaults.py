@@ -27,7 +27,7 @@ import httpx
 import pytest
 from support.serve import start_serve, stop_serve
 
-from e2e.test_router import MODEL, WORDS, scrape, start_router, value
+from e2e.test_router import MODEL, WORDS, scrape, start_router, value, wait_for_router_index
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def complete(base: str, question: str) -> tuple[str, str, int]:
 def test_three_replicas_and_a_router_with_no_flags_compute_one_copy_of_a_shared_prefix(fleet):
     urls, router = fleet["urls"], fleet["router"]
     first = complete(router, "Question 0: which river do you mean?")
-    time.sleep(2.0)  # the first replica's KV events reach the router (pushed at once; ZMQ, then the index)
+    wait_for_router_index(router, first[1])  # the first replica's KV events reach the router (ZMQ, then the index)
     questions = [f"Question {i}: which {WORDS[i]} do you mean?" for i in range(1, 10)]
     with concurrent.futures.ThreadPoolExecutor(9) as pool:
         answers = list(pool.map(lambda q: complete(router, q), questions))

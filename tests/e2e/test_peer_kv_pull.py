@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import pytest
 from support.serve import start_serve, stop_serve
 
-from e2e.test_router import API_KEY, MODEL, WORDS, client, scrape, start_router, value
+from e2e.test_router import API_KEY, MODEL, WORDS, client, scrape, start_router, value, wait_for_router_index
 from kvfleet.runtime.kv_transfer.fleet_auth import FLEET_AUTH_HEADER, Sealer, load_fleet_keys
 
 pytestmark = pytest.mark.slow
@@ -75,7 +74,7 @@ def test_nine_requests_over_three_replicas_compute_the_prefix_once(fleet):
     answers = []
     for q in QUESTIONS:
         answers.append(complete(router, q))
-        time.sleep(0.3)  # the replica's KV events reach the router asynchronously
+        wait_for_router_index(router, answers[-1][1], AUTH)  # the replica's KV events reach the router
     assert sorted(r for _, r, _ in answers) == sorted(replicas * 3)  # round robin: three each
     prompt_len = answers[0][2]
     assert prompt_len >= 1480

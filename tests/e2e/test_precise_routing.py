@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import pytest
 from support.serve import start_serve, stop_serve
 
-from e2e.test_router import API_KEY, MODEL, client, scrape, start_router, system_prompt, value
+from e2e.test_router import API_KEY, MODEL, client, scrape, start_router, system_prompt, value, wait_for_router_index
 from kvfleet.runtime.kv_events.hashing import prompt_block_hashes
 from kvfleet.runtime.router.picker import HashRing, hash64
 from kvfleet.runtime.router.prefix_key import prefix_key
@@ -105,7 +104,7 @@ def test_requests_land_where_their_prefix_is_cached(fleet):
     tags = [t for t in (f"warm{i}" for i in range(40)) if ring_owner(replicas, t) == replicas[0]][:2]
     for tag, replica in zip(tags, replicas):
         chat(replica, tag, "First question?")  # cached on this replica only, outside the router
-        time.sleep(0.5)  # the events reach the router asynchronously
+        wait_for_router_index(router, replica, AUTH)  # the events reach the router asynchronously
         cached = cached_blocks(replica, tag, "Question 0?")  # leading blocks the replica holds
         assert cached >= 6
         before = value(scrape(replica), "kvfleet:prefix_cache_hits_total")

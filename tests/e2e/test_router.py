@@ -70,6 +70,21 @@ def value(m, name: str, **labels) -> float:
     return sum(v for (n, lbls), v in m.items() if n == name and all(dict(lbls).get(k) == x for k, x in labels.items()))
 
 
+def wait_for_router_index(router: str, replica: str, headers: dict | None = None, timeout: float = 30.0) -> int:
+    """Wait until the router's KV index (``kvfleet:router_kv_index_blocks``) holds as many blocks for
+    ``replica`` as the replica's own snapshot (an idle replica's set does not move): its KV events
+    have arrived. Returns that count; fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = len(httpx.get(replica + "/kv_events/snapshot", headers=headers, timeout=10).json()["block_hashes"])
+        known = value(scrape(router), "kvfleet:router_kv_index_blocks", endpoint=replica)
+        if known == held:
+            return held
+        if time.monotonic() > deadline:
+            pytest.fail(f"the router's index holds {known} blocks of {replica}, the replica {held}")
+        time.sleep(0.05)
+
+
 def prefix_hits(replicas) -> float:
     return sum(value(scrape(base), "kvfleet:prefix_cache_hits_total") for _, base in replicas)
 

@@ -24,12 +24,17 @@ def finite(x: float | None) -> float:
 
 
 class TokenText:
-    """Token strings for logprobs: the engine's ``decoded_token`` or the tokenizer's."""
+    """Token strings for logprobs: the engine's ``decoded_token`` or the tokenizer's; with
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``) ``"token_id:{id}"`` instead, so that
+    tokens that are no whole UTF-8 text stay identifiable."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
 
     def __call__(self, token_id: int, lp: Logprob | None) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([token_id])

@@ -105,6 +105,9 @@ class ServerSettings(BaseModel):
     enable_auto_tool_choice: bool = False
     """vLLM's flag, accepted with ``tool_call_parser`` (``auto`` works without it whenever a parser
     is given or detected)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name tokens ``"token_id:{id}"`` instead of their text (vLLM's flag; a request's own
+    ``return_tokens_as_token_ids`` overrides it)."""
     chat_template: str | None = None
     """A Jinja chat template, or a file holding one (vLLM's ``--chat-template``): replaces the
     tokenizer's (a GGUF file or checkpoint without one gets chat). Checked at start: a file that
@@ -174,6 +177,8 @@ _HELP = {
     "tool_call_parser": "parser of tool_choice auto output into tool_calls: hermes, llama3_json, mistral "
     "(default: detected from the chat template)",
     "enable_auto_tool_choice": "vLLM's flag for tool_choice auto (on by default when a parser is given or detected)",
+    "return_tokens_as_token_ids": "logprobs name tokens 'token_id:{id}' instead of their text (a request's "
+                                  "own return_tokens_as_token_ids overrides it)",
     "chat_template": "a Jinja chat template, or a file holding one; replaces the tokenizer's (default: the model's)",
     "enable_lora": "serve LoRA adapters (a request names one in its model field)",
     "lora_modules": "LoRA adapters to load at start: name=path ... or JSON {\"name\",\"path\",\"base_model_name\"}",

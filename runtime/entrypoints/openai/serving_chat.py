@@ -236,7 +236,8 @@ class OpenAIServingChat(OpenAIServing):
         params = checked(lambda: body.to_sampling_params(max_tokens))
         if spec is not None:
             params = params.clone(structured_outputs=spec)
-        req = _Chat(body, self.state.response_model(body.model), prompt_ids, LP.TokenText(engine.tokenizer), tools)
+        detok = LP.TokenText(engine.tokenizer, self.as_token_ids(body))
+        req = _Chat(body, self.state.response_model(body.model), prompt_ids, detok, tools)
         if body.request_id:
             req.request_id = body.request_id
         gen = await self.submit(engine, http_request, [(prompt_ids, params, req.request_id)], body, spec_param)

@@ -170,7 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self._sampling_params(body, ids, engine.max_model_len) for ids in prompt_ids]
         if spec is not None:
             params = [sp.clone(structured_outputs=spec) for sp in params]
-        req = _Completion(body, self.state.response_model(body.model), prompt_ids, LP.TokenText(engine.tokenizer))
+        detok = LP.TokenText(engine.tokenizer, self.as_token_ids(body))
+        req = _Completion(body, self.state.response_model(body.model), prompt_ids, detok)
         if body.request_id:
             req.request_id = body.request_id
         if body.echo:

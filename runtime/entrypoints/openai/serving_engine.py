@@ -272,6 +272,11 @@ class OpenAIServing:
     def __init__(self, state: ServerState):
         self.state = state
 
+    def as_token_ids(self, body) -> bool:
+        """Whether logprobs name tokens ``"token_id:{id}"``: the request's field, else the server's."""
+        own = getattr(body, "return_tokens_as_token_ids", None)
+        return self.state.settings.return_tokens_as_token_ids if own is None else own
+
     def check_queue(self, engine: EngineClient) -> None:
         """429 while ``max_queue_len`` sequences truly wait: the admitted ones beyond the
         ``max_num_seqs`` slots, or, when the KV cache is full (:data:`KV_FULL`), the scheduler's

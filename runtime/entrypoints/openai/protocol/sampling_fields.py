@@ -61,6 +61,9 @@ class SamplingFields(StrictRequest):
     prompt_logprobs: int | None = None
     """vLLM's extra: top log-probabilities per prompt token (0-20; 0: the prompt token's
     only), returned as ``prompt_logprobs`` (on each completions choice; on the chat response)."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's extra: logprobs name tokens ``"token_id:{id}"`` instead of their text (None: the
+    server's ``--return-tokens-as-token-ids``)."""
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     response_format: dict[str, Any] | None = None

@@ -57,8 +57,26 @@ def test_a_seq_gap_makes_the_replica_stale_until_a_snapshot():
     assert index.matched_blocks("u", h) == 2
     assert not index.apply("u", 6, wire.KVEventBatch(0.0, [wire.BlockStored([h[2]], h[1], [1] * 4, 4)]))
     assert index.matched_blocks("u", h) == 0 and not index.has_events(["u"])
+    assert index.block_counts() == {"u": -1}  # the router's gauge: stale
     index.load_snapshot("u", {"seq": 5, "block_size": 4, "block_hashes": [x.hex() for x in h[:2]]})
     assert index.matched_blocks("u", h) == 3  # the batch held while stale (seq 6) applied after it
+    assert index.block_counts() == {"u": 3}
+
+
+def test_the_router_exports_its_index_per_replica():
+    from kvfleet.runtime.router.endpoints import EndpointPool
+    from kvfleet.runtime.router.metrics import RouterMetrics
+
+    index = KVIndex()
+    index.load_snapshot("http://a", {"seq": 1, "block_size": 4, "block_hashes": [(bytes([i]) * 16).hex() for i in range(2)]})
+    index.load_snapshot("http://b", {"seq": 1, "block_size": 4, "block_hashes": []})
+    m = RouterMetrics()
+    text = m.exposition(EndpointPool(), 0, 0, index.block_counts()).decode()
+    assert 'kvfleet:router_kv_index_blocks{endpoint="http://a"} 2.0' in text
+    assert 'kvfleet:router_kv_index_blocks{endpoint="http://b"} 0.0' in text
+    index.forget("http://a")  # a replica gone leaves the gauge
+    text = m.exposition(EndpointPool(), 0, 0, index.block_counts()).decode()
+    assert "http://a" not in text and 'endpoint="http://b"' in text
 
 
 def test_precise_picker_prefers_the_longest_cached_prefix_within_the_bound():
