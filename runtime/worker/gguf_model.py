@@ -286,7 +286,7 @@ def _from_file(path: Path, attn_implementation: str, tok_dir: Path, five_bit: bo
     except ValueError as exc:
         raise GgufError(f"{path}: {exc}") from None
     # siblings unified here, not only in _assemble: the record (the cache) then holds the one form the
-    # model runs, and the compact forms of Q5_0 siblings taken as int8 are not kept beside it
+    # model runs (Q5_0 siblings of a Q8_0 v stay 5-bit: the fused decoder's stacking takes them as int8)
     unify_siblings(linears, in_place=True, after_each=trim_heap)
     _assemble(model, linears, biases, embedding, head_tied, experts)
     _check_filled(model, path)
